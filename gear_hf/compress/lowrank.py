@@ -1,0 +1,40 @@
+"""Low-rank residual L = A Bᵀ by subspace (power) iteration with QR, per batch row and per head."""
+
+from __future__ import annotations
+
+import torch
+
+_INIT_SEED = 0x6EA2  # fixed: the same residual always gives the same factors
+
+
+def _initial_basis(d: int, rank: int, device: torch.device) -> torch.Tensor:
+    generator = torch.Generator(device="cpu").manual_seed(_INIT_SEED)
+    return torch.randn(d, rank, generator=generator, dtype=torch.float32).to(device)  # [d, r]
+
+
+def lowrank_fit(residual: torch.Tensor, rank: int, iters: int, valid: torch.Tensor | None = None,
+                out_dtype: torch.dtype | None = None):
+    """Fit residual R [B,H,n,d] ≈ A Bᵀ with A [B,H,n,r] orthonormal columns, B [B,H,d,r].
+
+    valid: [B, n] bool; padding rows of R are zeroed so they take no part in the fit (their A rows are 0).
+    Computed in float32; factors are returned in out_dtype (default R's dtype), clamped to its finite range.
+    """
+    B, H, n, d = residual.shape
+    out_dtype = out_dtype or residual.dtype
+    rank = min(rank, n, d)
+    if rank == 0:
+        return residual.new_zeros(B, H, n, 0, dtype=out_dtype), residual.new_zeros(B, H, d, 0, dtype=out_dtype)
+    R = residual.float()
+    if valid is not None:
+        R = R * valid[:, None, :, None]
+    basis = _initial_basis(d, rank, R.device).expand(B, H, d, rank)  # [B,H,d,r]
+    for step in range(iters):
+        left, _ = torch.linalg.qr(R @ basis)  # [B,H,n,r]
+        basis = R.transpose(-1, -2) @ left  # [B,H,d,r]
+        if step + 1 < iters:
+            basis, _ = torch.linalg.qr(basis)
+    # R ≈ left (leftᵀ R) = left basisᵀ
+    if out_dtype != torch.float32 and out_dtype.is_floating_point:
+        limit = torch.finfo(out_dtype).max
+        basis = basis.clamp(-limit, limit)
+    return left.to(out_dtype), basis.to(out_dtype)

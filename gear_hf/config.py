@@ -1,0 +1,125 @@
+"""`GearConfig`: the one description of how a KV cache is compressed.
+
+A frozen dataclass validated at construction, so a bad value fails where it is written, naming the field,
+the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+METHODS = ("fp16", "kivi", "kcvt", "outlier", "gear-l", "gear")
+BITS = (2, 4, 8)
+AXES = ("channel", "token")
+
+# Which correction terms each method adds to the quantized backbone.
+_USES_QUANT = {"fp16": False, "kivi": True, "kcvt": True, "outlier": True, "gear-l": True, "gear": True}
+_USES_OUTLIERS = {"fp16": False, "kivi": False, "kcvt": False, "outlier": True, "gear-l": False, "gear": True}
+_USES_LOWRANK = {"fp16": False, "kivi": False, "kcvt": False, "outlier": False, "gear-l": True, "gear": True}
+
+
+def _fail(field: str, value: Any, allowed: str) -> None:
+    raise ValueError(f"GearConfig.{field}={value!r} is invalid; allowed: {allowed}")
+
+
+@dataclass(frozen=True)
+class GearConfig:
+    """How keys and values are compressed.
+
+    method:        fp16 | kivi | kcvt | outlier | gear-l | gear  (see DESIGN §2)
+    key_bits, value_bits: 2, 4 or 8 (ignored by fp16)
+    group_size:    g, tokens per key group (per channel) and channels per value group (per token)
+    rank_prefill:  low-rank rank of the prompt chunk; rank_decode: of each decode chunk
+    power_iters:   power iterations of the low-rank fit
+    outlier_ratio: fraction s of each vector kept exactly (s/2 largest, s/2 smallest)
+    buffer_size:   n_b, newest tokens kept in full precision; a multiple of group_size
+    sink_tokens:   first tokens of each row never compressed
+    key_axis / value_axis: "channel" (groups run along tokens) or "token" (groups run along channels)
+    pre_rope:      compress keys before rotary embedding and rotate them when read
+    """
+
+    method: str = "gear"
+    key_bits: int = 4
+    value_bits: int = 4
+    group_size: int = 64
+    rank_prefill: int = 4
+    rank_decode: int = 2
+    power_iters: int = 3
+    outlier_ratio: float = 0.02
+    buffer_size: int = 64
+    sink_tokens: int = 0
+    key_axis: str = "channel"
+    value_axis: str = "token"
+    pre_rope: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            _fail("method", self.method, " | ".join(METHODS))
+        for name in ("key_bits", "value_bits"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or value not in BITS:
+                _fail(name, value, "2, 4 or 8")
+        for name, low in (("group_size", 1), ("rank_prefill", 0), ("rank_decode", 0), ("power_iters", 1),
+                          ("sink_tokens", 0), ("buffer_size", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                _fail(name, value, f"an integer >= {low}")
+        if self.buffer_size % self.group_size:
+            _fail("buffer_size", self.buffer_size, f"a positive multiple of group_size={self.group_size}")
+        if isinstance(self.outlier_ratio, bool) or not isinstance(self.outlier_ratio, (int, float)) \
+                or not 0.0 <= self.outlier_ratio < 1.0:
+            _fail("outlier_ratio", self.outlier_ratio, "a number in [0, 1)")
+        for name in ("key_axis", "value_axis"):
+            if getattr(self, name) not in AXES:
+                _fail(name, getattr(self, name), " | ".join(AXES))
+        if not isinstance(self.pre_rope, bool):
+            _fail("pre_rope", self.pre_rope, "True or False")
+        if self.uses_lowrank and max(self.rank_prefill, self.rank_decode) == 0:
+            _fail("rank_prefill", self.rank_prefill, f"> 0 for method {self.method!r} (or rank_decode > 0)")
+        if self.uses_outliers and self.outlier_ratio == 0:
+            _fail("outlier_ratio", self.outlier_ratio, f"> 0 for method {self.method!r}")
+
+    # What the method computes -------------------------------------------------------------------------------
+    @property
+    def compresses(self) -> bool:
+        return _USES_QUANT[self.method]
+
+    @property
+    def uses_outliers(self) -> bool:
+        return _USES_OUTLIERS[self.method]
+
+    @property
+    def uses_lowrank(self) -> bool:
+        return _USES_LOWRANK[self.method]
+
+    @property
+    def coarse_groups(self) -> bool:
+        """KCVT: one group per whole channel (keys) / whole token vector (values)."""
+        return self.method == "kcvt"
+
+    def replace(self, **changes: Any) -> "GearConfig":
+        return dataclasses.replace(self, **changes)
+
+    # Presets --------------------------------------------------------------------------------------------------
+    @classmethod
+    def preset(cls, name: str, bits: int | None = None, **overrides: Any) -> "GearConfig":
+        """The named method with the paper's defaults; `bits` sets both key_bits and value_bits."""
+        if name not in METHODS:
+            _fail("method", name, " | ".join(METHODS))
+        fields: dict[str, Any] = {"method": name}
+        if bits is not None:
+            fields["key_bits"] = fields["value_bits"] = bits
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"GearConfig has no field(s) {sorted(unknown)}; fields: "
+                             f"{[f.name for f in dataclasses.fields(cls)]}")
+        fields.update(overrides)
+        return cls(**fields)
+
+    def describe(self) -> str:
+        if not self.compresses:
+            return "fp16"
+        bits = f"{self.key_bits}" if self.key_bits == self.value_bits else f"k{self.key_bits}v{self.value_bits}"
+        return f"{self.method}-{bits}"
