@@ -1,0 +1,87 @@
+"""The one attention forward shared by every patched architecture.
+
+With a `GearCache` it stores keys *before* RoPE, reads back the whole (reconstructed) history, rotates it
+at the stored positions with the model's own rotary module, and calls the model's configured attention
+function (sdpa/eager/...) with the model's own mask. With any other cache, or none, it calls the original
+forward unchanged, so loglikelihood scoring and stock caches behave exactly like stock.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .cache import GearCache
+
+CACHE_KWARGS = ("cache", "past_key_values", "past_key_value")  # 5.24 / <=5.22 / older spellings
+
+
+@dataclass
+class AttentionPatch:
+    """What the shared forward needs to know about one patched attention module."""
+
+    original_forward: Callable  # bound forward we replaced (or accelerate's _old_forward)
+    cache_kwarg: str  # the cache argument name the original forward takes
+    rotary_emb: torch.nn.Module  # the model's rotary module (computes cos/sin from positions)
+    attention_kwargs: Callable[[torch.nn.Module], dict]  # architecture quirks (e.g. sliding_window)
+    replaced_attr: str  # "forward" or "_old_forward"
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B,H,T,d] rotated by cos/sin [B,T,d]; the same ops, in the same order, as HF's apply_rotary_pos_emb."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (x * cos) + (rotate_half(x) * sin)
+
+
+def _eager_attention(module: torch.nn.Module) -> Callable:
+    return sys.modules[type(module).__module__].eager_attention_forward
+
+
+def gear_attention_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
+                           position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+                           attention_mask: torch.Tensor | None = None, **kwargs: Any):
+    patch: AttentionPatch = module._gear_hf_patch
+    cache = None
+    for name in CACHE_KWARGS:
+        value = kwargs.pop(name, None)
+        cache = value if cache is None else cache
+    if not isinstance(cache, GearCache):
+        if cache is not None:
+            kwargs[patch.cache_kwarg] = cache
+        return patch.original_forward(hidden_states, position_embeddings=position_embeddings,
+                                      attention_mask=attention_mask, **kwargs)
+
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, module.head_dim)
+    query = module.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # [B,Hq,q,d]
+    key = module.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # [B,Hkv,q,d]
+    value = module.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # [B,Hkv,q,d]
+    cos, sin = position_embeddings
+    query = apply_rotary(query, cos, sin)
+    position_ids = kwargs.get("position_ids")
+    if cache.gear_config.pre_rope:
+        keys, values = cache.store_and_read(module.layer_idx, key, value, position_ids)  # [B,Hkv,T,d]
+        keys = apply_rotary(keys, *cache.rotary_for_read(patch.rotary_emb, values))
+    else:  # ablation: compress keys after RoPE, as HF's QuantizedCache does
+        keys, values = cache.store_and_read(module.layer_idx, apply_rotary(key, cos, sin), value, position_ids)
+
+    attention = ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation,
+                                                      _eager_attention(module))
+    output, weights = attention(
+        module, query, keys, values, attention_mask,
+        dropout=0.0 if not module.training else module.attention_dropout,
+        scaling=module.scaling,
+        **patch.attention_kwargs(module),
+        **kwargs,
+    )
+    output = output.reshape(*input_shape, -1).contiguous()
+    return module.o_proj(output), weights

@@ -1,0 +1,141 @@
+"""Where a layer's keys or values live: preallocated, row-indexed tensors that grow geometrically.
+
+Every tensor is [B, H, capacity, ...] with the token (or chunk) axis at dim 2, so appending never copies
+the cache and a kernel can read a whole segment through one pointer. Per-row lengths are not kept here:
+they are the same for every layer and live once in the cache (`gear_hf.cache`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .compress import ChunkSpec, CompressedChunk, compress, decompress
+
+GROWTH = 1.5
+
+
+def grown_capacity(current: int, needed: int) -> int:
+    """Capacity after making room for `needed`: unchanged if it fits, else at least GROWTH times larger."""
+    return current if needed <= current else max(needed, math.ceil(current * GROWTH))
+
+
+def _grown(t: torch.Tensor, capacity: int) -> torch.Tensor:
+    """Copy of t [B,H,c,...] with dim 2 enlarged to `capacity` (zero-filled: unused slots stay finite)."""
+    out = t.new_zeros(*t.shape[:2], capacity, *t.shape[3:])
+    out[:, :, : t.shape[2]] = t
+    return out
+
+
+class TokenStore:
+    """Full-precision tokens [B, H, capacity + 1, d]; the last column is a scratch slot for skipped tokens."""
+
+    def __init__(self) -> None:
+        self.data: torch.Tensor | None = None
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.data is None else self.data.shape[2] - 1
+
+    @property
+    def scratch(self) -> int:
+        return self.capacity
+
+    def reserve(self, like: torch.Tensor, capacity: int) -> None:
+        """Hold exactly `capacity` tokens per row from now on (like: a [B,H,*,d] tensor for shape/dtype)."""
+        if self.data is None:
+            B, H, _, d = like.shape
+            self.data = like.new_zeros(B, H, capacity + 1, d)
+        elif capacity > self.capacity:
+            self.data = _grown(self.data[:, :, : self.capacity], capacity + 1)
+
+    def write(self, x: torch.Tensor, columns: torch.Tensor) -> None:
+        """data[b, :, columns[b, j]] = x[b, :, j]; x [B,H,q,d], columns [B,q] (scratch for skipped tokens)."""
+        index = columns[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3])
+        self.data.scatter_(2, index, x.to(self.data.dtype))
+
+    def nbytes(self) -> int:
+        return 0 if self.data is None else self.data.numel() * self.data.element_size()
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        if self.data is not None:
+            self.data = self.data.index_select(0, index)
+
+
+# Fields of a CompressedChunk, in storage order.
+FIELDS = ("codes", "scale", "minimum", "sparse_values", "sparse_index", "lowrank_a", "lowrank_b")
+COMPONENT_OF = {"codes": "codes", "scale": "scales", "minimum": "scales", "sparse_values": "sparse_values",
+                "sparse_index": "sparse_indices", "lowrank_a": "lowrank", "lowrank_b": "lowrank"}
+
+
+class ChunkStore:
+    """Compressed chunks of `chunk_len` tokens, chunk c of row b at slots [c*e, (c+1)*e) of each field's dim 2,
+    where e is that field's extent for one chunk (tokens/cpb for codes, groups for scales, d for lowrank_b...).
+
+    A row may fill a chunk only partly (the prompt chunk of a shorter row): the rest of it stays zero and
+    reconstructs to zeros, which the attention mask hides.
+    """
+
+    def __init__(self, spec: ChunkSpec, chunk_len: int) -> None:
+        self.spec = spec
+        self.chunk_len = chunk_len
+        self.fields: dict[str, torch.Tensor] = {}
+        self.extent: dict[str, int] = {}
+        self.capacity = 0  # chunks
+        self.head_dim = 0
+        self.dtype: torch.dtype | None = None
+
+    def _allocate(self, example: CompressedChunk, batch: int, chunks: int) -> None:
+        # The extents of a full chunk come from compressing zeros of the full length once.
+        H, d = example.lowrank_b.shape[1], example.lowrank_b.shape[2]
+        full = compress(example.lowrank_b.new_zeros(1, H, self.chunk_len, d), self.spec)
+        for name in FIELDS:
+            t = getattr(full, name)
+            self.extent[name] = t.shape[2]
+            self.fields[name] = t.new_zeros(batch, t.shape[1], chunks * t.shape[2], *t.shape[3:])
+        self.capacity = chunks
+        self.head_dim = d
+        self.dtype = example.lowrank_b.dtype
+
+    def reserve(self, example: CompressedChunk, batch: int, chunks: int) -> None:
+        if not self.fields:
+            self._allocate(example, batch, chunks)
+        elif chunks > self.capacity:
+            new_capacity = grown_capacity(self.capacity, chunks)
+            for name, t in self.fields.items():
+                self.fields[name] = _grown(t, new_capacity * self.extent[name])
+            self.capacity = new_capacity
+
+    def compress_into(self, x: torch.Tensor, row: int, chunk: int, batch: int, reserve_chunks: int) -> None:
+        """Compress x [1,H,n,d] (n <= chunk_len) and store it as chunk `chunk` of row `row`."""
+        compressed = compress(x, self.spec)
+        self.reserve(compressed, batch, max(chunk + 1, reserve_chunks))
+        for name in FIELDS:
+            src = getattr(compressed, name)[0]
+            start = chunk * self.extent[name]
+            self.fields[name][row, :, start : start + src.shape[1]] = src
+
+    def reconstruct(self, chunks: int, out_dtype: torch.dtype) -> torch.Tensor:
+        """The first `chunks` chunks of every row, decompressed: [B, H, chunks*chunk_len, d]."""
+        if chunks == 0 or not self.fields:
+            return torch.empty(0)
+        per_chunk = {}
+        for name, t in self.fields.items():
+            e = self.extent[name]
+            B, H = t.shape[:2]
+            part = t[:, :, : chunks * e].reshape(B, H, chunks, e, *t.shape[3:])
+            per_chunk[name] = part.movedim(2, 1).reshape(B * chunks, H, e, *t.shape[3:])  # [B*C, H, e, ...]
+        x = decompress(CompressedChunk(**per_chunk), self.spec, self.chunk_len, self.head_dim, out_dtype)
+        B = x.shape[0] // chunks
+        return x.reshape(B, chunks, *x.shape[1:]).movedim(1, 2).reshape(B, x.shape[1], -1, x.shape[-1])
+
+    def nbytes_by_component(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for name, t in self.fields.items():
+            out[COMPONENT_OF[name]] = out.get(COMPONENT_OF[name], 0) + t.numel() * t.element_size()
+        return out
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        for name, t in self.fields.items():
+            self.fields[name] = t.index_select(0, index)
