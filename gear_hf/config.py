@@ -13,6 +13,7 @@ from typing import Any
 METHODS = ("fp16", "kivi", "kcvt", "outlier", "gear-l", "gear")
 BITS = (2, 4, 8)
 AXES = ("channel", "token")
+BACKENDS = ("auto", "torch", "triton")
 
 # Which correction terms each method adds to the quantized backbone.
 _USES_QUANT = {"fp16": False, "kivi": True, "kcvt": True, "outlier": True, "gear-l": True, "gear": True}
@@ -38,6 +39,8 @@ class GearConfig:
     sink_tokens:   first tokens of each row never compressed
     key_axis / value_axis: "channel" (groups run along tokens) or "token" (groups run along channels)
     pre_rope:      compress keys before rotary embedding and rotate them when read
+    backend:       "auto" (Triton kernels on CUDA when available, else torch), "torch" or "triton" (forced);
+                   the environment variable GEAR_HF_BACKEND overrides "auto"
     """
 
     method: str = "gear"
@@ -53,6 +56,7 @@ class GearConfig:
     key_axis: str = "channel"
     value_axis: str = "token"
     pre_rope: bool = True
+    backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -74,6 +78,8 @@ class GearConfig:
         for name in ("key_axis", "value_axis"):
             if getattr(self, name) not in AXES:
                 _fail(name, getattr(self, name), " | ".join(AXES))
+        if self.backend not in BACKENDS:
+            _fail("backend", self.backend, " | ".join(BACKENDS))
         if not isinstance(self.pre_rope, bool):
             _fail("pre_rope", self.pre_rope, "True or False")
         if self.uses_lowrank and max(self.rank_prefill, self.rank_decode) == 0:
