@@ -70,7 +70,7 @@ def gear_attention_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
     position_ids = kwargs.get("position_ids")
     if cache.gear_config.pre_rope:
         keys, values = cache.store_and_read(module.layer_idx, key, value, position_ids)  # [B,Hkv,T,d]
-        keys = apply_rotary(keys, *cache.rotary_for_read(patch.rotary_emb, values))
+        keys = apply_rotary(keys, *cache.rotary_for_read(module.layer_idx, patch.rotary_emb, values))
     else:  # ablation: compress keys after RoPE, as HF's QuantizedCache does
         keys, values = cache.store_and_read(module.layer_idx, apply_rotary(key, cos, sin), value, position_ids)
 

@@ -42,6 +42,7 @@ class _StepPlan:
     sink_cols: torch.Tensor  # [B, q] long: destination in the sink store, or its scratch column
     buffer_cols: torch.Tensor  # [B, q] long: destination in the buffer, or its scratch column
     buffer_capacity: int
+    rect_before: int  # columns of the padded layout before this step
     flushes: list[_RowFlush] = field(default_factory=list)
     decode_chunks_used: int = 0  # max over rows
     decode_reserve: int = 0
@@ -91,8 +92,8 @@ class _Stream:
             rest = pending[0, :, start:]
             self.buffer.data[f.row, :, : rest.shape[1]] = rest
 
-    def read(self, plan: _StepPlan, sink_tokens: int, dtype: torch.dtype) -> torch.Tensor:
-        """This layer's tokens in HF's padded layout [B,H,T,d] (keys still before RoPE)."""
+    def read(self, plan: _StepPlan, sink_tokens: int, dtype: torch.dtype, start: int) -> torch.Tensor:
+        """This layer's tokens in HF's padded layout from column `start` on: [B,H,T-start,d] (keys before RoPE)."""
         parts = []
         if sink_tokens:
             parts.append(self.sink.data)
@@ -103,7 +104,7 @@ class _Stream:
         parts.append(self.buffer.data)
         full = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
         B, H, _, d = full.shape
-        index = plan.read_index[:, None, :, None].expand(B, H, -1, d)
+        index = plan.read_index[:, None, start:, None].expand(B, H, -1, d)
         return full.gather(2, index)
 
     def nbytes_by_component(self) -> dict[str, int]:
@@ -124,13 +125,14 @@ class _Stream:
 class GearLayer(CacheLayerMixin):
     """One decoder layer's GEAR storage. Filled only through `GearCache.store_and_read` (keys before RoPE)."""
 
-    is_sliding = False
     is_compileable = False
 
-    def __init__(self, cache: "GearCache", layer_idx: int) -> None:
+    def __init__(self, cache: "GearCache", layer_idx: int, sliding_window: int | None) -> None:
         super().__init__()
         self.cache = cache
         self.layer_idx = layer_idx
+        self.sliding_window = sliding_window
+        self.is_sliding = sliding_window is not None
         self.steps = 0
         self.seen_length = 0
         cfg = cache.gear_config
@@ -146,8 +148,14 @@ class GearLayer(CacheLayerMixin):
             "keys before RoPE and needs the patched forward: call gear_hf.enable(model) before generating."
         )
 
+    def visible_start(self, length: int) -> int:
+        """First column of the padded layout this layer attends to after `length` columns: like HF's sliding
+        cache layers, a sliding layer sees only the last window-1 past tokens (the mask hides the rest)."""
+        return max(0, length - self.sliding_window + 1) if self.sliding_window else 0
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.seen_length + query_length, 0
+        start = self.visible_start(self.seen_length)
+        return self.seen_length - start + query_length, start
 
     def get_seq_length(self) -> int:
         return self.seen_length
@@ -162,6 +170,15 @@ class GearLayer(CacheLayerMixin):
         raise NotImplementedError("reorder a GearCache as a whole: GearCache.reorder_cache(beam_idx)")
 
     batch_select_indices = batch_repeat_interleave = crop = reorder_cache
+
+
+def _sliding_windows(config) -> list[int | None]:
+    """Per layer: the sliding window, or None for full attention (as transformers' own caches decide)."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        return [window] * config.num_hidden_layers
+    return [window if kind == "sliding_attention" else None for kind in layer_types]
 
 
 def _text_config(model_or_config):
@@ -189,8 +206,8 @@ class GearCache(Cache):
             raise TypeError(f"gear_config must be a gear_hf.GearConfig, got {type(gear_config).__name__}")
         self.gear_config = gear_config
         self.expected_length = expected_length
-        num_layers = _text_config(model_or_config).num_hidden_layers
-        super().__init__(layers=[GearLayer(self, i) for i in range(num_layers)])
+        windows = _sliding_windows(_text_config(model_or_config))
+        super().__init__(layers=[GearLayer(self, i, w) for i, w in enumerate(windows)])
         # Shared row bookkeeping (identical for every layer).
         self.batch_size_ = 0
         self.rect_length = 0  # columns of HF's padded layout seen so far
@@ -235,19 +252,22 @@ class GearCache(Cache):
         layer.seen_length = self.rect_length
         if self._shape is None:
             self._shape = (key_states.shape[1], key_states.shape[3])
-        keys = layer.key_stream.read(plan, cfg.sink_tokens, key_states.dtype)
-        values = layer.value_stream.read(plan, cfg.sink_tokens, value_states.dtype)
+        start = layer.visible_start(plan.rect_before)
+        keys = layer.key_stream.read(plan, cfg.sink_tokens, key_states.dtype, start)
+        values = layer.value_stream.read(plan, cfg.sink_tokens, value_states.dtype, start)
         return keys, values
 
-    def read_positions(self) -> torch.Tensor:
-        """[B, T] positions of the tokens `store_and_read` returns (padding columns hold 0)."""
-        return self._plan.read_positions
+    def read_positions(self, layer_idx: int) -> torch.Tensor:
+        """[B, T] positions of the tokens `store_and_read` returned (padding columns hold 0)."""
+        return self._plan.read_positions[:, self.layers[layer_idx].visible_start(self._plan.rect_before):]
 
-    def rotary_for_read(self, rotary_emb, like: torch.Tensor):
-        """(cos, sin) [B,T,d] for the returned keys, computed once per step with the model's rotary module."""
-        key = (self.steps, like.dtype, like.device)
+    def rotary_for_read(self, layer_idx: int, rotary_emb, like: torch.Tensor):
+        """(cos, sin) [B,T,d] for the keys `store_and_read` returned, from the model's rotary module; computed
+        once per step (per visible length) and shared by the layers."""
+        positions = self.read_positions(layer_idx)
+        key = (self.steps, positions.shape[1], like.dtype, like.device)
         if self._rope_memo is None or self._rope_memo[0] != key:
-            self._rope_memo = (key, rotary_emb(like, self._plan.read_positions))
+            self._rope_memo = (key, rotary_emb(like, positions))
         return self._rope_memo[1]
 
     # -- planning: decided once per step, executed by every layer -------------------------------------------
@@ -339,6 +359,7 @@ class GearCache(Cache):
             sink_cols=torch.tensor(sink_cols, device=device, dtype=torch.long),
             buffer_cols=buffer_cols,
             buffer_capacity=buffer_capacity,
+            rect_before=rect_before,
             flushes=flushes,
             decode_chunks_used=decode_used,
             decode_reserve=max(wanted, decode_used),
