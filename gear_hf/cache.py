@@ -268,7 +268,10 @@ class GearCache(Cache):
         key = (self.steps, positions.shape[1], like.dtype, like.device)
         if self._rope_memo is None or self._rope_memo[0] != key:
             self._rope_memo = (key, rotary_emb(like, positions))
-        return self._rope_memo[1]
+        cos_sin = self._rope_memo[1]
+        if layer_idx == len(self.layers) - 1:
+            self._rope_memo = None  # a per-step temporary: not held between steps
+        return cos_sin
 
     # -- planning: decided once per step, executed by every layer -------------------------------------------
     def _plan_step(self, key_states: torch.Tensor, position_ids: torch.Tensor | None) -> None:
@@ -459,7 +462,9 @@ class GearCache(Cache):
             for stream in (layer.key_stream, layer.value_stream):
                 for name, n in stream.nbytes_by_component().items():
                     report[name] += n
-        for t in (self.positions, self.rect_to_local):
+        plan = self._plan
+        step_index = (plan.sink_cols, plan.buffer_cols, plan.read_index, plan.read_positions) if plan else ()
+        for t in (self.positions, self.rect_to_local, *step_index):
             if t is not None:
                 report["positions"] += t.numel() * t.element_size()
         H, d = self._shape or (0, 0)

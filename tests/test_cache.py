@@ -1,0 +1,196 @@
+"""GearCache storage: streaming chunks, memory accounting, batch invariance, growth, row selection."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+import gear_hf
+from gear_hf.cache import GearCache, _stream_specs
+from gear_hf.compress import compress, decompress
+
+H, D = 2, 32
+
+
+def _config(**overrides):
+    base = dict(group_size=8, buffer_size=16)
+    base.update(overrides)
+    method = base.pop("method", "gear")
+    bits = base.pop("bits", 2)
+    return gear_hf.GearConfig.preset(method, bits=bits, **base)
+
+
+def _cache(config, layers=1):
+    model_config = LlamaConfig(num_hidden_layers=layers, hidden_size=64, num_attention_heads=2,
+                               num_key_value_heads=H)
+    return GearCache(model_config, config)
+
+
+def _stream(steps_prompt, decode_steps, batch=1, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    T = steps_prompt + decode_steps
+    return torch.randn(batch, H, T, D, generator=g), torch.randn(batch, H, T, D, generator=g)
+
+
+def _feed(cache, K, V, prompt, mask=None, layer=0):
+    """Prefill `prompt` columns, then one column per step; returns the last read."""
+    T = K.shape[2]
+    if mask is not None:
+        cache.observe_attention_mask(mask[:, :prompt])
+    out = cache.store_and_read(layer, K[:, :, :prompt], V[:, :, :prompt])
+    for t in range(prompt, T):
+        if mask is not None:
+            cache.observe_attention_mask(mask[:, : t + 1])
+        out = cache.store_and_read(layer, K[:, :, t : t + 1], V[:, :, t : t + 1])
+    return out
+
+
+@pytest.mark.parametrize("method", ["kivi", "kcvt", "outlier", "gear-l", "gear"])
+def test_streaming_matches_engine_chunk_by_chunk(method):
+    """Prompt compressed once (rank_prefill), remainder buffered, then exactly n_b-token decode chunks."""
+    config = _config(method=method)
+    cache = _cache(config)
+    K, V = _stream(37, 40)  # 37 = 4 groups of 8 + 5 buffered; then 2 chunks of 16 + 13 buffered
+    keys, values = _feed(cache, K, V, 37)
+    assert cache.prefill_len == [32] and cache.decode_chunks == [2] and cache.buffer_len == [13]
+    for X, got, bits, axis in ((K, keys, config.key_bits, config.key_axis),
+                               (V, values, config.value_bits, config.value_axis)):
+        prompt_spec, decode_spec = _stream_specs(config, bits, axis)
+        expected = [decompress(compress(X[:, :, :32], prompt_spec), prompt_spec, 32, D, torch.float32)]
+        for start in (32, 48):
+            chunk = X[:, :, start : start + 16]
+            expected.append(decompress(compress(chunk, decode_spec), decode_spec, 16, D, torch.float32))
+        expected.append(X[:, :, 64:])
+        assert torch.equal(got, torch.cat(expected, dim=2))
+
+
+def test_fp16_method_stores_tokens_exactly():
+    cache = _cache(gear_hf.GearConfig.preset("fp16"))
+    K, V = _stream(10, 30)
+    keys, values = _feed(cache, K, V, 10)
+    assert torch.equal(keys, K) and torch.equal(values, V)
+
+
+def test_sink_tokens_stay_exact():
+    cache = _cache(_config(sink_tokens=4))
+    K, V = _stream(37, 20)
+    keys, values = _feed(cache, K, V, 37)
+    assert torch.equal(keys[:, :, :4], K[:, :, :4]) and torch.equal(values[:, :, :4], V[:, :, :4])
+    assert cache.sink_len == [4] and cache.prefill_len == [32]
+
+
+def _tensors_reachable(obj, seen=None):
+    """Independent count: every tensor reachable from the cache's attributes (storage-deduplicated)."""
+    seen = {} if seen is None else seen
+    stack, visited = [obj], set()
+    while stack:
+        o = stack.pop()
+        if id(o) in visited:
+            continue
+        visited.add(id(o))
+        if isinstance(o, torch.Tensor):
+            seen[o.untyped_storage().data_ptr()] = o.untyped_storage().nbytes()
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple)):
+            stack.extend(o)
+        elif hasattr(o, "__dict__") and not isinstance(o, type) and type(o).__module__.startswith("gear_hf"):
+            stack.extend(vars(o).values())
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("method", ["fp16", "kivi", "gear"])
+def test_memory_report_matches_independent_count(method):
+    cache = _cache(_config(method=method), layers=2)
+    K, V = (t.bfloat16() for t in _stream(50, 40, batch=2))
+    for t, q in [(0, 50)] + [(50 + i, 1) for i in range(40)]:
+        for layer in range(2):
+            cache.store_and_read(layer, K[:, :, t : t + q], V[:, :, t : t + q])
+    report = cache.memory_report()
+    assert report["total_bytes"] == _tensors_reachable(cache)
+    assert report["fp16_bytes"] == 2 * 90 * H * D * 2 * 2 * 2  # rows * tokens * H * d * (K,V) * layers * 2B
+    assert sum(report[c] for c in ("codes", "scales", "lowrank", "sparse_values", "sparse_indices", "buffer",
+                                   "positions")) == report["total_bytes"]
+    if method != "fp16":
+        assert report["codes"] > 0 and (report["lowrank"] > 0) == (method == "gear")
+
+
+def test_batch_invariance_of_the_compressed_cache():
+    """Row 0 alone and inside a left-padded batch stores bit-identical compressed data."""
+    config = _config()
+    K, V = _stream(45, 30, batch=3)
+    alone = _cache(config)
+    keys_alone, values_alone = _feed(alone, K[:1, :, 11:], V[:1, :, 11:], 34)
+    mask = torch.ones(3, 75, dtype=torch.long)
+    mask[0, :11] = 0  # row 0 = the same 64 tokens after 11 pads
+    mask[2, :3] = 0
+    batch = _cache(config)
+    keys_batch, values_batch = _feed(batch, K, V, 45, mask)
+    assert batch.prefill_len[0] == alone.prefill_len[0] and batch.buffer_len[0] == alone.buffer_len[0]
+    for name, store_alone in alone.layers[0].key_stream.decode.fields.items():
+        used = store_alone.shape[2]
+        assert torch.equal(batch.layers[0].key_stream.decode.fields[name][0, :, :used], store_alone[0])
+    prompt_alone = alone.layers[0].value_stream.prefill.fields
+    prompt_batch = batch.layers[0].value_stream.prefill.fields
+    for name, t in prompt_alone.items():
+        assert torch.equal(prompt_batch[name][0, :, : t.shape[2]], t[0]), name
+    torch.testing.assert_close(keys_batch[0, :, 11:], keys_alone[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(values_batch[0, :, 11:], values_alone[0], rtol=0, atol=1e-6)
+
+
+def test_decode_steps_do_not_copy_the_cache():
+    """Growth is amortised: between flushes a step writes one column, the stores keep their memory."""
+    cache = _cache(_config())
+    K, V = _stream(40, 70)
+    _feed(cache, K[:, :, :56], V[:, :, :56], 40)  # the first decode chunk allocates its storage
+    assert cache.decode_chunks == [1]
+    stream = cache.layers[0].key_stream
+    pointers = {name: t.data_ptr() for name, t in stream.decode.fields.items()}
+    buffer_ptr = stream.buffer.data.data_ptr()
+    for t in range(56, 56 + 16 * 3):
+        cache.store_and_read(0, K[:, :, t : t + 1], V[:, :, t : t + 1])
+    assert stream.buffer.data.data_ptr() == buffer_ptr
+    assert {name: t.data_ptr() for name, t in stream.decode.fields.items()} == pointers
+    assert cache.decode_chunks == [4]
+
+
+def test_expected_length_sizes_storage_once():
+    cache = GearCache(LlamaConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=2,
+                                  num_key_value_heads=H), _config(), expected_length=40 + 64)
+    K, V = _stream(40, 64)
+    _feed(cache, K, V, 40)
+    decode = cache.layers[0].key_stream.decode
+    assert decode.capacity == cache.decode_chunks[0] == 4
+
+
+def test_select_rows_reorders_everything():
+    config = _config()
+    K, V = _stream(40, 20, batch=3)
+    cache = _cache(config)
+    _feed(cache, K[:, :, :59], V[:, :, :59], 40)
+    reference = _cache(config)
+    _feed(reference, K[[2, 0]][:, :, :59], V[[2, 0]][:, :, :59], 40)
+    cache.reorder_cache(torch.tensor([2, 0]))
+    a = cache.store_and_read(0, K[[2, 0]][:, :, 59:60], V[[2, 0]][:, :, 59:60])
+    b = reference.store_and_read(0, K[[2, 0]][:, :, 59:60], V[[2, 0]][:, :, 59:60])
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_unpatched_update_raises():
+    cache = _cache(_config())
+    with pytest.raises(RuntimeError, match="gear_hf.enable"):
+        cache.update(torch.zeros(1, H, 1, D), torch.zeros(1, H, 1, D), 0)
+
+
+def test_mask_of_wrong_length_raises():
+    cache = _cache(_config())
+    cache.observe_attention_mask(torch.ones(1, 7))
+    with pytest.raises(ValueError, match="attention_mask"):
+        cache.store_and_read(0, torch.zeros(1, H, 5, D), torch.zeros(1, H, 5, D))
+
+
+def test_crop_raises_clearly():
+    cache = _cache(_config())
+    with pytest.raises(NotImplementedError, match="crop"):
+        cache.crop(-3)

@@ -1,0 +1,149 @@
+"""The pure-torch engine: exact packing, quantization bounds, fixed-count outliers, padding, low rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gear_hf.compress import (ChunkSpec, compress, decompress, dequantize, lowrank_fit, outliers_per_side,
+                              pack_codes, quantize, select_outliers, unpack_codes)
+
+
+def _x(B=2, H=3, n=128, d=64, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, H, n, d, generator=g)
+    x[..., 3] *= 12  # an outlier channel, as keys have
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("dim", [-1, -2])
+def test_pack_unpack_round_trip_is_exact(bits, dim):
+    codes = torch.randint(0, 1 << bits, (2, 3, 16, 24), dtype=torch.uint8)
+    packed = pack_codes(codes, bits, dim)
+    assert packed.shape[dim] == codes.shape[dim] * bits // 8
+    assert torch.equal(unpack_codes(packed, bits, dim), codes)
+
+
+def test_pack_is_low_bits_first():
+    codes = torch.tensor([[1, 2, 3, 0]], dtype=torch.uint8)
+    assert pack_codes(codes, 2, -1).item() == 1 | (2 << 2) | (3 << 4)
+
+
+@pytest.mark.parametrize("axis,group", [("channel", 32), ("token", 32), ("token", 48), ("channel", 128)])
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_dequantized_within_half_a_step(axis, group, bits):
+    x = _x(n=128, d=64)
+    codes, scale, minimum = quantize(x, bits, axis, group)
+    y = dequantize(codes, scale, minimum, axis, group, 64, torch.float32)
+    if axis == "channel":
+        step = scale.repeat_interleave(group, dim=2)
+    else:
+        step = scale.repeat_interleave(group, dim=3)[..., :64]
+    assert ((y - x).abs() <= step / 2 + 1e-5).all()
+
+
+def test_per_channel_key_groups_follow_their_channel():
+    """Keys: one group = one channel over g tokens, so the outlier channel does not widen other channels."""
+    x = _x()
+    _, scale_channel, _ = quantize(x, 2, "channel", 64)
+    _, scale_token, _ = quantize(x, 2, "token", 64)
+    assert scale_channel[..., 0].mean() < scale_channel[..., 3].mean() / 5
+    assert scale_token.mean() > scale_channel[..., 0].mean() * 2  # every token group spans channel 3
+
+
+def test_excluded_entries_take_no_part_in_min_max():
+    x = _x(B=1, H=1, n=64, d=8)
+    exclude = torch.zeros_like(x, dtype=torch.bool)
+    exclude[..., 5, :] = True
+    x2 = x.clone()
+    x2[..., 5, :] = 1e6
+    a = quantize(x, 4, "channel", 64, exclude)
+    b = quantize(x2, 4, "channel", 64, exclude)
+    assert torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])
+
+
+@pytest.mark.parametrize("axis", ["channel", "token"])
+def test_outlier_count_per_vector_is_fixed(axis):
+    x = _x(n=200, d=64)
+    index, used, mask = select_outliers(x, axis, 0.04)
+    length = 200 if axis == "channel" else 64
+    k = outliers_per_side(length, 0.04)
+    assert k == round(0.02 * length)
+    per_vector = mask.sum(dim=-2 if axis == "channel" else -1)
+    assert (per_vector == 2 * k).all()
+    assert used.all()
+    # the chosen entries are the extremes of each vector
+    vec = x.transpose(-1, -2) if axis == "channel" else x
+    top = vec.topk(k, dim=-1).values.min(dim=-1).values
+    m = mask.transpose(-1, -2) if axis == "channel" else mask
+    assert (vec.masked_fill(m, float("-inf")).amax(-1) <= top).all()
+
+
+def test_outliers_ignore_padding_and_follow_row_length():
+    x = _x(B=2, n=100)
+    valid = torch.ones(2, 100, dtype=torch.bool)
+    valid[1, :60] = False
+    x[1, :, :60] = 1e4  # padding garbage must never be chosen
+    index, used, mask = select_outliers(x, "channel", 0.04, valid)
+    assert not mask[1, :, :60].any()
+    assert used[0].sum(dim=-2).eq(2 * outliers_per_side(100, 0.04)).all()
+    assert used[1].sum(dim=-2).eq(2 * outliers_per_side(40, 0.04)).all()
+
+
+@pytest.mark.parametrize("axis", ["channel", "token"])
+def test_padding_does_not_change_a_rows_compression(axis):
+    """Row-local padding (at the end, as the cache stores rows) leaves the valid part bit-identical."""
+    spec = ChunkSpec(2, axis, 32, 0.02, 4)
+    x = _x(B=1, n=96)
+    alone = decompress(compress(x, spec), spec, 96, 64, torch.float32)
+    padded = torch.cat([x, torch.full((1, 3, 32, 64), 7e3)], dim=2)
+    valid = torch.zeros(1, 128, dtype=torch.bool)
+    valid[:, :96] = True
+    spec_ch = spec
+    out = decompress(compress(padded, spec_ch, valid), spec_ch, 128, 64, torch.float32)
+    assert torch.isfinite(out).all()
+    err_alone = (alone - x).norm() / x.norm()
+    err_padded = (out[:, :, :96] - x).norm() / x.norm()
+    assert err_padded < err_alone * 1.1  # pads did not pollute statistics or the fit
+
+
+def test_lowrank_is_deterministic_and_improves_with_rank():
+    r = _x(n=64)
+    a1, b1 = lowrank_fit(r, 4, 3)
+    a2, b2 = lowrank_fit(r.clone(), 4, 3)
+    assert torch.equal(a1, a2) and torch.equal(b1, b2)
+    errors = []
+    for rank in (0, 1, 2, 4, 8, 16):
+        a, b = lowrank_fit(r, rank, 3)
+        errors.append(((r - a @ b.transpose(-1, -2)).norm() / r.norm()).item())
+    assert all(e2 <= e1 + 1e-6 for e1, e2 in zip(errors, errors[1:])), errors
+    assert errors[-1] < errors[0]
+
+
+def test_lowrank_factors_stay_finite_in_fp16():
+    r = torch.randn(1, 1, 64, 64) * 6e4
+    a, b = lowrank_fit(r, 2, 3, out_dtype=torch.float16)
+    assert torch.isfinite(a).all() and torch.isfinite(b).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gear_terms_each_reduce_reconstruction_error(dtype):
+    x = _x(dtype=dtype)
+    def err(spec):
+        y = decompress(compress(x, spec), spec, 128, 64, torch.float32)
+        return ((y - x.float()).norm() / x.float().norm()).item()
+    kivi = err(ChunkSpec(2, "channel", 64, 0.0, 0))
+    gear_l = err(ChunkSpec(2, "channel", 64, 0.0, 4))
+    outlier = err(ChunkSpec(2, "channel", 64, 0.02, 0))
+    gear = err(ChunkSpec(2, "channel", 64, 0.02, 4))
+    assert gear < gear_l < kivi and gear < outlier < kivi
+    assert err(ChunkSpec(4, "channel", 64, 0.02, 4)) < gear
+
+
+def test_kcvt_uses_one_group_per_vector():
+    x = _x(n=128)
+    c = compress(x, ChunkSpec(2, "channel", 0, 0.0, 0))
+    assert c.scale.shape == (2, 3, 1, 64)
+    c = compress(x, ChunkSpec(2, "token", 0, 0.0, 0))
+    assert c.scale.shape == (2, 3, 128, 1)
