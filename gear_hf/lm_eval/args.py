@@ -1,0 +1,178 @@
+"""`--model_args` of the `gear_hf` lm-eval model: split the GEAR keys from the Hugging Face ones, convert and
+validate them, and reject unknown keys with a message naming the key and what is allowed.
+
+GEAR keys: `preset` (alias `method`), `bits` (sets key_bits and value_bits) and every `GearConfig` field.
+A GearConfig field whose name HFLM also uses is spelled `gear_<field>`: `gear_backend=torch|triton|auto`
+(`backend=` stays lm-eval's causal/seq2seq switch).
+lm-eval's CLI has already turned "2" into 2 and "false" into False; the Python API may pass strings.
+Both are accepted; anything else is an error naming the key, the value and the allowed values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import inspect
+from typing import Any
+
+from gear_hf.config import METHODS, GearConfig
+
+_GEAR_FIELDS = {f.name: f for f in dataclasses.fields(GearConfig)}
+# GEAR keys that are not GearConfig fields.
+_GEAR_EXTRA = {"preset": "str", "bits": "int"}
+
+# Keyword arguments that HFLM does not name but forwards to `from_pretrained` (its **kwargs), allowed here.
+FROM_PRETRAINED_KEYS = frozenset({
+    "attn_implementation", "device_map", "low_cpu_mem_usage", "load_in_8bit", "load_in_4bit",
+    "bnb_4bit_quant_type", "bnb_4bit_compute_dtype", "bnb_4bit_use_double_quant", "use_safetensors",
+    "variant", "cache_dir", "local_files_only", "token", "offload_state_dict", "offload_buffers",
+    "use_kernels", "key_mapping",
+})
+# Keys that lm-eval itself adds to every model's arguments (from --batch_size, --device, ...).
+_LM_EVAL_ADDED = frozenset({"batch_size", "max_batch_size", "device"})
+
+
+class ModelArgsError(ValueError):
+    """A bad `--model_args` entry of the gear_hf model."""
+
+
+def _hflm_params() -> set[str]:
+    from lm_eval.models.huggingface import HFLM
+
+    params = inspect.signature(HFLM.__init__).parameters
+    return {n for n, p in params.items() if n != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+
+
+def _gear_key_map() -> dict[str, str]:
+    """model_args key -> GearConfig field (or "preset"/"bits"); colliding fields get a `gear_` prefix."""
+    hf = _hflm_params()
+    keys = {"preset": "preset", "bits": "bits"}
+    for name in _GEAR_FIELDS:
+        keys[f"gear_{name}" if name in hf else name] = name
+    return keys
+
+
+def gear_keys() -> list[str]:
+    return list(_gear_key_map())
+
+
+def hf_keys() -> list[str]:
+    return sorted(_hflm_params() | FROM_PRETRAINED_KEYS | _LM_EVAL_ADDED)
+
+
+def _type_name(key: str) -> str:
+    if key in _GEAR_EXTRA:
+        return _GEAR_EXTRA[key]
+    t = _GEAR_FIELDS[key].type
+    return t if isinstance(t, str) else getattr(t, "__name__", str(t))
+
+
+def _bad(key: str, value: Any, allowed: str) -> ModelArgsError:
+    return ModelArgsError(f"gear_hf --model_args: {key}={value!r} is invalid; allowed: {allowed}")
+
+
+def _convert(key: str, value: Any) -> Any:
+    kind = _type_name(key)
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            return value.strip().lower() in ("true", "1", "yes", "on")
+        raise _bad(key, value, "true or false")
+    if kind == "int":
+        if isinstance(value, bool):
+            raise _bad(key, value, "an integer")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value.strip())
+            except ValueError:
+                pass
+        raise _bad(key, value, "an integer")
+    if kind == "float":
+        if isinstance(value, bool):
+            raise _bad(key, value, "a number")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value.strip())
+            except ValueError:
+                pass
+        raise _bad(key, value, "a number")
+    if kind == "str":
+        if isinstance(value, str):
+            return value.strip()
+        raise _bad(key, value, "a string")
+    return value
+
+
+def _unknown(key: str) -> ModelArgsError:
+    known = gear_keys() + hf_keys()
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ModelArgsError(
+        f"gear_hf --model_args: unknown key {key!r}{hint}. GEAR keys: {', '.join(gear_keys())}. "
+        f"Model keys (lm-eval hf): {', '.join(hf_keys())}.")
+
+
+def parse_gear_args(args: dict[str, Any]) -> GearConfig:
+    """GearConfig from the GEAR keys of `args` (all other keys are ignored here)."""
+    keys = _gear_key_map()
+    gear = {}
+    for key, value in args.items():
+        if key in keys:
+            field = keys[key]
+            try:
+                gear[field] = _convert(field, value)
+            except ModelArgsError as e:
+                raise ModelArgsError(str(e).replace(f" {field}=", f" {key}=", 1)) from None
+    preset = gear.pop("preset", None)
+    method = gear.pop("method", None)
+    if preset is not None and method is not None and preset != method:
+        raise ModelArgsError(f"gear_hf --model_args: preset={preset!r} and method={method!r} disagree; give one")
+    name = preset if preset is not None else method if method is not None else GearConfig.method
+    if name not in METHODS:
+        raise _bad("preset" if preset is not None else "method", name, " | ".join(METHODS))
+    bits = gear.pop("bits", None)
+    if bits is not None and ("key_bits" in gear or "value_bits" in gear):
+        raise ModelArgsError("gear_hf --model_args: give bits, or key_bits/value_bits, not both")
+    try:
+        return GearConfig.preset(name, bits=bits, **gear)
+    except ValueError as e:
+        message = str(e)
+        for key, field in keys.items():
+            if key != field:
+                message = message.replace(f"GearConfig.{field}=", f"{key}=")
+        raise ModelArgsError(f"gear_hf --model_args: {message}") from None
+
+
+def split_model_args(args: dict[str, Any], *, strict: bool = True) -> tuple[GearConfig, dict[str, Any]]:
+    """(GearConfig, the remaining HFLM keyword arguments). Unknown keys raise ModelArgsError when strict."""
+    config = parse_gear_args(args)
+    keys = _gear_key_map()
+    rest = {k: v for k, v in args.items() if k not in keys}
+    for key, value in rest.items():  # e.g. backend=triton meant for GEAR, not HFLM's causal/seq2seq switch
+        prefixed = f"gear_{key}"
+        if prefixed in keys and isinstance(value, str):
+            try:
+                GearConfig(**{key: value})
+            except (ValueError, TypeError):
+                continue
+            raise ModelArgsError(f"gear_hf --model_args: {key}={value!r} is a GEAR value: write {prefixed}={value} "
+                                 f"({key}= is lm-eval's own {key} argument)")
+    if strict:
+        allowed = set(hf_keys())
+        for key in rest:
+            if key not in allowed:
+                raise _unknown(key)
+    # Paths and names stay strings (lm-eval's CLI turns "pretrained=123" into an int).
+    for key in ("pretrained", "tokenizer", "gguf_file", "revision", "peft", "delta", "subfolder"):
+        if key in rest and isinstance(rest[key], (int, float)) and not isinstance(rest[key], bool):
+            rest[key] = str(rest[key])
+    return config, rest

@@ -1,0 +1,149 @@
+"""The `gear_hf` lm-eval model: lm-eval's own `hf` model (HFLM) whose generation runs over a GEAR cache.
+
+    --model gear_hf --model_args pretrained=DIR,preset=gear,bits=2,buffer_size=64[,gguf_file=F.gguf,dtype=...]
+
+* The model is loaded exactly as `--model hf` loads it (`pretrained` stays a string, so accelerate data
+  parallelism still works; `gguf_file=` loads GGUF weights and their tokenizer), then `gear_hf.enable`
+  patches it in place. `generate` then builds a GEAR cache; loglikelihood calls pass no cache and run the
+  stock forward, so loglikelihood tasks score exactly as with `hf`.
+* GEAR keys (`preset`/`method`, `bits`, every GearConfig field) are validated before the weights load.
+* Data parallelism also across CPU processes (see `sharding`).
+* `get_model_info()` adds the GEAR config and generation statistics (generated tokens, tokens/s, KV bits per
+  element from the cache's `memory_report`) to lm-eval's results["config"]; under data parallelism these
+  statistics are rank 0's share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+
+from gear_hf.config import GearConfig
+from gear_hf.lm_eval import sharding
+from gear_hf.lm_eval.args import ModelArgsError, gear_keys, split_model_args
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class GenerationStats:
+    """What the GEAR-cached generate calls did (this process only)."""
+
+    calls: int = 0
+    sequences: int = 0
+    new_tokens: int = 0
+    seconds: float = 0.0
+    kv_reports: int = 0
+    kv_total_bytes: int = 0
+    kv_fp16_bytes: int = 0
+    kv_bits_sum: float = 0.0
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        return self.new_tokens / self.seconds if self.seconds > 0 else None
+
+    @property
+    def kv_bits_per_element(self) -> float | None:
+        """Over all generate calls: 16 x (compressed bytes / fp16 bytes), else the mean reported bits."""
+        if self.kv_fp16_bytes > 0:
+            return 16.0 * self.kv_total_bytes / self.kv_fp16_bytes
+        if self.kv_reports:
+            return self.kv_bits_sum / self.kv_reports
+        return None
+
+    def as_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["tokens_per_second"] = self.tokens_per_second
+        out["kv_bits_per_element"] = self.kv_bits_per_element
+        return out
+
+
+def _api():
+    import gear_hf
+
+    missing = [name for name in ("enable", "disable") if not hasattr(gear_hf, name)]
+    if missing:
+        raise RuntimeError(f"gear_hf.{missing[0]} is not available in this installation of gear_hf")
+    return gear_hf
+
+
+@register_model("gear_hf", "gear-hf")
+class GearHFLM(HFLM):
+    """HFLM + `gear_hf.enable(model, GearConfig)`; see the module docstring for the model arguments."""
+
+    def __init__(self, pretrained: Any = None, gear_config: GearConfig | None = None, **kwargs: Any) -> None:
+        if pretrained is None:
+            raise ModelArgsError("gear_hf --model_args: pretrained=<model dir or hub id> is required")
+        if gear_config is not None:
+            if any(k in kwargs for k in gear_keys()):
+                raise ModelArgsError("gear_hf: give gear_config or GEAR --model_args keys, not both")
+            _, hf_kwargs = split_model_args(kwargs)
+            config = gear_config
+        else:
+            config, hf_kwargs = split_model_args(kwargs)
+        if isinstance(pretrained, (int, float)) and not isinstance(pretrained, bool):
+            pretrained = str(pretrained)
+        sharding.prepare_process_group()
+        super().__init__(pretrained=pretrained, **hf_kwargs)
+        sharding.shard_across_processes(self)
+        self.gear_config: GearConfig | None = None
+        self.gear_stats = GenerationStats()
+        self.set_gear_config(config)
+
+    # GEAR ---------------------------------------------------------------------------------------------------------
+    def set_gear_config(self, config: GearConfig) -> None:
+        """(Re)patch the loaded model with `config` (the sweep reuses one loaded model for every cell)."""
+        api = _api()
+        if self.gear_config is not None:
+            api.disable(self.model)
+        api.enable(self.model, config)
+        self.gear_config = config
+        self.gear_stats = GenerationStats()
+        if self.rank == 0:
+            log.info("gear_hf: %s (%s)", config.describe(), config)
+
+    def _record_generation(self, context, out, seconds: float) -> None:
+        stats = self.gear_stats
+        stats.calls += 1
+        stats.seconds += seconds
+        new = out[:, context.shape[1]:]
+        stats.sequences += new.shape[0]
+        pad = self.tokenizer.pad_token_id
+        for row in new.tolist():
+            n = len(row)
+            while n and pad is not None and row[n - 1] == pad:
+                n -= 1
+            stats.new_tokens += n
+        import gear_hf
+
+        last_cache = getattr(gear_hf, "last_cache", None)
+        cache = last_cache(self.model) if last_cache is not None else None
+        if cache is None or not hasattr(cache, "memory_report"):
+            return
+        report = cache.memory_report()
+        stats.kv_reports += 1
+        if report.get("total_bytes") is not None and report.get("fp16_bytes"):
+            stats.kv_total_bytes += int(report["total_bytes"])
+            stats.kv_fp16_bytes += int(report["fp16_bytes"])
+        if report.get("bits_per_element") is not None:
+            stats.kv_bits_sum += float(report["bits_per_element"])
+
+    def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs):
+        start = time.perf_counter()
+        out = super()._model_generate(context, max_length, stop, **generation_kwargs)
+        self._record_generation(context, out, time.perf_counter() - start)
+        return out
+
+    def get_model_info(self) -> dict:
+        info = super().get_model_info()
+        if self.gear_config is not None:
+            info["gear_config"] = dataclasses.asdict(self.gear_config)
+            info["gear_method"] = self.gear_config.describe()
+        info["gear_stats"] = self.gear_stats.as_dict()
+        info["gear_world_size"] = self.world_size
+        return info
