@@ -1,0 +1,117 @@
+"""Triton kernels for GEAR storage (optional accelerator; the torch code in `gear_hf.compress` and the
+reconstruct-then-attend path in `gear_hf.attention` stay the default and the oracle).
+
+Nothing here imports triton at import time: `import gear_hf` (and `import gear_hf.kernels`) stay light.
+The kernel modules are imported on first use:
+
+* `gear_hf.kernels.quant`  - quantize + pack kernels writing exactly the `ChunkStore` layout
+  (`quantize_pack`, bit-for-bit equal to `gear_hf.compress.quant`);
+* `gear_hf.kernels.decode` - the fused decode attention over a `GearCache` layer (`cache_decode_attention`),
+  and its low-level launcher (`decode_attention`).
+
+Triton without a GPU: every launch fails unless TRITON_INTERPRET=1 is set *before* the kernel modules are
+imported (triton decides at decoration time); the tests do that.
+
+Backend choice (`resolve_backend`): GearConfig.backend "torch" / "triton" force a path; "auto" (the default)
+is overridden by the environment variable GEAR_HF_BACKEND (auto|torch|triton), and otherwise picks triton
+for CUDA tensors when triton imports, else torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import os
+
+__all__ = ["triton_available", "interpreting", "resolve_backend", "fused_supported", "use_fused",
+           "quantize_pack", "decode_attention", "cache_decode_attention"]
+
+_LAZY = {"quantize_pack": "quant", "decode_attention": "decode", "cache_decode_attention": "decode"}
+
+# The fused kernel is a decode kernel: steps with more new tokens per row (the prompt) use the torch path.
+MAX_FUSED_QUERY = 16
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    """True when `import triton` works (checked once, in a way that does not leave triton half-imported)."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    try:
+        importlib.import_module("triton")
+        importlib.import_module("triton.language")
+    except Exception:  # a broken install (e.g. a CPU-only wheel without its backend) counts as absent
+        return False
+    return True
+
+
+def interpreting() -> bool:
+    """True when triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def resolve_backend(config, device=None) -> str:
+    """'torch' or 'triton' for a GearConfig and the device the tensors live on.
+
+    "torch"/"triton" in the config are forced; "auto" first looks at GEAR_HF_BACKEND, then picks triton for CUDA
+    tensors when triton imports. A forced "triton" without CUDA needs TRITON_INTERPRET=1 (checked at launch).
+    """
+    choice = getattr(config, "backend", "auto")
+    if choice == "auto":
+        env = os.environ.get("GEAR_HF_BACKEND", "auto").strip().lower() or "auto"
+        if env not in ("auto", "torch", "triton"):
+            raise ValueError(f"GEAR_HF_BACKEND={env!r} is invalid; allowed: auto | torch | triton")
+        choice = env
+    if choice != "auto":
+        return choice
+    is_cuda = getattr(device, "type", device) == "cuda"
+    return "triton" if is_cuda and triton_available() else "torch"
+
+
+def fused_supported(config, head_dim: int, query_len: int) -> str | None:
+    """None when the fused decode kernel covers this configuration and step, else the reason it does not."""
+    if not config.pre_rope:
+        return "pre_rope=False (keys stored after RoPE) is only implemented by the torch path"
+    if config.compresses and (config.key_axis, config.value_axis) != ("channel", "token"):
+        return (f"key_axis={config.key_axis!r}/value_axis={config.value_axis!r}: the fused kernel implements the "
+                "default axes (keys per channel, values per token) only")
+    if head_dim < 32 or head_dim & (head_dim - 1):
+        return f"head_dim={head_dim}: the fused kernel needs a power of two >= 32"
+    if query_len > MAX_FUSED_QUERY:
+        return f"{query_len} new tokens in one step (a prompt): the fused kernel is a decode kernel"
+    if config.compresses:
+        block = config.buffer_size & -config.buffer_size  # largest power of two dividing n_b
+        if block < 16:
+            return f"buffer_size={config.buffer_size} is not a multiple of 16 (kernel tiles are 16 tokens at least)"
+        for bits in (config.key_bits, config.value_bits):
+            if config.group_size % (8 // bits) and not config.coarse_groups:
+                return f"group_size={config.group_size} is not a multiple of {8 // bits} codes per byte"
+    return None
+
+
+def use_fused(config, query, *, training: bool = False, output_attentions: bool = False) -> bool:
+    """Whether the shared attention forward should take the fused path for this step.
+
+    auto: only on CUDA with triton, only for supported steps. Forced "triton": every supported step; an
+    unsupported *configuration* raises (a prompt step, which the kernel does not cover, still uses torch).
+    """
+    if resolve_backend(config, query.device) != "triton":
+        return False
+    if training or output_attentions:
+        return False
+    reason = fused_supported(config, query.shape[-1], query.shape[-2])
+    if reason is None:
+        return True
+    forced = config.backend == "triton" or (config.backend == "auto" and
+                                            os.environ.get("GEAR_HF_BACKEND", "").strip().lower() == "triton")
+    if forced and query.shape[-2] <= MAX_FUSED_QUERY:
+        raise NotImplementedError(f"GEAR backend 'triton' was forced but {reason}; use backend='auto' or 'torch'")
+    return False
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        module = importlib.import_module(f".{_LAZY[name]}", __name__)
+        return getattr(module, name)
+    raise AttributeError(f"module 'gear_hf.kernels' has no attribute {name!r}")

@@ -1,0 +1,112 @@
+"""Pure-torch oracle and fixtures for the kernels (no triton import): used by the tests and the benchmark.
+
+`reference_decode_attention` computes, in float32, what the fused decode kernel must produce: every row's
+tokens in row-local order, reconstructed by the torch engine (`ChunkStore.reconstruct`, i.e.
+`gear_hf.compress.decompress`), rotated at their stored positions, and attended with a causal (and optional
+sliding-window) softmax. `build_cache` fills a `GearCache` with random keys/values through its public entry
+point (`store_and_read`), with left padding and several steps.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float = 1.0):
+    """cos/sin [..., d] in float32 for integer positions, as HF's rotary modules compute them."""
+    ang = positions.float()[..., None] * inv_freq.float()
+    emb = torch.cat([ang, ang], dim=-1)
+    return emb.cos() * attention_scaling, emb.sin() * attention_scaling
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def row_local_tokens(cache, layer_idx: int, dtype=torch.float32):
+    """Per row: (keys [H, L, d] before RoPE, values [H, L, d]) in row-local order, reconstructed in `dtype`."""
+    cfg = cache.gear_config
+    layer = cache.layers[layer_idx]
+    nb = cfg.buffer_size
+    out = []
+    streams = []
+    for stream in (layer.key_stream, layer.value_stream):
+        sink = stream.sink.data.to(dtype) if cfg.sink_tokens and stream.sink.data is not None else None
+        prompt = stream.prefill.reconstruct(1, dtype) if stream.prefill is not None and stream.prefill.fields else None
+        chunks = max(cache.decode_chunks) if cache.decode_chunks else 0
+        decode = stream.decode.reconstruct(chunks, dtype) if chunks else None
+        streams.append((sink, prompt, decode, stream.buffer.data.to(dtype)))
+    for b in range(cache.batch_size_):
+        s, p, c, f = cache.sink_len[b], cache.prefill_len[b], cache.decode_chunks[b], cache.buffer_len[b]
+        row = []
+        for sink, prompt, decode, buf in streams:
+            parts = []
+            if s:
+                parts.append(sink[b, :, :s])
+            if p:
+                parts.append(prompt[b, :, :p])
+            if c:
+                parts.append(decode[b, :, : c * nb])
+            parts.append(buf[b, :, :f])
+            row.append(torch.cat(parts, dim=1))
+        out.append(tuple(row))
+    return out
+
+
+def reference_decode_attention(cache, layer_idx: int, query: torch.Tensor, *, scaling: float, inv_freq: torch.Tensor,
+                               attention_scaling: float = 1.0, sliding_window: int | None = None) -> torch.Tensor:
+    """float32 [B, q, Hq, d]: attention of query [B,Hq,q,d] over the cache layer after the current step."""
+    B, Hq, QL, D = query.shape
+    limits = cache.rect_to_local[:, cache.rect_length - QL: cache.rect_length].long()
+    out = torch.zeros(B, QL, Hq, D, dtype=torch.float32, device=query.device)
+    for b, (keys, values) in enumerate(row_local_tokens(cache, layer_idx)):
+        Hkv, L, _ = keys.shape
+        G = Hq // Hkv
+        pos = cache.positions[b, :L].to(query.device)
+        cos, sin = rope_tables(pos, inv_freq.to(query.device), attention_scaling)
+        k_rot = keys * cos + _rotate_half(keys) * sin  # [Hkv, L, D]
+        q = query[b].float()  # [Hq, QL, D]
+        scores = torch.einsum("hqd,hld->hql", q, k_rot.repeat_interleave(G, dim=0)) * scaling
+        t = torch.arange(L, device=query.device)
+        lim = limits[b][:, None]  # [QL, 1]
+        visible = t[None, :] <= lim
+        if sliding_window:
+            visible &= (lim - t[None, :]) < sliding_window
+        scores = scores.masked_fill(~visible[None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows that see nothing -> zeros
+        out[b] = torch.einsum("hql,hld->qhd", probs, values.repeat_interleave(G, dim=0))
+    return out
+
+
+def build_cache(gear_config, *, batch: int, kv_heads: int, head_dim: int, steps: list[int], pad: list[int] | None = None,
+                dtype=torch.float32, device="cpu", seed: int = 0, num_layers: int = 1, position_offset: int = 0,
+                outlier_channels: int = 2):
+    """A GearCache after len(steps) forward steps (steps[0] = prompt columns, left-padded by pad[b]).
+
+    Keys get a few large fixed channels (like real keys) so the per-channel quantization and the outliers
+    matter. Returns (cache, last_step_keys, last_step_values)."""
+    from ..cache import GearCache
+
+    pad = pad or [0] * batch
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    cache = GearCache(types.SimpleNamespace(num_hidden_layers=num_layers), gear_config)
+    mask = torch.zeros(batch, 0, dtype=torch.long)
+    scale = torch.ones(head_dim)
+    scale[torch.randperm(head_dim, generator=gen)[:outlier_channels]] = 8.0
+    k = v = None
+    for i, q in enumerate(steps):
+        new = torch.ones(batch, q, dtype=torch.long)
+        if i == 0:
+            for b, p in enumerate(pad):
+                new[b, :p] = 0
+        mask = torch.cat([mask, new], dim=1)
+        pos = (mask.cumsum(1) - 1).clamp(min=0)[:, -q:] + position_offset
+        cache.observe_attention_mask(mask.to(device))
+        for layer in range(num_layers):
+            k = (torch.randn(batch, kv_heads, q, head_dim, generator=gen) * scale).to(dtype).to(device)
+            v = torch.randn(batch, kv_heads, q, head_dim, generator=gen).to(dtype).to(device)
+            cache.store_and_read(layer, k, v, pos.to(device))
+    return cache, k, v
