@@ -16,6 +16,7 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .cache import GearCache
+from .kernels import use_fused  # no triton import: kernels load lazily
 
 CACHE_KWARGS = ("cache", "past_key_values", "past_key_value")  # 5.24 / <=5.22 / older spellings
 
@@ -68,6 +69,15 @@ def gear_attention_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
     cos, sin = position_embeddings
     query = apply_rotary(query, cos, sin)
     position_ids = kwargs.get("position_ids")
+    # -- fused Triton decode path (gear_hf.kernels.use_fused decides: backend switch, CUDA, supported step) --
+    if use_fused(cache.gear_config, query, training=module.training,
+                 output_attentions=bool(kwargs.get("output_attentions"))):
+        rotary = patch.rotary_emb
+        output = cache.fused_attention(module.layer_idx, query, key, value, position_ids, scaling=module.scaling,
+                                       inv_freq=rotary.inv_freq,
+                                       attention_scaling=getattr(rotary, "attention_scaling", 1.0))
+        return module.o_proj(output.reshape(*input_shape, -1).contiguous()), None
+    # -- end of the fused path; below, the reference path (reconstruct, rotate, model's attention function) --
     if cache.gear_config.pre_rope:
         keys, values = cache.store_and_read(module.layer_idx, key, value, position_ids)  # [B,Hkv,T,d]
         keys = apply_rotary(keys, *cache.rotary_for_read(module.layer_idx, patch.rotary_emb, values))

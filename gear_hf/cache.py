@@ -479,3 +479,31 @@ class GearCache(Cache):
             method=self.gear_config.describe(),
         )
         return report
+
+    # -- fused Triton decode attention (gear_hf.kernels); store_and_read + attention stays the default/oracle --
+    def fused_attention(self, layer_idx: int, query: torch.Tensor, key_states: torch.Tensor,
+                        value_states: torch.Tensor, position_ids: torch.Tensor | None = None, *, scaling: float,
+                        inv_freq: torch.Tensor, attention_scaling: float = 1.0) -> torch.Tensor:
+        """Store this step exactly as `store_and_read` does, then attend `query` [B,Hq,q,d] (already rotated)
+        straight from the compressed storage with the fused Triton kernel: nothing is reconstructed. Keys are
+        rotated in the kernel from the stored positions with `inv_freq`/`attention_scaling` (the rotary
+        module's). Returns [B, q, Hq, d] (HF's attention-function layout)."""
+        layer = self.layers[layer_idx]
+        if layer.steps == self.steps:
+            self._plan_step(key_states, position_ids)
+        elif layer.steps != self.steps - 1:
+            raise RuntimeError(f"GearCache layer {layer_idx} is {self.steps - layer.steps} steps behind; layers "
+                               "must be updated once per forward step, in order")
+        if key_states.shape[0] != self.batch_size_:
+            raise ValueError(f"batch size changed from {self.batch_size_} to {key_states.shape[0]} in one GearCache")
+        cfg = self.gear_config
+        for stream, x in ((layer.key_stream, key_states), (layer.value_stream, value_states)):
+            stream.apply(self._plan, x, cfg.sink_tokens, self.prompt_chunk_len, self.batch_size_)
+        layer.steps += 1
+        layer.seen_length = self.rect_length
+        if self._shape is None:
+            self._shape = (key_states.shape[1], key_states.shape[3])
+        from .kernels.decode import cache_decode_attention  # imports triton: only on this path
+
+        return cache_decode_attention(self, layer_idx, query, scaling=scaling, inv_freq=inv_freq,
+                                      attention_scaling=attention_scaling, sliding_window=layer.sliding_window)
