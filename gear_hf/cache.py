@@ -344,8 +344,8 @@ class GearCache(Cache):
             self.prompt_chunk_len = max(prompt_counts)
 
         current = self.layers[0].key_stream.buffer.capacity
-        if cfg.compresses:
-            buffer_capacity = cfg.buffer_size  # after every step each row holds < n_b buffered tokens
+        if cfg.compresses:  # grown to what rows hold, never beyond n_b: a flushing row keeps < n_b tokens
+            buffer_capacity = min(cfg.buffer_size, grown_capacity(current, max(self.buffer_len)))
         else:  # fp16: the buffer is the whole cache, grown geometrically (or sized once from the hint)
             wanted = max(max(self.buffer_len), (self.expected_length or 0) if first else 0)
             buffer_capacity = grown_capacity(current, wanted)

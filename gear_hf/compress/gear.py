@@ -40,7 +40,7 @@ class CompressedChunk:
 
     codes         uint8 packed: [B,H,n/cpb,d] (axis="channel") or [B,H,n,d_pad/cpb] (axis="token")
     scale/minimum [B,H,n/g,d] or [B,H,n,d_pad/g]
-    sparse_values [B,H,2k,d] or [B,H,n,2k]; sparse_index int16, same shape
+    sparse_values [B,H,2k,d] or [B,H,n,2k]; sparse_index same shape (uint8/int16/int32: outliers.index_dtype)
     lowrank_a     [B,H,n,r];  lowrank_b [B,H,d,r]
     """
 
@@ -77,7 +77,7 @@ def compress(x: torch.Tensor, spec: ChunkSpec, valid: torch.Tensor | None = None
         scale=scale,
         minimum=minimum,
         sparse_values=sparse_values,
-        sparse_index=index.to(torch.int16),
+        sparse_index=index.to(outliers.index_dtype(n if spec.axis == "channel" else d)),
         lowrank_a=lowrank_a,
         lowrank_b=lowrank_b,
     )

@@ -2,7 +2,8 @@
 
 A vector is one channel along the chunk's tokens (axis="channel") or one token along its channels
 (axis="token"). Each vector keeps its `k` largest and `k` smallest entries exactly; because the count is
-fixed, S is stored as dense [..., 2k] value and int16 index arrays instead of COO.
+fixed, S is stored as dense [..., 2k] value and index arrays instead of COO; an index counts positions
+inside its vector, so it takes the smallest integer type that holds the vector length (`index_dtype`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,13 @@ def outliers_per_side(vector_length: int, ratio: float) -> int:
     if ratio <= 0 or vector_length < 2:
         return 0
     return max(1, min(round(ratio / 2 * vector_length), vector_length // 2))
+
+
+def index_dtype(vector_length: int) -> torch.dtype:
+    """uint8 up to 256 entries (a value vector, a decode chunk), int16 up to 32768, else int32."""
+    if vector_length <= 256:
+        return torch.uint8
+    return torch.int16 if vector_length <= 32768 else torch.int32
 
 
 def _vectors_last(x: torch.Tensor, axis: str) -> torch.Tensor:
