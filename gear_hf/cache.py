@@ -46,6 +46,7 @@ class _StepPlan:
     flushes: list[_RowFlush] = field(default_factory=list)
     decode_chunks_used: int = 0  # max over rows
     decode_reserve: int = 0
+    uniform: bool = False  # no padding and equal rows: the padded layout is just the row-local one
     read_index: torch.Tensor | None = None  # [B, T] long into cat(sink, prompt, decode, buffer)
     read_positions: torch.Tensor | None = None  # [B, T] long
 
@@ -94,18 +95,27 @@ class _Stream:
 
     def read(self, plan: _StepPlan, sink_tokens: int, dtype: torch.dtype, start: int) -> torch.Tensor:
         """This layer's tokens in HF's padded layout from column `start` on: [B,H,T-start,d] (keys before RoPE)."""
-        parts = []
-        if sink_tokens:
-            parts.append(self.sink.data)
-        if self.prefill is not None:
-            parts.append(self.prefill.reconstruct(1, dtype))
-        if plan.decode_chunks_used:
-            parts.append(self.decode.reconstruct(plan.decode_chunks_used, dtype))
+        if plan.uniform:  # every row holds the same slots, in order: no index needed
+            sink, buffer = plan.uniform[0], plan.uniform[-1]
+            parts = [self.sink.data[:, :, :sink]] if sink else []
+            parts += self._compressed_parts(plan, dtype)
+            parts.append(self.buffer.data[:, :, :buffer])
+            return torch.cat(parts, dim=2)[:, :, start:]
+        parts = [self.sink.data] if sink_tokens else []
+        parts += self._compressed_parts(plan, dtype)
         parts.append(self.buffer.data)
         full = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
         B, H, _, d = full.shape
         index = plan.read_index[:, None, start:, None].expand(B, H, -1, d)
         return full.gather(2, index)
+
+    def _compressed_parts(self, plan: _StepPlan, dtype: torch.dtype) -> list[torch.Tensor]:
+        parts = []
+        if self.prefill is not None:
+            parts.append(self.prefill.reconstruct(1, dtype))
+        if plan.decode_chunks_used:
+            parts.append(self.decode.reconstruct(plan.decode_chunks_used, dtype))
+        return parts
 
     def nbytes_by_component(self) -> dict[str, int]:
         out = dict.fromkeys(COMPONENTS, 0)
@@ -390,6 +400,11 @@ class GearCache(Cache):
                                     sink_width + prompt_width + decode_width + k - sink - prompt - decode)))
         plan.read_index = index
         plan.read_positions = self.positions.long().gather(1, k)
+        rows = set(zip(self.sink_len, self.prefill_len, self.decode_chunks, self.buffer_len))
+        if len(rows) == 1 and self.tokens_held() == self.rect_length * len(self.sink_len):
+            (row,) = rows
+            if row[1] == self.prompt_chunk_len:  # the prompt chunk store has no padded tail
+                plan.uniform = row
 
     def _grow_index_stores(self, B: int, held: int, rect: int, device) -> None:
         if self.positions is None:
