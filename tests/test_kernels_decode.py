@@ -1,0 +1,168 @@
+"""Fused GEAR decode attention vs the float32 torch oracle.
+
+The oracle (gear_hf.kernels.reference) reconstructs each row's tokens with the torch engine
+(ChunkStore.reconstruct -> compress.decompress, float32), rotates keys at their stored positions and runs a
+causal (+ sliding window) softmax in float32. The kernel reads the same stored tensors, so the only
+differences are float32 summation order, the dtype of tl.dot operands and the rounding of the output:
+
+    tolerance on max|fused - oracle| / max|oracle|:  fp32 1e-5,  fp16 2e-3,  bf16 1.6e-2
+    (observed: ~1e-6, ~4e-4, ~5e-3 — i.e. one rounding of the output to fp16/bf16, 2^-11 / 2^-8)
+
+Without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set before gear_hf.kernels.decode
+is imported); with CUDA the same tests run compiled on the GPU. Shapes are small (tens to ~150 tokens per row,
+never multiples of the group or buffer) to keep the interpreted suite fast; `slow` marks the bigger sweeps.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from gear_hf.config import GearConfig  # noqa: E402
+from gear_hf.kernels.reference import build_cache, reference_decode_attention  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def _attend(cache, q, inv_freq, **kw):
+    from gear_hf.kernels.decode import cache_decode_attention
+
+    return cache_decode_attention(cache, 0, q, scaling=q.shape[-1] ** -0.5, inv_freq=inv_freq, **kw)
+
+
+def _inv_freq(d, theta=10000.0):
+    return 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+
+
+def _case(method="gear", bits=4, *, d=64, kv_heads=2, group=4, batch=3, q_len=1, dtype=torch.float32, steps=None,
+          pad=None, sink=0, window=None, offset=0, attention_scaling=1.0, theta=10000.0, num_splits=None,
+          seed=0, **cfg_overrides):
+    """Build a cache (group size 16, buffer 32, 10% outliers so the sparse term matters), attend, compare."""
+    overrides = dict(group_size=16, buffer_size=32, sink_tokens=sink)
+    if method in ("gear", "outlier"):
+        overrides["outlier_ratio"] = 0.1
+    overrides.update(cfg_overrides)
+    cfg = GearConfig.preset(method, bits=bits, **overrides)
+    steps = steps or [77, 40, q_len]
+    pad = pad if pad is not None else [0, 20, 41][:batch]
+    cache, _, _ = build_cache(cfg, batch=batch, kv_heads=kv_heads, head_dim=d, steps=steps, pad=pad, dtype=dtype,
+                              device=DEVICE, seed=seed, position_offset=offset)
+    g = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(batch, kv_heads * group, steps[-1], d, generator=g).to(dtype).to(DEVICE)
+    inv_freq = _inv_freq(d, theta)
+    kw = dict(attention_scaling=attention_scaling, sliding_window=window)
+    out = _attend(cache, q, inv_freq, num_splits=num_splits, **kw)
+    ref = reference_decode_attention(cache, 0, q, scaling=d ** -0.5, inv_freq=inv_freq, **kw)
+    return cache, q, out, ref
+
+
+def _rel(out, ref):
+    return ((out.float() - ref).abs().max() / ref.abs().max()).item()
+
+
+def _check(out, ref, dtype):
+    assert out.shape == ref.shape and out.dtype == dtype
+    assert torch.isfinite(out).all()
+    err = _rel(out, ref)
+    assert err < TOL[dtype], f"relative error {err:.3g} >= {TOL[dtype]}"
+
+
+# (method, bits, head_dim, kv heads, GQA group, batch, q_len, dtype) — odd token counts everywhere
+FAST = [
+    ("gear", 4, 64, 2, 4, 3, 1, torch.float32),
+    ("gear", 2, 128, 1, 1, 1, 4, torch.float16),  # MHA, 4 new tokens (causal inside them)
+    ("gear", 4, 64, 1, 7, 3, 4, torch.float32),  # GQA 7
+    ("gear", 8, 128, 2, 4, 3, 1, torch.float16),
+    ("gear", 2, 64, 2, 4, 3, 1, torch.bfloat16),  # interpreter: bf16 upcast to fp32 for tl.dot
+    ("kivi", 2, 64, 2, 4, 1, 1, torch.float16),
+    ("kcvt", 4, 64, 2, 1, 3, 1, torch.float32),
+    ("outlier", 4, 64, 2, 4, 3, 1, torch.float32),
+    ("gear-l", 2, 64, 2, 4, 3, 4, torch.float32),
+    ("fp16", 4, 64, 2, 4, 3, 4, torch.float16),  # no compression: everything in the buffer
+]
+
+
+@pytest.mark.parametrize("method,bits,d,kv_heads,group,batch,q_len,dtype", FAST,
+                         ids=[f"{m}{b}-d{d}-kv{h}-g{g}-b{B}-q{q}-{str(t)[6:]}" for m, b, d, h, g, B, q, t in FAST])
+def test_fused_matches_oracle(method, bits, d, kv_heads, group, batch, q_len, dtype):
+    _, _, out, ref = _case(method, bits, d=d, kv_heads=kv_heads, group=group, batch=batch, q_len=q_len, dtype=dtype)
+    _check(out, ref, dtype)
+
+
+def test_sink_sliding_window_and_far_positions():
+    """Attention sinks, a sliding window shorter than the history, positions ~30k (large RoPE angles),
+    llama3-like theta and a yarn-like attention_scaling."""
+    _, _, out, ref = _case(sink=4, window=37, offset=30000, theta=500000.0, attention_scaling=1.15, q_len=4)
+    _check(out, ref, torch.float32)
+
+
+def test_query_tokens_inside_a_fresh_chunk_and_empty_buffer():
+    """The step's own tokens were just compressed (buffer left empty), a prompt that is exactly chunked."""
+    cache, _, out, ref = _case(steps=[64, 28, 4], pad=[0, 0, 16], q_len=4)
+    assert 0 in cache.buffer_len and min(cache.decode_chunks) >= 1
+    _check(out, ref, torch.float32)
+
+
+def test_prompt_only_and_buffer_only_rows():
+    """A first decode step right after the prompt (no decode chunk yet), and a prompt shorter than a group
+    for one row (that row has no prompt chunk: everything in its buffer)."""
+    _, _, out, ref = _case(steps=[45, 1], pad=[0, 30, 10])
+    _check(out, ref, torch.float32)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_split_count_does_not_change_the_result(num_splits):
+    _, _, out, ref = _case(q_len=4, group=2, num_splits=num_splits, steps=[93, 70, 4])
+    _check(out, ref, torch.float32)
+
+
+def test_every_term_is_exercised():
+    """Zeroing any GEAR term in storage changes the oracle far beyond the tolerance, and the kernel follows:
+    the comparison above is not blind to the sparse, low-rank or quantized parts."""
+    cache, q, out, ref = _case(q_len=1)
+    _check(out, ref, torch.float32)
+    layer = cache.layers[0]
+    inv_freq = _inv_freq(q.shape[-1])
+    for stream, name in ((layer.key_stream, "sparse_values"), (layer.value_stream, "sparse_values"),
+                         (layer.key_stream, "lowrank_a"), (layer.value_stream, "lowrank_a"),
+                         (layer.key_stream, "minimum"), (layer.value_stream, "scale")):
+        saved = [(store, store.fields[name].clone()) for store in (stream.prefill, stream.decode)]
+        for store, _ in saved:
+            store.fields[name].zero_()
+        new_ref = reference_decode_attention(cache, 0, q, scaling=q.shape[-1] ** -0.5, inv_freq=inv_freq)
+        new_out = _attend(cache, q, inv_freq)
+        assert _rel(new_ref, ref) > 100 * TOL[torch.float32], name
+        _check(new_out, new_ref, torch.float32)
+        for store, t in saved:
+            store.fields[name].copy_(t)
+
+
+def test_writes_every_output_element():
+    """Poison the output first: every element must be overwritten (padded query rows included)."""
+    cache, q, out, ref = _case(q_len=4)
+    poisoned = torch.full_like(out, float("nan"))
+    got = _attend(cache, q, _inv_freq(q.shape[-1]), out=poisoned)
+    assert got.data_ptr() == poisoned.data_ptr()
+    assert torch.isfinite(poisoned).all()
+    _check(poisoned, ref, torch.float32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("d,kv_heads,group", [(64, 2, 1), (64, 1, 4), (128, 2, 7)])
+@pytest.mark.parametrize("batch,q_len", [(1, 1), (3, 4)])
+@pytest.mark.parametrize("bits", [2, 4])
+def test_fused_sweep(dtype, d, kv_heads, group, batch, q_len, bits):
+    """The full matrix of the issue: head_dim 64/128, GQA 1/4/7, batch 1/3, q_len 1/4, fp32/fp16/bf16."""
+    _, _, out, ref = _case("gear", bits, d=d, kv_heads=kv_heads, group=group, batch=batch, q_len=q_len,
+                           dtype=dtype, steps=[101, 77, q_len], pad=[0, 13, 60][:batch], sink=2 if bits == 2 else 0)
+    _check(out, ref, dtype)
