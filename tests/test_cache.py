@@ -194,3 +194,18 @@ def test_crop_raises_clearly():
     cache = _cache(_config())
     with pytest.raises(NotImplementedError, match="crop"):
         cache.crop(-3)
+
+
+def test_bits_per_element_at_2_bits_with_llama3_8b_heads():
+    """2-bit GEAR at T≈1k on Llama-3-8B head shapes (8 KV heads, d=128), everything counted: codes, scales,
+    low rank, outliers, the fp16 buffer (here full: 63 decode tokens) and the position bookkeeping."""
+    cache = GearCache(LlamaConfig(num_hidden_layers=1, hidden_size=4096, num_attention_heads=32,
+                                  num_key_value_heads=8), gear_hf.GearConfig.preset("gear", bits=2))
+    g = torch.Generator().manual_seed(0)
+    K = torch.randn(1, 8, 1024 + 63, 128, generator=g).bfloat16()
+    V = torch.randn(1, 8, 1024 + 63, 128, generator=g).bfloat16()
+    _feed(cache, K, V, 1024)
+    report = cache.memory_report()
+    assert cache.buffer_len == [63]
+    assert report["bits_per_element"] <= 4.5, report
+    assert report["total_bytes"] == _tensors_reachable(cache)
