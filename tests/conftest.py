@@ -1,0 +1,92 @@
+"""Shared pytest setup for gear_hf.
+
+* Offline by default (``HF_HUB_OFFLINE=1``): nothing here may reach the Hugging Face Hub.
+* Without CUDA: ``TRITON_INTERPRET=1`` is set before any test module imports the Triton kernels
+  (Triton launches fail on a machine without a GPU otherwise), and ``gpu``-marked tests are skipped.
+* Real-weights fixtures: ``smollm2`` (SmolLM2-135M-Instruct, llama, fp32), ``smollm2_bf16`` and
+  ``qwen25`` (Qwen2.5-Coder-0.5B-Instruct, qwen2, bf16), session-scoped, each ``(model, tokenizer)``.
+  The models are shared: after every test ``gear_hf.disable(model)`` runs on any of them left enabled. Tests that
+  use them get the ``realweights`` marker automatically (``-m "not realweights"`` for a quick run).
+  See tests/realweights.py for when they skip and when they fail instead.
+* Hypothesis: no deadline (a 2-core CI machine is slow and noisy); derandomized when ``CI`` is set.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import realweights  # noqa: E402
+
+try:
+    from hypothesis import settings as _hyp_settings
+except ImportError:  # hypothesis comes with the `test` extra; tests that need it importorskip it
+    _hyp_settings = None
+if _hyp_settings is not None:
+    _hyp_settings.register_profile("gear_hf", deadline=None, print_blob=True)
+    _hyp_settings.register_profile("gear_hf-ci", deadline=None, print_blob=True, derandomize=True)
+    _hyp_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "gear_hf-ci" if os.environ.get("CI") else "gear_hf"))
+
+_WEIGHT_FIXTURES = {"smollm2", "smollm2_bf16", "qwen25"}
+
+
+def pytest_report_header(config):
+    import transformers
+
+    cuda = torch.cuda.get_device_name(0) if HAS_CUDA else "no CUDA (gpu tests skipped, TRITON_INTERPRET=1)"
+    return f"gear_hf: torch {torch.__version__}, transformers {transformers.__version__}, {cuda}"
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
+    for item in items:
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_gpu)
+        if _WEIGHT_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.realweights)
+
+
+@pytest.fixture(autouse=True)
+def _disable_gear_left_enabled():
+    """Safety net for the shared real-weights models: a test that enabled GEAR on one and did not
+    disable it gets it disabled here, so the next test sees the stock model."""
+    yield
+    loaded = realweights.loaded_models()
+    if not loaded:
+        return
+    import gear_hf
+
+    is_enabled = getattr(gear_hf, "is_enabled", None)
+    disable = getattr(gear_hf, "disable", None)
+    if is_enabled is None or disable is None:
+        return
+    for model in loaded:
+        if is_enabled(model):
+            disable(model)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """``(model, tokenizer)``: SmolLM2-135M-Instruct (Llama arch), fp32, eval mode, left padding."""
+    return realweights.load("smollm2", "float32")
+
+
+@pytest.fixture(scope="session")
+def smollm2_bf16():
+    """``(model, tokenizer)``: SmolLM2-135M-Instruct in bfloat16."""
+    return realweights.load("smollm2", "bfloat16")
+
+
+@pytest.fixture(scope="session")
+def qwen25():
+    """``(model, tokenizer)``: Qwen2.5-Coder-0.5B-Instruct (Qwen2 arch), bf16. Needs `make weights-qwen`."""
+    return realweights.load("qwen25", "bfloat16")
