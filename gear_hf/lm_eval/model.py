@@ -88,6 +88,10 @@ class GearHFLM(HFLM):
             config, hf_kwargs = split_model_args(kwargs)
         if isinstance(pretrained, (int, float)) and not isinstance(pretrained, bool):
             pretrained = str(pretrained)
+        if hf_kwargs.get("device") is None:  # HFLM's default "cuda" fails on a machine without CUDA
+            import torch
+
+            hf_kwargs["device"] = "cuda" if torch.cuda.is_available() else "cpu"
         sharding.prepare_process_group()
         super().__init__(pretrained=pretrained, **hf_kwargs)
         sharding.shard_across_processes(self)
