@@ -25,7 +25,11 @@
 # from the repo root and from elsewhere, `python -m pytest`, and `.venv/bin/pytest` all resolve it to
 # patches/, with __name__ == "gear_hf.patches". A bare `import patches` (the repo root on sys.path) runs
 # the guard in patches/__init__.py and raises an ImportError naming gear_hf.patches. No compat/strict
-# editable mode is needed (strict mode would also hide newly added files until a reinstall).
+# editable mode is needed (strict mode would also hide newly added files until a reinstall; compat
+# mode only adds the repo root to sys.path and cannot map patches/ to gear_hf.patches at all).
+# Newer pip shows setuptools' "BuildBackendWarning: Editable installation ... folders in your working
+# directory with the same name as your package may take precedence" here: expected, and harmless in
+# this layout, since the gear_hf/ that takes precedence is the very folder the finder maps.
 # Consequence of the lenient mode: a new gear_hf subpackage imports fine in an editable install even if
 # setup.cfg does not list it, so `make test` first runs scripts/check_packaging.py, which fails on it.
 
