@@ -112,3 +112,33 @@ class _NumLayers:
 
     def __init__(self, layers: int) -> None:
         self.num_hidden_layers = layers
+
+
+@torch.no_grad()
+def teacher_forced_agreement(model, prompt_ids: torch.Tensor, continuation_ids: torch.Tensor,
+                             config: GearConfig) -> dict:
+    """Feed prompt + continuation through `model` the way generation does (prompt at prefill, then one token
+    per step), once with transformers' DynamicCache and once with a GEAR cache, and compare each next-token
+    distribution: top-1 agreement rate and KL(stock || gear). Both id tensors are [1, n]."""
+    from transformers import DynamicCache
+
+    from .api import enabled
+
+    stock = _streamed_logits(model, prompt_ids, continuation_ids, DynamicCache(config=model.config))
+    with enabled(model, config):
+        gear = _streamed_logits(model, prompt_ids, continuation_ids, GearCache(model, config))
+    log_p, log_q = stock.log_softmax(-1), gear.log_softmax(-1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+    return {"top1_agreement": (stock.argmax(-1) == gear.argmax(-1)).float().mean().item(),
+            "mean_kl": kl.mean().item(), "max_kl": kl.max().item(), "positions": kl.shape[0]}
+
+
+def _streamed_logits(model, prompt_ids, continuation_ids, cache) -> torch.Tensor:
+    """Next-token logits [n, V] (float32) after the prompt and after each continuation token but the last."""
+    import inspect
+
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    steps = [model(input_ids=prompt_ids, **{name: cache}).logits[0, -1]]
+    for t in range(continuation_ids.shape[1] - 1):
+        steps.append(model(input_ids=continuation_ids[:, t: t + 1], **{name: cache}).logits[0, -1])
+    return torch.stack(steps).float()

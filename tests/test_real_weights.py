@@ -81,3 +81,30 @@ def test_compressed_batch_rows_match_rows_alone(smollm2):
         for row, prompt in enumerate(realweights.PROMPTS):
             alone = realweights.greedy(model, realweights.make_batch(tokenizer, [prompt]), max_new_tokens=20)
             assert torch.equal(alone[0], together[row]), row
+
+
+def test_gear_2_bit_next_token_fidelity(smollm2_bf16):
+    """The issue asks for 32 identical greedy tokens at 2 bits on a GSM8K prompt, or why not. Why not: on
+    SmolLM2-135M the greedy CoT continuation has near-ties that any perturbation flips. Measured here
+    (bf16, 8-shot GSM8K prompts, 48 new tokens, test problems 0-3), identical greedy prefix before the
+    first difference: gear-2: 5, 0, 16, 5 tokens; kivi-2: 6, 0, 0, 0; gear-4: 6, 4, 13, 48. One flipped
+    near-tie decides that number, so it is not asserted. What is asserted is the same fidelity measured
+    position by position on the stock continuation (teacher forcing through the real streaming cache):
+    top-1 agreement and KL of the next-token distribution, where GEAR must beat KIVI at 2 bits and be
+    close to lossless at 4 bits."""
+    from gear_hf.diagnostics import teacher_forced_agreement
+
+    model, tokenizer = smollm2_bf16
+    ids = tokenizer(gsm8k_prompt(0), return_tensors="pt").input_ids
+    continuation = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=48,
+                                  min_new_tokens=48, do_sample=False)[:, ids.shape[1]:]
+    result = {name: teacher_forced_agreement(model, ids, continuation, config) for name, config in {
+        "fp16": gear_hf.GearConfig.preset("fp16"),
+        "kivi-2": gear_hf.GearConfig.preset("kivi", bits=2),
+        "gear-2": gear_hf.GearConfig.preset("gear", bits=2),
+        "gear-4": gear_hf.GearConfig.preset("gear", bits=4),
+    }.items()}
+    assert result["fp16"]["top1_agreement"] == 1.0 and result["fp16"]["max_kl"] == 0.0
+    assert result["gear-2"]["mean_kl"] < 0.7 * result["kivi-2"]["mean_kl"], result
+    assert result["gear-2"]["top1_agreement"] >= result["kivi-2"]["top1_agreement"], result
+    assert result["gear-4"]["top1_agreement"] >= 0.95 and result["gear-4"]["mean_kl"] < 0.02, result
