@@ -129,16 +129,34 @@ def matched_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+class _StepClock:
+    """A logits processor that only notes when each step's logits arrive (the first right after prefill)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        return scores
+
+    def decode(self) -> tuple[int, float]:
+        """(decode steps, their seconds): everything after the prefill step."""
+        return len(self.times) - 1, (self.times[-1] - self.times[0]) if len(self.times) > 1 else 0.0
+
+
 @torch.no_grad()
-def generate(model, tokenizer, prompt: str, max_new_tokens: int) -> tuple[list[int], float, dict | None]:
+def generate(model, tokenizer, prompt: str, max_new_tokens: int):
+    """Greedy tokens, (decode steps, decode seconds), and the cache's memory report (None for stock)."""
+    from transformers import LogitsProcessorList
+
     batch = tokenizer(prompt, return_tensors="pt")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    start = time.perf_counter()
+    clock = _StepClock()
     out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad,
-                         stop_strings=["\nQuestion:"], tokenizer=tokenizer)
-    seconds = time.perf_counter() - start
+                         stop_strings=["\nQuestion:"], tokenizer=tokenizer,
+                         logits_processor=LogitsProcessorList([clock]))
     cache = gear_hf.last_cache(model) if gear_hf.is_enabled(model) else None
-    return out[0, batch["input_ids"].shape[1]:].tolist(), seconds, cache.memory_report() if cache else None
+    return out[0, batch["input_ids"].shape[1]:].tolist(), clock.decode(), cache.memory_report() if cache else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer = load_model(args.model, getattr(torch, args.dtype))
     torch.set_grad_enabled(False)
 
-    results: dict[str, list[tuple[list[int], float, dict | None]]] = {}
+    results: dict[str, list] = {}
     bar = tqdm(total=len(configs) * len(problems), desc="generating", unit="prompt")
     for name, config in configs.items():
         gear_hf.enable(model, config)
@@ -189,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             "method": name,
             "kv_bytes": statistics.mean(r["total_bytes"] for r in reports) if reports else None,
             "bits_per_element": statistics.mean(r["bits_per_element"] for r in reports) if reports else None,
-            "tokens_per_s": sum(len(t) for t, _, _ in runs) / sum(s for _, s, _ in runs),
+            "tokens_per_s": sum(n for _, (n, _), _ in runs) / max(sum(s for _, (_, s), _ in runs), 1e-9),
             "matched_tokens": statistics.mean(matched_prefix(t, r[0]) for (t, _, _), r in zip(runs, reference)),
             "answers_agree": sum(a == b for a, b in zip(answers, fp16_answers)),
             "correct": sum(a == p.gold for a, p in zip(answers, problems)),

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM)
 
 VOCAB = 128
+# The cache argument's name: `cache` from transformers 5.24, `past_key_values` up to 5.22.
+CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
 ARCHS = ("llama2", "llama3", "mistral", "qwen2")
 
 
