@@ -3,10 +3,12 @@
 The oracle (gear_hf.kernels.reference) reconstructs each row's tokens with the torch engine
 (ChunkStore.reconstruct -> compress.decompress, float32), rotates keys at their stored positions and runs a
 causal (+ sliding window) softmax in float32. The kernel reads the same stored tensors, so the only
-differences are float32 summation order, the dtype of tl.dot operands and the rounding of the output:
+differences are float32 summation order, the dtype of tl.dot operands (fp16: rotated keys and probabilities
+are rounded to fp16 for the dots; bf16 is upcast to fp32 in the interpreter) and the rounding of the output:
 
-    tolerance on max|fused - oracle| / max|oracle|:  fp32 1e-5,  fp16 2e-3,  bf16 1.6e-2
-    (observed: ~1e-6, ~4e-4, ~5e-3 — i.e. one rounding of the output to fp16/bf16, 2^-11 / 2^-8)
+    tolerance on max|fused - oracle| / max|oracle|:  fp32 1e-5,  fp16 5e-3,  bf16 2e-2
+    (observed: fp32 ~1e-6; fp16 4e-4..1e-3; bf16 3e-3..6e-3, i.e. about one output rounding, 2^-11 / 2^-8,
+    with margin for the fp16 score rounding on keys that have large outlier channels)
 
 Without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set before gear_hf.kernels.decode
 is imported); with CUDA the same tests run compiled on the GPU. Shapes are small (tens to ~150 tokens per row,
@@ -30,7 +32,7 @@ from gear_hf.config import GearConfig  # noqa: E402
 from gear_hf.kernels.reference import build_cache, reference_decode_attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 
 
 def _attend(cache, q, inv_freq, **kw):

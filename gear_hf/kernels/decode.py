@@ -38,6 +38,11 @@ import triton.language as tl
 
 from . import interpreting
 
+try:  # fast sin/cos approximations (MUFU) for the GPU; the interpreter has no libdevice
+    from triton.language.extra.cuda import libdevice as _libdevice
+except ImportError:  # pragma: no cover - other triton layouts
+    _libdevice = None
+
 _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 LOG2E = 1.4426950408889634
 
@@ -54,12 +59,28 @@ def _dot(a, b, DT: tl.constexpr):
 
 
 @triton.jit
-def _rope(k1, k2, pos, freq_ptr, attn_scale, HALF: tl.constexpr):
+def _sincos(ang, FAST: tl.constexpr):
+    """(cos, sin) of float32 angles. The angle is first reduced to about [-pi, pi] with 2*pi split as
+    6.28125 (8 bits: k*6.28125 is exact for k < 2^16, and so is the subtraction) + 1.9353072e-3, an error of
+    ~1e-6 rad at |angle| ~ 3e4; then sin/cos: the hardware approximations on the GPU (abs error ~5e-7 on
+    [-pi, pi]) or exact ones in the interpreter. The angle itself is the float32 product pos*inv_freq, as HF
+    computes it."""
+    k = tl.floor(ang * 0.15915494309189535 + 0.5)
+    r = (ang - k * 6.28125) - k * 1.9353071795864769e-3
+    if FAST:
+        return _libdevice.fast_cosf(r), _libdevice.fast_sinf(r)
+    else:
+        return tl.cos(r), tl.sin(r)
+
+
+@triton.jit
+def _rope(k1, k2, pos, freq_ptr, attn_scale, HALF: tl.constexpr, FAST: tl.constexpr):
     """HF rotate_half RoPE of a key tile split in halves [BN, HALF] at positions pos [BN]."""
     f = tl.load(freq_ptr + tl.arange(0, HALF))
     ang = pos.to(tl.float32)[:, None] * f[None, :]
-    c = tl.cos(ang) * attn_scale
-    s = tl.sin(ang) * attn_scale
+    c, s = _sincos(ang, FAST)
+    c = c * attn_scale
+    s = s * attn_scale
     return k1 * c - k2 * s, k2 * c + k1 * s
 
 
@@ -134,7 +155,7 @@ def _compressed_block(
     m_i, l_i, acc, corr_b, s_corr_m, corr_col,
     kc, ks, km, ka, kb, s_kc, s_ks, s_ka, s_kb,
     vc, vs, vm, vsv, vsi, va, vb, s_vc, s_vs, s_vsp, s_va, s_vb,
-    D: tl.constexpr, HALF: tl.constexpr, M_PAD: tl.constexpr, DT: tl.constexpr,
+    D: tl.constexpr, HALF: tl.constexpr, M_PAD: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr,
     K_BITS: tl.constexpr, K_CPB: tl.constexpr, K_GROUP: tl.constexpr, K_R: tl.constexpr, K_SPARSE: tl.constexpr,
     V_BITS: tl.constexpr, V_CPB: tl.constexpr, V_GROUP: tl.constexpr, V_R: tl.constexpr, V_K2: tl.constexpr,
 ):
@@ -144,7 +165,7 @@ def _compressed_block(
     k2 = _key_half(kc, ks, km, ka, kb, s_kc, s_ks, s_ka, s_kb, slot, tvalid, chunk, h_offs + HALF,
                    D, K_BITS, K_CPB, K_GROUP, K_R)
     pos = tl.load(pos_b + t, mask=tvalid, other=0)
-    k1, k2 = _rope(k1, k2, pos, freq_ptr, attn_scale, HALF)
+    k1, k2 = _rope(k1, k2, pos, freq_ptr, attn_scale, HALF, FAST)
     s = _dot(q1, tl.trans(k1), DT) + _dot(q2, tl.trans(k2), DT)
     if K_SPARSE:
         m_offs = tl.arange(0, M_PAD)
@@ -159,7 +180,8 @@ def _compressed_block(
 
 @triton.jit
 def _dense_block(q1, q2, k_b, v_b, s_tok, t, slot, tvalid, pos_b, freq_ptr, attn_scale, sm_scale, limit,
-                 mvalid, window, m_i, l_i, acc, D: tl.constexpr, HALF: tl.constexpr, DT: tl.constexpr):
+                 mvalid, window, m_i, l_i, acc, D: tl.constexpr, HALF: tl.constexpr, DT: tl.constexpr,
+                 FAST: tl.constexpr):
     """Full-precision tokens (sink or buffer) at store slots `slot`."""
     h_offs = tl.arange(0, HALF)
     m2 = tvalid[:, None]
@@ -167,7 +189,7 @@ def _dense_block(q1, q2, k_b, v_b, s_tok, t, slot, tvalid, pos_b, freq_ptr, attn
     k1 = tl.load(k_b + rows + h_offs[None, :], mask=m2, other=0.0).to(tl.float32)
     k2 = tl.load(k_b + rows + HALF + h_offs[None, :], mask=m2, other=0.0).to(tl.float32)
     pos = tl.load(pos_b + t, mask=tvalid, other=0)
-    k1, k2 = _rope(k1, k2, pos, freq_ptr, attn_scale, HALF)
+    k1, k2 = _rope(k1, k2, pos, freq_ptr, attn_scale, HALF, FAST)
     s = (_dot(q1, tl.trans(k1), DT) + _dot(q2, tl.trans(k2), DT)) * sm_scale
     v = tl.load(v_b + rows + tl.arange(0, D)[None, :], mask=m2, other=0.0)
     m_i, l_i, acc, p = _softmax_step(s, t, tvalid, limit, mvalid, window, m_i, l_i, acc, v, DT)
@@ -181,9 +203,9 @@ def _dense_block(q1, q2, k_b, v_b, s_tok, t, slot, tvalid, pos_b, freq_ptr, attn
 def _key_outlier_scores_kernel(
     q_ptr, sqb, sqh, sqq, rows_ptr, pos_ptr, spos, freq_ptr, attn_scale,
     spv_ptr, spi_ptr, s_sp_h, corr_ptr, s_corr_bh, s_corr_m,
-    n_slot_rows, chunk_len, H_KV,
-    G: tl.constexpr, QL: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, K2: tl.constexpr,
-    SB: tl.constexpr, IS_PROMPT: tl.constexpr,
+    n_slot_rows, chunk_len, k2, H_KV,
+    G: tl.constexpr, QL: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, SB: tl.constexpr,
+    IS_PROMPT: tl.constexpr, FAST: tl.constexpr,
 ):
     """corr[b, kvh, m, t - sink_len] += q_m · RoPE_t(S_k) for every key outlier of one chunk store."""
     pid_bh = tl.program_id(0)
@@ -200,7 +222,7 @@ def _key_outlier_scores_kernel(
         n_chunks = c_cnt
         base = s_len + p_len
     j = pid_s * SB + tl.arange(0, SB)
-    chunk = j // K2
+    chunk = j // k2
     rvalid = (j < n_slot_rows) & (chunk < n_chunks)
     d_offs = tl.arange(0, D)
     off = (b.to(tl.int64) * H_KV + kvh) * s_sp_h + j[:, None] * D + d_offs[None, :]
@@ -212,8 +234,9 @@ def _key_outlier_scores_kernel(
     pos = tl.load(pos_ptr + b.to(tl.int64) * spos + tok, mask=ok, other=0).to(tl.float32)
     f = tl.load(freq_ptr + (d_offs % HALF))
     ang = pos * f[None, :]
-    cos = tl.cos(ang) * attn_scale
-    sin = tl.sin(ang) * attn_scale
+    cos, sin = _sincos(ang, FAST)
+    cos = cos * attn_scale
+    sin = sin * attn_scale
     partner = (d_offs + HALF) % D
     sign = tl.where(d_offs < HALF, 1.0, -1.0)
     corr_b = corr_ptr + (b.to(tl.int64) * H_KV + kvh) * s_corr_bh + (tok - s_len)
@@ -240,13 +263,13 @@ def _decode_attention_kernel(
     corr_ptr, s_corr_bh, s_corr_m,
     acc_ptr, ml_ptr, H_KV, NSPLIT,
     G: tl.constexpr, QL: tl.constexpr, M_PAD: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-    BN: tl.constexpr, NB: tl.constexpr, DT: tl.constexpr, HAS_SINK: tl.constexpr,
-    P_K_BITS: tl.constexpr, P_K_GROUP: tl.constexpr, P_K_R: tl.constexpr, P_K_SPARSE: tl.constexpr,
-    P_V_BITS: tl.constexpr, P_V_GROUP: tl.constexpr, P_V_R: tl.constexpr, P_V_K2: tl.constexpr,
-    P_V_CODES_W: tl.constexpr, P_V_STATS_W: tl.constexpr,
-    D_K_BITS: tl.constexpr, D_K_GROUP: tl.constexpr, D_K_R: tl.constexpr, D_K_SPARSE: tl.constexpr,
-    D_V_BITS: tl.constexpr, D_V_GROUP: tl.constexpr, D_V_R: tl.constexpr, D_V_K2: tl.constexpr,
-    D_V_CODES_W: tl.constexpr, D_V_STATS_W: tl.constexpr,
+    BN: tl.constexpr, NB: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr, HAS_SINK: tl.constexpr,
+    P_K_BITS: tl.constexpr, P_K_CPB: tl.constexpr, P_K_GROUP: tl.constexpr, P_K_R: tl.constexpr,
+    P_K_SPARSE: tl.constexpr, P_V_BITS: tl.constexpr, P_V_CPB: tl.constexpr, P_V_GROUP: tl.constexpr,
+    P_V_R: tl.constexpr, P_V_K2: tl.constexpr, P_V_CODES_W: tl.constexpr, P_V_STATS_W: tl.constexpr,
+    D_K_BITS: tl.constexpr, D_K_CPB: tl.constexpr, D_K_GROUP: tl.constexpr, D_K_R: tl.constexpr,
+    D_K_SPARSE: tl.constexpr, D_V_BITS: tl.constexpr, D_V_CPB: tl.constexpr, D_V_GROUP: tl.constexpr,
+    D_V_R: tl.constexpr, D_V_K2: tl.constexpr, D_V_CODES_W: tl.constexpr, D_V_STATS_W: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -293,12 +316,10 @@ def _decode_attention_kernel(
             tvalid = slot < s_len
             m_i, l_i, acc = _dense_block(q1, q2, sink_k + bh64 * s_sink_h, sink_v + bh64 * s_sink_h, D, slot,
                                          slot, tvalid, pos_b, freq_ptr, attn_scale, sm_scale, limit, mvalid,
-                                         window, m_i, l_i, acc, D, HALF, DT)
+                                         window, m_i, l_i, acc, D, HALF, DT, FAST)
 
     corr_b = corr_ptr + bh64 * s_corr_bh
     if P_K_BITS > 0:
-        P_K_CPB: tl.constexpr = 8 // P_K_BITS
-        P_V_CPB: tl.constexpr = 8 // P_V_BITS
         for blk in range(tl.maximum(lo, e1), tl.minimum(hi, e2)):
             slot = (blk - e1) * BN + n_offs
             tvalid = slot < p_len
@@ -311,12 +332,10 @@ def _decode_attention_kernel(
                 pvc + bh64 * s_pvc, pvs + bh64 * s_pvs, pvm + bh64 * s_pvs, pvsv + bh64 * s_pvsp,
                 pvsi + bh64 * s_pvsp, pva + bh64 * s_pva, pvb + bh64 * s_pvb,
                 P_V_CODES_W, P_V_STATS_W, P_V_K2, P_V_R, P_V_R,
-                D, HALF, M_PAD, DT, P_K_BITS, P_K_CPB, P_K_GROUP, P_K_R, P_K_SPARSE,
+                D, HALF, M_PAD, DT, FAST, P_K_BITS, P_K_CPB, P_K_GROUP, P_K_R, P_K_SPARSE,
                 P_V_BITS, P_V_CPB, P_V_GROUP, P_V_R, P_V_K2)
 
     if D_K_BITS > 0:
-        D_K_CPB: tl.constexpr = 8 // D_K_BITS
-        D_V_CPB: tl.constexpr = 8 // D_V_BITS
         for blk in range(tl.maximum(lo, e2), tl.minimum(hi, e3)):
             j = blk - e2
             slot = j * BN + n_offs  # decode chunks are contiguous along the store's slot axis
@@ -331,7 +350,7 @@ def _decode_attention_kernel(
                 dvc + bh64 * s_dvc, dvs + bh64 * s_dvs, dvm + bh64 * s_dvs, dvsv + bh64 * s_dvsp,
                 dvsi + bh64 * s_dvsp, dva + bh64 * s_dva, dvb + bh64 * s_dvb,
                 D_V_CODES_W, D_V_STATS_W, D_V_K2, D_V_R, D_V_R,
-                D, HALF, M_PAD, DT, D_K_BITS, D_K_CPB, D_K_GROUP, D_K_R, D_K_SPARSE,
+                D, HALF, M_PAD, DT, FAST, D_K_BITS, D_K_CPB, D_K_GROUP, D_K_R, D_K_SPARSE,
                 D_V_BITS, D_V_CPB, D_V_GROUP, D_V_R, D_V_K2)
 
     for blk in range(tl.maximum(lo, e3), hi):
@@ -340,7 +359,7 @@ def _decode_attention_kernel(
         t = s_len + p_len + c_cnt * NB + slot
         m_i, l_i, acc = _dense_block(q1, q2, buf_k + bh64 * s_buf_h, buf_v + bh64 * s_buf_h, D, t, slot, tvalid,
                                      pos_b, freq_ptr, attn_scale, sm_scale, limit, mvalid, window,
-                                     m_i, l_i, acc, D, HALF, DT)
+                                     m_i, l_i, acc, D, HALF, DT, FAST)
 
     ws = pid_bh * NSPLIT + split
     tl.store(acc_ptr + ws.to(tl.int64) * (M_PAD * D) + m_offs[:, None] * D + tl.arange(0, D)[None, :], acc)
@@ -398,7 +417,7 @@ class _StoreArgs:
         if not self.present:
             self.ptrs = [dummy] * (5 if key else 7)
             self.strides = [0] * (4 if key else 5)
-            zero = {"BITS": 0, "GROUP": 1, "R": 0}
+            zero = {"BITS": 0, "CPB": 1, "GROUP": 1, "R": 0}
             zero.update({"SPARSE": False} if key else {"K2": 0, "CODES_W": 1, "STATS_W": 1})
             self.constexprs = {f"{prefix}_{k}": v for k, v in zero.items()}
             self.k2 = 0
@@ -414,8 +433,8 @@ class _StoreArgs:
             self.strides = [f["codes"].stride(1), f["scale"].stride(1), f["lowrank_a"].stride(1),
                             f["lowrank_b"].stride(1)]
             self.k2 = store.extent["sparse_values"]  # 2k slots per chunk
-            self.constexprs = {f"{prefix}_BITS": spec.bits, f"{prefix}_GROUP": group, f"{prefix}_R": rank,
-                               f"{prefix}_SPARSE": self.k2 > 0}
+            self.constexprs = {f"{prefix}_BITS": spec.bits, f"{prefix}_CPB": 8 // spec.bits,
+                               f"{prefix}_GROUP": group, f"{prefix}_R": rank, f"{prefix}_SPARSE": self.k2 > 0}
             self.sparse = (f["sparse_values"], f["sparse_index"])
         else:
             if spec.axis != "token":
@@ -425,12 +444,20 @@ class _StoreArgs:
             self.strides = [f["codes"].stride(1), f["scale"].stride(1), f["sparse_values"].stride(1),
                             f["lowrank_a"].stride(1), f["lowrank_b"].stride(1)]
             self.k2 = f["sparse_values"].shape[-1]
-            self.constexprs = {f"{prefix}_BITS": spec.bits, f"{prefix}_GROUP": group, f"{prefix}_R": rank,
-                               f"{prefix}_K2": self.k2, f"{prefix}_CODES_W": f["codes"].shape[-1],
+            self.constexprs = {f"{prefix}_BITS": spec.bits, f"{prefix}_CPB": 8 // spec.bits,
+                               f"{prefix}_GROUP": group, f"{prefix}_R": rank, f"{prefix}_K2": self.k2, f"{prefix}_CODES_W": f["codes"].shape[-1],
                                f"{prefix}_STATS_W": f["scale"].shape[-1]}
         if store.chunk_len % (8 // spec.bits) or (key and group % (8 // spec.bits)):
             raise NotImplementedError(f"fused kernel: chunk of {store.chunk_len} tokens / group {group} does not "
                                       f"align with {8 // spec.bits} codes per byte")
+
+
+def _launch(kernel, grid, args, kwargs, plan: list | None) -> None:
+    """Run kernel[grid](*args, **kwargs), or only record it in `plan` (gear_hf.kernels.compile_check)."""
+    if plan is None:
+        kernel[grid](*args, **kwargs)
+    else:
+        plan.append((kernel, grid, args, kwargs))
 
 
 def _num_splits(max_blocks: int, programs: int, device: torch.device) -> int:
@@ -447,15 +474,16 @@ def decode_attention(query: torch.Tensor, key_stream, value_stream, *, rows: tor
                      positions: torch.Tensor, buffer_size: int, scaling: float, inv_freq: torch.Tensor,
                      attention_scaling: float = 1.0, sliding_window: int | None = None, out: torch.Tensor | None = None,
                      num_splits: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-                     row_lengths: list[list[int]] | None = None) -> torch.Tensor:
+                     row_lengths: list[list[int]] | None = None, _plan: list | None = None) -> torch.Tensor:
     """Attention of `query` [B,Hq,q,d] (already rotated) over one GearCache layer's streams.
 
     rows: int32 [B,4] (sink_len, prefill_len, decode_chunks, buffer_len) per row; limits: int32 [B,q], the
     row-local index of each query token (-1: padding, sees nothing); positions: int32 [B, >=tokens] row-local
     positions. row_lengths: the same four per-row numbers as python lists (avoids a device sync; read from
     `rows` when omitted). Returns out [B, q, Hq, d] in query's dtype (HF's attention-function layout).
+    _plan: record the launches in this list instead of running them (gear_hf.kernels.compile_check).
     """
-    if query.device.type != "cuda" and not interpreting():
+    if _plan is None and query.device.type != "cuda" and not interpreting():
         raise RuntimeError("gear_hf fused attention needs CUDA tensors, or TRITON_INTERPRET=1 set before "
                            "gear_hf.kernels modules are imported (CPU interpreter)")
     B, Hq, QL, D = query.shape
@@ -473,16 +501,10 @@ def decode_attention(query: torch.Tensor, key_stream, value_stream, *, rows: tor
     if dtype not in _TL:
         raise TypeError(f"fused kernel: query dtype {dtype} (fp16, bf16 or fp32)")
     dot_dt = tl.float32 if (dtype == torch.float32 or (dtype == torch.bfloat16 and interpreting())) else _TL[dtype]
+    fast = _libdevice is not None and not interpreting()  # hardware sin/cos (the interpreter has none)
     if query.stride(-1) != 1:
         query = query.contiguous()
     _check(buf_k, "buffer keys"), _check(buf_v, "buffer values")
-
-    NB = buffer_size
-    if block_n is None:
-        block_n = min(64, NB & -NB) if NB else 64
-    if NB % block_n or block_n < 16 or block_n & (block_n - 1):
-        raise NotImplementedError(f"fused kernel: block of {block_n} tokens must be a power of two >= 16 "
-                                  f"dividing buffer_size={NB}")
 
     sink_k = key_stream.sink.data
     has_sink = sink_k is not None
@@ -496,6 +518,12 @@ def decode_attention(query: torch.Tensor, key_stream, value_stream, *, rows: tor
     dv = _StoreArgs(value_stream.decode, query, D, "D_V", key=False)
     if pk.present != pv.present or dk.present != dv.present:
         raise RuntimeError("keys and values of a GearCache layer disagree on which chunks exist")
+    NB = buffer_size
+    if block_n is None:  # 32-token tiles: no register spills at head_dim 128 with 8 warps (ptxas, sm_90)
+        block_n = min(32, NB & -NB) if dk.present else 32
+    if block_n < 16 or block_n & (block_n - 1) or (dk.present and NB % block_n):
+        raise NotImplementedError(f"fused kernel: a block of {block_n} tokens must be a power of two >= 16 "
+                                  f"dividing buffer_size={NB}")
 
     if row_lengths is None:
         row_lengths = rows.tolist()
@@ -522,13 +550,13 @@ def decode_attention(query: torch.Tensor, key_stream, value_stream, *, rows: tor
             if n_rows == 0:
                 continue
             chunk_len = key_stream.prefill.chunk_len if is_prompt else NB
-            sb = max(1, min(_p2(n_rows), 4096 // D))
+            sb = max(1, min(_p2(n_rows), 2048 // D))
             grid = (B * Hkv, triton.cdiv(n_rows, sb))
-            _key_outlier_scores_kernel[grid](
+            _launch(_key_outlier_scores_kernel, grid, (
                 query, query.stride(0), query.stride(1), query.stride(2), rows, positions, positions.stride(0),
                 freq, float(attention_scaling), spv, spi, spv.stride(1), corr, corr.stride(1), corr.stride(2),
-                n_rows, chunk_len, Hkv, G=G, QL=QL, D=D, HALF=HALF, K2=args.k2, SB=sb, IS_PROMPT=is_prompt,
-                num_warps=4)
+                n_rows, chunk_len, args.k2, Hkv),
+                dict(G=G, QL=QL, D=D, HALF=HALF, SB=sb, IS_PROMPT=is_prompt, FAST=fast, num_warps=4), _plan)
     else:
         corr = torch.zeros(1, dtype=torch.float32, device=query.device)
 
@@ -547,19 +575,19 @@ def decode_attention(query: torch.Tensor, key_stream, value_stream, *, rows: tor
     if num_warps is None:
         num_warps = 4 if D <= 64 else 8
     grid = (B * Hkv, nsplit)
-    _decode_attention_kernel[grid](
+    _launch(_decode_attention_kernel, grid, (
         query, query.stride(0), query.stride(1), query.stride(2), limits, rows, positions, positions.stride(0),
         freq, float(attention_scaling), float(scaling) * LOG2E, window,
         sink_k if has_sink else query, sink_v if has_sink else query, sink_k.stride(1) if has_sink else 0,
         buf_k, buf_v, buf_k.stride(1),
         *pk.ptrs, *pk.strides, *pv.ptrs, *pv.strides, *dk.ptrs, *dk.strides, *dv.ptrs, *dv.strides,
         corr, corr_strides[0], corr_strides[1],
-        acc_ws, ml_ws, Hkv, nsplit,
-        G=G, QL=QL, M_PAD=M_PAD, D=D, HALF=HALF, BN=block_n, NB=NB, DT=dot_dt, HAS_SINK=has_sink,
-        **constexprs, num_warps=num_warps,
-    )
-    _combine_kernel[(B * Hkv, M)](acc_ws, ml_ws, out, out.stride(0), out.stride(1), out.stride(2), Hkv, nsplit,
-                                  G=G, QL=QL, M_PAD=M_PAD, D=D, NS_P2=_p2(nsplit), num_warps=4)
+        acc_ws, ml_ws, Hkv, nsplit),
+        dict(G=G, QL=QL, M_PAD=M_PAD, D=D, HALF=HALF, BN=block_n, NB=NB, DT=dot_dt, FAST=fast, HAS_SINK=has_sink,
+             **constexprs, num_warps=num_warps), _plan)
+    _launch(_combine_kernel, (B * Hkv, M), (acc_ws, ml_ws, out, out.stride(0), out.stride(1), out.stride(2), Hkv,
+                                            nsplit), dict(G=G, QL=QL, M_PAD=M_PAD, D=D, NS_P2=_p2(nsplit), num_warps=4),
+            _plan)
     return out
 
 

@@ -7,7 +7,8 @@
 
 Bit for bit the same as `gear_hf.compress.quant.quantize` followed by `pack_codes`: min/max in float32 over
 the entries not excluded, the stats rounded to `stats_dtype`, codes computed against the *stored* stats with
-IEEE division (`div_rn`: plain `/` is approximate on GPUs) and round-half-to-even (torch.round).
+IEEE division (`div_rn`: plain `/` is approximate on GPUs), round-half-to-even (torch.round), and no
+fused multiply-add contraction (enable_fp_fusion=False).
 """
 
 from __future__ import annotations
@@ -191,8 +192,16 @@ def output_shapes(shape, bits: int, axis: str, group: int):
     return (B, H, n, d_pad // cpb), (B, H, n, d_pad // group)
 
 
+def _launch(kernel, grid, args, kwargs, plan: list | None) -> None:
+    """Run kernel[grid](*args, **kwargs), or only record it in `plan` (gear_hf.kernels.compile_check)."""
+    if plan is None:
+        kernel[grid](*args, **kwargs)
+    else:
+        plan.append((kernel, grid, args, kwargs))
+
+
 def quantize_pack(x: torch.Tensor, bits: int, axis: str, group: int, exclude: torch.Tensor | None = None,
-                  stats_dtype: torch.dtype | None = None, out=None):
+                  stats_dtype: torch.dtype | None = None, out=None, _plan: list | None = None):
     """Quantize x [B,H,n,d] and pack the codes: returns (codes uint8 packed, scale, minimum).
 
     Equal, bit for bit, to `pack_codes(quantize(x, bits, axis, group, exclude, stats_dtype)[0], bits, dim)`
@@ -204,7 +213,8 @@ def quantize_pack(x: torch.Tensor, bits: int, axis: str, group: int, exclude: to
         raise ValueError(f"bits={bits}: 2, 4 or 8")
     if axis not in ("channel", "token"):
         raise ValueError(f"axis={axis!r}: 'channel' or 'token'")
-    _check_device(x)
+    if _plan is None:
+        _check_device(x)
     B, H, n, d = x.shape
     cpb = 8 // bits
     stats_dtype = stats_dtype or x.dtype
@@ -236,16 +246,16 @@ def quantize_pack(x: torch.Tensor, bits: int, axis: str, group: int, exclude: to
     strides = (*_strides3(x), *_strides3(ex), *_strides3(codes), *_strides3(scale), *_strides3(minimum))
     stats_tl = _TL_DTYPES[stats_dtype]
     if axis == "channel":
-        sub_b = max(1, min(_p2(group // cpb), max(1, 256 // cpb // max(1, _p2(d) // 32))))
+        sub_b = max(1, min(_p2(group // cpb), 2048 // (cpb * _p2(d))))  # tiles of <= 2048 elements
         grid = (B * H, n // group)
-        _quant_channel_kernel[grid](x, ex, codes, scale, minimum, H, n, d, *strides,
-                                    GROUP=group, BITS=bits, CPB=cpb, SUB_B=sub_b, D_P2=_p2(d),
-                                    HAS_EXCLUDE=has_ex, STATS_DT=stats_tl, num_warps=4)
+        _launch(_quant_channel_kernel, grid, (x, ex, codes, scale, minimum, H, n, d, *strides),
+                dict(GROUP=group, BITS=bits, CPB=cpb, SUB_B=sub_b, D_P2=_p2(d), HAS_EXCLUDE=has_ex,
+                     STATS_DT=stats_tl, num_warps=4, enable_fp_fusion=False), _plan)
     else:
         n_groups = -(-d // group)
-        block_t = max(1, min(64, 4096 // _p2(group)))
+        block_t = max(1, min(64, 1024 // _p2(group)))
         grid = (B * H, triton.cdiv(n, block_t))
-        _quant_token_kernel[grid](x, ex, codes, scale, minimum, H, n, d, n_groups, *strides,
-                                  GROUP=group, BITS=bits, CPB=cpb, BLOCK_T=block_t, GB_P2=_p2(group // cpb),
-                                  HAS_EXCLUDE=has_ex, STATS_DT=stats_tl, num_warps=4)
+        _launch(_quant_token_kernel, grid, (x, ex, codes, scale, minimum, H, n, d, n_groups, *strides),
+                dict(GROUP=group, BITS=bits, CPB=cpb, BLOCK_T=block_t, GB_P2=_p2(group // cpb), HAS_EXCLUDE=has_ex,
+                     STATS_DT=stats_tl, num_warps=4, enable_fp_fusion=False), _plan)
     return codes, scale, minimum

@@ -57,27 +57,32 @@ def row_local_tokens(cache, layer_idx: int, dtype=torch.float32):
 
 
 def reference_decode_attention(cache, layer_idx: int, query: torch.Tensor, *, scaling: float, inv_freq: torch.Tensor,
-                               attention_scaling: float = 1.0, sliding_window: int | None = None) -> torch.Tensor:
-    """float32 [B, q, Hq, d]: attention of query [B,Hq,q,d] over the cache layer after the current step."""
+                               attention_scaling: float = 1.0, sliding_window: int | None = None,
+                               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[B, q, Hq, d] float32: attention of query [B,Hq,q,d] over the cache layer after the current step.
+
+    dtype=float32 (default) is the oracle. dtype=bf16/fp16 emulates the reference path of gear_hf.attention in
+    that dtype (tokens reconstructed in it, cos/sin and the rotation in it, softmax attention with its
+    matmuls) — the error that path itself makes, to size a tolerance."""
     B, Hq, QL, D = query.shape
     limits = cache.rect_to_local[:, cache.rect_length - QL: cache.rect_length].long()
     out = torch.zeros(B, QL, Hq, D, dtype=torch.float32, device=query.device)
-    for b, (keys, values) in enumerate(row_local_tokens(cache, layer_idx)):
+    for b, (keys, values) in enumerate(row_local_tokens(cache, layer_idx, dtype)):
         Hkv, L, _ = keys.shape
         G = Hq // Hkv
         pos = cache.positions[b, :L].to(query.device)
         cos, sin = rope_tables(pos, inv_freq.to(query.device), attention_scaling)
-        k_rot = keys * cos + _rotate_half(keys) * sin  # [Hkv, L, D]
-        q = query[b].float()  # [Hq, QL, D]
-        scores = torch.einsum("hqd,hld->hql", q, k_rot.repeat_interleave(G, dim=0)) * scaling
+        k_rot = keys * cos.to(dtype) + _rotate_half(keys) * sin.to(dtype)  # [Hkv, L, D]
+        q = query[b].to(dtype)  # [Hq, QL, D]
+        scores = torch.matmul(q, k_rot.repeat_interleave(G, dim=0).transpose(-1, -2)).float() * scaling
         t = torch.arange(L, device=query.device)
         lim = limits[b][:, None]  # [QL, 1]
         visible = t[None, :] <= lim
         if sliding_window:
             visible &= (lim - t[None, :]) < sliding_window
         scores = scores.masked_fill(~visible[None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows that see nothing -> zeros
-        out[b] = torch.einsum("hql,hld->qhd", probs, values.repeat_interleave(G, dim=0))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).to(dtype)  # rows that see nothing -> zeros
+        out[b] = torch.matmul(probs, values.repeat_interleave(G, dim=0)).float().transpose(0, 1)
     return out
 
 

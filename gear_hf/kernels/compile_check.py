@@ -1,0 +1,157 @@
+"""Compile the Triton kernels for NVIDIA GPUs on a machine without one (ptxas ships with the triton wheel).
+
+The CPU interpreter checks numerics but not what only a compiler sees (tl.dot shape/dtype rules, layouts,
+types, register pressure). This module plans the real launches of `quantize_pack` and `decode_attention` on
+small CPU caches (the same host code that runs on a GPU, with `_plan=` recording instead of launching),
+then compiles each recorded launch with `triton.compile` for the requested architectures and reports
+registers and stack (local memory) per thread from the cubin.
+
+    python -m gear_hf.kernels.compile_check                # sm_90 (H100/H200) and sm_80 (A100)
+    python -m gear_hf.kernels.compile_check --arch 90 --quick
+
+Must run without TRITON_INTERPRET=1 (it sets nothing itself; `tests/test_kernels_compile.py` runs it in a
+subprocess). Exit status 1 when a kernel fails to compile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.uint8: "u8",
+          torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
+_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
+
+
+def _signature(kernel, args, kwargs):
+    names = kernel.arg_names
+    signature, constexprs = {}, {}
+    for name, value in zip(names, args):
+        if isinstance(value, torch.Tensor):
+            signature[name] = "*" + _TYPES[value.dtype]
+        elif isinstance(value, bool):
+            signature[name] = "i1"
+        elif isinstance(value, int):
+            signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:
+            raise TypeError(f"{name}: cannot type {type(value).__name__}")
+    for name, value in kwargs.items():
+        if name in _OPTIONS:
+            continue
+        signature[name] = "constexpr"
+        constexprs[name] = value
+    missing = [n for n in names if n not in signature]
+    if missing:
+        raise TypeError(f"{kernel.fn.__name__}: no value for {missing}")
+    return signature, constexprs
+
+
+def _resource_usage(cubin: bytes) -> str:
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    tool = str(tool) if tool.exists() else shutil.which("cuobjdump")
+    if not tool:
+        return "?"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    for line in out.splitlines():
+        if "REG:" in line:
+            fields = dict(x.split(":", 1) for x in line.split() if ":" in x)
+            return f"regs {fields.get('REG')} stack {fields.get('STACK')}B"
+    return "?"
+
+
+def compile_launch(kernel, args, kwargs, arch: int) -> str:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature, constexprs = _signature(kernel, args, kwargs)
+    options = {k: kwargs[k] for k in _OPTIONS if k in kwargs}
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs),
+                              target=GPUTarget("cuda", arch, 32), options=options)
+    return _resource_usage(compiled.asm["cubin"])
+
+
+def planned_launches(quick: bool = False):
+    """(label, kernel, args, kwargs) for representative configurations, planned on CPU tensors."""
+    from ..config import GearConfig
+    from .decode import cache_decode_attention
+    from .quant import quantize_pack
+    from .reference import build_cache
+
+    launches = []
+
+    def add(label, plan):
+        for kernel, _grid, args, kwargs in plan:
+            launches.append((f"{label} {kernel.fn.__name__}", kernel, args, kwargs))
+
+    decode_cases = [
+        ("gear2 bf16 d128 G4 q1 sink", dict(method="gear", bits=2, dtype=torch.bfloat16, d=128, group=4, q=1, sink=4)),
+        ("gear4 fp16 d64 G7 q4", dict(method="gear", bits=4, dtype=torch.float16, d=64, group=7, q=4, sink=0)),
+        ("kivi2 fp32 d128 G1 q1", dict(method="kivi", bits=2, dtype=torch.float32, d=128, group=1, q=1, sink=0)),
+        ("fp16 bf16 d128 G4 q1", dict(method="fp16", bits=4, dtype=torch.bfloat16, d=128, group=4, q=1, sink=0)),
+    ]
+    if quick:
+        decode_cases = decode_cases[:1]
+    for label, c in decode_cases:
+        cfg = GearConfig.preset(c["method"], bits=c["bits"], sink_tokens=c["sink"])
+        cache, _, _ = build_cache(cfg, batch=2, kv_heads=2, head_dim=c["d"], steps=[150, 70, c["q"]], dtype=c["dtype"])
+        q = torch.zeros(2, 2 * c["group"], c["q"], c["d"], dtype=c["dtype"])
+        plan = []
+        cache_decode_attention(cache, 0, q, scaling=1.0, inv_freq=torch.ones(c["d"] // 2), _plan=plan)
+        add(label, plan)
+    quant_cases = [("bf16 channel 2b", torch.bfloat16, "channel", 2, 128), ("fp16 token 4b", torch.float16, "token", 4, 128),
+                   ("fp32 token 8b d40", torch.float32, "token", 8, 40), ("bf16 channel 8b d40", torch.bfloat16, "channel", 8, 40)]
+    if quick:
+        quant_cases = quant_cases[:2]
+    for label, dtype, axis, bits, d in quant_cases:
+        x = torch.zeros(1, 2, 128, d, dtype=dtype)
+        plan = []
+        quantize_pack(x, bits, axis, 64 if d == 128 else 16, exclude=torch.zeros_like(x, dtype=torch.bool), _plan=plan)
+        add(label, plan)
+    return launches
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", type=int, nargs="+", default=[90, 80], help="compute capabilities (90 = sm_90)")
+    parser.add_argument("--quick", action="store_true", help="one decode and two quantize configurations")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("compile_check: unset TRITON_INTERPRET (the interpreter replaces the compiler)", file=sys.stderr)
+        return 2
+    failures = 0
+    seen = set()
+    for label, kernel, kargs, kwargs in planned_launches(args.quick):
+        for arch in args.arch:
+            key = (kernel.fn.__name__, arch, repr(_signature(kernel, kargs, kwargs)), repr(sorted(
+                (k, kwargs[k]) for k in _OPTIONS if k in kwargs)))
+            if key in seen:
+                continue
+            seen.add(key)
+            try:
+                usage = compile_launch(kernel, kargs, kwargs, arch)
+                print(f"ok    sm_{arch}  {label:<48} {usage}", flush=True)
+            except Exception as exc:  # noqa: BLE001 - report every failure
+                failures += 1
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                print(f"FAIL  sm_{arch}  {label:<48} {type(exc).__name__}: {first[:300]}", flush=True)
+    print(f"{len(seen) - failures} compiled, {failures} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,267 @@
+#!/usr/bin/env python3
+"""Decode-step attention benchmark: fused GEAR (Triton) vs fp16 SDPA vs the reference GEAR path.
+
+One decode step of one layer with Llama-3-8B attention shapes (32 query heads, 8 KV heads, head_dim 128),
+random data, for each context length T and batch size:
+
+  sdpa       torch.nn.functional.scaled_dot_product_attention over a dense fp16 K/V cache (enable_gqa)
+  reference  what gear_hf does without kernels: reconstruct K/V from the GEAR cache (torch engine), gather
+             into HF's layout, RoPE the keys, then SDPA
+  fused      gear_hf.kernels: attention straight from the compressed storage (2-bit and 4-bit GEAR)
+
+Reported per row: median time (CUDA events; `graph_ms` = the same call replayed from a CUDA graph, i.e.
+without Python launch overhead, when capture works), bytes the method must read (`bytes`: used compressed
+storage + positions for GEAR, dense K/V for SDPA; the reference path reads at least the compressed bytes and
+writes+reads a dense copy: `bytes` is that lower bound), achieved bandwidth = bytes / time, and the fused
+output's relative error against the float32 oracle (gear_hf.kernels.reference) where that is cheap.
+
+Results go to OUT (default $OUT or ./bench_out): bench_decode_attention.json and .csv, written after every
+row so a timeout keeps what was measured. Without CUDA the script says so and exits 0 (`make bench` runs it).
+
+    python scripts/bench_decode_attention.py                       # T=1k/8k/32k x batch 1/8, bits 2/4
+    python scripts/bench_decode_attention.py --T 1024 --batch 1    # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+
+HQ, HKV, D = 32, 8, 128
+
+
+def _median_ms(fn, iters: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    if not torch.cuda.is_available():  # --cpu-smoke: wall clock, only to exercise the script
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _graph_ms(fn, iters: int, warmup: int) -> float | None:
+    """Median time of fn replayed from a CUDA graph (no Python/launch overhead); None if capture fails."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return _median_ms(graph.replay, iters, warmup)
+    except Exception as exc:  # capture is an optimisation of the measurement, never a failure
+        print(f"   (CUDA graph capture failed: {type(exc).__name__}: {str(exc)[:120]})", flush=True)
+        return None
+
+
+def _inv_freq():
+    return 1.0 / (500000.0 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+
+
+def _build(T: int, batch: int, bits: int, dtype, device):
+    """A one-layer GearCache holding T tokens per row (prompt chunk + decode chunks + buffer), after one decode
+    step; data generated on the GPU."""
+    from gear_hf.cache import GearCache
+    from gear_hf.config import GearConfig
+
+    cfg = GearConfig.preset("gear", bits=bits)
+    cache = GearCache(types.SimpleNamespace(num_hidden_layers=1), cfg)
+    g = torch.Generator(device=device).manual_seed(T * 31 + batch * 7 + bits)
+    scale = torch.ones(D, device=device)
+    scale[:4] = 8.0  # a few outlier channels, like real keys
+    decode_part = min(4 * cfg.buffer_size - 1, T // 4)
+    steps = [T - decode_part - 1, decode_part, 1]
+    mask = torch.zeros(batch, 0, dtype=torch.long, device=device)
+    for q in steps:
+        mask = torch.cat([mask, torch.ones(batch, q, dtype=torch.long, device=device)], dim=1)
+        pos = (mask.cumsum(1) - 1)[:, -q:]
+        cache.observe_attention_mask(mask)
+        k = (torch.randn(batch, HKV, q, D, device=device, generator=g) * scale).to(dtype)
+        v = torch.randn(batch, HKV, q, D, device=device, generator=g).to(dtype)
+        cache.store_and_read(0, k, v, pos)
+    return cache
+
+
+def _compressed_bytes(cache) -> int:
+    """Bytes of the cache's used storage (what the fused kernel must read) + positions (int32)."""
+    layer = cache.layers[0]
+    total = cache.tokens_held() * 4
+    for stream in (layer.key_stream, layer.value_stream):
+        for store, chunks in ((stream.prefill, 1), (stream.decode, max(cache.decode_chunks))):
+            if store is None or not store.fields:
+                continue
+            for name, t in store.fields.items():
+                used = min(chunks * store.extent[name], t.shape[2])
+                total += t[:, :, :used].numel() * t.element_size()
+        for ts, lengths in ((stream.sink, cache.sink_len), (stream.buffer, cache.buffer_len)):
+            if ts.data is not None:
+                total += ts.data[:, :, : max(lengths)].numel() * ts.data.element_size()
+    return total
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--T", type=int, nargs="+", default=[1024, 8192, 32768])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--bits", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--no-reference", action="store_true", help="skip the (slow) reference GEAR path")
+    parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    parser.add_argument("--cpu-smoke", action="store_true",
+                        help="no GPU: run tiny sizes through the Triton interpreter to check the script itself")
+    args = parser.parse_args()
+
+    if args.cpu_smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    elif not torch.cuda.is_available():
+        print("bench_decode_attention: no CUDA device; this benchmark measures GPU kernels. Skipped "
+              "(--cpu-smoke exercises the script on tiny sizes).")
+        return 0
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from gear_hf.attention import apply_rotary
+    from gear_hf.kernels.decode import cache_decode_attention
+    from gear_hf.kernels.reference import rope_tables
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    meta = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu (interpreter smoke run)", "torch": torch.__version__, "dtype": args.dtype,
+            "shape": {"q_heads": HQ, "kv_heads": HKV, "head_dim": D, "q_len": 1}, "iters": args.iters}
+    try:
+        import triton
+
+        meta["triton"] = triton.__version__
+    except Exception:  # noqa: BLE001
+        meta["triton"] = None
+
+    def save():
+        (out_dir / "bench_decode_attention.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        keys = ["T", "batch", "method", "median_ms", "graph_ms", "bytes", "GBps", "graph_GBps", "vs_sdpa",
+                "rel_err", "note"]
+        with open(out_dir / "bench_decode_attention.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+            w.writeheader()
+            w.writerows(rows)
+
+    def record(**row):
+        row["GBps"] = round(row["bytes"] / row["median_ms"] / 1e6, 1) if row.get("median_ms") else None
+        row["graph_GBps"] = round(row["bytes"] / row["graph_ms"] / 1e6, 1) if row.get("graph_ms") else None
+        rows.append(row)
+        print(f"T={row['T']:>6} B={row['batch']} {row['method']:<10} median {row.get('median_ms')} ms "
+              f"graph {row.get('graph_ms')} ms  {row['bytes'] / 1e6:.1f} MB  {row.get('GBps')} GB/s  "
+              f"x{row.get('vs_sdpa')} of sdpa  err {row.get('rel_err')}", flush=True)
+        save()
+
+    inv_freq = _inv_freq().to(device)
+    scaling = D ** -0.5
+    started = time.time()
+    for T in args.T:
+        for batch in args.batch:
+            g = torch.Generator(device=device).manual_seed(T + batch)
+            q = torch.randn(batch, HQ, 1, D, device=device, generator=g, dtype=torch.float32).to(dtype)
+            k = torch.randn(batch, HKV, T, D, device=device, generator=g, dtype=torch.float32).to(dtype)
+            v = torch.randn(batch, HKV, T, D, device=device, generator=g, dtype=torch.float32).to(dtype)
+            sdpa = torch.nn.functional.scaled_dot_product_attention
+            try:
+                fn = lambda: sdpa(q, k, v, enable_gqa=True)  # noqa: E731
+                fn()
+            except TypeError:  # torch < 2.5: no enable_gqa
+                kx, vx = k.repeat_interleave(HQ // HKV, 1), v.repeat_interleave(HQ // HKV, 1)
+                fn = lambda: sdpa(q, kx, vx)  # noqa: E731
+            sdpa_ms = _median_ms(fn, args.iters, args.warmup)
+            dense_bytes = 2 * k.numel() * k.element_size() + 2 * q.numel() * q.element_size()
+            record(T=T, batch=batch, method="sdpa_fp16" if dtype == torch.float16 else "sdpa_bf16",
+                   median_ms=round(sdpa_ms, 4), graph_ms=_round(_graph_ms(fn, args.iters, args.warmup)),
+                   bytes=dense_bytes, vs_sdpa=1.0)
+            del k, v
+            for bits in args.bits:
+                try:
+                    cache = _build(T, batch, bits, dtype, device)
+                except torch.cuda.OutOfMemoryError:
+                    record(T=T, batch=batch, method=f"gear{bits}_fused", bytes=0, note="OOM building the cache")
+                    continue
+                comp_bytes = _compressed_bytes(cache)
+                fused = lambda: cache_decode_attention(cache, 0, q, scaling=scaling, inv_freq=inv_freq)  # noqa: E731
+                try:
+                    out = fused()
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    err = None
+                    if T * batch <= 8 * 8192:  # the float32 oracle is cheap enough here
+                        from gear_hf.kernels.reference import reference_decode_attention
+
+                        ref = reference_decode_attention(cache, 0, q, scaling=scaling, inv_freq=inv_freq)
+                        err = float(((out.float() - ref).abs().max() / ref.abs().max()).item())
+                        del ref
+                    ms = _median_ms(fused, args.iters, args.warmup)
+                    record(T=T, batch=batch, method=f"gear{bits}_fused", median_ms=round(ms, 4),
+                           graph_ms=_round(_graph_ms(fused, args.iters, args.warmup)), bytes=comp_bytes,
+                           vs_sdpa=round(ms / sdpa_ms, 3), rel_err=err)
+                except Exception as exc:  # noqa: BLE001 - report and go on with the other rows
+                    record(T=T, batch=batch, method=f"gear{bits}_fused", bytes=comp_bytes,
+                           note=f"{type(exc).__name__}: {str(exc)[:200]}")
+                if not args.no_reference:
+                    layer = cache.layers[0]
+                    plan = cache._plan
+                    sink = cache.gear_config.sink_tokens
+
+                    def reference():
+                        keys = layer.key_stream.read(plan, sink, dtype, 0)
+                        values = layer.value_stream.read(plan, sink, dtype, 0)
+                        cos, sin = rope_tables(plan.read_positions, inv_freq)
+                        keys = apply_rotary(keys, cos.to(dtype), sin.to(dtype))
+                        return sdpa(q, keys, values, enable_gqa=True)
+
+                    try:
+                        ms = _median_ms(reference, max(5, args.iters // 3), 2)
+                        dense = 2 * batch * HKV * T * D * torch.finfo(dtype).bits // 8
+                        record(T=T, batch=batch, method=f"gear{bits}_reference", median_ms=round(ms, 4),
+                               bytes=comp_bytes + 2 * dense, vs_sdpa=round(ms / sdpa_ms, 3),
+                               note="bytes: lower bound (compressed read + dense write + dense read)")
+                    except Exception as exc:  # noqa: BLE001
+                        record(T=T, batch=batch, method=f"gear{bits}_reference", bytes=0,
+                               note=f"{type(exc).__name__}: {str(exc)[:200]}")
+                del cache
+                torch.cuda.empty_cache()
+            print(f"   [{time.time() - started:.0f}s elapsed]", flush=True)
+    save()
+    return 0
+
+
+def _round(x):
+    return None if x is None else round(x, 4)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
