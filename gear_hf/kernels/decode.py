@@ -20,7 +20,10 @@ Compressed blocks are decoded in registers, never written back:
 * values (per token over channel groups): unpack along channels, dequantize, add the token's outliers,
   accumulate P·V̂ with tl.dot and the low-rank term as (P·A)·Bᵀ (never A·Bᵀ);
 * online softmax in float32 (exp2), causal inside the new tokens and the sliding window on row-local indices
-  (padding is not stored, so a row's indices are exactly its real tokens).
+  (padding is not stored, so a row's indices are exactly its real tokens); blocks wholly outside the window
+  are skipped, not just masked;
+* cos/sin: the float32 angle pos*inv_freq (as HF computes it), reduced to [-pi, pi] exactly enough (~1e-6 rad
+  at 3e4 rad), then the hardware sin/cos approximations on the GPU (exact ones in the interpreter).
 
 Operands of tl.dot are cast to the model dtype (fp16/bf16: tensor cores) or stay float32 (`ieee`); under the
 CPU interpreter bf16 is upcast to float32 (the interpreter computes bf16 dots wrong). Everything else is
@@ -251,6 +254,13 @@ def _key_outlier_scores_kernel(
 
 
 @triton.jit
+def _blocks_before(t_min, start, length, BN: tl.constexpr):
+    """How many BN-token blocks of the segment [start, start+length) end at or before token t_min."""
+    n = tl.cdiv(length, BN)
+    return tl.where(t_min >= start + length, n, tl.minimum(tl.maximum(t_min - start, 0) // BN, n))
+
+
+@triton.jit
 def _decode_attention_kernel(
     q_ptr, sqb, sqh, sqq, lim_ptr, rows_ptr, pos_ptr, spos, freq_ptr, attn_scale, sm_scale, window,
     sink_k, sink_v, s_sink_h, buf_k, buf_v, s_buf_h,
@@ -290,9 +300,6 @@ def _decode_attention_kernel(
     e2 = e1 + nb_prompt
     e3 = e2 + nb_decode
     total = e3 + nb_buf
-    per = tl.cdiv(total, NSPLIT)
-    lo = split * per
-    hi = tl.minimum(lo + per, total)
 
     m_offs = tl.arange(0, M_PAD)
     mvalid = m_offs < G * QL
@@ -303,6 +310,19 @@ def _decode_attention_kernel(
     q1 = tl.load(q_rows[:, None] + h_offs[None, :], mask=mvalid[:, None], other=0.0)
     q2 = tl.load(q_rows[:, None] + HALF + h_offs[None, :], mask=mvalid[:, None], other=0.0)
     limit = tl.load(lim_ptr + b * QL + qi, mask=mvalid, other=-1)
+
+    # Sliding window: blocks that end before the earliest visible token of every query are skipped (not
+    # just masked), and the splits share only the blocks that remain.
+    first = s_len * 0  # an int32 scalar, like the value the window branch gives it
+    if window > 0:
+        lowest = tl.min(tl.where(mvalid & (limit >= 0), limit, 2147483647), axis=0)
+        t_min = tl.maximum(lowest - window + 1, 0)
+        first = _blocks_before(t_min, 0, s_len, BN) + _blocks_before(t_min, s_len, p_len, BN) \
+            + _blocks_before(t_min, s_len + p_len, c_cnt * NB, BN) \
+            + _blocks_before(t_min, s_len + p_len + c_cnt * NB, f_len, BN)
+    per = tl.cdiv(total - first, NSPLIT)
+    lo = first + split * per
+    hi = tl.minimum(lo + per, total)
     n_offs = tl.arange(0, BN)
     pos_b = pos_ptr + b64 * spos
 
