@@ -37,7 +37,9 @@ def tasks(data_dir):
     tm = TaskManager(include_path=str(task_dir()), metadata={"data_dir": str(data_dir)})
     names = ["gsm8k_cot_gear", "aqua_cot_gear", "bbh_cot_gear_boolean_expressions",
              "bbh_cot_gear_date_understanding", "bbh_cot_gear_sports_understanding", "bbh_cot_gear_word_sorting"]
-    return tm, tm.load(names)["tasks"]
+    if hasattr(tm, "load"):  # lm-eval >= 0.4.12
+        return tm, tm.load(names)["tasks"]
+    return tm, tm.load_task_or_group(names)
 
 
 def _prompt(task, i=0, shots=None):

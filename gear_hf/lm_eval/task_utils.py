@@ -84,6 +84,17 @@ def _hub_split(path: str, name: str | None, split: str) -> list[dict]:
     return list(datasets.load_dataset(path, name, split=split))
 
 
+def _read_task_yaml(path: Path) -> dict:
+    """A task YAML of lm-eval's, read as data (`!function` tags kept as strings, no includes resolved)."""
+    import yaml
+
+    class _Loader(yaml.SafeLoader):
+        pass
+
+    _Loader.add_constructor("!function", lambda loader, node: loader.construct_scalar(node))
+    return yaml.load(path.read_text(encoding="utf-8"), Loader=_Loader)
+
+
 def _lm_eval_task_file(*parts: str) -> Path:
     import lm_eval.tasks
 
@@ -97,9 +108,7 @@ def _lm_eval_task_file(*parts: str) -> Path:
 @lru_cache(maxsize=1)
 def gsm8k_cot_exemplars() -> tuple[dict, ...]:
     """The 8 (question, CoT answer) exemplars of lm-eval's installed `gsm8k-cot` task."""
-    from lm_eval.tasks._yaml_loader import load_yaml
-
-    cfg = load_yaml(_lm_eval_task_file("gsm8k", "gsm8k-cot.yaml"), resolve_func=False)
+    cfg = _read_task_yaml(_lm_eval_task_file("gsm8k", "gsm8k-cot.yaml"))
     samples = cfg["fewshot_config"]["samples"]
     return tuple({"question": s["question"], "cot": s["target"]} for s in samples)
 
@@ -207,10 +216,7 @@ def parse_bbh_cot_prompt(text: str) -> tuple[str, list[dict]]:
 
 
 def _bbh_prompt_from_lm_eval(subtask: str) -> tuple[str, list[dict]]:
-    from lm_eval.tasks._yaml_loader import load_yaml
-
-    cfg = load_yaml(_lm_eval_task_file("bbh", "cot_fewshot", f"{subtask}.yaml"), resolve_func=False,
-                    recursive=False)
+    cfg = _read_task_yaml(_lm_eval_task_file("bbh", "cot_fewshot", f"{subtask}.yaml"))
     exemplars = [{"input": s["input"], "cot": "\n" + s["target"].strip()}
                  for s in cfg["fewshot_config"]["samples"]]
     return cfg.get("description", "").strip(), exemplars
