@@ -242,10 +242,10 @@ class GearCache(Cache):
         self._pending_mask = attention_mask
 
     # -- the one entry point of the patched attention ----------------------------------------------------
-    def store_and_read(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor,
-                       position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store this step's keys (before RoPE) and values [B,H,q,d]; return all of the layer's keys and values
-        in HF's padded layout [B,H,T,d]. Positions of the returned tokens: `read_positions()`."""
+    def store(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor,
+              position_ids: torch.Tensor | None = None) -> "GearLayer":
+        """Store this step's keys (before RoPE) and values [B,H,q,d] of one layer; the first layer to store in
+        a step plans it for all layers."""
         layer = self.layers[layer_idx]
         if layer.steps == self.steps:
             self._plan_step(key_states, position_ids)
@@ -254,17 +254,24 @@ class GearCache(Cache):
                                "must be updated once per forward step, in order")
         if key_states.shape[0] != self.batch_size_:
             raise ValueError(f"batch size changed from {self.batch_size_} to {key_states.shape[0]} in one GearCache")
-        plan = self._plan
         cfg = self.gear_config
         for stream, x in ((layer.key_stream, key_states), (layer.value_stream, value_states)):
-            stream.apply(plan, x, cfg.sink_tokens, self.prompt_chunk_len, self.batch_size_)
+            stream.apply(self._plan, x, cfg.sink_tokens, self.prompt_chunk_len, self.batch_size_)
         layer.steps += 1
         layer.seen_length = self.rect_length
         if self._shape is None:
             self._shape = (key_states.shape[1], key_states.shape[3])
+        return layer
+
+    def store_and_read(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor,
+                       position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`store`, then return all of the layer's keys and values in HF's padded layout [B,H,T,d] (the
+        reference path: reconstructed in full). Positions of the returned tokens: `read_positions()`."""
+        layer = self.store(layer_idx, key_states, value_states, position_ids)
+        plan, sink = self._plan, self.gear_config.sink_tokens
         start = layer.visible_start(plan.rect_before)
-        keys = layer.key_stream.read(plan, cfg.sink_tokens, key_states.dtype, start)
-        values = layer.value_stream.read(plan, cfg.sink_tokens, value_states.dtype, start)
+        keys = layer.key_stream.read(plan, sink, key_states.dtype, start)
+        values = layer.value_stream.read(plan, sink, value_states.dtype, start)
         return keys, values
 
     def read_positions(self, layer_idx: int) -> torch.Tensor:
@@ -503,21 +510,7 @@ class GearCache(Cache):
         straight from the compressed storage with the fused Triton kernel: nothing is reconstructed. Keys are
         rotated in the kernel from the stored positions with `inv_freq`/`attention_scaling` (the rotary
         module's). Returns [B, q, Hq, d] (HF's attention-function layout)."""
-        layer = self.layers[layer_idx]
-        if layer.steps == self.steps:
-            self._plan_step(key_states, position_ids)
-        elif layer.steps != self.steps - 1:
-            raise RuntimeError(f"GearCache layer {layer_idx} is {self.steps - layer.steps} steps behind; layers "
-                               "must be updated once per forward step, in order")
-        if key_states.shape[0] != self.batch_size_:
-            raise ValueError(f"batch size changed from {self.batch_size_} to {key_states.shape[0]} in one GearCache")
-        cfg = self.gear_config
-        for stream, x in ((layer.key_stream, key_states), (layer.value_stream, value_states)):
-            stream.apply(self._plan, x, cfg.sink_tokens, self.prompt_chunk_len, self.batch_size_)
-        layer.steps += 1
-        layer.seen_length = self.rect_length
-        if self._shape is None:
-            self._shape = (key_states.shape[1], key_states.shape[3])
+        layer = self.store(layer_idx, key_states, value_states, position_ids)
         from .kernels.decode import cache_decode_attention  # imports triton: only on this path
 
         return cache_decode_attention(self, layer_idx, query, scaling=scaling, inv_freq=inv_freq,
