@@ -109,6 +109,9 @@ class ChunkStore:
 
     def compress_into(self, x: torch.Tensor, row: int, chunk: int, batch: int, reserve_chunks: int) -> None:
         """Compress x [1,H,n,d] (n <= chunk_len) and store it as chunk `chunk` of row `row`."""
+        if not torch.isfinite(x).all():  # one NaN would poison its whole group's min/max: fail loudly
+            raise ValueError(f"non-finite keys/values (NaN or inf) in row {row} reached the GEAR cache; the "
+                             "model produced them before the cache (check the dtype's range, e.g. fp16)")
         compressed = compress(x, self.spec)
         self.reserve(compressed, batch, max(chunk + 1, reserve_chunks))
         for name in FIELDS:

@@ -209,3 +209,11 @@ def test_bits_per_element_at_2_bits_with_llama3_8b_heads():
     assert cache.buffer_len == [63]
     assert report["bits_per_element"] <= 4.5, report
     assert report["total_bytes"] == _tensors_reachable(cache)
+
+
+def test_non_finite_values_fail_loudly():
+    cache = _cache(_config())
+    K, V = _stream(40, 1)
+    V[0, 1, 3, 5] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        cache.store_and_read(0, K[:, :, :40], V[:, :, :40])
