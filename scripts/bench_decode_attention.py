@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import json
 import os
 import statistics
@@ -147,16 +148,13 @@ def main() -> int:
               "(--cpu-smoke exercises the script on tiny sizes).")
         return 0
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from gear_hf.attention import apply_rotary
-    from gear_hf.kernels.decode import cache_decode_attention
-    from gear_hf.kernels.reference import rope_tables
-
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
-    meta = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu (interpreter smoke run)", "torch": torch.__version__, "dtype": args.dtype,
+    meta = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu (interpreter smoke run)",
+            "torch": torch.__version__, "dtype": args.dtype,
             "shape": {"q_heads": HQ, "kv_heads": HKV, "head_dim": D, "q_len": 1}, "iters": args.iters}
     try:
         import triton
@@ -184,79 +182,90 @@ def main() -> int:
         save()
 
     inv_freq = _inv_freq().to(device)
-    scaling = D ** -0.5
     started = time.time()
     for T in args.T:
         for batch in args.batch:
-            g = torch.Generator(device=device).manual_seed(T + batch)
-            q = torch.randn(batch, HQ, 1, D, device=device, generator=g, dtype=torch.float32).to(dtype)
-            k = torch.randn(batch, HKV, T, D, device=device, generator=g, dtype=torch.float32).to(dtype)
-            v = torch.randn(batch, HKV, T, D, device=device, generator=g, dtype=torch.float32).to(dtype)
-            sdpa = torch.nn.functional.scaled_dot_product_attention
-            try:
-                fn = lambda: sdpa(q, k, v, enable_gqa=True)  # noqa: E731
-                fn()
-            except TypeError:  # torch < 2.5: no enable_gqa
-                kx, vx = k.repeat_interleave(HQ // HKV, 1), v.repeat_interleave(HQ // HKV, 1)
-                fn = lambda: sdpa(q, kx, vx)  # noqa: E731
-            sdpa_ms = _median_ms(fn, args.iters, args.warmup)
-            dense_bytes = 2 * k.numel() * k.element_size() + 2 * q.numel() * q.element_size()
-            record(T=T, batch=batch, method="sdpa_fp16" if dtype == torch.float16 else "sdpa_bf16",
-                   median_ms=round(sdpa_ms, 4), graph_ms=_round(_graph_ms(fn, args.iters, args.warmup)),
-                   bytes=dense_bytes, vs_sdpa=1.0)
-            del k, v
-            for bits in args.bits:
-                try:
-                    cache = _build(T, batch, bits, dtype, device)
-                except torch.cuda.OutOfMemoryError:
-                    record(T=T, batch=batch, method=f"gear{bits}_fused", bytes=0, note="OOM building the cache")
-                    continue
-                comp_bytes = _compressed_bytes(cache)
-                fused = lambda: cache_decode_attention(cache, 0, q, scaling=scaling, inv_freq=inv_freq)  # noqa: E731
-                try:
-                    out = fused()
-                    if device.type == "cuda":
-                        torch.cuda.synchronize()
-                    err = None
-                    if T * batch <= 8 * 8192:  # the float32 oracle is cheap enough here
-                        from gear_hf.kernels.reference import reference_decode_attention
-
-                        ref = reference_decode_attention(cache, 0, q, scaling=scaling, inv_freq=inv_freq)
-                        err = float(((out.float() - ref).abs().max() / ref.abs().max()).item())
-                        del ref
-                    ms = _median_ms(fused, args.iters, args.warmup)
-                    record(T=T, batch=batch, method=f"gear{bits}_fused", median_ms=round(ms, 4),
-                           graph_ms=_round(_graph_ms(fused, args.iters, args.warmup)), bytes=comp_bytes,
-                           vs_sdpa=round(ms / sdpa_ms, 3), rel_err=err)
-                except Exception as exc:  # noqa: BLE001 - report and go on with the other rows
-                    record(T=T, batch=batch, method=f"gear{bits}_fused", bytes=comp_bytes,
-                           note=f"{type(exc).__name__}: {str(exc)[:200]}")
-                if not args.no_reference:
-                    layer = cache.layers[0]
-                    plan = cache._plan
-                    sink = cache.gear_config.sink_tokens
-
-                    def reference():
-                        keys = layer.key_stream.read(plan, sink, dtype, 0)
-                        values = layer.value_stream.read(plan, sink, dtype, 0)
-                        cos, sin = rope_tables(plan.read_positions, inv_freq)
-                        keys = apply_rotary(keys, cos.to(dtype), sin.to(dtype))
-                        return sdpa(q, keys, values, enable_gqa=True)
-
-                    try:
-                        ms = _median_ms(reference, max(5, args.iters // 3), 2)
-                        dense = 2 * batch * HKV * T * D * torch.finfo(dtype).bits // 8
-                        record(T=T, batch=batch, method=f"gear{bits}_reference", median_ms=round(ms, 4),
-                               bytes=comp_bytes + 2 * dense, vs_sdpa=round(ms / sdpa_ms, 3),
-                               note="bytes: lower bound (compressed read + dense write + dense read)")
-                    except Exception as exc:  # noqa: BLE001
-                        record(T=T, batch=batch, method=f"gear{bits}_reference", bytes=0,
-                               note=f"{type(exc).__name__}: {str(exc)[:200]}")
-                del cache
+            _bench_point(T, batch, args, dtype, device, inv_freq, record)
+            if device.type == "cuda":
                 torch.cuda.empty_cache()
             print(f"   [{time.time() - started:.0f}s elapsed]", flush=True)
     save()
     return 0
+
+
+def _sdpa_dense(q, k, v):
+    try:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    except TypeError:  # torch < 2.5: no enable_gqa
+        g = q.shape[1] // k.shape[1]
+        return torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(g, 1),
+                                                                v.repeat_interleave(g, 1))
+
+
+def _reference_step(cache, q, inv_freq, dtype):
+    """What gear_hf.attention does without kernels, minus the store: reconstruct, gather, rotate, SDPA."""
+    from gear_hf.attention import apply_rotary
+    from gear_hf.kernels.reference import rope_tables
+
+    layer, plan, sink = cache.layers[0], cache._plan, cache.gear_config.sink_tokens
+    keys = layer.key_stream.read(plan, sink, dtype, 0)
+    values = layer.value_stream.read(plan, sink, dtype, 0)
+    cos, sin = rope_tables(plan.read_positions, inv_freq)
+    return _sdpa_dense(q, apply_rotary(keys, cos.to(dtype), sin.to(dtype)), values)
+
+
+def _bench_point(T, batch, args, dtype, device, inv_freq, record):
+    """sdpa, then fused (and reference) GEAR at each bit width, for one (T, batch)."""
+    from gear_hf.kernels.decode import cache_decode_attention
+    from gear_hf.kernels.reference import reference_decode_attention
+
+    scaling = D ** -0.5
+    g = torch.Generator(device=device).manual_seed(T + batch)
+    q = torch.randn(batch, HQ, 1, D, device=device, generator=g, dtype=torch.float32).to(dtype)
+    k = torch.randn(batch, HKV, T, D, device=device, generator=g, dtype=torch.float32).to(dtype)
+    v = torch.randn(batch, HKV, T, D, device=device, generator=g, dtype=torch.float32).to(dtype)
+    fn = functools.partial(_sdpa_dense, q, k, v)
+    sdpa_ms = _median_ms(fn, args.iters, args.warmup)
+    record(T=T, batch=batch, method="sdpa_fp16" if dtype == torch.float16 else "sdpa_bf16",
+           median_ms=round(sdpa_ms, 4), graph_ms=_round(_graph_ms(fn, args.iters, args.warmup)),
+           bytes=2 * k.numel() * k.element_size() + 2 * q.numel() * q.element_size(), vs_sdpa=1.0)
+    del fn, k, v
+    for bits in args.bits:
+        try:
+            cache = _build(T, batch, bits, dtype, device)
+        except torch.cuda.OutOfMemoryError:
+            record(T=T, batch=batch, method=f"gear{bits}_fused", bytes=0, note="OOM building the cache")
+            continue
+        comp_bytes = _compressed_bytes(cache)
+        fused = functools.partial(cache_decode_attention, cache, 0, q, scaling=scaling, inv_freq=inv_freq)
+        try:
+            out = fused()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            err = None
+            if T * batch <= 8 * 8192:  # the float32 oracle is cheap enough here
+                ref = reference_decode_attention(cache, 0, q, scaling=scaling, inv_freq=inv_freq)
+                err = float(((out.float() - ref).abs().max() / ref.abs().max()).item())
+                del ref
+            ms = _median_ms(fused, args.iters, args.warmup)
+            record(T=T, batch=batch, method=f"gear{bits}_fused", median_ms=round(ms, 4),
+                   graph_ms=_round(_graph_ms(fused, args.iters, args.warmup)), bytes=comp_bytes,
+                   vs_sdpa=round(ms / sdpa_ms, 3), rel_err=err)
+        except Exception as exc:  # noqa: BLE001 - report and go on with the other rows
+            record(T=T, batch=batch, method=f"gear{bits}_fused", bytes=comp_bytes,
+                   note=f"{type(exc).__name__}: {str(exc)[:200]}")
+        if not args.no_reference:
+            try:
+                ms = _median_ms(functools.partial(_reference_step, cache, q, inv_freq, dtype),
+                                max(5, args.iters // 3), 2)
+                dense = 2 * batch * HKV * T * D * torch.finfo(dtype).bits // 8
+                record(T=T, batch=batch, method=f"gear{bits}_reference", median_ms=round(ms, 4),
+                       bytes=comp_bytes + 2 * dense, vs_sdpa=round(ms / sdpa_ms, 3),
+                       note="bytes: lower bound (compressed read + dense write + dense read)")
+            except Exception as exc:  # noqa: BLE001
+                record(T=T, batch=batch, method=f"gear{bits}_reference", bytes=0,
+                       note=f"{type(exc).__name__}: {str(exc)[:200]}")
+        del fused, cache
 
 
 def _round(x):

@@ -28,7 +28,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def test_import_gear_hf_does_not_import_triton():
     code = ("import sys, gear_hf, gear_hf.kernels, gear_hf.config, gear_hf.cache, gear_hf.kernels.reference\n"
             "assert 'triton' not in sys.modules, 'triton imported'\n"
-            "import gear_hf.api, gear_hf.attention\n"  # transformers itself may import triton; our kernels must not load
+            # transformers itself may import triton; our kernel modules must not load
+            "import gear_hf.api, gear_hf.attention\n"
             "assert 'gear_hf.kernels.decode' not in sys.modules and 'gear_hf.kernels.quant' not in sys.modules\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=os.path.dirname(os.path.dirname(__file__)))

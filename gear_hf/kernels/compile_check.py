@@ -113,8 +113,10 @@ def planned_launches(quick: bool = False):
         plan = []
         cache_decode_attention(cache, 0, q, scaling=1.0, inv_freq=torch.ones(c["d"] // 2), _plan=plan)
         add(label, plan)
-    quant_cases = [("bf16 channel 2b", torch.bfloat16, "channel", 2, 128), ("fp16 token 4b", torch.float16, "token", 4, 128),
-                   ("fp32 token 8b d40", torch.float32, "token", 8, 40), ("bf16 channel 8b d40", torch.bfloat16, "channel", 8, 40)]
+    quant_cases = [("bf16 channel 2b", torch.bfloat16, "channel", 2, 128),
+                   ("fp16 token 4b", torch.float16, "token", 4, 128),
+                   ("fp32 token 8b d40", torch.float32, "token", 8, 40),
+                   ("bf16 channel 8b d40", torch.bfloat16, "channel", 8, 40)]
     if quick:
         quant_cases = quant_cases[:2]
     for label, dtype, axis, bits, d in quant_cases:

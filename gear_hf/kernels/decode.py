@@ -33,8 +33,6 @@ combinations use the torch path (see gear_hf.kernels.fused_supported).
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -465,7 +463,8 @@ class _StoreArgs:
                             f["lowrank_a"].stride(1), f["lowrank_b"].stride(1)]
             self.k2 = f["sparse_values"].shape[-1]
             self.constexprs = {f"{prefix}_BITS": spec.bits, f"{prefix}_CPB": 8 // spec.bits,
-                               f"{prefix}_GROUP": group, f"{prefix}_R": rank, f"{prefix}_K2": self.k2, f"{prefix}_CODES_W": f["codes"].shape[-1],
+                               f"{prefix}_GROUP": group, f"{prefix}_R": rank, f"{prefix}_K2": self.k2,
+                               f"{prefix}_CODES_W": f["codes"].shape[-1],
                                f"{prefix}_STATS_W": f["scale"].shape[-1]}
         if store.chunk_len % (8 // spec.bits) or (key and group % (8 // spec.bits)):
             raise NotImplementedError(f"fused kernel: chunk of {store.chunk_len} tokens / group {group} does not "

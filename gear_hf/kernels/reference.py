@@ -86,7 +86,8 @@ def reference_decode_attention(cache, layer_idx: int, query: torch.Tensor, *, sc
     return out
 
 
-def build_cache(gear_config, *, batch: int, kv_heads: int, head_dim: int, steps: list[int], pad: list[int] | None = None,
+def build_cache(gear_config, *, batch: int, kv_heads: int, head_dim: int, steps: list[int],
+                pad: list[int] | None = None,
                 dtype=torch.float32, device="cpu", seed: int = 0, num_layers: int = 1, position_offset: int = 0,
                 outlier_channels: int = 2):
     """A GearCache after len(steps) forward steps (steps[0] = prompt columns, left-padded by pad[b]).
