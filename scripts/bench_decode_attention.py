@@ -11,8 +11,9 @@ random data, for each context length T and batch size:
 
 Reported per row: median time (CUDA events; `graph_ms` = the same call replayed from a CUDA graph, i.e.
 without Python launch overhead, when capture works), bytes the method must read (`bytes`: used compressed
-storage + positions for GEAR, dense K/V for SDPA; the reference path reads at least the compressed bytes and
-writes+reads a dense copy: `bytes` is that lower bound), achieved bandwidth = bytes / time, and the fused
+storage + positions for GEAR, dense K/V for SDPA; the fused kernel's own scratch — the fp32 outlier-score
+buffer, 4*G bytes per compressed token and KV head, written then read — is not counted; the reference path
+reads at least the compressed bytes and writes+reads a dense copy: `bytes` is that lower bound), achieved bandwidth = bytes / time, and the fused
 output's relative error against the float32 oracle (gear_hf.kernels.reference) where that is cheap.
 
 Results go to OUT (default $OUT or ./bench_out): bench_decode_attention.json and .csv, written after every

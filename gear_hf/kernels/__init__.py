@@ -7,7 +7,9 @@ The kernel modules are imported on first use:
 * `gear_hf.kernels.quant`  - quantize + pack kernels writing exactly the `ChunkStore` layout
   (`quantize_pack`, bit-for-bit equal to `gear_hf.compress.quant`);
 * `gear_hf.kernels.decode` - the fused decode attention over a `GearCache` layer (`cache_decode_attention`),
-  and its low-level launcher (`decode_attention`).
+  and its low-level launcher (`decode_attention`);
+* `gear_hf.kernels.reference` - the float32 torch oracle and a cache builder (tests, benchmark; no triton);
+* `gear_hf.kernels.compile_check` - compiles the kernels for sm_90/sm_80 with ptxas on a machine without a GPU.
 
 Triton without a GPU: every launch fails unless TRITON_INTERPRET=1 is set *before* the kernel modules are
 imported (triton decides at decoration time); the tests do that.
