@@ -62,13 +62,14 @@ def _stream_specs(cfg: GearConfig, bits: int, axis: str) -> tuple[ChunkSpec, Chu
 class _Stream:
     """Keys or values of one layer."""
 
-    def __init__(self, prefill_spec: ChunkSpec, decode_spec: ChunkSpec, buffer_size: int) -> None:
+    def __init__(self, prefill_spec: ChunkSpec, decode_spec: ChunkSpec, buffer_size: int, backend: str) -> None:
         self.prefill_spec, self.decode_spec = prefill_spec, decode_spec
         self.sink = TokenStore()
         self.buffer = TokenStore()
         self.prefill: ChunkStore | None = None
-        self.decode = ChunkStore(decode_spec, buffer_size)
+        self.decode = ChunkStore(decode_spec, buffer_size, backend)
         self.buffer_size = buffer_size
+        self.backend = backend
 
     def apply(self, plan: _StepPlan, x: torch.Tensor, sink_tokens: int, prefill_len: int, batch: int) -> None:
         """Store this step's tokens x [B,H,q,d] as planned."""
@@ -83,7 +84,7 @@ class _Stream:
             start = 0
             if f.prefill:
                 if self.prefill is None:
-                    self.prefill = ChunkStore(self.prefill_spec, prefill_len)
+                    self.prefill = ChunkStore(self.prefill_spec, prefill_len, self.backend)
                 self.prefill.compress_into(pending[:, :, : f.prefill], f.row, 0, batch, 1)
                 start = f.prefill
             for c in range(f.decode):
@@ -146,8 +147,9 @@ class GearLayer(CacheLayerMixin):
         self.steps = 0
         self.seen_length = 0
         cfg = cache.gear_config
-        self.key_stream = _Stream(*_stream_specs(cfg, cfg.key_bits, cfg.key_axis), cfg.buffer_size)
-        self.value_stream = _Stream(*_stream_specs(cfg, cfg.value_bits, cfg.value_axis), cfg.buffer_size)
+        self.key_stream = _Stream(*_stream_specs(cfg, cfg.key_bits, cfg.key_axis), cfg.buffer_size, cfg.backend)
+        self.value_stream = _Stream(*_stream_specs(cfg, cfg.value_bits, cfg.value_axis), cfg.buffer_size,
+                                    cfg.backend)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.is_initialized = True

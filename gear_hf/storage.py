@@ -63,6 +63,13 @@ class TokenStore:
             self.data = self.data.index_select(0, index)
 
 
+class _Backend:
+    """The one field of a GearConfig that `kernels.resolve_backend` reads."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+
+
 # Fields of a CompressedChunk, in storage order.
 FIELDS = ("codes", "scale", "minimum", "sparse_values", "sparse_index", "lowrank_a", "lowrank_b")
 COMPONENT_OF = {"codes": "codes", "scale": "scales", "minimum": "scales", "sparse_values": "sparse_values",
@@ -77,9 +84,10 @@ class ChunkStore:
     reconstructs to zeros, which the attention mask hides.
     """
 
-    def __init__(self, spec: ChunkSpec, chunk_len: int) -> None:
+    def __init__(self, spec: ChunkSpec, chunk_len: int, backend: str = "auto") -> None:
         self.spec = spec
         self.chunk_len = chunk_len
+        self.backend = backend  # GearConfig.backend: "triton" (resolved) quantizes with the Triton kernel
         self.fields: dict[str, torch.Tensor] = {}
         self.extent: dict[str, int] = {}
         self.capacity = 0  # chunks
@@ -112,12 +120,22 @@ class ChunkStore:
         if not torch.isfinite(x).all():  # one NaN would poison its whole group's min/max: fail loudly
             raise ValueError(f"non-finite keys/values (NaN or inf) in row {row} reached the GEAR cache; the "
                              "model produced them before the cache (check the dtype's range, e.g. fp16)")
-        compressed = compress(x, self.spec)
+        compressed = compress(x, self.spec, quantize_pack=self._quantize_pack(x))
         self.reserve(compressed, batch, max(chunk + 1, reserve_chunks))
         for name in FIELDS:
             src = getattr(compressed, name)[0]
             start = chunk * self.extent[name]
             self.fields[name][row, :, start : start + src.shape[1]] = src
+
+    def _quantize_pack(self, x: torch.Tensor):
+        """The Triton quantize+pack kernel when the backend resolves to triton for x's device, else None."""
+        from . import kernels  # light: triton itself is imported only when the kernel is fetched
+
+        if kernels.resolve_backend(_Backend(self.backend), x.device) != "triton":
+            return None
+        if self.spec.group_for(x.shape[2], x.shape[3]) % (8 // self.spec.bits):
+            return None  # a group the packing kernel cannot split into bytes: the torch engine handles it
+        return kernels.quantize_pack
 
     def reconstruct(self, chunks: int, out_dtype: torch.dtype) -> torch.Tensor:
         """The first `chunks` chunks of every row, decompressed: [B, H, chunks*chunk_len, d]."""

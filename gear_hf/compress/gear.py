@@ -53,15 +53,26 @@ class CompressedChunk:
     lowrank_b: torch.Tensor
 
 
-def compress(x: torch.Tensor, spec: ChunkSpec, valid: torch.Tensor | None = None) -> CompressedChunk:
-    """Compress x [B,H,n,d]. valid [B,n] bool marks real tokens; padding takes no part in any statistic."""
+def compress(x: torch.Tensor, spec: ChunkSpec, valid: torch.Tensor | None = None,
+             quantize_pack=None) -> CompressedChunk:
+    """Compress x [B,H,n,d]. valid [B,n] bool marks real tokens; padding takes no part in any statistic.
+
+    quantize_pack: optional accelerated (x, bits, axis, group, exclude) -> (packed codes, scale, minimum) that
+    must equal quant.quantize + quant.pack_codes bit for bit (gear_hf.kernels.quantize_pack on CUDA).
+    """
     B, H, n, d = x.shape
     group = spec.group_for(n, d)
     index, slot_used, mask = outliers.select_outliers(x, spec.axis, spec.outlier_ratio, valid)
     exclude = mask
     if valid is not None:
         exclude = mask | ~valid[:, None, :, None]
-    codes, scale, minimum = quant.quantize(x, spec.bits, spec.axis, group, exclude=exclude)
+    pack_dim = -2 if spec.axis == "channel" else -1
+    if quantize_pack is None:
+        codes, scale, minimum = quant.quantize(x, spec.bits, spec.axis, group, exclude=exclude)
+        packed = quant.pack_codes(codes, spec.bits, pack_dim)
+    else:
+        packed, scale, minimum = quantize_pack(x, spec.bits, spec.axis, group, exclude)
+        codes = quant.unpack_codes(packed, spec.bits, pack_dim)
     dequantized = quant.dequantize(codes, scale, minimum, spec.axis, group, d, torch.float32)
     sparse_values = outliers.gather_entries(x.float() - dequantized, index, spec.axis)
     sparse_values = torch.where(slot_used, sparse_values, torch.zeros_like(sparse_values)).to(x.dtype)
@@ -71,9 +82,8 @@ def compress(x: torch.Tensor, spec: ChunkSpec, valid: torch.Tensor | None = None
                                                    out_dtype=x.dtype)
     else:
         lowrank_a, lowrank_b = x.new_zeros(B, H, n, 0), x.new_zeros(B, H, d, 0)
-    pack_dim = -2 if spec.axis == "channel" else -1
     return CompressedChunk(
-        codes=quant.pack_codes(codes, spec.bits, pack_dim),
+        codes=packed,
         scale=scale,
         minimum=minimum,
         sparse_values=sparse_values,
