@@ -8,6 +8,7 @@ they are the same for every layer and live once in the cache (`gear_hf.cache`).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -95,9 +96,9 @@ class ChunkStore:
         self.dtype: torch.dtype | None = None
 
     def _allocate(self, example: CompressedChunk, batch: int, chunks: int) -> None:
-        # The extents of a full chunk come from compressing zeros of the full length once.
+        # The extents of a full chunk come from compressing zeros of the full length once (one cheap iteration).
         H, d = example.lowrank_b.shape[1], example.lowrank_b.shape[2]
-        full = compress(example.lowrank_b.new_zeros(1, H, self.chunk_len, d), self.spec)
+        full = compress(example.lowrank_b.new_zeros(1, H, self.chunk_len, d), replace(self.spec, power_iters=1))
         for name in FIELDS:
             t = getattr(full, name)
             self.extent[name] = t.shape[2]
@@ -123,9 +124,10 @@ class ChunkStore:
         compressed = compress(x, self.spec, quantize_pack=self._quantize_pack(x))
         self.reserve(compressed, batch, max(chunk + 1, reserve_chunks))
         for name in FIELDS:
-            src = getattr(compressed, name)[0]
+            src = getattr(compressed, name)[0]  # [H, e_row, ...]: a short row may fill less (extent, rank)
             start = chunk * self.extent[name]
-            self.fields[name][row, :, start : start + src.shape[1]] = src
+            target = self.fields[name][row, :, start : start + src.shape[1]]
+            target[tuple(slice(0, n) for n in src.shape)] = src
 
     def _quantize_pack(self, x: torch.Tensor):
         """The Triton quantize+pack kernel when the backend resolves to triton for x's device, else None."""

@@ -217,3 +217,14 @@ def test_non_finite_values_fail_loudly():
     V[0, 1, 3, 5] = float("nan")
     with pytest.raises(ValueError, match="NaN"):
         cache.store_and_read(0, K[:, :, :40], V[:, :, :40])
+
+
+def test_rank_larger_than_a_short_rows_prompt():
+    """A row whose prompt chunk is shorter than the rank (rank clamps to its length) still stores."""
+    config = _config(rank_prefill=12, group_size=8, buffer_size=8)
+    K, V = _stream(24, 4, batch=2)
+    mask = torch.ones(2, 28, dtype=torch.long)
+    mask[1, :16] = 0  # row 1: an 8-token prompt chunk, rank clamped to 8
+    cache = _cache(config)
+    keys, _ = _feed(cache, K, V, 24, mask)
+    assert cache.prefill_len == [24, 8] and torch.isfinite(keys).all()
