@@ -1,0 +1,126 @@
+"""Decode tokens/s and peak RSS at T≈1k: DynamicCache, HF QuantizedCache int2/int4 and gear_hf presets.
+
+    python scripts/bench_decode.py                       # SmolLM2, batch 1 and 4, 32 new tokens, 3 repeats
+    python scripts/bench_decode.py --quick               # SmolLM2, batch 1, 16 new tokens, 5 methods
+    python scripts/bench_decode.py --models smollm2 qwen25 --batch 1 4 --new 64   # the issue's full grid (long)
+
+Every (model, batch) cell runs every method once per repeat, interleaved (the method order rotates between
+repeats), so all methods see the same machine load; the table gives medians over repeats and the median of
+the per-repeat ratios to DynamicCache (paired). Prompts: the last T tokens of 8-shot GSM8K CoT prompts (one
+per row, no padding), greedy, exactly --new tokens. tokens/s counts generated tokens of all rows over the
+decode steps only (prefill excluded: the step clock starts when the first logits arrive). Peak RSS: resident
+memory sampled every 2 ms during `generate`, reported as the increase over the RSS before the call (the
+weights are already resident) and as the absolute peak. gear_hf runs the reference path here (CPU: no Triton
+kernels): it reconstructs the whole compressed history at every step, so it is expected to be slower than
+DynamicCache; the numbers say by how much. Writes results/decode.csv and results/decode.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+import benchlib
+
+DEFAULT_METHODS = ("dynamic", "hf-quanto-int2", "hf-quanto-int4", "fp16", "kivi-2", "gear-2", "gear-4")
+QUICK_METHODS = ("dynamic", "hf-quanto-int2", "fp16", "kivi-2", "gear-2")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", default=os.environ.get("GEAR_BENCH_QUICK") == "1")
+    parser.add_argument("--models", nargs="+", default=None)
+    parser.add_argument("--batch", type=int, nargs="+", default=None)
+    parser.add_argument("--T", type=int, default=1024, help="prompt tokens per row (default 1024)")
+    parser.add_argument("--new", type=int, default=None, help="new tokens (default 32, quick 16)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--methods", default=None)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    parser.add_argument("--hf-residual", type=int, default=128, help="HF QuantizedCache residual_length")
+    parser.add_argument("--out", default=str(benchlib.RESULTS))
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        print(f"bench_decode: ignoring options meant for other benchmarks: {unknown}", file=sys.stderr)
+    models = args.models or ["smollm2"]
+    batches = args.batch or ([1] if args.quick else [1, 4])
+    new = args.new or (16 if args.quick else 32)
+    methods = [benchlib.check_method(m.strip()) for m in args.methods.split(",")] if args.methods else \
+        list(QUICK_METHODS if args.quick else DEFAULT_METHODS)
+    skipped = [m for m in methods if m in benchlib.HF_METHODS and not benchlib.hf_backend_available(m.split("-")[1])]
+    methods = [m for m in methods if m not in skipped]
+    cond = benchlib.Conditions(extra={"dtype": args.dtype, "T": args.T, "new_tokens": new, "batch": batches,
+                                      "repeats": args.repeats, "hf_residual_length": args.hf_residual})
+    benchlib.print_conditions(cond)
+    torch.set_grad_enabled(False)
+    out = benchlib.Path(args.out)
+
+    raw = []
+    for model_name in models:
+        try:
+            model, tokenizer = benchlib.load_model(model_name, args.dtype)
+        except Exception as err:  # weights not installed: say so, measure the rest
+            print(f"skipping {model_name}: {err}", file=sys.stderr)
+            continue
+        prompts = [p.prompt for p in benchlib.gsm8k_prompts(max(batches))]
+        for batch in batches:
+            ids = benchlib.fixed_length_batch(tokenizer, prompts, args.T, batch)
+            benchlib.run_generate(model, ids[:1, -64:], "dynamic", 2)  # warm-up (allocator, lazy init)
+            for rep in range(args.repeats):
+                order = methods[rep % len(methods):] + methods[: rep % len(methods)]
+                for method in order:
+                    r = benchlib.run_generate(model, ids, method, new, hf_residual=args.hf_residual)
+                    tps = batch * r.decode_steps / r.decode_seconds if r.decode_seconds else float("nan")
+                    raw.append({"model": model_name, "batch": batch, "repeat": rep, "method": method,
+                                "decode_steps": r.decode_steps, "decode_s": r.decode_seconds,
+                                "tokens_per_s": tps, "prefill_s": r.prefill_seconds,
+                                "peak_rss_mb": r.peak_rss / 2**20, "rss_increase_mb": (r.peak_rss - r.rss_before) / 2**20})
+                    print(f"{model_name} b={batch} rep={rep} {method:15s} {tps:7.2f} tok/s  prefill {r.prefill_seconds:6.1f}s"
+                          f"  +{(r.peak_rss - r.rss_before) / 2**20:7.1f} MiB RSS", flush=True)
+                    benchlib.write_csv(out / "decode_raw.csv", raw)
+        import gear_hf
+
+        gear_hf.disable(model)
+        del model
+    cond.finish()
+
+    rows = []
+    for model_name in models:
+        for batch in batches:
+            cell = [r for r in raw if r["model"] == model_name and r["batch"] == batch]
+            if not cell:
+                continue
+            for method in methods:
+                mine = [r for r in cell if r["method"] == method]
+                ratios = []
+                for rep in {r["repeat"] for r in mine}:
+                    base = [r for r in cell if r["method"] == "dynamic" and r["repeat"] == rep]
+                    if base:
+                        ratios.append(next(r for r in mine if r["repeat"] == rep)["tokens_per_s"] / base[0]["tokens_per_s"])
+                rows.append({"model": model_name, "batch": batch, "method": method, "repeats": len(mine),
+                             "tokens_per_s": benchlib.median(r["tokens_per_s"] for r in mine),
+                             "ratio_vs_dynamic": benchlib.median(ratios) if ratios else None,
+                             "prefill_s": benchlib.median(r["prefill_s"] for r in mine),
+                             "rss_increase_mb": benchlib.median(r["rss_increase_mb"] for r in mine),
+                             "peak_rss_mb": benchlib.median(r["peak_rss_mb"] for r in mine)})
+    benchlib.write_csv(out / "decode.csv", rows)
+    body = [f"T={args.T} prompt tokens per row, {new} new tokens (greedy, forced length), {args.dtype}; medians over "
+            f"{args.repeats} interleaved repeats; ratio = median of per-repeat ratios to DynamicCache. HF QuantizedCache: "
+            f"quanto backend, defaults (per-token axes, post-RoPE), q_group_size=64, residual_length={args.hf_residual}. "
+            "gear_hf: reference path (no Triton on CPU)."]
+    if skipped:
+        body.append(f"Not measured (backend not installed): {', '.join(skipped)}.")
+    body.append(benchlib.markdown_table(rows, [
+        ("model", "model", "{}"), ("batch", "batch", "{}"), ("method", "method", "{}"),
+        ("tokens_per_s", "decode tok/s", "{:.2f}"), ("ratio_vs_dynamic", "x DynamicCache", "{:.2f}"),
+        ("rss_increase_mb", "peak RSS increase (MiB)", "{:.1f}"), ("peak_rss_mb", "peak RSS (MiB)", "{:.0f}"),
+        ("prefill_s", "prefill s", "{:.1f}")]))
+    benchlib.write_summary(out / "decode.md", "Decode throughput and peak RSS", cond, "\n\n".join(body))
+    print((out / "decode.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
