@@ -32,9 +32,9 @@ def gsm8k_prompt(index: int = 0, shots: int = 4) -> str:
 def test_fp16_preset_reproduces_stock_greedy_output(smollm2):
     model, tokenizer = smollm2
     batch = realweights.make_batch(tokenizer)
-    stock = realweights.greedy(model, batch, max_new_tokens=24)
+    stock = realweights.greedy(model, batch, max_new_tokens=16)
     with gear_hf.enabled(model, gear_hf.GearConfig.preset("fp16")):
-        ours = realweights.greedy(model, batch, max_new_tokens=24)
+        ours = realweights.greedy(model, batch, max_new_tokens=16)
     assert torch.equal(ours, stock)
 
 
@@ -77,9 +77,9 @@ def test_compressed_batch_rows_match_rows_alone(smollm2):
     config = gear_hf.GearConfig.preset("gear", bits=4, group_size=8, buffer_size=16)
     batch = realweights.make_batch(tokenizer)
     with gear_hf.enabled(model, config):
-        together = realweights.greedy(model, batch, max_new_tokens=20)
+        together = realweights.greedy(model, batch, max_new_tokens=12)
         for row, prompt in enumerate(realweights.PROMPTS):
-            alone = realweights.greedy(model, realweights.make_batch(tokenizer, [prompt]), max_new_tokens=20)
+            alone = realweights.greedy(model, realweights.make_batch(tokenizer, [prompt]), max_new_tokens=12)
             assert torch.equal(alone[0], together[row]), row
 
 
