@@ -476,8 +476,10 @@ def write_report(diagnosis: Diagnosis, out_dir) -> dict:
         paths[f"png_{m}"] = out / f"heatmap_{m}.png"
         heatmap(diagnosis.rows, m, paths[f"png_{m}"], title)
     s = diagnosis.summary
-    lines = [f"# Diagnostics: {title}", "",
-             f"{cond['tokens']} tokens: {cond['prompt_tokens']} at prefill, the rest teacher-forced in chunks of "
+    lines = [f"# Diagnostics: {title}", ""]
+    if cond.get("command"):
+        lines += [f"Command: `{cond['command']}`", ""]
+    lines += [f"{cond['tokens']} tokens: {cond['prompt_tokens']} at prefill, the rest teacher-forced in chunks of "
              f"{cond['chunk']}; torch {cond['torch']}, transformers {cond['transformers']}, "
              f"{cond['threads']} threads.", "",
              f"All layers compressed: next-token KL mean {s['mean_kl']:.4g} (max {s['max_kl']:.4g}), "
@@ -583,7 +585,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_grad_enabled(False)
     started = time.time()
     diagnosis = diagnose(model, ids, config, prompt_len, args.chunk, args.kl, args.include_prompt)
-    diagnosis.conditions.update(model=args.model, seconds=round(time.time() - started, 1))
+    diagnosis.conditions.update(model=args.model, seconds=round(time.time() - started, 1),
+                                command="python -m gear_hf.diagnostics " + " ".join(argv if argv is not None
+                                                                                   else sys.argv[1:]))
     tag = f"{_model_tag(args.model)}-{config.describe()}" + "".join(f"-{k}={v}" for k, v in overrides.items())
     out = args.out or f"results/diagnostics/{tag}"
     paths = write_report(diagnosis, out)
