@@ -6,7 +6,7 @@
   (transformers' QuantizedCache), and gear_hf presets ``fp16``, ``kivi-2``, ``gear-4``, ... (`gear_hf.demo`
   naming). `Method.generate` runs one greedy `generate` with that cache and times the decode steps.
 * `PeakRSS`: peak resident memory during a call, sampled by a thread (ru_maxrss never goes down, so it
-  cannot tell methods apart inside one process).
+  cannot tell methods apart inside one process); freed heap is returned to the OS first (malloc_trim).
 * `tensor_bytes`: an independent count of the bytes of every tensor reachable from an object (unique
   storages), used to cross-check `GearCache.memory_report()` and to measure HF's caches.
 * GSM8K prompts are read from ../shared/data/gsm8k at run time; no dataset text is stored in the repo.
@@ -244,6 +244,19 @@ class StepClock:
         return len(self.times) - 1, (self.times[-1] - self.times[0]) if len(self.times) > 1 else 0.0
 
 
+def release_free_memory() -> None:
+    """Collect garbage and hand freed heap pages back to the OS (glibc malloc_trim), so that the RSS before a
+    measured call does not include what an earlier call freed but the allocator kept."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 class PeakRSS:
     """Peak resident set size (bytes) of this process while the block runs, sampled every `interval` s."""
 
@@ -261,6 +274,7 @@ class PeakRSS:
             time.sleep(self.interval)
 
     def __enter__(self) -> "PeakRSS":
+        release_free_memory()
         self.before = self.peak = self.process.memory_info().rss
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
