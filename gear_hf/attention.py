@@ -69,20 +69,21 @@ def gear_attention_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
     cos, sin = position_embeddings
     query = apply_rotary(query, cos, sin)
     position_ids = kwargs.get("position_ids")
-    # -- fused Triton decode path (gear_hf.kernels.use_fused decides: backend switch, CUDA, supported step) --
+    if not cache.gear_config.pre_rope:  # ablation: compress keys after RoPE, as HF's QuantizedCache does
+        key = apply_rotary(key, cos, sin)
+    cache.store(module.layer_idx, key, value, position_ids)
+    # -- fused Triton decode path (gear_hf.kernels.use_fused decides: backend switch, CUDA, supported step); a
+    #    step that just compressed a chunk takes the reference path, which attends its own tokens exactly --
     if use_fused(cache.gear_config, query, training=module.training,
-                 output_attentions=bool(kwargs.get("output_attentions"))):
+                 output_attentions=bool(kwargs.get("output_attentions"))) and not cache.step_compressed():
         rotary = patch.rotary_emb
-        output = cache.fused_attention(module.layer_idx, query, key, value, position_ids, scaling=module.scaling,
-                                       inv_freq=rotary.inv_freq,
+        output = cache.fused_attention(module.layer_idx, query, scaling=module.scaling, inv_freq=rotary.inv_freq,
                                        attention_scaling=getattr(rotary, "attention_scaling", 1.0))
         return module.o_proj(output.reshape(*input_shape, -1).contiguous()), None
-    # -- end of the fused path; below, the reference path (reconstruct, rotate, model's attention function) --
+    # -- the reference path: reconstruct, rotate, the model's own attention function --
+    keys, values = cache.read(module.layer_idx, key, value)  # [B,Hkv,T,d]
     if cache.gear_config.pre_rope:
-        keys, values = cache.store_and_read(module.layer_idx, key, value, position_ids)  # [B,Hkv,T,d]
         keys = apply_rotary(keys, *cache.rotary_for_read(module.layer_idx, patch.rotary_emb, values))
-    else:  # ablation: compress keys after RoPE, as HF's QuantizedCache does
-        keys, values = cache.store_and_read(module.layer_idx, apply_rotary(key, cos, sin), value, position_ids)
 
     attention = ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation,
                                                       _eager_attention(module))

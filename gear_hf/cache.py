@@ -265,16 +265,31 @@ class GearCache(Cache):
             self._shape = (key_states.shape[1], key_states.shape[3])
         return layer
 
-    def store_and_read(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor,
-                       position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """`store`, then return all of the layer's keys and values in HF's padded layout [B,H,T,d] (the
-        reference path: reconstructed in full). Positions of the returned tokens: `read_positions()`."""
-        layer = self.store(layer_idx, key_states, value_states, position_ids)
+    def read(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """All of the layer's keys and values in HF's padded layout [B,H,T,d] after `store` (the reference
+        path: reconstructed in full). This step's own tokens (key_states/value_states, the last q columns)
+        come back exactly as given: a step attends to itself in full precision, as KIVI and HF's
+        QuantizedCache do, and compression shows from the next step on. Positions: `read_positions()`."""
+        layer = self.layers[layer_idx]
         plan, sink = self._plan, self.gear_config.sink_tokens
         start = layer.visible_start(plan.rect_before)
         keys = layer.key_stream.read(plan, sink, key_states.dtype, start)
         values = layer.value_stream.read(plan, sink, value_states.dtype, start)
+        q = key_states.shape[2]
+        keys[:, :, -q:] = key_states
+        values[:, :, -q:] = value_states
         return keys, values
+
+    def store_and_read(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor,
+                       position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`store` then `read`."""
+        self.store(layer_idx, key_states, value_states, position_ids)
+        return self.read(layer_idx, key_states, value_states)
+
+    def step_compressed(self) -> bool:
+        """Whether the current step moved tokens into compressed chunks (for some row)."""
+        return bool(self._plan.flushes)
 
     def read_positions(self, layer_idx: int) -> torch.Tensor:
         """[B, T] positions of the tokens `store_and_read` returned (padding columns hold 0)."""
@@ -505,15 +520,15 @@ class GearCache(Cache):
         return report
 
     # -- fused Triton decode attention (gear_hf.kernels); store_and_read + attention stays the default/oracle --
-    def fused_attention(self, layer_idx: int, query: torch.Tensor, key_states: torch.Tensor,
-                        value_states: torch.Tensor, position_ids: torch.Tensor | None = None, *, scaling: float,
-                        inv_freq: torch.Tensor, attention_scaling: float = 1.0) -> torch.Tensor:
-        """Store this step exactly as `store_and_read` does, then attend `query` [B,Hq,q,d] (already rotated)
-        straight from the compressed storage with the fused Triton kernel: nothing is reconstructed. Keys are
-        rotated in the kernel from the stored positions with `inv_freq`/`attention_scaling` (the rotary
-        module's). Returns [B, q, Hq, d] (HF's attention-function layout)."""
-        layer = self.store(layer_idx, key_states, value_states, position_ids)
+    def fused_attention(self, layer_idx: int, query: torch.Tensor, *, scaling: float, inv_freq: torch.Tensor,
+                        attention_scaling: float = 1.0) -> torch.Tensor:
+        """After `store`, attend `query` [B,Hq,q,d] (already rotated) straight from the compressed storage with
+        the fused Triton kernel: nothing is reconstructed. Keys are rotated in the kernel from the stored
+        positions with `inv_freq`/`attention_scaling` (the rotary module's). Only for steps that compressed
+        nothing (`step_compressed()` False): then this step's tokens are in the buffer or sink, exact, as the
+        reference path also has them. Returns [B, q, Hq, d] (HF's attention-function layout)."""
         from .kernels.decode import cache_decode_attention  # imports triton: only on this path
 
         return cache_decode_attention(self, layer_idx, query, scaling=scaling, inv_freq=inv_freq,
-                                      attention_scaling=attention_scaling, sliding_window=layer.sliding_window)
+                                      attention_scaling=attention_scaling,
+                                      sliding_window=self.layers[layer_idx].sliding_window)
