@@ -6,9 +6,10 @@ at a time, so decode chunks count) and compares, per layer, the reconstruction a
 of the last queries against the uncompressed tensors.
 
 `head_errors` does the same per layer and head, step by step as the cache is filled (prompt at prefill, the
-continuation in chunks, by default buffer-sized): reconstruction error of K and V, error of the attention
-scores (pre-softmax logits) and probabilities, and of the attention output, each query measured against the
-cache exactly as it was when that query was processed. `kl_map` gives the next-token KL (stock vs GEAR,
+continuation in chunks, by default buffer-sized): reconstruction error of K and V (what the cache holds at the
+end), error of the attention scores (pre-softmax logits) and probabilities, and of the attention output, each
+query measured against exactly what the cache handed the attention at that step (its own step's tokens exact,
+earlier ones as stored). `kl_map` gives the next-token KL (stock vs GEAR,
 teacher forced through the real model and the real streaming cache) when only one layer, or one KV head of
 one layer, is compressed; `next_token_kl` the same with everything compressed. `diagnose` runs them all and
 `write_report` writes a CSV, a Markdown summary and one layer x head heatmap PNG per metric.
@@ -212,11 +213,11 @@ def head_errors(captures: list[LayerCapture], config: GearConfig, prompt_len: in
             k = cap.key[:, :, start:end]
             if not config.pre_rope:
                 k = apply_rotary(k, cap.cos[:, start:end], cap.sin[:, start:end])
-            keys, values = cache.store_and_read(i, k, cap.value[:, :, start:end])
+            keys, values = cache.store_and_read(i, k, cap.value[:, :, start:end])  # what attention gets
             if config.pre_rope:
                 keys = apply_rotary(keys, cos, sin)
             if step == len(steps) - 1:
-                final[i] = (keys, values)
+                final[i] = _held(cache, i, cap, config)
             if not measured:
                 continue
             group = Hq // Hkv
@@ -258,6 +259,19 @@ def head_errors(captures: list[LayerCapture], config: GearConfig, prompt_len: in
     return rows
 
 
+def _held(cache: GearCache, layer_idx: int, cap: LayerCapture, config: GearConfig):
+    """Every token as the cache holds it after the last step (compressed chunks reconstructed, buffer exact),
+    keys rotated: `read` hands the attention the current step's own tokens exactly, the store holds them
+    compressed once flushed, and the reconstruction error is about what is held."""
+    layer = cache.layers[layer_idx]
+    dtype = cap.value.dtype
+    keys = layer.key_stream.read(cache._plan, config.sink_tokens, dtype, 0)
+    values = layer.value_stream.read(cache._plan, config.sink_tokens, dtype, 0)
+    if config.pre_rope:
+        keys = apply_rotary(keys, cap.cos, cap.sin)
+    return keys, values
+
+
 def _relative_per_head(a: torch.Tensor, b: torch.Tensor) -> list[float]:
     diff = (a.float() - b.float()).square().sum(dim=(0, 2, 3))
     ref = b.float().square().sum(dim=(0, 2, 3)).clamp_min(1e-30)
@@ -268,31 +282,23 @@ class SelectiveGearCache(GearCache):
     """A real `GearCache` (everything is stored and compressed as usual) whose reads hand the attention the
     exact keys/values except where `select` says to use the compressed ones: select maps a layer index to None
     (the whole layer compressed) or to a list of KV heads. `select=None` compresses everything (a plain
-    GearCache); `exact_prefill=True` gives the prefill step exact keys/values (what the prompt's own attention
-    would see if compression happened after it). For diagnostics only: it keeps an uncompressed copy."""
+    GearCache). For diagnostics only: it keeps an uncompressed copy of what it was given."""
 
-    def __init__(self, model_or_config, gear_config: GearConfig, select: dict | None = None, *,
-                 exact_prefill: bool = False) -> None:
+    def __init__(self, model_or_config, gear_config: GearConfig, select: dict | None = None) -> None:
         super().__init__(model_or_config, gear_config)
         self.select = select
-        self.exact_prefill = exact_prefill
         self._exact: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def store_and_read(self, layer_idx, key_states, value_states, position_ids=None):
-        keys, values = super().store_and_read(layer_idx, key_states, value_states, position_ids)
-        first = layer_idx not in self._exact
-        if self.select is None and not self.exact_prefill:
+    def read(self, layer_idx, key_states, value_states):
+        keys, values = super().read(layer_idx, key_states, value_states)
+        if self.select is None or (layer_idx in self.select and self.select[layer_idx] is None):
             return keys, values
-        if first:
+        if layer_idx not in self._exact:
             self._exact[layer_idx] = (key_states, value_states)
         else:
             k, v = self._exact[layer_idx]
             self._exact[layer_idx] = (torch.cat([k, key_states], 2), torch.cat([v, value_states], 2))
         exact_k, exact_v = (t[:, :, t.shape[2] - keys.shape[2]:] for t in self._exact[layer_idx])
-        if first and self.exact_prefill:
-            return exact_k, exact_v
-        if self.select is None or (layer_idx in self.select and self.select[layer_idx] is None):
-            return keys, values
         heads = self.select.get(layer_idx) or []
         out_k, out_v = exact_k.clone(), exact_v.clone()
         if heads:
@@ -334,8 +340,7 @@ def stock_logits(model, input_ids: torch.Tensor, prompt_len: int, chunk: int) ->
 
 @torch.no_grad()
 def next_token_kl(model, input_ids: torch.Tensor, prompt_len: int, config: GearConfig, chunk: int | None = None,
-                  select: dict | None = None, reference: torch.Tensor | None = None,
-                  exact_prefill: bool = False) -> dict:
+                  select: dict | None = None, reference: torch.Tensor | None = None) -> dict:
     """KL(stock ‖ GEAR) and top-1 agreement of the next-token distribution over ids prompt_len..T-1, teacher
     forced through the real model (GEAR enabled) and cache. select: see `SelectiveGearCache`."""
     from .api import enabled
@@ -345,7 +350,7 @@ def next_token_kl(model, input_ids: torch.Tensor, prompt_len: int, config: GearC
     if reference is None:
         reference = stock_logits(model, input_ids, prompt_len, chunk)
     with enabled(model, config):
-        cache = SelectiveGearCache(model, config, select, exact_prefill=exact_prefill)
+        cache = SelectiveGearCache(model, config, select)
         gear = streamed_logits(model, input_ids, prompt_len, chunk, cache)
     kl = _kl(reference, gear)
     return {"mean_kl": kl.mean().item(), "max_kl": kl.max().item(),

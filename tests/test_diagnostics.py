@@ -57,17 +57,26 @@ def test_compressed_errors_are_positive_and_shared_per_kv_head(model):
     assert by[(0, 0)]["key_error"] == by[(0, 1)]["key_error"] != by[(0, 2)]["key_error"]
 
 
-def test_per_token_streaming_matches_generation_semantics(model):
-    """chunk=1 feeds the continuation one token at a time, like generate; the newest tokens then stay in the
-    full-precision buffer, so the errors are no larger than with buffer-sized chunks (which compress a chunk
-    before its own queries read it)."""
+def test_per_token_and_chunked_streaming_end_in_the_same_cache(model):
+    """chunk=1 feeds the continuation one token at a time, like generate; chunk=buffer feeds whole chunks. The
+    cache ends up holding the same chunks either way (same reconstruction error); what each query saw differs
+    (with chunks, a query sees its own chunk exactly and earlier ones compressed)."""
     captures = D.capture_qkv(model, _ids())
     per_token = D.head_errors(captures, KIVI2, prompt_len=64, chunk=1)
     chunked = D.head_errors(captures, KIVI2, prompt_len=64, chunk=16)
-    mean = lambda rows, m: sum(r[m] for r in rows) / len(rows)
-    assert mean(per_token, "output_error") <= mean(chunked, "output_error")
-    # the final cache is the same either way: same reconstruction errors
-    assert mean(per_token, "key_error") == pytest.approx(mean(chunked, "key_error"), rel=1e-6)
+    for a, b in zip(per_token, chunked):
+        assert a["key_error"] == pytest.approx(b["key_error"], rel=1e-6)
+        assert a["value_error"] == pytest.approx(b["value_error"], rel=1e-6)
+        assert 0 < a["output_error"] < math.inf and 0 < b["output_error"] < math.inf
+
+
+def test_the_last_steps_tokens_count_in_the_reconstruction_error(model):
+    """read() hands a step its own tokens exactly; the reconstruction error is about what the cache holds: a
+    text stored in one prefill step (all 80 tokens compressed, none read back compressed) still shows it."""
+    captures = D.capture_qkv(model, _ids(T=80))
+    rows = D.head_errors(captures, KIVI2, prompt_len=80, include_prompt=True)
+    assert all(r["key_error"] > 0 and r["value_error"] > 0 for r in rows)
+    assert all(r["output_error"] == 0 for r in rows)  # the prefill attends to itself exactly
 
 
 def test_head_errors_agree_with_layer_errors_on_the_reconstruction(model):
@@ -94,15 +103,6 @@ def test_selective_cache_compresses_only_what_is_selected(model):
     kl = D.kl_map(model, ids, 64, KIVI2, level="head", reference=reference)
     assert set(kl) == {(layer, h) for layer in range(2) for h in range(2)}
     assert kl[(1, 0)] == pytest.approx(one_head["mean_kl"], rel=1e-5)
-
-
-def test_exact_prefill_only_changes_the_prefill(model):
-    ids = _ids()
-    fp16 = gear_hf.GearConfig.preset("fp16")
-    assert D.next_token_kl(model, ids, 64, fp16, exact_prefill=True)["mean_kl"] == 0.0
-    compressed = D.next_token_kl(model, ids, 64, KIVI2)
-    exact_first = D.next_token_kl(model, ids, 64, KIVI2, exact_prefill=True)
-    assert exact_first["mean_kl"] != compressed["mean_kl"]
 
 
 def test_post_rope_ablation_runs_through_the_same_path(model):
