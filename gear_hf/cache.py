@@ -46,7 +46,8 @@ class _StepPlan:
     flushes: list[_RowFlush] = field(default_factory=list)
     decode_chunks_used: int = 0  # max over rows
     decode_reserve: int = 0
-    uniform: bool = False  # no padding and equal rows: the padded layout is just the row-local one
+    uniform: tuple | None = None  # (sink, prompt, decode chunks, buffer) shared by every row when there is no
+    # padding and the rows are equal: the padded layout is then just the row-local one
     read_index: torch.Tensor | None = None  # [B, T] long into cat(sink, prompt, decode, buffer)
     read_positions: torch.Tensor | None = None  # [B, T] long
 
@@ -134,7 +135,7 @@ class _Stream:
 
 
 class GearLayer(CacheLayerMixin):
-    """One decoder layer's GEAR storage. Filled only through `GearCache.store_and_read` (keys before RoPE)."""
+    """One decoder layer's GEAR storage. Filled only through `GearCache.store` (keys before RoPE)."""
 
     is_compileable = False
 
