@@ -100,6 +100,7 @@ def test_bad_model_args_fail_clearly(tiny_model, data_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.realweights
 def test_smollm2_gguf_real_weights(data_dir, tmp_path):
     import realweights
 
