@@ -295,6 +295,7 @@ class GenerateResult:
     peak_rss: int
     rss_before: int
     cache: object
+    step_seconds: list = field(default_factory=list)
 
 
 @torch.no_grad()
@@ -332,7 +333,8 @@ def run_generate(model, input_ids: torch.Tensor, method: str, max_new_tokens: in
     cache = kwargs.get(cache_arg(model))
     if cache is None and gear_hf.is_enabled(model):
         cache = gear_hf.last_cache(model)
-    return GenerateResult(out[:, input_ids.shape[1]:], steps, seconds, prefill, rss.peak, rss.before, cache)
+    return GenerateResult(out[:, input_ids.shape[1]:], steps, seconds, prefill, rss.peak, rss.before, cache,
+                          clock.step_seconds())
 
 
 # -- independent byte count -------------------------------------------------------------------------------------
