@@ -243,6 +243,20 @@ class StepClock:
     def decode(self) -> tuple[int, float]:
         return len(self.times) - 1, (self.times[-1] - self.times[0]) if len(self.times) > 1 else 0.0
 
+    def step_seconds(self) -> list[float]:
+        """Duration of each decode step (between consecutive logits)."""
+        return [b - a for a, b in zip(self.times, self.times[1:])]
+
+
+def quantile(values, q: float) -> float:
+    values = sorted(v for v in values if v == v)
+    if not values:
+        return float("nan")
+    pos = q * (len(values) - 1)
+    low = int(pos)
+    high = min(low + 1, len(values) - 1)
+    return values[low] + (values[high] - values[low]) * (pos - low)
+
 
 def release_free_memory() -> None:
     """Collect garbage and hand freed heap pages back to the OS (glibc malloc_trim), so that the RSS before a
