@@ -133,10 +133,8 @@ def test_lowrank_error_does_not_grow_with_rank(n, d, decay, seed):
         assert high <= low * 1.01 + 1e-6
 
 
-@pytest.mark.xfail(strict=True, reason="engine limitation: lowrank._initial_basis draws randn(d, rank) per rank, "
-                                       "so the starting subspaces of ranks r and r+1 are not nested and the error "
-                                       "can grow with the rank (fix: draw randn(rank, d).T, nested for every rank)")
 def test_lowrank_error_strictly_non_increasing_in_rank():
+    """Was a strict xfail: the initial bases of ranks r and r+1 were not nested; now they are (randn(r, d).T)."""
     g = torch.Generator().manual_seed(59)
     n, d = int(torch.randint(4, 80, (1,), generator=g)), int(torch.randint(4, 70, (1,), generator=g))
     R = torch.randn(1, 1, n, d, generator=g) * torch.logspace(0, -float(torch.rand(1, generator=g) * 3), d)

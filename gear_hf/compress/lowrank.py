@@ -8,8 +8,10 @@ _INIT_SEED = 0x6EA2  # fixed: the same residual always gives the same factors
 
 
 def _initial_basis(d: int, rank: int, device: torch.device) -> torch.Tensor:
+    # Drawn as [r, d] rows: the first r columns are the same for every rank, so the subspaces of ranks r and
+    # r+1 are nested from the start and stay nested, and the error can only fall as the rank grows.
     generator = torch.Generator(device="cpu").manual_seed(_INIT_SEED)
-    return torch.randn(d, rank, generator=generator, dtype=torch.float32).to(device)  # [d, r]
+    return torch.randn(rank, d, generator=generator, dtype=torch.float32).T.to(device)  # [d, r]
 
 
 def lowrank_fit(residual: torch.Tensor, rank: int, iters: int, valid: torch.Tensor | None = None,
