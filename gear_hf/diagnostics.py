@@ -552,7 +552,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--text-file", help="the text to measure on (default: an 8-shot GSM8K CoT prompt + answer)")
     parser.add_argument("--data-dir", default=None, help="GSM8K directory (default ../shared/data/gsm8k)")
     parser.add_argument("--index", type=int, default=0, help="GSM8K test problem (default 0)")
-    parser.add_argument("--tokens", type=int, default=640, help="total tokens used from the text (default 640)")
+    parser.add_argument("--tokens", type=int, default=640,
+                        help="the text's last N tokens are used (default 640; for GSM8K the continuation is then "
+                             "the test problem's worked answer)")
     parser.add_argument("--continuation", type=int, default=128,
                         help="last tokens teacher-forced after the prefill (default 128)")
     parser.add_argument("--chunk", type=int, default=None, help="continuation step size (default: buffer size; 1 = "
@@ -582,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
         text = Path(args.text_file).read_text()
     else:
         text = gsm8k_text(args.data_dir or default_data_dir(), args.index)
-    ids = tokenizer(text, return_tensors="pt").input_ids[:, : args.tokens]
+    ids = tokenizer(text, return_tensors="pt").input_ids[:, -args.tokens:]  # ends with the text's end
     T = ids.shape[1]
     if not 0 < args.continuation < T:
         parser.error(f"--continuation {args.continuation} must be in [1, {T}) for a text of {T} tokens")

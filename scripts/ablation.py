@@ -9,9 +9,9 @@ per key-channel group or g channels per token group), each with keys compressed 
 read) and after RoPE (as HF's QuantizedCache does). Default method `kivi` (quantized backbone only: the axis
 effect alone, no low-rank or outlier repair).
 
-Per configuration and model, measured where the error is consumed (gear_hf.diagnostics; one GSM8K 8-shot CoT
-prompt + worked answer, --tokens long, the last --continuation tokens teacher-forced in buffer-sized chunks
-through the real streaming cache):
+Per configuration and model, measured where the error is consumed (gear_hf.diagnostics; the first --tokens
+tokens of a GSM8K 8-shot CoT prompt, i.e. worked train exemplars, the last --continuation of them
+teacher-forced in buffer-sized chunks through the real streaming cache):
   K / V reconstruction error, attention-score (logit) error, attention-probability total variation, attention
   output error (means over layers and heads), next-token KL against the uncompressed model and top-1
   agreement (all layers compressed),
@@ -157,8 +157,8 @@ def main(argv=None) -> int:
     cond.finish()
     benchlib.write_csv(out / "ablation.csv", rows)
     body = [f"Method `{args.method}` at {args.bits} bits, group size {args.group_size} on both axes, buffer "
-            f"{args.buffer_size}, {args.dtype}. Error levels: one {args.tokens}-token GSM8K 8-shot CoT text (test "
-            f"problem {args.index}), {args.tokens - args.continuation} tokens at prefill, {args.continuation} "
+            f"{args.buffer_size}, {args.dtype}. Error levels: the first {args.tokens} tokens of the GSM8K 8-shot CoT "
+            f"prompt (worked train exemplars), {args.tokens - args.continuation} tokens at prefill, {args.continuation} "
             f"teacher-forced in chunks of {args.buffer_size}; means over layers and heads of relative errors (K, V: "
             f"keys after RoPE, as consumed; scores: pre-softmax logits; output: attention output), total variation of "
             f"the attention probabilities, and next-token KL / top-1 vs the uncompressed model (all layers "

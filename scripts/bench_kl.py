@@ -7,8 +7,9 @@ and HF QuantizedCache at the same bits.
 
 Greedy agreement (bench_agreement.py) hinges on single near-ties and needs many prompts; this measures the same
 thing position by position. Each text is an 8-shot GSM8K CoT prompt plus its worked answer (read from
-../shared/data at run time); its first --tokens tokens are used, the last --continuation of them fed one token
-per step as generation does (--chunk to change), through each method's real cache. Reported per method: mean
+../shared/data at run time); its last --tokens tokens are used (so the continuation is the test problem's
+worked answer), the last --continuation of them fed one token per step as generation does (--chunk to change),
+through each method's real cache. Reported per method: mean
 and max KL(DynamicCache || method) of the next-token distribution, top-1 agreement, and the cache's bits/element
 after the text. Writes results/kl.csv and results/kl.md.
 """
@@ -64,7 +65,8 @@ def main(argv=None) -> int:
         kv_heads = getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads
         head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
         for index in texts:
-            ids = tokenizer(D.gsm8k_text(benchlib.DATA_DIR, index), return_tensors="pt").input_ids[:, : args.tokens]
+            # the last --tokens tokens: the continuation is the test problem's worked answer
+            ids = tokenizer(D.gsm8k_text(benchlib.DATA_DIR, index), return_tensors="pt").input_ids[:, -args.tokens:]
             prompt = ids.shape[1] - args.continuation
             gear_hf.disable(model)
             reference = D.stock_logits(model, ids, prompt, args.chunk)
@@ -104,7 +106,7 @@ def main(argv=None) -> int:
                              "top1_agreement": sum(r["top1_agreement"] for r in mine) / len(mine),
                              "kv_bits_per_element": sum(r["kv_bits_per_element"] for r in mine) / len(mine)})
     benchlib.write_csv(out / "kl.csv", rows)
-    body = [f"GSM8K test texts {texts} (8-shot CoT prompt + worked answer), first {args.tokens} tokens, the last "
+    body = [f"GSM8K test texts {texts} (8-shot CoT prompt + worked answer), last {args.tokens} tokens, the last "
             f"{args.continuation} fed {'one token' if args.chunk == 1 else f'{args.chunk} tokens'} per step through each "
             f"method's cache; KL(DynamicCache || method) of the next-token distribution and top-1 agreement, averaged "
             f"over positions and texts; {args.dtype} (bits/element count the cache's own dtype: fp32 here doubles the "
