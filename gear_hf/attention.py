@@ -32,15 +32,17 @@ class AttentionPatch:
     replaced_attr: str  # "forward" or "_old_forward"
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B,H,T,d] rotated by cos/sin [B,T,d]; the same ops, in the same order, as HF's apply_rotary_pos_emb."""
+    """x [B,H,T,d] rotated by cos/sin [B,T,d]: bit for bit HF's apply_rotary_pos_emb, x*cos + rotate_half(x)*sin
+    with rotate_half(x) = cat(-x2, x1), computed per half in place (a + (-b)*s == a - b*s exactly), which
+    skips the negated copy and the concatenation: the reference path rotates the whole history every step."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return (x * cos) + (rotate_half(x) * sin)
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    out = x * cos
+    out[..., :half] -= x2 * sin[..., :half]
+    out[..., half:] += x1 * sin[..., half:]
+    return out
 
 
 def _eager_attention(module: torch.nn.Module) -> Callable:

@@ -102,6 +102,8 @@ class _Stream:
             parts = [self.sink.data[:, :, :sink]] if sink else []
             parts += self._compressed_parts(plan, dtype)
             parts.append(self.buffer.data[:, :, :buffer])
+            if len(parts) == 1:  # fp16 preset: the buffer itself (a view, as DynamicCache returns its tensor)
+                return parts[0][:, :, start:]
             return torch.cat(parts, dim=2)[:, :, start:]
         parts = [self.sink.data] if sink_tokens else []
         parts += self._compressed_parts(plan, dtype)

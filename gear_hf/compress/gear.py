@@ -101,5 +101,8 @@ def decompress(chunk: CompressedChunk, spec: ChunkSpec, n: int, d: int, out_dtyp
     if chunk.sparse_index.numel():
         x = outliers.scatter_add_entries(x, chunk.sparse_index, chunk.sparse_values, spec.axis)
     if chunk.lowrank_a.shape[-1]:
-        x = x + chunk.lowrank_a.float() @ chunk.lowrank_b.float().transpose(-1, -2)
+        a, b = chunk.lowrank_a.float(), chunk.lowrank_b.float()  # [B,H,n,r], [B,H,d,r]
+        flat = x.reshape(-1, n, d)  # a view unless padded value channels were cut off
+        flat.baddbmm_(a.reshape(-1, n, a.shape[-1]), b.reshape(-1, d, b.shape[-1]).transpose(-1, -2))  # += A Bᵀ
+        x = flat.view(x.shape)
     return x.to(out_dtype)
