@@ -43,6 +43,54 @@ def test_dequantized_within_half_a_step(axis, group, bits):
     assert ((y - x).abs() <= step / 2 + 1e-5).all()
 
 
+def _adversarial(stats_dtype, seed=0):
+    """x [1,6,32,40] float32, one family of groups per head, and an exclusion mask that empties some groups of
+    16 along both axes: random; large offset with tiny spread; negative; straddling 0; all equal; random with
+    10% excluded. Values are representable in stats_dtype's range."""
+    g = torch.Generator().manual_seed(seed)
+    r = torch.randn(6, 32, 40, generator=g)
+    big = 2e4 if stats_dtype == torch.float16 else 3e5
+    x = torch.stack([r[0] * 3, big + r[1] * 1e-2, -300 + r[2] * 7, r[3] * 1e-3, torch.full_like(r[4], 3.14159),
+                     r[5] * 40 + 11])[None]
+    exclude = torch.zeros_like(x, dtype=torch.bool)
+    exclude[0, 5] = torch.rand(32, 40, generator=g) < 0.1
+    exclude[0, 5, :16, :16] = True  # channels 0-15 of tokens 0-15: empty key groups and empty value groups
+    return x, exclude
+
+
+@pytest.mark.parametrize("axis,group", [("channel", 16), ("token", 16)])
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("stats_dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("input_fp32", [False, True], ids=["x_in_stats_dtype", "x_fp32"])
+def test_stored_stats_cover_the_group(axis, group, bits, stats_dtype, input_fp32):
+    """The stats rounded to fp16/bf16 still cover each group's range: minimum <= every entry, minimum +
+    (2^b - 1) * scale >= every entry (float32), so no entry is clamped and each dequantizes within half a step
+    (plus float32 rounding). Rounded to nearest instead, they clamp the extremes up to ~1 step away (8 bits,
+    bf16). x in float32 makes the stored minimum round too; all-excluded groups keep scale 0, minimum 0."""
+    x, exclude = _adversarial(stats_dtype, seed=bits)
+    x = x if input_fp32 else x.to(stats_dtype)
+    xf = x.float()
+    top = (1 << bits) - 1
+    codes, scale, minimum = quantize(x, bits, axis, group, exclude=exclude, stats_dtype=stats_dtype)
+    assert scale.dtype == minimum.dtype == stats_dtype
+    y = dequantize(codes, scale, minimum, axis, group, 40, torch.float32)
+    dim = 2 if axis == "channel" else 3
+    step = scale.float().repeat_interleave(group, dim=dim)[..., :40]
+    low = minimum.float().repeat_interleave(group, dim=dim)[..., :40]
+    keep = ~exclude
+    assert (low[keep] <= xf[keep]).all()
+    assert ((low + top * step)[keep] >= xf[keep]).all()
+    err = (y - xf).abs()
+    bound = step / 2 + 2**-22 * (xf.abs() + low.abs() + top * step)
+    assert (err[keep] <= bound[keep]).all(), float((err / step.clamp_min(1e-30))[keep].max())
+    if axis == "channel":  # stats [1,6,2,40]
+        empty = exclude.reshape(1, 6, 2, 16, 40).all(3)
+    else:  # stats [1,6,32,3]; the padded channels 40..47 are excluded too
+        empty = torch.nn.functional.pad(exclude, (0, 8), value=True).reshape(1, 6, 32, 3, 16).all(4)
+    assert bool(empty.any())
+    assert (scale[empty] == 0).all() and (minimum[empty] == 0).all()
+
+
 def test_per_channel_key_groups_follow_their_channel():
     """Keys: one group = one channel over g tokens, so the outlier channel does not widen other channels."""
     x = _x()

@@ -16,9 +16,11 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
 
 from gear_hf.compress import ChunkSpec, compress, quant, select_outliers  # noqa: E402
+from gear_hf.kernels.quant import _TL_DTYPES, _next_toward  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -74,6 +76,74 @@ def test_quantize_pack_coarse_groups_and_stats_dtype(bits):
     _assert_same(_qp()(x, bits, "token", 64), _reference(x, bits, "token", 64))
     _assert_same(_qp()(x, bits, "token", 32, stats_dtype=torch.float32),
                  _reference(x, bits, "token", 32, stats_dtype=torch.float32))
+
+
+def _group_range(x, exclude, axis, group):
+    """float32 (lo, hi) of each group over the entries not excluded (as the reference; empty groups -> inf)."""
+    xg, member = quant._grouped(x.float(), axis, group)
+    eg = quant._grouped(exclude.to(torch.uint8), axis, group)[0].bool()
+    if axis == "token" and x.shape[-1] % group:
+        eg = eg | (torch.arange(xg.shape[3] * group, device=x.device).view(-1, group) >= x.shape[-1])
+    return xg.masked_fill(eg, float("inf")).amin(member), xg.masked_fill(eg, float("-inf")).amax(member)
+
+
+@pytest.mark.parametrize("x_dtype,stats_dtype", [(torch.float32, torch.bfloat16), (torch.float32, torch.float16),
+                                                 (torch.float16, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
+                                                 (torch.float16, torch.float16), (torch.float32, torch.float32)],
+                         ids=str)
+@pytest.mark.parametrize("bits", [2, 8])
+@pytest.mark.parametrize("axis", ["channel", "token"])
+def test_quantize_pack_bit_exact_when_stats_are_stepped(x_dtype, stats_dtype, bits, axis):
+    """Groups whose stats rounded to nearest would not cover their range (minimum above the group's min when x
+    is wider than the stats dtype, scale rounded down): the reference steps them one ulp, and so must the
+    kernel. Groups: offset, large offset with a tiny spread, negative, straddling 0, all equal, and empty."""
+    g = torch.Generator().manual_seed(bits)
+    r = torch.randn(5, 64, 40, generator=g)
+    x = torch.stack([r[0] * 3 + 5, 1000 + r[1] * 1e-2, -300 + r[2] * 7, r[3] * 1e-3, torch.full_like(r[4], 0.1)])
+    x = x[None].to(x_dtype).to(DEVICE)
+    exclude = (torch.rand(1, 5, 64, 40, generator=g) < 0.05).to(DEVICE)
+    exclude[0, 2, :16, :16] = True  # empty groups along both axes
+    want = _reference(x, bits, axis, 16, exclude=exclude, stats_dtype=stats_dtype)
+    _assert_same(_qp()(x, bits, axis, 16, exclude=exclude, stats_dtype=stats_dtype), want)
+    # the adjustments do happen here: the stored stats differ from the ones rounded to nearest
+    lo, hi = _group_range(x, exclude, axis, 16)
+    _, scale, minimum = want
+    assert bool((scale == 0).any() & (minimum == 0).any())  # the empty groups
+    if stats_dtype != torch.float32:
+        assert bool((scale != ((hi - minimum.float()) / quant.levels(bits)).to(stats_dtype)).any())
+    if x_dtype == torch.float32 and stats_dtype != torch.float32:
+        assert bool((minimum != lo.to(stats_dtype)).any())
+
+
+@triton.jit
+def _next_toward_kernel(x_ptr, up_ptr, down_ptr, n, STATS_DT: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    x = tl.load(x_ptr + offs, mask=ok, other=0.0)
+    tl.store(up_ptr + offs, _next_toward(x, True, STATS_DT), mask=ok)
+    tl.store(down_ptr + offs, _next_toward(x, False, STATS_DT), mask=ok)
+
+
+@pytest.mark.parametrize("stats_dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_next_toward_is_torch_nextafter(stats_dtype):
+    """The kernels' one-ulp step equals torch.nextafter (what the reference uses), bit for bit, for every finite
+    fp16 / bf16 value (±0, subnormals, ±max included) and a sample of fp32 ones."""
+    if stats_dtype == torch.float32:
+        bits = torch.randint(-2**31, 2**31 - 1, (1 << 16,), generator=torch.Generator().manual_seed(0),
+                             dtype=torch.int32)
+        special = torch.tensor([0.0, -0.0, 1.0, -1.0, 1e-45, -1e-45, 1.1754944e-38, 3.4028235e38, -3.4028235e38])
+        v = torch.cat([bits.view(torch.float32), special])
+    else:
+        v = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(stats_dtype)
+    v = v[torch.isfinite(v)]
+    x = v.float().to(DEVICE)
+    up, down = torch.empty_like(x), torch.empty_like(x)
+    _next_toward_kernel[(triton.cdiv(x.numel(), 1024),)](x, up, down, x.numel(), STATS_DT=_TL_DTYPES[stats_dtype],
+                                                          BLOCK=1024)
+    for got, direction in ((up, float("inf")), (down, float("-inf"))):
+        want = torch.nextafter(v, torch.full_like(v, direction)).float()
+        diff = got.cpu().view(torch.int32) != want.view(torch.int32)
+        assert not diff.any(), (direction, v[diff][:5], got.cpu()[diff][:5], want[diff][:5])
 
 
 def test_round_half_to_even_ties():

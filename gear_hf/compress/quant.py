@@ -68,6 +68,28 @@ def _grouped(x: torch.Tensor, axis: str, group: int) -> tuple[torch.Tensor, int]
     return x.reshape(B, H, n, (d + pad) // group, group), 4
 
 
+def _next_toward(t: torch.Tensor, direction: float) -> torch.Tensor:
+    """The neighbour of t one ulp of t.dtype toward `direction` (+-inf); 0 steps to the smallest subnormal."""
+    return torch.nextafter(t, torch.full_like(t, direction))
+
+
+def _stored_stats(lo: torch.Tensor, hi: torch.Tensor, top: int, stats_dtype: torch.dtype):
+    """(minimum, scale) in stats_dtype for groups spanning [lo, hi] (float32), such that
+    minimum <= lo and minimum + top * scale >= hi in float32 (top: the highest code).
+
+    Why: rounded to nearest, a stored minimum above lo or a scale rounded down would clamp the group's
+    extremes to code 0 / `top`, up to ~1 step away at 8 bits in bf16; with the range covered, every entry
+    is within half a step of its code. Empty groups (lo = hi = 0) keep minimum 0, scale 0.
+    """
+    minimum = lo.to(stats_dtype)
+    minimum = torch.where(minimum.float() > lo, _next_toward(minimum, float("-inf")), minimum)
+    m = minimum.float()
+    scale = ((hi - m) / top).to(stats_dtype)
+    short = m + top * scale.float() < hi  # two roundings, no FMA: the kernel checks the same way
+    scale = torch.where(short, _next_toward(scale, float("inf")), scale)
+    return minimum, scale
+
+
 def quantize(x: torch.Tensor, bits: int, axis: str, group: int, exclude: torch.Tensor | None = None,
              stats_dtype: torch.dtype | None = None):
     """Quantize x [B,H,n,d]; entries where `exclude` is True take no part in min/max (outliers, padding).
@@ -91,8 +113,7 @@ def quantize(x: torch.Tensor, bits: int, axis: str, group: int, exclude: torch.T
     empty = torch.isinf(lo)  # every entry excluded: the group carries nothing
     lo = torch.where(empty, torch.zeros_like(lo), lo)
     hi = torch.where(empty, torch.zeros_like(hi), hi)
-    minimum = lo.to(stats_dtype)
-    scale = ((hi - lo) / levels(bits)).to(stats_dtype)
+    minimum, scale = _stored_stats(lo, hi, levels(bits), stats_dtype)
     safe_scale = torch.where(scale.float() > 0, scale.float(), torch.ones_like(lo))
     codes = torch.round((xg - minimum.float().unsqueeze(member)) / safe_scale.unsqueeze(member))
     codes = codes.clamp_(0, levels(bits)).to(torch.uint8)

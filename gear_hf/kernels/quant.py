@@ -6,7 +6,8 @@
         codes [B,H,n,d_pad/cpb] uint8 (packed along channels), scale/minimum [B,H,n,d_pad/group]
 
 Bit for bit the same as `gear_hf.compress.quant.quantize` followed by `pack_codes`: min/max in float32 over
-the entries not excluded, the stats rounded to `stats_dtype`, codes computed against the *stored* stats with
+the entries not excluded, the stats rounded to `stats_dtype` (then stepped one ulp down / up where the stored
+minimum / scale would not cover the group's range), codes computed against the *stored* stats with
 IEEE division (`div_rn`: plain `/` is approximate on GPUs), round-half-to-even (torch.round), and no
 fused multiply-add contraction (enable_fp_fusion=False).
 """
@@ -39,6 +40,45 @@ def _to_stats(x, STATS_DT: tl.constexpr):
         u = ((u + (((u >> 16) & 1) + 0x7FFF)) >> 16) << 16
         x = u.to(tl.float32, bitcast=True)
     return x.to(STATS_DT)
+
+
+@triton.jit
+def _next_toward(x, UP: tl.constexpr, STATS_DT: tl.constexpr):
+    """torch.nextafter(x, +-inf) in STATS_DT for float32 x holding a value exact in STATS_DT: the bit pattern
+    (sign-magnitude) moves one unit away from zero, or toward it, and 0 goes to the smallest subnormal of the
+    direction's sign. One unit is 0x10000 of the float32 pattern for bf16, 1 of the fp16/fp32 pattern."""
+    if STATS_DT == tl.float16:
+        u = x.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
+        SIGN: tl.constexpr = 0x8000
+        UNIT: tl.constexpr = 1
+    else:
+        u = x.to(tl.uint32, bitcast=True)
+        SIGN: tl.constexpr = 0x80000000
+        UNIT: tl.constexpr = 0x10000 if STATS_DT == tl.bfloat16 else 1
+    mag = u & (SIGN - 1)
+    sign = u & SIGN
+    if UP:
+        away = x >= 0.0  # +-0 included: its neighbour is away from zero
+        sign = tl.where(x == 0.0, 0, sign)
+    else:
+        away = x <= 0.0
+        sign = tl.where(x == 0.0, SIGN, sign)
+    u = sign | tl.where(away, mag + UNIT, mag - UNIT)
+    if STATS_DT == tl.float16:
+        return u.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return u.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _stored_stats(lo, hi, LEVELS: tl.constexpr, STATS_DT: tl.constexpr):
+    """(minimum, scale) as float32 values exact in STATS_DT, with minimum <= lo and minimum + LEVELS*scale >= hi:
+    round to nearest, then one ulp down / up where that fell short (as `quant._stored_stats`), so no entry
+    of the group is clamped."""
+    mn = _to_stats(lo, STATS_DT).to(tl.float32)
+    mn = tl.where(mn > lo, _next_toward(mn, False, STATS_DT), mn)
+    sc = _to_stats(tl.math.div_rn(hi - mn, LEVELS * 1.0), STATS_DT).to(tl.float32)
+    sc = tl.where(mn + LEVELS * sc < hi, _next_toward(sc, True, STATS_DT), sc)
+    return mn, sc
 
 
 @triton.jit
@@ -91,12 +131,9 @@ def _quant_channel_kernel(
     empty = lo == float("inf")
     lo = tl.where(empty, 0.0, lo)
     hi = tl.where(empty, 0.0, hi)
-    mn_st = _to_stats(lo, STATS_DT)
-    sc_st = _to_stats(tl.math.div_rn(hi - lo, LEVELS * 1.0), STATS_DT)
-    tl.store(scale_ptr + b.to(tl.int64) * ssb + h.to(tl.int64) * ssh + gi * ssn + offs_c, sc_st, mask=cmask)
-    tl.store(min_ptr + b.to(tl.int64) * smb + h.to(tl.int64) * smh + gi * smn + offs_c, mn_st, mask=cmask)
-    mn = mn_st.to(tl.float32)
-    sc = sc_st.to(tl.float32)
+    mn, sc = _stored_stats(lo, hi, LEVELS, STATS_DT)
+    tl.store(scale_ptr + b.to(tl.int64) * ssb + h.to(tl.int64) * ssh + gi * ssn + offs_c, sc.to(STATS_DT), mask=cmask)
+    tl.store(min_ptr + b.to(tl.int64) * smb + h.to(tl.int64) * smh + gi * smn + offs_c, mn.to(STATS_DT), mask=cmask)
     shifts = offs_j * BITS
     c_base = codes_ptr + b.to(tl.int64) * scb + h.to(tl.int64) * sch
     for start in range(0, GROUP, SUB_B * CPB):
@@ -153,13 +190,10 @@ def _quant_token_kernel(
         empty = lo == float("inf")
         lo = tl.where(empty, 0.0, lo)
         hi = tl.where(empty, 0.0, hi)
-        mn_st = _to_stats(lo, STATS_DT)
-        sc_st = _to_stats(tl.math.div_rn(hi - lo, LEVELS * 1.0), STATS_DT)
-        tl.store(s_base + tok * ssn + gi, sc_st, mask=tmask)
-        tl.store(m_base + tok * smn + gi, mn_st, mask=tmask)
-        mn = mn_st.to(tl.float32)[:, None, None]
-        sc = sc_st.to(tl.float32)[:, None, None]
-        code = _codes_from(x, mn, sc, LEVELS)
+        mn, sc = _stored_stats(lo, hi, LEVELS, STATS_DT)  # [BLOCK_T] each
+        tl.store(s_base + tok * ssn + gi, sc.to(STATS_DT), mask=tmask)
+        tl.store(m_base + tok * smn + gi, mn.to(STATS_DT), mask=tmask)
+        code = _codes_from(x, mn[:, None, None], sc[:, None, None], LEVELS)
         packed = tl.sum(tl.where(in_tile, code << shifts, 0), axis=2)  # [BLOCK_T, GB_P2]
         byte_col = gi * GB + tl.arange(0, GB_P2)
         bmask = tmask[:, None] & (tl.arange(0, GB_P2) < GB)[None, :]
