@@ -284,6 +284,14 @@ class GearCache(Cache):
         values[:, :, -q:] = value_states
         return keys, values
 
+    def held(self, layer_idx: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (before RoPE) and values of the layer as held after the last step, in HF's padded layout
+        [B,H,T,d]: unlike `read`, the last step's own tokens come back as stored (compressed once flushed).
+        For diagnostics: what the cache holds, not what the attention was handed."""
+        plan, sink = self._plan, self.gear_config.sink_tokens
+        layer = self.layers[layer_idx]
+        return layer.key_stream.read(plan, sink, dtype, 0), layer.value_stream.read(plan, sink, dtype, 0)
+
     def store_and_read(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor,
                        position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`store` then `read`."""

@@ -129,7 +129,7 @@ def matched_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-class _StepClock:
+class StepClock:
     """A logits processor that only notes when each step's logits arrive (the first right after prefill)."""
 
     def __init__(self) -> None:
@@ -143,6 +143,10 @@ class _StepClock:
         """(decode steps, their seconds): everything after the prefill step."""
         return len(self.times) - 1, (self.times[-1] - self.times[0]) if len(self.times) > 1 else 0.0
 
+    def step_seconds(self) -> list[float]:
+        """Duration of each decode step (between consecutive logits)."""
+        return [b - a for a, b in zip(self.times, self.times[1:])]
+
 
 @torch.no_grad()
 def generate(model, tokenizer, prompt: str, max_new_tokens: int):
@@ -151,7 +155,7 @@ def generate(model, tokenizer, prompt: str, max_new_tokens: int):
 
     batch = tokenizer(prompt, return_tensors="pt")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    clock = _StepClock()
+    clock = StepClock()
     out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad,
                          stop_strings=["\nQuestion:"], tokenizer=tokenizer,
                          logits_processor=LogitsProcessorList([clock]))

@@ -263,10 +263,7 @@ def _held(cache: GearCache, layer_idx: int, cap: LayerCapture, config: GearConfi
     """Every token as the cache holds it after the last step (compressed chunks reconstructed, buffer exact),
     keys rotated: `read` hands the attention the current step's own tokens exactly, the store holds them
     compressed once flushed, and the reconstruction error is about what is held."""
-    layer = cache.layers[layer_idx]
-    dtype = cap.value.dtype
-    keys = layer.key_stream.read(cache._plan, config.sink_tokens, dtype, 0)
-    values = layer.value_stream.read(cache._plan, config.sink_tokens, dtype, 0)
+    keys, values = cache.held(layer_idx, cap.value.dtype)
     if config.pre_rope:
         keys = apply_rotary(keys, cap.cos, cap.sin)
     return keys, values

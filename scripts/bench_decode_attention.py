@@ -140,7 +140,13 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="no GPU: run tiny sizes through the Triton interpreter to check the script itself")
-    args = parser.parse_args()
+    parser.add_argument("--quick", action="store_true", default=os.environ.get("GEAR_BENCH_QUICK") == "1",
+                        help="T=1024, batch 1 only (as `make bench BENCH_ARGS=--quick` asks of every benchmark)")
+    args, unknown = parser.parse_known_args()
+    if unknown:  # `make bench` hands one BENCH_ARGS to every scripts/bench_*.py
+        print(f"bench_decode_attention: ignoring options meant for other benchmarks: {unknown}", file=sys.stderr)
+    if args.quick:
+        args.T, args.batch = [1024], [1]
 
     if args.cpu_smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")

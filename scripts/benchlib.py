@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from gear_hf.demo import StepClock  # the decode-step clock, shared with the demo
+
 REPO = Path(__file__).resolve().parents[1]
 DATA_DIR = REPO.parent / "shared" / "data" / "gsm8k"
 RESULTS = REPO / "results"
@@ -228,24 +230,6 @@ def cache_arg(model) -> str:
     import inspect
 
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-class StepClock:
-    """Logits processor noting when each step's logits arrive (the first right after prefill)."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def __call__(self, input_ids, scores):
-        self.times.append(time.perf_counter())
-        return scores
-
-    def decode(self) -> tuple[int, float]:
-        return len(self.times) - 1, (self.times[-1] - self.times[0]) if len(self.times) > 1 else 0.0
-
-    def step_seconds(self) -> list[float]:
-        """Duration of each decode step (between consecutive logits)."""
-        return [b - a for a, b in zip(self.times, self.times[1:])]
 
 
 def quantile(values, q: float) -> float:

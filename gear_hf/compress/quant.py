@@ -124,6 +124,8 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, 
                d: int, out_dtype: torch.dtype) -> torch.Tensor:
     """codes [B,H,n,d_pad] (unpacked) with their stats -> [B,H,n,d] in out_dtype (computed in float32)."""
     cg, member = _grouped(codes, axis, group)
-    x = cg.float() * scale.float().unsqueeze(member) + minimum.float().unsqueeze(member)
+    # uint8 codes times float32 scale promotes inside the multiply: the same values as cg.float() * scale,
+    # without a float copy of the codes (the reference path dequantizes the whole history every step)
+    x = cg * scale.float().unsqueeze(member) + minimum.float().unsqueeze(member)
     x = x.reshape(*codes.shape[:3], -1)
     return (x if x.shape[-1] == d else x[..., :d]).to(out_dtype)
