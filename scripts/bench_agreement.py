@@ -97,6 +97,9 @@ def main(argv=None) -> int:
     parser.add_argument("-n", "--num-prompts", type=int, default=None, help="GSM8K test prompts (default 10, quick 3)")
     parser.add_argument("--models", nargs="+", default=["smollm2"])
     parser.add_argument("--methods", default=None)
+    parser.add_argument("--first", type=int, default=0,
+                        help="run prompts FIRST..n-1 only (split a long run across processes sharing --raw; the "
+                             "report covers every recorded prompt below n)")
     parser.add_argument("--max-new", type=int, default=128)
     parser.add_argument("--dtype", default="float32", choices=["bfloat16", "float32", "float16"],
                         help="default float32: the fastest for these GGUF models on CPU")
@@ -107,6 +110,8 @@ def main(argv=None) -> int:
     if unknown:
         print(f"bench_agreement: ignoring options meant for other benchmarks: {unknown}", file=sys.stderr)
     n = args.num_prompts or (3 if args.quick else 10)
+    if not 0 <= args.first < n:
+        parser.error(f"--first {args.first}: must be in [0, {n}) for {n} prompts")
     methods = [benchlib.check_method(m.strip()) for m in args.methods.split(",")] if args.methods else \
         list(QUICK_METHODS if args.quick else DEFAULT_METHODS)
     if "dynamic" not in methods:
@@ -127,7 +132,8 @@ def main(argv=None) -> int:
 
         problems = benchlib.gsm8k_prompts(n)
         for model_name in args.models:
-            todo = [(i, m) for i in range(n) for m in methods if (model_name, m, i, args.max_new) not in raw]
+            todo = [(i, m) for i in range(args.first, n) for m in methods
+                    if (model_name, m, i, args.max_new) not in raw]
             if not todo:
                 continue
             model, tokenizer = benchlib.load_model(model_name, args.dtype)
