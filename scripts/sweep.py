@@ -28,6 +28,7 @@ import argparse
 import csv
 import dataclasses
 import datetime as _dt
+import functools
 import json
 import os
 import platform
@@ -72,6 +73,7 @@ def parse_kv(text: str | None) -> dict[str, Any]:
 
 
 # Conditions ----------------------------------------------------------------------------------------------------
+@functools.cache  # read once, at start-up: the code this process imported, even if HEAD moves during the sweep
 def git_commit() -> str:
     try:
         head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True,
