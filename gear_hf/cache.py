@@ -96,30 +96,32 @@ class _Stream:
             self.buffer.data[f.row, :, : rest.shape[1]] = rest
 
     def read(self, plan: _StepPlan, sink_tokens: int, dtype: torch.dtype, start: int) -> torch.Tensor:
-        """This layer's tokens in HF's padded layout from column `start` on: [B,H,T-start,d] (keys before RoPE)."""
-        if plan.uniform:  # every row holds the same slots, in order: no index needed
-            sink, buffer = plan.uniform[0], plan.uniform[-1]
-            parts = [self.sink.data[:, :, :sink]] if sink else []
-            parts += self._compressed_parts(plan, dtype)
-            parts.append(self.buffer.data[:, :, :buffer])
-            if len(parts) == 1:  # fp16 preset: the buffer itself (a view, as DynamicCache returns its tensor)
-                return parts[0][:, :, start:]
-            return torch.cat(parts, dim=2)[:, :, start:]
-        parts = [self.sink.data] if sink_tokens else []
-        parts += self._compressed_parts(plan, dtype)
-        parts.append(self.buffer.data)
-        full = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
-        B, H, _, d = full.shape
+        """This layer's tokens in HF's padded layout from column `start` on: [B,H,T-start,d] (keys before RoPE).
+
+        Laid out as [sink | prompt chunk | decode chunks | buffer]; the chunks decompress straight into their
+        slice. When every row holds the same slots in order (`plan.uniform`) that layout is HF's; otherwise
+        the stores are taken whole (scratch and padded slots included) and `plan.read_index` gathers."""
+        uniform = plan.uniform
+        sink = (uniform[0] if uniform else self.sink.data.shape[2]) if sink_tokens else 0
+        buffer = uniform[-1] if uniform else self.buffer.data.shape[2]
+        runs = [(store, chunks) for store, chunks in ((self.prefill, 1), (self.decode, plan.decode_chunks_used))
+                if store is not None and store.fields and chunks]
+        if uniform and not sink and not runs:  # fp16 preset: the buffer itself (a view, as DynamicCache's)
+            return self.buffer.data[:, :, start:buffer]
+        B, H, _, d = self.buffer.data.shape
+        total = sink + sum(store.chunk_len * chunks for store, chunks in runs) + buffer
+        full = self.buffer.data.new_empty(B, H, total, d, dtype=dtype)
+        if sink:
+            full[:, :, :sink] = self.sink.data[:, :, :sink]
+        at = sink
+        for store, chunks in runs:
+            store.reconstruct(chunks, dtype, out=full[:, :, at : at + store.chunk_len * chunks])
+            at += store.chunk_len * chunks
+        full[:, :, at:] = self.buffer.data[:, :, :buffer]
+        if uniform:
+            return full[:, :, start:]
         index = plan.read_index[:, None, start:, None].expand(B, H, -1, d)
         return full.gather(2, index)
-
-    def _compressed_parts(self, plan: _StepPlan, dtype: torch.dtype) -> list[torch.Tensor]:
-        parts = []
-        if self.prefill is not None:
-            parts.append(self.prefill.reconstruct(1, dtype))
-        if plan.decode_chunks_used:
-            parts.append(self.decode.reconstruct(plan.decode_chunks_used, dtype))
-        return parts
 
     def nbytes_by_component(self) -> dict[str, int]:
         out = dict.fromkeys(COMPONENTS, 0)

@@ -139,19 +139,13 @@ class ChunkStore:
             return None  # a group the packing kernel cannot split into bytes: the torch engine handles it
         return kernels.quantize_pack
 
-    def reconstruct(self, chunks: int, out_dtype: torch.dtype) -> torch.Tensor:
-        """The first `chunks` chunks of every row, decompressed: [B, H, chunks*chunk_len, d]."""
+    def reconstruct(self, chunks: int, out_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The first `chunks` chunks of every row, decompressed: [B, H, chunks*chunk_len, d] (into `out` if given).
+        Chunks lie one after the other along each field's dim 2, so they decompress in one call, in place."""
         if chunks == 0 or not self.fields:
             return torch.empty(0)
-        per_chunk = {}
-        for name, t in self.fields.items():
-            e = self.extent[name]
-            B, H = t.shape[:2]
-            part = t[:, :, : chunks * e].reshape(B, H, chunks, e, *t.shape[3:])
-            per_chunk[name] = part.movedim(2, 1).reshape(B * chunks, H, e, *t.shape[3:])  # [B*C, H, e, ...]
-        x = decompress(CompressedChunk(**per_chunk), self.spec, self.chunk_len, self.head_dim, out_dtype)
-        B = x.shape[0] // chunks
-        return x.reshape(B, chunks, *x.shape[1:]).movedim(1, 2).reshape(B, x.shape[1], -1, x.shape[-1])
+        run = CompressedChunk(**{name: t[:, :, : chunks * self.extent[name]] for name, t in self.fields.items()})
+        return decompress(run, self.spec, self.chunk_len, self.head_dim, out_dtype, chunks=chunks, out=out)
 
     def nbytes_by_component(self) -> dict[str, int]:
         out: dict[str, int] = {}

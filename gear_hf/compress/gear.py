@@ -93,16 +93,38 @@ def compress(x: torch.Tensor, spec: ChunkSpec, valid: torch.Tensor | None = None
     )
 
 
-def decompress(chunk: CompressedChunk, spec: ChunkSpec, n: int, d: int, out_dtype: torch.dtype) -> torch.Tensor:
-    """Reconstruct [B,H,n,d] = D̂ + S + A Bᵀ, computed in float32 and returned in out_dtype."""
+def decompress(chunk: CompressedChunk, spec: ChunkSpec, n: int, d: int, out_dtype: torch.dtype,
+               chunks: int = 1, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Reconstruct D̂ + S + A Bᵀ of `chunks` consecutive chunks of n tokens: [B,H,chunks*n,d], computed in float32.
+
+    `chunk` holds the chunks one after the other along dim 2 of every field (as `ChunkStore` keeps them), so
+    one call covers a row's whole run of decode chunks: a quantization group never straddles two chunks, outlier
+    token indices count from their chunk's start, and each chunk has its own low-rank factors.
+    out: an optional [B,H,chunks*n,d] tensor (e.g. a slice of the attention's key buffer) written in place
+    and returned; otherwise a new tensor in out_dtype.
+    """
     pack_dim = -2 if spec.axis == "channel" else -1
     codes = quant.unpack_codes(chunk.codes, spec.bits, pack_dim)
-    x = quant.dequantize(codes, chunk.scale, chunk.minimum, spec.axis, spec.group_for(n, d), d, torch.float32)
+    direct = out is not None and out.dtype == torch.float32  # else accumulate in float32 and round once at the end
+    x = quant.dequantize(codes, chunk.scale, chunk.minimum, spec.axis, spec.group_for(n, d), d, torch.float32,
+                         out=out if direct else None)  # [B,H,C*n,d]
     if chunk.sparse_index.numel():
-        x = outliers.scatter_add_entries(x, chunk.sparse_index, chunk.sparse_values, spec.axis)
+        index = chunk.sparse_index.long()
+        if spec.axis == "channel" and chunks > 1:  # [B,H,C*2k,d] token indices within each chunk
+            per_chunk = index.shape[2] // chunks
+            offsets = torch.arange(chunks, device=index.device).repeat_interleave(per_chunk) * n
+            index = index + offsets.view(1, 1, -1, 1)
+        x = outliers.scatter_add_entries(x, index, chunk.sparse_values, spec.axis)
     if chunk.lowrank_a.shape[-1]:
-        a, b = chunk.lowrank_a.float(), chunk.lowrank_b.float()  # [B,H,n,r], [B,H,d,r]
-        flat = x.reshape(-1, n, d)  # a view unless padded value channels were cut off
-        flat.baddbmm_(a.reshape(-1, n, a.shape[-1]), b.reshape(-1, d, b.shape[-1]).transpose(-1, -2))  # += A Bᵀ
-        x = flat.view(x.shape)
-    return x.to(out_dtype)
+        B, H, r = x.shape[0], x.shape[1], chunk.lowrank_a.shape[-1]
+        a = chunk.lowrank_a.float().view(B * H, chunks, n, r)
+        b = chunk.lowrank_b.float().view(B * H, chunks, d, r)
+        if chunks == 1:  # accumulate inside the matmul: no [n, d] temporary
+            x.view(B * H, n, d).baddbmm_(a[:, 0], b[:, 0].transpose(-1, -2))
+        else:  # each chunk's own A Bᵀ
+            x.view(B * H, chunks, n, d).add_(a @ b.transpose(-1, -2))
+    if out is None:
+        return x.to(out_dtype)
+    if not direct:
+        out.copy_(x)
+    return out

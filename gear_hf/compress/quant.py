@@ -48,9 +48,16 @@ def unpack_codes(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     if per_byte == 1:
         return packed
     dim = dim % packed.ndim
-    codes = (packed.unsqueeze(dim + 1) >> _shifts(bits, packed.ndim, dim, packed.device)) & levels(bits)
     shape = list(packed.shape)
     shape[dim] *= per_byte
+    if packed.stride(-1) == 1 and packed.shape[-1] % 4 == 0 and packed.storage_offset() % 4 == 0:
+        # Four bytes at a time: shifting an int32 word moves the j-th code of each of its bytes to that byte's
+        # low bits, and the repeated mask drops what crossed a byte boundary (same codes, fewer, wider ops).
+        words = packed.view(torch.int32)
+        mask = int.from_bytes(bytes([levels(bits)]) * 4, "little", signed=True)
+        planes = [((words >> (bits * j)) & mask).view(torch.uint8) for j in range(per_byte)]
+        return torch.stack(planes, dim=dim + 1).reshape(shape)
+    codes = (packed.unsqueeze(dim + 1) >> _shifts(bits, packed.ndim, dim, packed.device)) & levels(bits)
     return codes.reshape(shape)
 
 
@@ -121,11 +128,20 @@ def quantize(x: torch.Tensor, bits: int, axis: str, group: int, exclude: torch.T
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, axis: str, group: int,
-               d: int, out_dtype: torch.dtype) -> torch.Tensor:
-    """codes [B,H,n,d_pad] (unpacked) with their stats -> [B,H,n,d] in out_dtype (computed in float32)."""
+               d: int, out_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """codes [B,H,n,d_pad] (unpacked) with their stats -> [B,H,n,d] in out_dtype (computed in float32).
+    out: an optional float32 [B,H,n,d] tensor to write into (when d needs no padding)."""
     cg, member = _grouped(codes, axis, group)
     # uint8 codes times float32 scale promotes inside the multiply: the same values as cg.float() * scale,
     # without a float copy of the codes (the reference path dequantizes the whole history every step)
-    x = cg * scale.float().unsqueeze(member) + minimum.float().unsqueeze(member)
-    x = x.reshape(*codes.shape[:3], -1)
-    return (x if x.shape[-1] == d else x[..., :d]).to(out_dtype)
+    scale, minimum = scale.float().unsqueeze(member), minimum.float().unsqueeze(member)
+    if out is not None and out.dtype == torch.float32 and codes.shape[-1] == d:
+        target = out.view(cg.shape)
+        torch.mul(cg, scale, out=target)
+        target.add_(minimum)
+        return out
+    x = (cg * scale + minimum).reshape(*codes.shape[:3], -1)
+    x = x if x.shape[-1] == d else x[..., :d]
+    if out is not None:
+        return out.copy_(x)
+    return x.to(out_dtype)
