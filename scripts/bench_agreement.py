@@ -166,6 +166,9 @@ def main(argv=None) -> int:
             f"compared per model: {ran}; greedy, up to {args.max_new} new tokens (stop at the next \"Question:\"), "
             f"{args.dtype}, batch 1. Reference: DynamicCache (uncompressed). HF QuantizedCache: defaults (per-token "
             "axes, post-RoPE), q_group_size=64, residual_length=128."]
+    if args.report_only:
+        body.append("Report rebuilt from the recorded rows (--report-only): the conditions line above describes "
+                    "this process, not the runs that measured the rows (their decode tok/s are their own).")
     if skipped:
         body.append(f"Not measured (backend not installed): {', '.join(skipped)}.")
     body.append(benchlib.markdown_table(rows, [

@@ -329,8 +329,8 @@ def plot(path: Path, rows: list[dict], cond: dict) -> None:
             ax.set_xlabel("KV cache size (% of an fp16 cache, measured)")
             ax.set_ylabel(ylabel)
             ax.grid(alpha=0.3)
-    fig.suptitle(f"{cond.get('model')} ({cond.get('dtype')}), n={cond.get('limit')}, {cond.get('git_commit')}",
-                 fontsize=9)
+    fig.suptitle(f"{cond.get('model')} ({cond.get('dtype')})\nn={cond.get('limit')}, {cond.get('git_commit')}",
+                 fontsize=9)  # two lines: a GGUF file name alone can be wider than the figure
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
