@@ -106,18 +106,13 @@ def main(argv=None) -> int:
     parser.add_argument("--raw", default=None, help="resumable JSONL (default results/agreement_raw.jsonl)")
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--out", default=str(benchlib.RESULTS))
-    args, unknown = parser.parse_known_args(argv)
-    if unknown:
-        print(f"bench_agreement: ignoring options meant for other benchmarks: {unknown}", file=sys.stderr)
+    args = benchlib.parse_bench_args(parser, argv, "bench_agreement")
     n = args.num_prompts or (3 if args.quick else 10)
     if not 0 <= args.first < n:
         parser.error(f"--first {args.first}: must be in [0, {n}) for {n} prompts")
-    methods = [benchlib.check_method(m.strip()) for m in args.methods.split(",")] if args.methods else \
-        list(QUICK_METHODS if args.quick else DEFAULT_METHODS)
+    methods, skipped = benchlib.select_methods(args.methods, QUICK_METHODS if args.quick else DEFAULT_METHODS)
     if "dynamic" not in methods:
         methods.insert(0, "dynamic")
-    skipped = [m for m in methods if m in benchlib.HF_METHODS and not benchlib.hf_backend_available(m.split("-")[1])]
-    methods = [m for m in methods if m not in skipped]
     out = benchlib.Path(args.out)
     raw_path = benchlib.Path(args.raw) if args.raw else out / "agreement_raw.jsonl"
     raw_path.parent.mkdir(parents=True, exist_ok=True)

@@ -43,16 +43,11 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     parser.add_argument("--hf-residual", type=int, default=128, help="HF QuantizedCache residual_length")
     parser.add_argument("--out", default=str(benchlib.RESULTS))
-    args, unknown = parser.parse_known_args(argv)
-    if unknown:
-        print(f"bench_decode: ignoring options meant for other benchmarks: {unknown}", file=sys.stderr)
+    args = benchlib.parse_bench_args(parser, argv, "bench_decode")
     models = args.models or ["smollm2"]
     batches = args.batch or ([1] if args.quick else [1, 4])
     new = args.new or (16 if args.quick else 32)
-    methods = [benchlib.check_method(m.strip()) for m in args.methods.split(",")] if args.methods else \
-        list(QUICK_METHODS if args.quick else DEFAULT_METHODS)
-    skipped = [m for m in methods if m in benchlib.HF_METHODS and not benchlib.hf_backend_available(m.split("-")[1])]
-    methods = [m for m in methods if m not in skipped]
+    methods, skipped = benchlib.select_methods(args.methods, QUICK_METHODS if args.quick else DEFAULT_METHODS)
     cond = benchlib.Conditions(extra={"dtype": args.dtype, "T": args.T, "new_tokens": new, "batch": batches,
                                       "repeats": args.repeats, "hf_residual_length": args.hf_residual})
     benchlib.print_conditions(cond)

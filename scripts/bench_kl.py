@@ -40,17 +40,12 @@ def main(argv=None) -> int:
     parser.add_argument("--methods", default=None)
     parser.add_argument("--dtype", default="float32", choices=["bfloat16", "float32", "float16"])
     parser.add_argument("--out", default=str(benchlib.RESULTS))
-    args, unknown = parser.parse_known_args(argv)
-    if unknown:
-        print(f"bench_kl: ignoring options meant for other benchmarks: {unknown}", file=sys.stderr)
+    args = benchlib.parse_bench_args(parser, argv, "bench_kl")
     import gear_hf
     from gear_hf import diagnostics as D
 
     texts = args.texts or ([0] if args.quick else [0, 1])
-    methods = [benchlib.check_method(m.strip()) for m in args.methods.split(",")] if args.methods else \
-        list(QUICK_METHODS if args.quick else DEFAULT_METHODS)
-    skipped = [m for m in methods if m in benchlib.HF_METHODS and not benchlib.hf_backend_available(m.split("-")[1])]
-    methods = [m for m in methods if m not in skipped]
+    methods, skipped = benchlib.select_methods(args.methods, QUICK_METHODS if args.quick else DEFAULT_METHODS)
     cond = benchlib.Conditions(extra={"dtype": args.dtype, "tokens": args.tokens, "continuation": args.continuation,
                                       "chunk": args.chunk, "texts": texts})
     benchlib.print_conditions(cond)

@@ -102,9 +102,7 @@ def main(argv=None) -> int:
     parser.add_argument("--methods", default=None, help="comma list (default: dynamic, every preset at 2 and 4 "
                                                          "bits, hf-quanto-int2/4, hf-hqq-int2/4 when installed)")
     parser.add_argument("--out", default=str(benchlib.RESULTS))
-    args, unknown = parser.parse_known_args(argv)
-    if unknown:
-        print(f"bench_memory: ignoring options meant for other benchmarks: {unknown}", file=sys.stderr)
+    args = benchlib.parse_bench_args(parser, argv, "bench_memory")
     Ts = args.T or ([256, 1024] if args.quick else [256, 1024, 4096])
     shapes = args.shapes or (["smollm2"] if args.quick else list(SHAPES))
     if args.methods:

@@ -86,9 +86,7 @@ def main(argv=None) -> int:
     parser.add_argument("--methods", default=None)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     parser.add_argument("--out", default=str(benchlib.RESULTS))
-    args, unknown = parser.parse_known_args(argv)
-    if unknown:
-        print(f"bench_prefill: ignoring options meant for other benchmarks: {unknown}", file=sys.stderr)
+    args = benchlib.parse_bench_args(parser, argv, "bench_prefill")
     Ts = args.T or ([1024] if args.quick else [1024, 4096])
     methods = [benchlib.check_method(m.strip()) for m in args.methods.split(",")] if args.methods else \
         list(QUICK if args.quick else ALL)

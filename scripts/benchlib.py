@@ -207,6 +207,23 @@ def check_method(name: str) -> str:
     return name
 
 
+def parse_bench_args(parser, argv, name: str):
+    """parser.parse_known_args: `make bench` hands one BENCH_ARGS to every scripts/bench_*.py, so options meant
+    for another benchmark are reported and ignored, not fatal."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        print(f"{name}: ignoring options meant for other benchmarks: {unknown}", file=sys.stderr)
+    return args
+
+
+def select_methods(listed: str | None, default) -> tuple[list[str], list[str]]:
+    """(methods to run, HF methods skipped because their backend is not installed) from a comma list or the
+    default; unknown names raise."""
+    methods = [check_method(m.strip()) for m in listed.split(",") if m.strip()] if listed else list(default)
+    skipped = [m for m in methods if m in HF_METHODS and not hf_backend_available(m.split("-")[1])]
+    return [m for m in methods if m not in skipped], skipped
+
+
 def hf_backend_available(backend: str) -> bool:
     import importlib.util
 
