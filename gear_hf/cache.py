@@ -52,12 +52,15 @@ class _StepPlan:
     read_positions: torch.Tensor | None = None  # [B, T] long
 
 
-def _stream_specs(cfg: GearConfig, bits: int, axis: str) -> tuple[ChunkSpec, ChunkSpec]:
-    """(prompt chunk spec, decode chunk spec) for one of keys/values."""
-    group = 0 if cfg.coarse_groups else cfg.group_size
+def _stream_specs(cfg: GearConfig, stream: str) -> tuple[ChunkSpec, ChunkSpec]:
+    """(prompt chunk spec, decode chunk spec) for stream "key" or "value"."""
+    bits, axis = (cfg.key_bits, cfg.key_axis) if stream == "key" else (cfg.value_bits, cfg.value_axis)
+    group = 0 if cfg.coarse_groups else (cfg.key_group if stream == "key" else cfg.value_group)
     ratio = cfg.outlier_ratio if cfg.uses_outliers else 0.0
     ranks = (cfg.rank_prefill, cfg.rank_decode) if cfg.uses_lowrank else (0, 0)
-    return tuple(ChunkSpec(bits, axis, group, ratio, rank, cfg.power_iters) for rank in ranks)
+    rotate = cfg.rotation in ("both", stream + "s")
+    return tuple(ChunkSpec(bits, axis, group, ratio, rank, cfg.power_iters, rotate, cfg.factor_bits)
+                 for rank in ranks)
 
 
 class _Stream:
@@ -152,9 +155,8 @@ class GearLayer(CacheLayerMixin):
         self.steps = 0
         self.seen_length = 0
         cfg = cache.gear_config
-        self.key_stream = _Stream(*_stream_specs(cfg, cfg.key_bits, cfg.key_axis), cfg.buffer_size, cfg.backend)
-        self.value_stream = _Stream(*_stream_specs(cfg, cfg.value_bits, cfg.value_axis), cfg.buffer_size,
-                                    cfg.backend)
+        self.key_stream = _Stream(*_stream_specs(cfg, "key"), cfg.buffer_size, cfg.backend)
+        self.value_stream = _Stream(*_stream_specs(cfg, "value"), cfg.buffer_size, cfg.backend)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.is_initialized = True
@@ -376,7 +378,7 @@ class GearCache(Cache):
             prefill = decode = 0
             if cfg.compresses:
                 if first:
-                    prefill = total // cfg.group_size * cfg.group_size
+                    prefill = total // cfg.chunk_granule * cfg.chunk_granule
                     prompt_counts[i] = prefill
                 decode = (total - prefill) // cfg.buffer_size
             if prefill or decode:
