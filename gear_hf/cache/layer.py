@@ -56,7 +56,10 @@ class GearLayer(CacheLayerMixin):
     def flush(self, layout: RowLayout, plan: StepPlan) -> list[torch.Tensor]:
         """Compress what leaves the buffers, then release what left every row's window. Returns device bools
         (all entries finite) for the cache to check once per step."""
-        finite = [stream.flush(plan, layout.prompt_capacity, layout.batch, self.released.chunks)
+        reserve = plan.decode_reserve - self.released.chunks
+        if self.is_sliding:  # live chunks never exceed a window's worth (+ the partly visible and the newest):
+            reserve = -(-self.sliding_window // layout.chunk_len) + 2  # allocated once, never grown
+        finite = [stream.flush(plan, layout.prompt_capacity, layout.batch, self.released.chunks, reserve)
                   for stream in self.streams]
         if self.is_sliding:
             self._release(layout)

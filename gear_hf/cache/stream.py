@@ -56,9 +56,10 @@ class Stream:
         self.buffer.reserve(x, plan.buffer_capacity)
         self.buffer.write(x, plan.buffer_cols)
 
-    def flush(self, plan: StepPlan, prompt_capacity: int, batch: int, released_chunks: int = 0
-              ) -> torch.Tensor | None:
+    def flush(self, plan: StepPlan, prompt_capacity: int, batch: int, released_chunks: int = 0,
+              reserve_chunks: int = 0) -> torch.Tensor | None:
         """Compress what leaves the buffer (one call per chunk length), keep the rest at the buffer's front.
+        A decode chunk goes to slot (chunk - released_chunks); reserve_chunks: decode slots to allocate at once.
         Returns a device bool, True when every compressed entry was finite (None: nothing compressed)."""
         flush = plan.flush
         data = self.buffer.data
@@ -74,7 +75,7 @@ class Stream:
             x = torch.stack([data[row, :, start : start + self.chunk_len] for row, start, _ in flush.decode_jobs])
             finite.append(torch.isfinite(x).all())
             slots = [chunk - released_chunks for _, _, chunk in flush.decode_jobs]
-            self.decode.compress_rows(x, rows, slots, batch, plan.decode_reserve - released_chunks)
+            self.decode.compress_rows(x, rows, slots, batch, reserve_chunks)
         for row, start, length in flush.keep:
             self.buffer.keep_tail(row, start, length)
         self.buffer.shrink(plan.buffer_capacity_after)
