@@ -1,8 +1,9 @@
 """The one attention forward shared by every patched architecture.
 
-With a `GearCache` it stores keys *before* RoPE, reads back the whole (reconstructed) history, rotates it
-at the stored positions with the model's own rotary module, and calls the model's configured attention
-function (sdpa/eager/...) with the model's own mask. With any other cache, or none, it calls the original
+With a `GearCache` it stores keys *before* RoPE into the full-precision buffer, attends — fused kernel on
+decode steps where it applies, else the reference path: reads back the whole (reconstructed) history, rotates
+it at the stored positions with the model's own rotary module, and calls the model's configured attention
+function (sdpa/eager/...) with the model's own mask — then lets the cache compress what left the buffer. With any other cache, or none, it calls the original
 forward unchanged, so loglikelihood scoring and stock caches behave exactly like stock.
 """
 
@@ -16,7 +17,8 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .cache import GearCache
-from .kernels import use_fused  # no triton import: kernels load lazily
+from .kernels import MAX_FUSED_QUERY, use_fused  # no triton import: kernels load lazily
+from .rope import apply_rotary
 
 CACHE_KWARGS = ("cache", "past_key_values", "past_key_value")  # 5.24 / <=5.22 / older spellings
 
@@ -30,19 +32,6 @@ class AttentionPatch:
     rotary_emb: torch.nn.Module  # the model's rotary module (computes cos/sin from positions)
     attention_kwargs: Callable[[torch.nn.Module], dict]  # architecture quirks (e.g. sliding_window)
     replaced_attr: str  # "forward" or "_old_forward"
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B,H,T,d] rotated by cos/sin [B,T,d]: bit for bit HF's apply_rotary_pos_emb, x*cos + rotate_half(x)*sin
-    with rotate_half(x) = cat(-x2, x1), computed per half in place (a + (-b)*s == a - b*s exactly), which
-    skips the negated copy and the concatenation: the reference path rotates the whole history every step."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    out = x * cos
-    out[..., :half] -= x2 * sin[..., :half]
-    out[..., half:] += x1 * sin[..., half:]
-    return out
 
 
 def _eager_attention(module: torch.nn.Module) -> Callable:
@@ -73,28 +62,29 @@ def gear_attention_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
     position_ids = kwargs.get("position_ids")
     if not cache.gear_config.pre_rope:  # ablation: compress keys after RoPE, as HF's QuantizedCache does
         key = apply_rotary(key, cos, sin)
-    cache.store(module.layer_idx, key, value, position_ids)
-    # -- fused Triton decode path (gear_hf.kernels.use_fused decides: backend switch, CUDA, supported step); a
-    #    step that just compressed a chunk takes the reference path, which attends its own tokens exactly --
+    cache.store(module.layer_idx, key, value, position_ids)  # joins the buffer: the step sees itself exactly
     if use_fused(cache.gear_config, query, training=module.training,
-                 output_attentions=bool(kwargs.get("output_attentions"))) and not cache.step_compressed():
+                 output_attentions=bool(kwargs.get("output_attentions"))):
         rotary = patch.rotary_emb
         output = cache.fused_attention(module.layer_idx, query, scaling=module.scaling, inv_freq=rotary.inv_freq,
                                        attention_scaling=getattr(rotary, "attention_scaling", 1.0))
-        return module.o_proj(output.reshape(*input_shape, -1).contiguous()), None
-    # -- the reference path: reconstruct, rotate, the model's own attention function --
-    keys, values = cache.read(module.layer_idx, key, value)  # [B,Hkv,T,d]
-    if cache.gear_config.pre_rope:
-        keys = apply_rotary(keys, *cache.rotary_for_read(module.layer_idx, patch.rotary_emb, values))
-
-    attention = ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation,
-                                                      _eager_attention(module))
-    output, weights = attention(
-        module, query, keys, values, attention_mask,
-        dropout=0.0 if not module.training else module.attention_dropout,
-        scaling=module.scaling,
-        **patch.attention_kwargs(module),
-        **kwargs,
-    )
+        weights = None
+        cache.step_paths["fused"] += 1
+    else:  # the reference path: reconstruct, rotate, the model's own attention function
+        keys, values = cache.read(module.layer_idx, key, value)  # [B,Hkv,T,d]
+        if cache.gear_config.pre_rope:
+            keys = apply_rotary(keys, *cache.rotary_for_read(module.layer_idx, patch.rotary_emb, values))
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation,
+                                                          _eager_attention(module))
+        output, weights = attention(
+            module, query, keys, values, attention_mask,
+            dropout=0.0 if not module.training else module.attention_dropout,
+            scaling=module.scaling,
+            **patch.attention_kwargs(module),
+            **kwargs,
+        )
+        if query.shape[2] <= MAX_FUSED_QUERY:  # decode steps only: the share the fused path should serve
+            cache.step_paths["reference"] += 1
+    cache.compress_pending(module.layer_idx)  # after attending: what left the buffer is compressed
     output = output.reshape(*input_shape, -1).contiguous()
     return module.o_proj(output), weights

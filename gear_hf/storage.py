@@ -51,6 +51,16 @@ class TokenStore:
         elif capacity > self.capacity:
             self.data = _grown(self.data[:, :, : self.capacity], capacity + 1)
 
+    def shrink(self, capacity: int) -> None:
+        """Hold `capacity` tokens per row (keeping the first ones): frees what a prompt step needed."""
+        if self.data is not None and capacity < self.capacity:
+            self.data = torch.cat([self.data[:, :, :capacity], self.data[:, :, -1:]], dim=2)
+
+    def keep_tail(self, row: int, start: int, length: int) -> None:
+        """Row `row` keeps its tokens [start, start+length) at the front (the rest left the buffer)."""
+        if start and length:
+            self.data[row, :, :length] = self.data[row, :, start : start + length].clone()
+
     def write(self, x: torch.Tensor, columns: torch.Tensor) -> None:
         """data[b, :, columns[b, j]] = x[b, :, j]; x [B,H,q,d], columns [B,q] (scratch for skipped tokens)."""
         index = columns[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3])
@@ -108,7 +118,7 @@ class ChunkStore:
             self.fields[name] = t.new_zeros(batch, t.shape[1], chunks * t.shape[2], *t.shape[3:])
         self.capacity = chunks
         self.head_dim = d
-        self.dtype = example.lowrank_b.dtype
+        self.dtype = example.scale.dtype  # the side dtype (compress.side_dtype): probes compress like it
 
     def reserve(self, example: CompressedChunk, batch: int, chunks: int) -> None:
         if not self.fields:
@@ -119,18 +129,53 @@ class ChunkStore:
                 self.fields[name] = _grown(t, new_capacity * self.extent[name])
             self.capacity = new_capacity
 
-    def compress_into(self, x: torch.Tensor, row: int, chunk: int, batch: int, reserve_chunks: int) -> None:
-        """Compress x [1,H,n,d] (n <= chunk_len) and store it as chunk `chunk` of row `row`."""
-        if not torch.isfinite(x).all():  # one NaN would poison its whole group's min/max: fail loudly
-            raise ValueError(f"non-finite keys/values (NaN or inf) in row {row} reached the GEAR cache; the "
-                             "model produced them before the cache (check the dtype's range, e.g. fp16)")
+    def compress_rows(self, x: torch.Tensor, rows: list[int], chunks: list[int], batch: int,
+                      reserve_chunks: int) -> None:
+        """Compress x [J,H,n,d] (J chunks of n <= chunk_len tokens, in one call) and store job j as chunk
+        `chunks[j]` of row `rows[j]`. Chunks of one length compress exactly as each would alone (every statistic
+        is per batch row), so batching changes no bit; callers group jobs by length."""
         compressed = compress(x, self.spec, quantize_pack=self._quantize_pack(x))
-        self.reserve(compressed, batch, max(chunk + 1, reserve_chunks))
+        self.reserve(compressed, batch, max(max(chunks) + 1, reserve_chunks))
+        full = x.shape[2] == self.chunk_len
+        row_index = torch.tensor(rows, device=x.device)
         for name in FIELDS:
-            src = getattr(compressed, name)[0]  # [H, e_row, ...]: a short row may fill less (extent, rank)
-            start = chunk * self.extent[name]
-            target = self.fields[name][row, :, start : start + src.shape[1]]
-            target[tuple(slice(0, n) for n in src.shape)] = src
+            src = getattr(compressed, name)  # [J, H, e, ...]: a short chunk may fill less (extent, rank)
+            e = self.extent[name]
+            if full and src.shape[2] == e:  # one indexed copy for every job: field as [B, H, chunks, e, ...]
+                target = self.fields[name].unflatten(2, (self.capacity, e))
+                target[row_index, :, torch.tensor(chunks, device=x.device)] = src
+                continue
+            for j, (row, chunk) in enumerate(zip(rows, chunks)):
+                target = self.fields[name][row, :, chunk * e : chunk * e + src.shape[2]]
+                target[tuple(slice(0, n) for n in src.shape[1:])] = src[j]
+
+    def discard_leading(self, count: int, live: int) -> None:
+        """Drop the first `count` chunks of every row, moving the next `live` ones to the front (a sliding
+        layer's chunks that left every row's window): capacity, and so memory, stays bounded by the window."""
+        if count <= 0 or not self.fields:
+            return
+        for name, t in self.fields.items():
+            e = self.extent[name]
+            t[:, :, : live * e] = t[:, :, count * e : (count + live) * e].clone()
+
+    def chunk_nbytes(self, n: int, itemsize_cap: int | None = None) -> dict[str, int]:
+        """Bytes, by component, that one row's chunk of n tokens occupies (for accounting; memoised per n).
+        itemsize_cap: count floating fields at most this many bytes per element (the 16-bit view)."""
+        key = (n, itemsize_cap)
+        memo = self.__dict__.setdefault("_chunk_nbytes", {})
+        if key not in memo:
+            H, d = self.fields["lowrank_b"].shape[1], self.head_dim
+            probe = compress(torch.zeros(1, H, n, d, dtype=self.dtype, device=self.fields["codes"].device),
+                             replace(self.spec, power_iters=1))
+            out: dict[str, int] = {}
+            for name in FIELDS:
+                t = getattr(probe, name)
+                size = t.element_size()
+                if itemsize_cap and t.is_floating_point():
+                    size = min(size, itemsize_cap)
+                out[COMPONENT_OF[name]] = out.get(COMPONENT_OF[name], 0) + t.numel() * size
+            memo[key] = out
+        return memo[key]
 
     def _quantize_pack(self, x: torch.Tensor):
         """The Triton quantize+pack kernel when the backend resolves to triton for x's device, else None."""

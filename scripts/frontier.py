@@ -12,10 +12,9 @@ longer T), the first T - --continuation at prefill, the rest fed --chunk tokens 
 * attention-output error: relative error of every layer's attention output for the last 32 queries, the keys and
   values streamed through the cache with the last 64 tokens one per step (`diagnostics.layer_errors`), mean over
   layers;
-* bits per element held after the text: the bytes the tokens hold (compressed fields of the chunks in use, sink and
-  buffer tokens, positions), counted independently of `memory_report()` (which is also recorded: it counted
-  reserved capacity when this was written), over layers x 2 x KV heads x head_dim x tokens. HF QuantizedCache:
-  every tensor it holds (benchlib.tensor_bytes).
+* bits per element held after the text: `memory_report()["bits_per_element"]` (the bytes the tokens hold:
+  compressed fields of the chunks in use, sink and buffer tokens, positions; no reserved capacity) over
+  layers x 2 x KV heads x head_dim x tokens. HF QuantizedCache: every tensor it holds (benchlib.tensor_bytes).
 
 Resumable: every finished point is appended to <out>/raw.csv and skipped on the next run; the reference logits
 and captures are recomputed per (model, T). Writes <out>/frontier.csv, frontier.md and frontier.png (KL, log
@@ -88,41 +87,13 @@ def grid(kind: str) -> dict:
 HF_BASELINES = ("hf-quanto-int2", "hf-quanto-int4", "hf-hqq-int2", "hf-hqq-int4")
 
 
-# -- bytes held ---------------------------------------------------------------------------------------------------
-
-def held_bytes(cache) -> int:
-    """Bytes the tokens hold in a GearCache, counted from its stores (not `memory_report`): per row, the fields
-    of the prompt chunk and of the decode chunks in use, sink and buffer tokens; plus 4 bytes of position per
-    token. Reserved capacity (unfilled slots, growth room, scratch columns) is not counted."""
-    from gear_hf.storage import FIELDS
-
-    total = 0
-    rows = list(zip(cache.sink_len, cache.prefill_len, cache.decode_chunks, cache.buffer_len))
-    for layer in cache.layers:
-        for stream in (layer.key_stream, layer.value_stream):
-            for sink, prompt, chunks, buffer in rows:
-                for store, count in ((stream.sink, sink), (stream.buffer, buffer)):
-                    if store.data is not None:
-                        total += count * store.data.shape[1] * store.data.shape[3] * store.data.element_size()
-                prefill = stream.prefill
-                if prompt and prefill is not None and prefill.fields:
-                    total += sum(prefill.fields[n][0].numel() * prefill.fields[n].element_size() for n in FIELDS)
-                decode = stream.decode
-                if chunks and decode.fields:
-                    for n in FIELDS:
-                        t = decode.fields[n]
-                        total += chunks * decode.extent[n] * (t[0, :, :1].numel() * t.element_size())
-    total += cache.tokens_held() * 4
-    return total
-
+# -- measurement --------------------------------------------------------------------------------------------------
 
 def _elements(text_cfg, tokens: int) -> int:
     kv_heads = getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads
     head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
     return text_cfg.num_hidden_layers * 2 * kv_heads * head_dim * tokens
 
-
-# -- measurement --------------------------------------------------------------------------------------------------
 
 def _done(path: Path) -> set:
     if not path.exists():
@@ -146,7 +117,7 @@ def _read(path: Path) -> list[dict]:
     rows = []
     with open(path) as f:
         for r in csv.DictReader(f):
-            for k in ("mean_kl", "top1", "attn_out_error", "bits_per_element", "report_bits_per_element"):
+            for k in ("mean_kl", "top1", "attn_out_error", "bits_per_element", "allocated_bits_per_element"):
                 r[k] = float(r[k]) if r.get(k) not in (None, "") else float("nan")
             r["tokens"] = int(r["tokens"])
             rows.append(r)
@@ -194,20 +165,21 @@ def measure_model(model_name: str, dtype: str, tokens_list, configs: dict, basel
             elements = _elements(text_cfg, T)
             if config is None:
                 bits = benchlib.tensor_bytes(cache) * 8 / elements
-                report_bits = float("nan")
+                allocated_bits = bits
                 attn = float("nan")  # HF's cache stores post-RoPE keys and is not driven by layer_errors
             else:
-                bits = held_bytes(cache) * 8 / elements
-                report_bits = cache.memory_report()["bits_per_element"]
+                report = cache.memory_report()
+                bits = report["bits_per_element"]
+                allocated_bits = report["total_bytes"] * 8 / report["elements"]
                 errors = D.layer_errors(captures, config, decode_tokens=64, last_queries=32)
                 attn = sum(r["attention_output_error"] for r in errors) / len(errors)
             row = {"model": model_name, "tokens": T, "config": name, "dtype": dtype, "mean_kl": kl.mean().item(),
                    "top1": (reference.argmax(-1) == logits.argmax(-1)).float().mean().item(),
-                   "attn_out_error": attn, "bits_per_element": bits, "report_bits_per_element": report_bits,
+                   "attn_out_error": attn, "bits_per_element": bits, "allocated_bits_per_element": allocated_bits,
                    "positions": kl.shape[0], "seconds": round(time.perf_counter() - started, 1)}
             _append(raw, row)
             print(f"{model_name} T={T} {name:24s} KL {row['mean_kl']:.4f} top-1 {row['top1']:.3f} attn {attn:.4f} "
-                  f"{bits:.2f} bits/elem (report {report_bits:.2f}) {row['seconds']:.0f}s", flush=True)
+                  f"{bits:.2f} bits/elem held ({allocated_bits:.2f} allocated) {row['seconds']:.0f}s", flush=True)
         del captures, reference
     del model
 
@@ -272,15 +244,15 @@ def summarize(out: Path, cond, args) -> str:
         lines.append(benchlib.markdown_table(mine, [
             ("config", "config", "{}"), ("bits_per_element", "bits/elem held", "{:.2f}"),
             ("mean_kl", "mean KL", "{:.4f}"), ("top1", "top-1", "{:.3f}"),
-            ("attn_out_error", "attn-out err", "{:.4f}"), ("report_bits_per_element", "memory_report bits", "{:.2f}"),
+            ("attn_out_error", "attn-out err", "{:.4f}"), ("allocated_bits_per_element", "allocated bits", "{:.2f}"),
             ("frontier", "frontier", "{}")]))
         lines.append("")
     benchlib.write_csv(out / "frontier.csv", rows)
     plot(rows, out / "frontier.png")
     body = (f"Teacher-forced next-token KL over the last {args.continuation} tokens of a GSM8K CoT text (fed "
             f"{args.chunk} per step), top-1 agreement, mean attention-output error over layers (last 32 queries, "
-            "last 64 tokens streamed one per step); bits/element held counted from the stores (tokens' bytes "
-            "only: no reserved capacity), HF QuantizedCache by all its tensors (quanto/HQQ, per-token axes, "
+            "last 64 tokens streamed one per step); bits/element held from memory_report() (tokens' bytes "
+            "only: no reserved capacity; 'allocated' adds it), HF QuantizedCache by all its tensors (quanto/HQQ, per-token axes, "
             "post-RoPE, q_group_size=64, residual_length=128). Frontier: gear_hf points no other gear_hf point "
             "beats on both bits and KL.\n\n" + "\n".join(lines))
     benchlib.write_summary(out / "frontier.md", "Accuracy per byte: the measured frontier", cond, body)

@@ -5,7 +5,7 @@
 
 Captures one GSM8K text's per-layer queries/keys/values (the last --tokens tokens) with the model's stock forward,
 then streams them through a GearCache per preset (prompt at prefill, the last 64 tokens one per step) and prints
-the bits per element held (tokens' bytes, `frontier.held_bytes`; and `memory_report()`'s figure) and the mean over
+the bits per element held (`memory_report()`, tokens' bytes; an older checkout may count capacity) and the mean over
 layers of the attention-output relative error of the last 32 queries (`diagnostics.layer_errors`). `--load` needs
 no model, so the same captures can be measured by an older checkout of gear_hf (the side-information comparison).
 """
@@ -18,7 +18,6 @@ import sys
 import torch
 
 import benchlib
-from frontier import held_bytes
 
 
 def main(argv=None) -> int:
@@ -53,11 +52,9 @@ def main(argv=None) -> int:
         for start, length in [(0, T - 64)] + [(t, 1) for t in range(T - 64, T)]:
             for i, cap in enumerate(captures):
                 cache.store_and_read(i, cap.key[:, :, start:start + length], cap.value[:, :, start:start + length])
-        elements = len(captures) * 2 * H * d * T
         errors = D.layer_errors(captures, config, decode_tokens=64, last_queries=32)
         attn = sum(r["attention_output_error"] for r in errors) / len(errors)
-        print(f"{name}: {held_bytes(cache) * 8 / elements:.3f} bits/elem held "
-              f"(memory_report {cache.memory_report()['bits_per_element']:.3f}), attention-output error {attn:.4f}")
+        print(f"{name}: {cache.memory_report()['bits_per_element']:.3f} bits/elem, attention-output error {attn:.4f}")
     return 0
 
 

@@ -109,8 +109,23 @@ def test_memory_report_matches_independent_count(method):
     report = cache.memory_report()
     assert report["total_bytes"] == _tensors_reachable(cache)
     assert report["fp16_bytes"] == 2 * 90 * H * D * 2 * 2 * 2  # rows * tokens * H * d * (K,V) * layers * 2B
-    assert sum(report[c] for c in ("codes", "scales", "lowrank", "sparse_values", "sparse_indices", "buffer",
-                                   "positions")) == report["total_bytes"]
+    components = ("codes", "scales", "lowrank", "sparse_values", "sparse_indices", "buffer", "positions")
+    assert sum(report[c] for c in components) == report["held_bytes"]
+    assert report["held_bytes"] + report["reserved_bytes"] == report["total_bytes"]
+    # held, counted independently: per row 90 tokens; 2 rows; 2 layers; K and V; buffer in bf16
+    nb, rows, layers = 16, 2, 2
+    buffered = sum(cache.buffer_len)
+    assert report["buffer"] == buffered * H * D * 2 * 2 * layers
+    assert report["positions"] == 4 * (rows * 90 + rows * 90)  # positions of held tokens + rect_to_local
+    if method != "fp16":
+        assert cache.prefill_len == [48, 48] and cache.decode_chunks == [2, 2] and buffered == 2 * 10
+        held_chunks = 0
+        for layer in cache.layers:
+            for stream in layer.streams:
+                one = lambda store: sum(t[0, :, : store.extent[n]].numel() * t.element_size()  # noqa: E731
+                                        for n, t in store.fields.items())
+                held_chunks += rows * (one(stream.prefill) + 2 * one(stream.decode))
+        assert sum(report[c] for c in components[:5]) == held_chunks
     if method != "fp16":
         assert report["codes"] > 0 and (report["lowrank"] > 0) == (method == "gear")
 
@@ -228,3 +243,35 @@ def test_rank_larger_than_a_short_rows_prompt():
     cache = _cache(config)
     keys, _ = _feed(cache, K, V, 24, mask)
     assert cache.prefill_len == [24, 8] and torch.isfinite(keys).all()
+
+
+def test_sliding_layer_memory_stops_growing_past_the_window():
+    """A sliding layer releases the chunks that left every row's window: what it holds (and allocates) at
+    T = 4 x window is within 10% of what it holds at T = window, and it still reads its window exactly."""
+    from transformers import MistralConfig
+
+    window = 160  # with n_b = 16 a row holds at most window + 15 tokens: <= 9.4% more than the window
+    model_config = MistralConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=2, num_key_value_heads=H,
+                                 sliding_window=window)
+    cache = GearCache(model_config, _config(method="gear", bits=4))
+    K, V = _stream(40, 4 * window - 40, batch=2)
+    mask = torch.ones(2, 4 * window, dtype=torch.long)
+    mask[1, :5] = 0
+
+    def layer_bytes():
+        report = cache.memory_report()
+        return report["held_bytes"] - report["positions"], report["total_bytes"] - 4 * (
+            cache.positions.numel() + cache.rect_to_local.numel())
+
+    cache.observe_attention_mask(mask[:, :40])
+    cache.store_and_read(0, K[:, :, :40], V[:, :, :40])
+    for t in range(40, 4 * window):
+        if t == window:
+            at_window = layer_bytes()
+        cache.observe_attention_mask(mask[:, : t + 1])
+        keys, values = cache.store_and_read(0, K[:, :, t : t + 1], V[:, :, t : t + 1])
+    held, allocated = layer_bytes()
+    assert cache.layers[0].released.prompt and cache.layers[0].released.chunks >= 25
+    assert held <= 1.1 * at_window[0] and allocated <= 1.1 * at_window[1], (held, allocated, at_window)
+    assert keys.shape[2] == window  # the window-1 past tokens and the new one
+    torch.testing.assert_close(values[:, :, -1], V[:, :, -1])

@@ -13,17 +13,7 @@ import types
 
 import torch
 
-
-def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float = 1.0):
-    """cos/sin [..., d] in float32 for integer positions, as HF's rotary modules compute them."""
-    ang = positions.float()[..., None] * inv_freq.float()
-    emb = torch.cat([ang, ang], dim=-1)
-    return emb.cos() * attention_scaling, emb.sin() * attention_scaling
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+from ..rope import rope_tables, rotate_half
 
 
 def row_local_tokens(cache, layer_idx: int, dtype=torch.float32):
@@ -72,7 +62,7 @@ def reference_decode_attention(cache, layer_idx: int, query: torch.Tensor, *, sc
         G = Hq // Hkv
         pos = cache.positions[b, :L].to(query.device)
         cos, sin = rope_tables(pos, inv_freq.to(query.device), attention_scaling)
-        k_rot = keys * cos.to(dtype) + _rotate_half(keys) * sin.to(dtype)  # [Hkv, L, D]
+        k_rot = keys * cos.to(dtype) + rotate_half(keys) * sin.to(dtype)  # [Hkv, L, D]
         q = query[b].to(dtype)  # [Hq, QL, D]
         scores = torch.matmul(q, k_rot.repeat_interleave(G, dim=0).transpose(-1, -2)).float() * scaling
         t = torch.arange(L, device=query.device)

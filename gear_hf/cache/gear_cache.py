@@ -1,0 +1,248 @@
+"""`GearCache`: a transformers `Cache` whose layers keep keys (before RoPE) and values GEAR-compressed.
+
+One step of one layer, data moving one way (see `RowLayout` for where a row's tokens are):
+
+    store()            new K,V [B,H,q,d] join the full-precision buffer
+    read() | fused     the attention sees compressed history + the buffer, its own tokens exactly
+    compress_pending() rows whose buffer reached n_b compress, one call per chunk length, after the attention
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from transformers.cache_utils import Cache
+
+from ..config import GearConfig
+from ..rope import RotaryMemo
+from .layer import GearLayer
+from .layout import RowLayout
+from .memory import memory_report, summary
+
+
+def _sliding_windows(config) -> list[int | None]:
+    """Per layer: the sliding window, or None for full attention (as transformers' own caches decide)."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        return [window] * config.num_hidden_layers
+    return [window if kind == "sliding_attention" else None for kind in layer_types]
+
+
+def _text_config(model_or_config):
+    config = getattr(model_or_config, "config", model_or_config)
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
+    if not hasattr(config, "num_hidden_layers"):
+        raise TypeError(f"GearCache needs a model or a transformers config, got {type(model_or_config).__name__}")
+    return config
+
+
+class GearCache(Cache):
+    """A GEAR-compressed KV cache.
+
+    GearCache(model) or GearCache(config=model.config) (transformers' convention); gear_config: defaults to
+    the config the model was enabled with, else `GearConfig()`. expected_length: optional hint (prompt + new
+    tokens per row) used to size the storage once instead of growing it.
+    """
+
+    def __init__(self, model_or_config=None, gear_config: GearConfig | None = None, *, config=None,
+                 expected_length: int | None = None) -> None:
+        if config is not None and model_or_config is not None:
+            raise TypeError("GearCache takes the model or its config once: GearCache(model) or GearCache(config=...)")
+        model_or_config = config if model_or_config is None else model_or_config
+        if model_or_config is None:
+            raise TypeError("GearCache needs the model or its config: GearCache(model) or "
+                            "GearCache(config=model.config)")
+        if gear_config is None:
+            gear_config = getattr(getattr(model_or_config, "_gear_hf_state", None), "config", None) or GearConfig()
+        if not isinstance(gear_config, GearConfig):
+            raise TypeError(f"gear_config must be a gear_hf.GearConfig, got {type(gear_config).__name__}")
+        self.gear_config = gear_config
+        self.expected_length = expected_length
+        windows = _sliding_windows(_text_config(model_or_config))
+        super().__init__(layers=[GearLayer(gear_config, i, w) for i, w in enumerate(windows)])
+        self.layout = RowLayout(gear_config, expected_length)
+        self.step_paths: Counter = Counter()  # 'fused' / 'reference' per decode layer-step (prompt steps apart)
+        self.shape: tuple[int, int] | None = None  # (H_kv, d) of the stored layers
+        self.model_dtype: torch.dtype | None = None
+        self._rotary = RotaryMemo()
+        self._pending_mask: torch.Tensor | None = None
+        self._finite: list[torch.Tensor] = []  # this step's "all compressed entries finite" flags
+
+    # -- inputs from the model-level hook ------------------------------------------------------------------
+    def observe_attention_mask(self, attention_mask: torch.Tensor | None) -> None:
+        """The 2D padding mask of the coming forward step ([B, T_past + q]), or None."""
+        if attention_mask is not None and attention_mask.ndim != 2:
+            attention_mask = None  # 4D custom masks carry no padding information we can trust
+        self._pending_mask = attention_mask
+
+    # -- a step: store, attend (read or fused), compress ---------------------------------------------------
+    def store(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor,
+              position_ids: torch.Tensor | None = None) -> GearLayer:
+        """Append this step's keys (before RoPE) and values [B,H,q,d] of one layer to its buffer; the first
+        layer to store in a step plans it for all layers."""
+        if torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
+            raise RuntimeError("GearCache stores compressed keys/values without autograd; run generation under "
+                               "torch.no_grad() or torch.inference_mode() (model.generate does), or pass "
+                               "use_cache=False to train")
+        layer = self.layers[layer_idx]
+        layout = self.layout
+        if layer.steps == layout.steps:
+            self._plan_step(key_states, position_ids)
+        elif layer.steps != layout.steps - 1:
+            raise RuntimeError(f"GearCache layer {layer_idx} is {layout.steps - layer.steps} steps behind; layers "
+                               "must be updated once per forward step, in order")
+        if key_states.shape[0] != layout.batch:
+            raise ValueError(f"batch size changed from {layout.batch} to {key_states.shape[0]} in one GearCache")
+        layer.append(layout.plan, key_states, value_states, self.gear_config.sink_tokens)
+        if self.shape is None:
+            self.shape, self.model_dtype = (key_states.shape[1], key_states.shape[3]), key_states.dtype
+        return layer
+
+    def _plan_step(self, key_states: torch.Tensor, position_ids: torch.Tensor | None) -> None:
+        self._check_finite()  # a previous step whose last layer was not patched
+        B, _, q, _ = key_states.shape
+        rect_before = self.layout.rect_length
+        mask, self._pending_mask = self._pending_mask, None
+        new_valid = None
+        if mask is not None:
+            if mask.shape[0] != B or mask.shape[1] != rect_before + q:
+                raise ValueError(f"attention_mask of shape {tuple(mask.shape)} does not match a step of {q} "
+                                 f"tokens after {rect_before} cached ones (expected [{B}, {rect_before + q}])")
+            new_valid = mask[:, -q:]
+        self.layout.plan_step(B, q, new_valid, position_ids, key_states.device)
+
+    def read(self, layer_idx: int, key_states: torch.Tensor | None = None,
+             value_states: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """After `store`: the layer's keys (before RoPE) and values in HF's padded layout [B,H,T-start,d] (start:
+        the first column a sliding layer sees), reconstructed — the reference path. The step's own tokens are
+        in the buffer, exact. Positions: `read_positions()`. (key_states/value_states: ignored, for callers of
+        the earlier signature.)"""
+        layer, plan = self.layers[layer_idx], self.layout.plan
+        start = layer.visible_start(plan.rect_before)
+        dtype = self.model_dtype if key_states is None else key_states.dtype
+        return layer.read(self.layout, plan.attend, start, dtype, self.gear_config.sink_tokens)
+
+    def compress_pending(self, layer_idx: int) -> None:
+        """After the layer attended: compress what left its buffer (planned once for every layer)."""
+        layer = self.layers[layer_idx]
+        self._finite += layer.flush(self.layout, self.layout.plan)
+        if layer_idx == len(self.layers) - 1:  # the step ends: drop its temporaries, check what it compressed
+            self._rotary.clear()
+            self.layout.end_step()
+            self._check_finite()
+
+    def _check_finite(self) -> None:
+        if self._finite:
+            flags, self._finite = self._finite, []
+            if not bool(torch.stack(flags).all()):  # one sync per step, only on steps that compressed
+                raise ValueError("non-finite keys/values (NaN or inf) reached the GEAR cache; the model produced "
+                                 "them before the cache (check the dtype's range, e.g. fp16)")
+
+    def store_and_read(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor,
+                       position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`store`, `read` (what the attention gets), then `compress_pending`: one whole step of one layer."""
+        self.store(layer_idx, key_states, value_states, position_ids)
+        out = self.read(layer_idx, key_states, value_states)
+        self.compress_pending(layer_idx)
+        return out
+
+    def held(self, layer_idx: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (before RoPE) and values of the layer as held after the last step, in HF's padded layout
+        [B,H,T,d]: the last step's own tokens come back as stored (compressed once flushed), released sliding
+        chunks as zeros. For diagnostics: what the cache holds, not what the attention was handed."""
+        return self.layers[layer_idx].read(self.layout, self.layout.counts, 0, dtype, self.gear_config.sink_tokens)
+
+    def step_compressed(self) -> bool:
+        """Whether the current step moves tokens into compressed chunks (for some row)."""
+        return bool(self.layout.plan.flush)
+
+    def read_positions(self, layer_idx: int) -> torch.Tensor:
+        """[B, T-start] positions of the tokens `read` returned (padding columns hold token 0's)."""
+        layout = self.layout
+        return layout.read_positions(self.layers[layer_idx].visible_start(layout.plan.rect_before))
+
+    def rotary_for_read(self, layer_idx: int, rotary_emb, like: torch.Tensor):
+        """(cos, sin) [B,T,d] for the keys `read` returned, from the model's rotary module; computed once per step
+        per (visible start, rotary module) and shared by the layers."""
+        start = self.layers[layer_idx].visible_start(self.layout.plan.rect_before)
+        return self._rotary.get(self.layout.steps, start, rotary_emb, like,
+                                lambda: self.layout.read_positions(start))
+
+    # -- fused Triton decode attention (gear_hf.kernels); read + attention stays the default and the oracle --
+    def fused_attention(self, layer_idx: int, query: torch.Tensor, *, scaling: float, inv_freq: torch.Tensor,
+                        attention_scaling: float = 1.0) -> torch.Tensor:
+        """After `store`, attend `query` [B,Hq,q,d] (already rotated) straight from the compressed storage and the
+        buffer (this step's own tokens included) with the fused Triton kernel: nothing is reconstructed. Keys are
+        rotated in the kernel from the stored positions with `inv_freq`/`attention_scaling` (the rotary
+        module's). Returns [B, q, Hq, d] (HF's attention-function layout)."""
+        from ..kernels.decode import decode_attention  # imports triton: only on this path
+
+        layer, layout = self.layers[layer_idx], self.layout
+        inputs = layout.kernel_inputs(layout.plan.attend, layer.released, query.shape[2], query.device)
+        return decode_attention(query, layer.key_stream, layer.value_stream, rows=inputs["rows"],
+                                limits=inputs["limits"], positions=inputs["positions"],
+                                buffer_size=self.gear_config.buffer_size, scaling=scaling, inv_freq=inv_freq,
+                                attention_scaling=attention_scaling, sliding_window=layer.sliding_window,
+                                row_lengths=inputs["row_lengths"])
+
+    # -- the layout as earlier callers (tests, kernels' adapter, scripts) read it ----------------------------
+    steps = property(lambda self: self.layout.steps)
+    batch_size_ = property(lambda self: self.layout.batch)
+    rect_length = property(lambda self: self.layout.rect_length)
+    positions = property(lambda self: self.layout.positions)
+    rect_to_local = property(lambda self: self.layout.rect_to_local)
+    prompt_chunk_len = property(lambda self: self.layout.prompt_capacity)
+    sink_len = property(lambda self: list(self.layout.counts.sink))
+    prefill_len = property(lambda self: list(self.layout.counts.prompt))
+    decode_chunks = property(lambda self: list(self.layout.counts.chunks))
+    buffer_len = property(lambda self: list(self.layout.counts.buffer))
+
+    def tokens_held(self) -> int:
+        """Real (non-padding) tokens held per layer, summed over rows."""
+        return sum(self.layout.counts.held(self.layout.chunk_len))
+
+    # -- HF Cache protocol ----------------------------------------------------------------------------------
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.layers[layer_idx].get_seq_length() if layer_idx < len(self.layers) else 0
+
+    def _select_rows(self, index: torch.Tensor) -> None:
+        """Keep rows `index` (in that order) of every layer and of the shared layout."""
+        if self.layout.steps == 0:
+            return
+        index = index.to(self.layout.positions.device).long()
+        for layer in self.layers:
+            for stream in layer.streams:
+                stream.select_rows(index)
+        self.layout.select_rows(index.tolist(), index)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select_rows(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select_rows(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.layout.steps:
+            self._select_rows(torch.arange(self.layout.batch).repeat_interleave(repeats))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove:
+            raise NotImplementedError(
+                f"GearCache cannot crop {tokens_to_remove} tokens: compressed chunks are not reversible "
+                "(assisted/speculative decoding is not supported with a GEAR cache)")
+
+    def reset(self) -> None:
+        raise NotImplementedError("GearCache cannot be reset in place; create a new GearCache")
+
+    # -- accounting -----------------------------------------------------------------------------------------
+    def memory_report(self) -> dict:
+        """Bytes held by tokens (by component) and reserved, bits/element as stored and with 16-bit floats,
+        against the model dtype and 16 bits: see gear_hf.cache.memory."""
+        return memory_report(self)
+
+    def summary(self) -> str:
+        """One line: method, tokens, bits/element, share of the uncompressed KV, MiB held and reserved."""
+        return summary(self.memory_report())

@@ -1,0 +1,118 @@
+"""`GearLayer`: one decoder layer's GEAR storage (its key and value streams, its sliding window)."""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from ..compress import ChunkSpec
+from ..config import GearConfig
+from .layout import RowLayout, StepPlan
+from .stream import Released, Stream
+
+
+def stream_specs(cfg: GearConfig, stream: str) -> tuple[ChunkSpec, ChunkSpec]:
+    """(prompt chunk spec, decode chunk spec) for stream "key" or "value"."""
+    bits, axis = (cfg.key_bits, cfg.key_axis) if stream == "key" else (cfg.value_bits, cfg.value_axis)
+    group = 0 if cfg.coarse_groups else (cfg.key_group if stream == "key" else cfg.value_group)
+    ratio = cfg.outlier_ratio if cfg.uses_outliers else 0.0
+    ranks = (cfg.rank_prefill, cfg.rank_decode) if cfg.uses_lowrank else (0, 0)
+    rotate = cfg.rotation in ("both", stream + "s")
+    return tuple(ChunkSpec(bits, axis, group, ratio, rank, cfg.power_iters, rotate, cfg.factor_bits)
+                 for rank in ranks)
+
+
+class GearLayer(CacheLayerMixin):
+    """One decoder layer's GEAR storage, filled through `GearCache.store` (keys before RoPE).
+
+    A sliding layer (window w) sees only the last w-1 past columns, like HF's sliding cache layers; chunks that
+    left every row's window are released, so its memory stops growing once T passes the window."""
+
+    is_compileable = False
+
+    def __init__(self, config: GearConfig, layer_idx: int, sliding_window: int | None) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.sliding_window = sliding_window
+        self.is_sliding = sliding_window is not None
+        self.steps = 0
+        self.seen_length = 0
+        self.released = Released()
+        nb = config.buffer_size
+        self.key_stream = Stream(*stream_specs(config, "key"), nb, config.backend)
+        self.value_stream = Stream(*stream_specs(config, "value"), nb, config.backend)
+
+    @property
+    def streams(self) -> tuple[Stream, Stream]:
+        return self.key_stream, self.value_stream
+
+    # -- a step --------------------------------------------------------------------------------------------
+    def append(self, plan: StepPlan, key_states: torch.Tensor, value_states: torch.Tensor, sink_tokens: int) -> None:
+        for stream, x in zip(self.streams, (key_states, value_states)):
+            stream.append(plan, x, sink_tokens)
+        self.steps += 1
+        self.seen_length = plan.rect_before + plan.query_len
+
+    def read(self, layout: RowLayout, counts, start: int, dtype: torch.dtype, sink_tokens: int):
+        return tuple(stream.read(layout, counts, self.released, start, dtype, sink_tokens) for stream in self.streams)
+
+    def flush(self, layout: RowLayout, plan: StepPlan) -> list[torch.Tensor]:
+        """Compress what leaves the buffers, then release what left every row's window. Returns device bools
+        (all entries finite) for the cache to check once per step."""
+        reserve = plan.decode_reserve - self.released.chunks
+        if self.is_sliding:  # live chunks never exceed a window's worth (+ the partly visible and the newest):
+            reserve = -(-self.sliding_window // layout.chunk_len) + 2  # allocated once, never grown
+        finite = [stream.flush(plan, layout.prompt_capacity, layout.batch, self.released.chunks, reserve)
+                  for stream in self.streams]
+        if self.is_sliding:
+            self._release(layout)
+        return [f for f in finite if f is not None]
+
+    def _release(self, layout: RowLayout) -> None:
+        """Drop chunks wholly before the window of every row's next step (the window only moves forward)."""
+        nb = layout.chunk_len
+        before = layout.tokens_before(self.visible_start(layout.rect_length))
+        counts = layout.counts
+        prompt_dead = all(s + p <= dead for s, p, dead in zip(counts.sink, counts.prompt, before))
+        dead_chunks = min((min(c, max(0, (dead - s - p) // nb)) for s, p, c, dead in
+                           zip(counts.sink, counts.prompt, counts.chunks, before)), default=0)
+        # a dead chunk implies a dead prompt (it comes first), so the two only move forward together
+        after = Released(prompt=self.released.prompt or (prompt_dead and any(counts.prompt)),
+                         chunks=max(self.released.chunks, dead_chunks))
+        if after != self.released:
+            for stream in self.streams:
+                stream.release(self.released, after, counts)
+            self.released = after
+
+    # -- HF CacheLayerMixin ---------------------------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise RuntimeError(
+            "GearCache.update() was called by an attention layer that gear_hf did not patch. GearCache keeps "
+            "keys before RoPE and needs the patched forward: call gear_hf.enable(model) before generating."
+        )
+
+    def visible_start(self, length: int) -> int:
+        """First column of the padded layout this layer attends to after `length` columns: like HF's sliding
+        cache layers, a sliding layer sees only the last window-1 past tokens (the mask hides the rest)."""
+        return max(0, length - self.sliding_window + 1) if self.sliding_window else 0
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        start = self.visible_start(self.seen_length)
+        return self.seen_length - start + query_length, start
+
+    def get_seq_length(self) -> int:
+        return self.seen_length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        raise NotImplementedError("GearCache cannot be reset in place; create a new GearCache")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("reorder a GearCache as a whole: GearCache.reorder_cache(beam_idx)")
+
+    batch_select_indices = batch_repeat_interleave = crop = reorder_cache

@@ -1,0 +1,294 @@
+"""`RowLayout`: the one place that knows where each row's tokens are.
+
+Each row keeps only its real tokens, in arrival order ("row-local" order), in four segments shared by every
+layer and by keys and values:
+
+    [ sink (full precision) | prompt chunk (rank_prefill) | decode chunks of n_b (rank_decode) | buffer ]
+
+so padding never enters a statistic and a row's compressed cache is the same alone or inside a batch. A step
+appends its tokens to the buffer, attends, then flushes what the buffer no longer holds into chunks: the
+attention always sees the step's own tokens exactly, and the flush is planned here once for every layer.
+
+HF hands the cache a padded [B, T] layout (what the attention mask describes); `rect_to_local` maps its
+columns to row-local indices and `positions` gives each row-local token its position. The per-row counts are
+kept on the host (planning needs them; reading the step's new mask columns is the step's only device sync)
+and mirrored as an int32 [B, 4] tensor for the kernels.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from ..config import GearConfig
+from ..storage import grown_capacity
+
+
+@dataclass(frozen=True)
+class RowCounts:
+    """Tokens of each row in each segment (host lists of length B)."""
+
+    sink: tuple[int, ...] = ()
+    prompt: tuple[int, ...] = ()
+    chunks: tuple[int, ...] = ()  # decode chunks of n_b tokens
+    buffer: tuple[int, ...] = ()
+
+    def held(self, chunk_len: int) -> list[int]:
+        return [s + p + c * chunk_len + f for s, p, c, f in zip(self.sink, self.prompt, self.chunks, self.buffer)]
+
+    def rows(self) -> list[tuple[int, int, int, int]]:
+        return list(zip(self.sink, self.prompt, self.chunks, self.buffer))
+
+
+@dataclass
+class FlushPlan:
+    """What leaves the buffer after this step's attention, for every layer alike.
+
+    prompt_groups: (rows, length) — rows whose prompt chunk has that many tokens (one compress call each:
+    equal lengths batch bit-identically); decode_jobs: (row, buffer offset, chunk slot) of every n_b-token chunk;
+    keep: (row, buffer offset, length) of what each flushing row keeps buffered."""
+
+    prompt_groups: list[tuple[list[int], int]] = field(default_factory=list)
+    decode_jobs: list[tuple[int, int, int]] = field(default_factory=list)
+    keep: list[tuple[int, int, int]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.prompt_groups or self.decode_jobs)
+
+
+@dataclass
+class StepPlan:
+    step: int
+    query_len: int
+    rect_before: int  # columns of the padded layout before this step
+    attend: RowCounts  # what this step's attention sees: the buffer holds the step's own tokens
+    sink_cols: torch.Tensor  # [B, q] long: destination in the sink store, or its scratch column
+    buffer_cols: torch.Tensor  # [B, q] long: destination in the buffer, or its scratch column
+    buffer_capacity: int  # tokens the buffer holds during the step (its scratch column is this index)
+    buffer_capacity_after: int  # after the flush (a prompt step's large buffer is given back)
+    flush: FlushPlan
+    decode_reserve: int  # decode chunks to allocate room for (sizing hint)
+
+
+class RowLayout:
+    """Per-row bookkeeping of a GearCache, shared by all layers; plans each step once."""
+
+    def __init__(self, config: GearConfig, expected_length: int | None = None) -> None:
+        self.config = config
+        self.expected_length = expected_length
+        self.batch = 0
+        self.steps = 0
+        self.rect_length = 0  # columns of HF's padded layout seen so far
+        self.counts = RowCounts()  # after the last step's flush
+        self.prompt_capacity = 0  # token length of the prompt chunk store (max over rows)
+        self.buffer_capacity = 0  # tokens every layer's buffer holds between steps
+        self.pads: list[int] = []  # padding columns before each row's first token
+        self.contiguous: list[bool] = []  # every column after the row's first token is one of its tokens
+        self.positions: torch.Tensor | None = None  # [B, cap+1] int32, row-local order (+ scratch column)
+        self.rect_to_local: torch.Tensor | None = None  # [B, cap] int32, -1 = padding
+        self.plan: StepPlan | None = None
+        self._kernel_memo: tuple | None = None  # (key, kernel_inputs) of the current step
+
+    # -- planning ----------------------------------------------------------------------------------------------
+    @property
+    def chunk_len(self) -> int:
+        return self.config.buffer_size
+
+    @property
+    def prompt_multiple(self) -> int:
+        """The prompt chunk holds whole groups along tokens and whole code bytes; the rest goes to the buffer."""
+        return self.config.chunk_granule
+
+    def plan_step(self, batch: int, query_len: int, new_valid: torch.Tensor | None,
+                  position_ids: torch.Tensor | None, device: torch.device) -> StepPlan:
+        """Plan a step of `query_len` new columns. new_valid: [B, q] bool (None: every token is real)."""
+        cfg = self.config
+        first = self.steps == 0
+        if first:
+            self.batch = batch
+            zeros = (0,) * batch
+            self.counts = RowCounts(zeros, zeros, zeros, zeros)
+            self.pads, self.contiguous = [0] * batch, [True] * batch
+        elif batch != self.batch:
+            raise ValueError(f"batch size changed from {self.batch} to {batch} in one GearCache")
+        B, q = batch, query_len
+        rect_before = self.rect_length
+        if new_valid is None:
+            valid_rows = [[True] * q for _ in range(B)]
+            new_valid = torch.ones(B, q, dtype=torch.bool, device=device)
+        else:
+            new_valid = new_valid.to(device=device, dtype=torch.bool)
+            valid_rows = new_valid.tolist()  # the step's one host sync (none without a mask)
+        if position_ids is None:
+            position_ids = torch.arange(rect_before, rect_before + q, device=device)[None]
+        position_ids = position_ids.to(device).expand(B, q)
+
+        before = self.counts
+        held_before = before.held(self.chunk_len)
+        self._record_columns(held_before, new_valid, valid_rows, position_ids, rect_before, device)
+
+        sink_cols = [[cfg.sink_tokens] * q for _ in range(B)]  # sink_tokens = the sink store's scratch column
+        buffer_cols = [[-1] * q for _ in range(B)]
+        sink, attend_buffer = list(before.sink), list(before.buffer)
+        for i in range(B):
+            cols = [j for j in range(q) if valid_rows[i][j]]
+            room = max(cfg.sink_tokens - sink[i], 0)
+            for r, j in enumerate(cols[:room]):
+                sink_cols[i][j] = sink[i] + r
+            sink[i] += len(cols[:room])
+            for r, j in enumerate(cols[room:]):
+                buffer_cols[i][j] = attend_buffer[i] + r
+            attend_buffer[i] += len(cols[room:])
+        attend = replace(before, sink=tuple(sink), buffer=tuple(attend_buffer))
+        flush, after = self._plan_flush(attend, first)
+
+        needed = max(attend_buffer, default=0)
+        if not cfg.compresses and first:  # fp16: the buffer is the whole cache; size it once from the hint
+            needed = max(needed, self.expected_length or 0)
+        buffer_capacity = grown_capacity(self.buffer_capacity, needed)
+        self.buffer_capacity = buffer_capacity
+        if cfg.compresses and buffer_capacity > 2 * self.chunk_len:  # after a long prompt: back to n_b
+            self.buffer_capacity = max(self.chunk_len, max(after.buffer, default=0))
+        buffer_cols_t = torch.tensor(buffer_cols, device=device, dtype=torch.long)
+        buffer_cols_t[buffer_cols_t < 0] = buffer_capacity  # the scratch column
+        if self.expected_length:
+            base = min(s + p for s, p in zip(after.sink, after.prompt))
+            wanted = math.ceil(max(self.expected_length - base, 0) / self.chunk_len)
+        else:
+            wanted = 4
+        plan = StepPlan(
+            step=self.steps, query_len=q, rect_before=rect_before, attend=attend,
+            sink_cols=torch.tensor(sink_cols, device=device, dtype=torch.long), buffer_cols=buffer_cols_t,
+            buffer_capacity=buffer_capacity, buffer_capacity_after=self.buffer_capacity, flush=flush,
+            decode_reserve=max(wanted, max(after.chunks, default=0)),
+        )
+        if first and cfg.compresses:
+            self.prompt_capacity = max(after.prompt, default=0)
+        self.counts = after
+        self.rect_length = rect_before + q
+        self.steps += 1
+        self.plan = plan
+        return plan
+
+    def _plan_flush(self, attend: RowCounts, first: bool) -> tuple[FlushPlan, RowCounts]:
+        cfg, nb = self.config, self.chunk_len
+        flush = FlushPlan()
+        if not cfg.compresses:
+            return flush, attend
+        prompt, chunks, buffer = list(attend.prompt), list(attend.chunks), list(attend.buffer)
+        by_length: dict[int, list[int]] = {}
+        for i, total in enumerate(attend.buffer):
+            to_prompt = total // self.prompt_multiple * self.prompt_multiple if first else 0
+            decode = (total - to_prompt) // nb
+            if not (to_prompt or decode):
+                continue
+            if to_prompt:
+                by_length.setdefault(to_prompt, []).append(i)
+            start = to_prompt
+            for c in range(decode):
+                flush.decode_jobs.append((i, start, chunks[i] + c))
+                start += nb
+            flush.keep.append((i, start, total - start))
+            prompt[i] += to_prompt
+            chunks[i] += decode
+            buffer[i] = total - start
+        flush.prompt_groups = [(rows, length) for length, rows in sorted(by_length.items())]
+        return flush, replace(attend, prompt=tuple(prompt), chunks=tuple(chunks), buffer=tuple(buffer))
+
+    def _record_columns(self, held_before, new_valid, valid_rows, position_ids, rect_before, device) -> None:
+        """rect_to_local and positions for the step's columns; pads/contiguity on the host."""
+        B, q = new_valid.shape
+        held_after = [h + sum(v) for h, v in zip(held_before, valid_rows)]
+        self._grow(B, max(held_after, default=0), rect_before + q, device)
+        held = torch.tensor(held_before, device=device)
+        local = held[:, None] + new_valid.long().cumsum(1) - 1  # [B,q] row-local index of each new token
+        self.rect_to_local[:, rect_before : rect_before + q] = torch.where(new_valid, local, -1).int()
+        scratch = self.positions.shape[1] - 1
+        self.positions.scatter_(1, torch.where(new_valid, local, scratch), position_ids.int())
+        for i, row in enumerate(valid_rows):
+            for ok in row:
+                if held_before[i] == 0 and not ok:
+                    self.pads[i] += 1
+                elif held_before[i] and not ok:
+                    self.contiguous[i] = False
+                held_before[i] += ok
+
+    def _grow(self, B: int, held: int, rect: int, device) -> None:
+        hint = self.expected_length or 0
+        if self.positions is None:
+            self.positions = torch.zeros(B, max(held, hint) + 1, dtype=torch.int32, device=device)
+            self.rect_to_local = torch.full((B, max(rect, hint)), -1, dtype=torch.int32, device=device)
+            return
+        if held > self.positions.shape[1] - 1:
+            cap = grown_capacity(self.positions.shape[1] - 1, held)
+            grown = torch.zeros(B, cap + 1, dtype=torch.int32, device=device)
+            grown[:, : self.positions.shape[1] - 1] = self.positions[:, :-1]
+            self.positions = grown
+        if rect > self.rect_to_local.shape[1]:
+            cap = grown_capacity(self.rect_to_local.shape[1], rect)
+            grown = torch.full((B, cap), -1, dtype=torch.int32, device=device)
+            grown[:, : self.rect_to_local.shape[1]] = self.rect_to_local
+            self.rect_to_local = grown
+
+    # -- reading -----------------------------------------------------------------------------------------------
+    def uniform(self, counts: RowCounts) -> bool:
+        """Every row holds the same segments with no padding: the padded layout is the row-local one."""
+        return len(set(counts.rows())) == 1 and not any(self.pads) and all(self.contiguous)
+
+    def tokens_before(self, column: int) -> list[int]:
+        """Per row, how many of its tokens lie in padded columns < `column` (rows with holes: 0, which only
+        makes a sliding layer keep more)."""
+        return [max(0, column - pad) if ok else 0 for pad, ok in zip(self.pads, self.contiguous)]
+
+    def read_positions(self, start: int) -> torch.Tensor:
+        """[B, T-start] long: positions of the padded columns start.. (padding columns read token 0)."""
+        local = self.rect_to_local[:, start : self.rect_length].long().clamp(min=0)
+        return self.positions.long().gather(1, local)
+
+    def query_limits(self, query_len: int) -> torch.Tensor:
+        """[B, q] int32: row-local index of each of the step's query tokens (-1: padding)."""
+        return self.rect_to_local[:, self.rect_length - query_len : self.rect_length].contiguous()
+
+    def kernel_inputs(self, counts: RowCounts, released, query_len: int, device) -> dict:
+        """What the fused kernel reads for one layer: rows [B,4] int32 (sink, prompt, chunks, buffer), their host
+        copy, limits [B,q] int32 and positions [B,cap] int32 on `device`. For a sliding layer that released its
+        prompt chunk or leading decode chunks, the row-local indices skip what was released (the kernel sees
+        [sink | live chunks | buffer]); no device sync either way."""
+        nb = self.chunk_len
+        offset = [(p if released.prompt else 0) + released.chunks * nb for p in counts.prompt]
+        rows = [(s, 0 if released.prompt else p, c - released.chunks, f) for s, p, c, f in counts.rows()]
+        key = (self.steps, query_len, rows, str(device))
+        if self._kernel_memo is not None and self._kernel_memo[0] == key:
+            return self._kernel_memo[1]
+        limits = self.query_limits(query_len).to(device)
+        positions = self.positions.to(device)
+        if any(offset):
+            shift = torch.tensor(offset, device=device, dtype=torch.int32)[:, None]
+            sink = torch.tensor(counts.sink, device=device)[:, None]
+            j = torch.arange(positions.shape[1], device=device)[None]
+            index = torch.where(j < sink, j, (j + shift).clamp(max=positions.shape[1] - 1))
+            positions = positions.gather(1, index)
+            limits = torch.where(limits >= 0, limits - shift, limits)
+        inputs = {"rows": torch.tensor(rows, dtype=torch.int32).to(device, non_blocking=True), "row_lengths": rows,
+                  "limits": limits.contiguous(), "positions": positions.contiguous()}
+        self._kernel_memo = (key, inputs)
+        return inputs
+
+    def end_step(self) -> None:
+        """Drop the step's temporaries (nothing per-step is kept between steps)."""
+        self._kernel_memo = None
+        if self.plan is not None:
+            self.plan.sink_cols = self.plan.buffer_cols = None
+
+    # -- rows selection (beams) --------------------------------------------------------------------------------
+    def select_rows(self, rows: list[int], index: torch.Tensor) -> None:
+        pick = lambda values: tuple(values[r] for r in rows)  # noqa: E731
+        c = self.counts
+        self.counts = RowCounts(pick(c.sink), pick(c.prompt), pick(c.chunks), pick(c.buffer))
+        self.pads, self.contiguous = list(pick(self.pads)), list(pick(self.contiguous))
+        self.positions = self.positions.index_select(0, index)
+        self.rect_to_local = self.rect_to_local.index_select(0, index)
+        self.batch = len(rows)
+        self._kernel_memo = None

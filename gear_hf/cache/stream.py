@@ -1,0 +1,171 @@
+"""`Stream`: the keys (before RoPE) or the values of one layer, in the four row-local segments of `RowLayout`.
+
+    sink    TokenStore  [B, H, sink+1, d]      full precision
+    prefill ChunkStore  one chunk of prompt_capacity tokens per row (rank_prefill)
+    decode  ChunkStore  chunks of n_b tokens (rank_decode); a sliding layer drops the leading ones
+    buffer  TokenStore  [B, H, capacity+1, d]  full precision, this step's own tokens included
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..compress import ChunkSpec
+from ..storage import ChunkStore, TokenStore
+from .layout import RowCounts, RowLayout, StepPlan
+
+
+@dataclass(frozen=True)
+class Released:
+    """What a sliding layer has dropped: the prompt chunk (when outside every row's window) and the leading
+    decode chunks (the same number for every row)."""
+
+    prompt: bool = False
+    chunks: int = 0
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """One segment of every row: row b's tokens are at [0, length[b]) of what `take` gives ([B, H, n, d])."""
+
+    take: Callable[..., torch.Tensor]  # (dtype, out=None) -> [B,H,n,d]; a store reconstructs into `out`
+    width: int  # n
+    local_start: tuple[int, ...]  # per row: row-local index of the segment's first token
+    length: tuple[int, ...]
+
+
+class Stream:
+    def __init__(self, prefill_spec: ChunkSpec, decode_spec: ChunkSpec, chunk_len: int, backend: str) -> None:
+        self.prefill_spec, self.decode_spec = prefill_spec, decode_spec
+        self.sink = TokenStore()
+        self.buffer = TokenStore()
+        self.prefill: ChunkStore | None = None
+        self.decode = ChunkStore(decode_spec, chunk_len, backend)
+        self.chunk_len = chunk_len
+        self.backend = backend
+
+    # -- writing ---------------------------------------------------------------------------------------------
+    def append(self, plan: StepPlan, x: torch.Tensor, sink_tokens: int) -> None:
+        """This step's tokens x [B,H,q,d] into the sink and the buffer, as planned."""
+        if sink_tokens:
+            self.sink.reserve(x, sink_tokens)
+            self.sink.write(x, plan.sink_cols)
+        self.buffer.reserve(x, plan.buffer_capacity)
+        self.buffer.write(x, plan.buffer_cols)
+
+    def flush(self, plan: StepPlan, prompt_capacity: int, batch: int, released_chunks: int = 0,
+              reserve_chunks: int = 0) -> torch.Tensor | None:
+        """Compress what leaves the buffer (one call per chunk length), keep the rest at the buffer's front.
+        A decode chunk goes to slot (chunk - released_chunks); reserve_chunks: decode slots to allocate at once.
+        Returns a device bool, True when every compressed entry was finite (None: nothing compressed)."""
+        flush = plan.flush
+        data = self.buffer.data
+        finite = []
+        for rows, length in flush.prompt_groups:
+            if self.prefill is None:
+                self.prefill = ChunkStore(self.prefill_spec, prompt_capacity, self.backend)
+            x = data[rows[0] : rows[0] + 1, :, :length] if len(rows) == 1 else data[rows, :, :length]
+            finite.append(torch.isfinite(x).all())
+            self.prefill.compress_rows(x, rows, [0] * len(rows), batch, 1)
+        if flush.decode_jobs:
+            rows = [row for row, _, _ in flush.decode_jobs]
+            x = torch.stack([data[row, :, start : start + self.chunk_len] for row, start, _ in flush.decode_jobs])
+            finite.append(torch.isfinite(x).all())
+            slots = [chunk - released_chunks for _, _, chunk in flush.decode_jobs]
+            self.decode.compress_rows(x, rows, slots, batch, reserve_chunks)
+        for row, start, length in flush.keep:
+            self.buffer.keep_tail(row, start, length)
+        self.buffer.shrink(plan.buffer_capacity_after)
+        return torch.stack(finite).all() if finite else None
+
+    # -- reading ---------------------------------------------------------------------------------------------
+    def _segments(self, counts: RowCounts, released: Released, dtype: torch.dtype, sink_tokens: int,
+                  first_local: list[int]) -> list[_Segment]:
+        """The segments that hold tokens at row-local index >= first_local[b] for some row, reconstructed."""
+        nb = self.chunk_len
+        s, p, c, f = counts.sink, counts.prompt, counts.chunks, counts.buffer
+        out = []
+
+        def needed(starts, lengths):
+            return any(n and st + n > lo for st, n, lo in zip(starts, lengths, first_local))
+
+        def tokens(store: TokenStore):
+            return lambda dtype, out=None: store.data if out is None else out.copy_(store.data[:, :, : out.shape[2]])
+
+        def chunks(store: ChunkStore, count: int):
+            return lambda dtype, out=None: store.reconstruct(count, dtype, out=out)
+
+        zeros = (0,) * len(s)
+        if sink_tokens and needed(zeros, s):
+            out.append(_Segment(tokens(self.sink), sink_tokens, zeros, s))
+        if self.prefill is not None and self.prefill.fields and not released.prompt and needed(s, p):
+            out.append(_Segment(chunks(self.prefill, 1), self.prefill.chunk_len, s, p))
+        live = max(c, default=0) - released.chunks
+        starts = tuple(a + b + released.chunks * nb for a, b in zip(s, p))
+        lengths = tuple((n - released.chunks) * nb for n in c)
+        if live > 0 and self.decode.fields and needed(starts, lengths):
+            out.append(_Segment(chunks(self.decode, live), live * nb, starts, lengths))
+        starts = tuple(a + b + n * nb for a, b, n in zip(s, p, c))
+        out.append(_Segment(tokens(self.buffer), self.buffer.capacity, starts, f))
+        return out
+
+    def read(self, layout: RowLayout, counts: RowCounts, released: Released, start: int, dtype: torch.dtype,
+             sink_tokens: int) -> torch.Tensor:
+        """This layer's tokens in HF's padded layout from column `start` to the end: [B,H,T-start,d] (keys
+        before RoPE). Padding columns hold zeros (finite; the mask hides them)."""
+        T = layout.rect_length
+        B, H, _, d = self.buffer.data.shape
+        if layout.uniform(counts):  # padded layout == row-local: the segments, end to end, are the columns
+            segments = self._segments(counts, released, dtype, sink_tokens, [start] * B)
+            first = segments[0].local_start[0]
+            if len(segments) == 1:  # the buffer alone (fp16 preset, prompt step): a view, as DynamicCache's
+                return self.buffer.data[:, :, start - first : T - first]
+            full = self.buffer.data.new_empty(B, H, T - first, d, dtype=dtype)
+            at = 0
+            for seg in segments:  # every row fills each segment exactly: reconstruct straight into place
+                seg.take(dtype, out=full[:, :, at : at + seg.length[0]])
+                at += seg.length[0]
+            return full[:, :, start - first:]
+        first_local = layout.tokens_before(start)
+        segments = self._segments(counts, released, dtype, sink_tokens, first_local)
+        taken = [seg.take(dtype) for seg in segments]
+        out = self.buffer.data.new_zeros(B, H, T - start, d, dtype=dtype)
+        held = counts.held(self.chunk_len)
+        for b in range(B):
+            if not layout.contiguous[b]:
+                self._read_row_with_holes(out, b, layout, segments, taken, start)
+                continue
+            column_of_local0 = T - held[b]  # contiguous rows: local token k sits at column T - held + k
+            for seg, data in zip(segments, taken):
+                lo = max(seg.local_start[b], first_local[b])
+                hi = seg.local_start[b] + seg.length[b]
+                if hi > lo:
+                    at = column_of_local0 + lo - start
+                    out[b, :, at : at + hi - lo] = data[b, :, lo - seg.local_start[b] : hi - seg.local_start[b]]
+        return out
+
+    @staticmethod
+    def _read_row_with_holes(out, b, layout: RowLayout, segments, taken, start) -> None:
+        """A row whose tokens are not one run of columns (a mask with holes): gather through rect_to_local."""
+        parts = [data[b, :, : seg.length[b]] for seg, data in zip(segments, taken)]
+        local = torch.cat(parts, dim=1)  # [H, held, d]: no segment was dropped for such a row
+        cols = layout.rect_to_local[b, start : layout.rect_length].long()
+        out[b] = local[:, cols.clamp(min=0)].to(out.dtype) * (cols >= 0)[None, :, None]
+
+    # -- sliding windows ---------------------------------------------------------------------------------------
+    def release(self, before: Released, after: Released, counts: RowCounts) -> None:
+        """Free what `after` newly releases: the prompt chunk store, and leading decode chunks."""
+        if after.prompt and not before.prompt:
+            self.prefill = None
+        dropped = after.chunks - before.chunks
+        if dropped > 0:
+            self.decode.discard_leading(dropped, max(counts.chunks, default=0) - after.chunks)
+
+    # -- rows --------------------------------------------------------------------------------------------------
+    def select_rows(self, index: torch.Tensor) -> None:
+        for store in (self.sink, self.buffer, self.prefill, self.decode):
+            if store is not None:
+                store.select_rows(index)

@@ -1,0 +1,58 @@
+"""Rotary embeddings at read time, in one place (attention, cache, kernels' oracle and diagnostics use these).
+
+Keys are stored before RoPE, so whoever reads them rotates them at their stored positions: the reference
+path with `apply_rotary` (bit for bit HF's `apply_rotary_pos_emb`) and cos/sin from the model's own rotary
+module (memoised per step by `RotaryMemo`), the oracle with `rope_tables` (what the fused kernel computes).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B,H,T,d] rotated by cos/sin [B,T,d]: bit for bit HF's apply_rotary_pos_emb, x*cos + rotate_half(x)*sin
+    with rotate_half(x) = cat(-x2, x1), computed per half in place (a + (-b)*s == a - b*s exactly), which
+    skips the negated copy and the concatenation: the reference path rotates the whole history every step."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    out = x * cos
+    out[..., :half] -= x2 * sin[..., :half]
+    out[..., half:] += x1 * sin[..., half:]
+    return out
+
+
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float = 1.0):
+    """cos/sin [..., d] in float32 for integer positions, as HF's rotary modules compute them."""
+    ang = positions.float()[..., None] * inv_freq.float()
+    emb = torch.cat([ang, ang], dim=-1)
+    return emb.cos() * attention_scaling, emb.sin() * attention_scaling
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RotaryMemo:
+    """cos/sin of one step's read positions from a model's rotary module, computed once per step and shared
+    by every layer that reads the same columns with the same rotary module (Gemma 3 has two: local and
+    global). A per-step temporary: `clear()` drops it when the step ends."""
+
+    def __init__(self) -> None:
+        self._entries: dict = {}
+
+    def get(self, step: int, start: int, rotary_emb, like: torch.Tensor, positions: Callable[[], torch.Tensor]):
+        """rotary_emb(like, positions()) for this step's read from column `start`, computed once."""
+        key = (step, start, id(rotary_emb), like.dtype, like.device)
+        if key not in self._entries:
+            if self._entries and next(iter(self._entries))[0] != step:
+                self._entries.clear()
+            self._entries[key] = rotary_emb(like, positions())
+        return self._entries[key]
+
+    def clear(self) -> None:
+        self._entries.clear()
