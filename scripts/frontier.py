@@ -127,7 +127,7 @@ def _read(path: Path) -> list[dict]:
 def measure_model(model_name: str, dtype: str, tokens_list, configs: dict, baselines, args, out: Path) -> None:
     import gear_hf
     from gear_hf import diagnostics as D
-    from gear_hf.cache import _text_config
+    from gear_hf.cache.gear_cache import _text_config
 
     raw = out / "raw.csv"
     done = _done(raw)

@@ -25,7 +25,7 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     parser.add_argument("--tokens", type=int, default=1024)
-    parser.add_argument("--presets", default="gear-2,kivi-2,gear-4")
+    parser.add_argument("--presets", default="gear-2,kivi-2,gear-4", help="METHOD-BITS, -f8: int8 factors")
     parser.add_argument("--save", default=None, help="capture with the model, save here, then measure")
     parser.add_argument("--load", default=None, help="measure saved captures (no model needed)")
     args = parser.parse_args(argv)
@@ -46,8 +46,10 @@ def main(argv=None) -> int:
     H, d = captures[0].key.shape[1], captures[0].key.shape[3]
     print(f"captures: {len(captures)} layers, T={T}, {H} KV heads, head_dim {d}, {captures[0].key.dtype}")
     for name in args.presets.split(","):
-        method, _, bits = name.rpartition("-")
-        config = gear_hf.GearConfig.preset(method, bits=int(bits), backend="torch")
+        base, int8_factors = (name[:-3], True) if name.endswith("-f8") else (name, False)  # gear-2-f8: int8 factors
+        method, _, bits = base.rpartition("-")
+        config = gear_hf.GearConfig.preset(method, bits=int(bits), backend="torch",
+                                           **({"factor_bits": 8} if int8_factors else {}))
         cache = GearCache(D._NumLayers(len(captures)), config)
         for start, length in [(0, T - 64)] + [(t, 1) for t in range(T - 64, T)]:
             for i, cap in enumerate(captures):
