@@ -189,3 +189,17 @@ def test_separate_key_and_value_group_sizes():
     with pytest.raises(ValueError, match="key_group_size=12"):
         gear_hf.GearConfig(key_bits=3, key_group_size=12, buffer_size=24)
     assert gear_hf.GearConfig.preset("gear", bits=2).rotation == "none"  # the paper presets stay the paper's
+
+
+@pytest.mark.parametrize("overrides,word", [
+    (dict(key_bits=3), "3-bit"), (dict(value_bits=3), "3-bit"), (dict(rotation="values"), "rotation"),
+    (dict(rotation="keys"), "rotation"), (dict(factor_bits=8), "int8"), (dict(key_group_size=32), "group"),
+])
+def test_fused_kernel_declines_what_it_does_not_read(overrides, word):
+    """The fused decode kernel reads the paper's storage only: every other option names itself, so the cache
+    takes the torch reference path for it (and stays correct)."""
+    from gear_hf.kernels import fused_supported
+
+    assert fused_supported(gear_hf.GearConfig.preset("gear", bits=2), 64, 1) is None
+    reason = fused_supported(gear_hf.GearConfig.preset("gear", bits=2, **overrides), 64, 1)
+    assert reason is not None and word in reason
