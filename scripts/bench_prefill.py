@@ -7,10 +7,10 @@ power iteration) adds to the prefill forward, at T = 1k and 4k.
 
 For each T the prefill forward runs with DynamicCache and with each preset, interleaved over repeats. Three
 numbers per preset, medians over repeats:
-  compress_fraction  time inside the cache's chunk compression (every ChunkStore.compress_into call, timed by
+  compress_fraction  time inside the cache's chunk compression (every ChunkStore.compress_rows call, timed by
                      wrapping it in this script) / the DynamicCache prefill forward
-  read_fraction      time reconstructing the compressed prompt for the prefill's own attention
-                     (ChunkStore.reconstruct) / the DynamicCache prefill forward
+  read_fraction      time reconstructing compressed chunks during the prefill (0 since attend-then-compress:
+                     the prompt attends to its exact buffer) / the DynamicCache prefill forward
   total_overhead     (GEAR prefill forward - DynamicCache prefill forward) / DynamicCache prefill forward
 and the same two from the least-disturbed runs (minimum over repeats of each), steadier on a shared machine.
 Run it with OMP_NUM_THREADS=1 on a loaded machine: with more threads than free cores, OpenMP's barriers make
@@ -70,11 +70,11 @@ def prefill(model, ids, method):
     else:
         gear_hf.enable(model, benchlib.gear_config(method))
         cache = gear_hf.GearCache(model)
-    with timed_methods(ChunkStore, ("compress_into", "reconstruct"), totals):
+    with timed_methods(ChunkStore, ("compress_rows", "reconstruct"), totals):
         start = time.perf_counter()
         model(input_ids=ids, logits_to_keep=1, **{arg: cache})
         seconds = time.perf_counter() - start
-    return seconds, totals.get("compress_into", 0.0), totals.get("reconstruct", 0.0)
+    return seconds, totals.get("compress_rows", 0.0), totals.get("reconstruct", 0.0)
 
 
 def main(argv=None) -> int:
