@@ -7,11 +7,16 @@ the value and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
 METHODS = ("fp16", "kivi", "kcvt", "outlier", "gear-l", "gear")
-BITS = (2, 4, 8)
+BITS = (2, 3, 4, 8)
+ROTATIONS = ("none", "keys", "values", "both")
+FACTOR_BITS = (16, 8)
+# Codes packed per unit of bytes (gear_hf.compress.quant.pack_unit): a group along tokens holds whole units.
+_PACK_UNIT = {2: 4, 3: 8, 4: 2, 8: 1}
 AXES = ("channel", "token")
 BACKENDS = ("auto", "torch", "triton")
 
@@ -19,6 +24,13 @@ BACKENDS = ("auto", "torch", "triton")
 _USES_QUANT = {"fp16": False, "kivi": True, "kcvt": True, "outlier": True, "gear-l": True, "gear": True}
 _USES_OUTLIERS = {"fp16": False, "kivi": False, "kcvt": False, "outlier": True, "gear-l": False, "gear": True}
 _USES_LOWRANK = {"fp16": False, "kivi": False, "kcvt": False, "outlier": False, "gear-l": True, "gear": True}
+
+
+# The paper's settings (GEAR, Kang et al. 2024): `preset` starts from these, whatever GearConfig()'s defaults.
+PAPER_FIELDS: dict[str, Any] = dict(key_bits=4, value_bits=4, group_size=64, rank_prefill=4, rank_decode=2,
+                                    power_iters=3, outlier_ratio=0.02, buffer_size=64, sink_tokens=0,
+                                    key_axis="channel", value_axis="token", pre_rope=True, key_group_size=None,
+                                    value_group_size=None, rotation="none", factor_bits=16)
 
 
 def _fail(field: str, value: Any, allowed: str) -> None:
@@ -30,8 +42,11 @@ class GearConfig:
     """How keys and values are compressed.
 
     method:        fp16 | kivi | kcvt | outlier | gear-l | gear  (see DESIGN §2)
-    key_bits, value_bits: 2, 4 or 8 (ignored by fp16)
-    group_size:    g, tokens per key group (per channel) and channels per value group (per token)
+    key_bits, value_bits: 2, 3, 4 or 8 (ignored by fp16)
+    group_size:    g, tokens per key group (per channel) and channels per value group (per token): the shorthand
+                   for both of the next two
+    key_group_size / value_group_size: the key group (tokens) / value group (channels) when they differ;
+                   None = group_size (`key_group` / `value_group` give the group in use)
     rank_prefill:  low-rank rank of the prompt chunk; rank_decode: of each decode chunk
     power_iters:   power iterations of the low-rank fit
     outlier_ratio: fraction s of each vector kept exactly (s/2 largest, s/2 smallest)
@@ -39,6 +54,11 @@ class GearConfig:
     sink_tokens:   first tokens of each row never compressed
     key_axis / value_axis: "channel" (groups run along tokens) or "token" (groups run along channels)
     pre_rope:      compress keys before rotary embedding and rotate them when read
+    rotation:      "none" | "keys" | "values" | "both": an orthonormal Walsh–Hadamard rotation along head_dim
+                   before compressing (of the stored pre-RoPE keys), undone at reconstruction (before RoPE)
+    factor_bits:   16 (low-rank factors in 16 bits) or 8 (int8, one 16-bit absmax scale per column)
+    Side information (scales, minimums, outlier values, factors) is stored in 16 bits whatever the model
+    dtype: bf16 for fp32/bf16 models, fp16 for fp16 models.
     backend:       "auto" (Triton kernels on CUDA when available, else torch), "torch" or "triton" (forced);
                    the environment variable GEAR_HF_BACKEND overrides "auto"
     """
@@ -57,6 +77,10 @@ class GearConfig:
     value_axis: str = "token"
     pre_rope: bool = True
     backend: str = "auto"
+    key_group_size: int | None = None
+    value_group_size: int | None = None
+    rotation: str = "none"
+    factor_bits: int = 16
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -64,14 +88,21 @@ class GearConfig:
         for name in ("key_bits", "value_bits"):
             value = getattr(self, name)
             if isinstance(value, bool) or value not in BITS:
-                _fail(name, value, "2, 4 or 8")
+                _fail(name, value, "2, 3, 4 or 8")
         for name, low in (("group_size", 1), ("rank_prefill", 0), ("rank_decode", 0), ("power_iters", 1),
                           ("sink_tokens", 0), ("buffer_size", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 _fail(name, value, f"an integer >= {low}")
-        if self.buffer_size % self.group_size:
-            _fail("buffer_size", self.buffer_size, f"a positive multiple of group_size={self.group_size}")
+        for name in ("key_group_size", "value_group_size"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                _fail(name, value, "None (= group_size) or an integer >= 1")
+        if self.rotation not in ROTATIONS:
+            _fail("rotation", self.rotation, " | ".join(ROTATIONS))
+        if isinstance(self.factor_bits, bool) or self.factor_bits not in FACTOR_BITS:
+            _fail("factor_bits", self.factor_bits, "16 or 8")
+        self._check_token_groups()
         if isinstance(self.outlier_ratio, bool) or not isinstance(self.outlier_ratio, (int, float)) \
                 or not 0.0 <= self.outlier_ratio < 1.0:
             _fail("outlier_ratio", self.outlier_ratio, "a number in [0, 1)")
@@ -86,6 +117,37 @@ class GearConfig:
             _fail("rank_prefill", self.rank_prefill, f"> 0 for method {self.method!r} (or rank_decode > 0)")
         if self.uses_outliers and self.outlier_ratio == 0:
             _fail("outlier_ratio", self.outlier_ratio, f"> 0 for method {self.method!r}")
+
+    def _check_token_groups(self) -> None:
+        """Groups that run along tokens hold whole packing units, and the buffer holds whole groups."""
+        for prefix, axis, group, bits in (("key", self.key_axis, self.key_group, self.key_bits),
+                                          ("value", self.value_axis, self.value_group, self.value_bits)):
+            unit = _PACK_UNIT[bits]
+            if axis == "channel" and self.compresses and not self.coarse_groups and group % unit:
+                name = f"{prefix}_group_size" if getattr(self, f"{prefix}_group_size") else "group_size"
+                _fail(name, group, f"a multiple of {unit} ({prefix}s are grouped along tokens and "
+                                   f"{unit} codes of {bits} bits fill whole bytes)")
+        if self.buffer_size % self.chunk_granule:
+            _fail("buffer_size", self.buffer_size, f"a positive multiple of {self.chunk_granule} (the groups "
+                                                  "along tokens and the code packing)")
+
+    @property
+    def key_group(self) -> int:
+        return self.key_group_size or self.group_size
+
+    @property
+    def value_group(self) -> int:
+        return self.value_group_size or self.group_size
+
+    @property
+    def chunk_granule(self) -> int:
+        """Compressed chunks hold a multiple of this many tokens: every group along tokens, whole code bytes."""
+        granule = 1
+        for axis, group, bits in ((self.key_axis, self.key_group, self.key_bits),
+                                  (self.value_axis, self.value_group, self.value_bits)):
+            if axis == "channel":
+                granule = math.lcm(granule, group, _PACK_UNIT[bits])
+        return granule
 
     # What the method computes -------------------------------------------------------------------------------
     @property
@@ -114,7 +176,7 @@ class GearConfig:
         """The named method with the paper's defaults; `bits` sets both key_bits and value_bits."""
         if name not in METHODS:
             _fail("method", name, " | ".join(METHODS))
-        fields: dict[str, Any] = {"method": name}
+        fields: dict[str, Any] = {**PAPER_FIELDS, "method": name}
         if bits is not None:
             fields["key_bits"] = fields["value_bits"] = bits
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}

@@ -82,9 +82,11 @@ class _Backend:
 
 
 # Fields of a CompressedChunk, in storage order.
-FIELDS = ("codes", "scale", "minimum", "sparse_values", "sparse_index", "lowrank_a", "lowrank_b")
+FIELDS = ("codes", "scale", "minimum", "sparse_values", "sparse_index", "lowrank_a", "lowrank_b",
+          "lowrank_a_scale", "lowrank_b_scale")
 COMPONENT_OF = {"codes": "codes", "scale": "scales", "minimum": "scales", "sparse_values": "sparse_values",
-                "sparse_index": "sparse_indices", "lowrank_a": "lowrank", "lowrank_b": "lowrank"}
+                "sparse_index": "sparse_indices", "lowrank_a": "lowrank", "lowrank_b": "lowrank",
+                "lowrank_a_scale": "lowrank", "lowrank_b_scale": "lowrank"}
 
 
 class ChunkStore:
@@ -108,14 +110,15 @@ class ChunkStore:
     def _allocate(self, example: CompressedChunk, batch: int, chunks: int) -> None:
         # The extents of a full chunk come from compressing zeros of the full length once (one cheap iteration).
         H, d = example.lowrank_b.shape[1], example.lowrank_b.shape[2]
-        full = compress(example.lowrank_b.new_zeros(1, H, self.chunk_len, d), replace(self.spec, power_iters=1))
+        # zeros in the side dtype: the same field dtypes as the model dtype they came from (compress.side_dtype)
+        full = compress(example.scale.new_zeros(1, H, self.chunk_len, d), replace(self.spec, power_iters=1))
         for name in FIELDS:
             t = getattr(full, name)
             self.extent[name] = t.shape[2]
             self.fields[name] = t.new_zeros(batch, t.shape[1], chunks * t.shape[2], *t.shape[3:])
         self.capacity = chunks
         self.head_dim = d
-        self.dtype = example.lowrank_b.dtype
+        self.dtype = example.scale.dtype  # the side dtype (compress.side_dtype): probes compress like it
 
     def reserve(self, example: CompressedChunk, batch: int, chunks: int) -> None:
         if not self.fields:
@@ -180,8 +183,8 @@ class ChunkStore:
 
         if kernels.resolve_backend(_Backend(self.backend), x.device) != "triton":
             return None
-        if self.spec.group_for(x.shape[2], x.shape[3]) % (8 // self.spec.bits):
-            return None  # a group the packing kernel cannot split into bytes: the torch engine handles it
+        if not kernels.quantize_pack_supports(self.spec, x.shape[2], x.shape[3]):
+            return None  # e.g. a group the packing kernel cannot split into bytes: the torch engine handles it
         return kernels.quantize_pack
 
     def reconstruct(self, chunks: int, out_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:

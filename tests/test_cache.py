@@ -54,9 +54,8 @@ def test_streaming_matches_engine_chunk_by_chunk(method):
     K, V = _stream(37, 40)  # 37 = 4 groups of 8 + 5 buffered; then 2 chunks of 16 + 13 buffered
     keys, values = _feed(cache, K, V, 37)
     assert cache.prefill_len == [32] and cache.decode_chunks == [2] and cache.buffer_len == [13]
-    for X, got, bits, axis in ((K, keys, config.key_bits, config.key_axis),
-                               (V, values, config.value_bits, config.value_axis)):
-        prompt_spec, decode_spec = _stream_specs(config, bits, axis)
+    for X, got, stream in ((K, keys, "key"), (V, values, "value")):
+        prompt_spec, decode_spec = _stream_specs(config, stream)
         expected = [decompress(compress(X[:, :, :32], prompt_spec), prompt_spec, 32, D, torch.float32)]
         for start in (32, 48):
             chunk = X[:, :, start : start + 16]
@@ -213,7 +212,8 @@ def test_crop_raises_clearly():
 
 def test_bits_per_element_at_2_bits_with_llama3_8b_heads():
     """2-bit GEAR at T≈1k on Llama-3-8B head shapes (8 KV heads, d=128), everything counted: codes, scales,
-    low rank, outliers, the fp16 buffer (here full: 63 decode tokens) and the position bookkeeping."""
+    low rank, outliers, the fp16 buffer (here full: 63 decode tokens) and the position bookkeeping. The outlier
+    count follows the ratio: round(2% of 128) = 3 per value vector (it was 2 when counted per side)."""
     cache = GearCache(LlamaConfig(num_hidden_layers=1, hidden_size=4096, num_attention_heads=32,
                                   num_key_value_heads=8), gear_hf.GearConfig.preset("gear", bits=2))
     g = torch.Generator().manual_seed(0)
@@ -222,7 +222,7 @@ def test_bits_per_element_at_2_bits_with_llama3_8b_heads():
     _feed(cache, K, V, 1024)
     report = cache.memory_report()
     assert cache.buffer_len == [63]
-    assert report["bits_per_element"] <= 4.5, report
+    assert report["bits_per_element"] <= 4.55, report
     assert report["total_bytes"] == _tensors_reachable(cache)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gear_hf.compress import (ChunkSpec, compress, decompress, dequantize, lowrank_fit, outliers_per_side,
+from gear_hf.compress import (ChunkSpec, compress, decompress, dequantize, lowrank_fit, outliers_per_vector,
                               pack_codes, quantize, select_outliers, unpack_codes)
 
 
@@ -116,16 +116,20 @@ def test_outlier_count_per_vector_is_fixed(axis):
     x = _x(n=200, d=64)
     index, used, mask = select_outliers(x, axis, 0.04)
     length = 200 if axis == "channel" else 64
-    k = outliers_per_side(length, 0.04)
-    assert k == round(0.02 * length)
+    k = outliers_per_vector(length, 0.04)
+    assert k == round(0.04 * length)
     per_vector = mask.sum(dim=-2 if axis == "channel" else -1)
-    assert (per_vector == 2 * k).all()
+    assert (per_vector == k).all()
     assert used.all()
-    # the chosen entries are the extremes of each vector
+    # the chosen entries are extremes of each vector: every kept entry lies between the chosen ones
     vec = x.transpose(-1, -2) if axis == "channel" else x
-    top = vec.topk(k, dim=-1).values.min(dim=-1).values
     m = mask.transpose(-1, -2) if axis == "channel" else mask
-    assert (vec.masked_fill(m, float("-inf")).amax(-1) <= top).all()
+    kept_hi = vec.masked_fill(m, float("-inf")).amax(-1)
+    kept_lo = vec.masked_fill(m, float("inf")).amin(-1)
+    chosen_hi = vec.masked_fill(~m, float("-inf")).amax(-1)
+    chosen_lo = vec.masked_fill(~m, float("inf")).amin(-1)
+    assert ((chosen_hi >= kept_hi) | (chosen_lo <= kept_lo)).all()
+    assert (vec.masked_fill(m, 0).abs().amax(-1) <= vec.abs().amax(-1)).all()
 
 
 def test_outliers_ignore_padding_and_follow_row_length():
@@ -135,8 +139,8 @@ def test_outliers_ignore_padding_and_follow_row_length():
     x[1, :, :60] = 1e4  # padding garbage must never be chosen
     index, used, mask = select_outliers(x, "channel", 0.04, valid)
     assert not mask[1, :, :60].any()
-    assert used[0].sum(dim=-2).eq(2 * outliers_per_side(100, 0.04)).all()
-    assert used[1].sum(dim=-2).eq(2 * outliers_per_side(40, 0.04)).all()
+    assert used[0].sum(dim=-2).eq(outliers_per_vector(100, 0.04)).all()
+    assert used[1].sum(dim=-2).eq(outliers_per_vector(40, 0.04)).all()
 
 
 @pytest.mark.parametrize("axis", ["channel", "token"])

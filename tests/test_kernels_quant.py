@@ -19,7 +19,7 @@ import pytest  # noqa: E402
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-from gear_hf.compress import ChunkSpec, compress, quant, select_outliers  # noqa: E402
+from gear_hf.compress import ChunkSpec, compress, quant, select_outliers, side_dtype  # noqa: E402
 from gear_hf.kernels.quant import _TL_DTYPES, _next_toward  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -52,12 +52,12 @@ def _data(shape, dtype, seed):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("axis,group,d", [("channel", 16, 64), ("channel", 48, 40), ("token", 16, 64),
                                           ("token", 48, 40)])
 def test_quantize_pack_bit_exact(dtype, bits, axis, group, d):
-    """Odd shapes: d=40 (not a power of two; for values not a multiple of the group: padded channels are
-    coded too), group 48 (not a power of two), 96 tokens; with an exclusion mask."""
+    """Odd shapes: d=40 (not a power of two; for values not a multiple of the group: a short last group,
+    only real channels coded), group 48 (not a power of two), 96 tokens; with an exclusion mask. 3 bits: 8 codes in 3 bytes."""
     x, exclude = _data((2, 2, 96, d), dtype, seed=bits * 7 + d)
     if axis == "channel":
         exclude[0, 1, :group, 5] = True  # one fully excluded group: stats 0, codes from x/1
@@ -165,13 +165,13 @@ def test_matches_chunkstore_layout(axis):
     spec = ChunkSpec(bits=2, axis=axis, group=16, outlier_ratio=0.05, rank=2)
     chunk = compress(x, spec)
     _, _, mask = select_outliers(x, axis, spec.outlier_ratio)
-    got = _qp()(x, spec.bits, axis, spec.group, exclude=mask)
+    got = _qp()(x, spec.bits, axis, spec.group, exclude=mask, stats_dtype=side_dtype(x.dtype))
     _assert_same(got, (chunk.codes, chunk.scale, chunk.minimum))
 
     # write chunk 1 of 3 of a ChunkStore-like field (slots along dim 2)
     fields = [torch.zeros(2, 2, 3 * t.shape[2], t.shape[3], dtype=t.dtype, device=DEVICE) for t in got]
     views = [f[:, :, t.shape[2]: 2 * t.shape[2]] for f, t in zip(fields, got)]
-    _qp()(x, spec.bits, axis, spec.group, exclude=mask, out=views)
+    _qp()(x, spec.bits, axis, spec.group, exclude=mask, stats_dtype=side_dtype(x.dtype), out=views)
     for f, t in zip(fields, got):
         e = t.shape[2]
         assert torch.equal(f[:, :, e: 2 * e], t)
@@ -181,7 +181,9 @@ def test_matches_chunkstore_layout(axis):
 def test_rejects_bad_arguments():
     x = torch.zeros(1, 1, 32, 64, device=DEVICE)
     with pytest.raises(ValueError):
-        _qp()(x, 3, "channel", 16)
+        _qp()(x, 5, "channel", 16)
+    with pytest.raises(ValueError):
+        _qp()(x, 3, "channel", 4)  # 3-bit codes come in units of 8
     with pytest.raises(ValueError):
         _qp()(x, 2, "channel", 6)  # a group that does not hold whole bytes
     with pytest.raises(ValueError):

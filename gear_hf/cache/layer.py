@@ -11,12 +11,15 @@ from .layout import RowLayout, StepPlan
 from .stream import Released, Stream
 
 
-def stream_specs(cfg: GearConfig, bits: int, axis: str) -> tuple[ChunkSpec, ChunkSpec]:
-    """(prompt chunk spec, decode chunk spec) for one of keys/values."""
-    group = 0 if cfg.coarse_groups else cfg.group_size
+def stream_specs(cfg: GearConfig, stream: str) -> tuple[ChunkSpec, ChunkSpec]:
+    """(prompt chunk spec, decode chunk spec) for stream "key" or "value"."""
+    bits, axis = (cfg.key_bits, cfg.key_axis) if stream == "key" else (cfg.value_bits, cfg.value_axis)
+    group = 0 if cfg.coarse_groups else (cfg.key_group if stream == "key" else cfg.value_group)
     ratio = cfg.outlier_ratio if cfg.uses_outliers else 0.0
     ranks = (cfg.rank_prefill, cfg.rank_decode) if cfg.uses_lowrank else (0, 0)
-    return tuple(ChunkSpec(bits, axis, group, ratio, rank, cfg.power_iters) for rank in ranks)
+    rotate = cfg.rotation in ("both", stream + "s")
+    return tuple(ChunkSpec(bits, axis, group, ratio, rank, cfg.power_iters, rotate, cfg.factor_bits)
+                 for rank in ranks)
 
 
 class GearLayer(CacheLayerMixin):
@@ -36,8 +39,8 @@ class GearLayer(CacheLayerMixin):
         self.seen_length = 0
         self.released = Released()
         nb = config.buffer_size
-        self.key_stream = Stream(*stream_specs(config, config.key_bits, config.key_axis), nb, config.backend)
-        self.value_stream = Stream(*stream_specs(config, config.value_bits, config.value_axis), nb, config.backend)
+        self.key_stream = Stream(*stream_specs(config, "key"), nb, config.backend)
+        self.value_stream = Stream(*stream_specs(config, "value"), nb, config.backend)
 
     @property
     def streams(self) -> tuple[Stream, Stream]:

@@ -98,8 +98,8 @@ class RowLayout:
 
     @property
     def prompt_multiple(self) -> int:
-        """The prompt chunk holds a whole number of key groups (tokens); the rest goes to the buffer."""
-        return getattr(self.config, "key_group_size", None) or self.config.group_size
+        """The prompt chunk holds whole groups along tokens and whole code bytes; the rest goes to the buffer."""
+        return self.config.chunk_granule
 
     def plan_step(self, batch: int, query_len: int, new_valid: torch.Tensor | None,
                   position_ids: torch.Tensor | None, device: torch.device) -> StepPlan:

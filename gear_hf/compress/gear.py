@@ -1,9 +1,15 @@
 """GEAR on one chunk of keys or values: X ≈ D̂ + S + A Bᵀ.
 
-    S  = the k largest / k smallest entries of each vector (kept exactly)
+    S  = the extreme entries of each vector (outliers.select_outliers), stored as X - D̂ at those entries,
+         chosen so that D̂ + S rounds to X in the model dtype (reconstruction is additive)
     D̂  = quantize(X) with those entries excluded from the group statistics
-    S  is stored as X - D̂ at the chosen entries, so reconstruction is additive
     L  = A Bᵀ, low-rank fit of R = X - D̂ - S
+    optionally all of it in a rotated basis X H (H: orthonormal Walsh–Hadamard along head_dim), undone at
+    decompress
+
+Side information (scales, minimums, outlier values, low-rank factors) is stored in 16 bits whatever the model
+dtype (`side_dtype`): a 32-bit model would otherwise pay twice for it. Low-rank factors may be stored in 8 bits
+(int8 with one 16-bit absmax scale per column).
 
 This is the reference implementation (the oracle for the kernels); the cache stores its outputs.
 """
@@ -15,6 +21,14 @@ from dataclasses import dataclass
 import torch
 
 from . import lowrank, outliers, quant
+from .rotation import rotate
+
+FACTOR_BITS = (8, 16)
+
+
+def side_dtype(model_dtype: torch.dtype) -> torch.dtype:
+    """16-bit dtype of the side information: fp16 for fp16 models (their range), bf16 otherwise (fp32's range)."""
+    return torch.float16 if model_dtype == torch.float16 else torch.bfloat16
 
 
 @dataclass(frozen=True)
@@ -27,21 +41,34 @@ class ChunkSpec:
     outlier_ratio: float  # 0 = no sparse term
     rank: int  # 0 = no low-rank term
     power_iters: int = 3
+    rotate: bool = False  # Walsh–Hadamard rotation along head_dim before compressing
+    factor_bits: int = 16  # 16: factors in the side dtype; 8: int8 + a 16-bit scale per column
+
+    def __post_init__(self) -> None:
+        quant.pack_unit(self.bits)  # raises on unsupported bits
+        if self.factor_bits not in FACTOR_BITS:
+            raise ValueError(f"ChunkSpec.factor_bits={self.factor_bits!r}; allowed: 8 or 16")
 
     def group_for(self, n: int, d: int) -> int:
         if self.group:
             return self.group
         return n if self.axis == "channel" else d
 
+    @property
+    def pack_dim(self) -> int:
+        return -2 if self.axis == "channel" else -1
+
 
 @dataclass
 class CompressedChunk:
-    """One compressed chunk, shapes for x [B,H,n,d] (d_pad = d rounded up to the value group):
+    """One compressed chunk, shapes for x [B,H,n,d] (P(m): bytes of m packed codes, quant.packed_length):
 
-    codes         uint8 packed: [B,H,n/cpb,d] (axis="channel") or [B,H,n,d_pad/cpb] (axis="token")
-    scale/minimum [B,H,n/g,d] or [B,H,n,d_pad/g]
-    sparse_values [B,H,2k,d] or [B,H,n,2k]; sparse_index same shape (uint8/int16/int32: outliers.index_dtype)
-    lowrank_a     [B,H,n,r];  lowrank_b [B,H,d,r]
+    codes           uint8 packed: [B,H,P(n),d] (axis="channel") or [B,H,n,P(d)] (axis="token")
+    scale/minimum   [B,H,n/g,d] or [B,H,n,ceil(d/g)], side dtype
+    sparse_values   [B,H,k,d] or [B,H,n,k], side dtype; sparse_index same shape (uint8/int16/int32)
+    lowrank_a       [B,H,n,r];  lowrank_b [B,H,d,r]: side dtype, or int8 with factor_bits=8
+    lowrank_a_scale / lowrank_b_scale  [B,H,1,r] side dtype with factor_bits=8 (per-column absmax / 127),
+                    else [B,H,0,r]
     """
 
     codes: torch.Tensor
@@ -51,37 +78,127 @@ class CompressedChunk:
     sparse_index: torch.Tensor
     lowrank_a: torch.Tensor
     lowrank_b: torch.Tensor
+    lowrank_a_scale: torch.Tensor
+    lowrank_b_scale: torch.Tensor
+
+
+def _padded_to_unit(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Value codes [B,H,n,d] padded along channels to whole packing units (only when d is not a multiple)."""
+    unit = quant.pack_unit(bits)[0]
+    pad = (-codes.shape[-1]) % unit
+    return torch.nn.functional.pad(codes, (0, pad)) if pad else codes
+
+
+def _neighbours(t: torch.Tensor, steps: int) -> torch.Tensor:
+    """t moved `steps` ulps of its dtype (negative: down)."""
+    direction = float("inf") if steps > 0 else float("-inf")
+    for _ in range(abs(steps)):
+        t = torch.nextafter(t, torch.full_like(t, direction))
+    return t
+
+
+def _entry_stats(stat: torch.Tensor, index: torch.Tensor, axis: str, group: int, d: int) -> torch.Tensor:
+    """A group statistic [B,H,n/g,d] or [B,H,n,G] at the outlier entries `index` (select_outliers' layout)."""
+    full = stat.repeat_interleave(group, dim=2) if axis == "channel" else \
+        stat.repeat_interleave(group, dim=3)[..., :d]
+    return outliers.gather_entries(full.float(), index, axis)
+
+
+def exact_outliers(target: torch.Tensor, code: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                   bits: int, model_dtype: torch.dtype, store_dtype: torch.dtype):
+    """(code, S) at outlier entries such that D̂ + S = code*scale + minimum + S, computed in float32 as decompress
+    does, rounds to `target` in model_dtype. An outlier's code is free (it takes no part in its group's stats):
+    nearby codes and S one or two ulps off the nearest are tried, first hit kept; else the clamped code and the
+    nearest S (only where no 16-bit S can reach: a 32-bit model, or an entry far outside its group's range).
+
+    target/scale/minimum: float32 at the entries; code: uint8 there.
+    """
+    best_code, best_s = code, (target - (code * scale + minimum)).to(store_dtype)
+    hit = torch.zeros_like(target, dtype=torch.bool)
+    for code_step in (0, 1, -1, 2, -2):
+        c = (code.int() + code_step).clamp(0, quant.levels(bits)).to(torch.uint8)
+        base = c * scale + minimum
+        nearest = (target - base).to(store_dtype)
+        for steps in (0, 1, -1, 2, -2):
+            s_candidate = _neighbours(nearest, steps)
+            ok = ~hit & ((base + s_candidate.float()).to(model_dtype).float() == target)
+            best_code, best_s = torch.where(ok, c, best_code), torch.where(ok, s_candidate, best_s)
+            hit |= ok
+    return best_code, best_s
+
+
+def _quantize_factor(f: torch.Tensor, store_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """f [B,H,m,r] float32 -> (int8 codes [B,H,m,r], scale [B,H,1,r] in store_dtype): per-column absmax."""
+    scale = (f.abs().amax(dim=-2, keepdim=True) / 127).to(store_dtype)
+    safe = torch.where(scale.float() > 0, scale.float(), torch.ones_like(scale.float()))
+    return torch.round(f / safe).clamp_(-127, 127).to(torch.int8), scale
+
+
+def _factor(t: torch.Tensor, scale: torch.Tensor, chunks: int) -> torch.Tensor:
+    """Stored factor [B,H,C*m,r] (int8 with per-chunk scales [B,H,C,r], or 16-bit) -> float32 [B*H,C,m,r]."""
+    B, H, _, r = t.shape
+    f = t.float().view(B * H, chunks, -1, r)
+    if t.dtype == torch.int8:
+        f = f * scale.float().view(B * H, chunks, 1, r)
+    return f
 
 
 def compress(x: torch.Tensor, spec: ChunkSpec, valid: torch.Tensor | None = None,
              quantize_pack=None) -> CompressedChunk:
     """Compress x [B,H,n,d]. valid [B,n] bool marks real tokens; padding takes no part in any statistic.
 
-    quantize_pack: optional accelerated (x, bits, axis, group, exclude) -> (packed codes, scale, minimum) that
-    must equal quant.quantize + quant.pack_codes bit for bit (gear_hf.kernels.quantize_pack on CUDA).
+    quantize_pack: optional accelerated (x, bits, axis, group, exclude, stats_dtype) -> (packed codes, scale,
+    minimum) that must equal quant.quantize + pack_codes bit for bit (gear_hf.kernels.quantize_pack on CUDA).
     """
     B, H, n, d = x.shape
+    store = side_dtype(x.dtype)
     group = spec.group_for(n, d)
-    index, slot_used, mask = outliers.select_outliers(x, spec.axis, spec.outlier_ratio, valid)
+    work = rotate(x) if spec.rotate else x  # [B,H,n,d] float32 when rotated, else the model's own values
+    index, slot_used, mask = outliers.select_outliers(work, spec.axis, spec.outlier_ratio, valid)
     exclude = mask
     if valid is not None:
         exclude = mask | ~valid[:, None, :, None]
-    pack_dim = -2 if spec.axis == "channel" else -1
     if quantize_pack is None:
-        codes, scale, minimum = quant.quantize(x, spec.bits, spec.axis, group, exclude=exclude)
-        packed = quant.pack_codes(codes, spec.bits, pack_dim)
+        codes, scale, minimum = quant.quantize(work, spec.bits, spec.axis, group, exclude=exclude, stats_dtype=store)
     else:
-        packed, scale, minimum = quantize_pack(x, spec.bits, spec.axis, group, exclude)
-        codes = quant.unpack_codes(packed, spec.bits, pack_dim)
+        packed, scale, minimum = quantize_pack(work, spec.bits, spec.axis, group, exclude, store)
+        codes = quant.unpack_codes(packed, spec.bits, spec.pack_dim)[..., :d]
+    sparse_values = torch.zeros(index.shape, dtype=store, device=x.device)
+    if index.numel():
+        # exact in the model dtype where the entries are the model's own (rotated entries are float32 sums)
+        model_dtype = torch.float32 if spec.rotate else x.dtype
+        entry_code, sparse_values = exact_outliers(
+            outliers.gather_entries(work.float(), index, spec.axis),
+            outliers.gather_entries(codes, index, spec.axis),
+            _entry_stats(scale, index, spec.axis, group, d), _entry_stats(minimum, index, spec.axis, group, d),
+            spec.bits, model_dtype, store)
+        sparse_values = torch.where(slot_used, sparse_values, torch.zeros_like(sparse_values))
+        # each entry is chosen at most once; unused slots (index 0) add nothing
+        chosen = torch.zeros(codes.shape, dtype=torch.int16, device=x.device).scatter_add_(
+            spec.pack_dim, index, torch.where(slot_used, entry_code.short() + 1, 0).short())
+        codes = torch.where(chosen > 0, chosen - 1, codes.short()).to(torch.uint8)
+    padded = _padded_to_unit(codes, spec.bits) if spec.axis == "token" else codes
+    packed = quant.pack_codes(padded, spec.bits, spec.pack_dim)
     dequantized = quant.dequantize(codes, scale, minimum, spec.axis, group, d, torch.float32)
-    sparse_values = outliers.gather_entries(x.float() - dequantized, index, spec.axis)
-    sparse_values = torch.where(slot_used, sparse_values, torch.zeros_like(sparse_values)).to(x.dtype)
+    empty_scale = x.new_zeros(B, H, 0, spec.rank, dtype=store)
+    a_scale = b_scale = empty_scale
     if spec.rank:
         approx = outliers.scatter_add_entries(dequantized.clone(), index, sparse_values, spec.axis)
-        lowrank_a, lowrank_b = lowrank.lowrank_fit(x.float() - approx, spec.rank, spec.power_iters, valid,
-                                                   out_dtype=x.dtype)
+        residual = work.float() - approx
+        lowrank_a, lowrank_b = lowrank.lowrank_fit(residual, spec.rank, spec.power_iters, valid,
+                                                   out_dtype=torch.float32)
+        if spec.factor_bits == 8:
+            lowrank_a, a_scale = _quantize_factor(lowrank_a, store)
+            # refit B to the quantized A (least squares: B = Rᵀ A (AᵀA)⁻¹), then quantize it
+            a = lowrank_a.float() * a_scale.float()
+            gram = a.transpose(-1, -2) @ a  # [B,H,r,r]
+            eye = torch.eye(gram.shape[-1], device=x.device)
+            refit = residual.transpose(-1, -2) @ a @ torch.linalg.pinv(gram + 1e-12 * eye)  # [B,H,d,r]
+            lowrank_b, b_scale = _quantize_factor(refit, store)
+        else:
+            lowrank_a, lowrank_b = (lowrank.to_finite(f, store) for f in (lowrank_a, lowrank_b))
     else:
-        lowrank_a, lowrank_b = x.new_zeros(B, H, n, 0), x.new_zeros(B, H, d, 0)
+        lowrank_a, lowrank_b = x.new_zeros(B, H, n, 0, dtype=store), x.new_zeros(B, H, d, 0, dtype=store)
     return CompressedChunk(
         codes=packed,
         scale=scale,
@@ -90,12 +207,15 @@ def compress(x: torch.Tensor, spec: ChunkSpec, valid: torch.Tensor | None = None
         sparse_index=index.to(outliers.index_dtype(n if spec.axis == "channel" else d)),
         lowrank_a=lowrank_a,
         lowrank_b=lowrank_b,
+        lowrank_a_scale=a_scale,
+        lowrank_b_scale=b_scale,
     )
 
 
 def decompress(chunk: CompressedChunk, spec: ChunkSpec, n: int, d: int, out_dtype: torch.dtype,
                chunks: int = 1, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Reconstruct D̂ + S + A Bᵀ of `chunks` consecutive chunks of n tokens: [B,H,chunks*n,d], computed in float32.
+    """Reconstruct D̂ + S + A Bᵀ of `chunks` consecutive chunks of n tokens: [B,H,chunks*n,d], computed in float32
+    (and rotated back when the spec rotates).
 
     `chunk` holds the chunks one after the other along dim 2 of every field (as `ChunkStore` keeps them), so
     one call covers a row's whole run of decode chunks: a quantization group never straddles two chunks, outlier
@@ -103,26 +223,28 @@ def decompress(chunk: CompressedChunk, spec: ChunkSpec, n: int, d: int, out_dtyp
     out: an optional [B,H,chunks*n,d] tensor (e.g. a slice of the attention's key buffer) written in place
     and returned; otherwise a new tensor in out_dtype.
     """
-    pack_dim = -2 if spec.axis == "channel" else -1
-    codes = quant.unpack_codes(chunk.codes, spec.bits, pack_dim)
-    direct = out is not None and out.dtype == torch.float32  # else accumulate in float32 and round once at the end
+    codes = quant.unpack_codes(chunk.codes, spec.bits, spec.pack_dim)[..., :d]
+    # float32 `out` is written directly, else accumulate in float32 and round once at the end
+    direct = out is not None and out.dtype == torch.float32 and not spec.rotate
     x = quant.dequantize(codes, chunk.scale, chunk.minimum, spec.axis, spec.group_for(n, d), d, torch.float32,
                          out=out if direct else None)  # [B,H,C*n,d]
     if chunk.sparse_index.numel():
         index = chunk.sparse_index.long()
-        if spec.axis == "channel" and chunks > 1:  # [B,H,C*2k,d] token indices within each chunk
+        if spec.axis == "channel" and chunks > 1:  # [B,H,C*k,d] token indices within each chunk
             per_chunk = index.shape[2] // chunks
             offsets = torch.arange(chunks, device=index.device).repeat_interleave(per_chunk) * n
             index = index + offsets.view(1, 1, -1, 1)
         x = outliers.scatter_add_entries(x, index, chunk.sparse_values, spec.axis)
     if chunk.lowrank_a.shape[-1]:
         B, H, r = x.shape[0], x.shape[1], chunk.lowrank_a.shape[-1]
-        a = chunk.lowrank_a.float().view(B * H, chunks, n, r)
-        b = chunk.lowrank_b.float().view(B * H, chunks, d, r)
+        a = _factor(chunk.lowrank_a, chunk.lowrank_a_scale, chunks)  # [B*H,C,n,r]
+        b = _factor(chunk.lowrank_b, chunk.lowrank_b_scale, chunks)  # [B*H,C,d,r]
         if chunks == 1:  # accumulate inside the matmul: no [n, d] temporary
             x.view(B * H, n, d).baddbmm_(a[:, 0], b[:, 0].transpose(-1, -2))
         else:  # each chunk's own A Bᵀ
             x.view(B * H, chunks, n, d).add_(a @ b.transpose(-1, -2))
+    if spec.rotate:
+        x = rotate(x)  # H is its own inverse
     if out is None:
         return x.to(out_dtype)
     if not direct:

@@ -36,7 +36,12 @@ def lowrank_fit(residual: torch.Tensor, rank: int, iters: int, valid: torch.Tens
         if step + 1 < iters:
             basis, _ = torch.linalg.qr(basis)
     # R ≈ left (leftᵀ R) = left basisᵀ
-    if out_dtype != torch.float32 and out_dtype.is_floating_point:
-        limit = torch.finfo(out_dtype).max
-        basis = basis.clamp(-limit, limit)
-    return left.to(out_dtype), basis.to(out_dtype)
+    return left.to(out_dtype), to_finite(basis, out_dtype)
+
+
+def to_finite(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in `dtype`, clamped to its finite range (a large factor must not become inf in fp16)."""
+    if dtype != torch.float32 and dtype.is_floating_point:
+        limit = torch.finfo(dtype).max
+        t = t.clamp(-limit, limit)
+    return t.to(dtype)

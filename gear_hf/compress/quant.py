@@ -3,51 +3,94 @@
 Shapes: x is [B, H, n, d] (batch, KV heads, tokens, channels).
   axis="channel": each group is one channel over `group` consecutive tokens   -> stats [B, H, n/group, d]
   axis="token":   each group is `group` consecutive channels of one token     -> stats [B, H, n, ceil(d/group)]
-Codes are packed 8/bits per byte: along tokens for axis="channel" (a group's codes stay together), along
-channels for axis="token".
+                  (a last group shorter than `group` when d is not a multiple: only real channels are coded)
+Codes are packed in units (`pack_unit`): along tokens for axis="channel" (a group's codes stay together),
+along channels for axis="token". 2/4/8 bits: 8/bits codes per byte, low bits first. 3 bits: 8 codes in 3
+bytes, a 2-bit plane (two bytes, as 2-bit packing) followed by a 1-bit plane (one byte: the high bit of code j
+at bit j).
 """
 
 from __future__ import annotations
 
 import torch
 
+BITS = (2, 3, 4, 8)
+
+
 def levels(bits: int) -> int:
     return (1 << bits) - 1
 
 
-def codes_per_byte(bits: int) -> int:
-    return 8 // bits
+def pack_unit(bits: int) -> tuple[int, int]:
+    """(codes, bytes) of one packing unit: codes are packed in whole units."""
+    if bits not in BITS:
+        raise ValueError(f"bits={bits!r} is not supported; allowed: {', '.join(map(str, BITS))}")
+    return (8, 3) if bits == 3 else (8 // bits, 1)
 
 
-def _shifts(bits: int, ndim: int, dim: int, device) -> torch.Tensor:
+def packed_length(length: int, bits: int) -> int:
+    """Bytes holding `length` codes (a multiple of the unit's code count)."""
+    codes, nbytes = pack_unit(bits)
+    if length % codes:
+        raise ValueError(f"cannot pack {length} codes of {bits} bits: not a multiple of {codes}")
+    return length // codes * nbytes
+
+
+def _shifts(bits: int, per_byte: int, ndim: int, dim: int, device) -> torch.Tensor:
     """Bit offsets of the codes in a byte, shaped to broadcast along dim+1 of an unsqueezed tensor."""
     shape = [1] * (ndim + 1)
-    shape[dim + 1] = codes_per_byte(bits)
-    return torch.arange(0, 8, bits, dtype=torch.uint8, device=device).view(shape)
+    shape[dim + 1] = per_byte
+    return torch.arange(0, bits * per_byte, bits, dtype=torch.uint8, device=device).view(shape)
+
+
+def _pack_fields(codes: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """8/bits codes of `bits` bits per byte along dim (dim % (8/bits) == 0), low bits first."""
+    per_byte = 8 // bits
+    n = codes.shape[dim]
+    split = (*codes.shape[:dim], n // per_byte, per_byte, *codes.shape[dim + 1:])
+    # disjoint bit fields: the sum is the bitwise or
+    return (codes.reshape(split) << _shifts(bits, per_byte, codes.ndim, dim, codes.device)).sum(
+        dim=dim + 1, dtype=torch.uint8)
+
+
+def _unpack_fields(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    per_byte = 8 // bits
+    shape = list(packed.shape)
+    shape[dim] *= per_byte
+    codes = (packed.unsqueeze(dim + 1) >> _shifts(bits, per_byte, packed.ndim, dim, packed.device)) & levels(bits)
+    return codes.reshape(shape)
 
 
 def pack_codes(codes: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """uint8 codes in [0, 2^bits) -> uint8 bytes holding 8/bits codes each along `dim`: code i*cpb + j sits
-    in byte i at bits [j*bits, (j+1)*bits)."""
-    per_byte = codes_per_byte(bits)
-    if per_byte == 1:
-        return codes.to(torch.uint8)
+    """uint8 codes in [0, 2^bits) -> packed uint8 bytes along `dim` (see the module docstring)."""
+    unit, _ = pack_unit(bits)
+    codes = codes.to(torch.uint8)
+    if unit == 1:
+        return codes
     dim = dim % codes.ndim
-    n = codes.shape[dim]
-    if n % per_byte:
-        raise ValueError(f"cannot pack {n} codes of {bits} bits along dim {dim}: not a multiple of {per_byte}")
-    split = (*codes.shape[:dim], n // per_byte, per_byte, *codes.shape[dim + 1:])
-    grouped = codes.to(torch.uint8).reshape(split)
-    # disjoint bit fields: the sum is the bitwise or
-    return (grouped << _shifts(bits, codes.ndim, dim, codes.device)).sum(dim=dim + 1, dtype=torch.uint8)
+    packed_length(codes.shape[dim], bits)  # checks the length
+    if bits != 3:
+        return _pack_fields(codes, bits, dim)
+    units = codes.shape[dim] // 8
+    grouped = codes.reshape(*codes.shape[:dim], units, 8, *codes.shape[dim + 1:])  # [..., units, 8, ...]
+    low = _pack_fields(grouped & 3, 2, dim + 1)  # [..., units, 2, ...]
+    high = _pack_fields(grouped >> 2, 1, dim + 1)  # [..., units, 1, ...]
+    return torch.cat([low, high], dim=dim + 1).reshape(*codes.shape[:dim], units * 3, *codes.shape[dim + 1:])
 
 
 def unpack_codes(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """Inverse of `pack_codes`: uint8 bytes -> uint8 codes, 8/bits times longer along `dim` (contiguous)."""
-    per_byte = codes_per_byte(bits)
-    if per_byte == 1:
+    """Inverse of `pack_codes`: packed bytes -> uint8 codes along `dim` (contiguous)."""
+    unit, nbytes = pack_unit(bits)
+    if unit == 1:
         return packed
     dim = dim % packed.ndim
+    if bits == 3:
+        units = packed.shape[dim] // 3
+        grouped = packed.reshape(*packed.shape[:dim], units, 3, *packed.shape[dim + 1:])
+        low = _unpack_fields(grouped.narrow(dim + 1, 0, 2), 2, dim + 1)  # [..., units, 8, ...]
+        high = _unpack_fields(grouped.narrow(dim + 1, 2, 1), 1, dim + 1)
+        return (low | (high << 2)).reshape(*packed.shape[:dim], units * 8, *packed.shape[dim + 1:])
+    per_byte = unit
     shape = list(packed.shape)
     shape[dim] *= per_byte
     if packed.stride(-1) == 1 and packed.shape[-1] % 4 == 0 and packed.storage_offset() % 4 == 0:
@@ -57,8 +100,7 @@ def unpack_codes(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
         mask = int.from_bytes(bytes([levels(bits)]) * 4, "little", signed=True)
         planes = [((words >> (bits * j)) & mask).view(torch.uint8) for j in range(per_byte)]
         return torch.stack(planes, dim=dim + 1).reshape(shape)
-    codes = (packed.unsqueeze(dim + 1) >> _shifts(bits, packed.ndim, dim, packed.device)) & levels(bits)
-    return codes.reshape(shape)
+    return _unpack_fields(packed, bits, dim)
 
 
 def _grouped(x: torch.Tensor, axis: str, group: int) -> tuple[torch.Tensor, int]:
@@ -101,7 +143,7 @@ def quantize(x: torch.Tensor, bits: int, axis: str, group: int, exclude: torch.T
              stats_dtype: torch.dtype | None = None):
     """Quantize x [B,H,n,d]; entries where `exclude` is True take no part in min/max (outliers, padding).
 
-    Returns (codes uint8 unpacked [B,H,n,d_pad], scale, minimum) with scale/minimum in `stats_dtype`
+    Returns (codes uint8 unpacked [B,H,n,d], scale, minimum) with scale/minimum in `stats_dtype`
     (default x.dtype). Codes are computed against the *stored* scale and minimum, so dequantizing is exact
     to what was decided here.
     """
@@ -123,19 +165,19 @@ def quantize(x: torch.Tensor, bits: int, axis: str, group: int, exclude: torch.T
     minimum, scale = _stored_stats(lo, hi, levels(bits), stats_dtype)
     safe_scale = torch.where(scale.float() > 0, scale.float(), torch.ones_like(lo))
     codes = torch.round((xg - minimum.float().unsqueeze(member)) / safe_scale.unsqueeze(member))
-    codes = codes.clamp_(0, levels(bits)).to(torch.uint8)
-    return codes.reshape(*x.shape[:2], n, -1), scale, minimum  # token axis keeps the padded channels
+    codes = codes.clamp_(0, levels(bits)).to(torch.uint8).reshape(*x.shape[:2], n, -1)
+    return codes[..., :d], scale, minimum  # padded channels (a short last value group) are not codes
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, axis: str, group: int,
                d: int, out_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-    """codes [B,H,n,d_pad] (unpacked) with their stats -> [B,H,n,d] in out_dtype (computed in float32).
-    out: an optional float32 [B,H,n,d] tensor to write into (when d needs no padding)."""
-    cg, member = _grouped(codes, axis, group)
+    """codes [B,H,n,d] (unpacked) with their stats -> [B,H,n,d] in out_dtype (computed in float32).
+    out: an optional float32 [B,H,n,d] tensor to write into (when the groups split d evenly)."""
+    cg, member = _grouped(codes, axis, group)  # a short last value group is padded with code 0 here
     # uint8 codes times float32 scale promotes inside the multiply: the same values as cg.float() * scale,
     # without a float copy of the codes (the reference path dequantizes the whole history every step)
     scale, minimum = scale.float().unsqueeze(member), minimum.float().unsqueeze(member)
-    if out is not None and out.dtype == torch.float32 and codes.shape[-1] == d:
+    if out is not None and out.dtype == torch.float32 and cg.numel() == codes.numel():
         target = out.view(cg.shape)
         torch.mul(cg, scale, out=target)
         target.add_(minimum)

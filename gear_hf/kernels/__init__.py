@@ -27,6 +27,7 @@ import importlib.util
 import os
 
 __all__ = ["triton_available", "interpreting", "resolve_backend", "fused_supported", "use_fused",
+           "quantize_pack_supports",
            "quantize_pack", "decode_attention", "cache_decode_attention"]
 
 _LAZY = {"quantize_pack": "quant", "decode_attention": "decode", "cache_decode_attention": "decode"}
@@ -83,13 +84,38 @@ def fused_supported(config, head_dim: int, query_len: int) -> str | None:
     if query_len > MAX_FUSED_QUERY:
         return f"{query_len} new tokens in one step (a prompt): the fused kernel is a decode kernel"
     if config.compresses:
+        reason = _fused_storage_reason(config)
+        if reason:
+            return reason
         block = config.buffer_size & -config.buffer_size  # largest power of two dividing n_b
         if block < 16:
             return f"buffer_size={config.buffer_size} is not a multiple of 16 (kernel tiles are 16 tokens at least)"
-        for bits in (config.key_bits, config.value_bits):
-            if config.group_size % (8 // bits) and not config.coarse_groups:
-                return f"group_size={config.group_size} is not a multiple of {8 // bits} codes per byte"
+        for bits, group in ((config.key_bits, config.key_group), (config.value_bits, config.value_group)):
+            if group % (8 // bits) and not config.coarse_groups:
+                return f"group size {group} is not a multiple of {8 // bits} codes per byte"
     return None
+
+
+def _fused_storage_reason(config) -> str | None:
+    """Storage options of issue 9 that the fused decode kernel does not read (yet); the torch path does."""
+    if 3 in (config.key_bits, config.value_bits):
+        return (f"key_bits={config.key_bits}/value_bits={config.value_bits}: 3-bit codes (8 codes in 3 bytes) are "
+                "only read by the torch path")
+    if config.rotation != "none":
+        return f"rotation={config.rotation!r} (Walsh–Hadamard along head_dim) is only undone by the torch path"
+    if config.uses_lowrank and config.factor_bits != 16:
+        return f"factor_bits={config.factor_bits}: int8 low-rank factors are only read by the torch path"
+    if config.key_group != config.value_group:
+        return (f"key_group_size={config.key_group} != value_group_size={config.value_group}: the fused kernel "
+                "takes one group size")
+    return None
+
+
+def quantize_pack_supports(spec, n: int, d: int) -> bool:
+    """Whether `quantize_pack` covers this ChunkSpec for a chunk x [B,H,n,d] (else the torch engine quantizes)."""
+    from ..compress.quant import pack_unit
+
+    return spec.group_for(n, d) % pack_unit(spec.bits)[0] == 0
 
 
 def use_fused(config, query, *, training: bool = False, output_attentions: bool = False) -> bool:

@@ -2,8 +2,10 @@
 
     axis="channel" (keys): one group = one channel over `group` consecutive tokens
         codes [B,H,n/cpb,d] uint8 (packed along tokens), scale/minimum [B,H,n/group,d]
-    axis="token"   (values): one group = `group` consecutive channels of one token (d padded to d_pad)
-        codes [B,H,n,d_pad/cpb] uint8 (packed along channels), scale/minimum [B,H,n,d_pad/group]
+    axis="token"   (values): one group = `group` consecutive channels of one token (the last may be short)
+        codes [B,H,n,P(d)] uint8 (packed along channels), scale/minimum [B,H,n,ceil(d/group)]
+    P(m): bytes of m codes (d rounded up to a whole packing unit); 3 bits: 8 codes in 3 bytes (2-bit plane,
+    then 1-bit plane), see gear_hf.compress.quant
 
 Bit for bit the same as `gear_hf.compress.quant.quantize` followed by `pack_codes`: min/max in float32 over
 the entries not excluded, the stats rounded to `stats_dtype` (then stepped one ulp down / up where the stored
@@ -18,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..compress.quant import BITS, pack_unit, packed_length
 from . import interpreting
 
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -93,6 +96,17 @@ def _codes_from(x, mn, sc, LEVELS: tl.constexpr):
 
 
 @triton.jit
+def _pack3(code, j, AXIS: tl.constexpr):
+    """Codes [.., 8 (code j of a unit, along AXIS), ..] -> the unit's 3 bytes (each the tile reduced over AXIS):
+    codes 0-3's low 2 bits, codes 4-7's low 2 bits (2j bits up), then the high bits (bit j)."""
+    low = (code & 3) << ((j % 4) * 2)
+    b0 = tl.sum(tl.where(j < 4, low, 0), axis=AXIS)
+    b1 = tl.sum(tl.where(j >= 4, low, 0), axis=AXIS)
+    b2 = tl.sum(((code >> 2) & 1) << j, axis=AXIS)
+    return b0, b1, b2
+
+
+@triton.jit
 def _quant_channel_kernel(
     x_ptr, ex_ptr, codes_ptr, scale_ptr, min_ptr,
     H, n_tokens, d,
@@ -141,16 +155,24 @@ def _quant_channel_kernel(
         ok = (rel < GROUP) & cmask[None, None, :]
         x = tl.load(x_base + (tok0 + rel) * sxn + offs_c[None, None, :], mask=ok, other=0.0).to(tl.float32)
         code = _codes_from(x, mn[None, None, :], sc[None, None, :], LEVELS)
-        packed = tl.sum(tl.where(ok, code << shifts[None, :, None], 0), axis=1)  # [SUB_B, D_P2]
-        byte_row = (tok0 + start) // CPB + offs_i  # GROUP % CPB == 0: a group's bytes are its own
         bmask = ((start + offs_i * CPB) < GROUP)[:, None] & cmask[None, :]
-        tl.store(c_base + byte_row[:, None] * scn + offs_c[None, :], packed.to(tl.uint8), mask=bmask)
+        if BITS == 3:  # a unit of 8 tokens -> 3 byte rows: 2-bit plane (2 bytes), then the high-bit plane
+            b0, b1, b2 = _pack3(tl.where(ok, code, 0), offs_j[None, :, None], 1)  # [SUB_B, D_P2] each
+            unit_row = (tok0 + start) // 8 + offs_i  # GROUP % 8 == 0: a group's units are its own
+            ptr = c_base + (unit_row * 3)[:, None] * scn + offs_c[None, :]
+            tl.store(ptr, b0.to(tl.uint8), mask=bmask)
+            tl.store(ptr + scn, b1.to(tl.uint8), mask=bmask)
+            tl.store(ptr + 2 * scn, b2.to(tl.uint8), mask=bmask)
+        else:
+            packed = tl.sum(tl.where(ok, code << shifts[None, :, None], 0), axis=1)  # [SUB_B, D_P2]
+            byte_row = (tok0 + start) // CPB + offs_i  # GROUP % CPB == 0: a group's bytes are its own
+            tl.store(c_base + byte_row[:, None] * scn + offs_c[None, :], packed.to(tl.uint8), mask=bmask)
 
 
 @triton.jit
 def _quant_token_kernel(
     x_ptr, ex_ptr, codes_ptr, scale_ptr, min_ptr,
-    H, n_tokens, d, n_groups,
+    H, n_tokens, d, n_groups, code_width,
     sxb, sxh, sxn, seb, seh, sen,
     scb, sch, scn, ssb, ssh, ssn, smb, smh, smn,
     GROUP: tl.constexpr, BITS: tl.constexpr, CPB: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -158,7 +180,8 @@ def _quant_token_kernel(
 ):
     """One program = BLOCK_T tokens of one (row, head), looping over the channel groups; per group a tile
     [BLOCK_T, GB_P2, CPB] with channel = group*GROUP + byte*CPB + j (GROUP % CPB == 0: bytes never straddle
-    groups). Channels d..d_pad-1 are coded from 0 and excluded from the stats, as in the reference."""
+    groups; 3 bits: CPB = 8 codes per unit of 3 bytes). Channels past d are excluded from the stats and coded 0
+    (only within the last packing unit; nothing past it is stored), as in the reference."""
     pid_bh = tl.program_id(0)
     pid_t = tl.program_id(1)
     b = pid_bh // H
@@ -193,11 +216,20 @@ def _quant_token_kernel(
         mn, sc = _stored_stats(lo, hi, LEVELS, STATS_DT)  # [BLOCK_T] each
         tl.store(s_base + tok * ssn + gi, sc.to(STATS_DT), mask=tmask)
         tl.store(m_base + tok * smn + gi, mn.to(STATS_DT), mask=tmask)
-        code = _codes_from(x, mn[:, None, None], sc[:, None, None], LEVELS)
-        packed = tl.sum(tl.where(in_tile, code << shifts, 0), axis=2)  # [BLOCK_T, GB_P2]
-        byte_col = gi * GB + tl.arange(0, GB_P2)
-        bmask = tmask[:, None] & (tl.arange(0, GB_P2) < GB)[None, :]
-        tl.store(c_base + tok[:, None] * scn + byte_col[None, :], packed.to(tl.uint8), mask=bmask)
+        code = tl.where(is_data, _codes_from(x, mn[:, None, None], sc[:, None, None], LEVELS), 0)
+        if BITS == 3:  # GB units of 8 channels, 3 bytes each
+            b0, b1, b2 = _pack3(code, j_i, 2)  # [BLOCK_T, GB_P2] each
+            col = (gi * GB + tl.arange(0, GB_P2)) * 3
+            bmask = tmask[:, None] & ((tl.arange(0, GB_P2) < GB) & (col < code_width))[None, :]
+            ptr = c_base + tok[:, None] * scn + col[None, :]
+            tl.store(ptr, b0.to(tl.uint8), mask=bmask)
+            tl.store(ptr + 1, b1.to(tl.uint8), mask=bmask)
+            tl.store(ptr + 2, b2.to(tl.uint8), mask=bmask)
+        else:
+            packed = tl.sum(tl.where(in_tile, code << shifts, 0), axis=2)  # [BLOCK_T, GB_P2]
+            byte_col = gi * GB + tl.arange(0, GB_P2)
+            bmask = tmask[:, None] & ((tl.arange(0, GB_P2) < GB) & (byte_col < code_width))[None, :]
+            tl.store(c_base + tok[:, None] * scn + byte_col[None, :], packed.to(tl.uint8), mask=bmask)
 
 
 def _p2(n: int) -> int:
@@ -216,14 +248,18 @@ def _strides3(t: torch.Tensor):
     return t.stride(0), t.stride(1), t.stride(2)
 
 
+def codes_per_unit(bits: int) -> int:
+    """Codes in one packing unit (a byte; 3 bytes for 3 bits: gear_hf.compress.quant.pack_unit)."""
+    return pack_unit(bits)[0]
+
+
 def output_shapes(shape, bits: int, axis: str, group: int):
-    """(codes, scale/minimum) shapes for x of `shape` [B,H,n,d]."""
+    """(codes, scale/minimum) shapes for x of `shape` [B,H,n,d], as the torch engine stores them."""
     B, H, n, d = shape
-    cpb = 8 // bits
     if axis == "channel":
-        return (B, H, n // cpb, d), (B, H, n // group, d)
-    d_pad = -(-d // group) * group
-    return (B, H, n, d_pad // cpb), (B, H, n, d_pad // group)
+        return (B, H, packed_length(n, bits), d), (B, H, n // group, d)
+    unit = codes_per_unit(bits)
+    return (B, H, n, packed_length(-(-d // unit) * unit, bits)), (B, H, n, -(-d // group))
 
 
 def _launch(kernel, grid, args, kwargs, plan: list | None) -> None:
@@ -243,19 +279,19 @@ def quantize_pack(x: torch.Tensor, bits: int, axis: str, group: int, exclude: to
     ChunkSpec.group_for for KCVT). exclude: bool [B,H,n,d], entries kept out of min/max (outliers, padding).
     out: optional (codes, scale, minimum) tensors (e.g. views into a ChunkStore's fields) to write into.
     """
-    if bits not in (2, 4, 8):
-        raise ValueError(f"bits={bits}: 2, 4 or 8")
+    if bits not in BITS:
+        raise ValueError(f"bits={bits}: 2, 3, 4 or 8")
     if axis not in ("channel", "token"):
         raise ValueError(f"axis={axis!r}: 'channel' or 'token'")
     if _plan is None:
         _check_device(x)
     B, H, n, d = x.shape
-    cpb = 8 // bits
+    cpb = codes_per_unit(bits)
     stats_dtype = stats_dtype or x.dtype
     if stats_dtype not in _TL_DTYPES or x.dtype not in _TL_DTYPES:
         raise TypeError(f"unsupported dtypes x={x.dtype} stats={stats_dtype}")
     if group % cpb:
-        raise ValueError(f"group={group} is not a multiple of {cpb} codes per byte")
+        raise ValueError(f"group={group} is not a multiple of {cpb} codes per packing unit")
     if axis == "channel" and n % group:
         raise ValueError(f"{n} tokens do not split into key groups of {group} tokens")
     code_shape, stat_shape = output_shapes(x.shape, bits, axis, group)
@@ -289,7 +325,8 @@ def quantize_pack(x: torch.Tensor, bits: int, axis: str, group: int, exclude: to
         n_groups = -(-d // group)
         block_t = max(1, min(64, 1024 // _p2(group)))
         grid = (B * H, triton.cdiv(n, block_t))
-        _launch(_quant_token_kernel, grid, (x, ex, codes, scale, minimum, H, n, d, n_groups, *strides),
+        _launch(_quant_token_kernel, grid, (x, ex, codes, scale, minimum, H, n, d, n_groups, code_shape[-1],
+                                            *strides),
                 dict(GROUP=group, BITS=bits, CPB=cpb, BLOCK_T=block_t, GB_P2=_p2(group // cpb), HAS_EXCLUDE=has_ex,
                      STATS_DT=stats_tl, num_warps=4, enable_fp_fusion=False), _plan)
     return codes, scale, minimum
