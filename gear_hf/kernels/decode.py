@@ -93,14 +93,37 @@ def _rope(k1, k2, pos, freq_ptr, attn_scale, HALF: tl.constexpr, FAST: tl.conste
 
 
 @triton.jit
-def _key_half(codes_b, scale_b, min_b, a_b, bm_b, s_codes, s_scale, s_a, s_bm, slot, slot0, tvalid, chunk, ch,
+def _unpack_last(byte, BITS: tl.constexpr, CPB: tl.constexpr):
+    """Codes of bytes [R, W] -> [R, W*CPB]: code j of byte w at column w*CPB + j (each byte loaded once)."""
+    MASK: tl.constexpr = (1 << BITS) - 1
+    if CPB == 1:
+        return byte
+    elif CPB == 2:
+        return tl.reshape(tl.join(byte & MASK, (byte >> BITS) & MASK), [byte.shape[0], byte.shape[1] * 2])
+    else:  # 4 codes per byte: join(join(c0, c2), join(c1, c3))[..., a, b] = code 2a + b
+        lo = tl.join(byte & MASK, (byte >> (2 * BITS)) & MASK)
+        hi = tl.join((byte >> BITS) & MASK, (byte >> (3 * BITS)) & MASK)
+        return tl.reshape(tl.join(lo, hi), [byte.shape[0], byte.shape[1] * 4])
+
+
+@triton.jit
+def _key_half(codes_b, scale_b, min_b, a_b, bm_b, s_codes, s_scale, s_a, s_bm, slot, slot0, slot_end, tvalid, chunk, ch,
               D: tl.constexpr, BITS: tl.constexpr, CPB: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr,
               STATS_ROW: tl.constexpr):
-    """Keys (axis="channel") at store slots `slot` [BN] and channels `ch` [C]: D̂ + A·Bᵀ in float32 [BN, C].
+    """Keys (axis="channel") at store slots `slot` [BN] (slot0 + arange, valid below slot_end) and channels
+    `ch` [C]: D̂ + A·Bᵀ in float32 [BN, C].
     STATS_ROW: the block lies inside one quantization group (starting at slot0): one row of scale/minimum."""
     m2 = tvalid[:, None]
-    byte = tl.load(codes_b + (slot // CPB)[:, None] * s_codes + ch[None, :], mask=m2, other=0).to(tl.int32)
-    code = (byte >> ((slot % CPB) * BITS)[:, None]) & ((1 << BITS) - 1)
+    BN: tl.constexpr = slot.shape[0]
+    C: tl.constexpr = ch.shape[0]
+    if CPB > 1:  # each code byte loaded once: [BN/CPB, C] bytes -> [BN, C] codes, token = byte row * CPB + j
+        rows = slot0 // CPB + tl.arange(0, BN // CPB)
+        byte = tl.load(codes_b + rows[:, None] * s_codes + ch[None, :], mask=(rows * CPB < slot_end)[:, None],
+                       other=0).to(tl.int32)
+        code = tl.reshape(_unpack_last(byte, BITS, CPB), [BN // CPB, C, CPB])
+        code = tl.reshape(tl.permute(code, (0, 2, 1)), [BN, C])
+    else:
+        code = tl.load(codes_b + slot[:, None] * s_codes + ch[None, :], mask=m2, other=0).to(tl.int32)
     if STATS_ROW:
         srow = (slot0 // GROUP) * s_scale + ch
         sc = tl.load(scale_b + srow).to(tl.float32)[None, :]
@@ -119,15 +142,25 @@ def _key_half(codes_b, scale_b, min_b, a_b, bm_b, s_codes, s_scale, s_a, s_bm, s
 
 @triton.jit
 def _value_tile(codes_b, scale_b, min_b, spv_b, spi_b, s_codes, s_scale, s_sp, slot, tvalid,
-                D: tl.constexpr, BITS: tl.constexpr, CPB: tl.constexpr, GROUP: tl.constexpr, K2: tl.constexpr):
+                D: tl.constexpr, BITS: tl.constexpr, CPB: tl.constexpr, GROUP: tl.constexpr, K2: tl.constexpr,
+                STATS_W: tl.constexpr):
     """Values (axis="token") at store slots `slot` [BN], all channels: D̂ + S in float32 [BN, D]."""
     c = tl.arange(0, D)
     m2 = tvalid[:, None]
-    byte = tl.load(codes_b + slot[:, None] * s_codes + (c // CPB)[None, :], mask=m2, other=0).to(tl.int32)
-    code = (byte >> ((c % CPB) * BITS)[None, :]) & ((1 << BITS) - 1)
-    srow = slot[:, None] * s_scale + (c // GROUP)[None, :]
-    sc = tl.load(scale_b + srow, mask=m2, other=0.0).to(tl.float32)
-    mn = tl.load(min_b + srow, mask=m2, other=0.0).to(tl.float32)
+    BN: tl.constexpr = slot.shape[0]
+    byte = tl.load(codes_b + slot[:, None] * s_codes + tl.arange(0, D // CPB)[None, :], mask=m2, other=0)
+    code = _unpack_last(byte.to(tl.int32), BITS, CPB)
+    if STATS_W * GROUP == D:  # whole groups: one load per group, broadcast over its channels in registers
+        g = tl.arange(0, STATS_W)
+        srow = slot[:, None] * s_scale + g[None, :]
+        sc = tl.load(scale_b + srow, mask=m2, other=0.0).to(tl.float32)
+        mn = tl.load(min_b + srow, mask=m2, other=0.0).to(tl.float32)
+        sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [BN, STATS_W, GROUP]), [BN, D])
+        mn = tl.reshape(tl.broadcast_to(mn[:, :, None], [BN, STATS_W, GROUP]), [BN, D])
+    else:
+        srow = slot[:, None] * s_scale + (c // GROUP)[None, :]
+        sc = tl.load(scale_b + srow, mask=m2, other=0.0).to(tl.float32)
+        mn = tl.load(min_b + srow, mask=m2, other=0.0).to(tl.float32)
     v = code.to(tl.float32) * sc + mn
     for s in tl.static_range(K2):
         idx = tl.load(spi_b + slot * s_sp + s, mask=tvalid, other=-1).to(tl.int32)
@@ -201,7 +234,7 @@ def _lowrank_values(acc, p, a_b, bm_b, s_a, s_bm, slot, tvalid, chunk, D: tl.con
 
 @triton.jit
 def _compressed_block(
-    q1, q2, q_rows, t, slot, slot0, tvalid, chunk, tok0, pos_b, freq_ptr, attn_scale, sm_scale, limit, mvalid,
+    q1, q2, q_rows, t, slot, slot0, slot_end, tvalid, chunk, tok0, pos_b, freq_ptr, attn_scale, sm_scale, limit, mvalid,
     window, m_i, l_i, acc,
     kc, ks, km, ka, kb, s_kc, s_ks, s_ka, s_kb, ow, ov, ot, n_tiles, seg, t_base,
     vc, vs, vm, vsv, vsi, va, vb, s_vc, s_vs, s_vsp, s_va, s_vb,
@@ -211,9 +244,9 @@ def _compressed_block(
     V_BITS: tl.constexpr, V_CPB: tl.constexpr, V_GROUP: tl.constexpr, V_R: tl.constexpr, V_K2: tl.constexpr,
 ):
     h_offs = tl.arange(0, HALF)
-    k1 = _key_half(kc, ks, km, ka, kb, s_kc, s_ks, s_ka, s_kb, slot, slot0, tvalid, chunk, h_offs,
+    k1 = _key_half(kc, ks, km, ka, kb, s_kc, s_ks, s_ka, s_kb, slot, slot0, slot_end, tvalid, chunk, h_offs,
                    D, K_BITS, K_CPB, K_GROUP, K_R, K_STATS_ROW)
-    k2 = _key_half(kc, ks, km, ka, kb, s_kc, s_ks, s_ka, s_kb, slot, slot0, tvalid, chunk, h_offs + HALF,
+    k2 = _key_half(kc, ks, km, ka, kb, s_kc, s_ks, s_ka, s_kb, slot, slot0, slot_end, tvalid, chunk, h_offs + HALF,
                    D, K_BITS, K_CPB, K_GROUP, K_R, K_STATS_ROW)
     pos = tl.load(pos_b + t, mask=tvalid, other=0)
     k1, k2 = _rope(k1, k2, pos, freq_ptr, attn_scale, HALF, FAST)
@@ -222,7 +255,8 @@ def _compressed_block(
         s = _key_outlier_scores(s, q_rows, mvalid, ow, ov, ot, n_tiles, seg, tok0, t_base, pos_b, freq_ptr,
                                 attn_scale, D, HALF, BN, 32, DT == tl.float32, FAST)
     s = s * sm_scale
-    v = _value_tile(vc, vs, vm, vsv, vsi, s_vc, s_vs, s_vsp, slot, tvalid, D, V_BITS, V_CPB, V_GROUP, V_K2)
+    v = _value_tile(vc, vs, vm, vsv, vsi, s_vc, s_vs, s_vsp, slot, tvalid, D, V_BITS, V_CPB, V_GROUP, V_K2,
+                    s_vs)
     m_i, l_i, acc, p = _softmax_step(s, t, tvalid, limit, mvalid, window, m_i, l_i, acc, v, DT)
     acc = _lowrank_values(acc, p, va, vb, s_va, s_vb, slot, tvalid, chunk, D, V_R)
     return m_i, l_i, acc
@@ -353,7 +387,7 @@ def _decode_attention_kernel(
             tvalid = slot < p_len
             t = s_len + slot
             m_i, l_i, acc = _compressed_block(
-                q1, q2, q_rows, t, slot, slot0, tvalid, 0, slot0, pos_b, freq_ptr, attn_scale, sm_scale, limit,
+                q1, q2, q_rows, t, slot, slot0, p_len, tvalid, 0, slot0, pos_b, freq_ptr, attn_scale, sm_scale, limit,
                 mvalid, window, m_i, l_i, acc,
                 pkc + bh64 * s_pkc, pks + bh64 * s_pks, pkm + bh64 * s_pks, pka + bh64 * s_pka,
                 pkb + bh64 * s_pkb, D, D, P_K_R, P_K_R,
@@ -373,7 +407,7 @@ def _decode_attention_kernel(
             chunk = j // PER_CHUNK
             t = s_len + p_len + slot
             m_i, l_i, acc = _compressed_block(
-                q1, q2, q_rows, t, slot, slot0, tvalid, chunk, slot0 - chunk * NB, pos_b, freq_ptr, attn_scale,
+                q1, q2, q_rows, t, slot, slot0, c_cnt * NB, tvalid, chunk, slot0 - chunk * NB, pos_b, freq_ptr, attn_scale,
                 sm_scale, limit, mvalid, window, m_i, l_i, acc,
                 dkc + bh64 * s_dkc, dks + bh64 * s_dks, dkm + bh64 * s_dks, dka + bh64 * s_dka,
                 dkb + bh64 * s_dkb, D, D, D_K_R, D_K_R,
