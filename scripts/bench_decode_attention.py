@@ -41,7 +41,6 @@ import os
 import statistics
 import sys
 import time
-import types
 from pathlib import Path
 
 import torch
@@ -98,35 +97,28 @@ def _inv_freq():
 
 def _build(T: int, batch: int, bits: int, dtype, device, method: str = "gear", pad: list[int] | None = None):
     """A one-layer GearCache holding T tokens per row (prompt chunk + decode chunks + buffer; row b has pad[b]
-    fewer, left-padded), after one decode step; data generated on the GPU."""
-    from gear_hf.cache import GearCache
+    fewer, left-padded), after one decode step (gear_hf.kernels.reference.build_cache: keys with a few large
+    channels, like real keys)."""
     from gear_hf.config import GearConfig
+    from gear_hf.kernels.reference import build_cache
 
     cfg = GearConfig.preset(method, bits=bits)
-    pad = pad or [0] * batch
-    cache = GearCache(types.SimpleNamespace(num_hidden_layers=1), cfg)
-    g = torch.Generator(device=device).manual_seed(T * 31 + batch * 7 + bits)
-    scale = torch.ones(D, device=device)
-    scale[:4] = 8.0  # a few outlier channels, like real keys
     decode_part = min(4 * cfg.buffer_size - 1, T // 4)
-    steps = [T - decode_part - 1, decode_part, 1]
-    mask = torch.zeros(batch, 0, dtype=torch.long, device=device)
-    for i, q in enumerate(steps):
-        new = torch.ones(batch, q, dtype=torch.long, device=device)
-        if i == 0:
-            for b, p in enumerate(pad):
-                new[b, :p] = 0
-        mask = torch.cat([mask, new], dim=1)
-        pos = (mask.cumsum(1) - 1).clamp(min=0)[:, -q:]
-        cache.observe_attention_mask(mask)
-        k = (torch.randn(batch, HKV, q, D, device=device, generator=g) * scale).to(dtype)
-        v = torch.randn(batch, HKV, q, D, device=device, generator=g).to(dtype)
-        cache.store_and_read(0, k, v, pos)
+    cache, _, _ = build_cache(cfg, batch=batch, kv_heads=HKV, head_dim=D, steps=[T - decode_part - 1, decode_part, 1],
+                              pad=pad, dtype=dtype, device=device, seed=T * 31 + batch * 7 + bits, outlier_channels=4)
     return cache
 
 
 def _compressed_bytes(cache) -> int:
-    """Bytes of the cache's used storage (what the fused kernel must read) + positions (int32)."""
+    """Bytes of the cache's used storage (what the fused kernel must read) + positions (int32); 0 when this
+    cache does not expose the storage this function knows."""
+    try:
+        return _storage_bytes(cache)
+    except AttributeError:
+        return 0
+
+
+def _storage_bytes(cache) -> int:
     layer = cache.layers[0]
     total = cache.tokens_held() * 4
     for stream in (layer.key_stream, layer.value_stream):
@@ -201,8 +193,9 @@ def main() -> int:
             w.writerows(rows)
 
     def record(**row):
-        row["GBps"] = round(row["bytes"] / row["median_ms"] / 1e6, 1) if row.get("median_ms") else None
-        row["graph_GBps"] = round(row["bytes"] / row["graph_ms"] / 1e6, 1) if row.get("graph_ms") else None
+        row["GBps"] = round(row["bytes"] / row["median_ms"] / 1e6, 1) if row.get("median_ms") and row["bytes"] else None
+        row["graph_GBps"] = round(row["bytes"] / row["graph_ms"] / 1e6, 1) if row.get("graph_ms") and row["bytes"] \
+            else None
         sdpa = [r for r in rows if r["T"] == row["T"] and r["batch"] == row["batch"]
                 and r["method"].startswith("sdpa") and r.get("graph_ms") and r.get("pad") == row.get("pad")]
         if row.get("graph_ms") and sdpa:
@@ -260,9 +253,13 @@ def _fused_fn(cache, q, inv_freq, **tuning):
     key outliers sorted once, as the cache does after each flush) -> a callable that CUDA graphs can capture."""
     from dataclasses import replace
 
-    from gear_hf.kernels.decode import _stream_view, cache_layout, decode_attention
+    from gear_hf.kernels import decode
     from gear_hf.kernels.views import prepare_derived
 
+    if not hasattr(decode, "_stream_view"):  # another cache: its own adapter builds the views
+        return functools.partial(decode.cache_decode_attention, cache, 0, q, scaling=D ** -0.5, inv_freq=inv_freq,
+                                 **tuning)
+    _stream_view, cache_layout, decode_attention = decode._stream_view, decode.cache_layout, decode.decode_attention
     layer = cache.layers[0]
     layout = cache_layout(cache, q.shape[2], q.device)
     keys = _stream_view(layer.key_stream, cache)
@@ -413,7 +410,8 @@ def _fused_share(device, steps: int = 40) -> dict:
         mask[b, max(lengths) - n:] = 1
     ids[mask == 0] = 0
     counted = collections.Counter()
-    original_store, original_fused = GearCache.store, GearCache.fused_attention
+    original_store = getattr(GearCache, "store", None)
+    original_fused = getattr(GearCache, "fused_attention", None)
 
     def store(self, layer_idx, key, value, *a, **kw):
         if key.shape[2] == 1:
@@ -431,19 +429,25 @@ def _fused_share(device, steps: int = 40) -> dict:
         original_init(self, *a, **kw)
         caches.append(self)
 
-    GearCache.store, GearCache.fused_attention, GearCache.__init__ = store, fused, init
+    counting = original_store is not None and original_fused is not None  # today's cache: count the calls
+    GearCache.__init__ = init
+    if counting:
+        GearCache.store, GearCache.fused_attention = store, fused
     try:
         with torch.no_grad():
             model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=steps,
                            min_new_tokens=steps, do_sample=False, pad_token_id=0)
     finally:
-        GearCache.store, GearCache.fused_attention, GearCache.__init__ = original_store, original_fused, \
-            original_init
+        GearCache.__init__ = original_init
+        if counting:
+            GearCache.store, GearCache.fused_attention = original_store, original_fused
     paths = getattr(caches[-1], "step_paths", None) if caches else None
     if paths:  # the cache's own counter (per decode layer-step: 'fused' / 'reference')
         total = sum(paths.values())
         return {"source": "cache.step_paths", "paths": dict(paths), "share": round(paths["fused"] / total, 4)}
     total = counted["decode layer-steps"]
+    if not counting:
+        return {"source": "none: the cache has neither step_paths nor the entry points counted here", "share": None}
     return {"source": "counted by the benchmark (calls to GearCache.fused_attention / decode layer-steps)",
             "paths": {"fused": counted["fused"], "reference": total - counted["fused"]},
             "share": round(counted["fused"] / total, 4) if total else None, "rows": lengths, "steps": steps}
