@@ -238,13 +238,10 @@ def _sdpa_dense(q, k, v):
 
 def _reference_step(cache, q, inv_freq, dtype):
     """What gear_hf.attention does without kernels, minus the store: reconstruct, gather, rotate, SDPA."""
-    from gear_hf.attention import apply_rotary
-    from gear_hf.kernels.reference import rope_tables
+    from gear_hf.rope import apply_rotary, rope_tables
 
-    layer, plan, sink = cache.layers[0], cache._plan, cache.gear_config.sink_tokens
-    keys = layer.key_stream.read(plan, sink, dtype, 0)
-    values = layer.value_stream.read(plan, sink, dtype, 0)
-    cos, sin = rope_tables(plan.read_positions, inv_freq)
+    keys, values = cache.held(0, dtype)
+    cos, sin = rope_tables(cache.layout.read_positions(0), inv_freq)
     return _sdpa_dense(q, apply_rotary(keys, cos.to(dtype), sin.to(dtype)), values)
 
 
@@ -256,17 +253,11 @@ def _fused_fn(cache, q, inv_freq, **tuning):
     from gear_hf.kernels import decode
     from gear_hf.kernels.views import prepare_derived
 
-    if not hasattr(decode, "_stream_view"):  # another cache: its own adapter builds the views
-        return functools.partial(decode.cache_decode_attention, cache, 0, q, scaling=D ** -0.5, inv_freq=inv_freq,
-                                 **tuning)
-    _stream_view, cache_layout, decode_attention = decode._stream_view, decode.cache_layout, decode.decode_attention
-    layer = cache.layers[0]
-    layout = cache_layout(cache, q.shape[2], q.device)
-    keys = _stream_view(layer.key_stream, cache)
+    keys, values, layout = cache.kernel_views(0, q.shape[2], q.device)
     keys = replace(keys, prompt=keys.prompt and replace(keys.prompt, derived=prepare_derived(keys.prompt, 1)),
                    decode=keys.decode and replace(keys.decode, derived=prepare_derived(
                        keys.decode, layout.max_decode_chunks)))
-    values = _stream_view(layer.value_stream, cache)
+    decode_attention = decode.decode_attention
     return functools.partial(decode_attention, q, keys, values, layout, scaling=D ** -0.5, inv_freq=inv_freq,
                              **tuning)
 

@@ -173,13 +173,14 @@ def test_fused_sweep(dtype, d, kv_heads, group, batch, q_len, bits):
 def test_prepare_derived_sorts_each_chunk_by_token():
     """Key outliers sorted by token inside each chunk, empty slots last, per-16-token offsets; chunk by chunk
     equals all at once (the cache may derive only a new chunk)."""
-    from gear_hf.kernels.decode import _run_view
+    from dataclasses import replace
+
     from gear_hf.kernels.views import prepare_derived
 
-    cache, _, _, _ = _case(steps=[77, 70, 1])
-    store = cache.layers[0].key_stream.decode
-    chunks = max(cache.decode_chunks)
-    run = _run_view(store, chunks)
+    cache, q, _, _ = _case(steps=[77, 70, 1])
+    keys, _, layout = cache.kernel_views(0, q.shape[2], q.device)
+    chunks = layout.max_decode_chunks
+    run = keys.decode
     derived = prepare_derived(run, chunks)
     d = run.sparse_values.shape[-1]
     k2 = run.extent("sparse_values")
@@ -192,7 +193,7 @@ def test_prepare_derived_sorts_each_chunk_by_token():
     values = derived["key_outlier_value"].view_as(where)
     total = run.sparse_values[:, :, : chunks * k2].float().reshape(*where.shape).sum(-1)
     assert torch.allclose(values.float().sum(-1), total)
-    one = prepare_derived(_run_view(store, 1), 1)
+    one = prepare_derived(replace(run), 1)
     assert torch.equal(one["key_outlier_where"], derived["key_outlier_where"][..., : k2 * d])
 
 
@@ -201,16 +202,13 @@ def test_views_with_derived_data_match_the_adapter():
     adapter's result."""
     from dataclasses import replace
 
-    from gear_hf.kernels.decode import _stream_view, cache_layout, decode_attention
+    from gear_hf.kernels.decode import decode_attention
     from gear_hf.kernels.views import prepare_derived
 
     cache, q, out, ref = _case(sink=2, steps=[77, 40, 2], q_len=2)
-    layer = cache.layers[0]
-    layout = cache_layout(cache, q.shape[2], q.device)
-    keys = _stream_view(layer.key_stream, cache)
+    keys, values, layout = cache.kernel_views(0, q.shape[2], q.device)
     keys = replace(keys, prompt=replace(keys.prompt, derived=prepare_derived(keys.prompt, 1)),
                    decode=replace(keys.decode, derived=prepare_derived(keys.decode, layout.max_decode_chunks)))
-    got = decode_attention(q, keys, _stream_view(layer.value_stream, cache), layout, scaling=q.shape[-1] ** -0.5,
-                           inv_freq=_inv_freq(q.shape[-1]))
+    got = decode_attention(q, keys, values, layout, scaling=q.shape[-1] ** -0.5, inv_freq=_inv_freq(q.shape[-1]))
     assert torch.equal(got, out)
     _check(got, ref, torch.float32)

@@ -163,6 +163,21 @@ class Stream:
         cols = layout.rect_to_local[b, start : layout.rect_length].long()
         out[b] = local[:, cols.clamp(min=0)].to(out.dtype) * (cols >= 0)[None, :, None]
 
+    # -- the fused kernel's view ---------------------------------------------------------------------------
+    def kernel_view(self, sink_tokens: int, prompt: bool, decode_chunks: int):
+        """This stream as the fused kernel reads it (`gear_hf.kernels.views.StreamView`): references to the
+        storage tensors, nothing copied. prompt: the prompt chunk is live; decode_chunks: live decode chunks."""
+        from ..kernels.views import ChunkRunView, StreamView  # no triton import
+
+        def run(store: ChunkStore | None, live: bool):
+            if store is None or not store.fields or not live:
+                return None
+            fields = {name: store.fields[name] for name in ChunkRunView.FIELDS}
+            return ChunkRunView(**fields, spec=store.spec, chunk_len=store.chunk_len)
+
+        return StreamView(buffer=self.buffer.data, sink=self.sink.data if sink_tokens else None,
+                          prompt=run(self.prefill, prompt), decode=run(self.decode, decode_chunks > 0))
+
     # -- sliding windows ---------------------------------------------------------------------------------------
     def release(self, before: Released, after: Released, counts: RowCounts) -> None:
         """Free what `after` newly releases: the prompt chunk store, and leading decode chunks."""

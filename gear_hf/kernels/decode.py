@@ -700,42 +700,12 @@ class _nullcontext:
         return False
 
 
-# ---------------------------------------------------------------------------------------------------------
-# adapter for today's GearCache (the cache will build the views itself)
-# ---------------------------------------------------------------------------------------------------------
-def _run_view(store, chunks: int) -> ChunkRunView | None:
-    if store is None or not store.fields or chunks == 0:
-        return None
-    return ChunkRunView(**store.fields, spec=store.spec, chunk_len=store.chunk_len)
-
-
-def _stream_view(stream, cache) -> StreamView:
-    return StreamView(buffer=stream.buffer.data,
-                      sink=stream.sink.data if cache.gear_config.sink_tokens else None,
-                      prompt=_run_view(stream.prefill, max(cache.prefill_len, default=0)),
-                      decode=_run_view(stream.decode, max(cache.decode_chunks, default=0)))
-
-
-def cache_layout(cache, query_len: int, device) -> DecodeLayout:
-    """The step's DecodeLayout of a GearCache (today's cache: per-row python lists + rect_to_local/positions)."""
-    lengths = list(zip(cache.sink_len, cache.prefill_len, cache.decode_chunks, cache.buffer_len))
-    rows = torch.tensor(lengths, dtype=torch.int32).to(device, non_blocking=True)
-    limits = cache.rect_to_local[:, cache.rect_length - query_len: cache.rect_length].to(torch.int32).contiguous()
-    positions = cache.positions if cache.positions.dtype == torch.int32 else cache.positions.int()
-    return DecodeLayout(rows=rows, limits=limits.to(device), positions=positions.contiguous().to(device),
-                        max_sink=max(cache.sink_len, default=0), max_prompt=max(cache.prefill_len, default=0),
-                        max_decode_chunks=max(cache.decode_chunks, default=0),
-                        max_buffer=max(cache.buffer_len, default=0), buffer_size=cache.gear_config.buffer_size)
-
-
 def cache_decode_attention(cache, layer_idx: int, query: torch.Tensor, *, scaling: float,
                            inv_freq: torch.Tensor, attention_scaling: float = 1.0,
                            sliding_window: int | None = None, out: torch.Tensor | None = None,
                            **tuning) -> torch.Tensor:
-    """Fused attention of this step's `query` [B,Hq,q,d] over layer `layer_idx` of a GearCache whose step has
-    already been stored: builds the views of the layer and calls `decode_attention`. Returns [B, q, Hq, d]."""
-    layer = cache.layers[layer_idx]
-    layout = cache_layout(cache, query.shape[2], query.device)
-    return decode_attention(query, _stream_view(layer.key_stream, cache), _stream_view(layer.value_stream, cache),
-                            layout, scaling=scaling, inv_freq=inv_freq, attention_scaling=attention_scaling,
-                            sliding_window=sliding_window, out=out, **tuning)
+    """Fused attention of `query` [B,Hq,q,d] over layer `layer_idx` of a GearCache (`GearCache.kernel_views`:
+    during a step what it attends to, between steps what the layer holds). Returns [B, q, Hq, d]."""
+    keys, values, layout = cache.kernel_views(layer_idx, query.shape[2], query.device)
+    return decode_attention(query, keys, values, layout, scaling=scaling, inv_freq=inv_freq,
+                            attention_scaling=attention_scaling, sliding_window=sliding_window, out=out, **tuning)

@@ -39,6 +39,8 @@ class ChunkRunView:
     chunk_len: int
     derived: dict = field(default_factory=dict)  # prepare_derived(...) output, or {} (the kernel derives it)
 
+    FIELDS = ("codes", "scale", "minimum", "sparse_values", "sparse_index", "lowrank_a", "lowrank_b")
+
     @property
     def head_dim(self) -> int:
         return self.lowrank_b.shape[2] // self.capacity if self.capacity else 0
