@@ -7,8 +7,12 @@ the value and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import re
 from dataclasses import dataclass
 from typing import Any
+
+from .compress.quant import codes_per_byte
 
 METHODS = ("fp16", "kivi", "kcvt", "outlier", "gear-l", "gear")
 BITS = (2, 4, 8)
@@ -70,7 +74,16 @@ class GearConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 _fail(name, value, f"an integer >= {low}")
+        if self.compresses:  # codes are packed codes_per_byte(bits) to a byte along each group
+            for name in ("key_bits", "value_bits"):
+                per_byte = codes_per_byte(getattr(self, name))
+                if self.group_size % per_byte:
+                    _fail("group_size", self.group_size,
+                          f"a multiple of {per_byte} with {name}={getattr(self, name)} ({per_byte} codes per byte)")
         if self.buffer_size % self.group_size:
+            if self.buffer_size == _DEFAULT_BUFFER:  # blame what the user wrote, not a default
+                _fail("group_size", self.group_size, f"a divisor of buffer_size={self.buffer_size} (the default), "
+                      f"or also set buffer_size to a multiple of {self.group_size}")
             _fail("buffer_size", self.buffer_size, f"a positive multiple of group_size={self.group_size}")
         if isinstance(self.outlier_ratio, bool) or not isinstance(self.outlier_ratio, (int, float)) \
                 or not 0.0 <= self.outlier_ratio < 1.0:
@@ -111,11 +124,18 @@ class GearConfig:
     # Presets --------------------------------------------------------------------------------------------------
     @classmethod
     def preset(cls, name: str, bits: int | None = None, **overrides: Any) -> "GearConfig":
-        """The named method with the paper's defaults; `bits` sets both key_bits and value_bits."""
-        if name not in METHODS:
-            _fail("method", name, " | ".join(METHODS))
-        fields: dict[str, Any] = {"method": name}
-        if bits is not None:
+        """The named method with the paper's defaults; `bits` sets both key_bits and value_bits.
+
+        name: a method ("gear"), or a method with its bits as `describe()` writes them: "gear-2", "kivi-4",
+        "gear-l-k4v2" (key_bits=4, value_bits=2)."""
+        method, name_bits = parse_preset_name(name)
+        fields: dict[str, Any] = {"method": method}
+        if name_bits is not None:
+            if bits is not None and (bits, bits) != name_bits:
+                raise ValueError(f"GearConfig.preset({name!r}, bits={bits!r}): the name already sets the bits; "
+                                 f"give preset {method!r} with bits={bits}, or {name!r} alone")
+            fields["key_bits"], fields["value_bits"] = name_bits
+        elif bits is not None:
             fields["key_bits"] = fields["value_bits"] = bits
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
@@ -125,7 +145,39 @@ class GearConfig:
         return cls(**fields)
 
     def describe(self) -> str:
+        """The preset name of this config's method and bits ("gear-2", "kivi-k4v2", "fp16"); `preset` reads it."""
         if not self.compresses:
             return "fp16"
         bits = f"{self.key_bits}" if self.key_bits == self.value_bits else f"k{self.key_bits}v{self.value_bits}"
         return f"{self.method}-{bits}"
+
+
+_DEFAULT_BUFFER = GearConfig.__dataclass_fields__["buffer_size"].default
+_BITS_RE = re.compile(r"(?:(\d+)|k(\d+)v(\d+))")
+
+
+def parse_preset_name(name: Any) -> tuple[str, tuple[int, int] | None]:
+    """("gear", None) for "gear"; ("gear", (2, 2)) for "gear-2"; ("gear-l", (4, 2)) for "gear-l-k4v2".
+    An unknown name raises a ValueError with the closest valid spelling."""
+    text = name.strip().lower() if isinstance(name, str) else name
+    if text in METHODS:
+        return text, None
+    if isinstance(text, str):
+        method, _, tail = text.rpartition("-")
+        match = _BITS_RE.fullmatch(tail)
+        if method in METHODS and method != "fp16" and match:
+            key, value = (int(match[1]),) * 2 if match[1] else (int(match[2]), int(match[3]))
+            bad = [b for b in (key, value) if b not in BITS]
+            if not bad:
+                return method, (key, value)
+            raise ValueError(f"GearConfig.preset name {name!r}: {bad[0]} bits is invalid; allowed bits: "
+                             f"{', '.join(map(str, BITS))}")
+    spellings = [*METHODS, *(f"{m}-{b}" for m in METHODS if m != "fp16" for b in BITS)]
+    close = difflib.get_close_matches(text if isinstance(text, str) else "", spellings, n=1, cutoff=0.5)
+    hint = ""
+    if close:
+        method, bits = parse_preset_name(close[0])
+        hint = f" (did you mean {close[0]!r}, i.e. preset={method!r}" + (f", bits={bits[0]})" if bits else ")")
+    raise ValueError(f"GearConfig.preset name {name!r} is invalid{hint}; allowed: METHOD or METHOD-BITS or "
+                     f"METHOD-kBITSvBITS, METHOD one of {' | '.join(METHODS)}, BITS one of "
+                     f"{', '.join(map(str, BITS))} (e.g. gear-2, kivi-4, gear-k4v2)")
