@@ -58,7 +58,7 @@ def _check_backend(config: GearConfig) -> None:
     """A Triton backend that cannot launch here fails now, not inside the first generate."""
     from .kernels import interpreting, resolve_backend, triton_available  # no triton import
 
-    if resolve_backend(config, "cuda") != "triton":
+    if resolve_backend(config, "cpu") != "triton":  # on a CPU device only a forced choice says triton
         return
     source = ("GearConfig.backend='triton'" if config.backend == "triton"
               else "GEAR_HF_BACKEND=triton (GearConfig.backend='auto')")

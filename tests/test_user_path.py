@@ -135,7 +135,10 @@ def test_partial_model_is_refused_and_strict_is_gone():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
 def test_triton_backend_without_cuda_fails_at_enable(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.delenv("GEAR_HF_BACKEND", raising=False)
     model = tiny_model("llama2")
+    gear_hf.enable(model, gear_hf.GearConfig())  # "auto" picks torch here: nothing to refuse
+    gear_hf.disable(model)
     with pytest.raises(ValueError, match="backend='triton' needs a CUDA device"):
         gear_hf.enable(model, gear_hf.GearConfig(backend="triton"))
     assert not gear_hf.is_enabled(model)
