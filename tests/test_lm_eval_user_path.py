@@ -143,6 +143,7 @@ def test_demo_as_in_the_readme(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "(llama, float32), prompts: GSM8K test, 8-shot CoT" in proc.stdout
     assert "method | KV bits/elem | tokens/s" in proc.stdout
+    assert "Pass `dtype=torch.float32`" not in proc.stderr  # transformers' advice when the demo ran bf16
     data = {r["method"]: r for r in json.loads(rows.read_text())}
     assert data["gear-2"]["bits_per_element"] < data["fp16"]["bits_per_element"]
     assert data["fp16"]["prompt_tokens"] > 1000  # 8 worked GSM8K exemplars + the question
