@@ -196,3 +196,32 @@ def test_preset_bits_twice_must_agree():
     assert gear_hf.GearConfig.preset("gear-2", bits=2).key_bits == 2
     with pytest.raises(ValueError, match="already sets the bits"):
         gear_hf.GearConfig.preset("gear-2", bits=4)
+
+
+# -- one place per concept ------------------------------------------------------------------------------------------
+
+def _imported_modules(path) -> set[str]:
+    """Modules `path` imports, and `from X import Y` also as X.Y (Y may be a module)."""
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = "." * node.level + (node.module or "")
+            names |= {base, *(f"{base}.{a.name}" for a in node.names)}
+    return names
+
+
+def test_no_library_module_imports_the_demo_and_one_gsm8k_loader():
+    """Issue 11.10: the demo is an entry point, not a library; GSM8K files are read in gear_hf.gsm8k only."""
+    from pathlib import Path
+
+    package = Path(gear_hf.__file__).parent
+    repo = package.parent
+    sources = [p for p in [*package.rglob("*.py"), *(repo / "scripts").rglob("*.py")] if p.name != "demo.py"]
+    for path in sources:
+        assert not {n for n in _imported_modules(path) if "demo" in n.replace("..", ".").split(".")}, path
+        if path.name != "gsm8k.py":
+            assert '"train.jsonl"' not in path.read_text() and "/ \"test.jsonl\").read_text" not in path.read_text(), path
