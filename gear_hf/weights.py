@@ -42,6 +42,7 @@ __all__ = [
     "qwen25_gguf",
     "gguf_path",
     "load_gguf_model",
+    "load_model",
     "MODELS",
 ]
 
@@ -239,6 +240,18 @@ def load_gguf_model(
         model.to(device)
     model.eval()
     return model, tokenizer
+
+
+def load_model(spec: str | os.PathLike, dtype: Any = None, *, snapshot: bool | None = None):
+    """``(model, tokenizer)`` for what the demo and the CLIs take as ``--model``: ``"smollm2"``, ``"qwen25"``, a
+    ``.gguf`` file (`load_gguf_model`), or a Hugging Face model directory without a GGUF file in it."""
+    path = Path(spec)
+    if path.is_dir() and not any(path.glob("*.gguf")):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        return model, AutoTokenizer.from_pretrained(path)
+    return load_gguf_model(spec, dtype=dtype, snapshot=snapshot)
 
 
 def _drop_gguf_quantizer(model) -> None:
