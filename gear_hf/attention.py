@@ -17,10 +17,10 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .cache import GearCache
+from .hf_compat import pop_cache
 from .kernels import MAX_FUSED_QUERY, use_fused  # no triton import: kernels load lazily
 from .rope import apply_rotary
 
-CACHE_KWARGS = ("cache", "past_key_values", "past_key_value")  # 5.24 / <=5.22 / older spellings
 
 
 @dataclass
@@ -42,10 +42,7 @@ def gear_attention_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
                            position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
                            attention_mask: torch.Tensor | None = None, **kwargs: Any):
     patch: AttentionPatch = module._gear_hf_patch
-    cache = None
-    for name in CACHE_KWARGS:
-        value = kwargs.pop(name, None)
-        cache = value if cache is None else cache
+    cache = pop_cache(kwargs)
     if not isinstance(cache, GearCache):
         if cache is not None:
             kwargs[patch.cache_kwarg] = cache

@@ -13,13 +13,13 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from .compress.quant import pack_unit  # codes are packed in whole units: groups along tokens hold whole units
+
 
 METHODS = ("fp16", "kivi", "kcvt", "outlier", "gear-l", "gear")
 BITS = (2, 3, 4, 8)
 ROTATIONS = ("none", "keys", "values", "both")
 FACTOR_BITS = (16, 8)
-# Codes packed per unit of bytes (gear_hf.compress.quant.pack_unit): a group along tokens holds whole units.
-_PACK_UNIT = {2: 4, 3: 8, 4: 2, 8: 1}
 AXES = ("channel", "token")
 BACKENDS = ("auto", "torch", "triton")
 
@@ -125,7 +125,7 @@ class GearConfig:
         """Groups that run along tokens hold whole packing units, and the buffer holds whole groups."""
         for prefix, axis, group, bits in (("key", self.key_axis, self.key_group, self.key_bits),
                                           ("value", self.value_axis, self.value_group, self.value_bits)):
-            unit = _PACK_UNIT[bits]
+            unit = pack_unit(bits)[0]
             if axis == "channel" and self.compresses and not self.coarse_groups and group % unit:
                 name = f"{prefix}_group_size" if getattr(self, f"{prefix}_group_size") else "group_size"
                 _fail(name, group, f"a multiple of {unit} ({prefix}s are grouped along tokens and "
@@ -153,7 +153,7 @@ class GearConfig:
         for axis, group, bits in ((self.key_axis, self.key_group, self.key_bits),
                                   (self.value_axis, self.value_group, self.value_bits)):
             if axis == "channel":
-                granule = math.lcm(granule, group, _PACK_UNIT[bits])
+                granule = math.lcm(granule, group, pack_unit(bits)[0] if self.compresses else 1)
         return granule
 
     # What the method computes -------------------------------------------------------------------------------

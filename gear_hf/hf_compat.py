@@ -31,3 +31,12 @@ def model_cache_kwarg(model) -> str:
 def passed_cache(kwargs: dict[str, Any]) -> Any:
     """The cache given in `kwargs` under any spelling, or None."""
     return next((kwargs[name] for name in CACHE_KWARGS if kwargs.get(name) is not None), None)
+
+
+def pop_cache(kwargs: dict[str, Any]) -> Any:
+    """Remove every spelling of the cache argument from `kwargs`; return the cache given (or None)."""
+    found = None
+    for name in CACHE_KWARGS:
+        value = kwargs.pop(name, None)
+        found = value if found is None else found
+    return found

@@ -158,10 +158,10 @@ def test_triton_backend_without_cuda_fails_at_enable(monkeypatch):
 # -- GearConfig: errors at construction, naming what the user wrote ------------------------------------------------
 
 @pytest.mark.parametrize("kwargs,field,allowed", [
-    (dict(group_size=7, buffer_size=7), "group_size=7", "multiple of 2 with key_bits=4"),
-    (dict(group_size=6, key_bits=2, buffer_size=12), "group_size=6", "multiple of 4 with key_bits=2"),
+    (dict(group_size=7, buffer_size=7), "group_size=7", "multiple of 2 (keys are grouped along tokens and 2 codes of 4 bits"),
+    (dict(group_size=6, key_bits=2, buffer_size=12), "group_size=6", "multiple of 4 (keys are grouped along tokens and 4 codes of 2 bits"),
     (dict(group_size=48), "group_size=48", "divisor of buffer_size=64 (the default)"),
-    (dict(group_size=32, buffer_size=48), "buffer_size=48", "multiple of group_size=32"),
+    (dict(group_size=32, buffer_size=48), "buffer_size=48", "multiple of 32 (the groups along tokens"),
 ])
 def test_config_errors_name_the_field_written(kwargs, field, allowed):
     with pytest.raises(ValueError) as err:
@@ -169,11 +169,11 @@ def test_config_errors_name_the_field_written(kwargs, field, allowed):
     assert f"GearConfig.{field} is invalid" in str(err.value) and allowed in str(err.value)
 
 
-def test_packing_constraint_follows_codes_per_byte():
-    from gear_hf.compress.quant import codes_per_byte
+def test_packing_constraint_follows_the_packing_unit():
+    from gear_hf.compress.quant import pack_unit
 
-    for bits in (2, 4, 8):
-        good = codes_per_byte(bits) * 3
+    for bits in (2, 3, 4, 8):
+        good = pack_unit(bits)[0] * 3
         gear_hf.GearConfig(key_bits=bits, value_bits=bits, group_size=good, buffer_size=good)
     gear_hf.GearConfig(method="fp16", group_size=7, buffer_size=7)  # fp16 packs nothing
 
