@@ -110,12 +110,12 @@ def enable(model: torch.nn.Module, config: GearConfig | None = None, *, strict: 
         return model
 
     spec = spec_for(model)
-    rotary = spec.rotary_emb(model)
-    _check_rope(rotary, config)
     modules = spec.attention_modules(model)
     expected = model.config.get_text_config(decoder=True).num_hidden_layers
-    usable = [m for m in modules if all(hasattr(m, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj",
-                                                                  "layer_idx", "head_dim"))]
+    usable = [m for m in modules if spec.is_patchable(m)]
+    rotaries = [spec.rotary_for(model, m) for m in usable]  # per layer: Gemma 3 has local and global RoPE
+    for rotary in rotaries:
+        _check_rope(rotary, config)
     if not usable:
         raise NotImplementedError(f"{type(model).__name__}: found no {spec.attention_class} module to patch")
     if len(usable) != expected:
@@ -126,7 +126,7 @@ def enable(model: torch.nn.Module, config: GearConfig | None = None, *, strict: 
         warnings.warn(message + "; the others keep a stock cache path", stacklevel=2)
 
     state = _GearState(config=config)
-    for module in usable:
+    for module, rotary in zip(usable, rotaries):
         attr = "_old_forward" if hasattr(module, "_hf_hook") and hasattr(module, "_old_forward") else "forward"
         original = getattr(module, attr)
         module._gear_hf_patch = AttentionPatch(
@@ -134,6 +134,7 @@ def enable(model: torch.nn.Module, config: GearConfig | None = None, *, strict: 
             cache_kwarg=_cache_kwarg(original),
             rotary_emb=rotary,
             attention_kwargs=spec.attention_kwargs,
+            project=spec.project,
             replaced_attr=attr,
         )
         module._gear_hf_had_instance_attr = attr in module.__dict__

@@ -28,21 +28,27 @@ class AttentionPatch:
     original_forward: Callable  # bound forward we replaced (or accelerate's _old_forward)
     cache_kwarg: str  # the cache argument name the original forward takes
     rotary_emb: torch.nn.Module  # the model's rotary module (computes cos/sin from positions)
-    attention_kwargs: Callable[[torch.nn.Module], dict]  # architecture quirks (e.g. sliding_window)
+    attention_kwargs: Callable[[torch.nn.Module], dict]  # architecture quirks (sliding_window, softcap)
+    project: Callable  # (module, hidden_states [B,q,hidden]) -> q, k, v [B,H,q,d] before RoPE (gear_hf.patches)
     replaced_attr: str  # "forward" or "_old_forward"
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B,H,T,d] rotated by cos/sin [B,T,d]: bit for bit HF's apply_rotary_pos_emb, x*cos + rotate_half(x)*sin
+    """x [B,H,T,d] rotated by cos/sin [B,T,r]: bit for bit HF's apply_rotary_pos_emb, x*cos + rotate_half(x)*sin
     with rotate_half(x) = cat(-x2, x1), computed per half in place (a + (-b)*s == a - b*s exactly), which
-    skips the negated copy and the concatenation: the reference path rotates the whole history every step."""
+    skips the negated copy and the concatenation: the reference path rotates the whole history every step.
+    Partial rotary (r < d, Phi-3's partial_rotary_factor): the first r channels rotate, the rest pass through.
+    cos/sin in a wider dtype than x (OLMo 2): computed in that dtype, the result cast back to x's."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        return torch.cat([apply_rotary(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]], dim=-1)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     out = x * cos
     out[..., :half] -= x2 * sin[..., :half]
     out[..., half:] += x1 * sin[..., half:]
-    return out
+    return out.to(x.dtype)  # OLMo 2's rotary returns float32 cos/sin: rotate in float32, back to x's dtype as HF does
 
 
 def _eager_attention(module: torch.nn.Module) -> Callable:
@@ -64,10 +70,7 @@ def gear_attention_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
                                       attention_mask=attention_mask, **kwargs)
 
     input_shape = hidden_states.shape[:-1]
-    hidden_shape = (*input_shape, -1, module.head_dim)
-    query = module.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # [B,Hq,q,d]
-    key = module.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # [B,Hkv,q,d]
-    value = module.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # [B,Hkv,q,d]
+    query, key, value = patch.project(module, hidden_states)  # [B,Hq,q,d], [B,Hkv,q,d] x2; before RoPE
     cos, sin = position_embeddings
     query = apply_rotary(query, cos, sin)
     position_ids = kwargs.get("position_ids")
@@ -76,8 +79,11 @@ def gear_attention_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
     cache.store(module.layer_idx, key, value, position_ids)
     # -- fused Triton decode path (gear_hf.kernels.use_fused decides: backend switch, CUDA, supported step); a
     #    step that just compressed a chunk takes the reference path, which attends its own tokens exactly --
+    quirks = patch.attention_kwargs(module)  # e.g. sliding_window, softcap
     if use_fused(cache.gear_config, query, training=module.training,
-                 output_attentions=bool(kwargs.get("output_attentions"))) and not cache.step_compressed():
+                 output_attentions=bool(kwargs.get("output_attentions")),
+                 rotary_dim=2 * patch.rotary_emb.inv_freq.numel(), softcap=quirks.get("softcap")) \
+            and not cache.step_compressed():
         rotary = patch.rotary_emb
         output = cache.fused_attention(module.layer_idx, query, scaling=module.scaling, inv_freq=rotary.inv_freq,
                                        attention_scaling=getattr(rotary, "attention_scaling", 1.0))
@@ -93,7 +99,7 @@ def gear_attention_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
         module, query, keys, values, attention_mask,
         dropout=0.0 if not module.training else module.attention_dropout,
         scaling=module.scaling,
-        **patch.attention_kwargs(module),
+        **quirks,
         **kwargs,
     )
     output = output.reshape(*input_shape, -1).contiguous()

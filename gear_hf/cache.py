@@ -312,7 +312,7 @@ class GearCache(Cache):
         """(cos, sin) [B,T,d] for the keys `store_and_read` returned, from the model's rotary module; computed
         once per step (per visible length) and shared by the layers."""
         positions = self.read_positions(layer_idx)
-        key = (self.steps, positions.shape[1], like.dtype, like.device)
+        key = (self.steps, positions.shape[1], like.dtype, like.device, rotary_emb)  # Gemma 3: a RoPE per layer type
         if self._rope_memo is None or self._rope_memo[0] != key:
             self._rope_memo = (key, rotary_emb(like, positions))
         cos_sin = self._rope_memo[1]
