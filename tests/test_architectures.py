@@ -20,6 +20,7 @@ import gear_hf.patches
 from tiny_models import CACHE_ARG, NEW_ARCHS, greedy, prompts, tiny_model
 
 STEPS = 24
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the fused tests: compiled on CUDA, interpreted on CPU
 
 
 def _tiny_or_skip(arch: str, attn: str = "sdpa", dtype: torch.dtype = torch.float32, **kwargs):
@@ -90,7 +91,7 @@ def test_gear4_teacher_forced_agreement(arch):
 def _generate(model, config, steps=12):
     ids, mask = prompts(2, length=33)
     with gear_hf.enabled(model, config):
-        return greedy(model, ids, mask, steps)
+        return greedy(model, ids.to(DEVICE), mask.to(DEVICE), steps)
 
 
 def _count_fused(monkeypatch) -> dict:
@@ -105,13 +106,19 @@ def _count_fused(monkeypatch) -> dict:
     return calls
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma3_text", "granite"])
+# Where the fused kernel applies (gemma2: soft-capping, phi3 here: partial rotary -> reference path). Interpreted
+# (CPU), three cover what differs for the kernel; compiled (CUDA), all of them.
+FUSED_ARCHS = ("qwen3", "qwen3_moe", "mixtral", "gemma3_text", "gemma3", "olmo2", "granite")
+INTERPRETED_FUSED_ARCHS = ("qwen3", "gemma3_text", "granite")
+
+
+@pytest.mark.parametrize("arch", FUSED_ARCHS if DEVICE == "cuda" else INTERPRETED_FUSED_ARCHS)
 def test_fused_kernel_matches_reference(arch, monkeypatch):
     """qwen3: q/k norms and one sliding layer; gemma3_text: a local and a global RoPE table (linear-scaled) and
     query_pre_attn_scalar; granite: attention_multiplier. head_dim 32 (the kernel needs a power of two >= 32)."""
     pytest.importorskip("triton")
     calls = _count_fused(monkeypatch)
-    model = tiny_model(arch, head_dim=32)
+    model = tiny_model(arch, head_dim=32).to(DEVICE)
     config = gear_hf.GearConfig.preset("gear", bits=4, group_size=16, buffer_size=16)
     tokens_ref, logits_ref = _generate(model, config.replace(backend="torch"))
     assert calls["fused"] == 0
@@ -125,11 +132,11 @@ def test_fused_kernel_matches_reference(arch, monkeypatch):
 def test_fused_kernel_refuses_what_it_does_not_compute(arch, reason, monkeypatch):
     pytest.importorskip("triton")
     calls = _count_fused(monkeypatch)
-    model = tiny_model(arch, "eager", head_dim=32)
+    model = tiny_model(arch, "eager", head_dim=32).to(DEVICE)
     config = gear_hf.GearConfig.preset("gear", bits=4, group_size=16, buffer_size=16)
     with pytest.raises(NotImplementedError, match=reason):
         _generate(model, config.replace(backend="triton"), steps=2)
-    # auto on this (CPU) machine, and on CUDA too: the reference path, never the kernel
+    # auto (on CUDA too): the reference path, never the kernel
     tokens, _ = _generate(model, config.replace(backend="auto"), steps=2)
     assert calls["fused"] == 0 and tokens.shape[1] == 35
 
