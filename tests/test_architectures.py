@@ -2,7 +2,8 @@
 the one shared attention forward, on tiny random models (tests/tiny_models.py: GQA 4/2, a 21-token prompt and a
 window of 16 where the architecture has one, so sliding layers really drop tokens).
 
-* fp16 preset == stock, bit for bit (tokens and logits), eager and sdpa, fp32 and bf16, single and left-padded;
+* fp16 preset == stock, bit for bit (tokens and logits), eager and sdpa, fp32 and bf16, single and left-padded:
+  in tests/test_stock_equivalence.py, parametrized over these too;
 * `disable` restores the stock forwards and outputs;
 * gear-4 keeps teacher-forced top-1 agreement >= 0.9 with stock (the cache really compresses: group 8, buffer 16);
 * the fused decode kernel (Triton interpreter on CPU) gives the reference path's tokens where it applies, and
@@ -19,42 +20,13 @@ import gear_hf
 import gear_hf.patches
 from tiny_models import CACHE_ARG, NEW_ARCHS, greedy, prompts, tiny_model
 
-STEPS = 24
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the fused tests: compiled on CUDA, interpreted on CPU
-
-
-def _tiny_or_skip(arch: str, attn: str = "sdpa", dtype: torch.dtype = torch.float32, **kwargs):
-    """transformers refuses some (architecture, attention) pairs itself, e.g. Gemma 2 has no sdpa in 5.24."""
-    try:
-        return tiny_model(arch, attn, dtype, **kwargs)
-    except ValueError as error:
-        if "does not support an attention implementation" in str(error):
-            pytest.skip(f"transformers has no {attn} attention for {arch}")
-        raise
-
-
-@pytest.mark.compat
-@pytest.mark.parametrize("batch", [1, 3], ids=["single", "left-padded-3"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("attn", ["eager", "sdpa"])
-@pytest.mark.parametrize("arch", NEW_ARCHS)
-def test_fp16_preset_matches_stock(arch, attn, dtype, batch):
-    model = _tiny_or_skip(arch, attn, dtype)
-    ids, mask = prompts(batch)
-    stock_tokens, stock_logits = greedy(model, ids, mask, STEPS)
-    with gear_hf.enabled(model, gear_hf.GearConfig.preset("fp16")):
-        tokens, logits = greedy(model, ids, mask, STEPS)
-        cache = gear_hf.last_cache(model)
-    assert isinstance(cache, gear_hf.GearCache)
-    assert cache.get_seq_length() == ids.shape[1] + STEPS - 1  # the cache really grew every step
-    assert torch.equal(tokens, stock_tokens)
-    assert torch.equal(logits, stock_logits)
 
 
 @pytest.mark.compat
 @pytest.mark.parametrize("arch", NEW_ARCHS)
 def test_disable_restores_stock(arch):
-    model = _tiny_or_skip(arch, "eager")
+    model = tiny_model(arch, "eager")
     ids, mask = prompts(2)
     stock = greedy(model, ids, mask, 6)
     attention = gear_hf.patches.spec_for(model).attention_modules(model)
@@ -76,7 +48,7 @@ def test_gear4_teacher_forced_agreement(arch):
     chunks, 8 in the buffer) and two decode chunks flushed during the 40 continuation tokens."""
     from gear_hf.diagnostics import teacher_forced_agreement
 
-    model = _tiny_or_skip(arch, "eager")
+    model = tiny_model(arch, "eager")
     ids, mask = prompts(1, length=40)
     sequence, _ = greedy(model, ids, mask, 40)
     config = gear_hf.GearConfig.preset("gear", bits=4, group_size=8, buffer_size=16)
