@@ -142,3 +142,28 @@ def test_gemma3_layers_read_keys_with_their_own_rope():
     ids = torch.tensor([[5, 6, 7]])
     kwargs = {CACHE_ARG: gear_hf.GearCache(model)}
     model(input_ids=ids, **kwargs)  # runs both layers through the shared forward
+
+
+def test_length_dependent_rope_on_one_layer_type_refused():
+    """Gemma 3 with a `dynamic` global table: refused although the local table is static."""
+    import transformers
+
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1000000.0}}
+    config = transformers.Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                           layer_types=["sliding_attention", "full_attention"], sliding_window=16,
+                                           rope_parameters=rope, max_position_embeddings=256, pad_token_id=0)
+    model = transformers.Gemma3ForCausalLM(config).eval()
+    with pytest.raises(NotImplementedError, match="dynamic"):
+        gear_hf.enable(model)
+    assert not gear_hf.is_enabled(model)
+
+
+def test_fused_supported_names_architecture_reasons():
+    from gear_hf.kernels import fused_supported
+
+    config = gear_hf.GearConfig.preset("gear", bits=4)
+    assert fused_supported(config, 64, 1, rotary_dim=64, softcap=None) is None
+    assert "partial rotary (32 of 64" in fused_supported(config, 64, 1, rotary_dim=32)
+    assert "softcap=50.0" in fused_supported(config, 64, 1, rotary_dim=64, softcap=50.0)
