@@ -35,7 +35,7 @@ GEAR_CACHE_IMPLEMENTATION = "gear"  # generate(cache_implementation="gear", cach
 @dataclass
 class _GearState:
     config: GearConfig
-    rotary: torch.nn.Module  # the model's rotary module (checked against config.pre_rope on every enable)
+    rotaries: list  # the rotary module of each patched layer (checked against config.pre_rope on every enable)
     modules: list = field(default_factory=list)  # patched attention modules
     hook: object = None
     generate_wrapped: bool = False
@@ -71,10 +71,11 @@ def _check_backend(config: GearConfig) -> None:
                          "imported, runs the kernels in Triton's CPU interpreter, for tests)")
 
 
-def _check_config(state_or_rotary, config: GearConfig) -> None:
+def _check_config(rotaries: list, config: GearConfig) -> None:
     if not isinstance(config, GearConfig):
         raise TypeError(f"config must be a gear_hf.GearConfig, got {type(config).__name__}")
-    _check_rope(getattr(state_or_rotary, "rotary", state_or_rotary), config)
+    for rotary in rotaries:
+        _check_rope(rotary, config)
     _check_backend(config)
 
 
@@ -160,7 +161,7 @@ def _gear_generate(model, *args, **kwargs):
             kwargs["generation_config"] = gen_config = copy.deepcopy(gen_config)
             gen_config.cache_implementation = gen_config.cache_config = None
         config = _config_from_cache_config(cache_config, state.config)
-        _check_config(state, config)
+        _check_config(state.rotaries, config)
     if getattr(model_gen_config, "cache_implementation", None) == GEAR_CACHE_IMPLEMENTATION:
         # set on the model's own generation config, which transformers merges into every call: hide it for the call
         saved = model_gen_config.cache_implementation, model_gen_config.cache_config
@@ -206,17 +207,16 @@ def enable(model: torch.nn.Module, config: GearConfig | None = None) -> torch.nn
     config = GearConfig() if config is None else config
     state = getattr(model, "_gear_hf_state", None)
     if state is not None:
-        _check_config(state, config)
+        _check_config(state.rotaries, config)
         state.config = config
         return model
 
     spec = spec_for(model)
-    rotary = spec.rotary_emb(model)
-    _check_config(rotary, config)
     modules = spec.attention_modules(model)
     expected = model.config.get_text_config(decoder=True).num_hidden_layers
-    usable = [m for m in modules if all(hasattr(m, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj",
-                                                                  "layer_idx", "head_dim"))]
+    usable = [m for m in modules if spec.is_patchable(m)]
+    rotaries = [spec.rotary_for(model, m) for m in usable]  # per layer: Gemma 3 has local and global RoPE
+    _check_config(rotaries, config)
     if not usable:
         raise NotImplementedError(f"{type(model).__name__}: found no {spec.attention_class} module to patch")
     if len(usable) != expected:
@@ -224,8 +224,8 @@ def enable(model: torch.nn.Module, config: GearConfig | None = None) -> torch.nn
                            f"for {expected} layers; gear_hf patches every layer or none (a layer left stock could "
                            "not keep its tokens in a GearCache)")
 
-    state = _GearState(config=config, rotary=rotary)
-    for module in usable:
+    state = _GearState(config=config, rotaries=rotaries)
+    for module, rotary in zip(usable, rotaries):
         attr = "_old_forward" if hasattr(module, "_hf_hook") and hasattr(module, "_old_forward") else "forward"
         original = getattr(module, attr)
         module._gear_hf_patch = AttentionPatch(
@@ -233,6 +233,7 @@ def enable(model: torch.nn.Module, config: GearConfig | None = None) -> torch.nn
             cache_kwarg=cache_kwarg(original),
             rotary_emb=rotary,
             attention_kwargs=spec.attention_kwargs,
+            project=spec.project,
             replaced_attr=attr,
         )
         module._gear_hf_had_instance_attr = attr in module.__dict__

@@ -69,9 +69,10 @@ def test_enabled_context_manager_restores():
 
 def test_unsupported_model_lists_supported_types():
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
-    with pytest.raises(NotImplementedError, match="llama, mistral, qwen2"):
+    with pytest.raises(NotImplementedError, match="gpt2.*supported: gemma2, gemma3, .*llama, mistral, .*qwen3_moe"):
         gear_hf.enable(model)
-    assert gear_hf.supported_model_types() == ["llama", "mistral", "qwen2"]
+    assert gear_hf.supported_model_types() == ["gemma2", "gemma3", "gemma3_text", "granite", "llama", "mistral",
+                                               "mixtral", "olmo2", "phi3", "qwen2", "qwen3", "qwen3_moe"]
 
 
 @pytest.mark.parametrize("field,value,allowed", [
