@@ -128,6 +128,7 @@ def gsm8k_cot_exemplars() -> tuple[dict, ...]:
 
 def gsm8k_records(data_dir: Path | None) -> list[dict]:
     if data_dir is not None:
+        _need(data_dir / "gsm8k" / "test.jsonl")  # a task data_dir has the full layout (not the gsm8k folder)
         rows = gsm8k.load("test", data_dir)
     else:
         rows = _hub_split("openai/gsm8k", "main", "test")
