@@ -61,7 +61,9 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
 fi
 command -v "${CC:-cc}" >/dev/null 2>&1 || command -v gcc >/dev/null 2>&1 || command -v clang >/dev/null 2>&1 \
   || fail_early "no C compiler (cc/gcc/clang): Triton cannot build its kernel launcher"
-timeout -k 5 60 "$PY" - > "$OUT/preflight.log" 2>&1 <<'EOF'
+# triton.jit needs its function in a real file (inspect.getsource): the preflight is written to one
+PREFLIGHT_PY=$(mktemp --suffix=_gear_preflight.py)
+cat > "$PREFLIGHT_PY" <<'EOF'
 import time
 t0 = time.time()
 import torch, triton, triton.language as tl
@@ -82,6 +84,7 @@ assert torch.equal(x.cpu(), torch.arange(1, 1001, dtype=torch.float32)), "trivia
 print(f"preflight ok in {time.time() - t0:.1f}s: torch {torch.__version__}, triton {triton.__version__}, "
       f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}")
 EOF
+timeout -k 5 60 "$PY" "$PREFLIGHT_PY" > "$OUT/preflight.log" 2>&1
 rc=$?
 tail -n 5 "$OUT/preflight.log"
 [ $rc = 0 ] || fail_early "rc=$rc, see preflight.log: $(tail -n 1 "$OUT/preflight.log")"
