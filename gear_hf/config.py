@@ -7,16 +7,19 @@ the value and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
+
+from .compress.quant import pack_unit  # codes are packed in whole units: groups along tokens hold whole units
+
 
 METHODS = ("fp16", "kivi", "kcvt", "outlier", "gear-l", "gear")
 BITS = (2, 3, 4, 8)
 ROTATIONS = ("none", "keys", "values", "both")
 FACTOR_BITS = (16, 8)
-# Codes packed per unit of bytes (gear_hf.compress.quant.pack_unit): a group along tokens holds whole units.
-_PACK_UNIT = {2: 4, 3: 8, 4: 2, 8: 1}
 AXES = ("channel", "token")
 BACKENDS = ("auto", "torch", "triton")
 
@@ -122,12 +125,16 @@ class GearConfig:
         """Groups that run along tokens hold whole packing units, and the buffer holds whole groups."""
         for prefix, axis, group, bits in (("key", self.key_axis, self.key_group, self.key_bits),
                                           ("value", self.value_axis, self.value_group, self.value_bits)):
-            unit = _PACK_UNIT[bits]
+            unit = pack_unit(bits)[0]
             if axis == "channel" and self.compresses and not self.coarse_groups and group % unit:
                 name = f"{prefix}_group_size" if getattr(self, f"{prefix}_group_size") else "group_size"
                 _fail(name, group, f"a multiple of {unit} ({prefix}s are grouped along tokens and "
                                    f"{unit} codes of {bits} bits fill whole bytes)")
         if self.buffer_size % self.chunk_granule:
+            if self.buffer_size == _DEFAULT_BUFFER:  # blame what the user wrote, not a default
+                _fail("group_size" if self.key_group_size is None else "key_group_size", self.key_group,
+                      f"a divisor of buffer_size={self.buffer_size} (the default), or also set buffer_size to a "
+                      f"multiple of {self.chunk_granule}")
             _fail("buffer_size", self.buffer_size, f"a positive multiple of {self.chunk_granule} (the groups "
                                                   "along tokens and the code packing)")
 
@@ -146,7 +153,7 @@ class GearConfig:
         for axis, group, bits in ((self.key_axis, self.key_group, self.key_bits),
                                   (self.value_axis, self.value_group, self.value_bits)):
             if axis == "channel":
-                granule = math.lcm(granule, group, _PACK_UNIT[bits])
+                granule = math.lcm(granule, group, pack_unit(bits)[0] if self.compresses else 1)
         return granule
 
     # What the method computes -------------------------------------------------------------------------------
@@ -173,11 +180,18 @@ class GearConfig:
     # Presets --------------------------------------------------------------------------------------------------
     @classmethod
     def preset(cls, name: str, bits: int | None = None, **overrides: Any) -> "GearConfig":
-        """The named method with the paper's defaults; `bits` sets both key_bits and value_bits."""
-        if name not in METHODS:
-            _fail("method", name, " | ".join(METHODS))
-        fields: dict[str, Any] = {**PAPER_FIELDS, "method": name}
-        if bits is not None:
+        """The named method with the paper's defaults; `bits` sets both key_bits and value_bits.
+
+        name: a method ("gear"), or a method with its bits as `describe()` writes them: "gear-2", "kivi-4",
+        "gear-l-k4v2" (key_bits=4, value_bits=2)."""
+        method, name_bits = parse_preset_name(name)
+        fields: dict[str, Any] = {**PAPER_FIELDS, "method": method}
+        if name_bits is not None:
+            if bits is not None and (bits, bits) != name_bits:
+                raise ValueError(f"GearConfig.preset({name!r}, bits={bits!r}): the name already sets the bits; "
+                                 f"give preset {method!r} with bits={bits}, or {name!r} alone")
+            fields["key_bits"], fields["value_bits"] = name_bits
+        elif bits is not None:
             fields["key_bits"] = fields["value_bits"] = bits
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
@@ -187,7 +201,39 @@ class GearConfig:
         return cls(**fields)
 
     def describe(self) -> str:
+        """The preset name of this config's method and bits ("gear-2", "kivi-k4v2", "fp16"); `preset` reads it."""
         if not self.compresses:
             return "fp16"
         bits = f"{self.key_bits}" if self.key_bits == self.value_bits else f"k{self.key_bits}v{self.value_bits}"
         return f"{self.method}-{bits}"
+
+
+_DEFAULT_BUFFER = GearConfig.__dataclass_fields__["buffer_size"].default
+_BITS_RE = re.compile(r"(?:(\d+)|k(\d+)v(\d+))")
+
+
+def parse_preset_name(name: Any) -> tuple[str, tuple[int, int] | None]:
+    """("gear", None) for "gear"; ("gear", (2, 2)) for "gear-2"; ("gear-l", (4, 2)) for "gear-l-k4v2".
+    An unknown name raises a ValueError with the closest valid spelling."""
+    text = name.strip().lower() if isinstance(name, str) else name
+    if text in METHODS:
+        return text, None
+    if isinstance(text, str):
+        method, _, tail = text.rpartition("-")
+        match = _BITS_RE.fullmatch(tail)
+        if method in METHODS and method != "fp16" and match:
+            key, value = (int(match[1]),) * 2 if match[1] else (int(match[2]), int(match[3]))
+            bad = [b for b in (key, value) if b not in BITS]
+            if not bad:
+                return method, (key, value)
+            raise ValueError(f"GearConfig.preset name {name!r}: {bad[0]} bits is invalid; allowed bits: "
+                             f"{', '.join(map(str, BITS))}")
+    spellings = [*METHODS, *(f"{m}-{b}" for m in METHODS if m != "fp16" for b in BITS)]
+    close = difflib.get_close_matches(text if isinstance(text, str) else "", spellings, n=1, cutoff=0.5)
+    hint = ""
+    if close:
+        method, bits = parse_preset_name(close[0])
+        hint = f" (did you mean {close[0]!r}, i.e. preset={method!r}" + (f", bits={bits[0]})" if bits else ")")
+    raise ValueError(f"GearConfig.preset name {name!r} is invalid{hint}; allowed: METHOD or METHOD-BITS or "
+                     f"METHOD-kBITSvBITS, METHOD one of {' | '.join(METHODS)}, BITS one of "
+                     f"{', '.join(map(str, BITS))} (e.g. gear-2, kivi-4, gear-k4v2)")

@@ -1,13 +1,17 @@
 """`make demo`: few-shot chain-of-thought math on real weights, every method side by side, one table.
 
-    python -m gear_hf.demo                                   # SmolLM2-135M, the built-in prompts
+    python -m gear_hf.demo                                   # SmolLM2-135M, 8-shot GSM8K (../shared/data)
     python -m gear_hf.demo --model qwen25                    # Qwen2.5-0.5B (needs `make weights-qwen`)
-    python -m gear_hf.demo --data-dir ../shared/data/gsm8k   # real GSM8K test problems (8-shot from train)
+    python -m gear_hf.demo --data-dir DIR                    # GSM8K from DIR/gsm8k/{train,test}.jsonl
+    python -m gear_hf.demo --builtin                         # 4-shot problems written for this project
     python -m gear_hf.demo --model /path/model.gguf          # a GGUF file, or a HF model directory
 
-For each method: KV bytes and bits/element from `memory_report()` (what the cache holds at the end of
-generation), decode tokens/s, how many greedy tokens match the fp16 run before the first difference, and
-whether the final answers agree.
+Prompts: real GSM8K test problems, 8-shot chain of thought from the train split, read from --data-dir, else
+$GEAR_HF_DATA_DIR, else ../shared/data of a source checkout; the built-in problems when none is there.
+For each method: KV bits/element of what the cache's tokens hold at the end of generation
+(`memory_report()["bits_per_element"]`, side information included), decode tokens/s, how many greedy tokens
+match the fp16 run before the first difference, and whether the final answers agree. float32 by default: the
+dtype a CPU runs fastest and the one transformers recommends there.
 """
 
 from __future__ import annotations
@@ -16,14 +20,16 @@ import argparse
 import json
 import statistics
 import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 import gear_hf
+from gear_hf import gsm8k
+from gear_hf.gsm8k import Problem
 from gear_hf.lm_eval.answers import gsm8k_flexible
+from gear_hf.measure import StepClock, matched_prefix
+from gear_hf.weights import load_model
 
 METHODS = ("fp16", "kivi-2", "gear-l-2", "gear-2", "kivi-4", "gear-4")
 
@@ -55,102 +61,22 @@ QUESTIONS = [
 ]
 
 
-@dataclass
-class Problem:
-    prompt: str
-    gold: str
-
-
 def builtin_problems() -> list[Problem]:
     shots = "".join(f"Question: {q}\nAnswer: {a}\n\n" for q, a in EXEMPLARS)
     return [Problem(f"{shots}Question: {q}\nAnswer:", gold) for q, gold in QUESTIONS]
 
 
-def gsm8k_problems(data_dir: str | None, hub: bool, shots: int = 8) -> list[Problem]:
-    """Real GSM8K test problems, with the first `shots` train problems as chain-of-thought exemplars."""
-    if data_dir:
-        root = Path(data_dir)
-        if (root / "gsm8k").is_dir():
-            root = root / "gsm8k"
-        read = lambda split: [json.loads(line) for line in (root / f"{split}.jsonl").read_text().splitlines()
-                              if line.strip()]
-        train, test = read("train"), read("test")
-    elif hub:
-        try:
-            from datasets import load_dataset
-        except ImportError as err:
-            raise SystemExit("--dataset gsm8k needs the `datasets` package (pip install datasets)") from err
-        data = load_dataset("openai/gsm8k", "main")
-        train, test = list(data["train"]), list(data["test"])
-    else:
-        return builtin_problems()
-
-    def worked(answer: str) -> str:
-        reasoning, final = answer.split("####")
-        return f"{reasoning.strip()} The answer is {final.strip()}."
-
-    prefix = "".join(f"Question: {r['question']}\nAnswer: {worked(r['answer'])}\n\n" for r in train[:shots])
-    return [Problem(f"{prefix}Question: {r['question']}\nAnswer:", r["answer"].split("####")[1].strip())
-            for r in test]
-
-
 def method_config(name: str) -> gear_hf.GearConfig:
-    """'fp16', 'kivi-2', 'gear-l-4', ... -> GearConfig (bits after the last dash)."""
-    if name == "fp16":
-        return gear_hf.GearConfig.preset("fp16")
-    method, _, bits = name.rpartition("-")
-    if not method or not bits.isdigit():
-        raise SystemExit(f"--methods: {name!r} is not fp16 or METHOD-BITS (e.g. gear-2, kivi-4)")
+    """'fp16', 'kivi-2', 'gear-l-4', 'gear-k4v2', ... -> GearConfig (GearConfig.preset reads the name)."""
     try:
-        return gear_hf.GearConfig.preset(method, bits=int(bits))
+        return gear_hf.GearConfig.preset(name)
     except ValueError as err:
         raise SystemExit(f"--methods: {err}") from err
 
 
-def load_model(spec: str, dtype: torch.dtype):
-    from gear_hf.weights import load_gguf_model
-
-    path = Path(spec)
-    if path.is_dir() and not any(path.glob("*.gguf")):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-        return model, AutoTokenizer.from_pretrained(path)
-    return load_gguf_model(spec, dtype=dtype)
-
-
-def matched_prefix(a: list[int], b: list[int]) -> int:
-    """Greedy tokens identical before the first difference."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-class StepClock:
-    """A logits processor that only notes when each step's logits arrive (the first right after prefill)."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def __call__(self, input_ids, scores):
-        self.times.append(time.perf_counter())
-        return scores
-
-    def decode(self) -> tuple[int, float]:
-        """(decode steps, their seconds): everything after the prefill step."""
-        return len(self.times) - 1, (self.times[-1] - self.times[0]) if len(self.times) > 1 else 0.0
-
-    def step_seconds(self) -> list[float]:
-        """Duration of each decode step (between consecutive logits)."""
-        return [b - a for a, b in zip(self.times, self.times[1:])]
-
-
 @torch.no_grad()
 def generate(model, tokenizer, prompt: str, max_new_tokens: int):
-    """Greedy tokens, (decode steps, decode seconds), and the cache's memory report (None for stock)."""
+    """Greedy tokens, (decode steps, decode seconds), the cache's memory report (None for stock), prompt tokens."""
     from transformers import LogitsProcessorList
 
     batch = tokenizer(prompt, return_tensors="pt")
@@ -160,17 +86,19 @@ def generate(model, tokenizer, prompt: str, max_new_tokens: int):
                          stop_strings=["\nQuestion:"], tokenizer=tokenizer,
                          logits_processor=LogitsProcessorList([clock]))
     cache = gear_hf.last_cache(model) if gear_hf.is_enabled(model) else None
-    return out[0, batch["input_ids"].shape[1]:].tolist(), clock.decode(), cache.memory_report() if cache else None
+    report = cache.memory_report() if cache is not None else None
+    return out[0, batch["input_ids"].shape[1]:].tolist(), clock.decode(), report, batch["input_ids"].shape[1]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gear-hf-demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2",
                         help="smollm2 | qwen25 | a .gguf file | a HF model directory (default: smollm2)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--data-dir", help="a directory with gsm8k/{train,test}.jsonl: real GSM8K problems")
-    parser.add_argument("--dataset", choices=["builtin", "gsm8k"], default="builtin",
-                        help="gsm8k: the hub dataset openai/gsm8k (needs internet and `datasets`)")
+    parser.add_argument("--dtype", default="float32", choices=["bfloat16", "float16", "float32"],
+                        help="model dtype (default float32: what a CPU runs fastest)")
+    parser.add_argument("--data-dir", help="directory with gsm8k/{train,test}.jsonl (default: "
+                                           f"${gsm8k.DATA_DIR_ENV}, else ../shared/data when present)")
+    parser.add_argument("--builtin", action="store_true", help="the built-in 4-shot problems instead of GSM8K")
     parser.add_argument("-n", "--num-prompts", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma list (default: {','.join(METHODS)})")
@@ -182,10 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     configs = {name: method_config(name) for name in methods}
     if "fp16" not in configs:
         configs = {"fp16": method_config("fp16"), **configs}
+    data_dir = None if args.builtin else (args.data_dir or gsm8k.default_data_dir())
+    problems = (gsm8k.problems(data_dir, limit=args.num_prompts) if data_dir is not None
+                else builtin_problems()[: args.num_prompts])
+    args.prompts = f"GSM8K test, 8-shot CoT ({gsm8k.gsm8k_dir(data_dir)})" if data_dir is not None else "built-in"
 
     from tqdm.auto import tqdm
 
-    problems = gsm8k_problems(args.data_dir, args.dataset == "gsm8k")[: args.num_prompts]
     model, tokenizer = load_model(args.model, getattr(torch, args.dtype))
     torch.set_grad_enabled(False)
 
@@ -204,15 +135,15 @@ def main(argv: list[str] | None = None) -> int:
     reference = results["fp16"]
     rows = []
     for name, runs in results.items():
-        answers = [gsm8k_flexible(tokenizer.decode(tokens)) for tokens, _, _ in runs]
-        fp16_answers = [gsm8k_flexible(tokenizer.decode(tokens)) for tokens, _, _ in reference]
-        reports = [r for _, _, r in runs if r]
+        answers = [gsm8k_flexible(tokenizer.decode(tokens)) for tokens, *_ in runs]
+        fp16_answers = [gsm8k_flexible(tokenizer.decode(tokens)) for tokens, *_ in reference]
+        reports = [r for _, _, r, _ in runs if r]
         rows.append({
             "method": name,
-            "kv_bytes": statistics.mean(r["total_bytes"] for r in reports) if reports else None,
             "bits_per_element": statistics.mean(r["bits_per_element"] for r in reports) if reports else None,
-            "tokens_per_s": sum(n for _, (n, _), _ in runs) / max(sum(s for _, (_, s), _ in runs), 1e-9),
-            "matched_tokens": statistics.mean(matched_prefix(t, r[0]) for (t, _, _), r in zip(runs, reference)),
+            "prompt_tokens": statistics.mean(n for _, _, _, n in runs),
+            "tokens_per_s": sum(n for _, (n, _), *_ in runs) / max(sum(s for _, (_, s), *_ in runs), 1e-9),
+            "matched_tokens": statistics.mean(matched_prefix(t[0], r[0]) for t, r in zip(runs, reference)),
             "answers_agree": sum(a == b for a, b in zip(answers, fp16_answers)),
             "correct": sum(a == p.gold for a, p in zip(answers, problems)),
             "n": len(problems),
@@ -224,15 +155,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_table(rows: list[dict], args, model) -> None:
-    print(f"\nmodel={args.model} ({model.config.model_type}, {args.dtype}), prompts={rows[0]['n']}, "
-          f"max_new_tokens={args.max_new_tokens}, torch threads={torch.get_num_threads()}")
-    header = ("method", "KV bytes", "bits/elem", "decode tok/s", "matched tokens", "answer = fp16", "correct")
+    print(f"\nmodel={args.model} ({model.config.model_type}, {args.dtype}), prompts: {args.prompts}, n={rows[0]['n']}, "
+          f"mean prompt tokens={rows[0]['prompt_tokens']:.0f}, max_new_tokens={args.max_new_tokens}, "
+          f"torch threads={torch.get_num_threads()}")
+    print(f"KV bits/elem: what the cache's tokens hold at the end (codes + scales/minimums + low-rank factors + "
+          f"outliers + full-precision buffer), per key/value element; {args.dtype} uncompressed = "
+          f"{torch.finfo(getattr(torch, args.dtype)).bits}")
+    header = ("method", "KV bits/elem", "tokens/s", "matched tokens", "answer = fp16", "correct")
     print(" | ".join(header))
     print(" | ".join("---" for _ in header))
     for r in rows:
-        kv = f"{r['kv_bytes'] / 1e6:.2f} MB" if r["kv_bytes"] is not None else "-"
         bits = f"{r['bits_per_element']:.2f}" if r["bits_per_element"] is not None else "-"
-        print(" | ".join([r["method"], kv, bits, f"{r['tokens_per_s']:.1f}", f"{r['matched_tokens']:.1f}",
+        print(" | ".join([r["method"], bits, f"{r['tokens_per_s']:.1f}", f"{r['matched_tokens']:.1f}",
                           f"{r['answers_agree']}/{r['n']}", f"{r['correct']}/{r['n']}"]))
 
 

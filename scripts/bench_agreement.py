@@ -7,7 +7,7 @@
     python scripts/bench_agreement.py --report-only      # rebuild the tables from what was run
 
 Long on a 2-core CPU (every method x prompt is a ~1.4k-token prefill plus up to --max-new tokens), so it is
-resumable: each finished (model, method, prompt) is appended to results/agreement_raw.jsonl (generated token
+resumable: each finished (model, method, prompt) is appended to <out>/agreement_raw.jsonl (generated token
 ids and the extracted final answer; no prompt text) and skipped on the next run; -n 50 after -n 5 only runs
 the rest. Prompts are interleaved (prompt i runs for every method before prompt i+1), so a partial run
 compares all methods on the same prompts. The reference is transformers' DynamicCache ("dynamic", the
@@ -17,7 +17,7 @@ Per method: mean matched prefix (greedy tokens identical to the reference before
 identical outputs, final answer equal to the reference's, accuracy against the gold answer (informative only:
 these models are too small to solve GSM8K), and KV bits/element at the end of generation (gear_hf:
 memory_report; HF caches and DynamicCache: bytes of the tensors they hold). Generation stops at the next
-"Question:" or --max-new tokens. Writes results/agreement.csv and results/agreement.md.
+"Question:" or --max-new tokens. Writes <out>/agreement.csv and <out>/agreement.md (<out>: --out, default out/, untracked).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def load_raw(path) -> dict:
 
 
 def summarize(raw: dict, models, methods, n: int, max_new: int, tokenizer_answers=None) -> list[dict]:
-    from gear_hf.demo import matched_prefix
+    from gear_hf.measure import matched_prefix
 
     rows = []
     for model_name in models:
@@ -103,9 +103,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new", type=int, default=128)
     parser.add_argument("--dtype", default="float32", choices=["bfloat16", "float32", "float16"],
                         help="default float32: the fastest for these GGUF models on CPU")
-    parser.add_argument("--raw", default=None, help="resumable JSONL (default results/agreement_raw.jsonl)")
+    parser.add_argument("--raw", default=None, help="resumable JSONL (default <out>/agreement_raw.jsonl)")
     parser.add_argument("--report-only", action="store_true")
-    parser.add_argument("--out", default=str(benchlib.RESULTS))
+    benchlib.add_out_argument(parser, "agreement.csv/.md")
     args = benchlib.parse_bench_args(parser, argv, "bench_agreement")
     n = args.num_prompts or (3 if args.quick else 10)
     if not 0 <= args.first < n:

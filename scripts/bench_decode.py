@@ -14,7 +14,7 @@ of the step durations), the speed when the process was not starved; its ratios a
 memory sampled every 2 ms during `generate`, reported as the increase over the RSS before the call (the
 weights are already resident) and as the absolute peak. gear_hf runs the reference path here (CPU: no Triton
 kernels): it reconstructs the whole compressed history at every step, so it is expected to be slower than
-DynamicCache; the numbers say by how much. Writes results/decode.csv and results/decode.md.
+DynamicCache; the numbers say by how much. Writes <out>/decode.csv and <out>/decode.md (<out>: --out, default out/, untracked).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     parser.add_argument("--methods", default=None)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     parser.add_argument("--hf-residual", type=int, default=128, help="HF QuantizedCache residual_length")
-    parser.add_argument("--out", default=str(benchlib.RESULTS))
+    benchlib.add_out_argument(parser, "decode.csv/.md")
     args = benchlib.parse_bench_args(parser, argv, "bench_decode")
     models = args.models or ["smollm2"]
     batches = args.batch or ([1] if args.quick else [1, 4])

@@ -7,7 +7,14 @@ random data, for each context length T and batch size:
   sdpa       torch.nn.functional.scaled_dot_product_attention over a dense fp16 K/V cache (enable_gqa)
   reference  what gear_hf does without kernels: reconstruct K/V from the GEAR cache (torch engine), gather
              into HF's layout, RoPE the keys, then SDPA
-  fused      gear_hf.kernels: attention straight from the compressed storage (2-bit and 4-bit GEAR)
+  fused      gear_hf.kernels: attention straight from the compressed storage (GEAR 2/4-bit, GEAR-L 2-bit)
+
+--variants adds rows of the fused kernel at other num_warps/num_stages (one point: the largest T and batch).
+--padded adds a padded batch (8 rows of 8 different lengths, left padding): fused vs fp16 SDPA over the dense
+padded cache with its mask; and --share runs greedy generation of a small random Llama (head_dim 64, GQA 4)
+on a padded batch of 8 rows of different lengths through the GEAR cache on CUDA and reports the share of
+decode layer-steps that took the fused path (the cache's `step_paths` counter when it has one, else counted
+here from the calls to the cache's fused entry point).
 
 Reported per row: median time (CUDA events; `graph_ms` = the same call replayed from a CUDA graph, i.e.
 without Python launch overhead, when capture works), bytes the method must read (`bytes`: used compressed
@@ -21,6 +28,7 @@ row so a timeout keeps what was measured. Without CUDA the script says so and ex
 
     python scripts/bench_decode_attention.py                       # T=1k/8k/32k x batch 1/8, bits 2/4
     python scripts/bench_decode_attention.py --T 1024 --batch 1    # quick
+    python scripts/bench_decode_attention.py --T 8192 --batch 8 --variants --padded --share
 """
 
 from __future__ import annotations
@@ -33,12 +41,12 @@ import os
 import statistics
 import sys
 import time
-import types
 from pathlib import Path
 
 import torch
 
 HQ, HKV, D = 32, 8, 128
+_ROWS: list[dict] = []  # every measured row, in order (the variants look up their SDPA baseline here)
 
 
 def _median_ms(fn, iters: int, warmup: int) -> float:
@@ -87,32 +95,30 @@ def _inv_freq():
     return 1.0 / (500000.0 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
 
 
-def _build(T: int, batch: int, bits: int, dtype, device):
-    """A one-layer GearCache holding T tokens per row (prompt chunk + decode chunks + buffer), after one decode
-    step; data generated on the GPU."""
-    from gear_hf.cache import GearCache
+def _build(T: int, batch: int, bits: int, dtype, device, method: str = "gear", pad: list[int] | None = None):
+    """A one-layer GearCache holding T tokens per row (prompt chunk + decode chunks + buffer; row b has pad[b]
+    fewer, left-padded), after one decode step (gear_hf.kernels.reference.build_cache: keys with a few large
+    channels, like real keys)."""
     from gear_hf.config import GearConfig
+    from gear_hf.kernels.reference import build_cache
 
-    cfg = GearConfig.preset("gear", bits=bits)
-    cache = GearCache(types.SimpleNamespace(num_hidden_layers=1), cfg)
-    g = torch.Generator(device=device).manual_seed(T * 31 + batch * 7 + bits)
-    scale = torch.ones(D, device=device)
-    scale[:4] = 8.0  # a few outlier channels, like real keys
+    cfg = GearConfig.preset(method, bits=bits)
     decode_part = min(4 * cfg.buffer_size - 1, T // 4)
-    steps = [T - decode_part - 1, decode_part, 1]
-    mask = torch.zeros(batch, 0, dtype=torch.long, device=device)
-    for q in steps:
-        mask = torch.cat([mask, torch.ones(batch, q, dtype=torch.long, device=device)], dim=1)
-        pos = (mask.cumsum(1) - 1)[:, -q:]
-        cache.observe_attention_mask(mask)
-        k = (torch.randn(batch, HKV, q, D, device=device, generator=g) * scale).to(dtype)
-        v = torch.randn(batch, HKV, q, D, device=device, generator=g).to(dtype)
-        cache.store_and_read(0, k, v, pos)
+    cache, _, _ = build_cache(cfg, batch=batch, kv_heads=HKV, head_dim=D, steps=[T - decode_part - 1, decode_part, 1],
+                              pad=pad, dtype=dtype, device=device, seed=T * 31 + batch * 7 + bits, outlier_channels=4)
     return cache
 
 
 def _compressed_bytes(cache) -> int:
-    """Bytes of the cache's used storage (what the fused kernel must read) + positions (int32)."""
+    """Bytes of the cache's used storage (what the fused kernel must read) + positions (int32); 0 when this
+    cache does not expose the storage this function knows."""
+    try:
+        return _storage_bytes(cache)
+    except AttributeError:
+        return 0
+
+
+def _storage_bytes(cache) -> int:
     layer = cache.layers[0]
     total = cache.tokens_held() * 4
     for stream in (layer.key_stream, layer.value_stream):
@@ -132,7 +138,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--T", type=int, nargs="+", default=[1024, 8192, 32768])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--bits", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--bits", type=int, nargs="+", default=[2, 4], help="GEAR bit widths (GEAR-L: 2-bit)")
+    parser.add_argument("--no-gear-l", action="store_true", help="skip the 2-bit GEAR-L rows")
+    parser.add_argument("--variants", action="store_true",
+                        help="fused 2-bit GEAR at num_warps 4/8 x num_stages 1/2/3 (largest T and batch)")
+    parser.add_argument("--padded", action="store_true",
+                        help="a padded batch of 8 rows of 8 lengths (largest T): fused vs fp16 SDPA with mask")
+    parser.add_argument("--share", action="store_true",
+                        help="fused-path share of decode steps: greedy generation, padded batch of 8, small Llama")
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
@@ -159,7 +172,7 @@ def main() -> int:
     dtype = getattr(torch, args.dtype)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows: list[dict] = []
+    rows = _ROWS
     meta = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu (interpreter smoke run)",
             "torch": torch.__version__, "dtype": args.dtype,
             "shape": {"q_heads": HQ, "kv_heads": HKV, "head_dim": D, "q_len": 1}, "iters": args.iters}
@@ -173,29 +186,43 @@ def main() -> int:
     def save():
         (out_dir / "bench_decode_attention.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         keys = ["T", "batch", "method", "median_ms", "graph_ms", "bytes", "GBps", "graph_GBps", "vs_sdpa",
-                "rel_err", "note"]
+                "graph_vs_sdpa", "rel_err", "note"]
         with open(out_dir / "bench_decode_attention.csv", "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
             w.writeheader()
             w.writerows(rows)
 
     def record(**row):
-        row["GBps"] = round(row["bytes"] / row["median_ms"] / 1e6, 1) if row.get("median_ms") else None
-        row["graph_GBps"] = round(row["bytes"] / row["graph_ms"] / 1e6, 1) if row.get("graph_ms") else None
+        row["GBps"] = round(row["bytes"] / row["median_ms"] / 1e6, 1) if row.get("median_ms") and row["bytes"] else None
+        row["graph_GBps"] = round(row["bytes"] / row["graph_ms"] / 1e6, 1) if row.get("graph_ms") and row["bytes"] \
+            else None
+        sdpa = [r for r in rows if r["T"] == row["T"] and r["batch"] == row["batch"]
+                and r["method"].startswith("sdpa") and r.get("graph_ms") and r.get("pad") == row.get("pad")]
+        if row.get("graph_ms") and sdpa:
+            row["graph_vs_sdpa"] = round(row["graph_ms"] / sdpa[-1]["graph_ms"], 3)
         rows.append(row)
-        print(f"T={row['T']:>6} B={row['batch']} {row['method']:<10} median {row.get('median_ms')} ms "
+        print(f"T={row['T']:>6} B={row['batch']} {row['method']:<22} median {row.get('median_ms')} ms "
               f"graph {row.get('graph_ms')} ms  {row['bytes'] / 1e6:.1f} MB  {row.get('GBps')} GB/s  "
-              f"x{row.get('vs_sdpa')} of sdpa  err {row.get('rel_err')}", flush=True)
+              f"x{row.get('vs_sdpa')} of sdpa (graph x{row.get('graph_vs_sdpa')})  err {row.get('rel_err')}"
+              f"{'  ' + row['note'] if row.get('note') else ''}", flush=True)
         save()
 
     inv_freq = _inv_freq().to(device)
     started = time.time()
+    if args.share:  # first: cheap, and the answer to "does every decode step take the fused path"
+        meta["fused_share"] = _fused_share(device)
+        print(f"fused-path share of decode layer-steps (padded batch of 8): {meta['fused_share']}", flush=True)
+        save()
     for T in args.T:
         for batch in args.batch:
             _bench_point(T, batch, args, dtype, device, inv_freq, record)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             print(f"   [{time.time() - started:.0f}s elapsed]", flush=True)
+    if args.padded:
+        _bench_padded(max(args.T), args, dtype, device, inv_freq, record)
+    if args.variants:
+        _bench_variants(max(args.T), max(args.batch), args, dtype, device, inv_freq, record)
     save()
     return 0
 
@@ -211,22 +238,62 @@ def _sdpa_dense(q, k, v):
 
 def _reference_step(cache, q, inv_freq, dtype):
     """What gear_hf.attention does without kernels, minus the store: reconstruct, gather, rotate, SDPA."""
-    from gear_hf.attention import apply_rotary
-    from gear_hf.kernels.reference import rope_tables
+    from gear_hf.rope import apply_rotary, rope_tables
 
-    layer, plan, sink = cache.layers[0], cache._plan, cache.gear_config.sink_tokens
-    keys = layer.key_stream.read(plan, sink, dtype, 0)
-    values = layer.value_stream.read(plan, sink, dtype, 0)
-    cos, sin = rope_tables(plan.read_positions, inv_freq)
+    keys, values = cache.held(0, dtype)
+    cos, sin = rope_tables(cache.layout.read_positions(0), inv_freq)
     return _sdpa_dense(q, apply_rotary(keys, cos.to(dtype), sin.to(dtype)), values)
 
 
-def _bench_point(T, batch, args, dtype, device, inv_freq, record):
-    """sdpa, then fused (and reference) GEAR at each bit width, for one (T, batch)."""
-    from gear_hf.kernels.decode import cache_decode_attention
+def _fused_fn(cache, q, inv_freq, **tuning):
+    """decode_attention over layer 0 with the views and layout built once (what the new cache hands the kernel;
+    key outliers sorted once, as the cache does after each flush) -> a callable that CUDA graphs can capture."""
+    from dataclasses import replace
+
+    from gear_hf.kernels import decode
+    from gear_hf.kernels.views import prepare_derived
+
+    keys, values, layout = cache.kernel_views(0, q.shape[2], q.device)
+    keys = replace(keys, prompt=keys.prompt and replace(keys.prompt, derived=prepare_derived(keys.prompt, 1)),
+                   decode=keys.decode and replace(keys.decode, derived=prepare_derived(
+                       keys.decode, layout.max_decode_chunks)))
+    decode_attention = decode.decode_attention
+    return functools.partial(decode_attention, q, keys, values, layout, scaling=D ** -0.5, inv_freq=inv_freq,
+                             **tuning)
+
+
+def _time_fused(cache, q, inv_freq, args, record, T, batch, label, sdpa_ms, comp_bytes, check=True, pad=None,
+                **tuning):
     from gear_hf.kernels.reference import reference_decode_attention
 
-    scaling = D ** -0.5
+    try:
+        fused = _fused_fn(cache, q, inv_freq, **tuning)
+        out = fused()
+        if q.device.type == "cuda":
+            torch.cuda.synchronize()
+        err = None
+        if check and T * q.shape[0] <= 8 * 8192:  # the float32 oracle is cheap enough here
+            ref = reference_decode_attention(cache, 0, q, scaling=D ** -0.5, inv_freq=inv_freq)
+            err = float(((out.float() - ref).abs().max() / ref.abs().max()).item())
+            del ref
+        ms = _median_ms(fused, args.iters, args.warmup)
+        record(T=T, batch=batch, method=label, median_ms=round(ms, 4),
+               graph_ms=_round(_graph_ms(fused, args.iters, args.warmup)), bytes=comp_bytes,
+               vs_sdpa=round(ms / sdpa_ms, 3), rel_err=err, pad=pad)
+    except Exception as exc:  # noqa: BLE001 - report and go on with the other rows
+        record(T=T, batch=batch, method=label, bytes=comp_bytes, note=f"{type(exc).__name__}: {str(exc)[:200]}",
+               pad=pad)
+
+
+def _methods(args):
+    out = [("gear", b) for b in args.bits]
+    if not args.no_gear_l:
+        out.append(("gear-l", 2))
+    return out
+
+
+def _bench_point(T, batch, args, dtype, device, inv_freq, record):
+    """sdpa, then fused (and reference) GEAR at each bit width and GEAR-L 2-bit, for one (T, batch)."""
     g = torch.Generator(device=device).manual_seed(T + batch)
     q = torch.randn(batch, HQ, 1, D, device=device, generator=g, dtype=torch.float32).to(dtype)
     k = torch.randn(batch, HKV, T, D, device=device, generator=g, dtype=torch.float32).to(dtype)
@@ -237,42 +304,162 @@ def _bench_point(T, batch, args, dtype, device, inv_freq, record):
            median_ms=round(sdpa_ms, 4), graph_ms=_round(_graph_ms(fn, args.iters, args.warmup)),
            bytes=2 * k.numel() * k.element_size() + 2 * q.numel() * q.element_size(), vs_sdpa=1.0)
     del fn, k, v
-    for bits in args.bits:
+    for method, bits in _methods(args):
+        name = f"{method}{bits}"
         try:
-            cache = _build(T, batch, bits, dtype, device)
+            cache = _build(T, batch, bits, dtype, device, method)
         except torch.cuda.OutOfMemoryError:
-            record(T=T, batch=batch, method=f"gear{bits}_fused", bytes=0, note="OOM building the cache")
+            record(T=T, batch=batch, method=f"{name}_fused", bytes=0, note="OOM building the cache")
             continue
         comp_bytes = _compressed_bytes(cache)
-        fused = functools.partial(cache_decode_attention, cache, 0, q, scaling=scaling, inv_freq=inv_freq)
-        try:
-            out = fused()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            err = None
-            if T * batch <= 8 * 8192:  # the float32 oracle is cheap enough here
-                ref = reference_decode_attention(cache, 0, q, scaling=scaling, inv_freq=inv_freq)
-                err = float(((out.float() - ref).abs().max() / ref.abs().max()).item())
-                del ref
-            ms = _median_ms(fused, args.iters, args.warmup)
-            record(T=T, batch=batch, method=f"gear{bits}_fused", median_ms=round(ms, 4),
-                   graph_ms=_round(_graph_ms(fused, args.iters, args.warmup)), bytes=comp_bytes,
-                   vs_sdpa=round(ms / sdpa_ms, 3), rel_err=err)
-        except Exception as exc:  # noqa: BLE001 - report and go on with the other rows
-            record(T=T, batch=batch, method=f"gear{bits}_fused", bytes=comp_bytes,
-                   note=f"{type(exc).__name__}: {str(exc)[:200]}")
+        _time_fused(cache, q, inv_freq, args, record, T, batch, f"{name}_fused", sdpa_ms, comp_bytes)
         if not args.no_reference:
             try:
                 ms = _median_ms(functools.partial(_reference_step, cache, q, inv_freq, dtype),
                                 max(5, args.iters // 3), 2)
                 dense = 2 * batch * HKV * T * D * torch.finfo(dtype).bits // 8
-                record(T=T, batch=batch, method=f"gear{bits}_reference", median_ms=round(ms, 4),
+                record(T=T, batch=batch, method=f"{name}_reference", median_ms=round(ms, 4),
                        bytes=comp_bytes + 2 * dense, vs_sdpa=round(ms / sdpa_ms, 3),
                        note="bytes: lower bound (compressed read + dense write + dense read)")
             except Exception as exc:  # noqa: BLE001
-                record(T=T, batch=batch, method=f"gear{bits}_reference", bytes=0,
+                record(T=T, batch=batch, method=f"{name}_reference", bytes=0,
                        note=f"{type(exc).__name__}: {str(exc)[:200]}")
-        del fused, cache
+        del cache
+
+
+def _bench_variants(T, batch, args, dtype, device, inv_freq, record):
+    """The fused 2-bit GEAR kernel at num_warps 4/8 x num_stages 1/2/3 (the default choice is the plain row)."""
+    g = torch.Generator(device=device).manual_seed(T + batch)
+    q = torch.randn(batch, HQ, 1, D, device=device, generator=g, dtype=torch.float32).to(dtype)
+    sdpa = [r for r in _ROWS if r["T"] == T and r["batch"] == batch and r["method"].startswith("sdpa")]
+    sdpa_ms = sdpa[-1]["median_ms"] if sdpa else float("nan")
+    cache = _build(T, batch, 2, dtype, device, "gear")
+    comp_bytes = _compressed_bytes(cache)
+    for warps in (4, 8):
+        for stages in (1, 2, 3):
+            _time_fused(cache, q, inv_freq, args, record, T, batch, f"gear2_fused_w{warps}_s{stages}", sdpa_ms,
+                        comp_bytes, check=False, num_warps=warps, num_stages=stages)
+    del cache
+
+
+def _bench_padded(T, args, dtype, device, inv_freq, record):
+    """8 rows of 8 different lengths (left padding up to T/2): fused GEAR 2-bit vs fp16 SDPA over the dense
+    padded cache with a boolean key mask (what a stock HF cache does with a padded batch)."""
+    batch = 8
+    pad = [i * T // 16 for i in range(batch)]
+    g = torch.Generator(device=device).manual_seed(T + 99)
+    q = torch.randn(batch, HQ, 1, D, device=device, generator=g, dtype=torch.float32).to(dtype)
+    k = torch.randn(batch, HKV, T, D, device=device, generator=g, dtype=torch.float32).to(dtype)
+    v = torch.randn(batch, HKV, T, D, device=device, generator=g, dtype=torch.float32).to(dtype)
+    keep = torch.arange(T, device=device)[None, :] >= torch.tensor(pad, device=device)[:, None]  # [B, T]
+    mask = keep[:, None, None, :]
+
+    def sdpa_masked():
+        try:
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        except TypeError:
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, k.repeat_interleave(HQ // HKV, 1), v.repeat_interleave(HQ // HKV, 1), attn_mask=mask)
+
+    sdpa_ms = _median_ms(sdpa_masked, args.iters, args.warmup)
+    label = f"pad{max(pad)}"
+    record(T=T, batch=batch, method=f"sdpa_padded_{'fp16' if dtype == torch.float16 else 'bf16'}",
+           median_ms=round(sdpa_ms, 4), graph_ms=_round(_graph_ms(sdpa_masked, args.iters, args.warmup)),
+           bytes=2 * k.numel() * k.element_size(), vs_sdpa=1.0, pad=label, note="rows padded by " + str(pad))
+    del k, v
+    for method, bits in [("gear", 2), ("gear", 4)]:
+        cache = _build(T, batch, bits, dtype, device, method, pad=pad)
+        _time_fused(cache, q, inv_freq, args, record, T, batch, f"{method}{bits}_fused_padded", sdpa_ms,
+                    _compressed_bytes(cache), pad=label)
+        del cache
+
+
+def _fused_share(device, steps: int = 40) -> dict:
+    """Greedy generation of a small random Llama (2 layers, 8 query / 2 KV heads, head_dim 64) through the GEAR
+    cache (2-bit GEAR, buffer 16 so rows flush on different steps) on a left-padded batch of 8 rows of 8
+    different lengths: which path each decode layer-step took."""
+    import collections
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import gear_hf
+    from gear_hf.cache import GearCache
+
+    _ensure_patches()
+    config = LlamaConfig(vocab_size=256, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
+                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(device=device, dtype=torch.float16).eval()
+    model.generation_config.eos_token_id = None
+    gear_hf.enable(model, gear_hf.GearConfig.preset("gear", bits=2, group_size=16, buffer_size=16))
+    lengths = [200 - 23 * i for i in range(8)]
+    ids = torch.randint(3, 256, (8, max(lengths)), generator=torch.Generator().manual_seed(1))
+    mask = torch.zeros_like(ids)
+    for b, n in enumerate(lengths):
+        mask[b, max(lengths) - n:] = 1
+    ids[mask == 0] = 0
+    counted = collections.Counter()
+    original_store = getattr(GearCache, "store", None)
+    original_fused = getattr(GearCache, "fused_attention", None)
+
+    def store(self, layer_idx, key, value, *a, **kw):
+        if key.shape[2] == 1:
+            counted["decode layer-steps"] += 1
+        return original_store(self, layer_idx, key, value, *a, **kw)
+
+    def fused(self, *a, **kw):
+        counted["fused"] += 1
+        return original_fused(self, *a, **kw)
+
+    caches = []
+    original_init = GearCache.__init__
+
+    def init(self, *a, **kw):
+        original_init(self, *a, **kw)
+        caches.append(self)
+
+    counting = original_store is not None and original_fused is not None  # today's cache: count the calls
+    GearCache.__init__ = init
+    if counting:
+        GearCache.store, GearCache.fused_attention = store, fused
+    try:
+        with torch.no_grad():
+            model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=steps,
+                           min_new_tokens=steps, do_sample=False, pad_token_id=0)
+    finally:
+        GearCache.__init__ = original_init
+        if counting:
+            GearCache.store, GearCache.fused_attention = original_store, original_fused
+    paths = getattr(caches[-1], "step_paths", None) if caches else None
+    if paths:  # the cache's own counter (per decode layer-step: 'fused' / 'reference')
+        total = sum(paths.values())
+        return {"source": "cache.step_paths", "paths": dict(paths), "share": round(paths["fused"] / total, 4)}
+    total = counted["decode layer-steps"]
+    if not counting:
+        return {"source": "none: the cache has neither step_paths nor the entry points counted here", "share": None}
+    return {"source": "counted by the benchmark (calls to GearCache.fused_attention / decode layer-steps)",
+            "paths": {"fused": counted["fused"], "reference": total - counted["fused"]},
+            "share": round(counted["fused"] / total, 4) if total else None, "rows": lengths, "steps": steps}
+
+
+def _ensure_patches() -> None:
+    """gear_hf.patches comes from the repository's patches/ through setup.cfg's package mapping; run from a
+    plain source tree (PYTHONPATH, no install) map it the same way for this process."""
+    import importlib
+
+    try:
+        importlib.import_module("gear_hf.patches")
+    except ImportError:
+        import tempfile
+
+        import gear_hf
+
+        link_dir = Path(tempfile.mkdtemp(prefix="gear_hf_patches_"))
+        (link_dir / "patches").symlink_to(Path(__file__).resolve().parents[1] / "patches")
+        gear_hf.__path__.append(str(link_dir))
+        importlib.import_module("gear_hf.patches")
 
 
 def _round(x):

@@ -11,7 +11,7 @@ thing position by position. Each text is an 8-shot GSM8K CoT prompt plus its wor
 worked answer), the last --continuation of them fed one token per step as generation does (--chunk to change),
 through each method's real cache. Reported per method: mean
 and max KL(DynamicCache || method) of the next-token distribution, top-1 agreement, and the cache's bits/element
-after the text. Writes results/kl.csv and results/kl.md.
+after the text. Writes <out>/kl.csv and <out>/kl.md (<out>: --out, default out/, untracked).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     parser.add_argument("--chunk", type=int, default=1, help="continuation step (default 1: per token)")
     parser.add_argument("--methods", default=None)
     parser.add_argument("--dtype", default="float32", choices=["bfloat16", "float32", "float16"])
-    parser.add_argument("--out", default=str(benchlib.RESULTS))
+    benchlib.add_out_argument(parser, "kl.csv/.md")
     args = benchlib.parse_bench_args(parser, argv, "bench_kl")
     import gear_hf
     from gear_hf import diagnostics as D
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
         head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
         for index in texts:
             # the last --tokens tokens: the continuation is the test problem's worked answer
-            ids = tokenizer(D.gsm8k_text(benchlib.DATA_DIR, index), return_tensors="pt").input_ids[:, -args.tokens:]
+            ids = tokenizer(benchlib.gsm8k_text(index), return_tensors="pt").input_ids[:, -args.tokens:]
             prompt = ids.shape[1] - args.continuation
             gear_hf.disable(model)
             reference = D.stock_logits(model, ids, prompt, args.chunk)
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
                     cache = gear_hf.GearCache(model, config)
                 logits = D.streamed_logits(model, ids, prompt, args.chunk, cache)
                 gear_hf.disable(model)
-                kl = D._kl(reference, logits)
+                kl = D.kl_divergence(reference, logits)
                 elements = text_cfg.num_hidden_layers * 2 * kv_heads * head_dim * ids.shape[1]
                 bits = cache.memory_report()["bits_per_element"] if hasattr(cache, "memory_report") else \
                     benchlib.tensor_bytes(cache) * 8 / elements

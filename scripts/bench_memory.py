@@ -11,7 +11,7 @@ neither cache ends on a flush boundary: HF's residual holds 100 fp16 tokens, our
 For gear_hf the bytes by component come from `GearCache.memory_report()` (allocated capacity included) and
 are cross-checked against an independent count of the distinct tensor storages reachable from the cache
 object (`benchlib.tensor_bytes`); HF caches are measured with that count only. bits/element = bytes*8 /
-(layers * 2 * KV heads * T * head_dim * batch). Writes results/memory.csv and results/memory.md.
+(layers * 2 * KV heads * T * head_dim * batch). Writes <out>/memory.csv and <out>/memory.md (<out>: --out, default out/, untracked).
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tail", type=int, default=100, help="single-token steps of the `decode` state")
     parser.add_argument("--methods", default=None, help="comma list (default: dynamic, every preset at 2 and 4 "
                                                          "bits, hf-quanto-int2/4, hf-hqq-int2/4 when installed)")
-    parser.add_argument("--out", default=str(benchlib.RESULTS))
+    benchlib.add_out_argument(parser, "memory.csv/.md")
     args = benchlib.parse_bench_args(parser, argv, "bench_memory")
     Ts = args.T or ([256, 1024] if args.quick else [256, 1024, 4096])
     shapes = args.shapes or (["smollm2"] if args.quick else list(SHAPES))

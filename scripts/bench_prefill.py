@@ -7,15 +7,15 @@ power iteration) adds to the prefill forward, at T = 1k and 4k.
 
 For each T the prefill forward runs with DynamicCache and with each preset, interleaved over repeats. Three
 numbers per preset, medians over repeats:
-  compress_fraction  time inside the cache's chunk compression (every ChunkStore.compress_into call, timed by
+  compress_fraction  time inside the cache's chunk compression (every ChunkStore.compress_rows call, timed by
                      wrapping it in this script) / the DynamicCache prefill forward
-  read_fraction      time reconstructing the compressed prompt for the prefill's own attention
-                     (ChunkStore.reconstruct) / the DynamicCache prefill forward
+  read_fraction      time reconstructing compressed chunks during the prefill (0 since attend-then-compress:
+                     the prompt attends to its exact buffer) / the DynamicCache prefill forward
   total_overhead     (GEAR prefill forward - DynamicCache prefill forward) / DynamicCache prefill forward
 and the same two from the least-disturbed runs (minimum over repeats of each), steadier on a shared machine.
 Run it with OMP_NUM_THREADS=1 on a loaded machine: with more threads than free cores, OpenMP's barriers make
 many small ops (the compression's) pay far more than large matmuls, which inflates the fraction.
-Writes results/prefill.csv and results/prefill.md.
+Writes <out>/prefill.csv and <out>/prefill.md (<out>: --out, default out/, untracked).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from contextlib import contextmanager
 import torch
 
 import benchlib
+from gear_hf.hf_compat import model_cache_kwarg
 
 ALL = ("fp16", "kivi-2", "kcvt-2", "outlier-2", "gear-l-2", "gear-2", "kivi-4", "gear-4")
 QUICK = ("fp16", "kivi-2", "gear-2", "gear-4")
@@ -62,7 +63,7 @@ def prefill(model, ids, method):
     from gear_hf.storage import ChunkStore
     from transformers import DynamicCache
 
-    arg = benchlib.cache_arg(model)
+    arg = model_cache_kwarg(model)
     totals: dict = {}
     if method == "dynamic":
         gear_hf.disable(model)
@@ -70,11 +71,11 @@ def prefill(model, ids, method):
     else:
         gear_hf.enable(model, benchlib.gear_config(method))
         cache = gear_hf.GearCache(model)
-    with timed_methods(ChunkStore, ("compress_into", "reconstruct"), totals):
+    with timed_methods(ChunkStore, ("compress_rows", "reconstruct"), totals):
         start = time.perf_counter()
         model(input_ids=ids, logits_to_keep=1, **{arg: cache})
         seconds = time.perf_counter() - start
-    return seconds, totals.get("compress_into", 0.0), totals.get("reconstruct", 0.0)
+    return seconds, totals.get("compress_rows", 0.0), totals.get("reconstruct", 0.0)
 
 
 def main(argv=None) -> int:
@@ -85,7 +86,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--methods", default=None)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    parser.add_argument("--out", default=str(benchlib.RESULTS))
+    benchlib.add_out_argument(parser, "prefill.csv/.md")
     args = benchlib.parse_bench_args(parser, argv, "bench_prefill")
     Ts = args.T or ([1024] if args.quick else [1024, 4096])
     methods = [benchlib.check_method(m.strip()) for m in args.methods.split(",")] if args.methods else \

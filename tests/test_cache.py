@@ -275,3 +275,17 @@ def test_sliding_layer_memory_stops_growing_past_the_window():
     assert held <= 1.1 * at_window[0] and allocated <= 1.1 * at_window[1], (held, allocated, at_window)
     assert keys.shape[2] == window  # the window-1 past tokens and the new one
     torch.testing.assert_close(values[:, :, -1], V[:, :, -1])
+
+
+def test_held_of_a_sliding_layer_that_released_is_finite():
+    from transformers import MistralConfig
+
+    cache = GearCache(MistralConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=2,
+                                    num_key_value_heads=H, sliding_window=32), _config(method="kivi", bits=4))
+    K, V = _stream(24, 100)
+    _feed(cache, K, V, 24)
+    assert cache.layers[0].released.chunks > 0
+    keys, values = cache.held(0, torch.float32)
+    assert keys.shape[2] == 124 and torch.isfinite(keys).all() and torch.isfinite(values).all()
+    assert torch.equal(values[:, :, :24], torch.zeros_like(values[:, :, :24]))  # released: zeros
+    torch.testing.assert_close(values[:, :, -4:], V[:, :, -4:])  # the buffer, exact

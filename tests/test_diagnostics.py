@@ -13,6 +13,7 @@ import torch
 
 import gear_hf
 from gear_hf import diagnostics as D
+from gear_hf.hf_compat import model_cache_kwarg
 from tiny_models import VOCAB, tiny_model
 
 KIVI2 = gear_hf.GearConfig.preset("kivi", bits=2, group_size=16, buffer_size=16)
@@ -153,5 +154,5 @@ def test_prefill_attention_sees_the_exact_prompt(model):
         stock = model(input_ids=ids).logits
         with gear_hf.enabled(model, KIVI2):
             cache = gear_hf.GearCache(model)
-            ours = model(input_ids=ids, **{D._cache_arg(model): cache}).logits
+            ours = model(input_ids=ids, **{model_cache_kwarg(model): cache}).logits
     assert torch.equal(ours, stock)

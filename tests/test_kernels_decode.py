@@ -168,3 +168,47 @@ def test_fused_sweep(dtype, d, kv_heads, group, batch, q_len, bits):
     _, _, out, ref = _case("gear", bits, d=d, kv_heads=kv_heads, group=group, batch=batch, q_len=q_len,
                            dtype=dtype, steps=[101, 77, q_len], pad=[0, 13, 60][:batch], sink=2 if bits == 2 else 0)
     _check(out, ref, dtype)
+
+
+def test_prepare_derived_sorts_each_chunk_by_token():
+    """Key outliers sorted by token inside each chunk, empty slots last, per-16-token offsets; chunk by chunk
+    equals all at once (the cache may derive only a new chunk)."""
+    from dataclasses import replace
+
+    from gear_hf.kernels.views import prepare_derived
+
+    cache, q, _, _ = _case(steps=[77, 70, 1])
+    keys, _, layout = cache.kernel_views(0, q.shape[2], q.device)
+    chunks = layout.max_decode_chunks
+    run = keys.decode
+    derived = prepare_derived(run, chunks)
+    d = run.sparse_values.shape[-1]
+    k2 = run.extent("sparse_values")
+    where = derived["key_outlier_where"].view(*run.sparse_values.shape[:2], chunks, k2 * d)
+    assert (where[..., 1:] >= where[..., :-1]).all()
+    tiles = derived["key_outlier_tile"]
+    for u in range(tiles.shape[-1]):
+        want = (where < min(16 * u, run.chunk_len) * d).sum(-1)
+        assert torch.equal(tiles[..., u].long(), want)
+    values = derived["key_outlier_value"].view_as(where)
+    total = run.sparse_values[:, :, : chunks * k2].float().reshape(*where.shape).sum(-1)
+    assert torch.allclose(values.float().sum(-1), total)
+    one = prepare_derived(replace(run), 1)
+    assert torch.equal(one["key_outlier_where"], derived["key_outlier_where"][..., : k2 * d])
+
+
+def test_views_with_derived_data_match_the_adapter():
+    """decode_attention on views built by hand (derived outliers passed in, as the cache will) equals the
+    adapter's result."""
+    from dataclasses import replace
+
+    from gear_hf.kernels.decode import decode_attention
+    from gear_hf.kernels.views import prepare_derived
+
+    cache, q, out, ref = _case(sink=2, steps=[77, 40, 2], q_len=2)
+    keys, values, layout = cache.kernel_views(0, q.shape[2], q.device)
+    keys = replace(keys, prompt=replace(keys.prompt, derived=prepare_derived(keys.prompt, 1)),
+                   decode=replace(keys.decode, derived=prepare_derived(keys.decode, layout.max_decode_chunks)))
+    got = decode_attention(q, keys, values, layout, scaling=q.shape[-1] ** -0.5, inv_freq=_inv_freq(q.shape[-1]))
+    assert torch.equal(got, out)
+    _check(got, ref, torch.float32)

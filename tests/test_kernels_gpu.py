@@ -123,3 +123,18 @@ def test_generate_fused_equals_torch_gpu(monkeypatch):
 
     monkeypatch.setattr(dispatch, "DEVICE", "cuda")
     dispatch._compare("llama3", 7, monkeypatch)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_fused_on_the_second_gpu():
+    """A layer whose cache lives on cuda:1 while cuda:0 is the current device (device_map="auto"): the kernel
+    must launch on cuda:1 and its current stream, and match the oracle."""
+    config = GearConfig.preset("gear", bits=2)
+    cache, _, _ = build_cache(config, batch=2, kv_heads=HKV, head_dim=D, steps=[3000, 200, 1], pad=[0, 300],
+                              dtype=torch.bfloat16, device="cuda:1", seed=3)
+    q = torch.randn(2, HQ, 1, D, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16).to("cuda:1")
+    with torch.cuda.device(0):
+        out = _run(cache, q)
+    torch.cuda.synchronize(1)
+    assert out.device == torch.device("cuda:1")
+    _check_vs_oracle(cache, q, out, "second GPU")

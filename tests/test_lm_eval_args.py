@@ -44,13 +44,20 @@ def test_defaults_and_method_alias():
         parse_gear_args({"preset": "gear", "method": "kivi"})
 
 
+def test_preset_names_with_bits():
+    """Issue 11.5: the names the README, demo and sweep print are accepted as model_args."""
+    assert parse_gear_args({"preset": "gear-2"}) == GearConfig.preset("gear", bits=2)
+    assert parse_gear_args({"preset": "kivi-k4v2"}).describe() == "kivi-k4v2"
+
+
 def test_pretrained_stays_a_string():
     _, rest = split_model_args({"pretrained": 123, "tokenizer": 7})
     assert rest["pretrained"] == "123" and rest["tokenizer"] == "7"
 
 
 @pytest.mark.parametrize("args, match", [
-    ({"preset": "gearx"}, r"preset='gearx' is invalid; allowed: fp16 \| kivi"),
+    ({"preset": "gearx"}, r"preset='gearx' is invalid \(did you mean 'gear'.*METHOD one of fp16 \| kivi"),
+    ({"preset": "gear2"}, r"preset='gear2' is invalid \(did you mean 'gear-2', i.e. preset='gear', bits=2\)"),
     ({"bits": 3}, r"key_bits=3 is invalid; allowed: 2, 4 or 8"),
     ({"bits": "two"}, r"bits='two' is invalid; allowed: an integer"),
     ({"bits": True}, r"bits=True is invalid; allowed: an integer"),

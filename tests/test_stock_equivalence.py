@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import gear_hf
-from tiny_models import ARCHS, greedy, prompts, tiny_model
+from tiny_models import ARCHS, NEW_ARCHS, greedy, prompts, tiny_model, tiny_model_or_skip
 
 pytestmark = pytest.mark.compat
 STEPS = 24
@@ -16,9 +16,9 @@ STEPS = 24
 @pytest.mark.parametrize("batch", [1, 3], ids=["single", "left-padded-3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + NEW_ARCHS)
 def test_fp16_preset_matches_stock(arch, attn, dtype, batch):
-    model = tiny_model(arch, attn, dtype)
+    model = tiny_model_or_skip(arch, attn, dtype)
     ids, mask = prompts(batch)
     stock_tokens, stock_logits = greedy(model, ids, mask, STEPS)
     with gear_hf.enabled(model, gear_hf.GearConfig.preset("fp16")):

@@ -180,13 +180,27 @@ class GearCache(Cache):
         module's). Returns [B, q, Hq, d] (HF's attention-function layout)."""
         from ..kernels.decode import decode_attention  # imports triton: only on this path
 
+        layer = self.layers[layer_idx]
+        keys, values, layout = self.kernel_views(layer_idx, query.shape[2], query.device)
+        return decode_attention(query, keys, values, layout, scaling=scaling, inv_freq=inv_freq,
+                                attention_scaling=attention_scaling, sliding_window=layer.sliding_window)
+
+    def kernel_views(self, layer_idx: int, query_len: int, device):
+        """(keys StreamView, values StreamView, DecodeLayout) of a layer for the fused kernel: during a step
+        (stored, not yet compressed) what the step attends to, between steps what the layer holds."""
+        from ..kernels.views import DecodeLayout  # no triton import
+
         layer, layout = self.layers[layer_idx], self.layout
-        inputs = layout.kernel_inputs(layout.plan.attend, layer.released, query.shape[2], query.device)
-        return decode_attention(query, layer.key_stream, layer.value_stream, rows=inputs["rows"],
-                                limits=inputs["limits"], positions=inputs["positions"],
-                                buffer_size=self.gear_config.buffer_size, scaling=scaling, inv_freq=inv_freq,
-                                attention_scaling=attention_scaling, sliding_window=layer.sliding_window,
-                                row_lengths=inputs["row_lengths"])
+        in_step = layer.flushed_step != layout.steps
+        counts = layout.plan.attend if in_step else layout.counts
+        inputs = layout.kernel_inputs(counts, layer.released, query_len, device)
+        sink, prompt, chunks, buffer = (max(column, default=0) for column in zip(*inputs["row_lengths"]))
+        kernel_layout = DecodeLayout(rows=inputs["rows"], limits=inputs["limits"], positions=inputs["positions"],
+                                     max_sink=sink, max_prompt=prompt, max_decode_chunks=chunks, max_buffer=buffer,
+                                     buffer_size=self.gear_config.buffer_size)
+        keys, values = (stream.kernel_view(self.gear_config.sink_tokens, prompt > 0, chunks)
+                        for stream in layer.streams)
+        return keys, values, kernel_layout
 
     # -- the layout as earlier callers (tests, kernels' adapter, scripts) read it ----------------------------
     steps = property(lambda self: self.layout.steps)

@@ -38,6 +38,7 @@ class GearLayer(CacheLayerMixin):
         self.steps = 0
         self.seen_length = 0
         self.released = Released()
+        self.flushed_step = 0  # layout steps completed by this layer (== steps once the step's flush ran)
         nb = config.buffer_size
         self.key_stream = Stream(*stream_specs(config, "key"), nb, config.backend)
         self.value_stream = Stream(*stream_specs(config, "value"), nb, config.backend)
@@ -66,6 +67,7 @@ class GearLayer(CacheLayerMixin):
                   for stream in self.streams]
         if self.is_sliding:
             self._release(layout)
+        self.flushed_step = layout.steps
         return [f for f in finite if f is not None]
 
     def _release(self, layout: RowLayout) -> None:

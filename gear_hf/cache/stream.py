@@ -121,24 +121,32 @@ class Stream:
         if layout.uniform(counts):  # padded layout == row-local: the segments, end to end, are the columns
             segments = self._segments(counts, released, dtype, sink_tokens, [start] * B)
             first = segments[0].local_start[0]
-            if len(segments) == 1:  # the buffer alone (fp16 preset, prompt step): a view, as DynamicCache's
-                return self.buffer.data[:, :, start - first : T - first]
-            full = self.buffer.data.new_empty(B, H, T - first, d, dtype=dtype)
-            at = 0
-            for seg in segments:  # every row fills each segment exactly: reconstruct straight into place
-                seg.take(dtype, out=full[:, :, at : at + seg.length[0]])
-                at += seg.length[0]
-            return full[:, :, start - first:]
+            if first <= start:  # (held() of a sliding layer that released: the general path below)
+                if len(segments) == 1:  # the buffer alone (fp16 preset, prompt step): a view, as DynamicCache's
+                    return self.buffer.data[:, :, start - first : T - first]
+                full = self.buffer.data.new_empty(B, H, T - first, d, dtype=dtype)
+                at = 0
+                for seg in segments:  # every row fills each segment exactly: reconstruct straight into place
+                    seg.take(dtype, out=full[:, :, at : at + seg.length[0]])
+                    at += seg.length[0]
+                return full[:, :, start - first:]
         first_local = layout.tokens_before(start)
+        if released.prompt:  # nothing before the live chunks is held any more (the sink is outside the window too)
+            nb = self.chunk_len
+            first_local = [max(lo, s + p + released.chunks * nb)
+                           for lo, s, p in zip(first_local, counts.sink, counts.prompt)]
         segments = self._segments(counts, released, dtype, sink_tokens, first_local)
         taken = [seg.take(dtype) for seg in segments]
-        out = self.buffer.data.new_zeros(B, H, T - start, d, dtype=dtype)
+        out = self.buffer.data.new_empty(B, H, T - start, d, dtype=dtype)
         held = counts.held(self.chunk_len)
         for b in range(B):
             if not layout.contiguous[b]:
                 self._read_row_with_holes(out, b, layout, segments, taken, start)
                 continue
             column_of_local0 = T - held[b]  # contiguous rows: local token k sits at column T - held + k
+            first_column = column_of_local0 + first_local[b] - start
+            if first_column > 0:  # padding (or released) columns: finite, and hidden by the mask
+                out[b, :, :first_column].zero_()
             for seg, data in zip(segments, taken):
                 lo = max(seg.local_start[b], first_local[b])
                 hi = seg.local_start[b] + seg.length[b]
@@ -154,6 +162,21 @@ class Stream:
         local = torch.cat(parts, dim=1)  # [H, held, d]: no segment was dropped for such a row
         cols = layout.rect_to_local[b, start : layout.rect_length].long()
         out[b] = local[:, cols.clamp(min=0)].to(out.dtype) * (cols >= 0)[None, :, None]
+
+    # -- the fused kernel's view ---------------------------------------------------------------------------
+    def kernel_view(self, sink_tokens: int, prompt: bool, decode_chunks: int):
+        """This stream as the fused kernel reads it (`gear_hf.kernels.views.StreamView`): references to the
+        storage tensors, nothing copied. prompt: the prompt chunk is live; decode_chunks: live decode chunks."""
+        from ..kernels.views import ChunkRunView, StreamView  # no triton import
+
+        def run(store: ChunkStore | None, live: bool):
+            if store is None or not store.fields or not live:
+                return None
+            fields = {name: store.fields[name] for name in ChunkRunView.FIELDS}
+            return ChunkRunView(**fields, spec=store.spec, chunk_len=store.chunk_len)
+
+        return StreamView(buffer=self.buffer.data, sink=self.sink.data if sink_tokens else None,
+                          prompt=run(self.prefill, prompt), decode=run(self.decode, decode_chunks > 0))
 
     # -- sliding windows ---------------------------------------------------------------------------------------
     def release(self, before: Released, after: Released, counts: RowCounts) -> None:

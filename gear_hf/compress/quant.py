@@ -133,7 +133,9 @@ def _stored_stats(lo: torch.Tensor, hi: torch.Tensor, top: int, stats_dtype: tor
     minimum = lo.to(stats_dtype)
     minimum = torch.where(minimum.float() > lo, _next_toward(minimum, float("-inf")), minimum)
     m = minimum.float()
-    scale = ((hi - m) / top).to(stats_dtype)
+    # divide by a tensor on hi's device: CUDA turns division by a Python scalar into a multiplication by its
+    # reciprocal (not correctly rounded), the kernels divide with IEEE rounding (div_rn), as the CPU does
+    scale = ((hi - m) / hi.new_tensor(float(top))).to(stats_dtype)
     short = m + top * scale.float() < hi  # two roundings, no FMA: the kernel checks the same way
     scale = torch.where(short, _next_toward(scale, float("inf")), scale)
     return minimum, scale

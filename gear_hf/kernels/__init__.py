@@ -72,8 +72,12 @@ def resolve_backend(config, device=None) -> str:
     return "triton" if is_cuda and triton_available() else "torch"
 
 
-def fused_supported(config, head_dim: int, query_len: int) -> str | None:
-    """None when the fused decode kernel covers this configuration and step, else the reason it does not."""
+def fused_supported(config, head_dim: int, query_len: int, *, rotary_dim: int | None = None,
+                    softcap: float | None = None) -> str | None:
+    """None when the fused decode kernel covers this configuration and step, else the reason it does not.
+
+    rotary_dim: channels per head the model's RoPE rotates (None: all); softcap: the attention-logit soft cap
+    the model's attention function is given (Gemma 2), None when it has none."""
     if not config.pre_rope:
         return "pre_rope=False (keys stored after RoPE) is only implemented by the torch path"
     if config.compresses and (config.key_axis, config.value_axis) != ("channel", "token"):
@@ -81,6 +85,10 @@ def fused_supported(config, head_dim: int, query_len: int) -> str | None:
                 "default axes (keys per channel, values per token) only")
     if head_dim < 32 or head_dim & (head_dim - 1):
         return f"head_dim={head_dim}: the fused kernel needs a power of two >= 32"
+    if rotary_dim is not None and rotary_dim != head_dim:
+        return f"partial rotary ({rotary_dim} of {head_dim} channels rotated): the fused kernel rotates whole heads"
+    if softcap:
+        return f"attention logit soft-capping (softcap={softcap}): the fused kernel does not cap logits"
     if query_len > MAX_FUSED_QUERY:
         return f"{query_len} new tokens in one step (a prompt): the fused kernel is a decode kernel"
     if config.compresses:
@@ -118,7 +126,8 @@ def quantize_pack_supports(spec, n: int, d: int) -> bool:
     return spec.group_for(n, d) % pack_unit(spec.bits)[0] == 0
 
 
-def use_fused(config, query, *, training: bool = False, output_attentions: bool = False) -> bool:
+def use_fused(config, query, *, training: bool = False, output_attentions: bool = False,
+              rotary_dim: int | None = None, softcap: float | None = None) -> bool:
     """Whether the shared attention forward should take the fused path for this step.
 
     auto: only on CUDA with triton, only for supported steps. Forced "triton": every supported step; an
@@ -128,7 +137,7 @@ def use_fused(config, query, *, training: bool = False, output_attentions: bool 
         return False
     if training or output_attentions:
         return False
-    reason = fused_supported(config, query.shape[-1], query.shape[-2])
+    reason = fused_supported(config, query.shape[-1], query.shape[-2], rotary_dim=rotary_dim, softcap=softcap)
     if reason is None:
         return True
     forced = config.backend == "triton" or (config.backend == "auto" and

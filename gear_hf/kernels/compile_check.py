@@ -8,6 +8,15 @@ registers and stack (local memory) per thread from the cubin.
 
     python -m gear_hf.kernels.compile_check                # sm_90 (H100/H200) and sm_80 (A100)
     python -m gear_hf.kernels.compile_check --arch 90 --quick
+    python -m gear_hf.kernels.compile_check --sass-report  # main decode loop, SASS per token per KV head
+
+--sass-report compiles the main decode kernel for sm_90 at Llama-3-8B shapes (32 query heads, 8 KV heads,
+head_dim 128, bf16, q_len 1, GEAR 4 and 2 bits with the default groups, buffer and ranks), disassembles it with
+the cuobjdump of the installed Triton and counts, for each loop over compressed blocks (found by its backward
+branch), the SASS instructions of the loop body; per token and KV head that is body x num_warps / block
+tokens (a static count: every instruction of the body once, both sides of a branch included, an inner loop
+once). It also counts local-memory spills (LDL/STL), fenced atomics (MEMBAR / ATOM / RED) in every kernel of
+the step, and registers. The last line printed is `instructions/token/kv-head: N` for 2-bit GEAR.
 
 Must run without TRITON_INTERPRET=1 (it sets nothing itself; `tests/test_kernels_compile.py` runs it in a
 subprocess). Exit status 1 when a kernel fails to compile.
@@ -85,6 +94,94 @@ def compile_launch(kernel, args, kwargs, arch: int) -> str:
     return _resource_usage(compiled.asm["cubin"])
 
 
+def _disassemble(cubin: bytes) -> list[tuple[int, str]]:
+    """[(address, instruction text)] of a cubin's SASS (cuobjdump of the triton wheel, else on PATH)."""
+    import re
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    tool = str(tool) if tool.exists() else shutil.which("cuobjdump")
+    if not tool:
+        raise RuntimeError("cuobjdump not found (neither in triton's nvidia backend nor on PATH)")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    pattern = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?);")
+    return [(int(m.group(1), 16), m.group(2).strip()) for m in map(pattern.match, out.splitlines()) if m]
+
+
+def sass_loops(sass: list[tuple[int, str]]) -> list[tuple[int, int, int]]:
+    """(start, end, instructions) of every loop: a branch back to an earlier address closes [target, branch]."""
+    import re
+
+    loops = []
+    for addr, text in sass:
+        m = re.search(r"\bBRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            start = int(m.group(1), 16)
+            loops.append((start, addr, sum(1 for a, _ in sass if start <= a <= addr)))
+    return loops
+
+
+def _kernel_counts(sass: list[tuple[int, str]]) -> dict:
+    ops = [text.split()[1] if text.startswith("@") else text.split()[0] for _, text in sass]
+    return {"spill_ops": sum(op.startswith(("LDL", "STL")) for op in ops),
+            "fences": sum(op.startswith("MEMBAR") for op in ops),
+            "atomics": sum(op.split(".")[0] in ("ATOM", "ATOMG", "ATOMS", "RED", "REDG") for op in ops)}
+
+
+def sass_report(arch: int = 90) -> int:
+    """Print the main-loop SASS figures of the decode kernel at Llama-3-8B shapes; the last line is
+    `instructions/token/kv-head: N` for 2-bit GEAR. Returns the exit status."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ..config import GearConfig
+    from .decode import cache_decode_attention
+    from .reference import build_cache
+
+    figure = None
+    for bits in (4, 2):
+        cfg = GearConfig.preset("gear", bits=bits)
+        cache, _, _ = build_cache(cfg, batch=1, kv_heads=2, head_dim=128, steps=[150, 70, 1], dtype=torch.bfloat16)
+        q = torch.zeros(1, 8, 1, 128, dtype=torch.bfloat16)  # GQA 4, q_len 1
+        plan = []
+        cache_decode_attention(cache, 0, q, scaling=128 ** -0.5, inv_freq=torch.ones(64), _plan=plan)
+        totals = {"spill_ops": 0, "fences": 0, "atomics": 0}
+        for kernel, _grid, kargs, kwargs in plan:
+            signature, constexprs = _signature(kernel, kargs, kwargs)
+            options = {k: kwargs[k] for k in _OPTIONS if k in kwargs}
+            compiled = triton.compile(ASTSource(kernel, signature, constexprs),
+                                      target=GPUTarget("cuda", arch, 32), options=options)
+            sass = _disassemble(compiled.asm["cubin"])
+            counts = _kernel_counts(sass)
+            for k in totals:
+                totals[k] += counts[k]
+            usage = _resource_usage(compiled.asm["cubin"])
+            print(f"gear{bits} sm_{arch} {kernel.fn.__name__}: {len(sass)} SASS, {usage}, "
+                  f"launches with num_warps={kwargs.get('num_warps')}, spills {counts['spill_ops']} LDL/STL, "
+                  f"{counts['fences']} MEMBAR, {counts['atomics']} atomics")
+            if kernel.fn.__name__ != "_decode_attention_kernel":
+                continue
+            block = kwargs["BN"]
+            warps = kwargs.get("num_warps", 4)
+            loops = sorted(sass_loops(sass), key=lambda x: -x[2])
+            for start, end, n in loops:
+                print(f"    loop 0x{start:x}-0x{end:x}: {n} instructions = {n * warps / block:.0f} per token per "
+                      f"KV head ({warps} warps, {block}-token blocks)")
+            main = loops[0][2] * warps / block if loops else float("nan")
+            main_usage = usage
+        print(f"gear{bits}: main loop {main:.0f} instructions/token/kv-head, {main_usage}, spill ops "
+              f"{totals['spill_ops']}, fenced atomics {totals['fences']} (atomics {totals['atomics']}) in the step's "
+              f"{len(plan)} launches")
+        figure = main
+    print(f"instructions/token/kv-head: {figure:.0f}")
+    return 0
+
+
 def planned_launches(quick: bool = False):
     """(label, kernel, args, kwargs) for representative configurations, planned on CPU tensors."""
     from ..config import GearConfig
@@ -131,10 +228,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", type=int, nargs="+", default=[90, 80], help="compute capabilities (90 = sm_90)")
     parser.add_argument("--quick", action="store_true", help="one decode and two quantize configurations")
+    parser.add_argument("--sass-report", action="store_true",
+                        help="main decode loop SASS count at Llama-3-8B shapes (sm_90 unless --arch says otherwise)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("compile_check: unset TRITON_INTERPRET (the interpreter replaces the compiler)", file=sys.stderr)
         return 2
+    if args.sass_report:
+        return sass_report(args.arch[0] if args.arch != [90, 80] else 90)
     failures = 0
     seen = set()
     for label, kernel, kargs, kwargs in planned_launches(args.quick):

@@ -1,22 +1,20 @@
-"""Fused GEAR decode attention: attend straight from a `GearCache` layer's compressed storage.
+"""Fused GEAR decode attention: attend straight from compressed storage, given as tensors (`views`).
 
-For each (row, KV head) one program (or `num_splits` programs, flash-decoding style) handles every query head
-of the GQA group and every new token of the step (M = group * q_len query rows, padded to >= 16 for tl.dot),
-and streams over that row's tokens in row-local order
+For each (row, KV head, 16-row tile of the M = group * q_len query rows) one program (or `num_splits` programs,
+flash-decoding style) streams over that row's tokens in row-local order
 
     [ sink (full precision) | prompt chunk | decode chunks of n_b | buffer (full precision) ]
 
-Compressed blocks are decoded in registers, never written back:
+and a second small kernel merges the splits: two launches per layer-step, no allocation (workspaces are cached
+per device and size), no memset. Compressed blocks are decoded in registers, never written back:
 
 * keys (per channel over token groups): unpack the codes along tokens, dequantize with the group's
-  scale/minimum, add the low-rank term A·Bᵀ for the block (r outer products, in registers), then rotate
-  the pre-RoPE key by its stored position (cos/sin from the rotary module's inv_freq, so llama3/linear/yarn
-  scaling is covered, times attention_scaling) and take q·k with tl.dot;
-* the key outliers (fixed k per channel over a whole chunk, token index inside the chunk) are applied in a
-  small first kernel as exact score terms: an outlier v at (token t, channel j) adds
-  v·(q_j cos_tj ± q_{j±d/2} sin_tj) to score t, scattered with atomics into a fp32 [M, tokens] buffer
-  that the main kernel adds to its scores (scanning every chunk's outliers per block would cost
-  O(tokens·k·d) for the prompt chunk);
+  scale/minimum (one row of statistics per block when a group spans whole blocks), add the low-rank term A·Bᵀ
+  (r outer products, in registers), rotate the pre-RoPE key by its stored position (cos/sin from the rotary
+  module's inv_freq, so llama3/linear/yarn scaling is covered, times attention_scaling) and take q·k (tl.dot);
+* key outliers (fixed 2k per channel over a chunk) come sorted by token within their chunk with per-16-token
+  offsets (`views.prepare_derived`, once per chunk): each block reads only its own outliers and adds their
+  exact score terms v·(q_j cos ± q_{j±d/2} sin) through a one-hot tl.dot — no score buffer, no atomics;
 * values (per token over channel groups): unpack along channels, dequantize, add the token's outliers,
   accumulate P·V̂ with tl.dot and the low-rank term as (P·A)·Bᵀ (never A·Bᵀ);
 * online softmax in float32 (exp2), causal inside the new tokens and the sliding window on row-local indices
@@ -24,6 +22,10 @@ Compressed blocks are decoded in registers, never written back:
   are skipped, not just masked;
 * cos/sin: the float32 angle pos*inv_freq (as HF computes it), reduced to [-pi, pi] exactly enough (~1e-6 rad
   at 3e4 rad), then the hardware sin/cos approximations on the GPU (exact ones in the interpreter).
+
+Launches run inside `torch.cuda.device(query.device)`, on that device's current stream (layers spread over
+several GPUs by a `device_map`). Integer arguments that change during generation (lengths, split count,
+strides that grow with the storage) are not specialized on, so the kernel compiles once per configuration.
 
 Operands of tl.dot are cast to the model dtype (fp16/bf16: tensor cores) or stay float32 (`ieee`); under the
 CPU interpreter bf16 is upcast to float32 (the interpreter computes bf16 dots wrong). Everything else is
@@ -33,11 +35,14 @@ combinations use the torch path (see gear_hf.kernels.fused_supported).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import triton
 import triton.language as tl
 
 from . import interpreting
+from .views import OUTLIER_TILE, ChunkRunView, DecodeLayout, StreamView, key_outlier_count, prepare_derived
 
 try:  # fast sin/cos approximations (MUFU) for the GPU; the interpreter has no libdevice
     from triton.language.extra.cuda import libdevice as _libdevice
@@ -46,6 +51,8 @@ except ImportError:  # pragma: no cover - other triton layouts
 
 _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 LOG2E = 1.4426950408889634
+M_TILE = 16  # query rows per program (G*q rows are split into tiles of 16: no spills at G*q = 32..128)
+OUTLIERS_PER_STEP = 32  # key outliers applied per one-hot dot
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -86,15 +93,45 @@ def _rope(k1, k2, pos, freq_ptr, attn_scale, HALF: tl.constexpr, FAST: tl.conste
 
 
 @triton.jit
-def _key_half(codes_b, scale_b, min_b, a_b, bm_b, s_codes, s_scale, s_a, s_bm, slot, tvalid, chunk, ch,
-              D: tl.constexpr, BITS: tl.constexpr, CPB: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr):
-    """Keys (axis="channel") at store slots `slot` [BN] and channels `ch` [C]: D̂ + A·Bᵀ in float32 [BN, C]."""
+def _unpack_last(byte, BITS: tl.constexpr, CPB: tl.constexpr):
+    """Codes of bytes [R, W] -> [R, W*CPB]: code j of byte w at column w*CPB + j (each byte loaded once)."""
+    MASK: tl.constexpr = (1 << BITS) - 1
+    if CPB == 1:
+        return byte
+    elif CPB == 2:
+        return tl.reshape(tl.join(byte & MASK, (byte >> BITS) & MASK), [byte.shape[0], byte.shape[1] * 2])
+    else:  # 4 codes per byte: join(join(c0, c2), join(c1, c3))[..., a, b] = code 2a + b
+        lo = tl.join(byte & MASK, (byte >> (2 * BITS)) & MASK)
+        hi = tl.join((byte >> BITS) & MASK, (byte >> (3 * BITS)) & MASK)
+        return tl.reshape(tl.join(lo, hi), [byte.shape[0], byte.shape[1] * 4])
+
+
+@triton.jit
+def _key_half(codes_b, scale_b, min_b, a_b, bm_b, s_codes, s_scale, s_a, s_bm, slot, slot0, slot_end, tvalid, chunk, ch,
+              D: tl.constexpr, BITS: tl.constexpr, CPB: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr,
+              STATS_ROW: tl.constexpr):
+    """Keys (axis="channel") at store slots `slot` [BN] (slot0 + arange, valid below slot_end) and channels
+    `ch` [C]: D̂ + A·Bᵀ in float32 [BN, C].
+    STATS_ROW: the block lies inside one quantization group (starting at slot0): one row of scale/minimum."""
     m2 = tvalid[:, None]
-    byte = tl.load(codes_b + (slot // CPB)[:, None] * s_codes + ch[None, :], mask=m2, other=0).to(tl.int32)
-    code = (byte >> ((slot % CPB) * BITS)[:, None]) & ((1 << BITS) - 1)
-    srow = (slot // GROUP)[:, None] * s_scale + ch[None, :]
-    sc = tl.load(scale_b + srow, mask=m2, other=0.0).to(tl.float32)
-    mn = tl.load(min_b + srow, mask=m2, other=0.0).to(tl.float32)
+    BN: tl.constexpr = slot.shape[0]
+    C: tl.constexpr = ch.shape[0]
+    if CPB > 1:  # each code byte loaded once: [BN/CPB, C] bytes -> [BN, C] codes, token = byte row * CPB + j
+        rows = slot0 // CPB + tl.arange(0, BN // CPB)
+        byte = tl.load(codes_b + rows[:, None] * s_codes + ch[None, :], mask=(rows * CPB < slot_end)[:, None],
+                       other=0).to(tl.int32)
+        code = tl.reshape(_unpack_last(byte, BITS, CPB), [BN // CPB, C, CPB])
+        code = tl.reshape(tl.permute(code, (0, 2, 1)), [BN, C])
+    else:
+        code = tl.load(codes_b + slot[:, None] * s_codes + ch[None, :], mask=m2, other=0).to(tl.int32)
+    if STATS_ROW:
+        srow = (slot0 // GROUP) * s_scale + ch
+        sc = tl.load(scale_b + srow).to(tl.float32)[None, :]
+        mn = tl.load(min_b + srow).to(tl.float32)[None, :]
+    else:
+        srow = (slot // GROUP)[:, None] * s_scale + ch[None, :]
+        sc = tl.load(scale_b + srow, mask=m2, other=0.0).to(tl.float32)
+        mn = tl.load(min_b + srow, mask=m2, other=0.0).to(tl.float32)
     k = code.to(tl.float32) * sc + mn
     for r in tl.static_range(R):
         a = tl.load(a_b + slot * s_a + r, mask=tvalid, other=0.0).to(tl.float32)
@@ -105,21 +142,66 @@ def _key_half(codes_b, scale_b, min_b, a_b, bm_b, s_codes, s_scale, s_a, s_bm, s
 
 @triton.jit
 def _value_tile(codes_b, scale_b, min_b, spv_b, spi_b, s_codes, s_scale, s_sp, slot, tvalid,
-                D: tl.constexpr, BITS: tl.constexpr, CPB: tl.constexpr, GROUP: tl.constexpr, K2: tl.constexpr):
+                D: tl.constexpr, BITS: tl.constexpr, CPB: tl.constexpr, GROUP: tl.constexpr, K2: tl.constexpr,
+                STATS_W: tl.constexpr):
     """Values (axis="token") at store slots `slot` [BN], all channels: D̂ + S in float32 [BN, D]."""
     c = tl.arange(0, D)
     m2 = tvalid[:, None]
-    byte = tl.load(codes_b + slot[:, None] * s_codes + (c // CPB)[None, :], mask=m2, other=0).to(tl.int32)
-    code = (byte >> ((c % CPB) * BITS)[None, :]) & ((1 << BITS) - 1)
-    srow = slot[:, None] * s_scale + (c // GROUP)[None, :]
-    sc = tl.load(scale_b + srow, mask=m2, other=0.0).to(tl.float32)
-    mn = tl.load(min_b + srow, mask=m2, other=0.0).to(tl.float32)
+    BN: tl.constexpr = slot.shape[0]
+    byte = tl.load(codes_b + slot[:, None] * s_codes + tl.arange(0, D // CPB)[None, :], mask=m2, other=0)
+    code = _unpack_last(byte.to(tl.int32), BITS, CPB)
+    if STATS_W * GROUP == D:  # whole groups: one load per group, broadcast over its channels in registers
+        g = tl.arange(0, STATS_W)
+        srow = slot[:, None] * s_scale + g[None, :]
+        sc = tl.load(scale_b + srow, mask=m2, other=0.0).to(tl.float32)
+        mn = tl.load(min_b + srow, mask=m2, other=0.0).to(tl.float32)
+        sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [BN, STATS_W, GROUP]), [BN, D])
+        mn = tl.reshape(tl.broadcast_to(mn[:, :, None], [BN, STATS_W, GROUP]), [BN, D])
+    else:
+        srow = slot[:, None] * s_scale + (c // GROUP)[None, :]
+        sc = tl.load(scale_b + srow, mask=m2, other=0.0).to(tl.float32)
+        mn = tl.load(min_b + srow, mask=m2, other=0.0).to(tl.float32)
     v = code.to(tl.float32) * sc + mn
     for s in tl.static_range(K2):
         idx = tl.load(spi_b + slot * s_sp + s, mask=tvalid, other=-1).to(tl.int32)
         val = tl.load(spv_b + slot * s_sp + s, mask=tvalid, other=0.0).to(tl.float32)
         v += tl.where(idx[:, None] == c[None, :], val[:, None], 0.0)
     return v
+
+
+@triton.jit
+def _key_outlier_scores(s, q_rows, mvalid, ow_b, ov_b, ot_b, n_tiles, seg, tok0, t_base, pos_b, freq_ptr,
+                        attn_scale, D: tl.constexpr, HALF: tl.constexpr, BN: tl.constexpr, OE: tl.constexpr,
+                        IEEE: tl.constexpr, FAST: tl.constexpr):
+    """s [M, BN] += exact score terms of the key outliers of chunk-local tokens [tok0, tok0 + BN) (sorted by
+    token; ot_b: the chunk's per-16-token offsets into its segment `seg` of ow_b/ov_b). An outlier v at
+    (token t, channel j) adds v·(q_j cos_tj ± q_{j±d/2} sin_tj) to score t, through a one-hot [OE, BN] dot."""
+    u0 = tok0 // 16
+    lo = tl.load(ot_b + u0)
+    hi = tl.load(ot_b + tl.minimum(u0 + BN // 16, n_tiles))
+    n_offs = tl.arange(0, BN)
+    for e0 in range(lo, hi, OE):
+        e = e0 + tl.arange(0, OE)
+        ev = e < hi
+        where = tl.load(ow_b + seg + e, mask=ev, other=0)
+        val = tl.load(ov_b + seg + e, mask=ev, other=0.0).to(tl.float32)
+        tok = where // D
+        ch = where % D
+        pos = tl.load(pos_b + t_base + tok, mask=ev, other=0)
+        ang = pos.to(tl.float32) * tl.load(freq_ptr + ch % HALF)
+        cos, sin = _sincos(ang, FAST)
+        m2 = mvalid[:, None] & ev[None, :]
+        qv = tl.load(q_rows[:, None] + ch[None, :], mask=m2, other=0.0).to(tl.float32)
+        qp = tl.load(q_rows[:, None] + (ch + HALF) % D, mask=m2, other=0.0).to(tl.float32)
+        sin = tl.where(ch < HALF, sin, -sin)
+        w = val * attn_scale
+        contrib = qv * (cos * w)[None, :] + qp * (sin * w)[None, :]  # [M, OE]
+        onehot = tl.where(((tok - tok0)[:, None] == n_offs[None, :]) & ev[:, None], 1.0, 0.0)  # [OE, BN]
+        if IEEE:
+            s += tl.dot(contrib, onehot, input_precision="ieee")
+        else:
+            s += tl.dot(contrib, onehot, input_precision="tf32")
+    return s
 
 
 @triton.jit
@@ -152,28 +234,29 @@ def _lowrank_values(acc, p, a_b, bm_b, s_a, s_bm, slot, tvalid, chunk, D: tl.con
 
 @triton.jit
 def _compressed_block(
-    q1, q2, t, slot, tvalid, chunk, pos_b, freq_ptr, attn_scale, sm_scale, limit, mvalid, window,
-    m_i, l_i, acc, corr_b, s_corr_m, corr_col,
-    kc, ks, km, ka, kb, s_kc, s_ks, s_ka, s_kb,
+    q1, q2, q_rows, t, slot, slot0, slot_end, tvalid, chunk, tok0, pos_b, freq_ptr, attn_scale, sm_scale, limit, mvalid,
+    window, m_i, l_i, acc,
+    kc, ks, km, ka, kb, s_kc, s_ks, s_ka, s_kb, ow, ov, ot, n_tiles, seg, t_base,
     vc, vs, vm, vsv, vsi, va, vb, s_vc, s_vs, s_vsp, s_va, s_vb,
-    D: tl.constexpr, HALF: tl.constexpr, M_PAD: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr,
+    D: tl.constexpr, HALF: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr,
     K_BITS: tl.constexpr, K_CPB: tl.constexpr, K_GROUP: tl.constexpr, K_R: tl.constexpr, K_SPARSE: tl.constexpr,
+    K_STATS_ROW: tl.constexpr,
     V_BITS: tl.constexpr, V_CPB: tl.constexpr, V_GROUP: tl.constexpr, V_R: tl.constexpr, V_K2: tl.constexpr,
 ):
     h_offs = tl.arange(0, HALF)
-    k1 = _key_half(kc, ks, km, ka, kb, s_kc, s_ks, s_ka, s_kb, slot, tvalid, chunk, h_offs,
-                   D, K_BITS, K_CPB, K_GROUP, K_R)
-    k2 = _key_half(kc, ks, km, ka, kb, s_kc, s_ks, s_ka, s_kb, slot, tvalid, chunk, h_offs + HALF,
-                   D, K_BITS, K_CPB, K_GROUP, K_R)
+    k1 = _key_half(kc, ks, km, ka, kb, s_kc, s_ks, s_ka, s_kb, slot, slot0, slot_end, tvalid, chunk, h_offs,
+                   D, K_BITS, K_CPB, K_GROUP, K_R, K_STATS_ROW)
+    k2 = _key_half(kc, ks, km, ka, kb, s_kc, s_ks, s_ka, s_kb, slot, slot0, slot_end, tvalid, chunk, h_offs + HALF,
+                   D, K_BITS, K_CPB, K_GROUP, K_R, K_STATS_ROW)
     pos = tl.load(pos_b + t, mask=tvalid, other=0)
     k1, k2 = _rope(k1, k2, pos, freq_ptr, attn_scale, HALF, FAST)
     s = _dot(q1, tl.trans(k1), DT) + _dot(q2, tl.trans(k2), DT)
     if K_SPARSE:
-        m_offs = tl.arange(0, M_PAD)
-        s += tl.load(corr_b + m_offs[:, None] * s_corr_m + corr_col[None, :],
-                     mask=mvalid[:, None] & tvalid[None, :], other=0.0)
+        s = _key_outlier_scores(s, q_rows, mvalid, ow, ov, ot, n_tiles, seg, tok0, t_base, pos_b, freq_ptr,
+                                attn_scale, D, HALF, BN, 32, DT == tl.float32, FAST)
     s = s * sm_scale
-    v = _value_tile(vc, vs, vm, vsv, vsi, s_vc, s_vs, s_vsp, slot, tvalid, D, V_BITS, V_CPB, V_GROUP, V_K2)
+    v = _value_tile(vc, vs, vm, vsv, vsi, s_vc, s_vs, s_vsp, slot, tvalid, D, V_BITS, V_CPB, V_GROUP, V_K2,
+                    s_vs)
     m_i, l_i, acc, p = _softmax_step(s, t, tvalid, limit, mvalid, window, m_i, l_i, acc, v, DT)
     acc = _lowrank_values(acc, p, va, vb, s_va, s_vb, slot, tvalid, chunk, D, V_R)
     return m_i, l_i, acc
@@ -197,60 +280,6 @@ def _dense_block(q1, q2, k_b, v_b, s_tok, t, slot, tvalid, pos_b, freq_ptr, attn
     return m_i, l_i, acc
 
 
-# ---------------------------------------------------------------------------------------------------------
-# kernels
-# ---------------------------------------------------------------------------------------------------------
-@triton.jit
-def _key_outlier_scores_kernel(
-    q_ptr, sqb, sqh, sqq, rows_ptr, pos_ptr, spos, freq_ptr, attn_scale,
-    spv_ptr, spi_ptr, s_sp_h, corr_ptr, s_corr_bh, s_corr_m,
-    n_slot_rows, chunk_len, k2, H_KV,
-    G: tl.constexpr, QL: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, SB: tl.constexpr,
-    IS_PROMPT: tl.constexpr, FAST: tl.constexpr,
-):
-    """corr[b, kvh, m, t - sink_len] += q_m · RoPE_t(S_k) for every key outlier of one chunk store."""
-    pid_bh = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    b = pid_bh // H_KV
-    kvh = pid_bh % H_KV
-    s_len = tl.load(rows_ptr + b * 4 + 0)
-    p_len = tl.load(rows_ptr + b * 4 + 1)
-    c_cnt = tl.load(rows_ptr + b * 4 + 2)
-    if IS_PROMPT:
-        n_chunks = (p_len > 0).to(tl.int32)
-        base = s_len
-    else:
-        n_chunks = c_cnt
-        base = s_len + p_len
-    j = pid_s * SB + tl.arange(0, SB)
-    chunk = j // k2
-    rvalid = (j < n_slot_rows) & (chunk < n_chunks)
-    d_offs = tl.arange(0, D)
-    off = (b.to(tl.int64) * H_KV + kvh) * s_sp_h + j[:, None] * D + d_offs[None, :]
-    m2 = rvalid[:, None]
-    idx = tl.load(spi_ptr + off, mask=m2, other=0).to(tl.int32)
-    val = tl.load(spv_ptr + off, mask=m2, other=0.0).to(tl.float32)
-    ok = m2 & (val != 0.0)
-    tok = base + chunk[:, None] * chunk_len + idx  # row-local token index
-    pos = tl.load(pos_ptr + b.to(tl.int64) * spos + tok, mask=ok, other=0).to(tl.float32)
-    f = tl.load(freq_ptr + (d_offs % HALF))
-    ang = pos * f[None, :]
-    cos, sin = _sincos(ang, FAST)
-    cos = cos * attn_scale
-    sin = sin * attn_scale
-    partner = (d_offs + HALF) % D
-    sign = tl.where(d_offs < HALF, 1.0, -1.0)
-    corr_b = corr_ptr + (b.to(tl.int64) * H_KV + kvh) * s_corr_bh + (tok - s_len)
-    for m in range(0, G * QL):
-        g = m // QL
-        qi = m % QL
-        q_row = q_ptr + b.to(tl.int64) * sqb + (kvh * G + g) * sqh + qi * sqq
-        qv = tl.load(q_row + d_offs).to(tl.float32)
-        qp = tl.load(q_row + partner).to(tl.float32) * sign
-        contrib = val * (qv[None, :] * cos + qp[None, :] * sin)
-        tl.atomic_add(corr_b + m * s_corr_m, contrib, mask=ok)
-
-
 @triton.jit
 def _blocks_before(t_min, start, length, BN: tl.constexpr):
     """How many BN-token blocks of the segment [start, start+length) end at or before token t_min."""
@@ -258,29 +287,44 @@ def _blocks_before(t_min, start, length, BN: tl.constexpr):
     return tl.where(t_min >= start + length, n, tl.minimum(tl.maximum(t_min - start, 0) // BN, n))
 
 
-@triton.jit
+# ---------------------------------------------------------------------------------------------------------
+# kernels
+# ---------------------------------------------------------------------------------------------------------
+# Integer arguments whose values move during generation (lengths, splits, strides of storage that grows):
+# never specialized on (a value of 1 or a new divisibility by 16 would otherwise compile a new kernel).
+_MAIN_DYNAMIC = ["sqb", "sqh", "sqq", "spos", "window", "s_sink_h", "s_buf_h",
+                 "s_pkc", "s_pks", "s_pka", "s_pkb", "p_tiles", "p_seg",
+                 "s_pvc", "s_pvs", "s_pvsp", "s_pva", "s_pvb",
+                 "s_dkc", "s_dks", "s_dka", "s_dkb", "d_seg", "s_dow", "s_dot", "s_pow", "s_pot",
+                 "s_dvc", "s_dvs", "s_dvsp", "s_dva", "s_dvb", "H_KV", "M_TILES", "NSPLIT"]
+
+
+@triton.jit(do_not_specialize=_MAIN_DYNAMIC)
 def _decode_attention_kernel(
     q_ptr, sqb, sqh, sqq, lim_ptr, rows_ptr, pos_ptr, spos, freq_ptr, attn_scale, sm_scale, window,
     sink_k, sink_v, s_sink_h, buf_k, buf_v, s_buf_h,
-    # prompt chunk store: keys (codes, scale, min, A, B), values (codes, scale, min, sparse val/idx, A, B)
-    pkc, pks, pkm, pka, pkb, s_pkc, s_pks, s_pka, s_pkb,
+    # prompt chunk: keys (codes, scale, min, A, B) + sorted outliers (where, value, tile offsets), values
+    pkc, pks, pkm, pka, pkb, s_pkc, s_pks, s_pka, s_pkb, pow_, pov, pot, s_pow, s_pot, p_tiles, p_seg,
     pvc, pvs, pvm, pvsv, pvsi, pva, pvb, s_pvc, s_pvs, s_pvsp, s_pva, s_pvb,
-    # decode chunk store
-    dkc, dks, dkm, dka, dkb, s_dkc, s_dks, s_dka, s_dkb,
+    # decode chunks
+    dkc, dks, dkm, dka, dkb, s_dkc, s_dks, s_dka, s_dkb, dow, dov, dot_, s_dow, s_dot, d_seg,
     dvc, dvs, dvm, dvsv, dvsi, dva, dvb, s_dvc, s_dvs, s_dvsp, s_dva, s_dvb,
-    corr_ptr, s_corr_bh, s_corr_m,
-    acc_ptr, ml_ptr, H_KV, NSPLIT,
-    G: tl.constexpr, QL: tl.constexpr, M_PAD: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+    acc_ptr, ml_ptr, H_KV, M_TILES, NSPLIT,
+    G: tl.constexpr, QL: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
     BN: tl.constexpr, NB: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr, HAS_SINK: tl.constexpr,
     P_K_BITS: tl.constexpr, P_K_CPB: tl.constexpr, P_K_GROUP: tl.constexpr, P_K_R: tl.constexpr,
-    P_K_SPARSE: tl.constexpr, P_V_BITS: tl.constexpr, P_V_CPB: tl.constexpr, P_V_GROUP: tl.constexpr,
-    P_V_R: tl.constexpr, P_V_K2: tl.constexpr, P_V_CODES_W: tl.constexpr, P_V_STATS_W: tl.constexpr,
+    P_K_SPARSE: tl.constexpr, P_K_STATS_ROW: tl.constexpr, P_V_BITS: tl.constexpr, P_V_CPB: tl.constexpr,
+    P_V_GROUP: tl.constexpr, P_V_R: tl.constexpr, P_V_K2: tl.constexpr, P_V_CODES_W: tl.constexpr,
+    P_V_STATS_W: tl.constexpr,
     D_K_BITS: tl.constexpr, D_K_CPB: tl.constexpr, D_K_GROUP: tl.constexpr, D_K_R: tl.constexpr,
-    D_K_SPARSE: tl.constexpr, D_V_BITS: tl.constexpr, D_V_CPB: tl.constexpr, D_V_GROUP: tl.constexpr,
-    D_V_R: tl.constexpr, D_V_K2: tl.constexpr, D_V_CODES_W: tl.constexpr, D_V_STATS_W: tl.constexpr,
+    D_K_SPARSE: tl.constexpr, D_K_STATS_ROW: tl.constexpr, D_V_BITS: tl.constexpr, D_V_CPB: tl.constexpr,
+    D_V_GROUP: tl.constexpr, D_V_R: tl.constexpr, D_V_K2: tl.constexpr, D_V_CODES_W: tl.constexpr,
+    D_V_STATS_W: tl.constexpr,
 ):
-    pid_bh = tl.program_id(0)
+    pid = tl.program_id(0)
     split = tl.program_id(1)
+    pid_bh = pid // M_TILES
+    mt = pid % M_TILES
     b = pid_bh // H_KV
     kvh = pid_bh % H_KV
     b64 = b.to(tl.int64)
@@ -299,7 +343,7 @@ def _decode_attention_kernel(
     e3 = e2 + nb_decode
     total = e3 + nb_buf
 
-    m_offs = tl.arange(0, M_PAD)
+    m_offs = mt * 16 + tl.arange(0, 16)
     mvalid = m_offs < G * QL
     g = m_offs // QL
     qi = m_offs % QL
@@ -324,9 +368,9 @@ def _decode_attention_kernel(
     n_offs = tl.arange(0, BN)
     pos_b = pos_ptr + b64 * spos
 
-    m_i = tl.full([M_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([M_PAD], tl.float32)
-    acc = tl.zeros([M_PAD, D], tl.float32)
+    m_i = tl.full([16], float("-inf"), tl.float32)
+    l_i = tl.zeros([16], tl.float32)
+    acc = tl.zeros([16, D], tl.float32)
 
     if HAS_SINK:
         for blk in range(lo, tl.minimum(hi, e1)):
@@ -336,39 +380,43 @@ def _decode_attention_kernel(
                                          slot, tvalid, pos_b, freq_ptr, attn_scale, sm_scale, limit, mvalid,
                                          window, m_i, l_i, acc, D, HALF, DT, FAST)
 
-    corr_b = corr_ptr + bh64 * s_corr_bh
     if P_K_BITS > 0:
         for blk in range(tl.maximum(lo, e1), tl.minimum(hi, e2)):
-            slot = (blk - e1) * BN + n_offs
+            slot0 = (blk - e1) * BN
+            slot = slot0 + n_offs
             tvalid = slot < p_len
             t = s_len + slot
             m_i, l_i, acc = _compressed_block(
-                q1, q2, t, slot, tvalid, 0, pos_b, freq_ptr, attn_scale, sm_scale, limit, mvalid, window,
-                m_i, l_i, acc, corr_b, s_corr_m, slot,
+                q1, q2, q_rows, t, slot, slot0, p_len, tvalid, 0, slot0, pos_b, freq_ptr, attn_scale, sm_scale, limit,
+                mvalid, window, m_i, l_i, acc,
                 pkc + bh64 * s_pkc, pks + bh64 * s_pks, pkm + bh64 * s_pks, pka + bh64 * s_pka,
                 pkb + bh64 * s_pkb, D, D, P_K_R, P_K_R,
+                pow_ + bh64 * s_pow, pov + bh64 * s_pow, pot + bh64 * s_pot, p_tiles, 0, s_len,
                 pvc + bh64 * s_pvc, pvs + bh64 * s_pvs, pvm + bh64 * s_pvs, pvsv + bh64 * s_pvsp,
                 pvsi + bh64 * s_pvsp, pva + bh64 * s_pva, pvb + bh64 * s_pvb,
                 P_V_CODES_W, P_V_STATS_W, P_V_K2, P_V_R, P_V_R,
-                D, HALF, M_PAD, DT, FAST, P_K_BITS, P_K_CPB, P_K_GROUP, P_K_R, P_K_SPARSE,
+                D, HALF, BN, DT, FAST, P_K_BITS, P_K_CPB, P_K_GROUP, P_K_R, P_K_SPARSE, P_K_STATS_ROW,
                 P_V_BITS, P_V_CPB, P_V_GROUP, P_V_R, P_V_K2)
 
     if D_K_BITS > 0:
         for blk in range(tl.maximum(lo, e2), tl.minimum(hi, e3)):
             j = blk - e2
-            slot = j * BN + n_offs  # decode chunks are contiguous along the store's slot axis
+            slot0 = j * BN  # decode chunks are contiguous along the store's slot axis
+            slot = slot0 + n_offs
             tvalid = slot < c_cnt * NB
             chunk = j // PER_CHUNK
             t = s_len + p_len + slot
             m_i, l_i, acc = _compressed_block(
-                q1, q2, t, slot, tvalid, chunk, pos_b, freq_ptr, attn_scale, sm_scale, limit, mvalid, window,
-                m_i, l_i, acc, corr_b, s_corr_m, p_len + slot,
+                q1, q2, q_rows, t, slot, slot0, c_cnt * NB, tvalid, chunk, slot0 - chunk * NB, pos_b, freq_ptr, attn_scale,
+                sm_scale, limit, mvalid, window, m_i, l_i, acc,
                 dkc + bh64 * s_dkc, dks + bh64 * s_dks, dkm + bh64 * s_dks, dka + bh64 * s_dka,
                 dkb + bh64 * s_dkb, D, D, D_K_R, D_K_R,
+                dow + bh64 * s_dow, dov + bh64 * s_dow, dot_ + bh64 * s_dot + chunk * (NB // 16 + 1), NB // 16,
+                chunk * d_seg, s_len + p_len + chunk * NB,
                 dvc + bh64 * s_dvc, dvs + bh64 * s_dvs, dvm + bh64 * s_dvs, dvsv + bh64 * s_dvsp,
                 dvsi + bh64 * s_dvsp, dva + bh64 * s_dva, dvb + bh64 * s_dvb,
                 D_V_CODES_W, D_V_STATS_W, D_V_K2, D_V_R, D_V_R,
-                D, HALF, M_PAD, DT, FAST, D_K_BITS, D_K_CPB, D_K_GROUP, D_K_R, D_K_SPARSE,
+                D, HALF, BN, DT, FAST, D_K_BITS, D_K_CPB, D_K_GROUP, D_K_R, D_K_SPARSE, D_K_STATS_ROW,
                 D_V_BITS, D_V_CPB, D_V_GROUP, D_V_R, D_V_K2)
 
     for blk in range(tl.maximum(lo, e3), hi):
@@ -379,33 +427,34 @@ def _decode_attention_kernel(
                                      pos_b, freq_ptr, attn_scale, sm_scale, limit, mvalid, window,
                                      m_i, l_i, acc, D, HALF, DT, FAST)
 
-    ws = pid_bh * NSPLIT + split
-    tl.store(acc_ptr + ws.to(tl.int64) * (M_PAD * D) + m_offs[:, None] * D + tl.arange(0, D)[None, :], acc)
-    tl.store(ml_ptr + ws.to(tl.int64) * (2 * M_PAD) + m_offs, m_i)
-    tl.store(ml_ptr + ws.to(tl.int64) * (2 * M_PAD) + M_PAD + m_offs, l_i)
+    ws = pid.to(tl.int64) * NSPLIT + split
+    r16 = tl.arange(0, 16)
+    tl.store(acc_ptr + ws * (16 * D) + r16[:, None] * D + tl.arange(0, D)[None, :], acc)
+    tl.store(ml_ptr + ws * 32 + r16, m_i)
+    tl.store(ml_ptr + ws * 32 + 16 + r16, l_i)
 
 
-@triton.jit
-def _combine_kernel(acc_ptr, ml_ptr, out_ptr, sob, soq, soh, H_KV, NSPLIT,
-                    G: tl.constexpr, QL: tl.constexpr, M_PAD: tl.constexpr, D: tl.constexpr,
-                    NS_P2: tl.constexpr):
+@triton.jit(do_not_specialize=["sob", "soq", "soh", "H_KV", "M_TILES", "NSPLIT"])
+def _combine_kernel(acc_ptr, ml_ptr, out_ptr, sob, soq, soh, H_KV, M_TILES, NSPLIT,
+                    G: tl.constexpr, QL: tl.constexpr, D: tl.constexpr):
     """out[b, qi, kvh*G + g] = merge of the splits' (m, l, acc) for query row m = g*QL + qi."""
     pid_bh = tl.program_id(0)
     m = tl.program_id(1)
     b = pid_bh // H_KV
     kvh = pid_bh % H_KV
-    sp = tl.arange(0, NS_P2)
-    smask = sp < NSPLIT
-    ws = pid_bh.to(tl.int64) * NSPLIT + sp
-    m_s = tl.load(ml_ptr + ws * (2 * M_PAD) + m, mask=smask, other=float("-inf"))
-    l_s = tl.load(ml_ptr + ws * (2 * M_PAD) + M_PAD + m, mask=smask, other=0.0)
-    m_max = tl.max(m_s, axis=0)
-    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.exp2(m_s - m_safe)
+    base = (pid_bh.to(tl.int64) * M_TILES + m // 16) * NSPLIT
+    row = m % 16
     d_offs = tl.arange(0, D)
-    a = tl.load(acc_ptr + ws[:, None] * (M_PAD * D) + m * D + d_offs[None, :], mask=smask[:, None], other=0.0)
-    num = tl.sum(a * w[:, None], axis=0)
-    den = tl.sum(l_s * w, axis=0)
+    m_max = float("-inf")
+    for sp in range(0, NSPLIT):
+        m_max = tl.maximum(m_max, tl.load(ml_ptr + (base + sp) * 32 + row))
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    num = tl.zeros([D], tl.float32)
+    den = 0.0
+    for sp in range(0, NSPLIT):
+        w = tl.exp2(tl.load(ml_ptr + (base + sp) * 32 + row) - m_safe)
+        den += tl.load(ml_ptr + (base + sp) * 32 + 16 + row) * w
+        num += tl.load(acc_ptr + (base + sp) * (16 * D) + row * D + d_offs) * w
     out = tl.where(den > 0.0, num / tl.where(den > 0.0, den, 1.0), 0.0)  # a row that sees nothing: zeros
     g = m // QL
     qi = m % QL
@@ -416,59 +465,85 @@ def _combine_kernel(acc_ptr, ml_ptr, out_ptr, sob, soq, soh, H_KV, NSPLIT,
 # ---------------------------------------------------------------------------------------------------------
 # host side
 # ---------------------------------------------------------------------------------------------------------
-def _p2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
-
-
 def _check(t: torch.Tensor, name: str) -> torch.Tensor:
     if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (GearCache storage always is)")
+        raise ValueError(f"{name} must be contiguous (GEAR storage always is)")
     return t
 
 
-class _StoreArgs:
-    """Pointers, head strides and constexprs of one ChunkStore (keys or values) for the kernel."""
+_NO_KEYS = {"BITS": 0, "CPB": 1, "GROUP": 1, "R": 0, "SPARSE": False, "STATS_ROW": False}
+_NO_VALUES = {"BITS": 0, "CPB": 1, "GROUP": 1, "R": 0, "K2": 0, "CODES_W": 1, "STATS_W": 1}
 
-    def __init__(self, store, dummy: torch.Tensor, head_dim: int, prefix: str, key: bool) -> None:
-        self.present = store is not None and bool(getattr(store, "fields", None))
-        self.constexprs = {}
-        if not self.present:
-            self.ptrs = [dummy] * (5 if key else 7)
-            self.strides = [0] * (4 if key else 5)
-            zero = {"BITS": 0, "CPB": 1, "GROUP": 1, "R": 0}
-            zero.update({"SPARSE": False} if key else {"K2": 0, "CODES_W": 1, "STATS_W": 1})
-            self.constexprs = {f"{prefix}_{k}": v for k, v in zero.items()}
-            self.k2 = 0
-            return
-        f = {name: _check(t, f"{prefix}.{name}") for name, t in store.fields.items()}
-        spec = store.spec
-        group = spec.group_for(store.chunk_len, head_dim)
-        rank = f["lowrank_a"].shape[-1]
-        if key:
-            if spec.axis != "channel":
-                raise NotImplementedError("fused kernel: keys must be stored per channel (key_axis='channel')")
-            self.ptrs = [f["codes"], f["scale"], f["minimum"], f["lowrank_a"], f["lowrank_b"]]
-            self.strides = [f["codes"].stride(1), f["scale"].stride(1), f["lowrank_a"].stride(1),
-                            f["lowrank_b"].stride(1)]
-            self.k2 = store.extent["sparse_values"]  # 2k slots per chunk
-            self.constexprs = {f"{prefix}_BITS": spec.bits, f"{prefix}_CPB": 8 // spec.bits,
-                               f"{prefix}_GROUP": group, f"{prefix}_R": rank, f"{prefix}_SPARSE": self.k2 > 0}
-            self.sparse = (f["sparse_values"], f["sparse_index"])
-        else:
-            if spec.axis != "token":
-                raise NotImplementedError("fused kernel: values must be stored per token (value_axis='token')")
-            self.ptrs = [f["codes"], f["scale"], f["minimum"], f["sparse_values"], f["sparse_index"],
-                         f["lowrank_a"], f["lowrank_b"]]
-            self.strides = [f["codes"].stride(1), f["scale"].stride(1), f["sparse_values"].stride(1),
-                            f["lowrank_a"].stride(1), f["lowrank_b"].stride(1)]
-            self.k2 = f["sparse_values"].shape[-1]
-            self.constexprs = {f"{prefix}_BITS": spec.bits, f"{prefix}_CPB": 8 // spec.bits,
-                               f"{prefix}_GROUP": group, f"{prefix}_R": rank, f"{prefix}_K2": self.k2,
-                               f"{prefix}_CODES_W": f["codes"].shape[-1],
-                               f"{prefix}_STATS_W": f["scale"].shape[-1]}
-        if store.chunk_len % (8 // spec.bits) or (key and group % (8 // spec.bits)):
-            raise NotImplementedError(f"fused kernel: chunk of {store.chunk_len} tokens / group {group} does not "
-                                      f"align with {8 // spec.bits} codes per byte")
+
+def _key_run_args(run: ChunkRunView | None, chunks_used: int, dummy: torch.Tensor, head_dim: int, prefix: str,
+                  block_n: int):
+    """(pointers, strides, constexprs) of a key run for the kernel; outliers sorted by `prepare_derived`
+    (taken from run.derived when the cache provides it, else derived here: a per-step cost)."""
+    if run is None or chunks_used == 0:
+        return [dummy] * 8, [0] * 6 + [1, 0], {f"{prefix}_{k}": v for k, v in _NO_KEYS.items()}
+    f = {name: _check(getattr(run, name), f"{prefix}.{name}") for name in
+         ("codes", "scale", "minimum", "lowrank_a", "lowrank_b")}
+    spec = run.spec
+    if spec.axis != "channel":
+        raise NotImplementedError("fused kernel: keys must be stored per channel (key_axis='channel')")
+    group = spec.group_for(run.chunk_len, head_dim)
+    cpb = 8 // spec.bits
+    if run.chunk_len % cpb or group % cpb:
+        raise NotImplementedError(f"fused kernel: chunk of {run.chunk_len} tokens / group {group} does not align "
+                                  f"with {cpb} codes per byte")
+    k2 = key_outlier_count(run)
+    derived = {}
+    if k2:
+        derived = run.derived or _derived_for(run, chunks_used)
+        for name in ("key_outlier_where", "key_outlier_value", "key_outlier_tile"):
+            if name not in derived:
+                raise ValueError(f"{prefix}: run.derived lacks {name!r} (use gear_hf.kernels.views.prepare_derived)")
+            _check(derived[name], f"{prefix}.derived.{name}")
+        where, value, tile = derived["key_outlier_where"], derived["key_outlier_value"], derived["key_outlier_tile"]
+        if where.shape[2] < chunks_used * k2 * head_dim or tile.shape[2] < chunks_used:
+            raise ValueError(f"{prefix}: run.derived covers fewer than the {chunks_used} chunks in use")
+    else:
+        where = value = tile = dummy
+    tiles = -(-run.chunk_len // OUTLIER_TILE)
+    ptrs = [f["codes"], f["scale"], f["minimum"], f["lowrank_a"], f["lowrank_b"], where, value, tile]
+    strides = [f["codes"].stride(1), f["scale"].stride(1), f["lowrank_a"].stride(1), f["lowrank_b"].stride(1),
+               where.stride(1) if k2 else 0, tile.stride(1) if k2 else 0, tiles, k2 * head_dim]
+    constexprs = {"BITS": spec.bits, "CPB": cpb, "GROUP": group, "R": f["lowrank_a"].shape[-1], "SPARSE": k2 > 0,
+                  "STATS_ROW": group % block_n == 0}
+    return ptrs, strides, {f"{prefix}_{k}": v for k, v in constexprs.items()}
+
+
+def _value_run_args(run: ChunkRunView | None, chunks_used: int, dummy: torch.Tensor, head_dim: int, prefix: str):
+    if run is None or chunks_used == 0:
+        return [dummy] * 7, [0] * 5, {f"{prefix}_{k}": v for k, v in _NO_VALUES.items()}
+    names = ("codes", "scale", "minimum", "sparse_values", "sparse_index", "lowrank_a", "lowrank_b")
+    f = {name: _check(getattr(run, name), f"{prefix}.{name}") for name in names}
+    spec = run.spec
+    if spec.axis != "token":
+        raise NotImplementedError("fused kernel: values must be stored per token (value_axis='token')")
+    constexprs = {"BITS": spec.bits, "CPB": 8 // spec.bits, "GROUP": spec.group_for(run.chunk_len, head_dim),
+                  "R": f["lowrank_a"].shape[-1], "K2": f["sparse_values"].shape[-1],
+                  "CODES_W": f["codes"].shape[-1], "STATS_W": f["scale"].shape[-1]}
+    strides = [f[n].stride(1) for n in ("codes", "scale", "sparse_values", "lowrank_a", "lowrank_b")]
+    return [f[n] for n in names], strides, {f"{prefix}_{k}": v for k, v in constexprs.items()}
+
+
+# Key-outlier orderings derived by decode_attention itself (when the cache passes no run.derived), kept per
+# sparse_values tensor (by identity; dropped with it) while it is unchanged: its in-place version counter and
+# the chunks in use.
+_DERIVED_MEMO: dict[int, tuple] = {}
+
+
+def _derived_for(run: ChunkRunView, chunks_used: int) -> dict:
+    tensor = run.sparse_values
+    key = (tensor._version, run.sparse_index._version, chunks_used, tuple(tensor.shape))
+    hit = _DERIVED_MEMO.get(id(tensor))
+    if hit is not None and hit[0]() is tensor and hit[1] == key:
+        return hit[2]
+    derived = prepare_derived(run, chunks_used)
+    ident = id(tensor)
+    _DERIVED_MEMO[ident] = (weakref.ref(tensor, lambda _: _DERIVED_MEMO.pop(ident, None)), key, derived)
+    return derived
 
 
 def _launch(kernel, grid, args, kwargs, plan: list | None) -> None:
@@ -479,28 +554,52 @@ def _launch(kernel, grid, args, kwargs, plan: list | None) -> None:
         plan.append((kernel, grid, args, kwargs))
 
 
+_SM_COUNT: dict[int, int] = {}
+
+
 def _num_splits(max_blocks: int, programs: int, device: torch.device) -> int:
+    """Splits of each program's token range so the grid fills whole waves of the GPU (2 programs per SM)."""
     if max_blocks <= 1:
         return 1
     if device.type != "cuda":
         return min(2, max_blocks)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = -(-2 * sms // max(programs, 1))
-    return max(1, min(want, -(-max_blocks // 4), 64))
+    if device.index not in _SM_COUNT:
+        _SM_COUNT[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    slots = 2 * _SM_COUNT[device.index]
+    best, best_cost = 1, None
+    for ns in range(1, min(64, max(1, max_blocks // 2)) + 1):
+        waves = -(-programs * ns // slots)
+        cost = waves / ns + 0.01 * ns  # time ~ waves x per-split work, plus merging more splits
+        if best_cost is None or cost < best_cost - 1e-9:
+            best, best_cost = ns, cost
+    return best
 
 
-def decode_attention(query: torch.Tensor, key_stream, value_stream, *, rows: torch.Tensor, limits: torch.Tensor,
-                     positions: torch.Tensor, buffer_size: int, scaling: float, inv_freq: torch.Tensor,
-                     attention_scaling: float = 1.0, sliding_window: int | None = None, out: torch.Tensor | None = None,
+_WORKSPACES: dict[tuple, torch.Tensor] = {}
+
+
+def _workspace(device: torch.device, numel: int) -> torch.Tensor:
+    """float32 scratch of at least `numel` elements, cached per device and stream (grown, never shrunk)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    ws = _WORKSPACES.get(key)
+    if ws is None or ws.numel() < numel:
+        ws = torch.empty(max(numel, 2 * ws.numel() if ws is not None else 0), dtype=torch.float32, device=device)
+        _WORKSPACES[key] = ws
+    return ws
+
+
+def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, layout: DecodeLayout, *,
+                     scaling: float, inv_freq: torch.Tensor, attention_scaling: float = 1.0,
+                     sliding_window: int | None = None, out: torch.Tensor | None = None,
                      num_splits: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-                     row_lengths: list[list[int]] | None = None, _plan: list | None = None) -> torch.Tensor:
-    """Attention of `query` [B,Hq,q,d] (already rotated) over one GearCache layer's streams.
+                     num_stages: int | None = None, _plan: list | None = None) -> torch.Tensor:
+    """Attention of `query` [B,Hq,q,d] (already rotated) over one layer's compressed keys/values.
 
-    rows: int32 [B,4] (sink_len, prefill_len, decode_chunks, buffer_len) per row; limits: int32 [B,q], the
-    row-local index of each query token (-1: padding, sees nothing); positions: int32 [B, >=tokens] row-local
-    positions. row_lengths: the same four per-row numbers as python lists (avoids a device sync; read from
-    `rows` when omitted). Returns out [B, q, Hq, d] in query's dtype (HF's attention-function layout).
-    _plan: record the launches in this list instead of running them (gear_hf.kernels.compile_check).
+    keys/values: where the layer's tokens live (`views.StreamView`); layout: per-row lengths and positions
+    (`views.DecodeLayout`). Returns out [B, q, Hq, d] in query's dtype (HF's attention-function layout).
+    Tuning: num_splits (flash-decoding splits; default sized to whole waves), block_n (tokens per block),
+    num_warps, num_stages. _plan: record the launches in this list instead of running them (compile_check).
     """
     if _plan is None and query.device.type != "cuda" and not interpreting():
         raise RuntimeError("gear_hf fused attention needs CUDA tensors, or TRITON_INTERPRET=1 set before "
@@ -508,132 +607,105 @@ def decode_attention(query: torch.Tensor, key_stream, value_stream, *, rows: tor
     B, Hq, QL, D = query.shape
     if D < 32 or D & (D - 1):
         raise NotImplementedError(f"fused kernel: head_dim {D} must be a power of two >= 32")
-    buf_k, buf_v = key_stream.buffer.data, value_stream.buffer.data
+    buf_k, buf_v = _check(keys.buffer, "buffer keys"), _check(values.buffer, "buffer values")
     Hkv = buf_k.shape[1]
     if Hq % Hkv:
         raise ValueError(f"{Hq} query heads do not split into {Hkv} KV heads")
     G = Hq // Hkv
     M = G * QL
-    M_PAD = max(16, _p2(M))
+    m_tiles = -(-M // M_TILE)
     HALF = D // 2
     dtype = query.dtype
     if dtype not in _TL:
         raise TypeError(f"fused kernel: query dtype {dtype} (fp16, bf16 or fp32)")
+    if tuple(layout.rows.shape) != (B, 4) or tuple(layout.limits.shape) != (B, QL):
+        raise ValueError(f"layout.rows must be [B, 4] = {(B, 4)} and layout.limits [B, q] = {(B, QL)}, got "
+                         f"{tuple(layout.rows.shape)} and {tuple(layout.limits.shape)}")
+    for name in ("rows", "limits", "positions"):
+        t = getattr(layout, name)
+        if t.dtype != torch.int32 or t.device != query.device:
+            raise ValueError(f"layout.{name} must be int32 on {query.device}, got {t.dtype} on {t.device}")
     dot_dt = tl.float32 if (dtype == torch.float32 or (dtype == torch.bfloat16 and interpreting())) else _TL[dtype]
     fast = _libdevice is not None and not interpreting()  # hardware sin/cos (the interpreter has none)
     if query.stride(-1) != 1:
         query = query.contiguous()
-    _check(buf_k, "buffer keys"), _check(buf_v, "buffer values")
 
-    sink_k = key_stream.sink.data
-    has_sink = sink_k is not None
-    sink_v = value_stream.sink.data if has_sink else None
+    has_sink = keys.sink is not None and layout.max_sink > 0
     if has_sink:
-        _check(sink_k, "sink keys"), _check(sink_v, "sink values")
-
-    pk = _StoreArgs(key_stream.prefill, query, D, "P_K", key=True)
-    pv = _StoreArgs(value_stream.prefill, query, D, "P_V", key=False)
-    dk = _StoreArgs(key_stream.decode, query, D, "D_K", key=True)
-    dv = _StoreArgs(value_stream.decode, query, D, "D_V", key=False)
-    if pk.present != pv.present or dk.present != dv.present:
-        raise RuntimeError("keys and values of a GearCache layer disagree on which chunks exist")
-    NB = buffer_size
+        _check(keys.sink, "sink keys"), _check(values.sink, "sink values")
+    if (keys.prompt is None) != (values.prompt is None) or (keys.decode is None) != (values.decode is None):
+        raise ValueError("keys and values disagree on which chunk runs exist")
+    NB = layout.buffer_size
     if block_n is None:  # 32-token tiles: no register spills at head_dim 128 with 8 warps (ptxas, sm_90)
-        block_n = min(32, NB & -NB) if dk.present else 32
-    if block_n < 16 or block_n & (block_n - 1) or (dk.present and NB % block_n):
+        block_n = min(32, NB & -NB)
+    decode_chunks = layout.max_decode_chunks if keys.decode is not None else 0
+    if block_n < 16 or block_n & (block_n - 1) or (decode_chunks and NB % block_n):
         raise NotImplementedError(f"fused kernel: a block of {block_n} tokens must be a power of two >= 16 "
                                   f"dividing buffer_size={NB}")
+    prompt_chunks = 1 if (keys.prompt is not None and layout.max_prompt > 0) else 0
+    pk_ptrs, pk_strides, pk_c = _key_run_args(keys.prompt, prompt_chunks, query, D, "P_K", block_n)
+    pv_ptrs, pv_strides, pv_c = _value_run_args(values.prompt, prompt_chunks, query, D, "P_V")
+    dk_ptrs, dk_strides, dk_c = _key_run_args(keys.decode, decode_chunks, query, D, "D_K", block_n)
+    dv_ptrs, dv_strides, dv_c = _value_run_args(values.decode, decode_chunks, query, D, "D_V")
+    if decode_chunks and keys.decode.chunk_len != NB:
+        raise ValueError(f"decode chunks hold {keys.decode.chunk_len} tokens but layout.buffer_size is {NB}")
 
-    if row_lengths is None:
-        row_lengths = rows.tolist()
-    lengths = list(zip(*row_lengths)) if row_lengths else ([], [], [], [])
-    sink_l, prompt_l, chunks_l, buf_l = (list(x) for x in lengths)
-    max_blocks = max((-(-s // block_n) + -(-p // block_n) + c * (NB // block_n) + -(-f // block_n)
-                      for s, p, c, f in zip(sink_l, prompt_l, chunks_l, buf_l)), default=0)
-
-    # Key outliers -> exact score terms (fp32 [B, Hkv, M, compressed tokens]).
-    key_sparse = (pk.present and pk.k2 > 0) or (dk.present and dk.k2 > 0)
-    freq = inv_freq.to(device=query.device, dtype=torch.float32).contiguous()
+    max_blocks = (-(-layout.max_sink // block_n) + -(-layout.max_prompt // block_n)
+                  + layout.max_decode_chunks * (NB // block_n) + -(-layout.max_buffer // block_n))
+    freq = inv_freq if inv_freq.dtype == torch.float32 and inv_freq.device == query.device else \
+        inv_freq.to(device=query.device, dtype=torch.float32)
+    freq = freq.contiguous()
     if freq.numel() != HALF:
         raise ValueError(f"inv_freq has {freq.numel()} entries, expected head_dim/2 = {HALF}")
-    if key_sparse:
-        width = max((p + c * NB for p, c in zip(prompt_l, chunks_l)), default=0)
-        corr = torch.zeros(B, Hkv, M, max(width, 1), dtype=torch.float32, device=query.device)
-        for args, is_prompt in ((pk, True), (dk, False)):
-            if not (args.present and args.k2 > 0):
-                continue
-            spv, spi = args.sparse
-            n_rows = spv.shape[2]
-            if not is_prompt:
-                n_rows = min(n_rows, max(chunks_l, default=0) * args.k2)
-            if n_rows == 0:
-                continue
-            chunk_len = key_stream.prefill.chunk_len if is_prompt else NB
-            sb = max(1, min(_p2(n_rows), 2048 // D))
-            grid = (B * Hkv, triton.cdiv(n_rows, sb))
-            _launch(_key_outlier_scores_kernel, grid, (
-                query, query.stride(0), query.stride(1), query.stride(2), rows, positions, positions.stride(0),
-                freq, float(attention_scaling), spv, spi, spv.stride(1), corr, corr.stride(1), corr.stride(2),
-                n_rows, chunk_len, args.k2, Hkv),
-                dict(G=G, QL=QL, D=D, HALF=HALF, SB=sb, IS_PROMPT=is_prompt, FAST=fast, num_warps=4), _plan)
-    else:
-        corr = torch.zeros(1, dtype=torch.float32, device=query.device)
 
-    nsplit = num_splits or _num_splits(max_blocks, B * Hkv, query.device)
-    nsplit = max(1, min(int(nsplit), 64))
-    acc_ws = torch.empty(B * Hkv * nsplit * M_PAD * D, dtype=torch.float32, device=query.device)
-    ml_ws = torch.empty(B * Hkv * nsplit * 2 * M_PAD, dtype=torch.float32, device=query.device)
-    if out is None:
-        out = torch.empty(B, QL, Hq, D, dtype=dtype, device=query.device)
-    elif tuple(out.shape) != (B, QL, Hq, D) or out.stride(-1) != 1:
-        raise ValueError(f"out must be [B, q, Hq, d] = {(B, QL, Hq, D)} with a contiguous last dim")
-
-    window = int(sliding_window or 0)
-    corr_strides = (corr.stride(1), corr.stride(2)) if key_sparse else (0, 0)
-    constexprs = {**pk.constexprs, **pv.constexprs, **dk.constexprs, **dv.constexprs}
-    if num_warps is None:
-        num_warps = 4 if D <= 64 else 8
-    grid = (B * Hkv, nsplit)
-    _launch(_decode_attention_kernel, grid, (
-        query, query.stride(0), query.stride(1), query.stride(2), limits, rows, positions, positions.stride(0),
-        freq, float(attention_scaling), float(scaling) * LOG2E, window,
-        sink_k if has_sink else query, sink_v if has_sink else query, sink_k.stride(1) if has_sink else 0,
-        buf_k, buf_v, buf_k.stride(1),
-        *pk.ptrs, *pk.strides, *pv.ptrs, *pv.strides, *dk.ptrs, *dk.strides, *dv.ptrs, *dv.strides,
-        corr, corr_strides[0], corr_strides[1],
-        acc_ws, ml_ws, Hkv, nsplit),
-        dict(G=G, QL=QL, M_PAD=M_PAD, D=D, HALF=HALF, BN=block_n, NB=NB, DT=dot_dt, FAST=fast, HAS_SINK=has_sink,
-             **constexprs, num_warps=num_warps), _plan)
-    _launch(_combine_kernel, (B * Hkv, M), (acc_ws, ml_ws, out, out.stride(0), out.stride(1), out.stride(2), Hkv,
-                                            nsplit), dict(G=G, QL=QL, M_PAD=M_PAD, D=D, NS_P2=_p2(nsplit), num_warps=4),
-            _plan)
+    with torch.cuda.device(query.device) if query.device.type == "cuda" else _nullcontext():
+        programs = B * Hkv * m_tiles
+        nsplit = num_splits or _num_splits(max_blocks, programs, query.device)
+        nsplit = max(1, min(int(nsplit), 64))
+        n_acc = programs * nsplit * M_TILE * D
+        ws = _workspace(query.device, n_acc + programs * nsplit * 2 * M_TILE)
+        acc_ws, ml_ws = ws[:n_acc], ws[n_acc:]
+        if out is None:
+            out = torch.empty(B, QL, Hq, D, dtype=dtype, device=query.device)
+        elif tuple(out.shape) != (B, QL, Hq, D) or out.stride(-1) != 1:
+            raise ValueError(f"out must be [B, q, Hq, d] = {(B, QL, Hq, D)} with a contiguous last dim")
+        window = int(sliding_window or 0)
+        if num_warps is None:
+            num_warps = 4 if D <= 64 else 8
+        options = {"num_warps": num_warps}
+        if num_stages is not None:
+            options["num_stages"] = num_stages
+        _launch(_decode_attention_kernel, (programs, nsplit), (
+            query, query.stride(0), query.stride(1), query.stride(2), layout.limits, layout.rows, layout.positions,
+            layout.positions.stride(0), freq, float(attention_scaling), float(scaling) * LOG2E, window,
+            keys.sink if has_sink else query, values.sink if has_sink else query,
+            keys.sink.stride(1) if has_sink else 0, buf_k, buf_v, buf_k.stride(1),
+            *pk_ptrs[:5], *pk_strides[:4], *pk_ptrs[5:], *pk_strides[4:],
+            *pv_ptrs, *pv_strides,
+            *dk_ptrs[:5], *dk_strides[:4], *dk_ptrs[5:], dk_strides[4], dk_strides[5], dk_strides[7],
+            *dv_ptrs, *dv_strides,
+            acc_ws, ml_ws, Hkv, m_tiles, nsplit),
+            dict(G=G, QL=QL, D=D, HALF=HALF, BN=block_n, NB=NB, DT=dot_dt, FAST=fast, HAS_SINK=has_sink,
+                 **pk_c, **pv_c, **dk_c, **dv_c, **options), _plan)
+        _launch(_combine_kernel, (B * Hkv, M), (acc_ws, ml_ws, out, out.stride(0), out.stride(1), out.stride(2),
+                                                Hkv, m_tiles, nsplit), dict(G=G, QL=QL, D=D, num_warps=4), _plan)
     return out
 
 
-def step_meta(cache, query_len: int, device) -> dict:
-    """Per-step inputs shared by every layer (memoised on the cache for the current step)."""
-    key = (cache.steps, query_len, str(device), id(cache.positions), cache.batch_size_)
-    memo = getattr(cache, "_gear_kernels_memo", None)
-    if memo is not None and memo[0] == key:
-        return memo[1]
-    row_lengths = [list(x) for x in zip(cache.sink_len, cache.prefill_len, cache.decode_chunks, cache.buffer_len)]
-    rows = torch.tensor(row_lengths, dtype=torch.int32).to(device, non_blocking=True)
-    limits = cache.rect_to_local[:, cache.rect_length - query_len: cache.rect_length].to(torch.int32).contiguous()
-    positions = cache.positions if cache.positions.dtype == torch.int32 else cache.positions.int()
-    meta = {"rows": rows, "limits": limits, "positions": positions.contiguous(), "row_lengths": row_lengths}
-    cache._gear_kernels_memo = (key, meta)
-    return meta
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
 
 
 def cache_decode_attention(cache, layer_idx: int, query: torch.Tensor, *, scaling: float,
                            inv_freq: torch.Tensor, attention_scaling: float = 1.0,
                            sliding_window: int | None = None, out: torch.Tensor | None = None,
-                           **launch) -> torch.Tensor:
-    """Fused attention of this step's `query` [B,Hq,q,d] over layer `layer_idx` of a GearCache whose step has
-    already been stored. Returns [B, q, Hq, d]."""
-    layer = cache.layers[layer_idx]
-    meta = step_meta(cache, query.shape[2], query.device)
-    return decode_attention(query, layer.key_stream, layer.value_stream, rows=meta["rows"], limits=meta["limits"],
-                            positions=meta["positions"], buffer_size=cache.gear_config.buffer_size, scaling=scaling,
-                            inv_freq=inv_freq, attention_scaling=attention_scaling, sliding_window=sliding_window,
-                            out=out, row_lengths=meta["row_lengths"], **launch)
+                           **tuning) -> torch.Tensor:
+    """Fused attention of `query` [B,Hq,q,d] over layer `layer_idx` of a GearCache (`GearCache.kernel_views`:
+    during a step what it attends to, between steps what the layer holds). Returns [B, q, Hq, d]."""
+    keys, values, layout = cache.kernel_views(layer_idx, query.shape[2], query.device)
+    return decode_attention(query, keys, values, layout, scaling=scaling, inv_freq=inv_freq,
+                            attention_scaling=attention_scaling, sliding_window=sliding_window, out=out, **tuning)

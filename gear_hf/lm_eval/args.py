@@ -15,7 +15,7 @@ import difflib
 import inspect
 from typing import Any
 
-from gear_hf.config import METHODS, GearConfig
+from gear_hf.config import GearConfig
 
 _GEAR_FIELDS = {f.name: f for f in dataclasses.fields(GearConfig)}
 # GEAR keys that are not GearConfig fields.
@@ -137,8 +137,7 @@ def parse_gear_args(args: dict[str, Any]) -> GearConfig:
     if preset is not None and method is not None and preset != method:
         raise ModelArgsError(f"gear_hf --model_args: preset={preset!r} and method={method!r} disagree; give one")
     name = preset if preset is not None else method if method is not None else GearConfig.method
-    if name not in METHODS:
-        raise _bad("preset" if preset is not None else "method", name, " | ".join(METHODS))
+    name_key = "preset" if preset is not None else "method"
     bits = gear.pop("bits", None)
     if bits is not None and ("key_bits" in gear or "value_bits" in gear):
         raise ModelArgsError("gear_hf --model_args: give bits, or key_bits/value_bits, not both")
@@ -146,6 +145,7 @@ def parse_gear_args(args: dict[str, Any]) -> GearConfig:
         return GearConfig.preset(name, bits=bits, **gear)
     except ValueError as e:
         message = str(e)
+        message = message.replace("GearConfig.preset name ", f"{name_key}=")  # e.g. preset='gear2' ... did you mean
         for key, field in keys.items():
             if key != field:
                 message = message.replace(f"GearConfig.{field}=", f"{key}=")

@@ -6,14 +6,19 @@ and a task folder's Python is imported too late to register one. So this entry p
 adds `--include_path <gear_hf task folder>` when the user gave none (neither on the command line nor in a
 `--config` YAML), and hands every argument unchanged to lm-eval's CLI, so all its flags keep working:
 
-    gear-lm-eval --model gear_hf --model_args pretrained=DIR,preset=gear,bits=2 --tasks gsm8k_cot_gear
-    accelerate launch -m gear_hf.lm_eval --model gear_hf ...          # data parallel (GPUs)
-    torchrun --nproc_per_node 2 -m gear_hf.lm_eval --model gear_hf ... # data parallel, CPU processes too
+    gear-lm-eval --model gear_hf --model_args pretrained=DIR,preset=gear-2 --tasks gsm8k_cot_gear
+    accelerate launch --multi_gpu --num_processes N -m gear_hf.lm_eval --model gear_hf ...  # data parallel
+    torchrun --nproc_per_node N -m gear_hf.lm_eval --model gear_hf ...                     # the same
+
+On top of lm-eval's CLI: `--help` ends with a gear_hf section; gear_hf's INFO lines (method, data parallel) are
+shown; a missing offline data directory is one line naming GEAR_HF_DATA_DIR / --metadata data_dir; after the
+results table, one line with the GEAR method, KV bits/element and generated tokens/s.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -80,6 +85,58 @@ def with_task_dir(argv: Sequence[str]) -> list[str]:
     return argv + ["--include_path", str(task_dir())]
 
 
+HELP = """
+gear_hf (this wrapper adds the `gear_hf` model and the task folder {task_dir}):
+  --model gear_hf --model_args pretrained=DIR_OR_HUB_ID,preset=gear-2[,KEY=VALUE...]
+    GEAR keys: preset (alias method: fp16 | kivi | kcvt | outlier | gear-l | gear, or with bits: gear-2, kivi-4,
+      gear-k4v2), bits, and every GearConfig field (key_bits, value_bits, group_size, buffer_size, rank_prefill,
+      rank_decode, power_iters, outlier_ratio, sink_tokens, key_axis, value_axis, pre_rope, gear_backend).
+    Model keys: those of lm-eval's `hf` model (dtype, device, batch_size, gguf_file, attn_implementation, ...).
+  --tasks gsm8k_cot_gear | aqua_cot_gear | bbh_cot_gear (27 subtasks, bbh_cot_gear_<subtask>) | gear_hf_cot (all)
+  Data offline: --metadata '{{"data_dir": "DIR"}}' or GEAR_HF_DATA_DIR=DIR with DIR/gsm8k/test.jsonl,
+    DIR/aqua/{{test,dev}}.json, DIR/bbh/data/<subtask>.json, DIR/bbh/cot-prompts/<subtask>.txt; without either,
+    the Hub datasets (openai/gsm8k, deepmind/aqua_rat, SaylorTwift/bbh).
+  Data parallel: accelerate launch --multi_gpu --num_processes N -m gear_hf.lm_eval ... (GPUs, or CPU processes
+    on a machine without CUDA), or torchrun --nproc_per_node N -m gear_hf.lm_eval ...
+  Results: results["config"] gains gear_config, gear_method and gear_stats (generated tokens, tokens/s, KV
+    bits/element of the caches); the console shows them after lm-eval's table.
+"""
+
+
+def gear_help() -> str:
+    try:
+        folder = str(task_dir())
+    except FileNotFoundError:
+        folder = "(not found)"
+    return HELP.format(task_dir=folder)
+
+
+def show_gear_logs() -> None:
+    """gear_hf's INFO lines on the console (lm-eval configures only its own logger)."""
+    logger = logging.getLogger("gear_hf")
+    if not any(getattr(h, "_gear_hf", False) for h in logger.handlers):
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-8s [%(name)s] %(message)s",
+                                               "%Y-%m-%d:%H:%M:%S"))
+        handler._gear_hf = True
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
+def run_summary(info: dict | None) -> str | None:
+    """The line printed after lm-eval's table: GEAR method, KV bits/element, generated tokens/s."""
+    if not info or "gear_stats" not in info:
+        return None
+    stats = info["gear_stats"]
+    bits, speed = stats.get("kv_bits_per_element"), stats.get("tokens_per_second")
+    world = info.get("gear_world_size", 1)
+    share = f" (rank 0's share of {world} processes)" if world > 1 else ""
+    return (f"gear_hf: {info.get('gear_method', '?')} | KV bits/elem "
+            f"{'-' if bits is None else f'{bits:.2f}'} | tokens/s {'-' if speed is None else f'{speed:.1f}'} | "
+            f"{stats.get('new_tokens', 0)} tokens generated in {stats.get('sequences', 0)} sequences{share}")
+
+
 def register() -> None:
     """Register the `gear_hf` model with lm-eval's model registry (importing the module does it)."""
     import gear_hf.lm_eval.model  # noqa: F401
@@ -89,9 +146,25 @@ def main(argv: Sequence[str] | None = None) -> None:
     from gear_hf.lm_eval import sharding
 
     args = list(sys.argv[1:] if argv is None else argv)
-    sharding.prepare_process_group()
+    wants_help = any(a in ("-h", "--help") for a in args)
+    show_gear_logs()
+    if not wants_help:
+        sharding.refuse_unsharded_launch()
+        sharding.prepare_process_group()
     register()
     sys.argv = [sys.argv[0] if sys.argv else "gear-lm-eval", *with_task_dir(args)]
     from lm_eval.__main__ import cli_evaluate
 
-    cli_evaluate()
+    from gear_hf.lm_eval import model
+    from gear_hf.lm_eval.task_utils import DataUnavailable
+
+    try:
+        cli_evaluate()
+    except DataUnavailable as err:
+        raise SystemExit(f"gear-lm-eval: error: {err}") from None
+    finally:
+        if wants_help:
+            print(gear_help())
+    summary = run_summary(model.LAST_MODEL_INFO)
+    if summary:
+        print(summary)

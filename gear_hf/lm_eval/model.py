@@ -28,6 +28,8 @@ from gear_hf.lm_eval import sharding
 from gear_hf.lm_eval.args import ModelArgsError, gear_keys, split_model_args
 
 log = logging.getLogger(__name__)
+# get_model_info() of the last GearHFLM (lm-eval calls it on rank 0 when the run ends); `gear-lm-eval` prints it.
+LAST_MODEL_INFO: dict | None = None
 
 
 @dataclasses.dataclass
@@ -39,9 +41,8 @@ class GenerationStats:
     new_tokens: int = 0
     seconds: float = 0.0
     kv_reports: int = 0
-    kv_total_bytes: int = 0
-    kv_fp16_bytes: int = 0
-    kv_bits_sum: float = 0.0
+    kv_bits_sum: float = 0.0  # sum of the reports' bits_per_element, each weighted by its elements
+    kv_elements: int = 0
 
     @property
     def tokens_per_second(self) -> float | None:
@@ -49,12 +50,18 @@ class GenerationStats:
 
     @property
     def kv_bits_per_element(self) -> float | None:
-        """Over all generate calls: 16 x (compressed bytes / fp16 bytes), else the mean reported bits."""
-        if self.kv_fp16_bytes > 0:
-            return 16.0 * self.kv_total_bytes / self.kv_fp16_bytes
-        if self.kv_reports:
-            return self.kv_bits_sum / self.kv_reports
-        return None
+        """Over all generate calls: the caches' `memory_report()["bits_per_element"]`, weighted by the elements
+        each cache held (what its tokens hold, so it follows the tokens generated)."""
+        return self.kv_bits_sum / self.kv_elements if self.kv_elements else None
+
+    def add_report(self, report: dict) -> None:
+        bits = report.get("bits_per_element")
+        if bits is None:
+            return
+        weight = int(report.get("elements") or 1)
+        self.kv_reports += 1
+        self.kv_bits_sum += float(bits) * weight
+        self.kv_elements += weight
 
     def as_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -66,7 +73,7 @@ class GenerationStats:
 def _api():
     import gear_hf
 
-    missing = [name for name in ("enable", "disable") if not hasattr(gear_hf, name)]
+    missing = [name for name in ("enable", "disable", "last_cache") if not hasattr(gear_hf, name)]
     if missing:
         raise RuntimeError(f"gear_hf.{missing[0]} is not available in this installation of gear_hf")
     return gear_hf
@@ -123,19 +130,9 @@ class GearHFLM(HFLM):
             while n and pad is not None and row[n - 1] == pad:
                 n -= 1
             stats.new_tokens += n
-        import gear_hf
-
-        last_cache = getattr(gear_hf, "last_cache", None)
-        cache = last_cache(self.model) if last_cache is not None else None
-        if cache is None or not hasattr(cache, "memory_report"):
-            return
-        report = cache.memory_report()
-        stats.kv_reports += 1
-        if report.get("total_bytes") is not None and report.get("fp16_bytes"):
-            stats.kv_total_bytes += int(report["total_bytes"])
-            stats.kv_fp16_bytes += int(report["fp16_bytes"])
-        if report.get("bits_per_element") is not None:
-            stats.kv_bits_sum += float(report["bits_per_element"])
+        cache = _api().last_cache(self.model)  # None when this generate ran without GEAR
+        if cache is not None:
+            stats.add_report(cache.memory_report())
 
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs):
         start = time.perf_counter()
@@ -150,4 +147,6 @@ class GearHFLM(HFLM):
             info["gear_method"] = self.gear_config.describe()
         info["gear_stats"] = self.gear_stats.as_dict()
         info["gear_world_size"] = self.world_size
+        global LAST_MODEL_INFO
+        LAST_MODEL_INFO = info
         return info

@@ -53,3 +53,42 @@ def shard_across_processes(lm) -> None:
     lm._world_size = accelerator.num_processes
     if lm._rank == 0:
         log.info("gear_hf: data parallel over %d processes on %s", lm._world_size, accelerator.device)
+
+
+def _launcher_processes(cmdline: list[str]) -> int | None:
+    """--num_processes N of an `accelerate launch` command line (None when it is not one or gives none)."""
+    text = " ".join(cmdline)
+    if "accelerate" not in text or "launch" not in text:
+        return None
+    for i, arg in enumerate(cmdline):
+        for name in ("--num_processes", "--num-processes"):
+            if arg == name and i + 1 < len(cmdline) and cmdline[i + 1].isdigit():
+                return int(cmdline[i + 1])
+            if arg.startswith(name + "=") and arg.split("=", 1)[1].isdigit():
+                return int(arg.split("=", 1)[1])
+    return None
+
+
+def _parent_cmdline() -> list[str]:
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:  # not Linux: nothing to check
+        return []
+
+
+UNSHARDED_HINT = ("for N processes without CUDA run `accelerate launch --multi_gpu --num_processes N "
+                  "-m gear_hf.lm_eval ...` (gear_hf then builds a CPU process group) or `torchrun "
+                  "--nproc_per_node N -m gear_hf.lm_eval ...`")
+
+
+def refuse_unsharded_launch(parent_cmdline: list[str] | None = None) -> None:
+    """Stop when `accelerate launch --num_processes N` (N > 1) started only this one process: without
+    `--multi_gpu` accelerate runs a single process on a machine without CUDA (and with `--cpu` it needs MPI),
+    which would evaluate everything once while the user expects N shards."""
+    if launched_world_size() > 1:
+        return
+    requested = _launcher_processes(_parent_cmdline() if parent_cmdline is None else parent_cmdline)
+    if requested is not None and requested > 1:
+        raise SystemExit(f"gear-lm-eval: error: accelerate launch asked for {requested} processes but started one "
+                         f"(no --multi_gpu, so no process group); {UNSHARDED_HINT}")

@@ -29,10 +29,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable
 
+from gear_hf import gsm8k
+from gear_hf.gsm8k import DATA_DIR_ENV
 from gear_hf.lm_eval import answers
 from gear_hf.lm_eval.answers import INVALID
-
-DATA_DIR_ENV = "GEAR_HF_DATA_DIR"
 AQUA_NUM_SHOTS = 8
 
 
@@ -78,10 +78,23 @@ def _dataset_dict(test: list[dict], fewshot: list[dict]):
                                  "fewshot": datasets.Dataset.from_list(fewshot)})
 
 
+class DataUnavailable(RuntimeError):
+    """No local data directory was given and the Hub dataset could not be loaded (`gear-lm-eval` prints the
+    message as one line)."""
+
+
 def _hub_split(path: str, name: str | None, split: str) -> list[dict]:
     import datasets
 
-    return list(datasets.load_dataset(path, name, split=split))
+    try:
+        return list(datasets.load_dataset(path, name, split=split))
+    except Exception as err:  # offline, no network, no such dataset: all need the same answer
+        cause = str(err).splitlines()[0] if str(err) else ""
+        raise DataUnavailable(
+            f"no local data directory and the Hugging Face Hub dataset {path!r} could not be loaded "
+            f"({type(err).__name__}: {cause}); give the data directory with --metadata '{{\"data_dir\": \"DIR\"}}' "
+            f"or {DATA_DIR_ENV}=DIR (layout: DIR/gsm8k/test.jsonl, DIR/aqua/test.json, DIR/aqua/dev.json, "
+            "DIR/bbh/data/<subtask>.json)") from err
 
 
 def _read_task_yaml(path: Path) -> dict:
@@ -115,7 +128,8 @@ def gsm8k_cot_exemplars() -> tuple[dict, ...]:
 
 def gsm8k_records(data_dir: Path | None) -> list[dict]:
     if data_dir is not None:
-        rows = read_json_records(data_dir / "gsm8k" / "test.jsonl")
+        _need(data_dir / "gsm8k" / "test.jsonl")  # a task data_dir has the full layout (not the gsm8k folder)
+        rows = gsm8k.load("test", data_dir)
     else:
         rows = _hub_split("openai/gsm8k", "main", "test")
     return [{"question": r["question"], "answer": r["answer"], "gold": answers.gsm8k_gold(r["answer"])}

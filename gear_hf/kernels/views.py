@@ -1,0 +1,123 @@
+"""The seam between a GEAR cache and the fused decode kernel: plain tensors, no cache objects, no triton.
+
+The cache builds these views (cheap: references to its storage tensors) and hands them to
+`gear_hf.kernels.decode.decode_attention`; the kernel never sees a cache object.
+
+* `ChunkRunView`: one run of compressed chunks of one stream (the prompt chunk, or the decode chunks one after
+  the other), exactly the `ChunkStore.fields` tensors, [B, H, capacity*extent, ...], plus optional derived data
+  (`prepare_derived`) that the cache computes once per flush and passes back on every step.
+* `StreamView`: where one stream's (keys' or values') tokens live, in row-local order
+  [ sink | prompt chunk | decode chunks | buffer ].
+* `DecodeLayout`: per-row lengths and positions as device tensors, and host-side upper bounds (no sync).
+
+`prepare_derived` is pure torch; its cost is documented there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+# Key outliers sorted by token are indexed per 16-token tile (the smallest kernel block); see prepare_derived.
+OUTLIER_TILE = 16
+
+
+@dataclass(frozen=True, eq=False)
+class ChunkRunView:
+    """Compressed chunks of `chunk_len` tokens, chunk c of row b at slots [c*e, (c+1)*e) of each field's dim 2
+    (e: the field's extent per chunk), as `gear_hf.storage.ChunkStore.fields` holds them."""
+
+    codes: torch.Tensor  # uint8 packed codes
+    scale: torch.Tensor
+    minimum: torch.Tensor
+    sparse_values: torch.Tensor
+    sparse_index: torch.Tensor
+    lowrank_a: torch.Tensor  # [B,H,capacity*chunk_len,r]
+    lowrank_b: torch.Tensor  # [B,H,capacity*d,r]
+    spec: object  # gear_hf.compress.ChunkSpec
+    chunk_len: int
+    derived: dict = field(default_factory=dict)  # prepare_derived(...) output, or {} (the kernel derives it)
+
+    FIELDS = ("codes", "scale", "minimum", "sparse_values", "sparse_index", "lowrank_a", "lowrank_b")
+
+    @property
+    def head_dim(self) -> int:
+        return self.lowrank_b.shape[2] // self.capacity if self.capacity else 0
+
+    @property
+    def capacity(self) -> int:
+        """Chunks the storage holds per row (used or not)."""
+        return self.lowrank_a.shape[2] // self.chunk_len
+
+    def extent(self, name: str) -> int:
+        """Slots of field `name` along dim 2 per chunk."""
+        return getattr(self, name).shape[2] // self.capacity
+
+
+@dataclass(frozen=True, eq=False)
+class StreamView:
+    buffer: torch.Tensor  # [B, H, cap, d] full-precision tokens (this step's own tokens included)
+    sink: torch.Tensor | None = None  # [B, H, S+1, d] full-precision first tokens, or None
+    prompt: ChunkRunView | None = None  # one chunk (the prompt), or None
+    decode: ChunkRunView | None = None  # decode chunks of buffer_size tokens, or None
+
+
+@dataclass(frozen=True, eq=False)
+class DecodeLayout:
+    rows: torch.Tensor  # int32 [B, 4]: (sink_len, prompt_len, decode_chunks, buffer_len), on the query's device
+    limits: torch.Tensor  # int32 [B, q]: row-local index of each query token; -1 = padding (sees nothing)
+    positions: torch.Tensor  # int32 [B, >=tokens]: row-local RoPE positions
+    max_sink: int  # host-side upper bounds over rows (no device sync needed)
+    max_prompt: int
+    max_decode_chunks: int
+    max_buffer: int
+    buffer_size: int  # n_b: tokens per decode chunk
+
+    def max_tokens(self) -> int:
+        return self.max_sink + self.max_prompt + self.max_decode_chunks * self.buffer_size + self.max_buffer
+
+
+def key_outlier_count(run: ChunkRunView) -> int:
+    """Outlier slots per channel per chunk of a key run (2k), 0 when it has no sparse term."""
+    if run is None or run.sparse_values.numel() == 0 or run.capacity == 0:
+        return 0
+    return run.extent("sparse_values")
+
+
+def prepare_derived(run: ChunkRunView, chunks_used: int) -> dict[str, torch.Tensor]:
+    """Key outliers of the first `chunks_used` chunks of a key run (axis="channel"), sorted by token within each
+    chunk, so the kernel applies a block's outliers inside its main loop (no score buffer, no atomics).
+
+    Returns {} when the run has no key outliers, else
+      key_outlier_where  int32 [B, H, chunks_used * 2k * d]: token_in_chunk * d + channel, ascending per chunk;
+                         entries whose value is 0 (unfilled slots of a short row) sort last and are never read
+      key_outlier_value  [B, H, chunks_used * 2k * d] (sparse_values' dtype), in the same order
+      key_outlier_tile   int32 [B, H, chunks_used, ceil(chunk_len/16) + 1]: entries of the chunk before token
+                         16*u, i.e. tile u's entries are [tile[u], tile[u+1]) (offsets inside the chunk's segment)
+    Cost: one sort of 2k*d entries per chunk, row and head (a few microseconds per decode chunk; the prompt
+    chunk once at prefill). Chunks are independent: a caller may recompute only a new chunk (`chunks_used`
+    counts from the run's start, so slicing the run's fields to one chunk works the same) and concatenate.
+    """
+    k2 = key_outlier_count(run)
+    if k2 == 0 or chunks_used <= 0:
+        return {}
+    if run.spec.axis != "channel":
+        raise ValueError(f"prepare_derived: key outliers must be stored per channel, got axis={run.spec.axis!r}")
+    B, H = run.sparse_values.shape[:2]
+    d = run.sparse_values.shape[3]
+    n = run.chunk_len
+    values = run.sparse_values[:, :, : chunks_used * k2].reshape(B, H, chunks_used, k2 * d)
+    token = run.sparse_index[:, :, : chunks_used * k2].to(torch.int32).reshape(B, H, chunks_used, k2, d)
+    channel = torch.arange(d, dtype=torch.int32, device=token.device)
+    where = (token * d + channel).reshape(B, H, chunks_used, k2 * d)
+    where = torch.where(values != 0, where, n * d)  # empty slots: past the chunk's last token
+    where, order = torch.sort(where, dim=-1, stable=True)
+    values = torch.gather(values, -1, order)
+    tiles = -(-n // OUTLIER_TILE)
+    bounds = torch.arange(tiles + 1, dtype=torch.int32, device=token.device) * (OUTLIER_TILE * d)
+    bounds = bounds.clamp(max=n * d)
+    offsets = torch.searchsorted(where, bounds.expand(B, H, chunks_used, tiles + 1).contiguous())
+    return {"key_outlier_where": where.reshape(B, H, -1).contiguous(),
+            "key_outlier_value": values.reshape(B, H, -1).contiguous(),
+            "key_outlier_tile": offsets.to(torch.int32).contiguous()}
