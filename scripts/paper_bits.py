@@ -32,13 +32,15 @@ def main(argv=None) -> int:
     import gear_hf
     from gear_hf import diagnostics as D
     from gear_hf.cache import GearCache
+    from gear_hf.diagnostics.capture import _NumLayers
+    from gear_hf.gsm8k import solved_text
 
     torch.set_grad_enabled(False)
     if args.load:
         captures = [D.LayerCapture(**c) for c in torch.load(args.load)]
     else:
         model, tokenizer = benchlib.load_model(args.model, args.dtype)
-        ids = tokenizer(D.gsm8k_text(benchlib.DATA_DIR, 0), return_tensors="pt").input_ids[:, -args.tokens:]
+        ids = tokenizer(solved_text(benchlib.data_dir(), 0), return_tensors="pt").input_ids[:, -args.tokens:]
         captures = D.capture_qkv(model, ids)
         if args.save:
             torch.save([vars(c) for c in captures], args.save)
@@ -50,7 +52,7 @@ def main(argv=None) -> int:
         method, _, bits = base.rpartition("-")
         config = gear_hf.GearConfig.preset(method, bits=int(bits), backend="torch",
                                            **({"factor_bits": 8} if int8_factors else {}))
-        cache = GearCache(D._NumLayers(len(captures)), config)
+        cache = GearCache(_NumLayers(len(captures)), config)
         for start, length in [(0, T - 64)] + [(t, 1) for t in range(T - 64, T)]:
             for i, cap in enumerate(captures):
                 cache.store_and_read(i, cap.key[:, :, start:start + length], cap.value[:, :, start:start + length])
