@@ -87,7 +87,9 @@ def grid(kind: str) -> dict:
                point("kivi", 3, 2, sink=4, rotation="both", key_group=128),
                point("kivi", 4, 3, sink=4, rotation="both", key_group=128),
                point("outlier", 2, 2, sink=4, rotation="both", key_group=128),
-               point("gear-l", 2, 2, sink=4, rotation="both", factor_bits=8, key_group=128, ranks=(2, 1))]
+               point("gear-l", 2, 2, sink=4, rotation="both", factor_bits=8, key_group=128, ranks=(2, 1)),
+               point("kivi", 2, 2, rotation="both", key_group=128), point("kivi", 3, 2, rotation="both", key_group=128),
+               point("kivi", 4, 2, rotation="both", key_group=128)]
     if kind == "quick":
         keep = {"kivi-2", "kivi-4", "gear-2", "gear-4", "kivi-k4v2", "kivi-k4v2-rv", "kivi-k3v2-rv", "kivi-3-rv",
                 "kivi-2-rv", "kivi-2-rv-gk128", "kivi-k3v2-rv-gk128", "gear-2-f8"}

@@ -121,8 +121,10 @@ def test_hadamard_is_orthonormal_and_its_own_inverse():
         assert torch.allclose(h @ h.T, torch.eye(d), atol=1e-6) and torch.equal(h, h.T)
     x = _x()
     assert torch.allclose(rotate(rotate(x)), x, atol=1e-5, rtol=1e-6)
-    with pytest.raises(ValueError, match="head_dim=48"):
-        rotate(torch.zeros(2, 48))
+    x48 = torch.randn(3, 48)  # not a power of two: three blocks of 16
+    assert torch.allclose(hadamard(48) @ hadamard(48).T, torch.eye(48), atol=1e-6)
+    assert torch.allclose(rotate(x48), x48 @ hadamard(48), atol=1e-6)
+    assert torch.allclose(rotate(rotate(x48)), x48, atol=1e-5)
 
 
 @pytest.mark.parametrize("axis", ["channel", "token"])
@@ -203,3 +205,23 @@ def test_fused_kernel_declines_what_it_does_not_read(overrides, word):
     assert fused_supported(gear_hf.GearConfig.preset("gear", bits=2), 64, 1) is None
     reason = fused_supported(gear_hf.GearConfig.preset("gear", bits=2, **overrides), 64, 1)
     assert reason is not None and word in reason
+
+
+def test_recommended_follows_the_measured_frontier():
+    from gear_hf.config import RECOMMENDED
+
+    assert gear_hf.GearConfig() == gear_hf.GearConfig.recommended()  # the default is the recommended default
+    bits = [b for _, b, _ in RECOMMENDED]
+    assert bits == sorted(bits)
+    for name, b, fields in RECOMMENDED:
+        assert gear_hf.GearConfig.recommended(b) == gear_hf.GearConfig.recommended(name=name)
+        config = gear_hf.GearConfig.recommended(name=name)
+        assert all(getattr(config, k) == v for k, v in fields.items())
+    assert gear_hf.GearConfig.recommended(3.0) == gear_hf.GearConfig.recommended(name="balanced")
+    with pytest.raises(ValueError, match="bits_per_element=1.5"):
+        gear_hf.GearConfig.recommended(1.5)
+    with pytest.raises(ValueError, match="tiny"):
+        gear_hf.GearConfig.recommended(name="tiny")
+    # the paper's presets stay the paper's whatever the defaults
+    paper = gear_hf.GearConfig.preset("gear", bits=2)
+    assert (paper.rotation, paper.factor_bits, paper.key_group, paper.buffer_size) == ("none", 16, 64, 64)
