@@ -89,7 +89,8 @@ def grid(kind: str) -> dict:
                point("outlier", 2, 2, sink=4, rotation="both", key_group=128),
                point("gear-l", 2, 2, sink=4, rotation="both", factor_bits=8, key_group=128, ranks=(2, 1)),
                point("kivi", 2, 2, rotation="both", key_group=128), point("kivi", 3, 2, rotation="both", key_group=128),
-               point("kivi", 4, 2, rotation="both", key_group=128)]
+               point("kivi", 4, 2, rotation="both", key_group=128),
+               point("gear-l", 2, 2, rotation="both", factor_bits=8, key_group=128, ranks=(2, 1))]
     if kind == "quick":
         keep = {"kivi-2", "kivi-4", "gear-2", "gear-4", "kivi-k4v2", "kivi-k4v2-rv", "kivi-k3v2-rv", "kivi-3-rv",
                 "kivi-2-rv", "kivi-2-rv-gk128", "kivi-k3v2-rv-gk128", "gear-2-f8"}
@@ -219,8 +220,12 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     panels = sorted({(r["model"], r["tokens"]) for r in rows})
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 5), squeeze=False)
-    for ax, (model, T) in zip(axes[0], panels):
+    cols = min(2, len(panels))
+    rows_n = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(7 * cols, 5 * rows_n), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, (model, T) in zip(axes.flat, panels):
         mine = [r for r in rows if r["model"] == model and r["tokens"] == T and r["mean_kl"] > 0]
         front = pareto([r for r in mine if not r["config"].startswith("hf-")])
         for r in mine:

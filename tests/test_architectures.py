@@ -55,7 +55,9 @@ def test_gear4_teacher_forced_agreement(arch):
     result = teacher_forced_agreement(model, ids, sequence[:, 40:], config)
     assert result["positions"] == 40
     assert result["top1_agreement"] >= 0.9, result
-    assert result["mean_kl"] > 0  # the cache did compress (an exact cache would give KL 0)
+    # the cache did compress: an exact cache gives logits equal bit for bit, KL exactly 0 (tiny granite's nearly
+    # uniform attention makes the KL of a compressed cache float noise of either sign, ~1e-7)
+    assert result["mean_kl"] != 0
 
 
 # -- the fused decode kernel where it applies ------------------------------------------------------------------
