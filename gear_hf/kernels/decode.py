@@ -109,7 +109,7 @@ def _unpack_last(byte, BITS: tl.constexpr, CPB: tl.constexpr):
 @triton.jit
 def _key_half(codes_b, scale_b, min_b, a_b, bm_b, s_codes, s_scale, s_a, s_bm, slot, slot0, slot_end, tvalid, chunk, ch,
               D: tl.constexpr, BITS: tl.constexpr, CPB: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr,
-              STATS_ROW: tl.constexpr):
+              STATS_ROW: tl.constexpr, DT: tl.constexpr):
     """Keys (axis="channel") at store slots `slot` [BN] (slot0 + arange, valid below slot_end) and channels
     `ch` [C]: D̂ + A·Bᵀ in float32 [BN, C].
     STATS_ROW: the block lies inside one quantization group (starting at slot0): one row of scale/minimum."""
@@ -133,10 +133,9 @@ def _key_half(codes_b, scale_b, min_b, a_b, bm_b, s_codes, s_scale, s_a, s_bm, s
         sc = tl.load(scale_b + srow, mask=m2, other=0.0).to(tl.float32)
         mn = tl.load(min_b + srow, mask=m2, other=0.0).to(tl.float32)
     k = code.to(tl.float32) * sc + mn
-    for r in tl.static_range(R):
-        a = tl.load(a_b + slot * s_a + r, mask=tvalid, other=0.0).to(tl.float32)
-        bb = tl.load(bm_b + (chunk * D + ch) * s_bm + r).to(tl.float32)
-        k += a[:, None] * bb[None, :]
+    if R > 0:  # + A·Bᵀ on the tensor cores (rank padded to 16 with zeros)
+        a, bt = _lowrank_operands(a_b, bm_b, s_a, s_bm, slot, tvalid, chunk * D + ch, R)
+        k = _lowrank_dot(a, bt, k, DT)
     return k
 
 
@@ -221,15 +220,32 @@ def _softmax_step(s, t, tvalid, limit, mvalid, window, m_i, l_i, acc, v, DT: tl.
 
 
 @triton.jit
-def _lowrank_values(acc, p, a_b, bm_b, s_a, s_bm, slot, tvalid, chunk, D: tl.constexpr, R: tl.constexpr):
-    """acc += (P·A)·Bᵀ for the block: R small outer products, A·Bᵀ never formed."""
-    c = tl.arange(0, D)
-    for r in tl.static_range(R):
-        a = tl.load(a_b + slot * s_a + r, mask=tvalid, other=0.0).to(tl.float32)
-        pa = tl.sum(p * a[None, :], axis=1)  # [M]
-        bb = tl.load(bm_b + (chunk * D + c) * s_bm + r).to(tl.float32)
-        acc += pa[:, None] * bb[None, :]
-    return acc
+def _lowrank_operands(a_b, bm_b, s_a, s_bm, slot, tvalid, b_rows, R: tl.constexpr):
+    """A [BN, 16] at store slots `slot` and Bᵀ [16, C] at rows `b_rows` of B, the rank padded with zeros to 16
+    (the smallest tl.dot), in the storage dtype."""
+    rr = tl.arange(0, 16)
+    a = tl.load(a_b + slot[:, None] * s_a + rr[None, :], mask=tvalid[:, None] & (rr < R)[None, :], other=0.0)
+    bt = tl.load(bm_b + b_rows[None, :] * s_bm + rr[:, None], mask=(rr < R)[:, None], other=0.0)
+    return a, bt
+
+
+@triton.jit
+def _lowrank_dot(x, y, acc, DT: tl.constexpr):
+    """acc + x·y with y a low-rank factor. 16-bit factors: tensor-core dot in their dtype (x rounded to it; exact
+    products, float32 accumulation); DT float32 (a float32 model, or bf16 under the interpreter): a float32 dot."""
+    if DT == tl.float32:
+        return tl.dot(x.to(tl.float32), y.to(tl.float32), acc=acc, input_precision="ieee")
+    else:
+        return tl.dot(x.to(y.dtype), y, acc=acc)
+
+
+@triton.jit
+def _lowrank_values(acc, p, a_b, bm_b, s_a, s_bm, slot, tvalid, chunk, D: tl.constexpr, R: tl.constexpr,
+                    DT: tl.constexpr):
+    """acc += (P·A)·Bᵀ for the block (two small dots; A·Bᵀ never formed)."""
+    a, bt = _lowrank_operands(a_b, bm_b, s_a, s_bm, slot, tvalid, chunk * D + tl.arange(0, D), R)
+    pa = _lowrank_dot(p, a, tl.zeros([p.shape[0], 16], tl.float32), DT)  # [M, 16]
+    return _lowrank_dot(pa, bt, acc, DT)
 
 
 @triton.jit
@@ -245,9 +261,9 @@ def _compressed_block(
 ):
     h_offs = tl.arange(0, HALF)
     k1 = _key_half(kc, ks, km, ka, kb, s_kc, s_ks, s_ka, s_kb, slot, slot0, slot_end, tvalid, chunk, h_offs,
-                   D, K_BITS, K_CPB, K_GROUP, K_R, K_STATS_ROW)
+                   D, K_BITS, K_CPB, K_GROUP, K_R, K_STATS_ROW, DT)
     k2 = _key_half(kc, ks, km, ka, kb, s_kc, s_ks, s_ka, s_kb, slot, slot0, slot_end, tvalid, chunk, h_offs + HALF,
-                   D, K_BITS, K_CPB, K_GROUP, K_R, K_STATS_ROW)
+                   D, K_BITS, K_CPB, K_GROUP, K_R, K_STATS_ROW, DT)
     pos = tl.load(pos_b + t, mask=tvalid, other=0)
     k1, k2 = _rope(k1, k2, pos, freq_ptr, attn_scale, HALF, FAST)
     s = _dot(q1, tl.trans(k1), DT) + _dot(q2, tl.trans(k2), DT)
@@ -258,7 +274,8 @@ def _compressed_block(
     v = _value_tile(vc, vs, vm, vsv, vsi, s_vc, s_vs, s_vsp, slot, tvalid, D, V_BITS, V_CPB, V_GROUP, V_K2,
                     s_vs)
     m_i, l_i, acc, p = _softmax_step(s, t, tvalid, limit, mvalid, window, m_i, l_i, acc, v, DT)
-    acc = _lowrank_values(acc, p, va, vb, s_va, s_vb, slot, tvalid, chunk, D, V_R)
+    if V_R > 0:
+        acc = _lowrank_values(acc, p, va, vb, s_va, s_vb, slot, tvalid, chunk, D, V_R, DT)
     return m_i, l_i, acc
 
 
