@@ -8,15 +8,17 @@ flash-decoding style) streams over that row's tokens in row-local order
 and a second small kernel merges the splits: two launches per layer-step, no allocation (workspaces are cached
 per device and size), no memset. Compressed blocks are decoded in registers, never written back:
 
-* keys (per channel over token groups): unpack the codes along tokens, dequantize with the group's
-  scale/minimum (one row of statistics per block when a group spans whole blocks), add the low-rank term A·Bᵀ
-  (r outer products, in registers), rotate the pre-RoPE key by its stored position (cos/sin from the rotary
-  module's inv_freq, so llama3/linear/yarn scaling is covered, times attention_scaling) and take q·k (tl.dot);
+* keys (per channel over token groups): load each code byte once and unpack it along tokens (tl.join),
+  dequantize with the group's scale/minimum (one row of statistics per block when a group spans whole blocks),
+  add the low-rank term A·Bᵀ as a tensor-core dot accumulating into the dequantized tile (rank padded to 16),
+  rotate the pre-RoPE key by its stored position (cos/sin from the rotary module's inv_freq, so
+  llama3/linear/yarn scaling is covered, times attention_scaling) and take q·k (tl.dot);
 * key outliers (fixed 2k per channel over a chunk) come sorted by token within their chunk with per-16-token
   offsets (`views.prepare_derived`, once per chunk): each block reads only its own outliers and adds their
   exact score terms v·(q_j cos ± q_{j±d/2} sin) through a one-hot tl.dot — no score buffer, no atomics;
-* values (per token over channel groups): unpack along channels, dequantize, add the token's outliers,
-  accumulate P·V̂ with tl.dot and the low-rank term as (P·A)·Bᵀ (never A·Bᵀ);
+* values (per token over channel groups): unpack along channels (each byte once), dequantize with statistics
+  loaded once per group, add the token's outliers, accumulate P·V̂ with tl.dot and the low-rank term as
+  (P·A)·Bᵀ, two small dots (never A·Bᵀ);
 * online softmax in float32 (exp2), causal inside the new tokens and the sliding window on row-local indices
   (padding is not stored, so a row's indices are exactly its real tokens); blocks wholly outside the window
   are skipped, not just masked;
@@ -35,6 +37,7 @@ combinations use the torch path (see gear_hf.kernels.fused_supported).
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -675,7 +678,7 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
     if freq.numel() != HALF:
         raise ValueError(f"inv_freq has {freq.numel()} entries, expected head_dim/2 = {HALF}")
 
-    with torch.cuda.device(query.device) if query.device.type == "cuda" else _nullcontext():
+    with torch.cuda.device(query.device) if query.device.type == "cuda" else contextlib.nullcontext():
         programs = B * Hkv * m_tiles
         nsplit = num_splits or _num_splits(max_blocks, programs, query.device)
         nsplit = max(1, min(int(nsplit), 64))
@@ -707,14 +710,6 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
         _launch(_combine_kernel, (B * Hkv, M), (acc_ws, ml_ws, out, out.stride(0), out.stride(1), out.stride(2),
                                                 Hkv, m_tiles, nsplit), dict(G=G, QL=QL, D=D, num_warps=4), _plan)
     return out
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 # ---------------------------------------------------------------------------------------------------------
