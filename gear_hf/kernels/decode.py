@@ -111,8 +111,8 @@ def _unpack_last(byte, BITS: tl.constexpr, CPB: tl.constexpr):
 
 @triton.jit
 def _key_half(codes_b, scale_b, min_b, a_b, bm_b, s_codes, s_scale, s_a, s_bm, slot, slot0, slot_end, tvalid, chunk, ch,
-              D: tl.constexpr, BITS: tl.constexpr, CPB: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr,
-              STATS_ROW: tl.constexpr, DT: tl.constexpr):
+              bt_pre, D: tl.constexpr, BITS: tl.constexpr, CPB: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr,
+              STATS_ROW: tl.constexpr, DT: tl.constexpr, B_PRE: tl.constexpr):
     """Keys (axis="channel") at store slots `slot` [BN] (slot0 + arange, valid below slot_end) and channels
     `ch` [C]: D̂ + A·Bᵀ in float32 [BN, C].
     STATS_ROW: the block lies inside one quantization group (starting at slot0): one row of scale/minimum."""
@@ -137,8 +137,11 @@ def _key_half(codes_b, scale_b, min_b, a_b, bm_b, s_codes, s_scale, s_a, s_bm, s
         mn = tl.load(min_b + srow, mask=m2, other=0.0).to(tl.float32)
     k = code.to(tl.float32) * sc + mn
     if R > 0:  # + A·Bᵀ on the tensor cores (rank padded to 16 with zeros)
-        a, bt = _lowrank_operands(a_b, bm_b, s_a, s_bm, slot, tvalid, chunk * D + ch, R)
-        k = _lowrank_dot(a, bt, k, DT)
+        if B_PRE:  # the caller loaded Bᵀ once (the prompt chunk: the same B for every block)
+            bt = bt_pre
+        else:
+            bt = _lowrank_bt(bm_b, s_bm, chunk * D + ch, R)
+        k = _lowrank_dot(_lowrank_a(a_b, s_a, slot, tvalid, R), bt, k, DT)
     return k
 
 
@@ -223,13 +226,17 @@ def _softmax_step(s, t, tvalid, limit, mvalid, window, m_i, l_i, acc, v, DT: tl.
 
 
 @triton.jit
-def _lowrank_operands(a_b, bm_b, s_a, s_bm, slot, tvalid, b_rows, R: tl.constexpr):
-    """A [BN, 16] at store slots `slot` and Bᵀ [16, C] at rows `b_rows` of B, the rank padded with zeros to 16
-    (the smallest tl.dot), in the storage dtype."""
+def _lowrank_a(a_b, s_a, slot, tvalid, R: tl.constexpr):
+    """A [BN, 16] at store slots `slot`, the rank padded with zeros to 16 (the smallest tl.dot), storage dtype."""
     rr = tl.arange(0, 16)
-    a = tl.load(a_b + slot[:, None] * s_a + rr[None, :], mask=tvalid[:, None] & (rr < R)[None, :], other=0.0)
-    bt = tl.load(bm_b + b_rows[None, :] * s_bm + rr[:, None], mask=(rr < R)[:, None], other=0.0)
-    return a, bt
+    return tl.load(a_b + slot[:, None] * s_a + rr[None, :], mask=tvalid[:, None] & (rr < R)[None, :], other=0.0)
+
+
+@triton.jit
+def _lowrank_bt(bm_b, s_bm, b_rows, R: tl.constexpr):
+    """Bᵀ [16, C] of B's rows `b_rows`, the rank padded with zeros to 16, storage dtype."""
+    rr = tl.arange(0, 16)
+    return tl.load(bm_b + b_rows[None, :] * s_bm + rr[:, None], mask=(rr < R)[:, None], other=0.0)
 
 
 @triton.jit
@@ -243,10 +250,14 @@ def _lowrank_dot(x, y, acc, DT: tl.constexpr):
 
 
 @triton.jit
-def _lowrank_values(acc, p, a_b, bm_b, s_a, s_bm, slot, tvalid, chunk, D: tl.constexpr, R: tl.constexpr,
-                    DT: tl.constexpr):
+def _lowrank_values(acc, p, a_b, bm_b, s_a, s_bm, slot, tvalid, chunk, bt_pre, D: tl.constexpr, R: tl.constexpr,
+                    DT: tl.constexpr, B_PRE: tl.constexpr):
     """acc += (P·A)·Bᵀ for the block (two small dots; A·Bᵀ never formed)."""
-    a, bt = _lowrank_operands(a_b, bm_b, s_a, s_bm, slot, tvalid, chunk * D + tl.arange(0, D), R)
+    a = _lowrank_a(a_b, s_a, slot, tvalid, R)
+    if B_PRE:
+        bt = bt_pre
+    else:
+        bt = _lowrank_bt(bm_b, s_bm, chunk * D + tl.arange(0, D), R)
     pa = _lowrank_dot(p, a, tl.zeros([p.shape[0], 16], tl.float32), DT)  # [M, 16]
     return _lowrank_dot(pa, bt, acc, DT)
 
@@ -256,17 +267,18 @@ def _compressed_block(
     q1, q2, q_rows, t, slot, slot0, slot_end, tvalid, chunk, tok0, pos_b, freq_ptr, attn_scale, sm_scale, limit, mvalid,
     window, m_i, l_i, acc,
     kc, ks, km, ka, kb, s_kc, s_ks, s_ka, s_kb, ow, ov, ot, n_tiles, seg, t_base,
-    vc, vs, vm, vsv, vsi, va, vb, s_vc, s_vs, s_vsp, s_va, s_vb,
+    vc, vs, vm, vsv, vsi, va, vb, s_vc, s_vs, s_vsp, s_va, s_vb, kbt1, kbt2, vbt,
     D: tl.constexpr, HALF: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr,
+    B_PRE: tl.constexpr,
     K_BITS: tl.constexpr, K_CPB: tl.constexpr, K_GROUP: tl.constexpr, K_R: tl.constexpr, K_SPARSE: tl.constexpr,
     K_STATS_ROW: tl.constexpr,
     V_BITS: tl.constexpr, V_CPB: tl.constexpr, V_GROUP: tl.constexpr, V_R: tl.constexpr, V_K2: tl.constexpr,
 ):
     h_offs = tl.arange(0, HALF)
     k1 = _key_half(kc, ks, km, ka, kb, s_kc, s_ks, s_ka, s_kb, slot, slot0, slot_end, tvalid, chunk, h_offs,
-                   D, K_BITS, K_CPB, K_GROUP, K_R, K_STATS_ROW, DT)
+                   kbt1, D, K_BITS, K_CPB, K_GROUP, K_R, K_STATS_ROW, DT, B_PRE)
     k2 = _key_half(kc, ks, km, ka, kb, s_kc, s_ks, s_ka, s_kb, slot, slot0, slot_end, tvalid, chunk, h_offs + HALF,
-                   D, K_BITS, K_CPB, K_GROUP, K_R, K_STATS_ROW, DT)
+                   kbt2, D, K_BITS, K_CPB, K_GROUP, K_R, K_STATS_ROW, DT, B_PRE)
     pos = tl.load(pos_b + t, mask=tvalid, other=0)
     k1, k2 = _rope(k1, k2, pos, freq_ptr, attn_scale, HALF, FAST)
     s = _dot(q1, tl.trans(k1), DT) + _dot(q2, tl.trans(k2), DT)
@@ -278,7 +290,7 @@ def _compressed_block(
                     s_vs)
     m_i, l_i, acc, p = _softmax_step(s, t, tvalid, limit, mvalid, window, m_i, l_i, acc, v, DT)
     if V_R > 0:
-        acc = _lowrank_values(acc, p, va, vb, s_va, s_vb, slot, tvalid, chunk, D, V_R, DT)
+        acc = _lowrank_values(acc, p, va, vb, s_va, s_vb, slot, tvalid, chunk, vbt, D, V_R, DT, B_PRE)
     return m_i, l_i, acc
 
 
@@ -401,6 +413,10 @@ def _decode_attention_kernel(
                                          window, m_i, l_i, acc, D, HALF, DT, FAST)
 
     if P_K_BITS > 0:
+        # the prompt chunk's Bᵀ (keys: two halves, values) is the same for every block: loaded once
+        pkbt1 = _lowrank_bt(pkb + bh64 * s_pkb, P_K_R, h_offs, P_K_R)
+        pkbt2 = _lowrank_bt(pkb + bh64 * s_pkb, P_K_R, h_offs + HALF, P_K_R)
+        pvbt = _lowrank_bt(pvb + bh64 * s_pvb, P_V_R, tl.arange(0, D), P_V_R)
         for blk in range(tl.maximum(lo, e1), tl.minimum(hi, e2)):
             slot0 = (blk - e1) * BN
             slot = slot0 + n_offs
@@ -414,8 +430,8 @@ def _decode_attention_kernel(
                 pow_ + bh64 * s_pow, pov + bh64 * s_pow, pot + bh64 * s_pot, p_tiles, 0, s_len,
                 pvc + bh64 * s_pvc, pvs + bh64 * s_pvs, pvm + bh64 * s_pvs, pvsv + bh64 * s_pvsp,
                 pvsi + bh64 * s_pvsp, pva + bh64 * s_pva, pvb + bh64 * s_pvb,
-                P_V_CODES_W, P_V_STATS_W, P_V_K2, P_V_R, P_V_R,
-                D, HALF, BN, DT, FAST, P_K_BITS, P_K_CPB, P_K_GROUP, P_K_R, P_K_SPARSE, P_K_STATS_ROW,
+                P_V_CODES_W, P_V_STATS_W, P_V_K2, P_V_R, P_V_R, pkbt1, pkbt2, pvbt,
+                D, HALF, BN, DT, FAST, True, P_K_BITS, P_K_CPB, P_K_GROUP, P_K_R, P_K_SPARSE, P_K_STATS_ROW,
                 P_V_BITS, P_V_CPB, P_V_GROUP, P_V_R, P_V_K2)
 
     if D_K_BITS > 0:
@@ -435,8 +451,8 @@ def _decode_attention_kernel(
                 chunk * d_seg, s_len + p_len + chunk * NB,
                 dvc + bh64 * s_dvc, dvs + bh64 * s_dvs, dvm + bh64 * s_dvs, dvsv + bh64 * s_dvsp,
                 dvsi + bh64 * s_dvsp, dva + bh64 * s_dva, dvb + bh64 * s_dvb,
-                D_V_CODES_W, D_V_STATS_W, D_V_K2, D_V_R, D_V_R,
-                D, HALF, BN, DT, FAST, D_K_BITS, D_K_CPB, D_K_GROUP, D_K_R, D_K_SPARSE, D_K_STATS_ROW,
+                D_V_CODES_W, D_V_STATS_W, D_V_K2, D_V_R, D_V_R, 0, 0, 0,
+                D, HALF, BN, DT, FAST, False, D_K_BITS, D_K_CPB, D_K_GROUP, D_K_R, D_K_SPARSE, D_K_STATS_ROW,
                 D_V_BITS, D_V_CPB, D_V_GROUP, D_V_R, D_V_K2)
 
     for blk in range(tl.maximum(lo, e3), hi):
