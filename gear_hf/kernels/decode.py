@@ -166,12 +166,14 @@ def _value_tile(codes_b, scale_b, min_b, spv_b, spi_b, s_codes, s_scale, s_sp, s
         srow = slot[:, None] * s_scale + (c // GROUP)[None, :]
         sc = tl.load(scale_b + srow, mask=m2, other=0.0).to(tl.float32)
         mn = tl.load(min_b + srow, mask=m2, other=0.0).to(tl.float32)
-    v = code.to(tl.float32) * sc + mn
-    for s in tl.static_range(K2):
-        idx = tl.load(spi_b + slot * s_sp + s, mask=tvalid, other=-1).to(tl.int32)
-        val = tl.load(spv_b + slot * s_sp + s, mask=tvalid, other=0.0).to(tl.float32)
-        v += tl.where(idx[:, None] == c[None, :], val[:, None], 0.0)
-    return v
+    if K2 > 0:  # a token's outlier channels are distinct: select, then one add
+        extra = tl.zeros([BN, D], tl.float32)
+        for s in tl.static_range(K2):
+            idx = tl.load(spi_b + slot * s_sp + s, mask=tvalid, other=-1).to(tl.int32)
+            val = tl.load(spv_b + slot * s_sp + s, mask=tvalid, other=0.0).to(tl.float32)
+            extra = tl.where(idx[:, None] == c[None, :], val[:, None], extra)
+        mn = mn + extra
+    return code.to(tl.float32) * sc + mn
 
 
 @triton.jit
