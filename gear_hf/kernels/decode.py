@@ -584,26 +584,31 @@ def _derived_for(run: ChunkRunView, chunks_used: int) -> dict:
     return derived
 
 
-def _launch(kernel, grid, args, kwargs, plan: list | None) -> None:
-    """Run kernel[grid](*args, **kwargs), or only record it in `plan` (gear_hf.kernels.compile_check)."""
+def _launch(kernel, grid, args, kwargs, plan: list | None):
+    """Run kernel[grid](*args, **kwargs) and return the compiled kernel, or only record the launch in `plan`
+    (gear_hf.kernels.compile_check) and return None."""
     if plan is None:
-        kernel[grid](*args, **kwargs)
-    else:
-        plan.append((kernel, grid, args, kwargs))
+        return kernel[grid](*args, **kwargs)
+    plan.append((kernel, grid, args, kwargs))
+    return None
 
 
 _SM_COUNT: dict[int, int] = {}
+# Programs of the main kernel resident per SM, learned from its register count after the first launch of a
+# configuration (key: device, warps, block, dtype, key/value bits); 1 until then.
+_RESIDENT: dict[tuple, int] = {}
 
 
-def _num_splits(max_blocks: int, programs: int, device: torch.device) -> int:
-    """Splits of each program's token range so the grid fills whole waves of the GPU (2 programs per SM)."""
+def _num_splits(max_blocks: int, programs: int, device: torch.device, resident: int) -> int:
+    """Splits of each program's token range so the grid fills whole waves of the GPU (`resident` programs per
+    SM), at least about two blocks per split."""
     if max_blocks <= 1:
         return 1
     if device.type != "cuda":
         return min(2, max_blocks)
     if device.index not in _SM_COUNT:
         _SM_COUNT[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
-    slots = 2 * _SM_COUNT[device.index]
+    slots = resident * _SM_COUNT[device.index]
     best, best_cost = 1, None
     for ns in range(1, min(64, max(1, max_blocks // 2)) + 1):
         waves = -(-programs * ns // slots)
@@ -611,6 +616,16 @@ def _num_splits(max_blocks: int, programs: int, device: torch.device) -> int:
         if best_cost is None or cost < best_cost - 1e-9:
             best, best_cost = ns, cost
     return best
+
+
+def _resident_programs(compiled, num_warps: int) -> int:
+    """Programs per SM that the register file allows (65536 registers, allocated per warp in units of 8 per
+    thread), at most 8."""
+    regs = getattr(compiled, "n_regs", 0) or 0
+    if regs <= 0:
+        return 1
+    per_program = -(-regs // 8) * 8 * 32 * num_warps
+    return max(1, min(8, 65536 // per_program))
 
 
 _WORKSPACES: dict[tuple, torch.Tensor] = {}
@@ -698,7 +713,11 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
 
     with torch.cuda.device(query.device) if query.device.type == "cuda" else contextlib.nullcontext():
         programs = B * Hkv * m_tiles
-        nsplit = num_splits or _num_splits(max_blocks, programs, query.device)
+        if num_warps is None:
+            num_warps = 4 if D <= 64 else 8
+        resident_key = (query.device.index, num_warps, block_n, dtype, pk_c["P_K_BITS"], pv_c["P_V_BITS"],
+                        dk_c["D_K_BITS"], dv_c["D_V_BITS"])
+        nsplit = num_splits or _num_splits(max_blocks, programs, query.device, _RESIDENT.get(resident_key, 1))
         nsplit = max(1, min(int(nsplit), 64))
         n_acc = programs * nsplit * M_TILE * D
         ws = _workspace(query.device, n_acc + programs * nsplit * 2 * M_TILE)
@@ -708,12 +727,10 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
         elif tuple(out.shape) != (B, QL, Hq, D) or out.stride(-1) != 1:
             raise ValueError(f"out must be [B, q, Hq, d] = {(B, QL, Hq, D)} with a contiguous last dim")
         window = int(sliding_window or 0)
-        if num_warps is None:
-            num_warps = 4 if D <= 64 else 8
         options = {"num_warps": num_warps}
         if num_stages is not None:
             options["num_stages"] = num_stages
-        _launch(_decode_attention_kernel, (programs, nsplit), (
+        compiled = _launch(_decode_attention_kernel, (programs, nsplit), (
             query, query.stride(0), query.stride(1), query.stride(2), layout.limits, layout.rows, layout.positions,
             layout.positions.stride(0), freq, float(attention_scaling), float(scaling) * LOG2E, window,
             keys.sink if has_sink else query, values.sink if has_sink else query,
@@ -725,6 +742,8 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
             acc_ws, ml_ws, Hkv, m_tiles, nsplit),
             dict(G=G, QL=QL, D=D, HALF=HALF, BN=block_n, NB=NB, DT=dot_dt, FAST=fast, HAS_SINK=has_sink,
                  **pk_c, **pv_c, **dk_c, **dv_c, **options), _plan)
+        if compiled is not None and resident_key not in _RESIDENT and query.device.type == "cuda":
+            _RESIDENT[resident_key] = _resident_programs(compiled, num_warps)
         _launch(_combine_kernel, (B * Hkv, M), (acc_ws, ml_ws, out, out.stride(0), out.stride(1), out.stride(2),
                                                 Hkv, m_tiles, nsplit), dict(G=G, QL=QL, D=D, num_warps=4), _plan)
     return out
