@@ -147,13 +147,15 @@ def test_no_recompiles_as_the_cache_grows():
 
     def compiled_count():
         device = torch.cuda.current_device()
-        return sum(len(k.device_caches[device][0]) for k in (decode._decode_attention_kernel, decode._combine_kernel))
+        kernels = (decode._decode_attention_kernel, decode._combine_kernel)
+        return sum(len(k.device_caches[device][0]) for k in kernels)
 
     config = GearConfig.preset("gear", bits=2)
     counts = []
     for new_tokens in (70, 71, 150, 333):
-        cache, _, _ = build_cache(config, batch=2, kv_heads=HKV, head_dim=D, steps=[1000 + 7 * new_tokens, new_tokens, 1],
-                                  pad=[0, 37], dtype=torch.bfloat16, device="cuda", seed=new_tokens)
+        steps = [1000 + 7 * new_tokens, new_tokens, 1]  # other prompt and decode lengths, other capacities
+        cache, _, _ = build_cache(config, batch=2, kv_heads=HKV, head_dim=D, steps=steps, pad=[0, 37],
+                                  dtype=torch.bfloat16, device="cuda", seed=new_tokens)
         q = torch.randn(2, HQ, 1, D, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).cuda()
         _run(cache, q)
         torch.cuda.synchronize()
