@@ -17,11 +17,11 @@ decode layer-steps that took the fused path (the cache's `step_paths` counter wh
 here from the calls to the cache's fused entry point).
 
 Reported per row: median time (CUDA events; `graph_ms` = the same call replayed from a CUDA graph, i.e.
-without Python launch overhead, when capture works), bytes the method must read (`bytes`: used compressed
-storage + positions for GEAR, dense K/V for SDPA; the fused kernel's own scratch — the fp32 outlier-score
-buffer, 4*G bytes per compressed token and KV head, written then read — is not counted; the reference path
-reads at least the compressed bytes and writes+reads a dense copy: `bytes` is that lower bound), achieved bandwidth = bytes / time, and the fused
-output's relative error against the float32 oracle (gear_hf.kernels.reference) where that is cheap.
+without Python launch overhead, when capture works; `graph_vs_sdpa` = graph time over SDPA's graph time),
+bytes the method must read (`bytes`: used compressed storage + positions for GEAR, dense K/V for SDPA; the
+reference path reads at least the compressed bytes and writes+reads a dense copy: `bytes` is that lower bound),
+achieved bandwidth = bytes / time, and the fused output's relative error against the float32 oracle
+(gear_hf.kernels.reference) where that is cheap.
 
 Results go to OUT (default $OUT or ./bench_out): bench_decode_attention.json and .csv, written after every
 row so a timeout keeps what was measured. Without CUDA the script says so and exits 0 (`make bench` runs it).

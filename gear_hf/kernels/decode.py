@@ -445,8 +445,8 @@ def _decode_attention_kernel(
             chunk = j // PER_CHUNK
             t = s_len + p_len + slot
             m_i, l_i, acc = _compressed_block(
-                q1, q2, q_rows, t, slot, slot0, c_cnt * NB, tvalid, chunk, slot0 - chunk * NB, pos_b, freq_ptr, attn_scale,
-                sm_scale, limit, mvalid, window, m_i, l_i, acc,
+                q1, q2, q_rows, t, slot, slot0, c_cnt * NB, tvalid, chunk, slot0 - chunk * NB, pos_b, freq_ptr,
+                attn_scale, sm_scale, limit, mvalid, window, m_i, l_i, acc,
                 dkc + bh64 * s_dkc, dks + bh64 * s_dks, dkm + bh64 * s_dks, dka + bh64 * s_dka,
                 dkb + bh64 * s_dkb, D, D, D_K_R, D_K_R,
                 dow + bh64 * s_dow, dov + bh64 * s_dow, dot_ + bh64 * s_dot + chunk * (NB // 16 + 1), NB // 16,
