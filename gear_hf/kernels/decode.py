@@ -55,7 +55,7 @@ except ImportError:  # pragma: no cover - other triton layouts
 _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 LOG2E = 1.4426950408889634
 M_TILE = 16  # query rows per program (G*q rows are split into tiles of 16: no spills at G*q = 32..128)
-OUTLIERS_PER_STEP = 32  # key outliers applied per one-hot dot
+OUTLIERS_PER_STEP = tl.constexpr(32)  # key outliers applied per one-hot dot
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -187,23 +187,29 @@ def _key_outlier_scores(s, q_rows, mvalid, ow_b, ov_b, ot_b, n_tiles, seg, tok0,
     lo = tl.load(ot_b + u0)
     hi = tl.load(ot_b + tl.minimum(u0 + BN // 16, n_tiles))
     n_offs = tl.arange(0, BN)
+    M: tl.constexpr = s.shape[0]
+    LOG2D: tl.constexpr = D.bit_length() - 1
+    # Every per-outlier quantity is computed on 2D tiles ([M, OE] and [OE, BN], the entry's index repeated
+    # along the other axis: repeated loads hit L1) so the work spreads over all threads; a 1D [OE] vector would
+    # be replicated in every thread (sin/cos of each outlier computed by all of them).
+    e_me = tl.arange(0, OE)[None, :] + tl.zeros([M, OE], tl.int32)
+    e_en = tl.arange(0, OE)[:, None] + tl.zeros([OE, BN], tl.int32)
     for e0 in range(lo, hi, OE):
-        e = e0 + tl.arange(0, OE)
+        e = e0 + e_me
         ev = e < hi
         where = tl.load(ow_b + seg + e, mask=ev, other=0)
         val = tl.load(ov_b + seg + e, mask=ev, other=0.0).to(tl.float32)
-        tok = where // D
-        ch = where % D
-        pos = tl.load(pos_b + t_base + tok, mask=ev, other=0)
-        ang = pos.to(tl.float32) * tl.load(freq_ptr + ch % HALF)
-        cos, sin = _sincos(ang, FAST)
-        m2 = mvalid[:, None] & ev[None, :]
-        qv = tl.load(q_rows[:, None] + ch[None, :], mask=m2, other=0.0).to(tl.float32)
+        ch = where & (D - 1)  # where >= 0 and D a power of two: shifts and masks, not signed division
+        pos = tl.load(pos_b + t_base + (where >> LOG2D), mask=ev, other=0)
+        cos, sin = _sincos(pos.to(tl.float32) * tl.load(freq_ptr + ch % HALF), FAST)
+        m2 = mvalid[:, None] & ev
+        qv = tl.load(q_rows[:, None] + ch, mask=m2, other=0.0).to(tl.float32)
         qp = tl.load(q_rows[:, None] + (ch + HALF) % D, mask=m2, other=0.0).to(tl.float32)
-        sin = tl.where(ch < HALF, sin, -sin)
         w = val * attn_scale
-        contrib = qv * (cos * w)[None, :] + qp * (sin * w)[None, :]  # [M, OE]
-        onehot = tl.where(((tok - tok0)[:, None] == n_offs[None, :]) & ev[:, None], 1.0, 0.0)  # [OE, BN]
+        contrib = (qv * cos + qp * tl.where(ch < HALF, sin, -sin)) * w  # [M, OE]
+        et = e0 + e_en
+        tok = tl.load(ow_b + seg + et, mask=et < hi, other=-D) >> LOG2D  # [OE, BN]
+        onehot = tl.where((tok - tok0) == n_offs[None, :], 1.0, 0.0)
         if IEEE:
             s += tl.dot(contrib, onehot, input_precision="ieee")
         else:
@@ -286,7 +292,7 @@ def _compressed_block(
     s = _dot(q1, tl.trans(k1), DT) + _dot(q2, tl.trans(k2), DT)
     if K_SPARSE:
         s = _key_outlier_scores(s, q_rows, mvalid, ow, ov, ot, n_tiles, seg, tok0, t_base, pos_b, freq_ptr,
-                                attn_scale, D, HALF, BN, 32, DT == tl.float32, FAST)
+                                attn_scale, D, HALF, BN, OUTLIERS_PER_STEP, DT == tl.float32, FAST)
     s = s * sm_scale
     v = _value_tile(vc, vs, vm, vsv, vsi, s_vc, s_vs, s_vsp, slot, tvalid, D, V_BITS, V_CPB, V_GROUP, V_K2,
                     s_vs)
