@@ -145,7 +145,8 @@ def test_gemma3_layers_read_keys_with_their_own_rope():
     assert sliding.inv_freq[1] > full.inv_freq[1]
     ids = torch.tensor([[5, 6, 7]])
     kwargs = {CACHE_ARG: gear_hf.GearCache(model)}
-    model(input_ids=ids, **kwargs)  # runs both layers through the shared forward
+    with torch.no_grad():  # a GearCache refuses autograd (test_user_path)
+        model(input_ids=ids, **kwargs)  # runs both layers through the shared forward
 
 
 def test_length_dependent_rope_on_one_layer_type_refused():
