@@ -36,6 +36,22 @@ PAPER_FIELDS: dict[str, Any] = dict(key_bits=4, value_bits=4, group_size=64, ran
                                     value_group_size=None, rotation="none", factor_bits=16)
 
 
+# What the measured frontier says to pick (scripts/frontier.py; SmolLM2-135M and Qwen2.5-0.5B in bf16, head_dim 64,
+# teacher-forced next-token KL over the last 128 tokens of a 1024-token GSM8K text; README "Accuracy per byte"):
+# (name, bits/element held at T=1024 on d=64 heads, fields over the paper's with int8 low-rank factors), cheapest
+# first. Keys and values
+# rotated (Walsh–Hadamard), keys grouped by 128 tokens (values by whole tokens up to head_dim 128): at 2.9 bits
+# they beat the paper's gear-2 at 4.1.
+RECOMMENDED: tuple[tuple[str, float, dict[str, Any]], ...] = (
+    ("compact", 2.38, dict(method="kivi", key_bits=2, value_bits=2, rotation="both", group_size=128)),
+    ("balanced", 2.88, dict(method="kivi", key_bits=3, value_bits=2, rotation="both", group_size=128)),
+    ("accurate", 3.38, dict(method="kivi", key_bits=3, value_bits=3, rotation="both", group_size=128)),
+    ("kivi-4", 4.51, dict(method="kivi", key_bits=4, value_bits=4)),
+    ("gear-4", 6.06, dict(method="gear", key_bits=4, value_bits=4, factor_bits=16)),
+)
+DEFAULT_RECOMMENDED = "accurate"  # what GearConfig() and gear_hf.enable(model) use
+
+
 def _fail(field: str, value: Any, allowed: str) -> None:
     raise ValueError(f"GearConfig.{field}={value!r} is invalid; allowed: {allowed}")
 
@@ -66,15 +82,16 @@ class GearConfig:
                    the environment variable GEAR_HF_BACKEND overrides "auto"
     """
 
-    method: str = "gear"
-    key_bits: int = 4
-    value_bits: int = 4
-    group_size: int = 64
+    # defaults: RECOMMENDED[DEFAULT_RECOMMENDED] (checked by tests/test_side_info.py); presets: PAPER_FIELDS
+    method: str = "kivi"
+    key_bits: int = 3
+    value_bits: int = 3
+    group_size: int = 128
     rank_prefill: int = 4
     rank_decode: int = 2
     power_iters: int = 3
     outlier_ratio: float = 0.02
-    buffer_size: int = 64
+    buffer_size: int = 128
     sink_tokens: int = 0
     key_axis: str = "channel"
     value_axis: str = "token"
@@ -82,8 +99,8 @@ class GearConfig:
     backend: str = "auto"
     key_group_size: int | None = None
     value_group_size: int | None = None
-    rotation: str = "none"
-    factor_bits: int = 16
+    rotation: str = "both"
+    factor_bits: int = 8  # int8 factors moved gear-2's attention-output error by < 0.1% (README)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -199,6 +216,35 @@ class GearConfig:
                              f"{[f.name for f in dataclasses.fields(cls)]}")
         fields.update(overrides)
         return cls(**fields)
+
+    @classmethod
+    def recommended(cls, bits_per_element: float | None = None, *, name: str | None = None,
+                    **overrides: Any) -> "GearConfig":
+        """What the measured frontier says to pick (RECOMMENDED): the configuration holding the most bits per
+        element not above `bits_per_element`, or the one called `name`; neither: the default (= GearConfig()).
+
+        The bits were measured on head_dim 64 at T=1024 (per-group side information weighs more on smaller heads;
+        the full-precision buffer of at most buffer_size tokens adds its share at short T)."""
+        if bits_per_element is not None and name is not None:
+            raise ValueError("GearConfig.recommended takes bits_per_element or name, not both")
+        names = [n for n, _, _ in RECOMMENDED]
+        if name is None and bits_per_element is None:
+            name = DEFAULT_RECOMMENDED
+        if name is not None:
+            if name not in names:
+                _fail("recommended name", name, " | ".join(names))
+            fields = next(f for n, _, f in RECOMMENDED if n == name)
+        else:
+            fitting = [f for _, bits, f in RECOMMENDED if bits <= bits_per_element]
+            if isinstance(bits_per_element, bool) or not fitting:
+                _fail("recommended bits_per_element", bits_per_element,
+                      f"a number >= {RECOMMENDED[0][1]} (the cheapest measured configuration)")
+            fields = fitting[-1]
+        merged = {**PAPER_FIELDS, "factor_bits": 8, **fields, **overrides}
+        if "buffer_size" not in overrides:  # the paper's 64 tokens, or a multiple of a longer key group
+            key_group = merged["key_group_size"] or merged["group_size"]
+            merged["buffer_size"] = math.lcm(PAPER_FIELDS["buffer_size"], key_group)
+        return cls(**merged)
 
     def describe(self) -> str:
         """The preset name of this config's method and bits ("gear-2", "kivi-k4v2", "fp16"); `preset` reads it."""

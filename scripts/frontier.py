@@ -41,14 +41,16 @@ SHOTS_FOR = {1024: 8, 4096: 40}  # GSM8K exemplars so the text is at least T tok
 # -- the grid -------------------------------------------------------------------------------------------------
 
 def point(method: str, key_bits: int, value_bits: int, *, sink: int = 0, rotation: str = "none",
-          factor_bits: int = 16, key_group: int | None = None, value_group: int | None = None):
+          factor_bits: int = 16, key_group: int | None = None, value_group: int | None = None,
+          ranks: tuple[int, int] | None = None):
     """(name, GearConfig): the paper's preset of `method` with these changes; the name spells the changes."""
     import gear_hf
 
     granule = math.lcm(64, key_group or 64)
     config = gear_hf.GearConfig.preset(method, key_bits=key_bits, value_bits=value_bits, sink_tokens=sink,
                                        rotation=rotation, factor_bits=factor_bits, key_group_size=key_group,
-                                       value_group_size=value_group, buffer_size=granule)
+                                       value_group_size=value_group, buffer_size=granule,
+                                       **(dict(rank_prefill=ranks[0], rank_decode=ranks[1]) if ranks else {}))
     bits = f"{key_bits}" if key_bits == value_bits else f"k{key_bits}v{value_bits}"
     name = f"{method}-{bits}"
     name += f"-s{sink}" if sink else ""
@@ -56,6 +58,7 @@ def point(method: str, key_bits: int, value_bits: int, *, sink: int = 0, rotatio
     name += "-f8" if factor_bits == 8 and config.uses_lowrank else ""
     name += f"-gk{key_group}" if key_group else ""
     name += f"-gv{value_group}" if value_group else ""
+    name += f"-r{ranks[0]}{ranks[1]}" if ranks else ""
     return name, config
 
 
@@ -77,6 +80,16 @@ def grid(kind: str) -> dict:
                point("gear", 4, 2, factor_bits=8),
                point("kivi", 2, 2, key_group=128, rotation="values"), point("kivi", 3, 2, key_group=128, rotation="values"),
                point("kivi", 3, 3, key_group=128, rotation="values"), point("kivi", 4, 2, key_group=128, rotation="values")]
+    # round 2, from the first points: keys rotated too, sinks, coarser key groups together
+    points += [point("kivi", 2, 2, sink=4, rotation="both"), point("kivi", 3, 3, rotation="both", key_group=128),
+               point("kivi", 2, 2, sink=4, rotation="both", key_group=128),
+               point("kivi", 3, 3, sink=4, rotation="both", key_group=128),
+               point("kivi", 3, 2, sink=4, rotation="both", key_group=128),
+               point("kivi", 4, 3, sink=4, rotation="both", key_group=128),
+               point("outlier", 2, 2, sink=4, rotation="both", key_group=128),
+               point("gear-l", 2, 2, sink=4, rotation="both", factor_bits=8, key_group=128, ranks=(2, 1)),
+               point("kivi", 2, 2, rotation="both", key_group=128), point("kivi", 3, 2, rotation="both", key_group=128),
+               point("kivi", 4, 2, rotation="both", key_group=128)]
     if kind == "quick":
         keep = {"kivi-2", "kivi-4", "gear-2", "gear-4", "kivi-k4v2", "kivi-k4v2-rv", "kivi-k3v2-rv", "kivi-3-rv",
                 "kivi-2-rv", "kivi-2-rv-gk128", "kivi-k3v2-rv-gk128", "gear-2-f8"}
@@ -127,7 +140,8 @@ def _read(path: Path) -> list[dict]:
 def measure_model(model_name: str, dtype: str, tokens_list, configs: dict, baselines, args, out: Path) -> None:
     import gear_hf
     from gear_hf import diagnostics as D
-    from gear_hf.cache import _text_config
+    from gear_hf.cache.gear_cache import _text_config
+    from gear_hf.gsm8k import solved_text
 
     raw = out / "raw.csv"
     done = _done(raw)
@@ -139,7 +153,7 @@ def measure_model(model_name: str, dtype: str, tokens_list, configs: dict, basel
     for T in tokens_list:
         if not todo[T]:
             continue
-        text = D.gsm8k_text(benchlib.DATA_DIR, args.text, shots=SHOTS_FOR.get(T, max(8, T // 100)))
+        text = solved_text(benchlib.data_dir(), args.text, shots=SHOTS_FOR.get(T, max(8, T // 100)))
         ids = tokenizer(text, return_tensors="pt").input_ids[:, -T:]
         if ids.shape[1] < T:
             raise SystemExit(f"the text has only {ids.shape[1]} tokens < T={T}: raise SHOTS_FOR[{T}]")
@@ -161,7 +175,7 @@ def measure_model(model_name: str, dtype: str, tokens_list, configs: dict, basel
                 cache = gear_hf.GearCache(model, config)
             logits = D.streamed_logits(model, ids, prompt, args.chunk, cache)
             gear_hf.disable(model)
-            kl = D._kl(reference, logits)
+            kl = D.kl_divergence(reference, logits)
             elements = _elements(text_cfg, T)
             if config is None:
                 bits = benchlib.tensor_bytes(cache) * 8 / elements

@@ -25,20 +25,22 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     parser.add_argument("--tokens", type=int, default=1024)
-    parser.add_argument("--presets", default="gear-2,kivi-2,gear-4")
+    parser.add_argument("--presets", default="gear-2,kivi-2,gear-4", help="METHOD-BITS, -f8: int8 factors")
     parser.add_argument("--save", default=None, help="capture with the model, save here, then measure")
     parser.add_argument("--load", default=None, help="measure saved captures (no model needed)")
     args = parser.parse_args(argv)
     import gear_hf
     from gear_hf import diagnostics as D
     from gear_hf.cache import GearCache
+    from gear_hf.diagnostics.capture import _NumLayers
+    from gear_hf.gsm8k import solved_text
 
     torch.set_grad_enabled(False)
     if args.load:
         captures = [D.LayerCapture(**c) for c in torch.load(args.load)]
     else:
         model, tokenizer = benchlib.load_model(args.model, args.dtype)
-        ids = tokenizer(D.gsm8k_text(benchlib.DATA_DIR, 0), return_tensors="pt").input_ids[:, -args.tokens:]
+        ids = tokenizer(solved_text(benchlib.data_dir(), 0), return_tensors="pt").input_ids[:, -args.tokens:]
         captures = D.capture_qkv(model, ids)
         if args.save:
             torch.save([vars(c) for c in captures], args.save)
@@ -46,9 +48,11 @@ def main(argv=None) -> int:
     H, d = captures[0].key.shape[1], captures[0].key.shape[3]
     print(f"captures: {len(captures)} layers, T={T}, {H} KV heads, head_dim {d}, {captures[0].key.dtype}")
     for name in args.presets.split(","):
-        method, _, bits = name.rpartition("-")
-        config = gear_hf.GearConfig.preset(method, bits=int(bits), backend="torch")
-        cache = GearCache(D._NumLayers(len(captures)), config)
+        base, int8_factors = (name[:-3], True) if name.endswith("-f8") else (name, False)  # gear-2-f8: int8 factors
+        method, _, bits = base.rpartition("-")
+        config = gear_hf.GearConfig.preset(method, bits=int(bits), backend="torch",
+                                           **({"factor_bits": 8} if int8_factors else {}))
+        cache = GearCache(_NumLayers(len(captures)), config)
         for start, length in [(0, T - 64)] + [(t, 1) for t in range(T - 64, T)]:
             for i, cap in enumerate(captures):
                 cache.store_and_read(i, cap.key[:, :, start:start + length], cap.value[:, :, start:start + length])

@@ -55,7 +55,7 @@ def test_use_fused(monkeypatch):
     q1 = torch.zeros(1, 4, 1, 64)
     prompt = torch.zeros(1, 4, MAX_FUSED_QUERY + 1, 64)
     assert not use_fused(GearConfig(), q1)  # auto on CPU: torch
-    forced = GearConfig(backend="triton")
+    forced = GearConfig.preset("gear", bits=4, backend="triton")  # storage the fused kernel reads
     assert use_fused(forced, q1)
     assert not use_fused(forced, prompt)  # prompts keep the reference path
     assert not use_fused(forced, q1, training=True)

@@ -121,8 +121,10 @@ def test_hadamard_is_orthonormal_and_its_own_inverse():
         assert torch.allclose(h @ h.T, torch.eye(d), atol=1e-6) and torch.equal(h, h.T)
     x = _x()
     assert torch.allclose(rotate(rotate(x)), x, atol=1e-5, rtol=1e-6)
-    with pytest.raises(ValueError, match="head_dim=48"):
-        rotate(torch.zeros(2, 48))
+    x48 = torch.randn(3, 48)  # not a power of two: three blocks of 16
+    assert torch.allclose(hadamard(48) @ hadamard(48).T, torch.eye(48), atol=1e-6)
+    assert torch.allclose(rotate(x48), x48 @ hadamard(48), atol=1e-6)
+    assert torch.allclose(rotate(rotate(x48)), x48, atol=1e-5)
 
 
 @pytest.mark.parametrize("axis", ["channel", "token"])
@@ -189,3 +191,37 @@ def test_separate_key_and_value_group_sizes():
     with pytest.raises(ValueError, match="key_group_size=12"):
         gear_hf.GearConfig(key_bits=3, key_group_size=12, buffer_size=24)
     assert gear_hf.GearConfig.preset("gear", bits=2).rotation == "none"  # the paper presets stay the paper's
+
+
+@pytest.mark.parametrize("overrides,word", [
+    (dict(key_bits=3), "3-bit"), (dict(value_bits=3), "3-bit"), (dict(rotation="values"), "rotation"),
+    (dict(rotation="keys"), "rotation"), (dict(factor_bits=8), "int8"), (dict(key_group_size=32), "group"),
+])
+def test_fused_kernel_declines_what_it_does_not_read(overrides, word):
+    """The fused decode kernel reads the paper's storage only: every other option names itself, so the cache
+    takes the torch reference path for it (and stays correct)."""
+    from gear_hf.kernels import fused_supported
+
+    assert fused_supported(gear_hf.GearConfig.preset("gear", bits=2), 64, 1) is None
+    reason = fused_supported(gear_hf.GearConfig.preset("gear", bits=2, **overrides), 64, 1)
+    assert reason is not None and word in reason
+
+
+def test_recommended_follows_the_measured_frontier():
+    from gear_hf.config import RECOMMENDED
+
+    assert gear_hf.GearConfig() == gear_hf.GearConfig.recommended()  # the default is the recommended default
+    bits = [b for _, b, _ in RECOMMENDED]
+    assert bits == sorted(bits)
+    for name, b, fields in RECOMMENDED:
+        assert gear_hf.GearConfig.recommended(b) == gear_hf.GearConfig.recommended(name=name)
+        config = gear_hf.GearConfig.recommended(name=name)
+        assert all(getattr(config, k) == v for k, v in fields.items())
+    assert gear_hf.GearConfig.recommended(3.0) == gear_hf.GearConfig.recommended(name="balanced")
+    with pytest.raises(ValueError, match="bits_per_element=1.5"):
+        gear_hf.GearConfig.recommended(1.5)
+    with pytest.raises(ValueError, match="tiny"):
+        gear_hf.GearConfig.recommended(name="tiny")
+    # the paper's presets stay the paper's whatever the defaults
+    paper = gear_hf.GearConfig.preset("gear", bits=2)
+    assert (paper.rotation, paper.factor_bits, paper.key_group, paper.buffer_size) == ("none", 16, 64, 64)

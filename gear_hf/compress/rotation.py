@@ -1,8 +1,10 @@
 """Orthonormal Walsh–Hadamard rotation along head_dim (beyond GEAR; QuaRot-style).
 
-Rotating a vector by H/sqrt(d) spreads a few large channels over all of them, so a group's range follows the
+Rotating a vector by H/sqrt(b) spreads a few large channels over all of them, so a group's range follows the
 vector's norm instead of its largest channel. The normalized Sylvester matrix is symmetric and orthogonal, so
-it is its own inverse: the same product rotates and un-rotates.
+it is its own inverse: the same product rotates and un-rotates. A head_dim that is not a power of two is rotated
+in blocks of its largest power-of-two divisor b (block-diagonal, still orthonormal; d=96: three blocks of 32;
+an odd d: b=1, no rotation).
 """
 
 from __future__ import annotations
@@ -13,21 +15,30 @@ import math
 import torch
 
 
+def block_size(d: int) -> int:
+    """The Hadamard block for head_dim d: its largest power-of-two divisor."""
+    if d < 1:
+        raise ValueError(f"head_dim={d} must be >= 1")
+    return d & -d
+
+
 @functools.lru_cache(maxsize=8)
-def _hadamard_cpu(d: int) -> torch.Tensor:
-    if d < 1 or d & (d - 1):
-        raise ValueError(f"Hadamard rotation needs head_dim a power of two, got head_dim={d}")
+def _hadamard_cpu(b: int) -> torch.Tensor:
     h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < d:
+    while h.shape[0] < b:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return (h / math.sqrt(d)).float()  # [d, d], H = Hᵀ = H⁻¹
+    return (h / math.sqrt(b)).float()  # [b, b], H = Hᵀ = H⁻¹
 
 
 def hadamard(d: int, device=None) -> torch.Tensor:
-    """The orthonormal [d, d] Walsh–Hadamard matrix in float32 (its own transpose and inverse)."""
-    return _hadamard_cpu(d).to(device)
+    """The orthonormal [d, d] rotation in float32 (block-diagonal Walsh–Hadamard; its own transpose and inverse)."""
+    b = block_size(d)
+    return torch.block_diag(*[_hadamard_cpu(b)] * (d // b)).to(device)
 
 
 def rotate(x: torch.Tensor) -> torch.Tensor:
-    """x [..., d] @ H in float32; applying it twice gives x back (to float32 rounding)."""
-    return x.float() @ hadamard(x.shape[-1], x.device)
+    """x [..., d] rotated, in float32; applying it twice gives x back (to float32 rounding)."""
+    d = x.shape[-1]
+    b = block_size(d)
+    blocks = x.float().reshape(*x.shape[:-1], d // b, b)
+    return (blocks @ _hadamard_cpu(b).to(x.device)).reshape(x.shape)
