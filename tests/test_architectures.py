@@ -55,9 +55,11 @@ def test_gear4_teacher_forced_agreement(arch):
     result = teacher_forced_agreement(model, ids, sequence[:, 40:], config)
     assert result["positions"] == 40
     assert result["top1_agreement"] >= 0.9, result
-    # the cache did compress: an exact cache gives logits equal bit for bit, KL exactly 0 (tiny granite's nearly
-    # uniform attention makes the KL of a compressed cache float noise of either sign, ~1e-7)
-    assert result["mean_kl"] != 0
+    # the cache did compress (an exact cache gives KL 0): visible at 2 bits even on these near-uniform tiny
+    # models, where gear-4's KL can sit within float noise of 0 (granite: -4e-8)
+    coarse = teacher_forced_agreement(model, ids, sequence[:, 40:], config.replace(method="kivi", key_bits=2,
+                                                                                   value_bits=2))
+    assert coarse["mean_kl"] > 1e-8, coarse
 
 
 # -- the fused decode kernel where it applies ------------------------------------------------------------------
@@ -143,7 +145,8 @@ def test_gemma3_layers_read_keys_with_their_own_rope():
     assert sliding.inv_freq[1] > full.inv_freq[1]
     ids = torch.tensor([[5, 6, 7]])
     kwargs = {CACHE_ARG: gear_hf.GearCache(model)}
-    model(input_ids=ids, **kwargs)  # runs both layers through the shared forward
+    with torch.no_grad():  # a GearCache refuses autograd (test_user_path)
+        model(input_ids=ids, **kwargs)  # runs both layers through the shared forward
 
 
 def test_length_dependent_rope_on_one_layer_type_refused():

@@ -289,3 +289,14 @@ def test_held_of_a_sliding_layer_that_released_is_finite():
     assert keys.shape[2] == 124 and torch.isfinite(keys).all() and torch.isfinite(values).all()
     assert torch.equal(values[:, :, :24], torch.zeros_like(values[:, :, :24]))  # released: zeros
     torch.testing.assert_close(values[:, :, -4:], V[:, :, -4:])  # the buffer, exact
+
+
+def test_gradients_on_get_a_clear_error():
+    """A forward with autograd on hands the cache tensors that require grad: refused with a message saying what
+    to do, not a `mul(): ... out=` error from deep inside the compression."""
+    cache = _cache(_config())
+    k = torch.zeros(1, H, 4, D, requires_grad=True)
+    with pytest.raises(RuntimeError, match="no_grad"):
+        cache.store_and_read(0, k, torch.zeros(1, H, 4, D))
+    with torch.no_grad():
+        cache.store_and_read(0, k, torch.zeros(1, H, 4, D))

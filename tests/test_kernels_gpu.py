@@ -122,7 +122,7 @@ def test_generate_fused_equals_torch_gpu(monkeypatch):
     import test_kernels_dispatch as dispatch
 
     monkeypatch.setattr(dispatch, "DEVICE", "cuda")
-    dispatch._compare("llama3", 7, monkeypatch)
+    dispatch._compare("llama3", 9)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
@@ -138,3 +138,26 @@ def test_fused_on_the_second_gpu():
     torch.cuda.synchronize(1)
     assert out.device == torch.device("cuda:1")
     _check_vs_oracle(cache, q, out, "second GPU")
+
+
+def test_no_recompiles_as_the_cache_grows():
+    """Lengths, split counts and storage strides change from step to step: after the configuration's first
+    steps (the first decode chunk appears) the kernel must not compile again (do_not_specialize)."""
+    from gear_hf.kernels import decode
+
+    def compiled_count():
+        device = torch.cuda.current_device()
+        kernels = (decode._decode_attention_kernel, decode._combine_kernel)
+        return sum(len(k.device_caches[device][0]) for k in kernels)
+
+    config = GearConfig.preset("gear", bits=2)
+    counts = []
+    for new_tokens in (70, 71, 150, 333):
+        steps = [1000 + 7 * new_tokens, new_tokens, 1]  # other prompt and decode lengths, other capacities
+        cache, _, _ = build_cache(config, batch=2, kv_heads=HKV, head_dim=D, steps=steps, pad=[0, 37],
+                                  dtype=torch.bfloat16, device="cuda", seed=new_tokens)
+        q = torch.randn(2, HQ, 1, D, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).cuda()
+        _run(cache, q)
+        torch.cuda.synchronize()
+        counts.append(compiled_count())
+    assert counts[1:] == counts[:1] * (len(counts) - 1), counts

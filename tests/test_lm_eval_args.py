@@ -58,12 +58,12 @@ def test_pretrained_stays_a_string():
 @pytest.mark.parametrize("args, match", [
     ({"preset": "gearx"}, r"preset='gearx' is invalid \(did you mean 'gear'.*METHOD one of fp16 \| kivi"),
     ({"preset": "gear2"}, r"preset='gear2' is invalid \(did you mean 'gear-2', i.e. preset='gear', bits=2\)"),
-    ({"bits": 3}, r"key_bits=3 is invalid; allowed: 2, 4 or 8"),
+    ({"bits": 5}, r"key_bits=5 is invalid; allowed: 2, 3, 4 or 8"),
     ({"bits": "two"}, r"bits='two' is invalid; allowed: an integer"),
     ({"bits": True}, r"bits=True is invalid; allowed: an integer"),
     ({"outlier_ratio": "abc"}, r"outlier_ratio='abc' is invalid; allowed: a number"),
     ({"pre_rope": "maybe"}, r"pre_rope='maybe' is invalid; allowed: true or false"),
-    ({"buffer_size": 100}, r"buffer_size=100 is invalid; allowed: a positive multiple of group_size=64"),
+    ({"buffer_size": 100}, r"buffer_size=100 is invalid; allowed: a positive multiple of 64 \(the groups along"),
     ({"key_axis": "row"}, r"key_axis='row' is invalid; allowed: channel \| token"),
     ({"bits": 2, "key_bits": 4}, r"give bits, or key_bits/value_bits, not both"),
     ({"gear_backend": "cuda"}, r"gear_backend='cuda' is invalid; allowed: auto \| torch \| triton"),
@@ -99,8 +99,8 @@ def test_model_rejects_bad_args_before_loading():
     """Errors come before any weights load (the path does not even exist)."""
     from gear_hf.lm_eval.model import GearHFLM
 
-    with pytest.raises(ModelArgsError, match="key_bits=3"):
-        GearHFLM(pretrained="/does/not/exist", preset="gear", bits=3)
+    with pytest.raises(ModelArgsError, match="key_bits=5"):
+        GearHFLM(pretrained="/does/not/exist", preset="gear", bits=5)
     with pytest.raises(ModelArgsError, match="unknown key 'rank'"):
         GearHFLM(pretrained="/does/not/exist", rank=4)
     with pytest.raises(ModelArgsError, match="pretrained"):

@@ -93,10 +93,10 @@ def test_every_task_end_to_end(tiny_model, data_dir, tmp_path):
 
 @pytest.mark.slow
 def test_bad_model_args_fail_clearly(tiny_model, data_dir):
-    proc = run_cli(["--model", "gear_hf", "--model_args", f"pretrained={tiny_model},preset=gear,bits=3",
+    proc = run_cli(["--model", "gear_hf", "--model_args", f"pretrained={tiny_model},preset=gear,bits=5",
                     "--tasks", "gsm8k_cot_gear", "--limit", "1"], env={DATA_DIR_ENV: str(data_dir)})
     assert proc.returncode != 0
-    assert "key_bits=3 is invalid; allowed: 2, 4 or 8" in proc.stderr
+    assert "key_bits=5 is invalid; allowed: 2, 3, 4 or 8" in proc.stderr
 
 
 @pytest.mark.slow

@@ -52,6 +52,7 @@ def select_outliers(x: torch.Tensor, axis: str, ratio: float, valid: torch.Tenso
         empty = torch.zeros(shape, dtype=torch.long, device=x.device)
         return empty, empty.bool(), torch.zeros_like(x, dtype=torch.bool)
 
+    counts_vec = None  # valid entries per vector, when it is not the length
     if valid is None:
         entry_ok = torch.ones_like(vec, dtype=torch.bool)
         k_row = torch.full((B,), k, device=x.device)
@@ -59,6 +60,7 @@ def select_outliers(x: torch.Tensor, axis: str, ratio: float, valid: torch.Tenso
         entry_ok = valid[:, None, None, :].expand_as(vec)
         counts = valid.sum(dim=1).tolist()
         k_row = torch.tensor([outliers_per_vector(c, ratio) for c in counts], device=x.device)
+        counts_vec = torch.tensor(counts, device=x.device)[:, None, None, None]
     else:
         entry_ok = valid[:, None, :, None].expand_as(vec)
         k_row = torch.full((B,), k, device=x.device)
@@ -72,7 +74,13 @@ def select_outliers(x: torch.Tensor, axis: str, ratio: float, valid: torch.Tenso
     # Taking j from the top and k-j from the bottom leaves the range [bottom[k-j], top[j]]: pick the narrowest.
     j = torch.arange(k + 1, device=x.device)
     hi = _at(top_val, j, float("-inf"))  # [B,H,V,k+1]
-    lo = _at(bottom_val, (k_vec - j).clamp(min=0), float("inf"))
+    p = (k_vec - j).clamp(min=0)  # taken from the bottom
+    lo = _at(bottom_val, p, float("inf"))
+    # a short vector (length < 2k+1): the rest ran out of bottom candidates, and the p-th smallest is one of the
+    # k largest, the (n-1-p)-th of them
+    n_vec = counts_vec if counts_vec is not None else length
+    from_top = _at(top_val, (n_vec - 1 - p).clamp(min=0), float("inf"))
+    lo = torch.where(torch.isinf(lo) & (p >= n_vec - k), from_top, lo)
     width = hi - lo
     width = torch.where((j <= k_vec) & torch.isfinite(width), width, float("inf"))  # padding: never preferred
     from_top = width.argmin(dim=-1, keepdim=True)  # [B,H,V,1]

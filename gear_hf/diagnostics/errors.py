@@ -35,16 +35,15 @@ def layer_errors(captures: list[LayerCapture], config: GearConfig, decode_tokens
     cache = GearCache(_NumLayers(layers), config)
     prompt = T - decode_tokens
     cols = [(0, prompt)] + [(t, 1) for t in range(prompt, T)]
-    rebuilt: list[tuple[torch.Tensor, torch.Tensor]] = [None] * layers
     for start, length in cols:
         for i, cap in enumerate(captures):
             k = cap.key[:, :, start:start + length]
             if not config.pre_rope:
                 k = apply_rotary(k, cap.cos[:, start:start + length], cap.sin[:, start:start + length])
-            rebuilt[i] = cache.store_and_read(i, k, cap.value[:, :, start:start + length])
+            cache.store_and_read(i, k, cap.value[:, :, start:start + length])
     rows = []
     for i, cap in enumerate(captures):
-        keys, values = rebuilt[i]
+        keys, values = cache.held(i, cap.value.dtype)  # what the cache holds after the last step (its flush done)
         if config.pre_rope:
             keys = apply_rotary(keys, cap.cos, cap.sin)
         exact_keys = apply_rotary(cap.key, cap.cos, cap.sin)

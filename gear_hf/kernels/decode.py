@@ -8,15 +8,17 @@ flash-decoding style) streams over that row's tokens in row-local order
 and a second small kernel merges the splits: two launches per layer-step, no allocation (workspaces are cached
 per device and size), no memset. Compressed blocks are decoded in registers, never written back:
 
-* keys (per channel over token groups): unpack the codes along tokens, dequantize with the group's
-  scale/minimum (one row of statistics per block when a group spans whole blocks), add the low-rank term A·Bᵀ
-  (r outer products, in registers), rotate the pre-RoPE key by its stored position (cos/sin from the rotary
-  module's inv_freq, so llama3/linear/yarn scaling is covered, times attention_scaling) and take q·k (tl.dot);
+* keys (per channel over token groups): load each code byte once and unpack it along tokens (tl.join),
+  dequantize with the group's scale/minimum (one row of statistics per block when a group spans whole blocks),
+  add the low-rank term A·Bᵀ as a tensor-core dot accumulating into the dequantized tile (rank padded to 16),
+  rotate the pre-RoPE key by its stored position (cos/sin from the rotary module's inv_freq, so
+  llama3/linear/yarn scaling is covered, times attention_scaling) and take q·k (tl.dot);
 * key outliers (fixed 2k per channel over a chunk) come sorted by token within their chunk with per-16-token
   offsets (`views.prepare_derived`, once per chunk): each block reads only its own outliers and adds their
   exact score terms v·(q_j cos ± q_{j±d/2} sin) through a one-hot tl.dot — no score buffer, no atomics;
-* values (per token over channel groups): unpack along channels, dequantize, add the token's outliers,
-  accumulate P·V̂ with tl.dot and the low-rank term as (P·A)·Bᵀ (never A·Bᵀ);
+* values (per token over channel groups): unpack along channels (each byte once), dequantize with statistics
+  loaded once per group, add the token's outliers, accumulate P·V̂ with tl.dot and the low-rank term as
+  (P·A)·Bᵀ, two small dots (never A·Bᵀ);
 * online softmax in float32 (exp2), causal inside the new tokens and the sliding window on row-local indices
   (padding is not stored, so a row's indices are exactly its real tokens); blocks wholly outside the window
   are skipped, not just masked;
@@ -35,6 +37,7 @@ combinations use the torch path (see gear_hf.kernels.fused_supported).
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -52,7 +55,7 @@ except ImportError:  # pragma: no cover - other triton layouts
 _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 LOG2E = 1.4426950408889634
 M_TILE = 16  # query rows per program (G*q rows are split into tiles of 16: no spills at G*q = 32..128)
-OUTLIERS_PER_STEP = 32  # key outliers applied per one-hot dot
+OUTLIERS_PER_STEP = tl.constexpr(32)  # key outliers applied per one-hot dot
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -108,8 +111,8 @@ def _unpack_last(byte, BITS: tl.constexpr, CPB: tl.constexpr):
 
 @triton.jit
 def _key_half(codes_b, scale_b, min_b, a_b, bm_b, s_codes, s_scale, s_a, s_bm, slot, slot0, slot_end, tvalid, chunk, ch,
-              D: tl.constexpr, BITS: tl.constexpr, CPB: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr,
-              STATS_ROW: tl.constexpr):
+              bt_pre, D: tl.constexpr, BITS: tl.constexpr, CPB: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr,
+              STATS_ROW: tl.constexpr, DT: tl.constexpr, B_PRE: tl.constexpr):
     """Keys (axis="channel") at store slots `slot` [BN] (slot0 + arange, valid below slot_end) and channels
     `ch` [C]: D̂ + A·Bᵀ in float32 [BN, C].
     STATS_ROW: the block lies inside one quantization group (starting at slot0): one row of scale/minimum."""
@@ -133,10 +136,12 @@ def _key_half(codes_b, scale_b, min_b, a_b, bm_b, s_codes, s_scale, s_a, s_bm, s
         sc = tl.load(scale_b + srow, mask=m2, other=0.0).to(tl.float32)
         mn = tl.load(min_b + srow, mask=m2, other=0.0).to(tl.float32)
     k = code.to(tl.float32) * sc + mn
-    for r in tl.static_range(R):
-        a = tl.load(a_b + slot * s_a + r, mask=tvalid, other=0.0).to(tl.float32)
-        bb = tl.load(bm_b + (chunk * D + ch) * s_bm + r).to(tl.float32)
-        k += a[:, None] * bb[None, :]
+    if R > 0:  # + A·Bᵀ on the tensor cores (rank padded to 16 with zeros)
+        if B_PRE:  # the caller loaded Bᵀ once (the prompt chunk: the same B for every block)
+            bt = bt_pre
+        else:
+            bt = _lowrank_bt(bm_b, s_bm, chunk * D + ch, R)
+        k = _lowrank_dot(_lowrank_a(a_b, s_a, slot, tvalid, R), bt, k, DT)
     return k
 
 
@@ -161,12 +166,14 @@ def _value_tile(codes_b, scale_b, min_b, spv_b, spi_b, s_codes, s_scale, s_sp, s
         srow = slot[:, None] * s_scale + (c // GROUP)[None, :]
         sc = tl.load(scale_b + srow, mask=m2, other=0.0).to(tl.float32)
         mn = tl.load(min_b + srow, mask=m2, other=0.0).to(tl.float32)
-    v = code.to(tl.float32) * sc + mn
-    for s in tl.static_range(K2):
-        idx = tl.load(spi_b + slot * s_sp + s, mask=tvalid, other=-1).to(tl.int32)
-        val = tl.load(spv_b + slot * s_sp + s, mask=tvalid, other=0.0).to(tl.float32)
-        v += tl.where(idx[:, None] == c[None, :], val[:, None], 0.0)
-    return v
+    if K2 > 0:  # a token's outlier channels are distinct: select, then one add
+        extra = tl.zeros([BN, D], tl.float32)
+        for s in tl.static_range(K2):
+            idx = tl.load(spi_b + slot * s_sp + s, mask=tvalid, other=-1).to(tl.int32)
+            val = tl.load(spv_b + slot * s_sp + s, mask=tvalid, other=0.0).to(tl.float32)
+            extra = tl.where(idx[:, None] == c[None, :], val[:, None], extra)
+        mn = mn + extra
+    return code.to(tl.float32) * sc + mn
 
 
 @triton.jit
@@ -180,23 +187,29 @@ def _key_outlier_scores(s, q_rows, mvalid, ow_b, ov_b, ot_b, n_tiles, seg, tok0,
     lo = tl.load(ot_b + u0)
     hi = tl.load(ot_b + tl.minimum(u0 + BN // 16, n_tiles))
     n_offs = tl.arange(0, BN)
+    M: tl.constexpr = s.shape[0]
+    LOG2D: tl.constexpr = D.bit_length() - 1
+    # Every per-outlier quantity is computed on 2D tiles ([M, OE] and [OE, BN], the entry's index repeated
+    # along the other axis: repeated loads hit L1) so the work spreads over all threads; a 1D [OE] vector would
+    # be replicated in every thread (sin/cos of each outlier computed by all of them).
+    e_me = tl.arange(0, OE)[None, :] + tl.zeros([M, OE], tl.int32)
+    e_en = tl.arange(0, OE)[:, None] + tl.zeros([OE, BN], tl.int32)
     for e0 in range(lo, hi, OE):
-        e = e0 + tl.arange(0, OE)
+        e = e0 + e_me
         ev = e < hi
         where = tl.load(ow_b + seg + e, mask=ev, other=0)
         val = tl.load(ov_b + seg + e, mask=ev, other=0.0).to(tl.float32)
-        tok = where // D
-        ch = where % D
-        pos = tl.load(pos_b + t_base + tok, mask=ev, other=0)
-        ang = pos.to(tl.float32) * tl.load(freq_ptr + ch % HALF)
-        cos, sin = _sincos(ang, FAST)
-        m2 = mvalid[:, None] & ev[None, :]
-        qv = tl.load(q_rows[:, None] + ch[None, :], mask=m2, other=0.0).to(tl.float32)
+        ch = where & (D - 1)  # where >= 0 and D a power of two: shifts and masks, not signed division
+        pos = tl.load(pos_b + t_base + (where >> LOG2D), mask=ev, other=0)
+        cos, sin = _sincos(pos.to(tl.float32) * tl.load(freq_ptr + ch % HALF), FAST)
+        m2 = mvalid[:, None] & ev
+        qv = tl.load(q_rows[:, None] + ch, mask=m2, other=0.0).to(tl.float32)
         qp = tl.load(q_rows[:, None] + (ch + HALF) % D, mask=m2, other=0.0).to(tl.float32)
-        sin = tl.where(ch < HALF, sin, -sin)
         w = val * attn_scale
-        contrib = qv * (cos * w)[None, :] + qp * (sin * w)[None, :]  # [M, OE]
-        onehot = tl.where(((tok - tok0)[:, None] == n_offs[None, :]) & ev[:, None], 1.0, 0.0)  # [OE, BN]
+        contrib = (qv * cos + qp * tl.where(ch < HALF, sin, -sin)) * w  # [M, OE]
+        et = e0 + e_en
+        tok = tl.load(ow_b + seg + et, mask=et < hi, other=-D) >> LOG2D  # [OE, BN]
+        onehot = tl.where((tok - tok0) == n_offs[None, :], 1.0, 0.0)
         if IEEE:
             s += tl.dot(contrib, onehot, input_precision="ieee")
         else:
@@ -221,15 +234,40 @@ def _softmax_step(s, t, tvalid, limit, mvalid, window, m_i, l_i, acc, v, DT: tl.
 
 
 @triton.jit
-def _lowrank_values(acc, p, a_b, bm_b, s_a, s_bm, slot, tvalid, chunk, D: tl.constexpr, R: tl.constexpr):
-    """acc += (P·A)·Bᵀ for the block: R small outer products, A·Bᵀ never formed."""
-    c = tl.arange(0, D)
-    for r in tl.static_range(R):
-        a = tl.load(a_b + slot * s_a + r, mask=tvalid, other=0.0).to(tl.float32)
-        pa = tl.sum(p * a[None, :], axis=1)  # [M]
-        bb = tl.load(bm_b + (chunk * D + c) * s_bm + r).to(tl.float32)
-        acc += pa[:, None] * bb[None, :]
-    return acc
+def _lowrank_a(a_b, s_a, slot, tvalid, R: tl.constexpr):
+    """A [BN, 16] at store slots `slot`, the rank padded with zeros to 16 (the smallest tl.dot), storage dtype."""
+    rr = tl.arange(0, 16)
+    return tl.load(a_b + slot[:, None] * s_a + rr[None, :], mask=tvalid[:, None] & (rr < R)[None, :], other=0.0)
+
+
+@triton.jit
+def _lowrank_bt(bm_b, s_bm, b_rows, R: tl.constexpr):
+    """Bᵀ [16, C] of B's rows `b_rows`, the rank padded with zeros to 16, storage dtype."""
+    rr = tl.arange(0, 16)
+    return tl.load(bm_b + b_rows[None, :] * s_bm + rr[:, None], mask=(rr < R)[:, None], other=0.0)
+
+
+@triton.jit
+def _lowrank_dot(x, y, acc, DT: tl.constexpr):
+    """acc + x·y with y a low-rank factor. 16-bit factors: tensor-core dot in their dtype (x rounded to it; exact
+    products, float32 accumulation); DT float32 (a float32 model, or bf16 under the interpreter): a float32 dot."""
+    if DT == tl.float32:
+        return tl.dot(x.to(tl.float32), y.to(tl.float32), acc=acc, input_precision="ieee")
+    else:
+        return tl.dot(x.to(y.dtype), y, acc=acc)
+
+
+@triton.jit
+def _lowrank_values(acc, p, a_b, bm_b, s_a, s_bm, slot, tvalid, chunk, bt_pre, D: tl.constexpr, R: tl.constexpr,
+                    DT: tl.constexpr, B_PRE: tl.constexpr):
+    """acc += (P·A)·Bᵀ for the block (two small dots; A·Bᵀ never formed)."""
+    a = _lowrank_a(a_b, s_a, slot, tvalid, R)
+    if B_PRE:
+        bt = bt_pre
+    else:
+        bt = _lowrank_bt(bm_b, s_bm, chunk * D + tl.arange(0, D), R)
+    pa = _lowrank_dot(p, a, tl.zeros([p.shape[0], 16], tl.float32), DT)  # [M, 16]
+    return _lowrank_dot(pa, bt, acc, DT)
 
 
 @triton.jit
@@ -237,28 +275,30 @@ def _compressed_block(
     q1, q2, q_rows, t, slot, slot0, slot_end, tvalid, chunk, tok0, pos_b, freq_ptr, attn_scale, sm_scale, limit, mvalid,
     window, m_i, l_i, acc,
     kc, ks, km, ka, kb, s_kc, s_ks, s_ka, s_kb, ow, ov, ot, n_tiles, seg, t_base,
-    vc, vs, vm, vsv, vsi, va, vb, s_vc, s_vs, s_vsp, s_va, s_vb,
+    vc, vs, vm, vsv, vsi, va, vb, s_vc, s_vs, s_vsp, s_va, s_vb, kbt1, kbt2, vbt,
     D: tl.constexpr, HALF: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr,
+    B_PRE: tl.constexpr,
     K_BITS: tl.constexpr, K_CPB: tl.constexpr, K_GROUP: tl.constexpr, K_R: tl.constexpr, K_SPARSE: tl.constexpr,
     K_STATS_ROW: tl.constexpr,
     V_BITS: tl.constexpr, V_CPB: tl.constexpr, V_GROUP: tl.constexpr, V_R: tl.constexpr, V_K2: tl.constexpr,
 ):
     h_offs = tl.arange(0, HALF)
     k1 = _key_half(kc, ks, km, ka, kb, s_kc, s_ks, s_ka, s_kb, slot, slot0, slot_end, tvalid, chunk, h_offs,
-                   D, K_BITS, K_CPB, K_GROUP, K_R, K_STATS_ROW)
+                   kbt1, D, K_BITS, K_CPB, K_GROUP, K_R, K_STATS_ROW, DT, B_PRE)
     k2 = _key_half(kc, ks, km, ka, kb, s_kc, s_ks, s_ka, s_kb, slot, slot0, slot_end, tvalid, chunk, h_offs + HALF,
-                   D, K_BITS, K_CPB, K_GROUP, K_R, K_STATS_ROW)
+                   kbt2, D, K_BITS, K_CPB, K_GROUP, K_R, K_STATS_ROW, DT, B_PRE)
     pos = tl.load(pos_b + t, mask=tvalid, other=0)
     k1, k2 = _rope(k1, k2, pos, freq_ptr, attn_scale, HALF, FAST)
     s = _dot(q1, tl.trans(k1), DT) + _dot(q2, tl.trans(k2), DT)
     if K_SPARSE:
         s = _key_outlier_scores(s, q_rows, mvalid, ow, ov, ot, n_tiles, seg, tok0, t_base, pos_b, freq_ptr,
-                                attn_scale, D, HALF, BN, 32, DT == tl.float32, FAST)
+                                attn_scale, D, HALF, BN, OUTLIERS_PER_STEP, DT == tl.float32, FAST)
     s = s * sm_scale
     v = _value_tile(vc, vs, vm, vsv, vsi, s_vc, s_vs, s_vsp, slot, tvalid, D, V_BITS, V_CPB, V_GROUP, V_K2,
                     s_vs)
     m_i, l_i, acc, p = _softmax_step(s, t, tvalid, limit, mvalid, window, m_i, l_i, acc, v, DT)
-    acc = _lowrank_values(acc, p, va, vb, s_va, s_vb, slot, tvalid, chunk, D, V_R)
+    if V_R > 0:
+        acc = _lowrank_values(acc, p, va, vb, s_va, s_vb, slot, tvalid, chunk, vbt, D, V_R, DT, B_PRE)
     return m_i, l_i, acc
 
 
@@ -381,6 +421,10 @@ def _decode_attention_kernel(
                                          window, m_i, l_i, acc, D, HALF, DT, FAST)
 
     if P_K_BITS > 0:
+        # the prompt chunk's Bᵀ (keys: two halves, values) is the same for every block: loaded once
+        pkbt1 = _lowrank_bt(pkb + bh64 * s_pkb, P_K_R, h_offs, P_K_R)
+        pkbt2 = _lowrank_bt(pkb + bh64 * s_pkb, P_K_R, h_offs + HALF, P_K_R)
+        pvbt = _lowrank_bt(pvb + bh64 * s_pvb, P_V_R, tl.arange(0, D), P_V_R)
         for blk in range(tl.maximum(lo, e1), tl.minimum(hi, e2)):
             slot0 = (blk - e1) * BN
             slot = slot0 + n_offs
@@ -394,8 +438,8 @@ def _decode_attention_kernel(
                 pow_ + bh64 * s_pow, pov + bh64 * s_pow, pot + bh64 * s_pot, p_tiles, 0, s_len,
                 pvc + bh64 * s_pvc, pvs + bh64 * s_pvs, pvm + bh64 * s_pvs, pvsv + bh64 * s_pvsp,
                 pvsi + bh64 * s_pvsp, pva + bh64 * s_pva, pvb + bh64 * s_pvb,
-                P_V_CODES_W, P_V_STATS_W, P_V_K2, P_V_R, P_V_R,
-                D, HALF, BN, DT, FAST, P_K_BITS, P_K_CPB, P_K_GROUP, P_K_R, P_K_SPARSE, P_K_STATS_ROW,
+                P_V_CODES_W, P_V_STATS_W, P_V_K2, P_V_R, P_V_R, pkbt1, pkbt2, pvbt,
+                D, HALF, BN, DT, FAST, True, P_K_BITS, P_K_CPB, P_K_GROUP, P_K_R, P_K_SPARSE, P_K_STATS_ROW,
                 P_V_BITS, P_V_CPB, P_V_GROUP, P_V_R, P_V_K2)
 
     if D_K_BITS > 0:
@@ -407,16 +451,16 @@ def _decode_attention_kernel(
             chunk = j // PER_CHUNK
             t = s_len + p_len + slot
             m_i, l_i, acc = _compressed_block(
-                q1, q2, q_rows, t, slot, slot0, c_cnt * NB, tvalid, chunk, slot0 - chunk * NB, pos_b, freq_ptr, attn_scale,
-                sm_scale, limit, mvalid, window, m_i, l_i, acc,
+                q1, q2, q_rows, t, slot, slot0, c_cnt * NB, tvalid, chunk, slot0 - chunk * NB, pos_b, freq_ptr,
+                attn_scale, sm_scale, limit, mvalid, window, m_i, l_i, acc,
                 dkc + bh64 * s_dkc, dks + bh64 * s_dks, dkm + bh64 * s_dks, dka + bh64 * s_dka,
                 dkb + bh64 * s_dkb, D, D, D_K_R, D_K_R,
                 dow + bh64 * s_dow, dov + bh64 * s_dow, dot_ + bh64 * s_dot + chunk * (NB // 16 + 1), NB // 16,
                 chunk * d_seg, s_len + p_len + chunk * NB,
                 dvc + bh64 * s_dvc, dvs + bh64 * s_dvs, dvm + bh64 * s_dvs, dvsv + bh64 * s_dvsp,
                 dvsi + bh64 * s_dvsp, dva + bh64 * s_dva, dvb + bh64 * s_dvb,
-                D_V_CODES_W, D_V_STATS_W, D_V_K2, D_V_R, D_V_R,
-                D, HALF, BN, DT, FAST, D_K_BITS, D_K_CPB, D_K_GROUP, D_K_R, D_K_SPARSE, D_K_STATS_ROW,
+                D_V_CODES_W, D_V_STATS_W, D_V_K2, D_V_R, D_V_R, 0, 0, 0,
+                D, HALF, BN, DT, FAST, False, D_K_BITS, D_K_CPB, D_K_GROUP, D_K_R, D_K_SPARSE, D_K_STATS_ROW,
                 D_V_BITS, D_V_CPB, D_V_GROUP, D_V_R, D_V_K2)
 
     for blk in range(tl.maximum(lo, e3), hi):
@@ -546,26 +590,31 @@ def _derived_for(run: ChunkRunView, chunks_used: int) -> dict:
     return derived
 
 
-def _launch(kernel, grid, args, kwargs, plan: list | None) -> None:
-    """Run kernel[grid](*args, **kwargs), or only record it in `plan` (gear_hf.kernels.compile_check)."""
+def _launch(kernel, grid, args, kwargs, plan: list | None):
+    """Run kernel[grid](*args, **kwargs) and return the compiled kernel, or only record the launch in `plan`
+    (gear_hf.kernels.compile_check) and return None."""
     if plan is None:
-        kernel[grid](*args, **kwargs)
-    else:
-        plan.append((kernel, grid, args, kwargs))
+        return kernel[grid](*args, **kwargs)
+    plan.append((kernel, grid, args, kwargs))
+    return None
 
 
 _SM_COUNT: dict[int, int] = {}
+# Programs of the main kernel resident per SM, learned from its register count after the first launch of a
+# configuration (key: device, warps, block, dtype, key/value bits); 1 until then.
+_RESIDENT: dict[tuple, int] = {}
 
 
-def _num_splits(max_blocks: int, programs: int, device: torch.device) -> int:
-    """Splits of each program's token range so the grid fills whole waves of the GPU (2 programs per SM)."""
+def _num_splits(max_blocks: int, programs: int, device: torch.device, resident: int) -> int:
+    """Splits of each program's token range so the grid fills whole waves of the GPU (`resident` programs per
+    SM), at least about two blocks per split."""
     if max_blocks <= 1:
         return 1
     if device.type != "cuda":
         return min(2, max_blocks)
     if device.index not in _SM_COUNT:
         _SM_COUNT[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
-    slots = 2 * _SM_COUNT[device.index]
+    slots = resident * _SM_COUNT[device.index]
     best, best_cost = 1, None
     for ns in range(1, min(64, max(1, max_blocks // 2)) + 1):
         waves = -(-programs * ns // slots)
@@ -573,6 +622,16 @@ def _num_splits(max_blocks: int, programs: int, device: torch.device) -> int:
         if best_cost is None or cost < best_cost - 1e-9:
             best, best_cost = ns, cost
     return best
+
+
+def _resident_programs(compiled, num_warps: int) -> int:
+    """Programs per SM that the register file allows (65536 registers, allocated per warp in units of 8 per
+    thread), at most 8."""
+    regs = getattr(compiled, "n_regs", 0) or 0
+    if regs <= 0:
+        return 1
+    per_program = -(-regs // 8) * 8 * 32 * num_warps
+    return max(1, min(8, 65536 // per_program))
 
 
 _WORKSPACES: dict[tuple, torch.Tensor] = {}
@@ -658,9 +717,13 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
     if freq.numel() != HALF:
         raise ValueError(f"inv_freq has {freq.numel()} entries, expected head_dim/2 = {HALF}")
 
-    with torch.cuda.device(query.device) if query.device.type == "cuda" else _nullcontext():
+    with torch.cuda.device(query.device) if query.device.type == "cuda" else contextlib.nullcontext():
         programs = B * Hkv * m_tiles
-        nsplit = num_splits or _num_splits(max_blocks, programs, query.device)
+        if num_warps is None:
+            num_warps = 4 if D <= 64 else 8
+        resident_key = (query.device.index, num_warps, block_n, dtype, pk_c["P_K_BITS"], pv_c["P_V_BITS"],
+                        dk_c["D_K_BITS"], dv_c["D_V_BITS"])
+        nsplit = num_splits or _num_splits(max_blocks, programs, query.device, _RESIDENT.get(resident_key, 1))
         nsplit = max(1, min(int(nsplit), 64))
         n_acc = programs * nsplit * M_TILE * D
         ws = _workspace(query.device, n_acc + programs * nsplit * 2 * M_TILE)
@@ -670,12 +733,10 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
         elif tuple(out.shape) != (B, QL, Hq, D) or out.stride(-1) != 1:
             raise ValueError(f"out must be [B, q, Hq, d] = {(B, QL, Hq, D)} with a contiguous last dim")
         window = int(sliding_window or 0)
-        if num_warps is None:
-            num_warps = 4 if D <= 64 else 8
         options = {"num_warps": num_warps}
         if num_stages is not None:
             options["num_stages"] = num_stages
-        _launch(_decode_attention_kernel, (programs, nsplit), (
+        compiled = _launch(_decode_attention_kernel, (programs, nsplit), (
             query, query.stride(0), query.stride(1), query.stride(2), layout.limits, layout.rows, layout.positions,
             layout.positions.stride(0), freq, float(attention_scaling), float(scaling) * LOG2E, window,
             keys.sink if has_sink else query, values.sink if has_sink else query,
@@ -687,17 +748,11 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
             acc_ws, ml_ws, Hkv, m_tiles, nsplit),
             dict(G=G, QL=QL, D=D, HALF=HALF, BN=block_n, NB=NB, DT=dot_dt, FAST=fast, HAS_SINK=has_sink,
                  **pk_c, **pv_c, **dk_c, **dv_c, **options), _plan)
+        if compiled is not None and resident_key not in _RESIDENT and query.device.type == "cuda":
+            _RESIDENT[resident_key] = _resident_programs(compiled, num_warps)
         _launch(_combine_kernel, (B * Hkv, M), (acc_ws, ml_ws, out, out.stride(0), out.stride(1), out.stride(2),
                                                 Hkv, m_tiles, nsplit), dict(G=G, QL=QL, D=D, num_warps=4), _plan)
     return out
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def cache_decode_attention(cache, layer_idx: int, query: torch.Tensor, *, scaling: float,

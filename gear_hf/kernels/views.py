@@ -42,10 +42,6 @@ class ChunkRunView:
     FIELDS = ("codes", "scale", "minimum", "sparse_values", "sparse_index", "lowrank_a", "lowrank_b")
 
     @property
-    def head_dim(self) -> int:
-        return self.lowrank_b.shape[2] // self.capacity if self.capacity else 0
-
-    @property
     def capacity(self) -> int:
         """Chunks the storage holds per row (used or not)."""
         return self.lowrank_a.shape[2] // self.chunk_len
@@ -73,9 +69,6 @@ class DecodeLayout:
     max_decode_chunks: int
     max_buffer: int
     buffer_size: int  # n_b: tokens per decode chunk
-
-    def max_tokens(self) -> int:
-        return self.max_sink + self.max_prompt + self.max_decode_chunks * self.buffer_size + self.max_buffer
 
 
 def key_outlier_count(run: ChunkRunView) -> int:
