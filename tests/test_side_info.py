@@ -165,7 +165,7 @@ def test_rotated_pre_rope_keys_come_back_in_the_original_basis():
     """With rotation on, the cache hands the attention keys (before RoPE) and values in the original basis,
     over prompt chunk, decode chunks and buffer (RoPE is then applied to them by the attention)."""
     config = gear_hf.GearConfig(method="kivi", key_bits=8, value_bits=8, group_size=16, buffer_size=16,
-                                rotation="both")
+                                rotation="both", sink_tokens=0)
     cache = GearCache(types.SimpleNamespace(num_hidden_layers=1), config)
     k, v = _x(n=70), _x(n=70, seed=1)
     keys, values = cache.store_and_read(0, k[:, :, :40], v[:, :, :40])
@@ -178,7 +178,7 @@ def test_rotated_pre_rope_keys_come_back_in_the_original_basis():
 
 def test_separate_key_and_value_group_sizes():
     config = gear_hf.GearConfig(method="kivi", key_bits=3, value_bits=2, key_group_size=32, value_group_size=64,
-                                buffer_size=32)
+                                buffer_size=32, sink_tokens=0)
     assert (config.key_group, config.value_group, config.chunk_granule) == (32, 64, 32)
     cache = GearCache(types.SimpleNamespace(num_hidden_layers=1), config)
     k, v = _x(n=100), _x(n=100, seed=1)

@@ -158,6 +158,7 @@ def compress(x: torch.Tensor, spec: ChunkSpec, valid: torch.Tensor | None = None
     exclude = mask
     if valid is not None:
         exclude = mask | ~valid[:, None, :, None]
+    packed = None
     if quantize_pack is None:
         codes, scale, minimum = quant.quantize(work, spec.bits, spec.axis, group, exclude=exclude, stats_dtype=store)
     else:
@@ -177,8 +178,9 @@ def compress(x: torch.Tensor, spec: ChunkSpec, valid: torch.Tensor | None = None
         chosen = torch.zeros(codes.shape, dtype=torch.int16, device=x.device).scatter_add_(
             spec.pack_dim, index, torch.where(slot_used, entry_code.short() + 1, 0).short())
         codes = torch.where(chosen > 0, chosen - 1, codes.short()).to(torch.uint8)
-    padded = _padded_to_unit(codes, spec.bits) if spec.axis == "token" else codes
-    packed = quant.pack_codes(padded, spec.bits, spec.pack_dim)
+    if packed is None or index.numel():  # outlier entries got their own codes: pack again
+        padded = _padded_to_unit(codes, spec.bits) if spec.axis == "token" else codes
+        packed = quant.pack_codes(padded, spec.bits, spec.pack_dim)
     dequantized = quant.dequantize(codes, scale, minimum, spec.axis, group, d, torch.float32)
     empty_scale = x.new_zeros(B, H, 0, spec.rank, dtype=store)
     a_scale = b_scale = empty_scale
