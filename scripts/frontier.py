@@ -3,6 +3,11 @@
     OMP_NUM_THREADS=1 python scripts/frontier.py                        # SmolLM2 + Qwen2.5-0.5B, bf16, T=1024
     python scripts/frontier.py --models smollm2 --tokens 1024 4096 --grid quick
     python scripts/frontier.py --configs kivi-k4v2,kivi-k4v2-rv          # named points only (see --list)
+    python scripts/frontier.py --tokens 1028 --configs kivi-3-s4-rkv-gk128,kivi-3-rkv-gk128   # sinks, buffer empty
+
+Bits are held at the end of the text, so a configuration whose last tokens still wait in the full-precision buffer
+pays for them there: with 4 sinks, T=1024 leaves 60 (n_b=64) or 124 (n_b=128) tokens buffered; measure sink
+configurations at T = 1024 + sinks (and their no-sink twins there) to compare them with an empty buffer.
 
 For each model and length T: the last T tokens of a GSM8K CoT text (8-shot prompt + worked answer; more shots for
 longer T), the first T - --continuation at prefill, the rest fed --chunk tokens per step through each cache
