@@ -53,7 +53,7 @@ def test_gear4_teacher_forced_fidelity(gemma3):
 
     model, tokenizer = gemma3
     ids = tokenizer(gsm8k_prompt(0, shots=1), return_tensors="pt").input_ids
-    assert ids.shape[1] > 2 * gear_hf.GearConfig().group_size
+    assert ids.shape[1] > 2 * gear_hf.GearConfig.preset("gear", bits=4).group_size
     continuation = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
                                   min_new_tokens=16, do_sample=False)[:, ids.shape[1]:]
     result = teacher_forced_agreement(model, ids, continuation, gear_hf.GearConfig.preset("gear", bits=4))

@@ -63,7 +63,7 @@ def test_pretrained_stays_a_string():
     ({"bits": True}, r"bits=True is invalid; allowed: an integer"),
     ({"outlier_ratio": "abc"}, r"outlier_ratio='abc' is invalid; allowed: a number"),
     ({"pre_rope": "maybe"}, r"pre_rope='maybe' is invalid; allowed: true or false"),
-    ({"buffer_size": 100}, r"buffer_size=100 is invalid; allowed: a positive multiple of 64 \(the groups along"),
+    ({"buffer_size": 100}, r"buffer_size=100 is invalid; allowed: a positive multiple of 128 \(the groups along"),
     ({"key_axis": "row"}, r"key_axis='row' is invalid; allowed: channel \| token"),
     ({"bits": 2, "key_bits": 4}, r"give bits, or key_bits/value_bits, not both"),
     ({"gear_backend": "cuda"}, r"gear_backend='cuda' is invalid; allowed: auto \| torch \| triton"),

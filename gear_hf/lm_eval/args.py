@@ -142,6 +142,8 @@ def parse_gear_args(args: dict[str, Any]) -> GearConfig:
     if bits is not None and ("key_bits" in gear or "value_bits" in gear):
         raise ModelArgsError("gear_hf --model_args: give bits, or key_bits/value_bits, not both")
     try:
+        if preset is None and method is None:  # nothing named: the recommended default GearConfig(), fields changed
+            return GearConfig(**gear, **({"key_bits": bits, "value_bits": bits} if bits is not None else {}))
         return GearConfig.preset(name, bits=bits, **gear)
     except ValueError as e:
         message = str(e)
