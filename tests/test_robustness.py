@@ -296,3 +296,18 @@ def test_fp16_values_beyond_fp16_range_in_lowrank_factors_are_clamped():
                 if t.is_floating_point():
                     assert torch.isfinite(t).all(), name
     assert all(torch.isfinite(s).all() for s in out.scores)
+
+
+def test_initial_bases_are_nested_for_every_rank():
+    """torch's CPU normal fill changes with the count drawn: the bases must still share their first columns
+    (a rank-1 and a rank-2 basis once differed, and the fit error grew with the rank: n=9, d=13, seed 273)."""
+    from gear_hf.compress.lowrank import _initial_basis
+
+    for d in (13, 64, 128):
+        widest = _initial_basis(d, 9, torch.device("cpu"))
+        for rank in range(1, 9):
+            assert torch.equal(_initial_basis(d, rank, torch.device("cpu")), widest[:, :rank])
+    g = torch.Generator().manual_seed(273)
+    R = torch.randn(1, 1, 9, 13, generator=g) * torch.logspace(0, -1.0, 13)
+    errors = [_lowrank_error(R, r) for r in range(0, 9)]
+    assert all(high <= low * (1 + 1e-5) + 1e-6 for low, high in zip(errors, errors[1:])), errors

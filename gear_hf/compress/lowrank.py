@@ -11,7 +11,9 @@ def _initial_basis(d: int, rank: int, device: torch.device) -> torch.Tensor:
     # Drawn as [r, d] rows: the first r columns are the same for every rank, so the subspaces of ranks r and
     # r+1 are nested from the start and stay nested, and the error can only fall as the rank grows.
     generator = torch.Generator(device="cpu").manual_seed(_INIT_SEED)
-    return torch.randn(rank, d, generator=generator, dtype=torch.float32).T.to(device)  # [d, r]
+    # torch's CPU normal fill depends on the count drawn (blocks of 16, the last 16 values redrawn when the count
+    # is not a multiple of 16): 16 spare rows keep the first `rank` rows the same for every rank
+    return torch.randn(rank + 16, d, generator=generator, dtype=torch.float32)[:rank].T.to(device)  # [d, r]
 
 
 def lowrank_fit(residual: torch.Tensor, rank: int, iters: int, valid: torch.Tensor | None = None,
