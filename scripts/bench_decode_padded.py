@@ -1,0 +1,73 @@
+"""Decode ms/step of gear_hf's presets vs DynamicCache on a padded and an unpadded batch (no weights needed).
+
+    OMP_NUM_THREADS=1 python scripts/bench_decode_padded.py            # T=1000, 32 new tokens
+    OMP_NUM_THREADS=1 python scripts/bench_decode_padded.py --T 2000 --methods kivi-2,gear-2,gear-4
+
+A random-weight model of SmolLM2-135M's shapes (Llama, 30 layers, 9/3 heads, head_dim 64, fp32; speed does not
+depend on the weights), greedy generation of --new tokens after a --T-token random prompt, at batch 1, 4 and 4
+left-padded (row r padded by 37*r). Decode time = generate(new+1 tokens) - generate(1 token), so the prefill
+cancels; every method runs --repeats times interleaved with DynamicCache in one process and the minimum is kept;
+the ratio is DynamicCache's ms/step over the method's (higher is better, 1.0 = as fast). Prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+
+def main(argv=None) -> int:
+    import gear_hf
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--T", type=int, default=1000)
+    parser.add_argument("--new", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--methods", default="kivi-2,gear-2")
+    args, _ = parser.parse_known_args(argv)  # `make bench` passes every benchmark the same options
+    torch.set_grad_enabled(False)
+    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                         rope_theta=100000.0, tie_word_embeddings=True)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    methods = ["dynamic", *args.methods.split(",")]
+
+    def decode_ms(ids, mask, method) -> float:
+        def generate(n):
+            start = time.perf_counter()
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                           pad_token_id=0)
+            return time.perf_counter() - start
+
+        if method == "dynamic":
+            seconds = generate(args.new + 1) - generate(1)
+        else:
+            with gear_hf.enabled(model, gear_hf.GearConfig.preset(method)):
+                seconds = generate(args.new + 1) - generate(1)
+        return seconds * 1000 / args.new
+
+    print(f"SmolLM2 shapes, random weights, fp32, T={args.T}, {args.new} new tokens, min of {args.repeats}, "
+          f"{torch.get_num_threads()} thread(s)")
+    print("| batch | " + " | ".join(f"{m} ms/step (x DynamicCache)" for m in methods) + " |")
+    print("|---|" + "--:|" * len(methods))
+    for batch, padded in ((1, False), (4, False), (4, True)):
+        ids = torch.randint(3, 49000, (batch, args.T))
+        mask = torch.ones_like(ids)
+        if padded:
+            for row in range(batch):
+                mask[row, : row * 37] = 0
+        best = {m: min(decode_ms(ids, mask, m) for _ in range(args.repeats)) for m in methods}
+        cells = [f"{best[m]:.1f} ({best['dynamic'] / best[m]:.2f}x)" for m in methods]
+        print(f"| {batch}{' padded' if padded else ''} | " + " | ".join(cells) + " |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
