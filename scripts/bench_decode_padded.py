@@ -6,7 +6,7 @@
 A random-weight model of SmolLM2-135M's shapes (Llama, 30 layers, 9/3 heads, head_dim 64, fp32; speed does not
 depend on the weights), greedy generation of --new tokens after a --T-token random prompt, at batch 1, 4 and 4
 left-padded (row r padded by 37*r). Decode time = generate(new+1 tokens) - generate(1 token), so the prefill
-cancels; every method runs --repeats times interleaved with DynamicCache in one process and the minimum is kept;
+cancels; every method runs --repeats times in one process (DynamicCache first) and the minimum is kept;
 the ratio is DynamicCache's ms/step over the method's (higher is better, 1.0 = as fast). Prints a table.
 """
 
