@@ -106,6 +106,7 @@ class ChunkStore:
         self.capacity = 0  # chunks
         self.head_dim = 0
         self.dtype: torch.dtype | None = None
+        self._chunk_nbytes: dict = {}  # (n, itemsize cap) -> bytes by component (accounting memo)
 
     def _allocate(self, example: CompressedChunk, batch: int, chunks: int) -> None:
         # The extents of a full chunk come from compressing zeros of the full length once (one cheap iteration).
@@ -162,7 +163,7 @@ class ChunkStore:
         """Bytes, by component, that one row's chunk of n tokens occupies (for accounting; memoised per n).
         itemsize_cap: count floating fields at most this many bytes per element (the 16-bit view)."""
         key = (n, itemsize_cap)
-        memo = self.__dict__.setdefault("_chunk_nbytes", {})
+        memo = self._chunk_nbytes
         if key not in memo:
             H, d = self.fields["lowrank_b"].shape[1], self.head_dim
             probe = compress(torch.zeros(1, H, n, d, dtype=self.dtype, device=self.fields["codes"].device),
