@@ -3,8 +3,9 @@
 With a `GearCache` it stores keys *before* RoPE into the full-precision buffer, attends — fused kernel on
 decode steps where it applies, else the reference path: reads back the whole (reconstructed) history, rotates
 it at the stored positions with the model's own rotary module, and calls the model's configured attention
-function (sdpa/eager/...) with the model's own mask — then lets the cache compress what left the buffer. With any other cache, or none, it calls the original
-forward unchanged, so loglikelihood scoring and stock caches behave exactly like stock.
+function (sdpa/eager/...) with the model's own mask — then lets the cache compress what left the buffer. With
+any other cache, or none, it calls the original forward unchanged, so loglikelihood scoring and stock caches
+behave exactly like stock.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from .cache import GearCache
 from .hf_compat import pop_cache
 from .kernels import MAX_FUSED_QUERY, use_fused  # no triton import: kernels load lazily
 from .rope import apply_rotary
-
 
 
 @dataclass

@@ -155,10 +155,6 @@ class GearCache(Cache):
         chunks as zeros. For diagnostics: what the cache holds, not what the attention was handed."""
         return self.layers[layer_idx].read(self.layout, self.layout.counts, 0, dtype, self.gear_config.sink_tokens)
 
-    def step_compressed(self) -> bool:
-        """Whether the current step moves tokens into compressed chunks (for some row)."""
-        return bool(self.layout.plan.flush)
-
     def read_positions(self, layer_idx: int) -> torch.Tensor:
         """[B, T-start] positions of the tokens `read` returned (padding columns hold token 0's)."""
         layout = self.layout

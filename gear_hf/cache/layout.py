@@ -208,12 +208,13 @@ class RowLayout:
         scratch = self.positions.shape[1] - 1
         self.positions.scatter_(1, torch.where(new_valid, local, scratch), position_ids.int())
         for i, row in enumerate(valid_rows):
+            seen = held_before[i]
             for ok in row:
-                if held_before[i] == 0 and not ok:
+                if not ok and seen == 0:
                     self.pads[i] += 1
-                elif held_before[i] and not ok:
+                elif not ok:
                     self.contiguous[i] = False
-                held_before[i] += ok
+                seen += ok
 
     def _grow(self, B: int, held: int, rect: int, device) -> None:
         hint = self.expected_length or 0

@@ -32,7 +32,6 @@ class _Segment:
     """One segment of every row: row b's tokens are at [0, length[b]) of what `take` gives ([B, H, n, d])."""
 
     take: Callable[..., torch.Tensor]  # (dtype, out=None) -> [B,H,n,d]; a store reconstructs into `out`
-    width: int  # n
     local_start: tuple[int, ...]  # per row: row-local index of the segment's first token
     length: tuple[int, ...]
 
@@ -100,16 +99,16 @@ class Stream:
 
         zeros = (0,) * len(s)
         if sink_tokens and needed(zeros, s):
-            out.append(_Segment(tokens(self.sink), sink_tokens, zeros, s))
+            out.append(_Segment(tokens(self.sink), zeros, s))
         if self.prefill is not None and self.prefill.fields and not released.prompt and needed(s, p):
-            out.append(_Segment(chunks(self.prefill, 1), self.prefill.chunk_len, s, p))
+            out.append(_Segment(chunks(self.prefill, 1), s, p))
         live = max(c, default=0) - released.chunks
         starts = tuple(a + b + released.chunks * nb for a, b in zip(s, p))
         lengths = tuple((n - released.chunks) * nb for n in c)
         if live > 0 and self.decode.fields and needed(starts, lengths):
-            out.append(_Segment(chunks(self.decode, live), live * nb, starts, lengths))
+            out.append(_Segment(chunks(self.decode, live), starts, lengths))
         starts = tuple(a + b + n * nb for a, b, n in zip(s, p, c))
-        out.append(_Segment(tokens(self.buffer), self.buffer.capacity, starts, f))
+        out.append(_Segment(tokens(self.buffer), starts, f))
         return out
 
     def read(self, layout: RowLayout, counts: RowCounts, released: Released, start: int, dtype: torch.dtype,
