@@ -33,7 +33,7 @@ _USES_LOWRANK = {"fp16": False, "kivi": False, "kcvt": False, "outlier": False, 
 PAPER_FIELDS: dict[str, Any] = dict(key_bits=4, value_bits=4, group_size=64, rank_prefill=4, rank_decode=2,
                                     power_iters=3, outlier_ratio=0.02, buffer_size=64, sink_tokens=0,
                                     key_axis="channel", value_axis="token", pre_rope=True, key_group_size=None,
-                                    value_group_size=None, rotation="none", factor_bits=16)
+                                    value_group_size=None, rotation="none", factor_bits=16, range_search="none")
 
 
 # What the measured frontier says to pick (scripts/frontier.py; SmolLM2-135M and Qwen2.5-0.5B in bf16, head_dim 64,
@@ -78,6 +78,9 @@ class GearConfig:
     rotation:      "none" | "keys" | "values" | "both": an orthonormal Walsh–Hadamard rotation along head_dim
                    before compressing (of the stored pre-RoPE keys), undone at reconstruction (before RoPE)
     factor_bits:   16 (low-rank factors in 16 bits) or 8 (int8, one 16-bit absmax scale per column)
+    range_search:  "none" | "keys" | "values" | "both": choose each quantization group's range (scale, minimum)
+                   among clipped candidates for the least squared error of its entries instead of its min/max
+                   (beyond GEAR; same stored format)
     Side information (scales, minimums, outlier values, factors) is stored in 16 bits whatever the model
     dtype: bf16 for fp32/bf16 models, fp16 for fp16 models.
     backend:       "auto" (Triton kernels on CUDA when available, else torch), "torch" or "triton" (forced);
@@ -103,6 +106,7 @@ class GearConfig:
     value_group_size: int | None = None
     rotation: str = "both"
     factor_bits: int = 8  # int8 factors moved gear-2's attention-output error by < 0.1% (README)
+    range_search: str = "none"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -124,6 +128,8 @@ class GearConfig:
             _fail("rotation", self.rotation, " | ".join(ROTATIONS))
         if isinstance(self.factor_bits, bool) or self.factor_bits not in FACTOR_BITS:
             _fail("factor_bits", self.factor_bits, "16 or 8")
+        if self.range_search not in ROTATIONS:
+            _fail("range_search", self.range_search, " | ".join(ROTATIONS))
         self._check_token_groups()
         if isinstance(self.outlier_ratio, bool) or not isinstance(self.outlier_ratio, (int, float)) \
                 or not 0.0 <= self.outlier_ratio < 1.0:

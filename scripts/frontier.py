@@ -47,14 +47,14 @@ SHOTS_FOR = {1024: 8, 4096: 40}  # GSM8K exemplars so the text is at least T tok
 
 def point(method: str, key_bits: int, value_bits: int, *, sink: int = 0, rotation: str = "none",
           factor_bits: int = 16, key_group: int | None = None, value_group: int | None = None,
-          ranks: tuple[int, int] | None = None):
+          ranks: tuple[int, int] | None = None, range_search: str = "none"):
     """(name, GearConfig): the paper's preset of `method` with these changes; the name spells the changes."""
     import gear_hf
 
     granule = math.lcm(64, key_group or 64)
     config = gear_hf.GearConfig.preset(method, key_bits=key_bits, value_bits=value_bits, sink_tokens=sink,
                                        rotation=rotation, factor_bits=factor_bits, key_group_size=key_group,
-                                       value_group_size=value_group, buffer_size=granule,
+                                       value_group_size=value_group, buffer_size=granule, range_search=range_search,
                                        **(dict(rank_prefill=ranks[0], rank_decode=ranks[1]) if ranks else {}))
     bits = f"{key_bits}" if key_bits == value_bits else f"k{key_bits}v{value_bits}"
     name = f"{method}-{bits}"
@@ -64,6 +64,7 @@ def point(method: str, key_bits: int, value_bits: int, *, sink: int = 0, rotatio
     name += f"-gk{key_group}" if key_group else ""
     name += f"-gv{value_group}" if value_group else ""
     name += f"-r{ranks[0]}{ranks[1]}" if ranks else ""
+    name += {"none": "", "values": "-clipv", "keys": "-clipk", "both": "-clipkv"}[range_search]
     return name, config
 
 
@@ -96,6 +97,11 @@ def grid(kind: str) -> dict:
                point("kivi", 2, 2, rotation="both", key_group=128), point("kivi", 3, 2, rotation="both", key_group=128),
                point("kivi", 4, 2, rotation="both", key_group=128),
                point("gear-l", 2, 2, rotation="both", factor_bits=8, key_group=128, ranks=(2, 1))]
+    # round 3: value ranges searched for the least squared error (range_search), with their min/max twins
+    rotated = dict(sink=4, rotation="both", key_group=128)
+    points += [point("kivi", 4, 2, **rotated)]
+    for key_bits, value_bits in ((2, 2), (3, 2), (3, 3), (4, 2)):
+        points += [point("kivi", key_bits, value_bits, range_search="values", **rotated)]
     if kind == "quick":
         keep = {"kivi-2", "kivi-4", "gear-2", "gear-4", "kivi-k4v2", "kivi-k4v2-rv", "kivi-k3v2-rv", "kivi-3-rv",
                 "kivi-2-rv", "kivi-2-rv-gk128", "kivi-k3v2-rv-gk128", "gear-2-f8"}

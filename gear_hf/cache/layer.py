@@ -18,7 +18,9 @@ def stream_specs(cfg: GearConfig, stream: str) -> tuple[ChunkSpec, ChunkSpec]:
     ratio = cfg.outlier_ratio if cfg.uses_outliers else 0.0
     ranks = (cfg.rank_prefill, cfg.rank_decode) if cfg.uses_lowrank else (0, 0)
     rotate = cfg.rotation in ("both", stream + "s")
-    return tuple(ChunkSpec(bits, axis, group, ratio, rank, cfg.power_iters, rotate, cfg.factor_bits)
+    range_search = cfg.range_search in ("both", stream + "s")
+    return tuple(ChunkSpec(bits, axis, group, ratio, rank, cfg.power_iters, rotate, cfg.factor_bits,
+                           range_search)
                  for rank in ranks)
 
 

@@ -43,6 +43,7 @@ class ChunkSpec:
     power_iters: int = 3
     rotate: bool = False  # Walsh–Hadamard rotation along head_dim before compressing
     factor_bits: int = 16  # 16: factors in the side dtype; 8: int8 + a 16-bit scale per column
+    range_search: bool = False  # each group's range searched for the least squared error (quant.quantize)
 
     def __post_init__(self) -> None:
         quant.pack_unit(self.bits)  # raises on unsupported bits
@@ -159,8 +160,9 @@ def compress(x: torch.Tensor, spec: ChunkSpec, valid: torch.Tensor | None = None
     if valid is not None:
         exclude = mask | ~valid[:, None, :, None]
     packed = None
-    if quantize_pack is None:
-        codes, scale, minimum = quant.quantize(work, spec.bits, spec.axis, group, exclude=exclude, stats_dtype=store)
+    if quantize_pack is None or spec.range_search:  # the accelerated quantizer takes min/max
+        codes, scale, minimum = quant.quantize(work, spec.bits, spec.axis, group, exclude=exclude, stats_dtype=store,
+                                               range_search=spec.range_search)
     else:
         packed, scale, minimum = quantize_pack(work, spec.bits, spec.axis, group, exclude, store)
         codes = quant.unpack_codes(packed, spec.bits, spec.pack_dim)[..., :d]
