@@ -102,6 +102,11 @@ def grid(kind: str) -> dict:
     points += [point("kivi", 4, 2, **rotated)]
     for key_bits, value_bits in ((2, 2), (3, 2), (3, 3), (4, 2)):
         points += [point("kivi", key_bits, value_bits, range_search="values", **rotated)]
+        points += [point("kivi", key_bits, value_bits, sink=4, rotation="values", key_group=128,
+                         range_search="values")]  # keys unrotated: Qwen's keys at 3 bits preferred it
+    points += [point("kivi", 2, 2, range_search="both", **rotated), point("kivi", 4, 2, range_search="both", **rotated),
+               point("gear-l", 2, 2, factor_bits=8, ranks=(2, 1), range_search="values", **rotated),
+               point("gear", 2, 2, factor_bits=8, range_search="values")]
     if kind == "quick":
         keep = {"kivi-2", "kivi-4", "gear-2", "gear-4", "kivi-k4v2", "kivi-k4v2-rv", "kivi-k3v2-rv", "kivi-3-rv",
                 "kivi-2-rv", "kivi-2-rv-gk128", "kivi-k3v2-rv-gk128", "gear-2-f8"}

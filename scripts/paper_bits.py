@@ -25,21 +25,26 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     parser.add_argument("--tokens", type=int, default=1024)
-    parser.add_argument("--presets", default="gear-2,kivi-2,gear-4", help="METHOD-BITS, -f8: int8 factors")
+    parser.add_argument("--presets", default="gear-2,kivi-2,gear-4",
+                        help="METHOD-BITS[-f8|-f16][-clipv]: -f8/-f16 int8/16-bit low-rank factors, -clipv values' "
+                             "ranges searched (range_search='values'); needs a checkout that has the option")
     parser.add_argument("--save", default=None, help="capture with the model, save here, then measure")
     parser.add_argument("--load", default=None, help="measure saved captures (no model needed)")
     args = parser.parse_args(argv)
     import gear_hf
     from gear_hf import diagnostics as D
     from gear_hf.cache import GearCache
-    from gear_hf.diagnostics.capture import _NumLayers
-    from gear_hf.gsm8k import solved_text
+
+    _NumLayers = D._NumLayers if hasattr(D, "_NumLayers") else __import__(
+        "gear_hf.diagnostics.capture", fromlist=["_NumLayers"])._NumLayers  # an older checkout: a module
 
     torch.set_grad_enabled(False)
     if args.load:
         captures = [D.LayerCapture(**c) for c in torch.load(args.load)]
     else:
         model, tokenizer = benchlib.load_model(args.model, args.dtype)
+        from gear_hf.gsm8k import solved_text
+
         ids = tokenizer(solved_text(benchlib.data_dir(), 0), return_tensors="pt").input_ids[:, -args.tokens:]
         captures = D.capture_qkv(model, ids)
         if args.save:
@@ -48,10 +53,13 @@ def main(argv=None) -> int:
     H, d = captures[0].key.shape[1], captures[0].key.shape[3]
     print(f"captures: {len(captures)} layers, T={T}, {H} KV heads, head_dim {d}, {captures[0].key.dtype}")
     for name in args.presets.split(","):
-        base, int8_factors = (name[:-3], True) if name.endswith("-f8") else (name, False)  # gear-2-f8: int8 factors
+        base, options = name, {}
+        for suffix, option in (("-clipv", dict(range_search="values")), ("-f8", dict(factor_bits=8)),
+                               ("-f16", dict(factor_bits=16))):
+            if base.endswith(suffix):
+                base, options = base[:-len(suffix)], {**option, **options}
         method, _, bits = base.rpartition("-")
-        config = gear_hf.GearConfig.preset(method, bits=int(bits), backend="torch",
-                                           **({"factor_bits": 8} if int8_factors else {}))
+        config = gear_hf.GearConfig.preset(method, bits=int(bits), backend="torch", **options)
         cache = GearCache(_NumLayers(len(captures)), config)
         for start, length in [(0, T - 64)] + [(t, 1) for t in range(T - 64, T)]:
             for i, cap in enumerate(captures):

@@ -225,3 +225,26 @@ def test_recommended_follows_the_measured_frontier():
     # the paper's presets stay the paper's whatever the defaults
     paper = gear_hf.GearConfig.preset("gear", bits=2)
     assert (paper.rotation, paper.factor_bits, paper.key_group, paper.buffer_size) == ("none", 16, 64, 64)
+
+
+@pytest.mark.parametrize("which", ["none", "keys", "values", "both"])
+def test_range_search_reaches_the_streams_it_names(which):
+    """range_search="values" searches the value groups' ranges only (keys keep min/max), and so on; the cache then
+    holds what compress returns for that spec."""
+    from gear_hf.cache.layer import stream_specs
+
+    config = gear_hf.GearConfig(method="kivi", key_bits=2, value_bits=2, group_size=32, buffer_size=32,
+                                sink_tokens=0, rotation="none", range_search=which)
+    for stream in ("key", "value"):
+        expected = which in ("both", stream + "s")
+        assert all(spec.range_search == expected for spec in stream_specs(config, stream))
+    cache = GearCache(types.SimpleNamespace(num_hidden_layers=1), config)
+    k, v = _x(n=64), _x(n=64, seed=1)
+    cache.store_and_read(0, k, v)
+    layer = cache.layers[0]
+    for x, stream, spec in ((k, layer.key_stream, stream_specs(config, "key")[0]),
+                            (v, layer.value_stream, stream_specs(config, "value")[0])):
+        assert torch.equal(stream.prefill.fields["scale"], compress(x, spec).scale)
+    with pytest.raises(ValueError, match="range_search='value'"):
+        gear_hf.GearConfig(range_search="value")
+    assert gear_hf.GearConfig.preset("gear", bits=2).range_search == "none"  # the paper presets stay the paper's
