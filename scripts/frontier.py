@@ -107,6 +107,11 @@ def grid(kind: str) -> dict:
     points += [point("kivi", 2, 2, range_search="both", **rotated), point("kivi", 4, 2, range_search="both", **rotated),
                point("gear-l", 2, 2, factor_bits=8, ranks=(2, 1), range_search="values", **rotated),
                point("gear", 2, 2, factor_bits=8, range_search="values")]
+    # round 4, at <= 2.75 bits: key groups of 64 tokens, or rank-2/1 int8 factors, with either key rotation
+    for rotation in ("both", "values"):
+        points += [point("kivi", 2, 2, sink=4, rotation=rotation, range_search="values"),
+                   point("gear-l", 2, 2, sink=4, rotation=rotation, factor_bits=8, key_group=128, ranks=(2, 1),
+                         range_search="values")]
     if kind == "quick":
         keep = {"kivi-2", "kivi-4", "gear-2", "gear-4", "kivi-k4v2", "kivi-k4v2-rv", "kivi-k3v2-rv", "kivi-3-rv",
                 "kivi-2-rv", "kivi-2-rv-gk128", "kivi-k3v2-rv-gk128", "gear-2-f8"}

@@ -17,8 +17,6 @@ import sys
 
 import torch
 
-import benchlib
-
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -43,6 +41,7 @@ def main(argv=None) -> int:
         captures = [D.LayerCapture(**c) for c in torch.load(args.load)]
     else:
         model, tokenizer = benchlib.load_model(args.model, args.dtype)
+        import benchlib  # the model loader of this checkout (an older gear_hf may lack what it imports)
         from gear_hf.gsm8k import solved_text
 
         ids = tokenizer(solved_text(benchlib.data_dir(), 0), return_tensors="pt").input_ids[:, -args.tokens:]
