@@ -4,6 +4,11 @@
     python scripts/frontier.py --models smollm2 --tokens 1024 4096 --grid quick
     python scripts/frontier.py --configs kivi-k4v2,kivi-k4v2-rv          # named points only (see --list)
     python scripts/frontier.py --tokens 1028 --configs kivi-3-s4-rkv-gk128,kivi-3-rkv-gk128   # sinks, buffer empty
+    python scripts/frontier.py --tokens 1028 --text 1 --out out/frontier-text1 --configs ...  # another text: noise
+
+Names: METHOD-BITS (kBvB: key/value bits), then -sN N sinks, -rv/-rk/-rkv rotation of values/keys/both, -f8 int8
+low-rank factors, -gkN key groups of N tokens, -rPD ranks prefill/decode, -clipv/-clipk/-clipkv ranges searched
+(range_search) for values/keys/both.
 
 Bits are held at the end of the text, so a configuration whose last tokens still wait in the full-precision buffer
 pays for them there: with 4 sinks, T=1024 leaves 60 (n_b=64) or 124 (n_b=128) tokens buffered; measure sink
@@ -299,6 +304,19 @@ def summarize(out: Path, cond, args) -> str:
     return body
 
 
+def texts_table(dirs: list[Path]) -> str:
+    """One markdown row per (config, model) measured in the first run dir: bits and KL in each run (e.g. one run per
+    --text), for reading the noise between texts. The runs must share --tokens."""
+    runs = [{(r["model"], r["config"]): r for r in _read(d / "raw.csv")} for d in dirs]
+    lines = ["| config | model | bits/elem held | " + " | ".join(f"KL ({d.name})" for d in dirs) + " |",
+             "|---|---|--:|" + "--:|" * len(dirs)]
+    for model, config in sorted(runs[0], key=lambda k: (k[0], runs[0][k]["bits_per_element"], k[1])):
+        kls = [f"{run[(model, config)]['mean_kl']:.4f}" if (model, config) in run else "-" for run in runs]
+        lines.append(f"| {config} | {model} | {runs[0][(model, config)]['bits_per_element']:.2f} | "
+                     + " | ".join(kls) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["smollm2", "qwen25"])
@@ -312,7 +330,12 @@ def main(argv=None) -> int:
     parser.add_argument("--list", action="store_true", help="print the grid's names and exit")
     parser.add_argument("--summarize", action="store_true", help="only rebuild the table and plot from raw.csv")
     parser.add_argument("--out", default=str(benchlib.REPO / "out" / "frontier"))
+    parser.add_argument("--texts", nargs="+", default=None, metavar="DIR",
+                        help="print a table of KL per run dir (e.g. one per --text) and exit")
     args = parser.parse_args(argv)
+    if args.texts:
+        print(texts_table([Path(d) for d in args.texts]))
+        return 0
     configs = grid("full")
     if args.list:
         print("\n".join([*configs, *HF_BASELINES]))
