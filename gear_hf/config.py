@@ -37,18 +37,19 @@ PAPER_FIELDS: dict[str, Any] = dict(key_bits=4, value_bits=4, group_size=64, ran
 
 
 # What the measured frontier says to pick (scripts/frontier.py; SmolLM2-135M and Qwen2.5-0.5B in bf16, head_dim 64,
-# teacher-forced next-token KL over the last 128 tokens of two GSM8K texts, T=1028 = 4 sinks + 1024; README "Accuracy
-# per byte"): (name, bits/element held on d=64 heads at T=1028, fields over the paper's with int8 low-rank factors),
-# cheapest first. One family: values rotated (Walsh–Hadamard) with their ranges searched for the least squared error,
-# keys unrotated with min/max ranges, grouped by 128 tokens (values by whole tokens up to head_dim 128), 4
-# attention-sink tokens kept exact. Why: over both models and both texts its worst KL (ratio to kivi-4's, or to half
-# of kivi-2's for "small") was the lowest of the measured alternatives at each budget; rotating the keys too helps
-# SmolLM2 and hurts Qwen at 2-3 bits, and searching the keys' ranges raised the attention-output error.
-_FAMILY = dict(rotation="values", range_search="values", group_size=128, sink_tokens=4)
+# teacher-forced next-token KL over the last 128 tokens of three GSM8K texts, T=1028 = 4 sinks + 1024; README
+# "Accuracy per byte", results/frontier_texts.md): (name, bits/element held on d=64 heads at T=1028, fields over the
+# paper's with int8 low-rank factors), cheapest first. All keep 4 attention-sink tokens exact and group keys by 128
+# tokens (values by whole tokens up to head_dim 128). Each is the measured alternative with the lowest worst KL over
+# both models and the three texts (ratio to kivi-4's; to half of kivi-2's for "small"): at 2-bit values, values
+# rotated (Walsh–Hadamard) with their ranges searched, keys unrotated (rotating keys helps SmolLM2 and hurts Qwen at
+# 2-3 bits); with 4-bit keys, keys and values rotated with min/max ranges (also the lowest mean on both models, and
+# nothing to search at compress time).
+_SEARCHED_VALUES = dict(rotation="values", range_search="values", group_size=128, sink_tokens=4)
 RECOMMENDED: tuple[tuple[str, float, dict[str, Any]], ...] = (
-    ("small", 2.43, dict(method="kivi", key_bits=2, value_bits=2, **_FAMILY)),
-    ("balanced", 2.93, dict(method="kivi", key_bits=3, value_bits=2, **_FAMILY)),
-    ("accurate", 3.43, dict(method="kivi", key_bits=4, value_bits=2, **_FAMILY)),
+    ("small", 2.43, dict(method="kivi", key_bits=2, value_bits=2, **_SEARCHED_VALUES)),
+    ("balanced", 2.93, dict(method="kivi", key_bits=3, value_bits=2, **_SEARCHED_VALUES)),
+    ("accurate", 3.43, dict(method="kivi", key_bits=4, value_bits=2, rotation="both", group_size=128, sink_tokens=4)),
     ("kivi-4", 4.55, dict(method="kivi", key_bits=4, value_bits=4)),
     ("gear-4", 6.10, dict(method="gear", key_bits=4, value_bits=4, factor_bits=16)),
 )
@@ -105,9 +106,9 @@ class GearConfig:
     backend: str = "auto"
     key_group_size: int | None = None
     value_group_size: int | None = None
-    rotation: str = "values"
+    rotation: str = "both"
     factor_bits: int = 8  # int8 factors moved gear-2's attention-output error by < 0.1% (README)
-    range_search: str = "values"
+    range_search: str = "none"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
