@@ -143,10 +143,11 @@ def test_outliers_ignore_padding_and_follow_row_length():
     assert used[1].sum(dim=-2).eq(outliers_per_vector(40, 0.04)).all()
 
 
+@pytest.mark.parametrize("range_search", [False, True])
 @pytest.mark.parametrize("axis", ["channel", "token"])
-def test_padding_does_not_change_a_rows_compression(axis):
+def test_padding_does_not_change_a_rows_compression(axis, range_search):
     """Row-local padding (at the end, as the cache stores rows) leaves the valid part bit-identical."""
-    spec = ChunkSpec(2, axis, 32, 0.02, 4)
+    spec = ChunkSpec(2, axis, 32, 0.02, 4, range_search=range_search)
     x = _x(B=1, n=96)
     alone = decompress(compress(x, spec), spec, 96, 64, torch.float32)
     padded = torch.cat([x, torch.full((1, 3, 32, 64), 7e3)], dim=2)
