@@ -90,6 +90,8 @@ FAST = [
     ("outlier", 4, 64, 2, 4, 3, 1, torch.float32),
     ("gear-l", 2, 64, 2, 4, 3, 4, torch.float32),
     ("fp16", 4, 64, 2, 4, 3, 4, torch.float16),  # no compression: everything in the buffer
+    ("gear", 3, 64, 2, 4, 3, 1, torch.float32),  # 3-bit codes: 8 codes in 3 bytes (keys along tokens)
+    ("kivi", 3, 128, 1, 4, 2, 4, torch.float16),
 ]
 
 

@@ -194,7 +194,7 @@ def test_separate_key_and_value_group_sizes():
 
 
 @pytest.mark.parametrize("overrides,word", [
-    (dict(key_bits=3), "3-bit"), (dict(value_bits=3), "3-bit"), (dict(rotation="values"), "rotation"),
+    (dict(rotation="values"), "rotation"),
     (dict(rotation="keys"), "rotation"), (dict(factor_bits=8), "int8"), (dict(key_group_size=32), "group"),
 ])
 def test_fused_kernel_declines_what_it_does_not_read(overrides, word):

@@ -44,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..compress.quant import pack_unit
 from . import interpreting
 from .views import OUTLIER_TILE, ChunkRunView, DecodeLayout, StreamView, key_outlier_count, prepare_derived
 
@@ -96,22 +97,44 @@ def _rope(k1, k2, pos, freq_ptr, attn_scale, HALF: tl.constexpr, FAST: tl.conste
 
 
 @triton.jit
-def _unpack_last(byte, BITS: tl.constexpr, CPB: tl.constexpr):
-    """Codes of bytes [R, W] -> [R, W*CPB]: code j of byte w at column w*CPB + j (each byte loaded once)."""
-    MASK: tl.constexpr = (1 << BITS) - 1
-    if CPB == 1:
-        return byte
-    elif CPB == 2:
-        return tl.reshape(tl.join(byte & MASK, (byte >> BITS) & MASK), [byte.shape[0], byte.shape[1] * 2])
-    else:  # 4 codes per byte: join(join(c0, c2), join(c1, c3))[..., a, b] = code 2a + b
-        lo = tl.join(byte & MASK, (byte >> (2 * BITS)) & MASK)
-        hi = tl.join((byte >> BITS) & MASK, (byte >> (3 * BITS)) & MASK)
-        return tl.reshape(tl.join(lo, hi), [byte.shape[0], byte.shape[1] * 4])
+def _join4(c0, c1, c2, c3):
+    """Four [R, C] tiles -> [R, C, 4], tile j at index j of the last axis."""
+    return tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), [c0.shape[0], c0.shape[1], 4])
+
+
+@triton.jit
+def _join8(c0, c1, c2, c3, c4, c5, c6, c7):
+    """Eight [R, C] tiles -> [R, C, 8], tile j at index j of the last axis."""
+    even = tl.reshape(tl.join(tl.join(c0, c4), tl.join(c2, c6)), [c0.shape[0], c0.shape[1], 4])
+    odd = tl.reshape(tl.join(tl.join(c1, c5), tl.join(c3, c7)), [c0.shape[0], c0.shape[1], 4])
+    return tl.reshape(tl.join(even, odd), [c0.shape[0], c0.shape[1], 8])
+
+
+@triton.jit
+def _unpack_units(p, step, mask, BITS: tl.constexpr):
+    """Codes of the packing units whose first byte `p` [R, C] points at (a unit's bytes `step` apart):
+    int32 [R, C, UNIT] in code order. 2/4/8 bits: 8/BITS codes per byte, low bits first; 3 bits: 8 codes in 3
+    bytes, a 2-bit plane of two bytes then a 1-bit plane (the layout of gear_hf.compress.quant). Every byte is
+    loaded once and unpacked with shifts and masks in registers; one path for every width."""
+    b0 = tl.load(p, mask=mask, other=0).to(tl.int32)
+    if BITS == 8:
+        return tl.reshape(b0, [b0.shape[0], b0.shape[1], 1])
+    elif BITS == 4:
+        return tl.join(b0 & 15, b0 >> 4)
+    elif BITS == 2:
+        return _join4(b0 & 3, (b0 >> 2) & 3, (b0 >> 4) & 3, b0 >> 6)
+    else:
+        tl.static_assert(BITS == 3, "codes of 2, 3, 4 or 8 bits")
+        b1 = tl.load(p + step, mask=mask, other=0).to(tl.int32)
+        hi = tl.load(p + 2 * step, mask=mask, other=0).to(tl.int32) << 2  # bit j of the plane -> bit j + 2
+        return _join8(b0 & 3 | hi & 4, (b0 >> 2) & 3 | (hi >> 1) & 4, (b0 >> 4) & 3 | (hi >> 2) & 4,
+                      (b0 >> 6) | (hi >> 3) & 4, b1 & 3 | (hi >> 4) & 4, (b1 >> 2) & 3 | (hi >> 5) & 4,
+                      (b1 >> 4) & 3 | (hi >> 6) & 4, (b1 >> 6) | (hi >> 7) & 4)
 
 
 @triton.jit
 def _key_half(codes_b, scale_b, min_b, a_b, bm_b, s_codes, s_scale, s_a, s_bm, slot, slot0, slot_end, tvalid, chunk, ch,
-              bt_pre, D: tl.constexpr, BITS: tl.constexpr, CPB: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr,
+              bt_pre, D: tl.constexpr, BITS: tl.constexpr, UNIT: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr,
               STATS_ROW: tl.constexpr, DT: tl.constexpr, B_PRE: tl.constexpr):
     """Keys (axis="channel") at store slots `slot` [BN] (slot0 + arange, valid below slot_end) and channels
     `ch` [C]: D̂ + A·Bᵀ in float32 [BN, C].
@@ -119,11 +142,11 @@ def _key_half(codes_b, scale_b, min_b, a_b, bm_b, s_codes, s_scale, s_a, s_bm, s
     m2 = tvalid[:, None]
     BN: tl.constexpr = slot.shape[0]
     C: tl.constexpr = ch.shape[0]
-    if CPB > 1:  # each code byte loaded once: [BN/CPB, C] bytes -> [BN, C] codes, token = byte row * CPB + j
-        rows = slot0 // CPB + tl.arange(0, BN // CPB)
-        byte = tl.load(codes_b + rows[:, None] * s_codes + ch[None, :], mask=(rows * CPB < slot_end)[:, None],
-                       other=0).to(tl.int32)
-        code = tl.reshape(_unpack_last(byte, BITS, CPB), [BN // CPB, C, CPB])
+    if UNIT > 1:  # each code byte loaded once: [BN/UNIT, C, UNIT] -> [BN, C], token = unit * UNIT + j
+        units = slot0 // UNIT + tl.arange(0, BN // UNIT)
+        UNIT_BYTES: tl.constexpr = 3 if BITS == 3 else 1
+        code = _unpack_units(codes_b + (units * UNIT_BYTES)[:, None] * s_codes + ch[None, :], s_codes,
+                             (units * UNIT < slot_end)[:, None], BITS)
         code = tl.reshape(tl.permute(code, (0, 2, 1)), [BN, C])
     else:
         code = tl.load(codes_b + slot[:, None] * s_codes + ch[None, :], mask=m2, other=0).to(tl.int32)
@@ -147,14 +170,16 @@ def _key_half(codes_b, scale_b, min_b, a_b, bm_b, s_codes, s_scale, s_a, s_bm, s
 
 @triton.jit
 def _value_tile(codes_b, scale_b, min_b, spv_b, spi_b, s_codes, s_scale, s_sp, slot, tvalid,
-                D: tl.constexpr, BITS: tl.constexpr, CPB: tl.constexpr, GROUP: tl.constexpr, K2: tl.constexpr,
+                D: tl.constexpr, BITS: tl.constexpr, UNIT: tl.constexpr, GROUP: tl.constexpr, K2: tl.constexpr,
                 STATS_W: tl.constexpr):
     """Values (axis="token") at store slots `slot` [BN], all channels: D̂ + S in float32 [BN, D]."""
     c = tl.arange(0, D)
     m2 = tvalid[:, None]
     BN: tl.constexpr = slot.shape[0]
-    byte = tl.load(codes_b + slot[:, None] * s_codes + tl.arange(0, D // CPB)[None, :], mask=m2, other=0)
-    code = _unpack_last(byte.to(tl.int32), BITS, CPB)
+    UNIT_BYTES: tl.constexpr = 3 if BITS == 3 else 1
+    units = tl.arange(0, D // UNIT)
+    code = tl.reshape(_unpack_units(codes_b + slot[:, None] * s_codes + (units * UNIT_BYTES)[None, :], 1, m2, BITS),
+                      [BN, D])
     if STATS_W * GROUP == D:  # whole groups: one load per group, broadcast over its channels in registers
         g = tl.arange(0, STATS_W)
         srow = slot[:, None] * s_scale + g[None, :]
@@ -278,15 +303,15 @@ def _compressed_block(
     vc, vs, vm, vsv, vsi, va, vb, s_vc, s_vs, s_vsp, s_va, s_vb, kbt1, kbt2, vbt,
     D: tl.constexpr, HALF: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr,
     B_PRE: tl.constexpr,
-    K_BITS: tl.constexpr, K_CPB: tl.constexpr, K_GROUP: tl.constexpr, K_R: tl.constexpr, K_SPARSE: tl.constexpr,
+    K_BITS: tl.constexpr, K_UNIT: tl.constexpr, K_GROUP: tl.constexpr, K_R: tl.constexpr, K_SPARSE: tl.constexpr,
     K_STATS_ROW: tl.constexpr,
-    V_BITS: tl.constexpr, V_CPB: tl.constexpr, V_GROUP: tl.constexpr, V_R: tl.constexpr, V_K2: tl.constexpr,
+    V_BITS: tl.constexpr, V_UNIT: tl.constexpr, V_GROUP: tl.constexpr, V_R: tl.constexpr, V_K2: tl.constexpr,
 ):
     h_offs = tl.arange(0, HALF)
     k1 = _key_half(kc, ks, km, ka, kb, s_kc, s_ks, s_ka, s_kb, slot, slot0, slot_end, tvalid, chunk, h_offs,
-                   kbt1, D, K_BITS, K_CPB, K_GROUP, K_R, K_STATS_ROW, DT, B_PRE)
+                   kbt1, D, K_BITS, K_UNIT, K_GROUP, K_R, K_STATS_ROW, DT, B_PRE)
     k2 = _key_half(kc, ks, km, ka, kb, s_kc, s_ks, s_ka, s_kb, slot, slot0, slot_end, tvalid, chunk, h_offs + HALF,
-                   kbt2, D, K_BITS, K_CPB, K_GROUP, K_R, K_STATS_ROW, DT, B_PRE)
+                   kbt2, D, K_BITS, K_UNIT, K_GROUP, K_R, K_STATS_ROW, DT, B_PRE)
     pos = tl.load(pos_b + t, mask=tvalid, other=0)
     k1, k2 = _rope(k1, k2, pos, freq_ptr, attn_scale, HALF, FAST)
     s = _dot(q1, tl.trans(k1), DT) + _dot(q2, tl.trans(k2), DT)
@@ -294,7 +319,7 @@ def _compressed_block(
         s = _key_outlier_scores(s, q_rows, mvalid, ow, ov, ot, n_tiles, seg, tok0, t_base, pos_b, freq_ptr,
                                 attn_scale, D, HALF, BN, OUTLIERS_PER_STEP, DT == tl.float32, FAST)
     s = s * sm_scale
-    v = _value_tile(vc, vs, vm, vsv, vsi, s_vc, s_vs, s_vsp, slot, tvalid, D, V_BITS, V_CPB, V_GROUP, V_K2,
+    v = _value_tile(vc, vs, vm, vsv, vsi, s_vc, s_vs, s_vsp, slot, tvalid, D, V_BITS, V_UNIT, V_GROUP, V_K2,
                     s_vs)
     m_i, l_i, acc, p = _softmax_step(s, t, tvalid, limit, mvalid, window, m_i, l_i, acc, v, DT)
     if V_R > 0:
@@ -352,12 +377,12 @@ def _decode_attention_kernel(
     acc_ptr, ml_ptr, H_KV, M_TILES, NSPLIT,
     G: tl.constexpr, QL: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
     BN: tl.constexpr, NB: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr, HAS_SINK: tl.constexpr,
-    P_K_BITS: tl.constexpr, P_K_CPB: tl.constexpr, P_K_GROUP: tl.constexpr, P_K_R: tl.constexpr,
-    P_K_SPARSE: tl.constexpr, P_K_STATS_ROW: tl.constexpr, P_V_BITS: tl.constexpr, P_V_CPB: tl.constexpr,
+    P_K_BITS: tl.constexpr, P_K_UNIT: tl.constexpr, P_K_GROUP: tl.constexpr, P_K_R: tl.constexpr,
+    P_K_SPARSE: tl.constexpr, P_K_STATS_ROW: tl.constexpr, P_V_BITS: tl.constexpr, P_V_UNIT: tl.constexpr,
     P_V_GROUP: tl.constexpr, P_V_R: tl.constexpr, P_V_K2: tl.constexpr, P_V_CODES_W: tl.constexpr,
     P_V_STATS_W: tl.constexpr,
-    D_K_BITS: tl.constexpr, D_K_CPB: tl.constexpr, D_K_GROUP: tl.constexpr, D_K_R: tl.constexpr,
-    D_K_SPARSE: tl.constexpr, D_K_STATS_ROW: tl.constexpr, D_V_BITS: tl.constexpr, D_V_CPB: tl.constexpr,
+    D_K_BITS: tl.constexpr, D_K_UNIT: tl.constexpr, D_K_GROUP: tl.constexpr, D_K_R: tl.constexpr,
+    D_K_SPARSE: tl.constexpr, D_K_STATS_ROW: tl.constexpr, D_V_BITS: tl.constexpr, D_V_UNIT: tl.constexpr,
     D_V_GROUP: tl.constexpr, D_V_R: tl.constexpr, D_V_K2: tl.constexpr, D_V_CODES_W: tl.constexpr,
     D_V_STATS_W: tl.constexpr,
 ):
@@ -439,8 +464,8 @@ def _decode_attention_kernel(
                 pvc + bh64 * s_pvc, pvs + bh64 * s_pvs, pvm + bh64 * s_pvs, pvsv + bh64 * s_pvsp,
                 pvsi + bh64 * s_pvsp, pva + bh64 * s_pva, pvb + bh64 * s_pvb,
                 P_V_CODES_W, P_V_STATS_W, P_V_K2, P_V_R, P_V_R, pkbt1, pkbt2, pvbt,
-                D, HALF, BN, DT, FAST, True, P_K_BITS, P_K_CPB, P_K_GROUP, P_K_R, P_K_SPARSE, P_K_STATS_ROW,
-                P_V_BITS, P_V_CPB, P_V_GROUP, P_V_R, P_V_K2)
+                D, HALF, BN, DT, FAST, True, P_K_BITS, P_K_UNIT, P_K_GROUP, P_K_R, P_K_SPARSE, P_K_STATS_ROW,
+                P_V_BITS, P_V_UNIT, P_V_GROUP, P_V_R, P_V_K2)
 
     if D_K_BITS > 0:
         for blk in range(tl.maximum(lo, e2), tl.minimum(hi, e3)):
@@ -460,8 +485,8 @@ def _decode_attention_kernel(
                 dvc + bh64 * s_dvc, dvs + bh64 * s_dvs, dvm + bh64 * s_dvs, dvsv + bh64 * s_dvsp,
                 dvsi + bh64 * s_dvsp, dva + bh64 * s_dva, dvb + bh64 * s_dvb,
                 D_V_CODES_W, D_V_STATS_W, D_V_K2, D_V_R, D_V_R, 0, 0, 0,
-                D, HALF, BN, DT, FAST, False, D_K_BITS, D_K_CPB, D_K_GROUP, D_K_R, D_K_SPARSE, D_K_STATS_ROW,
-                D_V_BITS, D_V_CPB, D_V_GROUP, D_V_R, D_V_K2)
+                D, HALF, BN, DT, FAST, False, D_K_BITS, D_K_UNIT, D_K_GROUP, D_K_R, D_K_SPARSE, D_K_STATS_ROW,
+                D_V_BITS, D_V_UNIT, D_V_GROUP, D_V_R, D_V_K2)
 
     for blk in range(tl.maximum(lo, e3), hi):
         slot = (blk - e3) * BN + n_offs
@@ -515,8 +540,8 @@ def _check(t: torch.Tensor, name: str) -> torch.Tensor:
     return t
 
 
-_NO_KEYS = {"BITS": 0, "CPB": 1, "GROUP": 1, "R": 0, "SPARSE": False, "STATS_ROW": False}
-_NO_VALUES = {"BITS": 0, "CPB": 1, "GROUP": 1, "R": 0, "K2": 0, "CODES_W": 1, "STATS_W": 1}
+_NO_KEYS = {"BITS": 0, "UNIT": 1, "GROUP": 1, "R": 0, "SPARSE": False, "STATS_ROW": False}
+_NO_VALUES = {"BITS": 0, "UNIT": 1, "GROUP": 1, "R": 0, "K2": 0, "CODES_W": 1, "STATS_W": 1}
 
 
 def _key_run_args(run: ChunkRunView | None, chunks_used: int, dummy: torch.Tensor, head_dim: int, prefix: str,
@@ -531,10 +556,10 @@ def _key_run_args(run: ChunkRunView | None, chunks_used: int, dummy: torch.Tenso
     if spec.axis != "channel":
         raise NotImplementedError("fused kernel: keys must be stored per channel (key_axis='channel')")
     group = spec.group_for(run.chunk_len, head_dim)
-    cpb = 8 // spec.bits
-    if run.chunk_len % cpb or group % cpb:
+    unit = pack_unit(spec.bits)[0]
+    if run.chunk_len % unit or group % unit:
         raise NotImplementedError(f"fused kernel: chunk of {run.chunk_len} tokens / group {group} does not align "
-                                  f"with {cpb} codes per byte")
+                                  f"with packing units of {unit} codes")
     k2 = key_outlier_count(run)
     derived = {}
     if k2:
@@ -552,7 +577,7 @@ def _key_run_args(run: ChunkRunView | None, chunks_used: int, dummy: torch.Tenso
     ptrs = [f["codes"], f["scale"], f["minimum"], f["lowrank_a"], f["lowrank_b"], where, value, tile]
     strides = [f["codes"].stride(1), f["scale"].stride(1), f["lowrank_a"].stride(1), f["lowrank_b"].stride(1),
                where.stride(1) if k2 else 0, tile.stride(1) if k2 else 0, tiles, k2 * head_dim]
-    constexprs = {"BITS": spec.bits, "CPB": cpb, "GROUP": group, "R": f["lowrank_a"].shape[-1], "SPARSE": k2 > 0,
+    constexprs = {"BITS": spec.bits, "UNIT": unit, "GROUP": group, "R": f["lowrank_a"].shape[-1], "SPARSE": k2 > 0,
                   "STATS_ROW": group % block_n == 0}
     return ptrs, strides, {f"{prefix}_{k}": v for k, v in constexprs.items()}
 
@@ -565,7 +590,7 @@ def _value_run_args(run: ChunkRunView | None, chunks_used: int, dummy: torch.Ten
     spec = run.spec
     if spec.axis != "token":
         raise NotImplementedError("fused kernel: values must be stored per token (value_axis='token')")
-    constexprs = {"BITS": spec.bits, "CPB": 8 // spec.bits, "GROUP": spec.group_for(run.chunk_len, head_dim),
+    constexprs = {"BITS": spec.bits, "UNIT": pack_unit(spec.bits)[0], "GROUP": spec.group_for(run.chunk_len, head_dim),
                   "R": f["lowrank_a"].shape[-1], "K2": f["sparse_values"].shape[-1],
                   "CODES_W": f["codes"].shape[-1], "STATS_W": f["scale"].shape[-1]}
     strides = [f[n].stride(1) for n in ("codes", "scale", "sparse_values", "lowrank_a", "lowrank_b")]
