@@ -86,13 +86,11 @@ def _sincos(ang, FAST: tl.constexpr):
 
 
 @triton.jit
-def _rope(k1, k2, pos, freq_ptr, attn_scale, HALF: tl.constexpr, FAST: tl.constexpr):
-    """HF rotate_half RoPE of a key tile split in halves [BN, HALF] at positions pos [BN]."""
-    f = tl.load(freq_ptr + tl.arange(0, HALF))
-    ang = pos.to(tl.float32)[:, None] * f[None, :]
+def _rope(k1, k2, pos, freq, FAST: tl.constexpr):
+    """HF rotate_half RoPE of a key tile split in halves [BN, HALF] at positions pos [BN] (freq: inv_freq [HALF];
+    the rotary attention_scaling is folded into the query)."""
+    ang = pos.to(tl.float32)[:, None] * freq[None, :]
     c, s = _sincos(ang, FAST)
-    c = c * attn_scale
-    s = s * attn_scale
     return k1 * c - k2 * s, k2 * c + k1 * s
 
 
@@ -203,7 +201,7 @@ def _value_tile(codes_b, scale_b, min_b, spv_b, spi_b, s_codes, s_scale, s_sp, s
 
 @triton.jit
 def _key_outlier_scores(s, q_rows, mvalid, ow_b, ov_b, ot_b, n_tiles, seg, tok0, t_base, pos_b, freq_ptr,
-                        attn_scale, D: tl.constexpr, HALF: tl.constexpr, BN: tl.constexpr, OE: tl.constexpr,
+                        q_scale, D: tl.constexpr, HALF: tl.constexpr, BN: tl.constexpr, OE: tl.constexpr,
                         IEEE: tl.constexpr, FAST: tl.constexpr):
     """s [M, BN] += exact score terms of the key outliers of chunk-local tokens [tok0, tok0 + BN) (sorted by
     token; ot_b: the chunk's per-16-token offsets into its segment `seg` of ow_b/ov_b). An outlier v at
@@ -230,7 +228,7 @@ def _key_outlier_scores(s, q_rows, mvalid, ow_b, ov_b, ot_b, n_tiles, seg, tok0,
         m2 = mvalid[:, None] & ev
         qv = tl.load(q_rows[:, None] + ch, mask=m2, other=0.0).to(tl.float32)
         qp = tl.load(q_rows[:, None] + (ch + HALF) % D, mask=m2, other=0.0).to(tl.float32)
-        w = val * attn_scale
+        w = val * q_scale
         contrib = (qv * cos + qp * tl.where(ch < HALF, sin, -sin)) * w  # [M, OE]
         et = e0 + e_en
         tok = tl.load(ow_b + seg + et, mask=et < hi, other=-D) >> LOG2D  # [OE, BN]
@@ -297,7 +295,7 @@ def _lowrank_values(acc, p, a_b, bm_b, s_a, s_bm, slot, tvalid, chunk, bt_pre, D
 
 @triton.jit
 def _compressed_block(
-    q1, q2, q_rows, t, slot, slot0, slot_end, tvalid, chunk, tok0, pos_b, freq_ptr, attn_scale, sm_scale, limit, mvalid,
+    q1, q2, q_rows, t, slot, slot0, slot_end, tvalid, chunk, tok0, pos_b, freq_ptr, freq, q_scale, limit, mvalid,
     window, m_i, l_i, acc,
     kc, ks, km, ka, kb, s_kc, s_ks, s_ka, s_kb, ow, ov, ot, n_tiles, seg, t_base,
     vc, vs, vm, vsv, vsi, va, vb, s_vc, s_vs, s_vsp, s_va, s_vb, kbt1, kbt2, vbt,
@@ -313,12 +311,11 @@ def _compressed_block(
     k2 = _key_half(kc, ks, km, ka, kb, s_kc, s_ks, s_ka, s_kb, slot, slot0, slot_end, tvalid, chunk, h_offs + HALF,
                    kbt2, D, K_BITS, K_UNIT, K_GROUP, K_R, K_STATS_ROW, DT, B_PRE)
     pos = tl.load(pos_b + t, mask=tvalid, other=0)
-    k1, k2 = _rope(k1, k2, pos, freq_ptr, attn_scale, HALF, FAST)
+    k1, k2 = _rope(k1, k2, pos, freq, FAST)
     s = _dot(q1, tl.trans(k1), DT) + _dot(q2, tl.trans(k2), DT)
     if K_SPARSE:
         s = _key_outlier_scores(s, q_rows, mvalid, ow, ov, ot, n_tiles, seg, tok0, t_base, pos_b, freq_ptr,
-                                attn_scale, D, HALF, BN, OUTLIERS_PER_STEP, DT == tl.float32, FAST)
-    s = s * sm_scale
+                                q_scale, D, HALF, BN, OUTLIERS_PER_STEP, DT == tl.float32, FAST)
     v = _value_tile(vc, vs, vm, vsv, vsi, s_vc, s_vs, s_vsp, slot, tvalid, D, V_BITS, V_UNIT, V_GROUP, V_K2,
                     s_vs)
     m_i, l_i, acc, p = _softmax_step(s, t, tvalid, limit, mvalid, window, m_i, l_i, acc, v, DT)
@@ -328,7 +325,7 @@ def _compressed_block(
 
 
 @triton.jit
-def _dense_block(q1, q2, k_b, v_b, s_tok, t, slot, tvalid, pos_b, freq_ptr, attn_scale, sm_scale, limit,
+def _dense_block(q1, q2, k_b, v_b, s_tok, t, slot, tvalid, pos_b, freq, limit,
                  mvalid, window, m_i, l_i, acc, D: tl.constexpr, HALF: tl.constexpr, DT: tl.constexpr,
                  FAST: tl.constexpr):
     """Full-precision tokens (sink or buffer) at store slots `slot`."""
@@ -338,8 +335,8 @@ def _dense_block(q1, q2, k_b, v_b, s_tok, t, slot, tvalid, pos_b, freq_ptr, attn
     k1 = tl.load(k_b + rows + h_offs[None, :], mask=m2, other=0.0).to(tl.float32)
     k2 = tl.load(k_b + rows + HALF + h_offs[None, :], mask=m2, other=0.0).to(tl.float32)
     pos = tl.load(pos_b + t, mask=tvalid, other=0)
-    k1, k2 = _rope(k1, k2, pos, freq_ptr, attn_scale, HALF, FAST)
-    s = (_dot(q1, tl.trans(k1), DT) + _dot(q2, tl.trans(k2), DT)) * sm_scale
+    k1, k2 = _rope(k1, k2, pos, freq, FAST)
+    s = _dot(q1, tl.trans(k1), DT) + _dot(q2, tl.trans(k2), DT)
     v = tl.load(v_b + rows + tl.arange(0, D)[None, :], mask=m2, other=0.0)
     m_i, l_i, acc, p = _softmax_step(s, t, tvalid, limit, mvalid, window, m_i, l_i, acc, v, DT)
     return m_i, l_i, acc
@@ -414,8 +411,12 @@ def _decode_attention_kernel(
     qi = m_offs % QL
     h_offs = tl.arange(0, HALF)
     q_rows = q_ptr + b64 * sqb + (kvh * G + g) * sqh + qi * sqq
-    q1 = tl.load(q_rows[:, None] + h_offs[None, :], mask=mvalid[:, None], other=0.0)
-    q2 = tl.load(q_rows[:, None] + HALF + h_offs[None, :], mask=mvalid[:, None], other=0.0)
+    # the softmax scale (log2 units) and the rotary attention_scaling are folded into the query once: q·(a R k)·s
+    # = (a s q)·(R k), so neither is applied per key element or per score
+    q_scale = attn_scale * sm_scale
+    q1 = tl.load(q_rows[:, None] + h_offs[None, :], mask=mvalid[:, None], other=0.0).to(tl.float32) * q_scale
+    q2 = tl.load(q_rows[:, None] + HALF + h_offs[None, :], mask=mvalid[:, None], other=0.0).to(tl.float32) * q_scale
+    freq = tl.load(freq_ptr + h_offs)
     limit = tl.load(lim_ptr + b * QL + qi, mask=mvalid, other=-1)
 
     # Sliding window: blocks that end before the earliest visible token of every query are skipped (not
@@ -442,7 +443,7 @@ def _decode_attention_kernel(
             slot = blk * BN + n_offs
             tvalid = slot < s_len
             m_i, l_i, acc = _dense_block(q1, q2, sink_k + bh64 * s_sink_h, sink_v + bh64 * s_sink_h, D, slot,
-                                         slot, tvalid, pos_b, freq_ptr, attn_scale, sm_scale, limit, mvalid,
+                                         slot, tvalid, pos_b, freq, limit, mvalid,
                                          window, m_i, l_i, acc, D, HALF, DT, FAST)
 
     if P_K_BITS > 0:
@@ -456,7 +457,7 @@ def _decode_attention_kernel(
             tvalid = slot < p_len
             t = s_len + slot
             m_i, l_i, acc = _compressed_block(
-                q1, q2, q_rows, t, slot, slot0, p_len, tvalid, 0, slot0, pos_b, freq_ptr, attn_scale, sm_scale, limit,
+                q1, q2, q_rows, t, slot, slot0, p_len, tvalid, 0, slot0, pos_b, freq_ptr, freq, q_scale, limit,
                 mvalid, window, m_i, l_i, acc,
                 pkc + bh64 * s_pkc, pks + bh64 * s_pks, pkm + bh64 * s_pks, pka + bh64 * s_pka,
                 pkb + bh64 * s_pkb, D, D, P_K_R, P_K_R,
@@ -477,7 +478,7 @@ def _decode_attention_kernel(
             t = s_len + p_len + slot
             m_i, l_i, acc = _compressed_block(
                 q1, q2, q_rows, t, slot, slot0, c_cnt * NB, tvalid, chunk, slot0 - chunk * NB, pos_b, freq_ptr,
-                attn_scale, sm_scale, limit, mvalid, window, m_i, l_i, acc,
+                freq, q_scale, limit, mvalid, window, m_i, l_i, acc,
                 dkc + bh64 * s_dkc, dks + bh64 * s_dks, dkm + bh64 * s_dks, dka + bh64 * s_dka,
                 dkb + bh64 * s_dkb, D, D, D_K_R, D_K_R,
                 dow + bh64 * s_dow, dov + bh64 * s_dow, dot_ + bh64 * s_dot + chunk * (NB // 16 + 1), NB // 16,
@@ -493,7 +494,7 @@ def _decode_attention_kernel(
         tvalid = slot < f_len
         t = s_len + p_len + c_cnt * NB + slot
         m_i, l_i, acc = _dense_block(q1, q2, buf_k + bh64 * s_buf_h, buf_v + bh64 * s_buf_h, D, t, slot, tvalid,
-                                     pos_b, freq_ptr, attn_scale, sm_scale, limit, mvalid, window,
+                                     pos_b, freq, limit, mvalid, window,
                                      m_i, l_i, acc, D, HALF, DT, FAST)
 
     ws = pid.to(tl.int64) * NSPLIT + split
