@@ -108,14 +108,10 @@ def fused_supported(config, head_dim: int, query_len: int, *, rotary_dim: int | 
 
 
 def _fused_storage_reason(config) -> str | None:
-    """Storage options of issue 9 that the fused decode kernel does not read (yet); the torch path does."""
-    if config.rotation != "none":
-        return f"rotation={config.rotation!r} (Walsh–Hadamard along head_dim) is only undone by the torch path"
-    if config.uses_lowrank and config.factor_bits != 16:
-        return f"factor_bits={config.factor_bits}: int8 low-rank factors are only read by the torch path"
-    if config.key_group != config.value_group:
-        return (f"key_group_size={config.key_group} != value_group_size={config.value_group}: the fused kernel "
-                "takes one group size")
+    """Storage options of issue 9 that the fused decode kernel does not read; the torch path does."""
+    if config.rotation in ("keys", "both") and config.uses_outliers and config.outlier_ratio > 0:
+        return (f"rotation={config.rotation!r} with key outliers (method={config.method!r}): the fused kernel adds "
+                "key outliers in the unrotated basis only")
     return None
 
 

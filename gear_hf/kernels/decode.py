@@ -131,8 +131,8 @@ def _unpack_units(p, step, mask, BITS: tl.constexpr):
 
 
 @triton.jit
-def _key_half(codes_b, scale_b, min_b, a_b, bm_b, s_codes, s_scale, s_a, s_bm, slot, slot0, slot_end, tvalid, chunk, ch,
-              bt_pre, D: tl.constexpr, BITS: tl.constexpr, UNIT: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr,
+def _key_half(codes_b, scale_b, min_b, a_b, bm_b, s_codes, s_scale, s_a, s_bm, as_b, bs_b, slot, slot0, slot_end,
+              tvalid, chunk, ch, bt_pre, D: tl.constexpr, BITS: tl.constexpr, UNIT: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr,
               STATS_ROW: tl.constexpr, DT: tl.constexpr, B_PRE: tl.constexpr):
     """Keys (axis="channel") at store slots `slot` [BN] (slot0 + arange, valid below slot_end) and channels
     `ch` [C]: D̂ + A·Bᵀ in float32 [BN, C].
@@ -161,8 +161,8 @@ def _key_half(codes_b, scale_b, min_b, a_b, bm_b, s_codes, s_scale, s_a, s_bm, s
         if B_PRE:  # the caller loaded Bᵀ once (the prompt chunk: the same B for every block)
             bt = bt_pre
         else:
-            bt = _lowrank_bt(bm_b, s_bm, chunk * D + ch, R)
-        k = _lowrank_dot(_lowrank_a(a_b, s_a, slot, tvalid, R), bt, k, DT)
+            bt = _lowrank_bt(bm_b, s_bm, chunk * D + ch, as_b, bs_b, chunk, R, DT)
+        k = _lowrank_dot(_lowrank_a(a_b, s_a, slot, tvalid, R, DT), bt, k, DT)
     return k
 
 
@@ -257,17 +257,29 @@ def _softmax_step(s, t, tvalid, limit, mvalid, window, m_i, l_i, acc, v, DT: tl.
 
 
 @triton.jit
-def _lowrank_a(a_b, s_a, slot, tvalid, R: tl.constexpr):
-    """A [BN, 16] at store slots `slot`, the rank padded with zeros to 16 (the smallest tl.dot), storage dtype."""
+def _lowrank_a(a_b, s_a, slot, tvalid, R: tl.constexpr, DT: tl.constexpr):
+    """A [BN, 16] at store slots `slot`, the rank padded with zeros to 16 (the smallest tl.dot), in its storage
+    dtype; int8 factors in the dot dtype (exact in it; their per-column scales are carried by `_lowrank_bt`)."""
     rr = tl.arange(0, 16)
-    return tl.load(a_b + slot[:, None] * s_a + rr[None, :], mask=tvalid[:, None] & (rr < R)[None, :], other=0.0)
+    a = tl.load(a_b + slot[:, None] * s_a + rr[None, :], mask=tvalid[:, None] & (rr < R)[None, :], other=0)
+    if a.dtype == tl.int8:  # (through float32: the CPU interpreter has no direct int8 -> bf16 conversion)
+        a = a.to(tl.float32).to(DT)
+    return a
 
 
 @triton.jit
-def _lowrank_bt(bm_b, s_bm, b_rows, R: tl.constexpr):
-    """Bᵀ [16, C] of B's rows `b_rows`, the rank padded with zeros to 16, storage dtype."""
+def _lowrank_bt(bm_b, s_bm, b_rows, as_b, bs_b, chunk, R: tl.constexpr, DT: tl.constexpr):
+    """Bᵀ [16, C] of B's rows `b_rows`, the rank padded with zeros to 16, in its storage dtype. int8 factors
+    (gear_hf.compress.gear: A·diag(a_scale)·(B·diag(b_scale))ᵀ) carry both per-column scales of the chunk here:
+    Bᵀ·diag(a_scale·b_scale) in the dot dtype (rounded once; A stays exact)."""
     rr = tl.arange(0, 16)
-    return tl.load(bm_b + b_rows[None, :] * s_bm + rr[:, None], mask=(rr < R)[:, None], other=0.0)
+    bt = tl.load(bm_b + b_rows[None, :] * s_bm + rr[:, None], mask=(rr < R)[:, None], other=0)
+    if bt.dtype == tl.int8:
+        at = chunk * R + rr
+        sc = tl.load(as_b + at, mask=rr < R, other=0.0).to(tl.float32) * \
+            tl.load(bs_b + at, mask=rr < R, other=0.0).to(tl.float32)
+        bt = (bt.to(tl.float32) * sc[:, None]).to(DT)
+    return bt
 
 
 @triton.jit
@@ -281,35 +293,62 @@ def _lowrank_dot(x, y, acc, DT: tl.constexpr):
 
 
 @triton.jit
-def _lowrank_values(acc, p, a_b, bm_b, s_a, s_bm, slot, tvalid, chunk, bt_pre, D: tl.constexpr, R: tl.constexpr,
-                    DT: tl.constexpr, B_PRE: tl.constexpr):
+def _lowrank_values(acc, p, a_b, bm_b, s_a, s_bm, as_b, bs_b, slot, tvalid, chunk, bt_pre, D: tl.constexpr,
+                    R: tl.constexpr, DT: tl.constexpr, B_PRE: tl.constexpr):
     """acc += (P·A)·Bᵀ for the block (two small dots; A·Bᵀ never formed)."""
-    a = _lowrank_a(a_b, s_a, slot, tvalid, R)
+    a = _lowrank_a(a_b, s_a, slot, tvalid, R, DT)
     if B_PRE:
         bt = bt_pre
     else:
-        bt = _lowrank_bt(bm_b, s_bm, chunk * D + tl.arange(0, D), R)
+        bt = _lowrank_bt(bm_b, s_bm, chunk * D + tl.arange(0, D), as_b, bs_b, chunk, R, DT)
     pa = _lowrank_dot(p, a, tl.zeros([p.shape[0], 16], tl.float32), DT)  # [M, 16]
     return _lowrank_dot(pa, bt, acc, DT)
+
+
+@triton.jit
+def _hadamard_norm(N: tl.constexpr):
+    """N^-1/2 in float32 (correctly rounded square root): the normalization of the Sylvester matrix."""
+    return 1.0 / tl.sqrt_rn(tl.full([], N, tl.float32))
+
+
+@triton.jit
+def _sylvester(N: tl.constexpr):
+    """The unnormalized Walsh–Hadamard (Sylvester) matrix [N, N] of ±1 in float32: (-1)^popcount(i & j); times
+    N^-1/2 it is gear_hf.compress.rotation.hadamard(N) (symmetric, its own inverse). N <= 256."""
+    x = tl.arange(0, N)[:, None] & tl.arange(0, N)[None, :]
+    x = x ^ (x >> 4)
+    x = x ^ (x >> 2)
+    x = x ^ (x >> 1)
+    return 1.0 - 2.0 * (x & 1).to(tl.float32)
+
+
+@triton.jit
+def _unrotate_halves(k1, k2, s_half, D: tl.constexpr, DT: tl.constexpr):
+    """[k1 k2]·H_D for the halves [BN, D/2] of a key tile: H_D = D^-1/2 [[S, S], [S, -S]] (S = s_half, the
+    Sylvester matrix of D/2 in the dot dtype, exact ±1), so k·H_D = D^-1/2 [(k1 + k2)·S, (k1 - k2)·S]."""
+    norm = _hadamard_norm(D)
+    return _dot(k1 + k2, s_half, DT) * norm, _dot(k1 - k2, s_half, DT) * norm
 
 
 @triton.jit
 def _compressed_block(
     q1, q2, q_rows, t, slot, slot0, slot_end, tvalid, chunk, tok0, pos_b, freq_ptr, freq, q_scale, limit, mvalid,
     window, m_i, l_i, acc,
-    kc, ks, km, ka, kb, s_kc, s_ks, s_ka, s_kb, ow, ov, ot, n_tiles, seg, t_base,
-    vc, vs, vm, vsv, vsi, va, vb, s_vc, s_vs, s_vsp, s_va, s_vb, kbt1, kbt2, vbt,
+    kc, ks, km, ka, kb, s_kc, s_ks, s_ka, s_kb, kas, kbs, ow, ov, ot, n_tiles, seg, t_base,
+    vc, vs, vm, vsv, vsi, va, vb, s_vc, s_vs, s_vsp, s_va, s_vb, vas, vbs, kbt1, kbt2, vbt, hadamard_half,
     D: tl.constexpr, HALF: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr,
-    B_PRE: tl.constexpr,
+    B_PRE: tl.constexpr, ROT_K: tl.constexpr,
     K_BITS: tl.constexpr, K_UNIT: tl.constexpr, K_GROUP: tl.constexpr, K_R: tl.constexpr, K_SPARSE: tl.constexpr,
     K_STATS_ROW: tl.constexpr,
     V_BITS: tl.constexpr, V_UNIT: tl.constexpr, V_GROUP: tl.constexpr, V_R: tl.constexpr, V_K2: tl.constexpr,
 ):
     h_offs = tl.arange(0, HALF)
-    k1 = _key_half(kc, ks, km, ka, kb, s_kc, s_ks, s_ka, s_kb, slot, slot0, slot_end, tvalid, chunk, h_offs,
-                   kbt1, D, K_BITS, K_UNIT, K_GROUP, K_R, K_STATS_ROW, DT, B_PRE)
-    k2 = _key_half(kc, ks, km, ka, kb, s_kc, s_ks, s_ka, s_kb, slot, slot0, slot_end, tvalid, chunk, h_offs + HALF,
-                   kbt2, D, K_BITS, K_UNIT, K_GROUP, K_R, K_STATS_ROW, DT, B_PRE)
+    k1 = _key_half(kc, ks, km, ka, kb, s_kc, s_ks, s_ka, s_kb, kas, kbs, slot, slot0, slot_end, tvalid, chunk,
+                   h_offs, kbt1, D, K_BITS, K_UNIT, K_GROUP, K_R, K_STATS_ROW, DT, B_PRE)
+    k2 = _key_half(kc, ks, km, ka, kb, s_kc, s_ks, s_ka, s_kb, kas, kbs, slot, slot0, slot_end, tvalid, chunk,
+                   h_offs + HALF, kbt2, D, K_BITS, K_UNIT, K_GROUP, K_R, K_STATS_ROW, DT, B_PRE)
+    if ROT_K:  # stored keys are k·H (Walsh–Hadamard): un-rotate before RoPE, k·H·H = k
+        k1, k2 = _unrotate_halves(k1, k2, hadamard_half, D, DT)
     pos = tl.load(pos_b + t, mask=tvalid, other=0)
     k1, k2 = _rope(k1, k2, pos, freq, FAST)
     s = _dot(q1, tl.trans(k1), DT) + _dot(q2, tl.trans(k2), DT)
@@ -320,14 +359,14 @@ def _compressed_block(
                     s_vs)
     m_i, l_i, acc, p = _softmax_step(s, t, tvalid, limit, mvalid, window, m_i, l_i, acc, v, DT)
     if V_R > 0:
-        acc = _lowrank_values(acc, p, va, vb, s_va, s_vb, slot, tvalid, chunk, vbt, D, V_R, DT, B_PRE)
+        acc = _lowrank_values(acc, p, va, vb, s_va, s_vb, vas, vbs, slot, tvalid, chunk, vbt, D, V_R, DT, B_PRE)
     return m_i, l_i, acc
 
 
 @triton.jit
 def _dense_block(q1, q2, k_b, v_b, s_tok, t, slot, tvalid, pos_b, freq, limit,
                  mvalid, window, m_i, l_i, acc, D: tl.constexpr, HALF: tl.constexpr, DT: tl.constexpr,
-                 FAST: tl.constexpr):
+                 FAST: tl.constexpr, ROT_V: tl.constexpr):
     """Full-precision tokens (sink or buffer) at store slots `slot`."""
     h_offs = tl.arange(0, HALF)
     m2 = tvalid[:, None]
@@ -338,6 +377,8 @@ def _dense_block(q1, q2, k_b, v_b, s_tok, t, slot, tvalid, pos_b, freq, limit,
     k1, k2 = _rope(k1, k2, pos, freq, FAST)
     s = _dot(q1, tl.trans(k1), DT) + _dot(q2, tl.trans(k2), DT)
     v = tl.load(v_b + rows + tl.arange(0, D)[None, :], mask=m2, other=0.0)
+    if ROT_V:  # the compressed values are attended in the rotated basis (v·H); the output is un-rotated once
+        v = _dot(v, _sylvester(D), DT) * _hadamard_norm(D)
     m_i, l_i, acc, p = _softmax_step(s, t, tvalid, limit, mvalid, window, m_i, l_i, acc, v, DT)
     return m_i, l_i, acc
 
@@ -358,7 +399,8 @@ _MAIN_DYNAMIC = ["sqb", "sqh", "sqq", "spos", "window", "s_sink_h", "s_buf_h",
                  "s_pkc", "s_pks", "s_pka", "s_pkb", "p_tiles", "p_seg",
                  "s_pvc", "s_pvs", "s_pvsp", "s_pva", "s_pvb",
                  "s_dkc", "s_dks", "s_dka", "s_dkb", "d_seg", "s_dow", "s_dot", "s_pow", "s_pot",
-                 "s_dvc", "s_dvs", "s_dvsp", "s_dva", "s_dvb", "H_KV", "M_TILES", "NSPLIT"]
+                 "s_dvc", "s_dvs", "s_dvsp", "s_dva", "s_dvb", "H_KV", "M_TILES", "NSPLIT",
+                 "s_pkas", "s_pvas", "s_dkas", "s_dvas"]
 
 
 @triton.jit(do_not_specialize=_MAIN_DYNAMIC)
@@ -367,13 +409,15 @@ def _decode_attention_kernel(
     sink_k, sink_v, s_sink_h, buf_k, buf_v, s_buf_h,
     # prompt chunk: keys (codes, scale, min, A, B) + sorted outliers (where, value, tile offsets), values
     pkc, pks, pkm, pka, pkb, s_pkc, s_pks, s_pka, s_pkb, pow_, pov, pot, s_pow, s_pot, p_tiles, p_seg,
-    pvc, pvs, pvm, pvsv, pvsi, pva, pvb, s_pvc, s_pvs, s_pvsp, s_pva, s_pvb,
+    pkas, pkbs, s_pkas,  # int8 factors: per-column scales of A and B (unused with 16-bit factors)
+    pvc, pvs, pvm, pvsv, pvsi, pva, pvb, s_pvc, s_pvs, s_pvsp, s_pva, s_pvb, pvas, pvbs, s_pvas,
     # decode chunks
-    dkc, dks, dkm, dka, dkb, s_dkc, s_dks, s_dka, s_dkb, dow, dov, dot_, s_dow, s_dot, d_seg,
-    dvc, dvs, dvm, dvsv, dvsi, dva, dvb, s_dvc, s_dvs, s_dvsp, s_dva, s_dvb,
+    dkc, dks, dkm, dka, dkb, s_dkc, s_dks, s_dka, s_dkb, dow, dov, dot_, s_dow, s_dot, d_seg, dkas, dkbs, s_dkas,
+    dvc, dvs, dvm, dvsv, dvsi, dva, dvb, s_dvc, s_dvs, s_dvsp, s_dva, s_dvb, dvas, dvbs, s_dvas,
     acc_ptr, ml_ptr, H_KV, M_TILES, NSPLIT,
     G: tl.constexpr, QL: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
     BN: tl.constexpr, NB: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr, HAS_SINK: tl.constexpr,
+    ROT_K: tl.constexpr, ROT_V: tl.constexpr,
     P_K_BITS: tl.constexpr, P_K_UNIT: tl.constexpr, P_K_GROUP: tl.constexpr, P_K_R: tl.constexpr,
     P_K_SPARSE: tl.constexpr, P_K_STATS_ROW: tl.constexpr, P_V_BITS: tl.constexpr, P_V_UNIT: tl.constexpr,
     P_V_GROUP: tl.constexpr, P_V_R: tl.constexpr, P_V_K2: tl.constexpr, P_V_CODES_W: tl.constexpr,
@@ -434,6 +478,10 @@ def _decode_attention_kernel(
     n_offs = tl.arange(0, BN)
     pos_b = pos_ptr + b64 * spos
 
+    if ROT_K:  # built once: the Sylvester matrix of D/2, exact ±1 in the dot dtype (see _unrotate_halves)
+        hadamard_half = _sylvester(HALF).to(DT)
+    else:
+        hadamard_half = 0
     m_i = tl.full([16], float("-inf"), tl.float32)
     l_i = tl.zeros([16], tl.float32)
     acc = tl.zeros([16, D], tl.float32)
@@ -444,13 +492,15 @@ def _decode_attention_kernel(
             tvalid = slot < s_len
             m_i, l_i, acc = _dense_block(q1, q2, sink_k + bh64 * s_sink_h, sink_v + bh64 * s_sink_h, D, slot,
                                          slot, tvalid, pos_b, freq, limit, mvalid,
-                                         window, m_i, l_i, acc, D, HALF, DT, FAST)
+                                         window, m_i, l_i, acc, D, HALF, DT, FAST, ROT_V)
 
     if P_K_BITS > 0:
         # the prompt chunk's Bᵀ (keys: two halves, values) is the same for every block: loaded once
-        pkbt1 = _lowrank_bt(pkb + bh64 * s_pkb, P_K_R, h_offs, P_K_R)
-        pkbt2 = _lowrank_bt(pkb + bh64 * s_pkb, P_K_R, h_offs + HALF, P_K_R)
-        pvbt = _lowrank_bt(pvb + bh64 * s_pvb, P_V_R, tl.arange(0, D), P_V_R)
+        pkbt1 = _lowrank_bt(pkb + bh64 * s_pkb, P_K_R, h_offs, pkas + bh64 * s_pkas, pkbs + bh64 * s_pkas, 0, P_K_R, DT)
+        pkbt2 = _lowrank_bt(pkb + bh64 * s_pkb, P_K_R, h_offs + HALF, pkas + bh64 * s_pkas, pkbs + bh64 * s_pkas, 0,
+                            P_K_R, DT)
+        pvbt = _lowrank_bt(pvb + bh64 * s_pvb, P_V_R, tl.arange(0, D), pvas + bh64 * s_pvas, pvbs + bh64 * s_pvas, 0,
+                           P_V_R, DT)
         for blk in range(tl.maximum(lo, e1), tl.minimum(hi, e2)):
             slot0 = (blk - e1) * BN
             slot = slot0 + n_offs
@@ -460,12 +510,13 @@ def _decode_attention_kernel(
                 q1, q2, q_rows, t, slot, slot0, p_len, tvalid, 0, slot0, pos_b, freq_ptr, freq, q_scale, limit,
                 mvalid, window, m_i, l_i, acc,
                 pkc + bh64 * s_pkc, pks + bh64 * s_pks, pkm + bh64 * s_pks, pka + bh64 * s_pka,
-                pkb + bh64 * s_pkb, D, D, P_K_R, P_K_R,
+                pkb + bh64 * s_pkb, D, D, P_K_R, P_K_R, pkas + bh64 * s_pkas, pkbs + bh64 * s_pkas,
                 pow_ + bh64 * s_pow, pov + bh64 * s_pow, pot + bh64 * s_pot, p_tiles, 0, s_len,
                 pvc + bh64 * s_pvc, pvs + bh64 * s_pvs, pvm + bh64 * s_pvs, pvsv + bh64 * s_pvsp,
                 pvsi + bh64 * s_pvsp, pva + bh64 * s_pva, pvb + bh64 * s_pvb,
-                P_V_CODES_W, P_V_STATS_W, P_V_K2, P_V_R, P_V_R, pkbt1, pkbt2, pvbt,
-                D, HALF, BN, DT, FAST, True, P_K_BITS, P_K_UNIT, P_K_GROUP, P_K_R, P_K_SPARSE, P_K_STATS_ROW,
+                P_V_CODES_W, P_V_STATS_W, P_V_K2, P_V_R, P_V_R, pvas + bh64 * s_pvas, pvbs + bh64 * s_pvas,
+                pkbt1, pkbt2, pvbt, hadamard_half,
+                D, HALF, BN, DT, FAST, True, ROT_K, P_K_BITS, P_K_UNIT, P_K_GROUP, P_K_R, P_K_SPARSE, P_K_STATS_ROW,
                 P_V_BITS, P_V_UNIT, P_V_GROUP, P_V_R, P_V_K2)
 
     if D_K_BITS > 0:
@@ -480,13 +531,13 @@ def _decode_attention_kernel(
                 q1, q2, q_rows, t, slot, slot0, c_cnt * NB, tvalid, chunk, slot0 - chunk * NB, pos_b, freq_ptr,
                 freq, q_scale, limit, mvalid, window, m_i, l_i, acc,
                 dkc + bh64 * s_dkc, dks + bh64 * s_dks, dkm + bh64 * s_dks, dka + bh64 * s_dka,
-                dkb + bh64 * s_dkb, D, D, D_K_R, D_K_R,
+                dkb + bh64 * s_dkb, D, D, D_K_R, D_K_R, dkas + bh64 * s_dkas, dkbs + bh64 * s_dkas,
                 dow + bh64 * s_dow, dov + bh64 * s_dow, dot_ + bh64 * s_dot + chunk * (NB // 16 + 1), NB // 16,
                 chunk * d_seg, s_len + p_len + chunk * NB,
                 dvc + bh64 * s_dvc, dvs + bh64 * s_dvs, dvm + bh64 * s_dvs, dvsv + bh64 * s_dvsp,
                 dvsi + bh64 * s_dvsp, dva + bh64 * s_dva, dvb + bh64 * s_dvb,
-                D_V_CODES_W, D_V_STATS_W, D_V_K2, D_V_R, D_V_R, 0, 0, 0,
-                D, HALF, BN, DT, FAST, False, D_K_BITS, D_K_UNIT, D_K_GROUP, D_K_R, D_K_SPARSE, D_K_STATS_ROW,
+                D_V_CODES_W, D_V_STATS_W, D_V_K2, D_V_R, D_V_R, dvas + bh64 * s_dvas, dvbs + bh64 * s_dvas, 0, 0, 0,
+                hadamard_half, D, HALF, BN, DT, FAST, False, ROT_K, D_K_BITS, D_K_UNIT, D_K_GROUP, D_K_R, D_K_SPARSE, D_K_STATS_ROW,
                 D_V_BITS, D_V_UNIT, D_V_GROUP, D_V_R, D_V_K2)
 
     for blk in range(tl.maximum(lo, e3), hi):
@@ -495,8 +546,10 @@ def _decode_attention_kernel(
         t = s_len + p_len + c_cnt * NB + slot
         m_i, l_i, acc = _dense_block(q1, q2, buf_k + bh64 * s_buf_h, buf_v + bh64 * s_buf_h, D, t, slot, tvalid,
                                      pos_b, freq, limit, mvalid, window,
-                                     m_i, l_i, acc, D, HALF, DT, FAST)
+                                     m_i, l_i, acc, D, HALF, DT, FAST, ROT_V)
 
+    if ROT_V:  # P·(V·H)·H = P·V: the compressed values' rotation undone once per program (linear, so per split)
+        acc = tl.dot(acc, _sylvester(D), input_precision="ieee") * _hadamard_norm(D)
     ws = pid.to(tl.int64) * NSPLIT + split
     r16 = tl.arange(0, 16)
     tl.store(acc_ptr + ws * (16 * D) + r16[:, None] * D + tl.arange(0, D)[None, :], acc)
@@ -562,6 +615,9 @@ def _key_run_args(run: ChunkRunView | None, chunks_used: int, dummy: torch.Tenso
         raise NotImplementedError(f"fused kernel: chunk of {run.chunk_len} tokens / group {group} does not align "
                                   f"with packing units of {unit} codes")
     k2 = key_outlier_count(run)
+    if k2 and spec.rotate:
+        raise NotImplementedError("fused kernel: key outliers of rotated keys (rotation='keys'/'both' with a sparse "
+                                  "term) are only applied by the torch path")
     derived = {}
     if k2:
         derived = run.derived or _derived_for(run, chunks_used)
@@ -596,6 +652,26 @@ def _value_run_args(run: ChunkRunView | None, chunks_used: int, dummy: torch.Ten
                   "CODES_W": f["codes"].shape[-1], "STATS_W": f["scale"].shape[-1]}
     strides = [f[n].stride(1) for n in ("codes", "scale", "sparse_values", "lowrank_a", "lowrank_b")]
     return [f[n] for n in names], strides, {f"{prefix}_{k}": v for k, v in constexprs.items()}
+
+
+def _factor_scale_args(run: ChunkRunView | None, dummy: torch.Tensor, prefix: str) -> list:
+    """[A's scales, B's scales, their head stride] of a run with int8 low-rank factors, else placeholders."""
+    if run is None or run.lowrank_a.dtype != torch.int8:
+        return [dummy, dummy, 0]
+    a_scale = _check(run.lowrank_a_scale, f"{prefix}.lowrank_a_scale")
+    b_scale = _check(run.lowrank_b_scale, f"{prefix}.lowrank_b_scale")
+    if a_scale.shape != b_scale.shape or a_scale.shape[2] != run.capacity:
+        raise ValueError(f"{prefix}: int8 factor scales must be [B, H, capacity={run.capacity}, r], got "
+                         f"{tuple(a_scale.shape)} and {tuple(b_scale.shape)}")
+    return [a_scale, b_scale, a_scale.stride(1)]
+
+
+def _rotated(runs: list, what: str) -> bool:
+    """Whether the compressed runs in use store `what` Walsh–Hadamard-rotated (all of them or none)."""
+    flags = {bool(run.spec.rotate) for run in runs if run is not None}
+    if len(flags) > 1:
+        raise ValueError(f"fused kernel: the prompt and decode chunks disagree on whether {what} are rotated")
+    return flags == {True}
 
 
 # Key-outlier orderings derived by decode_attention itself (when the cache passes no run.derived), kept per
@@ -732,6 +808,14 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
     pv_ptrs, pv_strides, pv_c = _value_run_args(values.prompt, prompt_chunks, query, D, "P_V")
     dk_ptrs, dk_strides, dk_c = _key_run_args(keys.decode, decode_chunks, query, D, "D_K", block_n)
     dv_ptrs, dv_strides, dv_c = _value_run_args(values.decode, decode_chunks, query, D, "D_V")
+    used = [(keys.prompt, values.prompt)] if prompt_chunks else []
+    used += [(keys.decode, values.decode)] if decode_chunks else []
+    rot_k = _rotated([k for k, _ in used], "keys")
+    rot_v = _rotated([v for _, v in used], "values")
+    pk_fs = _factor_scale_args(keys.prompt if prompt_chunks else None, query, "P_K")
+    pv_fs = _factor_scale_args(values.prompt if prompt_chunks else None, query, "P_V")
+    dk_fs = _factor_scale_args(keys.decode if decode_chunks else None, query, "D_K")
+    dv_fs = _factor_scale_args(values.decode if decode_chunks else None, query, "D_V")
     if decode_chunks and keys.decode.chunk_len != NB:
         raise ValueError(f"decode chunks hold {keys.decode.chunk_len} tokens but layout.buffer_size is {NB}")
 
@@ -767,12 +851,13 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
             layout.positions.stride(0), freq, float(attention_scaling), float(scaling) * LOG2E, window,
             keys.sink if has_sink else query, values.sink if has_sink else query,
             keys.sink.stride(1) if has_sink else 0, buf_k, buf_v, buf_k.stride(1),
-            *pk_ptrs[:5], *pk_strides[:4], *pk_ptrs[5:], *pk_strides[4:],
-            *pv_ptrs, *pv_strides,
-            *dk_ptrs[:5], *dk_strides[:4], *dk_ptrs[5:], dk_strides[4], dk_strides[5], dk_strides[7],
-            *dv_ptrs, *dv_strides,
+            *pk_ptrs[:5], *pk_strides[:4], *pk_ptrs[5:], *pk_strides[4:], *pk_fs,
+            *pv_ptrs, *pv_strides, *pv_fs,
+            *dk_ptrs[:5], *dk_strides[:4], *dk_ptrs[5:], dk_strides[4], dk_strides[5], dk_strides[7], *dk_fs,
+            *dv_ptrs, *dv_strides, *dv_fs,
             acc_ws, ml_ws, Hkv, m_tiles, nsplit),
             dict(G=G, QL=QL, D=D, HALF=HALF, BN=block_n, NB=NB, DT=dot_dt, FAST=fast, HAS_SINK=has_sink,
+                 ROT_K=rot_k, ROT_V=rot_v,
                  **pk_c, **pv_c, **dk_c, **dv_c, **options), _plan)
         if compiled is not None and resident_key not in _RESIDENT and query.device.type == "cuda":
             _RESIDENT[resident_key] = _resident_programs(compiled, num_warps)
