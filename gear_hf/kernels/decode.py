@@ -306,28 +306,16 @@ def _lowrank_values(acc, p, a_b, bm_b, s_a, s_bm, as_b, bs_b, slot, tvalid, chun
 
 
 @triton.jit
-def _hadamard_norm(N: tl.constexpr):
-    """N^-1/2 in float32 (correctly rounded square root): the normalization of the Sylvester matrix."""
-    return 1.0 / tl.sqrt_rn(tl.full([], N, tl.float32))
-
-
-@triton.jit
-def _sylvester(N: tl.constexpr):
-    """The unnormalized Walsh–Hadamard (Sylvester) matrix [N, N] of ±1 in float32: (-1)^popcount(i & j); times
-    N^-1/2 it is gear_hf.compress.rotation.hadamard(N) (symmetric, its own inverse). N <= 256."""
-    x = tl.arange(0, N)[:, None] & tl.arange(0, N)[None, :]
-    x = x ^ (x >> 4)
-    x = x ^ (x >> 2)
-    x = x ^ (x >> 1)
-    return 1.0 - 2.0 * (x & 1).to(tl.float32)
-
-
-@triton.jit
-def _unrotate_halves(k1, k2, s_half, D: tl.constexpr, DT: tl.constexpr):
-    """[k1 k2]·H_D for the halves [BN, D/2] of a key tile: H_D = D^-1/2 [[S, S], [S, -S]] (S = s_half, the
-    Sylvester matrix of D/2 in the dot dtype, exact ±1), so k·H_D = D^-1/2 [(k1 + k2)·S, (k1 - k2)·S]."""
-    norm = _hadamard_norm(D)
-    return _dot(k1 + k2, s_half, DT) * norm, _dot(k1 - k2, s_half, DT) * norm
+def _unrotate_halves(x1, x2, had_ptr, D: tl.constexpr, DT: tl.constexpr):
+    """[x1 x2]·H_D for the halves [R, D/2] of a tile. H_D = D^-1/2 [[S, S], [S, -S]] (S: the Sylvester matrix of
+    D/2, exact ±1, read from the [D/2, D/2] table `had_ptr`, an L1 hit after the first block), so
+    x·H_D = D^-1/2 [(x1 + x2)·S, (x1 - x2)·S]. H_D is symmetric and its own inverse: this rotates and un-rotates
+    (gear_hf.compress.rotation)."""
+    HALF: tl.constexpr = D // 2
+    r = tl.arange(0, HALF)
+    s_half = tl.load(had_ptr + r[:, None] * HALF + r[None, :])
+    norm = 1.0 / tl.sqrt_rn(tl.full([], D, tl.float32))
+    return _dot(x1 + x2, s_half, DT) * norm, _dot(x1 - x2, s_half, DT) * norm
 
 
 @triton.jit
@@ -335,7 +323,7 @@ def _compressed_block(
     q1, q2, q_rows, t, slot, slot0, slot_end, tvalid, chunk, tok0, pos_b, freq_ptr, freq, q_scale, limit, mvalid,
     window, m_i, l_i, acc,
     kc, ks, km, ka, kb, s_kc, s_ks, s_ka, s_kb, kas, kbs, ow, ov, ot, n_tiles, seg, t_base,
-    vc, vs, vm, vsv, vsi, va, vb, s_vc, s_vs, s_vsp, s_va, s_vb, vas, vbs, kbt1, kbt2, vbt, hadamard_half,
+    vc, vs, vm, vsv, vsi, va, vb, s_vc, s_vs, s_vsp, s_va, s_vb, vas, vbs, kbt1, kbt2, vbt, had_ptr,
     D: tl.constexpr, HALF: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr,
     B_PRE: tl.constexpr, ROT_K: tl.constexpr,
     K_BITS: tl.constexpr, K_UNIT: tl.constexpr, K_GROUP: tl.constexpr, K_R: tl.constexpr, K_SPARSE: tl.constexpr,
@@ -348,7 +336,7 @@ def _compressed_block(
     k2 = _key_half(kc, ks, km, ka, kb, s_kc, s_ks, s_ka, s_kb, kas, kbs, slot, slot0, slot_end, tvalid, chunk,
                    h_offs + HALF, kbt2, D, K_BITS, K_UNIT, K_GROUP, K_R, K_STATS_ROW, DT, B_PRE)
     if ROT_K:  # stored keys are k·H (Walsh–Hadamard): un-rotate before RoPE, k·H·H = k
-        k1, k2 = _unrotate_halves(k1, k2, hadamard_half, D, DT)
+        k1, k2 = _unrotate_halves(k1, k2, had_ptr, D, DT)
     pos = tl.load(pos_b + t, mask=tvalid, other=0)
     k1, k2 = _rope(k1, k2, pos, freq, FAST)
     s = _dot(q1, tl.trans(k1), DT) + _dot(q2, tl.trans(k2), DT)
@@ -365,7 +353,7 @@ def _compressed_block(
 
 @triton.jit
 def _dense_block(q1, q2, k_b, v_b, s_tok, t, slot, tvalid, pos_b, freq, limit,
-                 mvalid, window, m_i, l_i, acc, D: tl.constexpr, HALF: tl.constexpr, DT: tl.constexpr,
+                 mvalid, window, m_i, l_i, acc, had_ptr, D: tl.constexpr, HALF: tl.constexpr, DT: tl.constexpr,
                  FAST: tl.constexpr, ROT_V: tl.constexpr):
     """Full-precision tokens (sink or buffer) at store slots `slot`."""
     h_offs = tl.arange(0, HALF)
@@ -376,9 +364,13 @@ def _dense_block(q1, q2, k_b, v_b, s_tok, t, slot, tvalid, pos_b, freq, limit,
     pos = tl.load(pos_b + t, mask=tvalid, other=0)
     k1, k2 = _rope(k1, k2, pos, freq, FAST)
     s = _dot(q1, tl.trans(k1), DT) + _dot(q2, tl.trans(k2), DT)
-    v = tl.load(v_b + rows + tl.arange(0, D)[None, :], mask=m2, other=0.0)
     if ROT_V:  # the compressed values are attended in the rotated basis (v·H); the output is un-rotated once
-        v = _dot(v, _sylvester(D), DT) * _hadamard_norm(D)
+        v1, v2 = _unrotate_halves(tl.load(v_b + rows + h_offs[None, :], mask=m2, other=0.0).to(tl.float32),
+                                  tl.load(v_b + rows + HALF + h_offs[None, :], mask=m2, other=0.0).to(tl.float32),
+                                  had_ptr, D, DT)
+        v = tl.reshape(tl.permute(tl.join(v1, v2), (0, 2, 1)), [v1.shape[0], D])
+    else:
+        v = tl.load(v_b + rows + tl.arange(0, D)[None, :], mask=m2, other=0.0)
     m_i, l_i, acc, p = _softmax_step(s, t, tvalid, limit, mvalid, window, m_i, l_i, acc, v, DT)
     return m_i, l_i, acc
 
@@ -414,6 +406,7 @@ def _decode_attention_kernel(
     # decode chunks
     dkc, dks, dkm, dka, dkb, s_dkc, s_dks, s_dka, s_dkb, dow, dov, dot_, s_dow, s_dot, d_seg, dkas, dkbs, s_dkas,
     dvc, dvs, dvm, dvsv, dvsi, dva, dvb, s_dvc, s_dvs, s_dvsp, s_dva, s_dvb, dvas, dvbs, s_dvas,
+    had_ptr,  # [D/2, D/2] Sylvester matrix in the dot dtype (rotated storage), else a placeholder
     acc_ptr, ml_ptr, H_KV, M_TILES, NSPLIT,
     G: tl.constexpr, QL: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
     BN: tl.constexpr, NB: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr, HAS_SINK: tl.constexpr,
@@ -478,10 +471,6 @@ def _decode_attention_kernel(
     n_offs = tl.arange(0, BN)
     pos_b = pos_ptr + b64 * spos
 
-    if ROT_K:  # built once: the Sylvester matrix of D/2, exact ±1 in the dot dtype (see _unrotate_halves)
-        hadamard_half = _sylvester(HALF).to(DT)
-    else:
-        hadamard_half = 0
     m_i = tl.full([16], float("-inf"), tl.float32)
     l_i = tl.zeros([16], tl.float32)
     acc = tl.zeros([16, D], tl.float32)
@@ -492,7 +481,7 @@ def _decode_attention_kernel(
             tvalid = slot < s_len
             m_i, l_i, acc = _dense_block(q1, q2, sink_k + bh64 * s_sink_h, sink_v + bh64 * s_sink_h, D, slot,
                                          slot, tvalid, pos_b, freq, limit, mvalid,
-                                         window, m_i, l_i, acc, D, HALF, DT, FAST, ROT_V)
+                                         window, m_i, l_i, acc, had_ptr, D, HALF, DT, FAST, ROT_V)
 
     if P_K_BITS > 0:
         # the prompt chunk's Bᵀ (keys: two halves, values) is the same for every block: loaded once
@@ -515,7 +504,7 @@ def _decode_attention_kernel(
                 pvc + bh64 * s_pvc, pvs + bh64 * s_pvs, pvm + bh64 * s_pvs, pvsv + bh64 * s_pvsp,
                 pvsi + bh64 * s_pvsp, pva + bh64 * s_pva, pvb + bh64 * s_pvb,
                 P_V_CODES_W, P_V_STATS_W, P_V_K2, P_V_R, P_V_R, pvas + bh64 * s_pvas, pvbs + bh64 * s_pvas,
-                pkbt1, pkbt2, pvbt, hadamard_half,
+                pkbt1, pkbt2, pvbt, had_ptr,
                 D, HALF, BN, DT, FAST, True, ROT_K, P_K_BITS, P_K_UNIT, P_K_GROUP, P_K_R, P_K_SPARSE, P_K_STATS_ROW,
                 P_V_BITS, P_V_UNIT, P_V_GROUP, P_V_R, P_V_K2)
 
@@ -537,7 +526,7 @@ def _decode_attention_kernel(
                 dvc + bh64 * s_dvc, dvs + bh64 * s_dvs, dvm + bh64 * s_dvs, dvsv + bh64 * s_dvsp,
                 dvsi + bh64 * s_dvsp, dva + bh64 * s_dva, dvb + bh64 * s_dvb,
                 D_V_CODES_W, D_V_STATS_W, D_V_K2, D_V_R, D_V_R, dvas + bh64 * s_dvas, dvbs + bh64 * s_dvas, 0, 0, 0,
-                hadamard_half, D, HALF, BN, DT, FAST, False, ROT_K, D_K_BITS, D_K_UNIT, D_K_GROUP, D_K_R, D_K_SPARSE, D_K_STATS_ROW,
+                had_ptr, D, HALF, BN, DT, FAST, False, ROT_K, D_K_BITS, D_K_UNIT, D_K_GROUP, D_K_R, D_K_SPARSE, D_K_STATS_ROW,
                 D_V_BITS, D_V_UNIT, D_V_GROUP, D_V_R, D_V_K2)
 
     for blk in range(tl.maximum(lo, e3), hi):
@@ -546,13 +535,17 @@ def _decode_attention_kernel(
         t = s_len + p_len + c_cnt * NB + slot
         m_i, l_i, acc = _dense_block(q1, q2, buf_k + bh64 * s_buf_h, buf_v + bh64 * s_buf_h, D, t, slot, tvalid,
                                      pos_b, freq, limit, mvalid, window,
-                                     m_i, l_i, acc, D, HALF, DT, FAST, ROT_V)
+                                     m_i, l_i, acc, had_ptr, D, HALF, DT, FAST, ROT_V)
 
-    if ROT_V:  # P·(V·H)·H = P·V: the compressed values' rotation undone once per program (linear, so per split)
-        acc = tl.dot(acc, _sylvester(D), input_precision="ieee") * _hadamard_norm(D)
     ws = pid.to(tl.int64) * NSPLIT + split
     r16 = tl.arange(0, 16)
-    tl.store(acc_ptr + ws * (16 * D) + r16[:, None] * D + tl.arange(0, D)[None, :], acc)
+    if ROT_V:  # P·(V·H)·H = P·V: the compressed values' rotation undone once per program (linear, so per split)
+        halves = tl.permute(tl.reshape(acc, [16, 2, HALF]), (0, 2, 1))
+        o1, o2 = _unrotate_halves(*tl.split(halves), had_ptr, D, tl.float32)
+        tl.store(acc_ptr + ws * (16 * D) + r16[:, None] * D + h_offs[None, :], o1)
+        tl.store(acc_ptr + ws * (16 * D) + r16[:, None] * D + HALF + h_offs[None, :], o2)
+    else:
+        tl.store(acc_ptr + ws * (16 * D) + r16[:, None] * D + tl.arange(0, D)[None, :], acc)
     tl.store(ml_ptr + ws * 32 + r16, m_i)
     tl.store(ml_ptr + ws * 32 + 16 + r16, l_i)
 
@@ -736,6 +729,20 @@ def _resident_programs(compiled, num_warps: int) -> int:
     return max(1, min(8, 65536 // per_program))
 
 
+_HADAMARD: dict[tuple, torch.Tensor] = {}
+
+
+def _hadamard_table(n: int, dot_dtype, device: torch.device) -> torch.Tensor:
+    """The Sylvester matrix of n (±1, exact) in the kernel's dot dtype, built once per size, dtype and device."""
+    dtype = {tl.float16: torch.float16, tl.bfloat16: torch.bfloat16}.get(dot_dtype, torch.float32)
+    key = (n, dtype, str(device))
+    if key not in _HADAMARD:
+        from ..compress.rotation import hadamard
+
+        _HADAMARD[key] = (hadamard(n) * n ** 0.5).round().to(device=device, dtype=dtype).contiguous()
+    return _HADAMARD[key]
+
+
 _WORKSPACES: dict[tuple, torch.Tensor] = {}
 
 
@@ -855,7 +862,8 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
             *pv_ptrs, *pv_strides, *pv_fs,
             *dk_ptrs[:5], *dk_strides[:4], *dk_ptrs[5:], dk_strides[4], dk_strides[5], dk_strides[7], *dk_fs,
             *dv_ptrs, *dv_strides, *dv_fs,
-            acc_ws, ml_ws, Hkv, m_tiles, nsplit),
+            _hadamard_table(HALF, dot_dt, query.device) if rot_k or rot_v else query, acc_ws, ml_ws, Hkv, m_tiles,
+            nsplit),
             dict(G=G, QL=QL, D=D, HALF=HALF, BN=block_n, NB=NB, DT=dot_dt, FAST=fast, HAS_SINK=has_sink,
                  ROT_K=rot_k, ROT_V=rot_v,
                  **pk_c, **pv_c, **dk_c, **dv_c, **options), _plan)
