@@ -189,14 +189,12 @@ def _value_tile(codes_b, scale_b, min_b, spv_b, spi_b, s_codes, s_scale, s_sp, s
         srow = slot[:, None] * s_scale + (c // GROUP)[None, :]
         sc = tl.load(scale_b + srow, mask=m2, other=0.0).to(tl.float32)
         mn = tl.load(min_b + srow, mask=m2, other=0.0).to(tl.float32)
-    if K2 > 0:  # a token's outlier channels are distinct: select, then one add
-        extra = tl.zeros([BN, D], tl.float32)
-        for s in tl.static_range(K2):
-            idx = tl.load(spi_b + slot * s_sp + s, mask=tvalid, other=-1).to(tl.int32)
-            val = tl.load(spv_b + slot * s_sp + s, mask=tvalid, other=0.0).to(tl.float32)
-            extra = tl.where(idx[:, None] == c[None, :], val[:, None], extra)
-        mn = mn + extra
-    return code.to(tl.float32) * sc + mn
+    v = code.to(tl.float32) * sc + mn
+    for s in tl.static_range(K2):  # a token's outliers, added where their channel is (no extra [BN, D] tile)
+        idx = tl.load(spi_b + slot * s_sp + s, mask=tvalid, other=-1).to(tl.int32)
+        val = tl.load(spv_b + slot * s_sp + s, mask=tvalid, other=0.0).to(tl.float32)
+        v = tl.where(idx[:, None] == c[None, :], v + val[:, None], v)
+    return v
 
 
 @triton.jit
@@ -539,21 +537,16 @@ def _decode_attention_kernel(
 
     ws = pid.to(tl.int64) * NSPLIT + split
     r16 = tl.arange(0, 16)
-    if ROT_V:  # P·(V·H)·H = P·V: the compressed values' rotation undone once per program (linear, so per split)
-        halves = tl.permute(tl.reshape(acc, [16, 2, HALF]), (0, 2, 1))
-        o1, o2 = _unrotate_halves(*tl.split(halves), had_ptr, D, tl.float32)
-        tl.store(acc_ptr + ws * (16 * D) + r16[:, None] * D + h_offs[None, :], o1)
-        tl.store(acc_ptr + ws * (16 * D) + r16[:, None] * D + HALF + h_offs[None, :], o2)
-    else:
-        tl.store(acc_ptr + ws * (16 * D) + r16[:, None] * D + tl.arange(0, D)[None, :], acc)
+    tl.store(acc_ptr + ws * (16 * D) + r16[:, None] * D + tl.arange(0, D)[None, :], acc)
     tl.store(ml_ptr + ws * 32 + r16, m_i)
     tl.store(ml_ptr + ws * 32 + 16 + r16, l_i)
 
 
 @triton.jit(do_not_specialize=["sob", "soq", "soh", "H_KV", "M_TILES", "NSPLIT"])
-def _combine_kernel(acc_ptr, ml_ptr, out_ptr, sob, soq, soh, H_KV, M_TILES, NSPLIT,
-                    G: tl.constexpr, QL: tl.constexpr, D: tl.constexpr):
-    """out[b, qi, kvh*G + g] = merge of the splits' (m, l, acc) for query row m = g*QL + qi."""
+def _combine_kernel(acc_ptr, ml_ptr, out_ptr, sob, soq, soh, H_KV, M_TILES, NSPLIT, had_ptr,
+                    G: tl.constexpr, QL: tl.constexpr, D: tl.constexpr, ROT_V: tl.constexpr):
+    """out[b, qi, kvh*G + g] = merge of the splits' (m, l, acc) for query row m = g*QL + qi. ROT_V: the values
+    were attended in the rotated basis, P·(V·H)·H = P·V: un-rotated here, once per output row."""
     pid_bh = tl.program_id(0)
     m = tl.program_id(1)
     b = pid_bh // H_KV
@@ -572,6 +565,17 @@ def _combine_kernel(acc_ptr, ml_ptr, out_ptr, sob, soq, soh, H_KV, M_TILES, NSPL
         den += tl.load(ml_ptr + (base + sp) * 32 + 16 + row) * w
         num += tl.load(acc_ptr + (base + sp) * (16 * D) + row * D + d_offs) * w
     out = tl.where(den > 0.0, num / tl.where(den > 0.0, den, 1.0), 0.0)  # a row that sees nothing: zeros
+    if ROT_V:  # out·H_D = D^-1/2 [(o1 + o2)·S, (o1 - o2)·S] (see _unrotate_halves), as sums over [D/2, D/2] tiles
+        HALF: tl.constexpr = D // 2
+        r = tl.arange(0, HALF)
+        s_half = tl.load(had_ptr + r[:, None] * HALF + r[None, :]).to(tl.float32)
+        o = tl.reshape(out, [2, HALF])
+        o1 = tl.sum(tl.where(tl.arange(0, 2)[:, None] == 0, o, 0.0), axis=0)
+        o2 = tl.sum(tl.where(tl.arange(0, 2)[:, None] == 1, o, 0.0), axis=0)
+        norm = 1.0 / tl.sqrt_rn(tl.full([], D, tl.float32))
+        u = tl.sum((o1 + o2)[:, None] * s_half, axis=0) * norm
+        w = tl.sum((o1 - o2)[:, None] * s_half, axis=0) * norm
+        out = tl.reshape(tl.join(u, w).trans(1, 0), [D])
     g = m // QL
     qi = m % QL
     o = out_ptr + b.to(tl.int64) * sob + qi * soq + (kvh * G + g) * soh + d_offs
@@ -804,7 +808,7 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
     if (keys.prompt is None) != (values.prompt is None) or (keys.decode is None) != (values.decode is None):
         raise ValueError("keys and values disagree on which chunk runs exist")
     NB = layout.buffer_size
-    if block_n is None:  # 32-token tiles: no register spills at head_dim 128 with 8 warps (ptxas, sm_90)
+    if block_n is None:  # 32-token tiles: no register spills at head_dim 128 with the default launch (see below)
         block_n = min(32, NB & -NB)
     decode_chunks = layout.max_decode_chunks if keys.decode is not None else 0
     if block_n < 16 or block_n & (block_n - 1) or (decode_chunks and NB % block_n):
@@ -837,7 +841,15 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
     with torch.cuda.device(query.device) if query.device.type == "cuda" else contextlib.nullcontext():
         programs = B * Hkv * m_tiles
         if num_warps is None:
-            num_warps = 4 if D <= 64 else 8
+            # Default launch: 4 warps, no software pipelining. Why: on the H200 (results/gpu, the earlier kernel)
+            # 4 warps / 1 stage was 2.8x faster than 8 warps / 3 stages; and the compile report (sm_90, head_dim
+            # 128, 32-token blocks) counts fewer main-loop instructions per token at 4 warps (the 16-row query tile
+            # splits badly over 8 warps) with 0 spills for gear 2/3/4, kivi, gear-l and GearConfig(). 64-token
+            # blocks count fewer still but spill with outliers or rotation. Not yet timed on a GPU for this kernel.
+            # float32 dots (a float32 model) are FMA loops that need 8 warps' registers to stay unspilled.
+            num_warps = 8 if dot_dt == tl.float32 else 4
+        if num_stages is None:
+            num_stages = 1
         resident_key = (query.device.index, num_warps, block_n, dtype, pk_c["P_K_BITS"], pv_c["P_V_BITS"],
                         dk_c["D_K_BITS"], dv_c["D_V_BITS"])
         nsplit = num_splits or _num_splits(max_blocks, programs, query.device, _RESIDENT.get(resident_key, 1))
@@ -850,6 +862,7 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
         elif tuple(out.shape) != (B, QL, Hq, D) or out.stride(-1) != 1:
             raise ValueError(f"out must be [B, q, Hq, d] = {(B, QL, Hq, D)} with a contiguous last dim")
         window = int(sliding_window or 0)
+        had = _hadamard_table(HALF, dot_dt, query.device) if rot_k or rot_v else query
         options = {"num_warps": num_warps}
         if num_stages is not None:
             options["num_stages"] = num_stages
@@ -862,15 +875,15 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
             *pv_ptrs, *pv_strides, *pv_fs,
             *dk_ptrs[:5], *dk_strides[:4], *dk_ptrs[5:], dk_strides[4], dk_strides[5], dk_strides[7], *dk_fs,
             *dv_ptrs, *dv_strides, *dv_fs,
-            _hadamard_table(HALF, dot_dt, query.device) if rot_k or rot_v else query, acc_ws, ml_ws, Hkv, m_tiles,
-            nsplit),
+            had, acc_ws, ml_ws, Hkv, m_tiles, nsplit),
             dict(G=G, QL=QL, D=D, HALF=HALF, BN=block_n, NB=NB, DT=dot_dt, FAST=fast, HAS_SINK=has_sink,
                  ROT_K=rot_k, ROT_V=rot_v,
                  **pk_c, **pv_c, **dk_c, **dv_c, **options), _plan)
         if compiled is not None and resident_key not in _RESIDENT and query.device.type == "cuda":
             _RESIDENT[resident_key] = _resident_programs(compiled, num_warps)
         _launch(_combine_kernel, (B * Hkv, M), (acc_ws, ml_ws, out, out.stride(0), out.stride(1), out.stride(2),
-                                                Hkv, m_tiles, nsplit), dict(G=G, QL=QL, D=D, num_warps=4), _plan)
+                                                Hkv, m_tiles, nsplit, had), dict(G=G, QL=QL, D=D, ROT_V=rot_v,
+                                                                                num_warps=4), _plan)
     return out
 
 
