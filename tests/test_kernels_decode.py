@@ -240,25 +240,26 @@ def test_fused_reads_issue9_storage(method, bits, kw):
     _check(out, ref, dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_default_config_runs_fused(dtype):
+@pytest.mark.parametrize("d,dtype", [(64, torch.float32), (128, torch.bfloat16)], ids=["d64-fp32", "d128-bf16"])
+def test_default_config_runs_fused(d, dtype):
     """GearConfig() itself (kivi, 3-bit keys and values, rotation of both, groups of 128, 4 sinks, int8 factors):
     the fused kernel covers it and equals the oracle (prompt chunk, a decode chunk, buffer, sinks, a padded row)."""
     from gear_hf.kernels import fused_supported
     from gear_hf.kernels.decode import cache_decode_attention
 
     cfg = GearConfig()
-    assert fused_supported(cfg, 64, 1) is None
-    cache, _, _ = build_cache(cfg, batch=2, kv_heads=2, head_dim=64, steps=[290, 100, 1], pad=[0, 37], dtype=dtype,
+    assert fused_supported(cfg, d, 1) is None
+    cache, _, _ = build_cache(cfg, batch=2, kv_heads=2, head_dim=d, steps=[290, 100, 1], pad=[0, 37], dtype=dtype,
                               device=DEVICE)
     assert min(cache.decode_chunks) == 1 and min(cache.prefill_len) > 0
-    q = torch.randn(2, 8, 1, 64, generator=torch.Generator().manual_seed(3)).to(dtype).to(DEVICE)
-    out = cache_decode_attention(cache, 0, q, scaling=0.125, inv_freq=_inv_freq(64))
-    ref = reference_decode_attention(cache, 0, q, scaling=0.125, inv_freq=_inv_freq(64))
+    q = torch.randn(2, 8, 1, d, generator=torch.Generator().manual_seed(3)).to(dtype).to(DEVICE)
+    kw = dict(scaling=d ** -0.5, inv_freq=_inv_freq(d))
+    out = cache_decode_attention(cache, 0, q, **kw)
+    ref = reference_decode_attention(cache, 0, q, **kw)
     _check(out, ref, dtype)
     # the rotation is really undone by the kernel: the same codes read as unrotated are far off
     for stream in cache.layers[0].streams:
         for store in (stream.prefill, stream.decode):
             store.spec = dataclasses.replace(store.spec, rotate=False)
-    wrong = cache_decode_attention(cache, 0, q, scaling=0.125, inv_freq=_inv_freq(64))
+    wrong = cache_decode_attention(cache, 0, q, **kw)
     assert _rel(wrong, ref) > 0.2
