@@ -507,25 +507,42 @@ def _decode_attention_kernel(
                 P_V_BITS, P_V_UNIT, P_V_GROUP, P_V_R, P_V_K2)
 
     if D_K_BITS > 0:
-        for blk in range(tl.maximum(lo, e2), tl.minimum(hi, e3)):
-            j = blk - e2
-            slot0 = j * BN  # decode chunks are contiguous along the store's slot axis
-            slot = slot0 + n_offs
-            tvalid = slot < c_cnt * NB
-            chunk = j // PER_CHUNK
-            t = s_len + p_len + slot
-            m_i, l_i, acc = _compressed_block(
-                q1, q2, q_rows, t, slot, slot0, c_cnt * NB, tvalid, chunk, slot0 - chunk * NB, pos_b, freq_ptr,
-                freq, q_scale, limit, mvalid, window, m_i, l_i, acc,
-                dkc + bh64 * s_dkc, dks + bh64 * s_dks, dkm + bh64 * s_dks, dka + bh64 * s_dka,
-                dkb + bh64 * s_dkb, D, D, D_K_R, D_K_R, dkas + bh64 * s_dkas, dkbs + bh64 * s_dkas,
-                dow + bh64 * s_dow, dov + bh64 * s_dow, dot_ + bh64 * s_dot + chunk * (NB // 16 + 1), NB // 16,
-                chunk * d_seg, s_len + p_len + chunk * NB,
-                dvc + bh64 * s_dvc, dvs + bh64 * s_dvs, dvm + bh64 * s_dvs, dvsv + bh64 * s_dvsp,
-                dvsi + bh64 * s_dvsp, dva + bh64 * s_dva, dvb + bh64 * s_dvb,
-                D_V_CODES_W, D_V_STATS_W, D_V_K2, D_V_R, D_V_R, dvas + bh64 * s_dvas, dvbs + bh64 * s_dvas, 0, 0, 0,
-                had_ptr, D, HALF, BN, DT, FAST, False, ROT_K, D_K_BITS, D_K_UNIT, D_K_GROUP, D_K_R, D_K_SPARSE, D_K_STATS_ROW,
-                D_V_BITS, D_V_UNIT, D_V_GROUP, D_V_R, D_V_K2)
+        # chunk by chunk: each chunk's Bᵀ (keys: two halves, values) is loaded once for its NB/BN blocks
+        d_lo = tl.maximum(lo, e2)
+        d_hi = tl.minimum(hi, e3)
+        for chunk in range((d_lo - e2) // PER_CHUNK, tl.cdiv(d_hi - e2, PER_CHUNK)):
+            if D_K_R > 0:
+                dkbt1 = _lowrank_bt(dkb + bh64 * s_dkb, D_K_R, chunk * D + h_offs, dkas + bh64 * s_dkas,
+                                    dkbs + bh64 * s_dkas, chunk, D_K_R, DT)
+                dkbt2 = _lowrank_bt(dkb + bh64 * s_dkb, D_K_R, chunk * D + HALF + h_offs, dkas + bh64 * s_dkas,
+                                    dkbs + bh64 * s_dkas, chunk, D_K_R, DT)
+            else:
+                dkbt1 = 0
+                dkbt2 = 0
+            if D_V_R > 0:
+                dvbt = _lowrank_bt(dvb + bh64 * s_dvb, D_V_R, chunk * D + tl.arange(0, D), dvas + bh64 * s_dvas,
+                                   dvbs + bh64 * s_dvas, chunk, D_V_R, DT)
+            else:
+                dvbt = 0
+            first_blk = e2 + chunk * PER_CHUNK
+            for blk in range(tl.maximum(d_lo, first_blk), tl.minimum(d_hi, first_blk + PER_CHUNK)):
+                j = blk - e2
+                slot0 = j * BN  # decode chunks are contiguous along the store's slot axis
+                slot = slot0 + n_offs
+                tvalid = slot < c_cnt * NB
+                t = s_len + p_len + slot
+                m_i, l_i, acc = _compressed_block(
+                    q1, q2, q_rows, t, slot, slot0, c_cnt * NB, tvalid, chunk, slot0 - chunk * NB, pos_b, freq_ptr,
+                    freq, q_scale, limit, mvalid, window, m_i, l_i, acc,
+                    dkc + bh64 * s_dkc, dks + bh64 * s_dks, dkm + bh64 * s_dks, dka + bh64 * s_dka,
+                    dkb + bh64 * s_dkb, D, D, D_K_R, D_K_R, dkas + bh64 * s_dkas, dkbs + bh64 * s_dkas,
+                    dow + bh64 * s_dow, dov + bh64 * s_dow, dot_ + bh64 * s_dot + chunk * (NB // 16 + 1), NB // 16,
+                    chunk * d_seg, s_len + p_len + chunk * NB,
+                    dvc + bh64 * s_dvc, dvs + bh64 * s_dvs, dvm + bh64 * s_dvs, dvsv + bh64 * s_dvsp,
+                    dvsi + bh64 * s_dvsp, dva + bh64 * s_dva, dvb + bh64 * s_dvb,
+                    D_V_CODES_W, D_V_STATS_W, D_V_K2, D_V_R, D_V_R, dvas + bh64 * s_dvas, dvbs + bh64 * s_dvas,
+                    dkbt1, dkbt2, dvbt, had_ptr, D, HALF, BN, DT, FAST, True, ROT_K, D_K_BITS, D_K_UNIT, D_K_GROUP,
+                    D_K_R, D_K_SPARSE, D_K_STATS_ROW, D_V_BITS, D_V_UNIT, D_V_GROUP, D_V_R, D_V_K2)
 
     for blk in range(tl.maximum(lo, e3), hi):
         slot = (blk - e3) * BN + n_offs
