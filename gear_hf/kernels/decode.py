@@ -8,17 +8,22 @@ flash-decoding style) streams over that row's tokens in row-local order
 and a second small kernel merges the splits: two launches per layer-step, no allocation (workspaces are cached
 per device and size), no memset. Compressed blocks are decoded in registers, never written back:
 
-* keys (per channel over token groups): load each code byte once and unpack it along tokens (tl.join),
-  dequantize with the group's scale/minimum (one row of statistics per block when a group spans whole blocks),
-  add the low-rank term A·Bᵀ as a tensor-core dot accumulating into the dequantized tile (rank padded to 16),
+* codes of 2, 3, 4 or 8 bits through one unpacking path (`_unpack_units`: each byte loaded once, shifts and
+  masks in registers; 3 bits: 8 codes in 3 bytes, a 2-bit and a 1-bit plane, as gear_hf.compress.quant packs);
+* keys (per channel over token groups): unpack along tokens, dequantize with the group's scale/minimum (one row
+  of statistics per block when a group spans whole blocks), add the low-rank term A·Bᵀ as a tensor-core dot
+  accumulating into the dequantized tile (rank padded to 16; int8 factors: their per-column scales folded into
+  Bᵀ, which is loaded once per chunk), un-rotate Walsh–Hadamard-rotated keys (two [BN, d/2]x[d/2, d/2] dots),
   rotate the pre-RoPE key by its stored position (cos/sin from the rotary module's inv_freq, so
-  llama3/linear/yarn scaling is covered, times attention_scaling) and take q·k (tl.dot);
+  llama3/linear/yarn scaling is covered) and take q·k (tl.dot); the softmax scale and the rotary
+  attention_scaling are folded into the query once;
 * key outliers (fixed 2k per channel over a chunk) come sorted by token within their chunk with per-16-token
   offsets (`views.prepare_derived`, once per chunk): each block reads only its own outliers and adds their
   exact score terms v·(q_j cos ± q_{j±d/2} sin) through a one-hot tl.dot — no score buffer, no atomics;
 * values (per token over channel groups): unpack along channels (each byte once), dequantize with statistics
   loaded once per group, add the token's outliers, accumulate P·V̂ with tl.dot and the low-rank term as
-  (P·A)·Bᵀ, two small dots (never A·Bᵀ);
+  (P·A)·Bᵀ, two small dots (never A·Bᵀ); rotated values are attended in the rotated basis (the sink and buffer
+  values rotated on the fly) and the output is un-rotated once per row in the merge kernel (P·V·H·H = P·V);
 * online softmax in float32 (exp2), causal inside the new tokens and the sliding window on row-local indices
   (padding is not stored, so a row's indices are exactly its real tokens); blocks wholly outside the window
   are skipped, not just masked;
@@ -31,8 +36,9 @@ strides that grow with the storage) are not specialized on, so the kernel compil
 
 Operands of tl.dot are cast to the model dtype (fp16/bf16: tensor cores) or stay float32 (`ieee`); under the
 CPU interpreter bf16 is upcast to float32 (the interpreter computes bf16 dots wrong). Everything else is
-float32. Supported: keys axis="channel", values axis="token" (the defaults) and pre_rope=True; the other
-combinations use the torch path (see gear_hf.kernels.fused_supported).
+float32. Supported: keys axis="channel", values axis="token" (the defaults) and pre_rope=True, every bit width,
+rotation, int8 factors and group size, except key outliers of rotated keys; the other combinations use the torch
+path (see gear_hf.kernels.fused_supported).
 """
 
 from __future__ import annotations
@@ -132,8 +138,8 @@ def _unpack_units(p, step, mask, BITS: tl.constexpr):
 
 @triton.jit
 def _key_half(codes_b, scale_b, min_b, a_b, bm_b, s_codes, s_scale, s_a, s_bm, as_b, bs_b, slot, slot0, slot_end,
-              tvalid, chunk, ch, bt_pre, D: tl.constexpr, BITS: tl.constexpr, UNIT: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr,
-              STATS_ROW: tl.constexpr, DT: tl.constexpr, B_PRE: tl.constexpr):
+              tvalid, chunk, ch, bt_pre, D: tl.constexpr, BITS: tl.constexpr, UNIT: tl.constexpr, GROUP: tl.constexpr,
+              R: tl.constexpr, STATS_ROW: tl.constexpr, DT: tl.constexpr, B_PRE: tl.constexpr):
     """Keys (axis="channel") at store slots `slot` [BN] (slot0 + arange, valid below slot_end) and channels
     `ch` [C]: D̂ + A·Bᵀ in float32 [BN, C].
     STATS_ROW: the block lies inside one quantization group (starting at slot0): one row of scale/minimum."""
@@ -861,8 +867,9 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
             # Default launch: 4 warps, no software pipelining. Why: on the H200 (results/gpu, the earlier kernel)
             # 4 warps / 1 stage was 2.8x faster than 8 warps / 3 stages; and the compile report (sm_90, head_dim
             # 128, 32-token blocks) counts fewer main-loop instructions per token at 4 warps (the 16-row query tile
-            # splits badly over 8 warps) with 0 spills for gear 2/3/4, kivi, gear-l and GearConfig(). 64-token
-            # blocks count fewer still but spill with outliers or rotation. Not yet timed on a GPU for this kernel.
+            # splits badly over 8 warps) with 0 spills for gear 2/4, kivi, gear-l and GearConfig() (gear-3: 40 B of
+            # stack). 64-token blocks count fewer still but spill with outliers or rotation. Not yet timed on a GPU
+            # for this kernel.
             # float32 dots (a float32 model) are FMA loops that need 8 warps' registers to stay unspilled.
             num_warps = 8 if dot_dt == tl.float32 else 4
         if num_stages is None:
@@ -880,9 +887,7 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
             raise ValueError(f"out must be [B, q, Hq, d] = {(B, QL, Hq, D)} with a contiguous last dim")
         window = int(sliding_window or 0)
         had = _hadamard_table(HALF, dot_dt, query.device) if rot_k or rot_v else query
-        options = {"num_warps": num_warps}
-        if num_stages is not None:
-            options["num_stages"] = num_stages
+        options = {"num_warps": num_warps, "num_stages": num_stages}
         compiled = _launch(_decode_attention_kernel, (programs, nsplit), (
             query, query.stride(0), query.stride(1), query.stride(2), layout.limits, layout.rows, layout.positions,
             layout.positions.stride(0), freq, float(attention_scaling), float(scaling) * LOG2E, window,
