@@ -228,6 +228,7 @@ STORAGE = [
     ("gear", 4, dict(rotation="values", factor_bits=8, group=7)),
     ("gear-l", 3, dict(rotation="both", factor_bits=8, key_group_size=32, value_group_size=16, dtype=torch.float16)),
     ("kivi", 4, dict(key_group_size=32, value_group_size=8, window=37)),
+    ("gear-l", 4, dict(rank_prefill=16, rank_decode=16)),  # the largest rank one 16-wide dot operand holds
 ]
 
 

@@ -67,6 +67,8 @@ def test_use_fused(monkeypatch):
     assert fused_supported(GearConfig(), 96, 1) is not None  # head_dim not a power of two
     assert fused_supported(GearConfig(group_size=8, buffer_size=8), 64, 1) is not None  # tiles < 16 tokens
     assert fused_supported(GearConfig.preset("fp16"), 64, 1) is None
+    assert "rank" in fused_supported(GearConfig.preset("gear", bits=4, rank_prefill=32), 64, 1)
+    assert fused_supported(GearConfig.preset("gear", bits=4, rank_prefill=16), 64, 1) is None
 
 
 def _tiny(arch: str, dtype=torch.float32):

@@ -614,6 +614,16 @@ def _check(t: torch.Tensor, name: str) -> torch.Tensor:
     return t
 
 
+MAX_RANK = 16  # low-rank factors are padded to one 16-wide tl.dot operand
+
+
+def _rank(run: ChunkRunView, prefix: str) -> int:
+    r = run.lowrank_a.shape[-1]
+    if r > MAX_RANK:
+        raise NotImplementedError(f"fused kernel: {prefix} low-rank rank {r} > {MAX_RANK} (the torch path reads it)")
+    return r
+
+
 _NO_KEYS = {"BITS": 0, "UNIT": 1, "GROUP": 1, "R": 0, "SPARSE": False, "STATS_ROW": False}
 _NO_VALUES = {"BITS": 0, "UNIT": 1, "GROUP": 1, "R": 0, "K2": 0, "CODES_W": 1, "STATS_W": 1}
 
@@ -654,7 +664,7 @@ def _key_run_args(run: ChunkRunView | None, chunks_used: int, dummy: torch.Tenso
     ptrs = [f["codes"], f["scale"], f["minimum"], f["lowrank_a"], f["lowrank_b"], where, value, tile]
     strides = [f["codes"].stride(1), f["scale"].stride(1), f["lowrank_a"].stride(1), f["lowrank_b"].stride(1),
                where.stride(1) if k2 else 0, tile.stride(1) if k2 else 0, tiles, k2 * head_dim]
-    constexprs = {"BITS": spec.bits, "UNIT": unit, "GROUP": group, "R": f["lowrank_a"].shape[-1], "SPARSE": k2 > 0,
+    constexprs = {"BITS": spec.bits, "UNIT": unit, "GROUP": group, "R": _rank(run, prefix), "SPARSE": k2 > 0,
                   "STATS_ROW": group % block_n == 0}
     return ptrs, strides, {f"{prefix}_{k}": v for k, v in constexprs.items()}
 
@@ -668,7 +678,7 @@ def _value_run_args(run: ChunkRunView | None, chunks_used: int, dummy: torch.Ten
     if spec.axis != "token":
         raise NotImplementedError("fused kernel: values must be stored per token (value_axis='token')")
     constexprs = {"BITS": spec.bits, "UNIT": pack_unit(spec.bits)[0], "GROUP": spec.group_for(run.chunk_len, head_dim),
-                  "R": f["lowrank_a"].shape[-1], "K2": f["sparse_values"].shape[-1],
+                  "R": _rank(run, prefix), "K2": f["sparse_values"].shape[-1],
                   "CODES_W": f["codes"].shape[-1], "STATS_W": f["scale"].shape[-1]}
     strides = [f[n].stride(1) for n in ("codes", "scale", "sparse_values", "lowrank_a", "lowrank_b")]
     return [f[n] for n in names], strides, {f"{prefix}_{k}": v for k, v in constexprs.items()}
