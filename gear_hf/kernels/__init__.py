@@ -109,9 +109,11 @@ def fused_supported(config, head_dim: int, query_len: int, *, rotary_dim: int | 
 
 def _fused_storage_reason(config) -> str | None:
     """Storage options that the fused decode kernel does not read; the torch path does."""
-    if config.uses_lowrank and max(config.rank_prefill, config.rank_decode) > 16:
+    from .views import MAX_FUSED_RANK  # no triton import
+
+    if config.uses_lowrank and max(config.rank_prefill, config.rank_decode) > MAX_FUSED_RANK:
         return (f"rank_prefill={config.rank_prefill}/rank_decode={config.rank_decode}: the fused kernel reads "
-                "low-rank factors of rank <= 16")
+                f"low-rank factors of rank <= {MAX_FUSED_RANK}")
     if config.rotation in ("keys", "both") and config.uses_outliers and config.outlier_ratio > 0:
         return (f"rotation={config.rotation!r} with key outliers (method={config.method!r}): the fused kernel adds "
                 "key outliers in the unrotated basis only")

@@ -52,7 +52,8 @@ import triton.language as tl
 
 from ..compress.quant import pack_unit
 from . import interpreting
-from .views import OUTLIER_TILE, ChunkRunView, DecodeLayout, StreamView, key_outlier_count, prepare_derived
+from .views import (MAX_FUSED_RANK, OUTLIER_TILE, ChunkRunView, DecodeLayout, StreamView, key_outlier_count,
+                    prepare_derived)
 
 try:  # fast sin/cos approximations (MUFU) for the GPU; the interpreter has no libdevice
     from triton.language.extra.cuda import libdevice as _libdevice
@@ -614,13 +615,11 @@ def _check(t: torch.Tensor, name: str) -> torch.Tensor:
     return t
 
 
-MAX_RANK = 16  # low-rank factors are padded to one 16-wide tl.dot operand
-
-
 def _rank(run: ChunkRunView, prefix: str) -> int:
     r = run.lowrank_a.shape[-1]
-    if r > MAX_RANK:
-        raise NotImplementedError(f"fused kernel: {prefix} low-rank rank {r} > {MAX_RANK} (the torch path reads it)")
+    if r > MAX_FUSED_RANK:
+        raise NotImplementedError(f"fused kernel: {prefix} low-rank rank {r} > {MAX_FUSED_RANK} (the torch path "
+                                  "reads it)")
     return r
 
 

@@ -21,6 +21,8 @@ import torch
 
 # Key outliers sorted by token are indexed per 16-token tile (the smallest kernel block); see prepare_derived.
 OUTLIER_TILE = 16
+# Low-rank factors enter the fused kernel padded to one 16-wide tl.dot operand: ranks up to this are read.
+MAX_FUSED_RANK = 16
 
 
 @dataclass(frozen=True, eq=False)
