@@ -217,24 +217,25 @@ def _key_outlier_scores(s, q_rows, mvalid, ow_b, ov_b, ot_b, n_tiles, seg, tok0,
     n_offs = tl.arange(0, BN)
     M: tl.constexpr = s.shape[0]
     LOG2D: tl.constexpr = D.bit_length() - 1
-    # Every per-outlier quantity is computed on 2D tiles ([M, OE] and [OE, BN], the entry's index repeated
-    # along the other axis: repeated loads hit L1) so the work spreads over all threads; a 1D [OE] vector would
-    # be replicated in every thread (sin/cos of each outlier computed by all of them).
-    e_me = tl.arange(0, OE)[None, :] + tl.zeros([M, OE], tl.int32)
+    # Per-outlier quantities (position, channel, cos/sin, value) on 1D [OE] vectors (one entry per thread of a
+    # warp), then broadcast over the query rows; the one-hot along the block's tokens is [OE, BN].
     e_en = tl.arange(0, OE)[:, None] + tl.zeros([OE, BN], tl.int32)
     for e0 in range(lo, hi, OE):
-        e = e0 + e_me
+        e = e0 + tl.arange(0, OE)
         ev = e < hi
         where = tl.load(ow_b + seg + e, mask=ev, other=0)
-        val = tl.load(ov_b + seg + e, mask=ev, other=0.0).to(tl.float32)
-        ch = where & (D - 1)  # where >= 0 and D a power of two: shifts and masks, not signed division
+        w1 = tl.load(ov_b + seg + e, mask=ev, other=0.0).to(tl.float32) * q_scale
+        ch1 = where & (D - 1)  # where >= 0 and D a power of two: shifts and masks, not signed division
         pos = tl.load(pos_b + t_base + (where >> LOG2D), mask=ev, other=0)
-        cos, sin = _sincos(pos.to(tl.float32) * tl.load(freq_ptr + ch % HALF), FAST)
-        m2 = mvalid[:, None] & ev
+        cos1, sin1 = _sincos(pos.to(tl.float32) * tl.load(freq_ptr + ch1 % HALF), FAST)
+        ch = ch1[None, :]
+        cos = cos1[None, :]
+        sin = tl.where(ch1 < HALF, sin1, -sin1)[None, :]
+        w = w1[None, :]
+        m2 = mvalid[:, None] & ev[None, :]
         qv = tl.load(q_rows[:, None] + ch, mask=m2, other=0.0).to(tl.float32)
         qp = tl.load(q_rows[:, None] + (ch + HALF) % D, mask=m2, other=0.0).to(tl.float32)
-        w = val * q_scale
-        contrib = (qv * cos + qp * tl.where(ch < HALF, sin, -sin)) * w  # [M, OE]
+        contrib = (qv * cos + qp * sin) * w  # [M, OE]
         et = e0 + e_en
         tok = tl.load(ow_b + seg + et, mask=et < hi, other=-D) >> LOG2D  # [OE, BN]
         onehot = tl.where((tok - tok0) == n_offs[None, :], 1.0, 0.0)
