@@ -7,9 +7,11 @@ random data, for each context length T and batch size:
   sdpa       torch.nn.functional.scaled_dot_product_attention over a dense fp16 K/V cache (enable_gqa)
   reference  what gear_hf does without kernels: reconstruct K/V from the GEAR cache (torch engine), gather
              into HF's layout, RoPE the keys, then SDPA
-  fused      gear_hf.kernels: attention straight from the compressed storage (GEAR 2/4-bit, GEAR-L 2-bit)
+  fused      gear_hf.kernels: attention straight from the compressed storage (GEAR 2/4-bit, GEAR-L 2-bit, and
+             GearConfig(), the library default: kivi 3-bit keys and values, Walsh–Hadamard rotation, 4 sinks)
 
---variants adds rows of the fused kernel at other num_warps/num_stages (one point: the largest T and batch).
+--variants adds rows of the fused kernel at other num_warps/num_stages/block_n (one point: the largest T and
+batch).
 --padded adds a padded batch (8 rows of 8 different lengths, left padding): fused vs fp16 SDPA over the dense
 padded cache with its mask; and --share runs greedy generation of a small random Llama (head_dim 64, GQA 4)
 on a padded batch of 8 rows of different lengths through the GEAR cache on CUDA and reports the share of
@@ -102,7 +104,7 @@ def _build(T: int, batch: int, bits: int, dtype, device, method: str = "gear", p
     from gear_hf.config import GearConfig
     from gear_hf.kernels.reference import build_cache
 
-    cfg = GearConfig.preset(method, bits=bits)
+    cfg = GearConfig() if method == "default" else GearConfig.preset(method, bits=bits)
     decode_part = min(4 * cfg.buffer_size - 1, T // 4)
     cache, _, _ = build_cache(cfg, batch=batch, kv_heads=HKV, head_dim=D, steps=[T - decode_part - 1, decode_part, 1],
                               pad=pad, dtype=dtype, device=device, seed=T * 31 + batch * 7 + bits, outlier_channels=4)
@@ -140,6 +142,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--bits", type=int, nargs="+", default=[2, 4], help="GEAR bit widths (GEAR-L: 2-bit)")
     parser.add_argument("--no-gear-l", action="store_true", help="skip the 2-bit GEAR-L rows")
+    parser.add_argument("--no-default", action="store_true", help="skip the GearConfig() (kivi 3-bit, rotated) rows")
     parser.add_argument("--variants", action="store_true",
                         help="fused 2-bit GEAR at num_warps 4/8 x num_stages 1/2/3 (largest T and batch)")
     parser.add_argument("--padded", action="store_true",
@@ -295,6 +298,8 @@ def _methods(args):
     out = [("gear", b) for b in args.bits]
     if not args.no_gear_l:
         out.append(("gear-l", 2))
+    if not args.no_default:
+        out.append(("default", 3))
     return out
 
 
@@ -311,7 +316,7 @@ def _bench_point(T, batch, args, dtype, device, inv_freq, record):
            bytes=2 * k.numel() * k.element_size() + 2 * q.numel() * q.element_size(), vs_sdpa=1.0)
     del fn, k, v
     for method, bits in _methods(args):
-        name = f"{method}{bits}"
+        name = method if method == "default" else f"{method}{bits}"
         try:
             cache = _build(T, batch, bits, dtype, device, method)
         except torch.cuda.OutOfMemoryError:
@@ -334,7 +339,8 @@ def _bench_point(T, batch, args, dtype, device, inv_freq, record):
 
 
 def _bench_variants(T, batch, args, dtype, device, inv_freq, record):
-    """The fused 2-bit GEAR kernel at num_warps 4/8 x num_stages 1/2/3 (the default choice is the plain row)."""
+    """The fused 2-bit GEAR kernel at num_warps 4/8 x num_stages 1/2/3, and 64-token blocks at 4 warps / 1 stage
+    (the default launch, 4 warps / 1 stage / 32-token blocks, is the plain row)."""
     g = torch.Generator(device=device).manual_seed(T + batch)
     q = torch.randn(batch, HQ, 1, D, device=device, generator=g, dtype=torch.float32).to(dtype)
     sdpa = [r for r in _ROWS if r["T"] == T and r["batch"] == batch and r["method"].startswith("sdpa")]
@@ -345,6 +351,8 @@ def _bench_variants(T, batch, args, dtype, device, inv_freq, record):
         for stages in (1, 2, 3):
             _time_fused(cache, q, inv_freq, args, record, T, batch, f"gear2_fused_w{warps}_s{stages}", sdpa_ms,
                         comp_bytes, check=False, num_warps=warps, num_stages=stages)
+    _time_fused(cache, q, inv_freq, args, record, T, batch, "gear2_fused_w4_s1_b64", sdpa_ms, comp_bytes,
+                check=False, num_warps=4, num_stages=1, block_n=64)
     del cache
 
 

@@ -17,6 +17,7 @@ never multiples of the group or buffer) to keep the interpreted suite fast; `slo
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -90,6 +91,8 @@ FAST = [
     ("outlier", 4, 64, 2, 4, 3, 1, torch.float32),
     ("gear-l", 2, 64, 2, 4, 3, 4, torch.float32),
     ("fp16", 4, 64, 2, 4, 3, 4, torch.float16),  # no compression: everything in the buffer
+    ("gear", 3, 64, 2, 4, 3, 1, torch.float32),  # 3-bit codes: 8 codes in 3 bytes (keys along tokens)
+    ("kivi", 3, 128, 1, 4, 2, 4, torch.float16),
 ]
 
 
@@ -212,3 +215,52 @@ def test_views_with_derived_data_match_the_adapter():
     got = decode_attention(q, keys, values, layout, scaling=q.shape[-1] ** -0.5, inv_freq=_inv_freq(q.shape[-1]))
     assert torch.equal(got, out)
     _check(got, ref, torch.float32)
+
+
+# Storage options beyond the paper (issue 9) read by the fused kernel: int8 low-rank factors, Walsh–Hadamard
+# rotation (keys un-rotated per block before RoPE, values' rotation undone once on the output), separate key and
+# value group sizes, 3-bit codes — alone and together.
+STORAGE = [
+    ("gear", 2, dict(factor_bits=8)),  # fp32: int8 factors exact up to float32 rounding
+    ("gear-l", 4, dict(factor_bits=8, dtype=torch.float16)),
+    ("kivi", 3, dict(rotation="both", sink=4, q_len=4)),
+    ("kivi", 2, dict(rotation="keys", d=128, dtype=torch.bfloat16)),
+    ("gear", 4, dict(rotation="values", factor_bits=8, group=7)),
+    ("gear-l", 3, dict(rotation="both", factor_bits=8, key_group_size=32, value_group_size=16, dtype=torch.float16)),
+    ("kivi", 4, dict(key_group_size=32, value_group_size=8, window=37)),
+    ("gear-l", 4, dict(rank_prefill=16, rank_decode=16)),  # the largest rank one 16-wide dot operand holds
+]
+
+
+@pytest.mark.parametrize("method,bits,kw", STORAGE, ids=[f"{m}{b}-" + "-".join(f"{k}={v}" for k, v in kw.items())
+                                                         for m, b, kw in STORAGE])
+def test_fused_reads_issue9_storage(method, bits, kw):
+    kw = dict(kw)
+    dtype = kw.pop("dtype", torch.float32)
+    _, _, out, ref = _case(method, bits, dtype=dtype, **kw)
+    _check(out, ref, dtype)
+
+
+@pytest.mark.parametrize("d,dtype", [(64, torch.float32), (128, torch.bfloat16)], ids=["d64-fp32", "d128-bf16"])
+def test_default_config_runs_fused(d, dtype):
+    """GearConfig() itself (kivi, 4-bit keys, 2-bit values, rotation of both, groups of 128, 4 sinks, int8 factors):
+    the fused kernel covers it and equals the oracle (prompt chunk, a decode chunk, buffer, sinks, a padded row)."""
+    from gear_hf.kernels import fused_supported
+    from gear_hf.kernels.decode import cache_decode_attention
+
+    cfg = GearConfig()
+    assert fused_supported(cfg, d, 1) is None
+    cache, _, _ = build_cache(cfg, batch=2, kv_heads=2, head_dim=d, steps=[290, 100, 1], pad=[0, 37], dtype=dtype,
+                              device=DEVICE)
+    assert min(cache.decode_chunks) == 1 and min(cache.prefill_len) > 0
+    q = torch.randn(2, 8, 1, d, generator=torch.Generator().manual_seed(3)).to(dtype).to(DEVICE)
+    kw = dict(scaling=d ** -0.5, inv_freq=_inv_freq(d))
+    out = cache_decode_attention(cache, 0, q, **kw)
+    ref = reference_decode_attention(cache, 0, q, **kw)
+    _check(out, ref, dtype)
+    # the rotation is really undone by the kernel: the same codes read as unrotated are far off
+    for stream in cache.layers[0].streams:
+        for store in (stream.prefill, stream.decode):
+            store.spec = dataclasses.replace(store.spec, rotate=False)
+    wrong = cache_decode_attention(cache, 0, q, **kw)
+    assert _rel(wrong, ref) > 0.2

@@ -67,6 +67,8 @@ def test_use_fused(monkeypatch):
     assert fused_supported(GearConfig(), 96, 1) is not None  # head_dim not a power of two
     assert fused_supported(GearConfig(group_size=8, buffer_size=8), 64, 1) is not None  # tiles < 16 tokens
     assert fused_supported(GearConfig.preset("fp16"), 64, 1) is None
+    assert "rank" in fused_supported(GearConfig.preset("gear", bits=4, rank_prefill=32), 64, 1)
+    assert fused_supported(GearConfig.preset("gear", bits=4, rank_prefill=16), 64, 1) is None
 
 
 def _tiny(arch: str, dtype=torch.float32):
@@ -105,9 +107,9 @@ def _generate(model, config, new_tokens):
     return out.sequences, torch.stack(out.scores, 1), cache
 
 
-def _compare(arch, new_tokens, group_size=16):
+def _compare(arch, new_tokens, group_size=16, cfg=None):
     model = _tiny(arch)
-    cfg = GearConfig.preset("gear", bits=4, group_size=group_size, buffer_size=16)
+    cfg = cfg or GearConfig.preset("gear", bits=4, group_size=group_size, buffer_size=16)
     seq_t, logits_t, cache_t = _generate(model, cfg.replace(backend="torch"), new_tokens)
     assert cache_t.step_paths["fused"] == 0
     seq_k, logits_k, cache_k = _generate(model, cfg.replace(backend="triton"), new_tokens)
@@ -123,6 +125,20 @@ def _compare(arch, new_tokens, group_size=16):
 def test_generate_llama3_fused_equals_torch():
     """GQA, llama3 RoPE scaling, a left-padded batch, a decode chunk flushed during generation."""
     _compare("llama3", 9)
+
+
+def test_generate_default_config_fused_equals_torch():
+    """GearConfig()'s storage (kivi, 4-bit keys, 2-bit values, Walsh–Hadamard rotation of both, 4 sinks) at small
+    groups: every decode step takes the fused path and generation equals the torch reference path."""
+    default = GearConfig()
+    assert (default.method, default.key_bits, default.value_bits, default.rotation) == ("kivi", 4, 2, "both")
+    _compare("llama3", 9, cfg=default.replace(group_size=16, buffer_size=16))
+
+
+def test_generate_gear_l_int8_factors_separate_groups_fused_equals_torch():
+    cfg = GearConfig.preset("gear-l", bits=2, factor_bits=8, key_group_size=16, value_group_size=8, buffer_size=16,
+                            rotation="both")
+    _compare("qwen2", 9, cfg=cfg)
 
 
 def test_sliding_layer_releases_chunks_and_fused_still_equals_torch():

@@ -95,6 +95,24 @@ def test_fused_real_sizes(T, batch, q_len, bits):
     _check_vs_oracle(cache, q, out, f"T={T} B={batch} q={q_len} {bits}-bit")
 
 
+@pytest.mark.parametrize("label,config", [
+    ("GearConfig()", GearConfig()),  # kivi 3-bit, rotated keys and values, groups of 128, 4 sinks
+    ("gear-3 int8 factors, rotated values", GearConfig.preset("gear", bits=3, factor_bits=8, rotation="values")),
+    ("gear-l-2 k32/v64 groups, rotated", GearConfig.preset("gear-l", bits=2, key_group_size=32, value_group_size=64,
+                                                            rotation="both", factor_bits=8)),
+])
+def test_fused_issue9_storage_real_sizes(label, config):
+    """The storage options beyond the paper (3-bit, rotation, int8 factors, separate groups) at real sizes."""
+    batch, q_len, T = 4, 1, 8192
+    pad = [0] + [97 * (i + 1) for i in range(batch - 1)]
+    cache, _, _ = build_cache(config, batch=batch, kv_heads=HKV, head_dim=D, steps=[T - 300, 299, q_len], pad=pad,
+                              dtype=torch.bfloat16, device="cuda", seed=11)
+    q = torch.randn(batch, HQ, q_len, D, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16).cuda()
+    out = _run(cache, q)
+    torch.cuda.synchronize()
+    _check_vs_oracle(cache, q, out, label)
+
+
 def test_fused_writes_every_element_gpu():
     cache, q = _case(8192, 3, 4, 2, sink_tokens=4)
     out = torch.full((3, 4, HQ, D), float("nan"), dtype=q.dtype, device="cuda")

@@ -193,16 +193,16 @@ def test_separate_key_and_value_group_sizes():
     assert gear_hf.GearConfig.preset("gear", bits=2).rotation == "none"  # the paper presets stay the paper's
 
 
-@pytest.mark.parametrize("overrides,word", [
-    (dict(key_bits=3), "3-bit"), (dict(value_bits=3), "3-bit"), (dict(rotation="values"), "rotation"),
-    (dict(rotation="keys"), "rotation"), (dict(factor_bits=8), "int8"), (dict(key_group_size=32), "group"),
-])
+@pytest.mark.parametrize("overrides,word", [(dict(rotation="keys"), "rotation"), (dict(rotation="both"), "rotation")])
 def test_fused_kernel_declines_what_it_does_not_read(overrides, word):
-    """The fused decode kernel reads the paper's storage only: every other option names itself, so the cache
-    takes the torch reference path for it (and stays correct)."""
+    """The fused decode kernel reads every storage option but key outliers of rotated keys: that one names itself,
+    so the cache takes the torch reference path for it (and stays correct)."""
     from gear_hf.kernels import fused_supported
 
     assert fused_supported(gear_hf.GearConfig.preset("gear", bits=2), 64, 1) is None
+    for supported in (dict(key_bits=3), dict(value_bits=3), dict(rotation="values"), dict(factor_bits=8),
+                      dict(key_group_size=32)):
+        assert fused_supported(gear_hf.GearConfig.preset("gear", bits=2, **supported), 64, 1) is None, supported
     reason = fused_supported(gear_hf.GearConfig.preset("gear", bits=2, **overrides), 64, 1)
     assert reason is not None and word in reason
 

@@ -92,6 +92,8 @@ def fused_supported(config, head_dim: int, query_len: int, *, rotary_dim: int | 
     if query_len > MAX_FUSED_QUERY:
         return f"{query_len} new tokens in one step (a prompt): the fused kernel is a decode kernel"
     if config.compresses:
+        from ..compress.quant import pack_unit
+
         reason = _fused_storage_reason(config)
         if reason:
             return reason
@@ -99,23 +101,22 @@ def fused_supported(config, head_dim: int, query_len: int, *, rotary_dim: int | 
         if block < 16:
             return f"buffer_size={config.buffer_size} is not a multiple of 16 (kernel tiles are 16 tokens at least)"
         for bits, group in ((config.key_bits, config.key_group), (config.value_bits, config.value_group)):
-            if group % (8 // bits) and not config.coarse_groups:
-                return f"group size {group} is not a multiple of {8 // bits} codes per byte"
+            unit = pack_unit(bits)[0]
+            if group % unit and not config.coarse_groups:
+                return f"group size {group} is not a multiple of the {unit} codes of a {bits}-bit packing unit"
     return None
 
 
 def _fused_storage_reason(config) -> str | None:
-    """Storage options of issue 9 that the fused decode kernel does not read (yet); the torch path does."""
-    if 3 in (config.key_bits, config.value_bits):
-        return (f"key_bits={config.key_bits}/value_bits={config.value_bits}: 3-bit codes (8 codes in 3 bytes) are "
-                "only read by the torch path")
-    if config.rotation != "none":
-        return f"rotation={config.rotation!r} (Walsh–Hadamard along head_dim) is only undone by the torch path"
-    if config.uses_lowrank and config.factor_bits != 16:
-        return f"factor_bits={config.factor_bits}: int8 low-rank factors are only read by the torch path"
-    if config.key_group != config.value_group:
-        return (f"key_group_size={config.key_group} != value_group_size={config.value_group}: the fused kernel "
-                "takes one group size")
+    """Storage options that the fused decode kernel does not read; the torch path does."""
+    from .views import MAX_FUSED_RANK  # no triton import
+
+    if config.uses_lowrank and max(config.rank_prefill, config.rank_decode) > MAX_FUSED_RANK:
+        return (f"rank_prefill={config.rank_prefill}/rank_decode={config.rank_decode}: the fused kernel reads "
+                f"low-rank factors of rank <= {MAX_FUSED_RANK}")
+    if config.rotation in ("keys", "both") and config.uses_outliers and config.outlier_ratio > 0:
+        return (f"rotation={config.rotation!r} with key outliers (method={config.method!r}): the fused kernel adds "
+                "key outliers in the unrotated basis only")
     return None
 
 

@@ -11,7 +11,8 @@ registers and stack (local memory) per thread from the cubin.
     python -m gear_hf.kernels.compile_check --sass-report  # main decode loop, SASS per token per KV head
 
 --sass-report compiles the main decode kernel for sm_90 at Llama-3-8B shapes (32 query heads, 8 KV heads,
-head_dim 128, bf16, q_len 1, GEAR 4 and 2 bits with the default groups, buffer and ranks), disassembles it with
+head_dim 128, bf16, q_len 1: GEAR 4, 3 and 2 bits with the paper's groups, buffer and ranks, and GearConfig() —
+kivi 3-bit, rotated keys and values, groups of 128, 4 sinks), disassembles it with
 the cuobjdump of the installed Triton and counts, for each loop over compressed blocks (found by its backward
 branch), the SASS instructions of the loop body; per token and KV head that is body x num_warps / block
 tokens (a static count: every instruction of the body once, both sides of a branch included, an inner loop
@@ -144,8 +145,9 @@ def sass_report(arch: int = 90) -> int:
     from .reference import build_cache
 
     figure = None
-    for bits in (4, 2):
-        cfg = GearConfig.preset("gear", bits=bits)
+    cases = [("gear4", GearConfig.preset("gear", bits=4)), ("gear3", GearConfig.preset("gear", bits=3)),
+             ("default", GearConfig()), ("gear2", GearConfig.preset("gear", bits=2))]
+    for label, cfg in cases:
         cache, _, _ = build_cache(cfg, batch=1, kv_heads=2, head_dim=128, steps=[150, 70, 1], dtype=torch.bfloat16)
         q = torch.zeros(1, 8, 1, 128, dtype=torch.bfloat16)  # GQA 4, q_len 1
         plan = []
@@ -161,7 +163,7 @@ def sass_report(arch: int = 90) -> int:
             for k in totals:
                 totals[k] += counts[k]
             usage = _resource_usage(compiled.asm["cubin"])
-            print(f"gear{bits} sm_{arch} {kernel.fn.__name__}: {len(sass)} SASS, {usage}, "
+            print(f"{label} sm_{arch} {kernel.fn.__name__}: {len(sass)} SASS, {usage}, "
                   f"launches with num_warps={kwargs.get('num_warps')}, spills {counts['spill_ops']} LDL/STL, "
                   f"{counts['fences']} MEMBAR, {counts['atomics']} atomics")
             if kernel.fn.__name__ != "_decode_attention_kernel":
@@ -174,7 +176,7 @@ def sass_report(arch: int = 90) -> int:
                       f"KV head ({warps} warps, {block}-token blocks)")
             main = loops[0][2] * warps / block if loops else float("nan")
             main_usage = usage
-        print(f"gear{bits}: main loop {main:.0f} instructions/token/kv-head, {main_usage}, spill ops "
+        print(f"{label}: main loop {main:.0f} instructions/token/kv-head, {main_usage}, spill ops "
               f"{totals['spill_ops']}, fenced atomics {totals['fences']} (atomics {totals['atomics']}) in the step's "
               f"{len(plan)} launches")
         figure = main

@@ -8,17 +8,22 @@ flash-decoding style) streams over that row's tokens in row-local order
 and a second small kernel merges the splits: two launches per layer-step, no allocation (workspaces are cached
 per device and size), no memset. Compressed blocks are decoded in registers, never written back:
 
-* keys (per channel over token groups): load each code byte once and unpack it along tokens (tl.join),
-  dequantize with the group's scale/minimum (one row of statistics per block when a group spans whole blocks),
-  add the low-rank term A·Bᵀ as a tensor-core dot accumulating into the dequantized tile (rank padded to 16),
+* codes of 2, 3, 4 or 8 bits through one unpacking path (`_unpack_units`: each byte loaded once, shifts and
+  masks in registers; 3 bits: 8 codes in 3 bytes, a 2-bit and a 1-bit plane, as gear_hf.compress.quant packs);
+* keys (per channel over token groups): unpack along tokens, dequantize with the group's scale/minimum (one row
+  of statistics per block when a group spans whole blocks), add the low-rank term A·Bᵀ as a tensor-core dot
+  accumulating into the dequantized tile (rank padded to 16; int8 factors: their per-column scales folded into
+  Bᵀ, which is loaded once per chunk), un-rotate Walsh–Hadamard-rotated keys (two [BN, d/2]x[d/2, d/2] dots),
   rotate the pre-RoPE key by its stored position (cos/sin from the rotary module's inv_freq, so
-  llama3/linear/yarn scaling is covered, times attention_scaling) and take q·k (tl.dot);
+  llama3/linear/yarn scaling is covered) and take q·k (tl.dot); the softmax scale and the rotary
+  attention_scaling are folded into the query once;
 * key outliers (fixed 2k per channel over a chunk) come sorted by token within their chunk with per-16-token
   offsets (`views.prepare_derived`, once per chunk): each block reads only its own outliers and adds their
   exact score terms v·(q_j cos ± q_{j±d/2} sin) through a one-hot tl.dot — no score buffer, no atomics;
 * values (per token over channel groups): unpack along channels (each byte once), dequantize with statistics
   loaded once per group, add the token's outliers, accumulate P·V̂ with tl.dot and the low-rank term as
-  (P·A)·Bᵀ, two small dots (never A·Bᵀ);
+  (P·A)·Bᵀ, two small dots (never A·Bᵀ); rotated values are attended in the rotated basis (the sink and buffer
+  values rotated on the fly) and the output is un-rotated once per row in the merge kernel (P·V·H·H = P·V);
 * online softmax in float32 (exp2), causal inside the new tokens and the sliding window on row-local indices
   (padding is not stored, so a row's indices are exactly its real tokens); blocks wholly outside the window
   are skipped, not just masked;
@@ -31,8 +36,9 @@ strides that grow with the storage) are not specialized on, so the kernel compil
 
 Operands of tl.dot are cast to the model dtype (fp16/bf16: tensor cores) or stay float32 (`ieee`); under the
 CPU interpreter bf16 is upcast to float32 (the interpreter computes bf16 dots wrong). Everything else is
-float32. Supported: keys axis="channel", values axis="token" (the defaults) and pre_rope=True; the other
-combinations use the torch path (see gear_hf.kernels.fused_supported).
+float32. Supported: keys axis="channel", values axis="token" (the defaults) and pre_rope=True, every bit width,
+rotation, int8 factors and group size, except key outliers of rotated keys; the other combinations use the torch
+path (see gear_hf.kernels.fused_supported).
 """
 
 from __future__ import annotations
@@ -44,8 +50,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ..compress.quant import pack_unit
 from . import interpreting
-from .views import OUTLIER_TILE, ChunkRunView, DecodeLayout, StreamView, key_outlier_count, prepare_derived
+from .views import (MAX_FUSED_RANK, OUTLIER_TILE, ChunkRunView, DecodeLayout, StreamView, key_outlier_count,
+                    prepare_derived)
 
 try:  # fast sin/cos approximations (MUFU) for the GPU; the interpreter has no libdevice
     from triton.language.extra.cuda import libdevice as _libdevice
@@ -85,45 +93,65 @@ def _sincos(ang, FAST: tl.constexpr):
 
 
 @triton.jit
-def _rope(k1, k2, pos, freq_ptr, attn_scale, HALF: tl.constexpr, FAST: tl.constexpr):
-    """HF rotate_half RoPE of a key tile split in halves [BN, HALF] at positions pos [BN]."""
-    f = tl.load(freq_ptr + tl.arange(0, HALF))
-    ang = pos.to(tl.float32)[:, None] * f[None, :]
+def _rope(k1, k2, pos, freq, FAST: tl.constexpr):
+    """HF rotate_half RoPE of a key tile split in halves [BN, HALF] at positions pos [BN] (freq: inv_freq [HALF];
+    the rotary attention_scaling is folded into the query)."""
+    ang = pos.to(tl.float32)[:, None] * freq[None, :]
     c, s = _sincos(ang, FAST)
-    c = c * attn_scale
-    s = s * attn_scale
     return k1 * c - k2 * s, k2 * c + k1 * s
 
 
 @triton.jit
-def _unpack_last(byte, BITS: tl.constexpr, CPB: tl.constexpr):
-    """Codes of bytes [R, W] -> [R, W*CPB]: code j of byte w at column w*CPB + j (each byte loaded once)."""
-    MASK: tl.constexpr = (1 << BITS) - 1
-    if CPB == 1:
-        return byte
-    elif CPB == 2:
-        return tl.reshape(tl.join(byte & MASK, (byte >> BITS) & MASK), [byte.shape[0], byte.shape[1] * 2])
-    else:  # 4 codes per byte: join(join(c0, c2), join(c1, c3))[..., a, b] = code 2a + b
-        lo = tl.join(byte & MASK, (byte >> (2 * BITS)) & MASK)
-        hi = tl.join((byte >> BITS) & MASK, (byte >> (3 * BITS)) & MASK)
-        return tl.reshape(tl.join(lo, hi), [byte.shape[0], byte.shape[1] * 4])
+def _join4(c0, c1, c2, c3):
+    """Four [R, C] tiles -> [R, C, 4], tile j at index j of the last axis."""
+    return tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), [c0.shape[0], c0.shape[1], 4])
 
 
 @triton.jit
-def _key_half(codes_b, scale_b, min_b, a_b, bm_b, s_codes, s_scale, s_a, s_bm, slot, slot0, slot_end, tvalid, chunk, ch,
-              bt_pre, D: tl.constexpr, BITS: tl.constexpr, CPB: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr,
-              STATS_ROW: tl.constexpr, DT: tl.constexpr, B_PRE: tl.constexpr):
+def _join8(c0, c1, c2, c3, c4, c5, c6, c7):
+    """Eight [R, C] tiles -> [R, C, 8], tile j at index j of the last axis."""
+    even = tl.reshape(tl.join(tl.join(c0, c4), tl.join(c2, c6)), [c0.shape[0], c0.shape[1], 4])
+    odd = tl.reshape(tl.join(tl.join(c1, c5), tl.join(c3, c7)), [c0.shape[0], c0.shape[1], 4])
+    return tl.reshape(tl.join(even, odd), [c0.shape[0], c0.shape[1], 8])
+
+
+@triton.jit
+def _unpack_units(p, step, mask, BITS: tl.constexpr):
+    """Codes of the packing units whose first byte `p` [R, C] points at (a unit's bytes `step` apart):
+    int32 [R, C, UNIT] in code order. 2/4/8 bits: 8/BITS codes per byte, low bits first; 3 bits: 8 codes in 3
+    bytes, a 2-bit plane of two bytes then a 1-bit plane (the layout of gear_hf.compress.quant). Every byte is
+    loaded once and unpacked with shifts and masks in registers; one path for every width."""
+    b0 = tl.load(p, mask=mask, other=0).to(tl.int32)
+    if BITS == 8:
+        return tl.reshape(b0, [b0.shape[0], b0.shape[1], 1])
+    elif BITS == 4:
+        return tl.join(b0 & 15, b0 >> 4)
+    elif BITS == 2:
+        return _join4(b0 & 3, (b0 >> 2) & 3, (b0 >> 4) & 3, b0 >> 6)
+    else:
+        tl.static_assert(BITS == 3, "codes of 2, 3, 4 or 8 bits")
+        b1 = tl.load(p + step, mask=mask, other=0).to(tl.int32)
+        hi = tl.load(p + 2 * step, mask=mask, other=0).to(tl.int32) << 2  # bit j of the plane -> bit j + 2
+        return _join8(b0 & 3 | hi & 4, (b0 >> 2) & 3 | (hi >> 1) & 4, (b0 >> 4) & 3 | (hi >> 2) & 4,
+                      (b0 >> 6) | (hi >> 3) & 4, b1 & 3 | (hi >> 4) & 4, (b1 >> 2) & 3 | (hi >> 5) & 4,
+                      (b1 >> 4) & 3 | (hi >> 6) & 4, (b1 >> 6) | (hi >> 7) & 4)
+
+
+@triton.jit
+def _key_half(codes_b, scale_b, min_b, a_b, bm_b, s_codes, s_scale, s_a, s_bm, as_b, bs_b, slot, slot0, slot_end,
+              tvalid, chunk, ch, bt_pre, D: tl.constexpr, BITS: tl.constexpr, UNIT: tl.constexpr, GROUP: tl.constexpr,
+              R: tl.constexpr, STATS_ROW: tl.constexpr, DT: tl.constexpr, B_PRE: tl.constexpr):
     """Keys (axis="channel") at store slots `slot` [BN] (slot0 + arange, valid below slot_end) and channels
     `ch` [C]: D̂ + A·Bᵀ in float32 [BN, C].
     STATS_ROW: the block lies inside one quantization group (starting at slot0): one row of scale/minimum."""
     m2 = tvalid[:, None]
     BN: tl.constexpr = slot.shape[0]
     C: tl.constexpr = ch.shape[0]
-    if CPB > 1:  # each code byte loaded once: [BN/CPB, C] bytes -> [BN, C] codes, token = byte row * CPB + j
-        rows = slot0 // CPB + tl.arange(0, BN // CPB)
-        byte = tl.load(codes_b + rows[:, None] * s_codes + ch[None, :], mask=(rows * CPB < slot_end)[:, None],
-                       other=0).to(tl.int32)
-        code = tl.reshape(_unpack_last(byte, BITS, CPB), [BN // CPB, C, CPB])
+    if UNIT > 1:  # each code byte loaded once: [BN/UNIT, C, UNIT] -> [BN, C], token = unit * UNIT + j
+        units = slot0 // UNIT + tl.arange(0, BN // UNIT)
+        UNIT_BYTES: tl.constexpr = 3 if BITS == 3 else 1
+        code = _unpack_units(codes_b + (units * UNIT_BYTES)[:, None] * s_codes + ch[None, :], s_codes,
+                             (units * UNIT < slot_end)[:, None], BITS)
         code = tl.reshape(tl.permute(code, (0, 2, 1)), [BN, C])
     else:
         code = tl.load(codes_b + slot[:, None] * s_codes + ch[None, :], mask=m2, other=0).to(tl.int32)
@@ -140,21 +168,23 @@ def _key_half(codes_b, scale_b, min_b, a_b, bm_b, s_codes, s_scale, s_a, s_bm, s
         if B_PRE:  # the caller loaded Bᵀ once (the prompt chunk: the same B for every block)
             bt = bt_pre
         else:
-            bt = _lowrank_bt(bm_b, s_bm, chunk * D + ch, R)
-        k = _lowrank_dot(_lowrank_a(a_b, s_a, slot, tvalid, R), bt, k, DT)
+            bt = _lowrank_bt(bm_b, s_bm, chunk * D + ch, as_b, bs_b, chunk, R, DT)
+        k = _lowrank_dot(_lowrank_a(a_b, s_a, slot, tvalid, R, DT), bt, k, DT)
     return k
 
 
 @triton.jit
 def _value_tile(codes_b, scale_b, min_b, spv_b, spi_b, s_codes, s_scale, s_sp, slot, tvalid,
-                D: tl.constexpr, BITS: tl.constexpr, CPB: tl.constexpr, GROUP: tl.constexpr, K2: tl.constexpr,
+                D: tl.constexpr, BITS: tl.constexpr, UNIT: tl.constexpr, GROUP: tl.constexpr, K2: tl.constexpr,
                 STATS_W: tl.constexpr):
     """Values (axis="token") at store slots `slot` [BN], all channels: D̂ + S in float32 [BN, D]."""
     c = tl.arange(0, D)
     m2 = tvalid[:, None]
     BN: tl.constexpr = slot.shape[0]
-    byte = tl.load(codes_b + slot[:, None] * s_codes + tl.arange(0, D // CPB)[None, :], mask=m2, other=0)
-    code = _unpack_last(byte.to(tl.int32), BITS, CPB)
+    UNIT_BYTES: tl.constexpr = 3 if BITS == 3 else 1
+    units = tl.arange(0, D // UNIT)
+    code = tl.reshape(_unpack_units(codes_b + slot[:, None] * s_codes + (units * UNIT_BYTES)[None, :], 1, m2, BITS),
+                      [BN, D])
     if STATS_W * GROUP == D:  # whole groups: one load per group, broadcast over its channels in registers
         g = tl.arange(0, STATS_W)
         srow = slot[:, None] * s_scale + g[None, :]
@@ -166,19 +196,17 @@ def _value_tile(codes_b, scale_b, min_b, spv_b, spi_b, s_codes, s_scale, s_sp, s
         srow = slot[:, None] * s_scale + (c // GROUP)[None, :]
         sc = tl.load(scale_b + srow, mask=m2, other=0.0).to(tl.float32)
         mn = tl.load(min_b + srow, mask=m2, other=0.0).to(tl.float32)
-    if K2 > 0:  # a token's outlier channels are distinct: select, then one add
-        extra = tl.zeros([BN, D], tl.float32)
-        for s in tl.static_range(K2):
-            idx = tl.load(spi_b + slot * s_sp + s, mask=tvalid, other=-1).to(tl.int32)
-            val = tl.load(spv_b + slot * s_sp + s, mask=tvalid, other=0.0).to(tl.float32)
-            extra = tl.where(idx[:, None] == c[None, :], val[:, None], extra)
-        mn = mn + extra
-    return code.to(tl.float32) * sc + mn
+    v = code.to(tl.float32) * sc + mn
+    for s in tl.static_range(K2):  # a token's outliers, added where their channel is (no extra [BN, D] tile)
+        idx = tl.load(spi_b + slot * s_sp + s, mask=tvalid, other=-1).to(tl.int32)
+        val = tl.load(spv_b + slot * s_sp + s, mask=tvalid, other=0.0).to(tl.float32)
+        v = tl.where(idx[:, None] == c[None, :], v + val[:, None], v)
+    return v
 
 
 @triton.jit
 def _key_outlier_scores(s, q_rows, mvalid, ow_b, ov_b, ot_b, n_tiles, seg, tok0, t_base, pos_b, freq_ptr,
-                        attn_scale, D: tl.constexpr, HALF: tl.constexpr, BN: tl.constexpr, OE: tl.constexpr,
+                        q_scale, D: tl.constexpr, HALF: tl.constexpr, BN: tl.constexpr, OE: tl.constexpr,
                         IEEE: tl.constexpr, FAST: tl.constexpr):
     """s [M, BN] += exact score terms of the key outliers of chunk-local tokens [tok0, tok0 + BN) (sorted by
     token; ot_b: the chunk's per-16-token offsets into its segment `seg` of ow_b/ov_b). An outlier v at
@@ -189,24 +217,25 @@ def _key_outlier_scores(s, q_rows, mvalid, ow_b, ov_b, ot_b, n_tiles, seg, tok0,
     n_offs = tl.arange(0, BN)
     M: tl.constexpr = s.shape[0]
     LOG2D: tl.constexpr = D.bit_length() - 1
-    # Every per-outlier quantity is computed on 2D tiles ([M, OE] and [OE, BN], the entry's index repeated
-    # along the other axis: repeated loads hit L1) so the work spreads over all threads; a 1D [OE] vector would
-    # be replicated in every thread (sin/cos of each outlier computed by all of them).
-    e_me = tl.arange(0, OE)[None, :] + tl.zeros([M, OE], tl.int32)
+    # Per-outlier quantities (position, channel, cos/sin, value) on 1D [OE] vectors (one entry per thread of a
+    # warp), then broadcast over the query rows; the one-hot along the block's tokens is [OE, BN].
     e_en = tl.arange(0, OE)[:, None] + tl.zeros([OE, BN], tl.int32)
     for e0 in range(lo, hi, OE):
-        e = e0 + e_me
+        e = e0 + tl.arange(0, OE)
         ev = e < hi
         where = tl.load(ow_b + seg + e, mask=ev, other=0)
-        val = tl.load(ov_b + seg + e, mask=ev, other=0.0).to(tl.float32)
-        ch = where & (D - 1)  # where >= 0 and D a power of two: shifts and masks, not signed division
+        w1 = tl.load(ov_b + seg + e, mask=ev, other=0.0).to(tl.float32) * q_scale
+        ch1 = where & (D - 1)  # where >= 0 and D a power of two: shifts and masks, not signed division
         pos = tl.load(pos_b + t_base + (where >> LOG2D), mask=ev, other=0)
-        cos, sin = _sincos(pos.to(tl.float32) * tl.load(freq_ptr + ch % HALF), FAST)
-        m2 = mvalid[:, None] & ev
+        cos1, sin1 = _sincos(pos.to(tl.float32) * tl.load(freq_ptr + ch1 % HALF), FAST)
+        ch = ch1[None, :]
+        cos = cos1[None, :]
+        sin = tl.where(ch1 < HALF, sin1, -sin1)[None, :]
+        w = w1[None, :]
+        m2 = mvalid[:, None] & ev[None, :]
         qv = tl.load(q_rows[:, None] + ch, mask=m2, other=0.0).to(tl.float32)
         qp = tl.load(q_rows[:, None] + (ch + HALF) % D, mask=m2, other=0.0).to(tl.float32)
-        w = val * attn_scale
-        contrib = (qv * cos + qp * tl.where(ch < HALF, sin, -sin)) * w  # [M, OE]
+        contrib = (qv * cos + qp * sin) * w  # [M, OE]
         et = e0 + e_en
         tok = tl.load(ow_b + seg + et, mask=et < hi, other=-D) >> LOG2D  # [OE, BN]
         onehot = tl.where((tok - tok0) == n_offs[None, :], 1.0, 0.0)
@@ -234,17 +263,29 @@ def _softmax_step(s, t, tvalid, limit, mvalid, window, m_i, l_i, acc, v, DT: tl.
 
 
 @triton.jit
-def _lowrank_a(a_b, s_a, slot, tvalid, R: tl.constexpr):
-    """A [BN, 16] at store slots `slot`, the rank padded with zeros to 16 (the smallest tl.dot), storage dtype."""
+def _lowrank_a(a_b, s_a, slot, tvalid, R: tl.constexpr, DT: tl.constexpr):
+    """A [BN, 16] at store slots `slot`, the rank padded with zeros to 16 (the smallest tl.dot), in its storage
+    dtype; int8 factors in the dot dtype (exact in it; their per-column scales are carried by `_lowrank_bt`)."""
     rr = tl.arange(0, 16)
-    return tl.load(a_b + slot[:, None] * s_a + rr[None, :], mask=tvalid[:, None] & (rr < R)[None, :], other=0.0)
+    a = tl.load(a_b + slot[:, None] * s_a + rr[None, :], mask=tvalid[:, None] & (rr < R)[None, :], other=0)
+    if a.dtype == tl.int8:  # (through float32: the CPU interpreter has no direct int8 -> bf16 conversion)
+        a = a.to(tl.float32).to(DT)
+    return a
 
 
 @triton.jit
-def _lowrank_bt(bm_b, s_bm, b_rows, R: tl.constexpr):
-    """Bᵀ [16, C] of B's rows `b_rows`, the rank padded with zeros to 16, storage dtype."""
+def _lowrank_bt(bm_b, s_bm, b_rows, as_b, bs_b, chunk, R: tl.constexpr, DT: tl.constexpr):
+    """Bᵀ [16, C] of B's rows `b_rows`, the rank padded with zeros to 16, in its storage dtype. int8 factors
+    (gear_hf.compress.gear: A·diag(a_scale)·(B·diag(b_scale))ᵀ) carry both per-column scales of the chunk here:
+    Bᵀ·diag(a_scale·b_scale) in the dot dtype (rounded once; A stays exact)."""
     rr = tl.arange(0, 16)
-    return tl.load(bm_b + b_rows[None, :] * s_bm + rr[:, None], mask=(rr < R)[:, None], other=0.0)
+    bt = tl.load(bm_b + b_rows[None, :] * s_bm + rr[:, None], mask=(rr < R)[:, None], other=0)
+    if bt.dtype == tl.int8:
+        at = chunk * R + rr
+        sc = tl.load(as_b + at, mask=rr < R, other=0.0).to(tl.float32) * \
+            tl.load(bs_b + at, mask=rr < R, other=0.0).to(tl.float32)
+        bt = (bt.to(tl.float32) * sc[:, None]).to(DT)
+    return bt
 
 
 @triton.jit
@@ -258,54 +299,68 @@ def _lowrank_dot(x, y, acc, DT: tl.constexpr):
 
 
 @triton.jit
-def _lowrank_values(acc, p, a_b, bm_b, s_a, s_bm, slot, tvalid, chunk, bt_pre, D: tl.constexpr, R: tl.constexpr,
-                    DT: tl.constexpr, B_PRE: tl.constexpr):
+def _lowrank_values(acc, p, a_b, bm_b, s_a, s_bm, as_b, bs_b, slot, tvalid, chunk, bt_pre, D: tl.constexpr,
+                    R: tl.constexpr, DT: tl.constexpr, B_PRE: tl.constexpr):
     """acc += (P·A)·Bᵀ for the block (two small dots; A·Bᵀ never formed)."""
-    a = _lowrank_a(a_b, s_a, slot, tvalid, R)
+    a = _lowrank_a(a_b, s_a, slot, tvalid, R, DT)
     if B_PRE:
         bt = bt_pre
     else:
-        bt = _lowrank_bt(bm_b, s_bm, chunk * D + tl.arange(0, D), R)
+        bt = _lowrank_bt(bm_b, s_bm, chunk * D + tl.arange(0, D), as_b, bs_b, chunk, R, DT)
     pa = _lowrank_dot(p, a, tl.zeros([p.shape[0], 16], tl.float32), DT)  # [M, 16]
     return _lowrank_dot(pa, bt, acc, DT)
 
 
 @triton.jit
+def _unrotate_halves(x1, x2, had_ptr, D: tl.constexpr, DT: tl.constexpr):
+    """[x1 x2]·H_D for the halves [R, D/2] of a tile. H_D = D^-1/2 [[S, S], [S, -S]] (S: the Sylvester matrix of
+    D/2, exact ±1, read from the [D/2, D/2] table `had_ptr`, an L1 hit after the first block), so
+    x·H_D = D^-1/2 [(x1 + x2)·S, (x1 - x2)·S]. H_D is symmetric and its own inverse: this rotates and un-rotates
+    (gear_hf.compress.rotation)."""
+    HALF: tl.constexpr = D // 2
+    r = tl.arange(0, HALF)
+    s_half = tl.load(had_ptr + r[:, None] * HALF + r[None, :])
+    norm = 1.0 / tl.sqrt_rn(tl.full([], D, tl.float32))
+    return _dot(x1 + x2, s_half, DT) * norm, _dot(x1 - x2, s_half, DT) * norm
+
+
+@triton.jit
 def _compressed_block(
-    q1, q2, q_rows, t, slot, slot0, slot_end, tvalid, chunk, tok0, pos_b, freq_ptr, attn_scale, sm_scale, limit, mvalid,
+    q1, q2, q_rows, t, slot, slot0, slot_end, tvalid, chunk, tok0, pos_b, freq_ptr, freq, q_scale, limit, mvalid,
     window, m_i, l_i, acc,
-    kc, ks, km, ka, kb, s_kc, s_ks, s_ka, s_kb, ow, ov, ot, n_tiles, seg, t_base,
-    vc, vs, vm, vsv, vsi, va, vb, s_vc, s_vs, s_vsp, s_va, s_vb, kbt1, kbt2, vbt,
+    kc, ks, km, ka, kb, s_kc, s_ks, s_ka, s_kb, kas, kbs, ow, ov, ot, n_tiles, seg, t_base,
+    vc, vs, vm, vsv, vsi, va, vb, s_vc, s_vs, s_vsp, s_va, s_vb, vas, vbs, kbt1, kbt2, vbt, had_ptr,
     D: tl.constexpr, HALF: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr,
-    B_PRE: tl.constexpr,
-    K_BITS: tl.constexpr, K_CPB: tl.constexpr, K_GROUP: tl.constexpr, K_R: tl.constexpr, K_SPARSE: tl.constexpr,
+    B_PRE: tl.constexpr, ROT_K: tl.constexpr,
+    K_BITS: tl.constexpr, K_UNIT: tl.constexpr, K_GROUP: tl.constexpr, K_R: tl.constexpr, K_SPARSE: tl.constexpr,
     K_STATS_ROW: tl.constexpr,
-    V_BITS: tl.constexpr, V_CPB: tl.constexpr, V_GROUP: tl.constexpr, V_R: tl.constexpr, V_K2: tl.constexpr,
+    V_BITS: tl.constexpr, V_UNIT: tl.constexpr, V_GROUP: tl.constexpr, V_R: tl.constexpr, V_K2: tl.constexpr,
 ):
     h_offs = tl.arange(0, HALF)
-    k1 = _key_half(kc, ks, km, ka, kb, s_kc, s_ks, s_ka, s_kb, slot, slot0, slot_end, tvalid, chunk, h_offs,
-                   kbt1, D, K_BITS, K_CPB, K_GROUP, K_R, K_STATS_ROW, DT, B_PRE)
-    k2 = _key_half(kc, ks, km, ka, kb, s_kc, s_ks, s_ka, s_kb, slot, slot0, slot_end, tvalid, chunk, h_offs + HALF,
-                   kbt2, D, K_BITS, K_CPB, K_GROUP, K_R, K_STATS_ROW, DT, B_PRE)
+    k1 = _key_half(kc, ks, km, ka, kb, s_kc, s_ks, s_ka, s_kb, kas, kbs, slot, slot0, slot_end, tvalid, chunk,
+                   h_offs, kbt1, D, K_BITS, K_UNIT, K_GROUP, K_R, K_STATS_ROW, DT, B_PRE)
+    k2 = _key_half(kc, ks, km, ka, kb, s_kc, s_ks, s_ka, s_kb, kas, kbs, slot, slot0, slot_end, tvalid, chunk,
+                   h_offs + HALF, kbt2, D, K_BITS, K_UNIT, K_GROUP, K_R, K_STATS_ROW, DT, B_PRE)
+    if ROT_K:  # stored keys are k·H (Walsh–Hadamard): un-rotate before RoPE, k·H·H = k
+        k1, k2 = _unrotate_halves(k1, k2, had_ptr, D, DT)
     pos = tl.load(pos_b + t, mask=tvalid, other=0)
-    k1, k2 = _rope(k1, k2, pos, freq_ptr, attn_scale, HALF, FAST)
+    k1, k2 = _rope(k1, k2, pos, freq, FAST)
     s = _dot(q1, tl.trans(k1), DT) + _dot(q2, tl.trans(k2), DT)
     if K_SPARSE:
         s = _key_outlier_scores(s, q_rows, mvalid, ow, ov, ot, n_tiles, seg, tok0, t_base, pos_b, freq_ptr,
-                                attn_scale, D, HALF, BN, OUTLIERS_PER_STEP, DT == tl.float32, FAST)
-    s = s * sm_scale
-    v = _value_tile(vc, vs, vm, vsv, vsi, s_vc, s_vs, s_vsp, slot, tvalid, D, V_BITS, V_CPB, V_GROUP, V_K2,
+                                q_scale, D, HALF, BN, OUTLIERS_PER_STEP, DT == tl.float32, FAST)
+    v = _value_tile(vc, vs, vm, vsv, vsi, s_vc, s_vs, s_vsp, slot, tvalid, D, V_BITS, V_UNIT, V_GROUP, V_K2,
                     s_vs)
     m_i, l_i, acc, p = _softmax_step(s, t, tvalid, limit, mvalid, window, m_i, l_i, acc, v, DT)
     if V_R > 0:
-        acc = _lowrank_values(acc, p, va, vb, s_va, s_vb, slot, tvalid, chunk, vbt, D, V_R, DT, B_PRE)
+        acc = _lowrank_values(acc, p, va, vb, s_va, s_vb, vas, vbs, slot, tvalid, chunk, vbt, D, V_R, DT, B_PRE)
     return m_i, l_i, acc
 
 
 @triton.jit
-def _dense_block(q1, q2, k_b, v_b, s_tok, t, slot, tvalid, pos_b, freq_ptr, attn_scale, sm_scale, limit,
-                 mvalid, window, m_i, l_i, acc, D: tl.constexpr, HALF: tl.constexpr, DT: tl.constexpr,
-                 FAST: tl.constexpr):
+def _dense_block(q1, q2, k_b, v_b, s_tok, t, slot, tvalid, pos_b, freq, limit,
+                 mvalid, window, m_i, l_i, acc, had_ptr, D: tl.constexpr, HALF: tl.constexpr, DT: tl.constexpr,
+                 FAST: tl.constexpr, ROT_V: tl.constexpr):
     """Full-precision tokens (sink or buffer) at store slots `slot`."""
     h_offs = tl.arange(0, HALF)
     m2 = tvalid[:, None]
@@ -313,9 +368,15 @@ def _dense_block(q1, q2, k_b, v_b, s_tok, t, slot, tvalid, pos_b, freq_ptr, attn
     k1 = tl.load(k_b + rows + h_offs[None, :], mask=m2, other=0.0).to(tl.float32)
     k2 = tl.load(k_b + rows + HALF + h_offs[None, :], mask=m2, other=0.0).to(tl.float32)
     pos = tl.load(pos_b + t, mask=tvalid, other=0)
-    k1, k2 = _rope(k1, k2, pos, freq_ptr, attn_scale, HALF, FAST)
-    s = (_dot(q1, tl.trans(k1), DT) + _dot(q2, tl.trans(k2), DT)) * sm_scale
-    v = tl.load(v_b + rows + tl.arange(0, D)[None, :], mask=m2, other=0.0)
+    k1, k2 = _rope(k1, k2, pos, freq, FAST)
+    s = _dot(q1, tl.trans(k1), DT) + _dot(q2, tl.trans(k2), DT)
+    if ROT_V:  # the compressed values are attended in the rotated basis (v·H); the output is un-rotated once
+        v1, v2 = _unrotate_halves(tl.load(v_b + rows + h_offs[None, :], mask=m2, other=0.0).to(tl.float32),
+                                  tl.load(v_b + rows + HALF + h_offs[None, :], mask=m2, other=0.0).to(tl.float32),
+                                  had_ptr, D, DT)
+        v = tl.reshape(tl.permute(tl.join(v1, v2), (0, 2, 1)), [v1.shape[0], D])
+    else:
+        v = tl.load(v_b + rows + tl.arange(0, D)[None, :], mask=m2, other=0.0)
     m_i, l_i, acc, p = _softmax_step(s, t, tvalid, limit, mvalid, window, m_i, l_i, acc, v, DT)
     return m_i, l_i, acc
 
@@ -336,7 +397,8 @@ _MAIN_DYNAMIC = ["sqb", "sqh", "sqq", "spos", "window", "s_sink_h", "s_buf_h",
                  "s_pkc", "s_pks", "s_pka", "s_pkb", "p_tiles", "p_seg",
                  "s_pvc", "s_pvs", "s_pvsp", "s_pva", "s_pvb",
                  "s_dkc", "s_dks", "s_dka", "s_dkb", "d_seg", "s_dow", "s_dot", "s_pow", "s_pot",
-                 "s_dvc", "s_dvs", "s_dvsp", "s_dva", "s_dvb", "H_KV", "M_TILES", "NSPLIT"]
+                 "s_dvc", "s_dvs", "s_dvsp", "s_dva", "s_dvb", "H_KV", "M_TILES", "NSPLIT",
+                 "s_pkas", "s_pvas", "s_dkas", "s_dvas"]
 
 
 @triton.jit(do_not_specialize=_MAIN_DYNAMIC)
@@ -345,19 +407,22 @@ def _decode_attention_kernel(
     sink_k, sink_v, s_sink_h, buf_k, buf_v, s_buf_h,
     # prompt chunk: keys (codes, scale, min, A, B) + sorted outliers (where, value, tile offsets), values
     pkc, pks, pkm, pka, pkb, s_pkc, s_pks, s_pka, s_pkb, pow_, pov, pot, s_pow, s_pot, p_tiles, p_seg,
-    pvc, pvs, pvm, pvsv, pvsi, pva, pvb, s_pvc, s_pvs, s_pvsp, s_pva, s_pvb,
+    pkas, pkbs, s_pkas,  # int8 factors: per-column scales of A and B (unused with 16-bit factors)
+    pvc, pvs, pvm, pvsv, pvsi, pva, pvb, s_pvc, s_pvs, s_pvsp, s_pva, s_pvb, pvas, pvbs, s_pvas,
     # decode chunks
-    dkc, dks, dkm, dka, dkb, s_dkc, s_dks, s_dka, s_dkb, dow, dov, dot_, s_dow, s_dot, d_seg,
-    dvc, dvs, dvm, dvsv, dvsi, dva, dvb, s_dvc, s_dvs, s_dvsp, s_dva, s_dvb,
+    dkc, dks, dkm, dka, dkb, s_dkc, s_dks, s_dka, s_dkb, dow, dov, dot_, s_dow, s_dot, d_seg, dkas, dkbs, s_dkas,
+    dvc, dvs, dvm, dvsv, dvsi, dva, dvb, s_dvc, s_dvs, s_dvsp, s_dva, s_dvb, dvas, dvbs, s_dvas,
+    had_ptr,  # [D/2, D/2] Sylvester matrix in the dot dtype (rotated storage), else a placeholder
     acc_ptr, ml_ptr, H_KV, M_TILES, NSPLIT,
     G: tl.constexpr, QL: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
     BN: tl.constexpr, NB: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr, HAS_SINK: tl.constexpr,
-    P_K_BITS: tl.constexpr, P_K_CPB: tl.constexpr, P_K_GROUP: tl.constexpr, P_K_R: tl.constexpr,
-    P_K_SPARSE: tl.constexpr, P_K_STATS_ROW: tl.constexpr, P_V_BITS: tl.constexpr, P_V_CPB: tl.constexpr,
+    ROT_K: tl.constexpr, ROT_V: tl.constexpr,
+    P_K_BITS: tl.constexpr, P_K_UNIT: tl.constexpr, P_K_GROUP: tl.constexpr, P_K_R: tl.constexpr,
+    P_K_SPARSE: tl.constexpr, P_K_STATS_ROW: tl.constexpr, P_V_BITS: tl.constexpr, P_V_UNIT: tl.constexpr,
     P_V_GROUP: tl.constexpr, P_V_R: tl.constexpr, P_V_K2: tl.constexpr, P_V_CODES_W: tl.constexpr,
     P_V_STATS_W: tl.constexpr,
-    D_K_BITS: tl.constexpr, D_K_CPB: tl.constexpr, D_K_GROUP: tl.constexpr, D_K_R: tl.constexpr,
-    D_K_SPARSE: tl.constexpr, D_K_STATS_ROW: tl.constexpr, D_V_BITS: tl.constexpr, D_V_CPB: tl.constexpr,
+    D_K_BITS: tl.constexpr, D_K_UNIT: tl.constexpr, D_K_GROUP: tl.constexpr, D_K_R: tl.constexpr,
+    D_K_SPARSE: tl.constexpr, D_K_STATS_ROW: tl.constexpr, D_V_BITS: tl.constexpr, D_V_UNIT: tl.constexpr,
     D_V_GROUP: tl.constexpr, D_V_R: tl.constexpr, D_V_K2: tl.constexpr, D_V_CODES_W: tl.constexpr,
     D_V_STATS_W: tl.constexpr,
 ):
@@ -389,8 +454,12 @@ def _decode_attention_kernel(
     qi = m_offs % QL
     h_offs = tl.arange(0, HALF)
     q_rows = q_ptr + b64 * sqb + (kvh * G + g) * sqh + qi * sqq
-    q1 = tl.load(q_rows[:, None] + h_offs[None, :], mask=mvalid[:, None], other=0.0)
-    q2 = tl.load(q_rows[:, None] + HALF + h_offs[None, :], mask=mvalid[:, None], other=0.0)
+    # the softmax scale (log2 units) and the rotary attention_scaling are folded into the query once: q·(a R k)·s
+    # = (a s q)·(R k), so neither is applied per key element or per score
+    q_scale = attn_scale * sm_scale
+    q1 = tl.load(q_rows[:, None] + h_offs[None, :], mask=mvalid[:, None], other=0.0).to(tl.float32) * q_scale
+    q2 = tl.load(q_rows[:, None] + HALF + h_offs[None, :], mask=mvalid[:, None], other=0.0).to(tl.float32) * q_scale
+    freq = tl.load(freq_ptr + h_offs)
     limit = tl.load(lim_ptr + b * QL + qi, mask=mvalid, other=-1)
 
     # Sliding window: blocks that end before the earliest visible token of every query are skipped (not
@@ -417,59 +486,79 @@ def _decode_attention_kernel(
             slot = blk * BN + n_offs
             tvalid = slot < s_len
             m_i, l_i, acc = _dense_block(q1, q2, sink_k + bh64 * s_sink_h, sink_v + bh64 * s_sink_h, D, slot,
-                                         slot, tvalid, pos_b, freq_ptr, attn_scale, sm_scale, limit, mvalid,
-                                         window, m_i, l_i, acc, D, HALF, DT, FAST)
+                                         slot, tvalid, pos_b, freq, limit, mvalid,
+                                         window, m_i, l_i, acc, had_ptr, D, HALF, DT, FAST, ROT_V)
 
     if P_K_BITS > 0:
         # the prompt chunk's Bᵀ (keys: two halves, values) is the same for every block: loaded once
-        pkbt1 = _lowrank_bt(pkb + bh64 * s_pkb, P_K_R, h_offs, P_K_R)
-        pkbt2 = _lowrank_bt(pkb + bh64 * s_pkb, P_K_R, h_offs + HALF, P_K_R)
-        pvbt = _lowrank_bt(pvb + bh64 * s_pvb, P_V_R, tl.arange(0, D), P_V_R)
+        pkbt1 = _lowrank_bt(pkb + bh64 * s_pkb, P_K_R, h_offs, pkas + bh64 * s_pkas, pkbs + bh64 * s_pkas, 0, P_K_R, DT)
+        pkbt2 = _lowrank_bt(pkb + bh64 * s_pkb, P_K_R, h_offs + HALF, pkas + bh64 * s_pkas, pkbs + bh64 * s_pkas, 0,
+                            P_K_R, DT)
+        pvbt = _lowrank_bt(pvb + bh64 * s_pvb, P_V_R, tl.arange(0, D), pvas + bh64 * s_pvas, pvbs + bh64 * s_pvas, 0,
+                           P_V_R, DT)
         for blk in range(tl.maximum(lo, e1), tl.minimum(hi, e2)):
             slot0 = (blk - e1) * BN
             slot = slot0 + n_offs
             tvalid = slot < p_len
             t = s_len + slot
             m_i, l_i, acc = _compressed_block(
-                q1, q2, q_rows, t, slot, slot0, p_len, tvalid, 0, slot0, pos_b, freq_ptr, attn_scale, sm_scale, limit,
+                q1, q2, q_rows, t, slot, slot0, p_len, tvalid, 0, slot0, pos_b, freq_ptr, freq, q_scale, limit,
                 mvalid, window, m_i, l_i, acc,
                 pkc + bh64 * s_pkc, pks + bh64 * s_pks, pkm + bh64 * s_pks, pka + bh64 * s_pka,
-                pkb + bh64 * s_pkb, D, D, P_K_R, P_K_R,
+                pkb + bh64 * s_pkb, D, D, P_K_R, P_K_R, pkas + bh64 * s_pkas, pkbs + bh64 * s_pkas,
                 pow_ + bh64 * s_pow, pov + bh64 * s_pow, pot + bh64 * s_pot, p_tiles, 0, s_len,
                 pvc + bh64 * s_pvc, pvs + bh64 * s_pvs, pvm + bh64 * s_pvs, pvsv + bh64 * s_pvsp,
                 pvsi + bh64 * s_pvsp, pva + bh64 * s_pva, pvb + bh64 * s_pvb,
-                P_V_CODES_W, P_V_STATS_W, P_V_K2, P_V_R, P_V_R, pkbt1, pkbt2, pvbt,
-                D, HALF, BN, DT, FAST, True, P_K_BITS, P_K_CPB, P_K_GROUP, P_K_R, P_K_SPARSE, P_K_STATS_ROW,
-                P_V_BITS, P_V_CPB, P_V_GROUP, P_V_R, P_V_K2)
+                P_V_CODES_W, P_V_STATS_W, P_V_K2, P_V_R, P_V_R, pvas + bh64 * s_pvas, pvbs + bh64 * s_pvas,
+                pkbt1, pkbt2, pvbt, had_ptr,
+                D, HALF, BN, DT, FAST, True, ROT_K, P_K_BITS, P_K_UNIT, P_K_GROUP, P_K_R, P_K_SPARSE, P_K_STATS_ROW,
+                P_V_BITS, P_V_UNIT, P_V_GROUP, P_V_R, P_V_K2)
 
     if D_K_BITS > 0:
-        for blk in range(tl.maximum(lo, e2), tl.minimum(hi, e3)):
-            j = blk - e2
-            slot0 = j * BN  # decode chunks are contiguous along the store's slot axis
-            slot = slot0 + n_offs
-            tvalid = slot < c_cnt * NB
-            chunk = j // PER_CHUNK
-            t = s_len + p_len + slot
-            m_i, l_i, acc = _compressed_block(
-                q1, q2, q_rows, t, slot, slot0, c_cnt * NB, tvalid, chunk, slot0 - chunk * NB, pos_b, freq_ptr,
-                attn_scale, sm_scale, limit, mvalid, window, m_i, l_i, acc,
-                dkc + bh64 * s_dkc, dks + bh64 * s_dks, dkm + bh64 * s_dks, dka + bh64 * s_dka,
-                dkb + bh64 * s_dkb, D, D, D_K_R, D_K_R,
-                dow + bh64 * s_dow, dov + bh64 * s_dow, dot_ + bh64 * s_dot + chunk * (NB // 16 + 1), NB // 16,
-                chunk * d_seg, s_len + p_len + chunk * NB,
-                dvc + bh64 * s_dvc, dvs + bh64 * s_dvs, dvm + bh64 * s_dvs, dvsv + bh64 * s_dvsp,
-                dvsi + bh64 * s_dvsp, dva + bh64 * s_dva, dvb + bh64 * s_dvb,
-                D_V_CODES_W, D_V_STATS_W, D_V_K2, D_V_R, D_V_R, 0, 0, 0,
-                D, HALF, BN, DT, FAST, False, D_K_BITS, D_K_CPB, D_K_GROUP, D_K_R, D_K_SPARSE, D_K_STATS_ROW,
-                D_V_BITS, D_V_CPB, D_V_GROUP, D_V_R, D_V_K2)
+        # chunk by chunk: each chunk's Bᵀ (keys: two halves, values) is loaded once for its NB/BN blocks
+        d_lo = tl.maximum(lo, e2)
+        d_hi = tl.minimum(hi, e3)
+        for chunk in range((d_lo - e2) // PER_CHUNK, tl.cdiv(d_hi - e2, PER_CHUNK)):
+            if D_K_R > 0:
+                dkbt1 = _lowrank_bt(dkb + bh64 * s_dkb, D_K_R, chunk * D + h_offs, dkas + bh64 * s_dkas,
+                                    dkbs + bh64 * s_dkas, chunk, D_K_R, DT)
+                dkbt2 = _lowrank_bt(dkb + bh64 * s_dkb, D_K_R, chunk * D + HALF + h_offs, dkas + bh64 * s_dkas,
+                                    dkbs + bh64 * s_dkas, chunk, D_K_R, DT)
+            else:
+                dkbt1 = 0
+                dkbt2 = 0
+            if D_V_R > 0:
+                dvbt = _lowrank_bt(dvb + bh64 * s_dvb, D_V_R, chunk * D + tl.arange(0, D), dvas + bh64 * s_dvas,
+                                   dvbs + bh64 * s_dvas, chunk, D_V_R, DT)
+            else:
+                dvbt = 0
+            first_blk = e2 + chunk * PER_CHUNK
+            for blk in range(tl.maximum(d_lo, first_blk), tl.minimum(d_hi, first_blk + PER_CHUNK)):
+                j = blk - e2
+                slot0 = j * BN  # decode chunks are contiguous along the store's slot axis
+                slot = slot0 + n_offs
+                tvalid = slot < c_cnt * NB
+                t = s_len + p_len + slot
+                m_i, l_i, acc = _compressed_block(
+                    q1, q2, q_rows, t, slot, slot0, c_cnt * NB, tvalid, chunk, slot0 - chunk * NB, pos_b, freq_ptr,
+                    freq, q_scale, limit, mvalid, window, m_i, l_i, acc,
+                    dkc + bh64 * s_dkc, dks + bh64 * s_dks, dkm + bh64 * s_dks, dka + bh64 * s_dka,
+                    dkb + bh64 * s_dkb, D, D, D_K_R, D_K_R, dkas + bh64 * s_dkas, dkbs + bh64 * s_dkas,
+                    dow + bh64 * s_dow, dov + bh64 * s_dow, dot_ + bh64 * s_dot + chunk * (NB // 16 + 1), NB // 16,
+                    chunk * d_seg, s_len + p_len + chunk * NB,
+                    dvc + bh64 * s_dvc, dvs + bh64 * s_dvs, dvm + bh64 * s_dvs, dvsv + bh64 * s_dvsp,
+                    dvsi + bh64 * s_dvsp, dva + bh64 * s_dva, dvb + bh64 * s_dvb,
+                    D_V_CODES_W, D_V_STATS_W, D_V_K2, D_V_R, D_V_R, dvas + bh64 * s_dvas, dvbs + bh64 * s_dvas,
+                    dkbt1, dkbt2, dvbt, had_ptr, D, HALF, BN, DT, FAST, True, ROT_K, D_K_BITS, D_K_UNIT, D_K_GROUP,
+                    D_K_R, D_K_SPARSE, D_K_STATS_ROW, D_V_BITS, D_V_UNIT, D_V_GROUP, D_V_R, D_V_K2)
 
     for blk in range(tl.maximum(lo, e3), hi):
         slot = (blk - e3) * BN + n_offs
         tvalid = slot < f_len
         t = s_len + p_len + c_cnt * NB + slot
         m_i, l_i, acc = _dense_block(q1, q2, buf_k + bh64 * s_buf_h, buf_v + bh64 * s_buf_h, D, t, slot, tvalid,
-                                     pos_b, freq_ptr, attn_scale, sm_scale, limit, mvalid, window,
-                                     m_i, l_i, acc, D, HALF, DT, FAST)
+                                     pos_b, freq, limit, mvalid, window,
+                                     m_i, l_i, acc, had_ptr, D, HALF, DT, FAST, ROT_V)
 
     ws = pid.to(tl.int64) * NSPLIT + split
     r16 = tl.arange(0, 16)
@@ -479,9 +568,10 @@ def _decode_attention_kernel(
 
 
 @triton.jit(do_not_specialize=["sob", "soq", "soh", "H_KV", "M_TILES", "NSPLIT"])
-def _combine_kernel(acc_ptr, ml_ptr, out_ptr, sob, soq, soh, H_KV, M_TILES, NSPLIT,
-                    G: tl.constexpr, QL: tl.constexpr, D: tl.constexpr):
-    """out[b, qi, kvh*G + g] = merge of the splits' (m, l, acc) for query row m = g*QL + qi."""
+def _combine_kernel(acc_ptr, ml_ptr, out_ptr, sob, soq, soh, H_KV, M_TILES, NSPLIT, had_ptr,
+                    G: tl.constexpr, QL: tl.constexpr, D: tl.constexpr, ROT_V: tl.constexpr):
+    """out[b, qi, kvh*G + g] = merge of the splits' (m, l, acc) for query row m = g*QL + qi. ROT_V: the values
+    were attended in the rotated basis, P·(V·H)·H = P·V: un-rotated here, once per output row."""
     pid_bh = tl.program_id(0)
     m = tl.program_id(1)
     b = pid_bh // H_KV
@@ -500,6 +590,17 @@ def _combine_kernel(acc_ptr, ml_ptr, out_ptr, sob, soq, soh, H_KV, M_TILES, NSPL
         den += tl.load(ml_ptr + (base + sp) * 32 + 16 + row) * w
         num += tl.load(acc_ptr + (base + sp) * (16 * D) + row * D + d_offs) * w
     out = tl.where(den > 0.0, num / tl.where(den > 0.0, den, 1.0), 0.0)  # a row that sees nothing: zeros
+    if ROT_V:  # out·H_D = D^-1/2 [(o1 + o2)·S, (o1 - o2)·S] (see _unrotate_halves), as sums over [D/2, D/2] tiles
+        HALF: tl.constexpr = D // 2
+        r = tl.arange(0, HALF)
+        s_half = tl.load(had_ptr + r[:, None] * HALF + r[None, :]).to(tl.float32)
+        o = tl.reshape(out, [2, HALF])
+        o1 = tl.sum(tl.where(tl.arange(0, 2)[:, None] == 0, o, 0.0), axis=0)
+        o2 = tl.sum(tl.where(tl.arange(0, 2)[:, None] == 1, o, 0.0), axis=0)
+        norm = 1.0 / tl.sqrt_rn(tl.full([], D, tl.float32))
+        u = tl.sum((o1 + o2)[:, None] * s_half, axis=0) * norm
+        w = tl.sum((o1 - o2)[:, None] * s_half, axis=0) * norm
+        out = tl.reshape(tl.join(u, w).trans(1, 0), [D])
     g = m // QL
     qi = m % QL
     o = out_ptr + b.to(tl.int64) * sob + qi * soq + (kvh * G + g) * soh + d_offs
@@ -515,8 +616,16 @@ def _check(t: torch.Tensor, name: str) -> torch.Tensor:
     return t
 
 
-_NO_KEYS = {"BITS": 0, "CPB": 1, "GROUP": 1, "R": 0, "SPARSE": False, "STATS_ROW": False}
-_NO_VALUES = {"BITS": 0, "CPB": 1, "GROUP": 1, "R": 0, "K2": 0, "CODES_W": 1, "STATS_W": 1}
+def _rank(run: ChunkRunView, prefix: str) -> int:
+    r = run.lowrank_a.shape[-1]
+    if r > MAX_FUSED_RANK:
+        raise NotImplementedError(f"fused kernel: {prefix} low-rank rank {r} > {MAX_FUSED_RANK} (the torch path "
+                                  "reads it)")
+    return r
+
+
+_NO_KEYS = {"BITS": 0, "UNIT": 1, "GROUP": 1, "R": 0, "SPARSE": False, "STATS_ROW": False}
+_NO_VALUES = {"BITS": 0, "UNIT": 1, "GROUP": 1, "R": 0, "K2": 0, "CODES_W": 1, "STATS_W": 1}
 
 
 def _key_run_args(run: ChunkRunView | None, chunks_used: int, dummy: torch.Tensor, head_dim: int, prefix: str,
@@ -531,11 +640,14 @@ def _key_run_args(run: ChunkRunView | None, chunks_used: int, dummy: torch.Tenso
     if spec.axis != "channel":
         raise NotImplementedError("fused kernel: keys must be stored per channel (key_axis='channel')")
     group = spec.group_for(run.chunk_len, head_dim)
-    cpb = 8 // spec.bits
-    if run.chunk_len % cpb or group % cpb:
+    unit = pack_unit(spec.bits)[0]
+    if run.chunk_len % unit or group % unit:
         raise NotImplementedError(f"fused kernel: chunk of {run.chunk_len} tokens / group {group} does not align "
-                                  f"with {cpb} codes per byte")
+                                  f"with packing units of {unit} codes")
     k2 = key_outlier_count(run)
+    if k2 and spec.rotate:
+        raise NotImplementedError("fused kernel: key outliers of rotated keys (rotation='keys'/'both' with a sparse "
+                                  "term) are only applied by the torch path")
     derived = {}
     if k2:
         derived = run.derived or _derived_for(run, chunks_used)
@@ -552,7 +664,7 @@ def _key_run_args(run: ChunkRunView | None, chunks_used: int, dummy: torch.Tenso
     ptrs = [f["codes"], f["scale"], f["minimum"], f["lowrank_a"], f["lowrank_b"], where, value, tile]
     strides = [f["codes"].stride(1), f["scale"].stride(1), f["lowrank_a"].stride(1), f["lowrank_b"].stride(1),
                where.stride(1) if k2 else 0, tile.stride(1) if k2 else 0, tiles, k2 * head_dim]
-    constexprs = {"BITS": spec.bits, "CPB": cpb, "GROUP": group, "R": f["lowrank_a"].shape[-1], "SPARSE": k2 > 0,
+    constexprs = {"BITS": spec.bits, "UNIT": unit, "GROUP": group, "R": _rank(run, prefix), "SPARSE": k2 > 0,
                   "STATS_ROW": group % block_n == 0}
     return ptrs, strides, {f"{prefix}_{k}": v for k, v in constexprs.items()}
 
@@ -565,11 +677,31 @@ def _value_run_args(run: ChunkRunView | None, chunks_used: int, dummy: torch.Ten
     spec = run.spec
     if spec.axis != "token":
         raise NotImplementedError("fused kernel: values must be stored per token (value_axis='token')")
-    constexprs = {"BITS": spec.bits, "CPB": 8 // spec.bits, "GROUP": spec.group_for(run.chunk_len, head_dim),
-                  "R": f["lowrank_a"].shape[-1], "K2": f["sparse_values"].shape[-1],
+    constexprs = {"BITS": spec.bits, "UNIT": pack_unit(spec.bits)[0], "GROUP": spec.group_for(run.chunk_len, head_dim),
+                  "R": _rank(run, prefix), "K2": f["sparse_values"].shape[-1],
                   "CODES_W": f["codes"].shape[-1], "STATS_W": f["scale"].shape[-1]}
     strides = [f[n].stride(1) for n in ("codes", "scale", "sparse_values", "lowrank_a", "lowrank_b")]
     return [f[n] for n in names], strides, {f"{prefix}_{k}": v for k, v in constexprs.items()}
+
+
+def _factor_scale_args(run: ChunkRunView | None, dummy: torch.Tensor, prefix: str) -> list:
+    """[A's scales, B's scales, their head stride] of a run with int8 low-rank factors, else placeholders."""
+    if run is None or run.lowrank_a.dtype != torch.int8:
+        return [dummy, dummy, 0]
+    a_scale = _check(run.lowrank_a_scale, f"{prefix}.lowrank_a_scale")
+    b_scale = _check(run.lowrank_b_scale, f"{prefix}.lowrank_b_scale")
+    if a_scale.shape != b_scale.shape or a_scale.shape[2] != run.capacity:
+        raise ValueError(f"{prefix}: int8 factor scales must be [B, H, capacity={run.capacity}, r], got "
+                         f"{tuple(a_scale.shape)} and {tuple(b_scale.shape)}")
+    return [a_scale, b_scale, a_scale.stride(1)]
+
+
+def _rotated(runs: list, what: str) -> bool:
+    """Whether the compressed runs in use store `what` Walsh–Hadamard-rotated (all of them or none)."""
+    flags = {bool(run.spec.rotate) for run in runs if run is not None}
+    if len(flags) > 1:
+        raise ValueError(f"fused kernel: the prompt and decode chunks disagree on whether {what} are rotated")
+    return flags == {True}
 
 
 # Key-outlier orderings derived by decode_attention itself (when the cache passes no run.derived), kept per
@@ -634,6 +766,20 @@ def _resident_programs(compiled, num_warps: int) -> int:
     return max(1, min(8, 65536 // per_program))
 
 
+_HADAMARD: dict[tuple, torch.Tensor] = {}
+
+
+def _hadamard_table(n: int, dot_dtype, device: torch.device) -> torch.Tensor:
+    """The Sylvester matrix of n (±1, exact) in the kernel's dot dtype, built once per size, dtype and device."""
+    dtype = {tl.float16: torch.float16, tl.bfloat16: torch.bfloat16}.get(dot_dtype, torch.float32)
+    key = (n, dtype, str(device))
+    if key not in _HADAMARD:
+        from ..compress.rotation import hadamard
+
+        _HADAMARD[key] = (hadamard(n) * n ** 0.5).round().to(device=device, dtype=dtype).contiguous()
+    return _HADAMARD[key]
+
+
 _WORKSPACES: dict[tuple, torch.Tensor] = {}
 
 
@@ -695,7 +841,7 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
     if (keys.prompt is None) != (values.prompt is None) or (keys.decode is None) != (values.decode is None):
         raise ValueError("keys and values disagree on which chunk runs exist")
     NB = layout.buffer_size
-    if block_n is None:  # 32-token tiles: no register spills at head_dim 128 with 8 warps (ptxas, sm_90)
+    if block_n is None:  # 32-token tiles: no register spills at head_dim 128 with the default launch (see below)
         block_n = min(32, NB & -NB)
     decode_chunks = layout.max_decode_chunks if keys.decode is not None else 0
     if block_n < 16 or block_n & (block_n - 1) or (decode_chunks and NB % block_n):
@@ -706,6 +852,14 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
     pv_ptrs, pv_strides, pv_c = _value_run_args(values.prompt, prompt_chunks, query, D, "P_V")
     dk_ptrs, dk_strides, dk_c = _key_run_args(keys.decode, decode_chunks, query, D, "D_K", block_n)
     dv_ptrs, dv_strides, dv_c = _value_run_args(values.decode, decode_chunks, query, D, "D_V")
+    used = [(keys.prompt, values.prompt)] if prompt_chunks else []
+    used += [(keys.decode, values.decode)] if decode_chunks else []
+    rot_k = _rotated([k for k, _ in used], "keys")
+    rot_v = _rotated([v for _, v in used], "values")
+    pk_fs = _factor_scale_args(keys.prompt if prompt_chunks else None, query, "P_K")
+    pv_fs = _factor_scale_args(values.prompt if prompt_chunks else None, query, "P_V")
+    dk_fs = _factor_scale_args(keys.decode if decode_chunks else None, query, "D_K")
+    dv_fs = _factor_scale_args(values.decode if decode_chunks else None, query, "D_V")
     if decode_chunks and keys.decode.chunk_len != NB:
         raise ValueError(f"decode chunks hold {keys.decode.chunk_len} tokens but layout.buffer_size is {NB}")
 
@@ -720,7 +874,16 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
     with torch.cuda.device(query.device) if query.device.type == "cuda" else contextlib.nullcontext():
         programs = B * Hkv * m_tiles
         if num_warps is None:
-            num_warps = 4 if D <= 64 else 8
+            # Default launch: 4 warps, no software pipelining. Why: on the H200 (results/gpu, the earlier kernel)
+            # 4 warps / 1 stage was 2.8x faster than 8 warps / 3 stages; and the compile report (sm_90, head_dim
+            # 128, 32-token blocks) counts fewer main-loop instructions per token at 4 warps (the 16-row query tile
+            # splits badly over 8 warps) with 0 spills for gear 2/4, kivi, gear-l and GearConfig() (gear-3: 40 B of
+            # stack). 64-token blocks count fewer still but spill with outliers or rotation. Not yet timed on a GPU
+            # for this kernel.
+            # float32 dots (a float32 model) are FMA loops that need 8 warps' registers to stay unspilled.
+            num_warps = 8 if dot_dt == tl.float32 else 4
+        if num_stages is None:
+            num_stages = 1
         resident_key = (query.device.index, num_warps, block_n, dtype, pk_c["P_K_BITS"], pv_c["P_V_BITS"],
                         dk_c["D_K_BITS"], dv_c["D_V_BITS"])
         nsplit = num_splits or _num_splits(max_blocks, programs, query.device, _RESIDENT.get(resident_key, 1))
@@ -733,25 +896,26 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
         elif tuple(out.shape) != (B, QL, Hq, D) or out.stride(-1) != 1:
             raise ValueError(f"out must be [B, q, Hq, d] = {(B, QL, Hq, D)} with a contiguous last dim")
         window = int(sliding_window or 0)
-        options = {"num_warps": num_warps}
-        if num_stages is not None:
-            options["num_stages"] = num_stages
+        had = _hadamard_table(HALF, dot_dt, query.device) if rot_k or rot_v else query
+        options = {"num_warps": num_warps, "num_stages": num_stages}
         compiled = _launch(_decode_attention_kernel, (programs, nsplit), (
             query, query.stride(0), query.stride(1), query.stride(2), layout.limits, layout.rows, layout.positions,
             layout.positions.stride(0), freq, float(attention_scaling), float(scaling) * LOG2E, window,
             keys.sink if has_sink else query, values.sink if has_sink else query,
             keys.sink.stride(1) if has_sink else 0, buf_k, buf_v, buf_k.stride(1),
-            *pk_ptrs[:5], *pk_strides[:4], *pk_ptrs[5:], *pk_strides[4:],
-            *pv_ptrs, *pv_strides,
-            *dk_ptrs[:5], *dk_strides[:4], *dk_ptrs[5:], dk_strides[4], dk_strides[5], dk_strides[7],
-            *dv_ptrs, *dv_strides,
-            acc_ws, ml_ws, Hkv, m_tiles, nsplit),
+            *pk_ptrs[:5], *pk_strides[:4], *pk_ptrs[5:], *pk_strides[4:], *pk_fs,
+            *pv_ptrs, *pv_strides, *pv_fs,
+            *dk_ptrs[:5], *dk_strides[:4], *dk_ptrs[5:], dk_strides[4], dk_strides[5], dk_strides[7], *dk_fs,
+            *dv_ptrs, *dv_strides, *dv_fs,
+            had, acc_ws, ml_ws, Hkv, m_tiles, nsplit),
             dict(G=G, QL=QL, D=D, HALF=HALF, BN=block_n, NB=NB, DT=dot_dt, FAST=fast, HAS_SINK=has_sink,
+                 ROT_K=rot_k, ROT_V=rot_v,
                  **pk_c, **pv_c, **dk_c, **dv_c, **options), _plan)
         if compiled is not None and resident_key not in _RESIDENT and query.device.type == "cuda":
             _RESIDENT[resident_key] = _resident_programs(compiled, num_warps)
         _launch(_combine_kernel, (B * Hkv, M), (acc_ws, ml_ws, out, out.stride(0), out.stride(1), out.stride(2),
-                                                Hkv, m_tiles, nsplit), dict(G=G, QL=QL, D=D, num_warps=4), _plan)
+                                                Hkv, m_tiles, nsplit, had), dict(G=G, QL=QL, D=D, ROT_V=rot_v,
+                                                                                num_warps=4), _plan)
     return out
 
 

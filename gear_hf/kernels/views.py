@@ -21,6 +21,8 @@ import torch
 
 # Key outliers sorted by token are indexed per 16-token tile (the smallest kernel block); see prepare_derived.
 OUTLIER_TILE = 16
+# Low-rank factors enter the fused kernel padded to one 16-wide tl.dot operand: ranks up to this are read.
+MAX_FUSED_RANK = 16
 
 
 @dataclass(frozen=True, eq=False)
@@ -33,13 +35,16 @@ class ChunkRunView:
     minimum: torch.Tensor
     sparse_values: torch.Tensor
     sparse_index: torch.Tensor
-    lowrank_a: torch.Tensor  # [B,H,capacity*chunk_len,r]
+    lowrank_a: torch.Tensor  # [B,H,capacity*chunk_len,r]: 16-bit, or int8 (spec.factor_bits=8)
     lowrank_b: torch.Tensor  # [B,H,capacity*d,r]
+    lowrank_a_scale: torch.Tensor  # [B,H,capacity,r] per-column scales of int8 factors, else [B,H,0,r]
+    lowrank_b_scale: torch.Tensor
     spec: object  # gear_hf.compress.ChunkSpec
     chunk_len: int
     derived: dict = field(default_factory=dict)  # prepare_derived(...) output, or {} (the kernel derives it)
 
-    FIELDS = ("codes", "scale", "minimum", "sparse_values", "sparse_index", "lowrank_a", "lowrank_b")
+    FIELDS = ("codes", "scale", "minimum", "sparse_values", "sparse_index", "lowrank_a", "lowrank_b",
+              "lowrank_a_scale", "lowrank_b_scale")
 
     @property
     def capacity(self) -> int:
