@@ -194,7 +194,8 @@ class RowLayout:
             prompt[i] += to_prompt
             chunks[i] += decode
             buffer[i] = total - start
-        flush.prompt_groups = [(rows, length) for length, rows in sorted(by_length.items())]
+        # longest first: the first call fills a whole prompt chunk, so the store sizes itself from its result
+        flush.prompt_groups = [(rows, length) for length, rows in sorted(by_length.items(), reverse=True)]
         return flush, replace(attend, prompt=tuple(prompt), chunks=tuple(chunks), buffer=tuple(buffer))
 
     def _record_columns(self, held_before, new_valid, valid_rows, position_ids, rect_before, device) -> None:
