@@ -300,3 +300,33 @@ def test_gradients_on_get_a_clear_error():
         cache.store_and_read(0, k, torch.zeros(1, H, 4, D))
     with torch.no_grad():
         cache.store_and_read(0, k, torch.zeros(1, H, 4, D))
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("method", ["kivi", "gear"])
+def test_slot_layout_attends_like_the_padded_layout(attn, method, monkeypatch):
+    """Decode steps of a left-padded batch (rows that flush on different steps) attend in the slot layout: each
+    segment reconstructed for all rows at once, the model's mask remapped. Same tokens and scores (to rounding:
+    the columns are ordered differently) as attending in HF's padded layout, which it replaces on those steps;
+    the step's workspace is not held after the step."""
+    import gear_hf.cache.gear_cache as gear_cache_module
+    from gear_hf.cache.layout import RowLayout
+    from tiny_models import CACHE_ARG, greedy, prompts, tiny_model
+
+    model = tiny_model("llama3", attn)
+    ids, mask = prompts(3, length=40)  # rows of 40, 35 and 30 tokens
+    config = _config(method=method, sink_tokens=2)
+    used = []
+    slot_plan = RowLayout.slot_plan
+    monkeypatch.setattr(RowLayout, "slot_plan", lambda self, *args: used.append(1) or slot_plan(self, *args))
+    with gear_hf.enabled(model, config):
+        cache = GearCache(model)
+        slots = greedy(model, ids, mask, 30, **{CACHE_ARG: cache})
+        assert len(used) == (30 - 1) * 2  # every decode step (the prompt step gives the first token), both layers
+        assert not cache._workspace._tensors
+        monkeypatch.setattr(gear_cache_module, "SLOT_MAX_QUERY", 0)
+        used.clear()
+        padded = greedy(model, ids, mask, 30, **{CACHE_ARG: GearCache(model)})
+        assert not used
+    assert torch.equal(slots[0], padded[0])
+    torch.testing.assert_close(slots[1], padded[1], rtol=0, atol=1e-5)
