@@ -172,7 +172,8 @@ class GearCache(Cache):
         if (not self.gear_config.compresses or plan.query_len > SLOT_MAX_QUERY or layer.is_sliding
                 or type(self).read is not GearCache.read or layout.uniform(plan.attend)):
             return None
-        if attention_mask is None or attention_mask.ndim != 4 or attention_mask.shape[-1] != layout.rect_length:
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.ndim != 4 \
+                or attention_mask.shape[-1] != layout.rect_length:  # (None, a 2D mask, flex attention's BlockMask)
             return None
         stream = layer.key_stream
         prompt_width = stream.prefill.chunk_len if stream.prefill is not None and stream.prefill.fields else 0
