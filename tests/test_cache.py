@@ -330,3 +330,20 @@ def test_slot_layout_attends_like_the_padded_layout(attn, method, monkeypatch):
         assert not used
     assert torch.equal(slots[0], padded[0])
     torch.testing.assert_close(slots[1], padded[1], rtol=0, atol=1e-5)
+
+
+def test_prompt_step_compresses_each_prompt_length_once(monkeypatch):
+    """A prompt step compresses each stream once per prompt length, longest first, and the prompt store sizes
+    itself from that first (full) chunk instead of compressing zeros of the same length once more."""
+    import gear_hf.storage as storage
+
+    compressed = []
+    real_compress = storage.compress
+    monkeypatch.setattr(storage, "compress", lambda x, *a, **k: compressed.append(x.shape[2]) or real_compress(x, *a, **k))
+    cache = _cache(_config())
+    K, V = _stream(40, 0, batch=2)
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[1, :5] = 0  # rows of 40 and 35 tokens: prompt chunks of 40 and 32 (groups of 8), the rest buffered
+    cache.observe_attention_mask(mask)
+    cache.store_and_read(0, K, V)
+    assert compressed == [40, 32, 40, 32]  # keys, then values: no probe
