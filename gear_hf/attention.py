@@ -68,8 +68,10 @@ def gear_attention_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
         weights = None
         cache.step_paths["fused"] += 1
     else:  # the reference path: reconstruct, rotate, the model's own attention function
-        # [B,Hkv,T,d] keys rotated, values, and the mask for their columns (the cache's layout for this step)
-        keys, values, mask = cache.attention_inputs(module.layer_idx, key, value, patch.rotary_emb, attention_mask)
+        # [B,Hkv,T,d] keys rotated, values, and the mask for their columns (the cache's layout for this step;
+        # HF's padded columns when the attention weights are returned)
+        keys, values, mask = cache.attention_inputs(module.layer_idx, key, value, patch.rotary_emb, attention_mask,
+                                                    padded_layout=bool(kwargs.get("output_attentions")))
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation,
                                                           _eager_attention(module))
         output, weights = attention(

@@ -324,6 +324,11 @@ def test_slot_layout_attends_like_the_padded_layout(attn, method, monkeypatch):
         slots = greedy(model, ids, mask, 30, **{CACHE_ARG: cache})
         assert len(used) == (30 - 1) * 2  # every decode step (the prompt step gives the first token), both layers
         assert not cache._workspace._tensors
+        if attn == "eager":  # attention weights go back to the caller: in HF's padded columns
+            used.clear()
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0,
+                                 output_attentions=True, return_dict_in_generate=True)
+            assert not used and out.attentions[-1][0].shape[-1] == ids.shape[1] + 2
         monkeypatch.setattr(gear_cache_module, "SLOT_MAX_QUERY", 0)
         used.clear()
         padded = greedy(model, ids, mask, 30, **{CACHE_ARG: GearCache(model)})

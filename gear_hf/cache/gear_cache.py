@@ -130,18 +130,19 @@ class GearCache(Cache):
         return layer.read(self.layout, plan.attend, start, dtype, self.gear_config.sink_tokens)
 
     def attention_inputs(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor, rotary_emb,
-                         attention_mask: torch.Tensor | None):
+                         attention_mask: torch.Tensor | None, padded_layout: bool = False):
         """After `store`, what the reference path hands the model's attention function: (keys, values, mask), keys
         rotated at their stored positions by the model's `rotary_emb` (when stored before RoPE).
 
         Normally HF's padded layout and the model's own mask. On a decode step of a batch whose rows differ
         (left padding, rows that flushed on different steps) the slot layout instead (`SlotPlan`): each segment
         reconstructs for the whole batch straight into place, with no per-row copies, and the mask is the model's
-        own, remapped to those columns. The tensors returned live in a per-step workspace that the next layer
-        overwrites: use them before that. A subclass that overrides `read` gets its reads, in the padded layout."""
+        own, remapped to those columns. padded_layout: always HF's columns (when the attention weights go back to
+        the caller). The tensors returned live in a per-step workspace that the next layer overwrites: use them
+        before that. A subclass that overrides `read` gets its reads, in the padded layout."""
         layer, layout, plan = self.layers[layer_idx], self.layout, self.layout.plan
         dtype, workspace = key_states.dtype, self._workspace
-        slots = self._slot_plan(layer, attention_mask)
+        slots = None if padded_layout else self._slot_plan(layer, attention_mask)
         if slots is None:
             start = layer.visible_start(plan.rect_before)
             if type(self).read is GearCache.read:
