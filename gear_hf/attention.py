@@ -68,13 +68,14 @@ def gear_attention_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
         weights = None
         cache.step_paths["fused"] += 1
     else:  # the reference path: reconstruct, rotate, the model's own attention function
-        keys, values = cache.read(module.layer_idx, key, value)  # [B,Hkv,T,d]
-        if cache.gear_config.pre_rope:
-            keys = apply_rotary(keys, *cache.rotary_for_read(module.layer_idx, patch.rotary_emb, values))
+        # [B,Hkv,T,d] keys rotated, values, and the mask for their columns (the cache's layout for this step;
+        # HF's padded columns when the attention weights are returned)
+        keys, values, mask = cache.attention_inputs(module.layer_idx, key, value, patch.rotary_emb, attention_mask,
+                                                    padded_layout=bool(kwargs.get("output_attentions")))
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation,
                                                           _eager_attention(module))
         output, weights = attention(
-            module, query, keys, values, attention_mask,
+            module, query, keys, values, mask,
             dropout=0.0 if not module.training else module.attention_dropout,
             scaling=module.scaling,
             **quirks,

@@ -12,22 +12,33 @@ from typing import Callable
 import torch
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [B,H,T,d] rotated by cos/sin [B,T,r]: bit for bit HF's apply_rotary_pos_emb, x*cos + rotate_half(x)*sin
     with rotate_half(x) = cat(-x2, x1), computed per half in place (a + (-b)*s == a - b*s exactly), which
     skips the negated copy and the concatenation: the reference path rotates the whole history every step.
     Partial rotary (r < d, Phi-3's partial_rotary_factor): the first r channels rotate, the rest pass through.
-    cos/sin in a wider dtype than x (OLMo 2): computed in that dtype, the result cast back to x's."""
+    cos/sin in a wider dtype than x (OLMo 2): computed in that dtype, the result cast back to x's.
+    out: an optional tensor shaped and typed like x (not overlapping it) to write the result into."""
     rotary_dim = cos.shape[-1]
     if rotary_dim < x.shape[-1]:
-        return torch.cat([apply_rotary(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]], dim=-1)
+        rotated = apply_rotary(x[..., :rotary_dim], cos, sin)
+        if out is None:
+            return torch.cat([rotated, x[..., rotary_dim:]], dim=-1)
+        out[..., :rotary_dim].copy_(rotated)
+        out[..., rotary_dim:].copy_(x[..., rotary_dim:])
+        return out
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
-    out = x * cos
-    out[..., :half] -= x2 * sin[..., :half]
-    out[..., half:] += x1 * sin[..., half:]
-    return out.to(x.dtype)  # OLMo 2's rotary returns float32 cos/sin: rotate in float32, back to x's dtype as HF does
+    if out is None or torch.result_type(x, cos) != out.dtype:
+        rotated = x * cos
+    else:
+        rotated = torch.mul(x, cos, out=out)
+    rotated[..., :half] -= x2 * sin[..., :half]
+    rotated[..., half:] += x1 * sin[..., half:]
+    if out is None:
+        return rotated.to(x.dtype)  # OLMo 2's float32 cos/sin: rotate in float32, back to x's dtype as HF does
+    return rotated if rotated is out else out.copy_(rotated)
 
 
 def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float = 1.0):
@@ -50,9 +61,10 @@ class RotaryMemo:
     def __init__(self) -> None:
         self._entries: dict = {}
 
-    def get(self, step: int, start: int, rotary_emb, like: torch.Tensor, positions: Callable[[], torch.Tensor]):
-        """rotary_emb(like, positions()) for this step's read from column `start`, computed once."""
-        key = (step, start, id(rotary_emb), like.dtype, like.device)
+    def get(self, step: int, columns, rotary_emb, like: torch.Tensor, positions: Callable[[], torch.Tensor]):
+        """rotary_emb(like, positions()) for this step's read of `columns` (a visible start column of the padded
+        layout, or "slots"), computed once."""
+        key = (step, columns, id(rotary_emb), like.dtype, like.device)
         if key not in self._entries:
             if self._entries and next(iter(self._entries))[0] != step:
                 self._entries.clear()

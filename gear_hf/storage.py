@@ -108,11 +108,14 @@ class ChunkStore:
         self.dtype: torch.dtype | None = None
         self._chunk_nbytes: dict = {}  # (n, itemsize cap) -> bytes by component (accounting memo)
 
-    def _allocate(self, example: CompressedChunk, batch: int, chunks: int) -> None:
-        # The extents of a full chunk come from compressing zeros of the full length once (one cheap iteration).
+    def _allocate(self, example: CompressedChunk, batch: int, chunks: int, example_is_full: bool) -> None:
+        # The extents of a full chunk: the example's when it is one (a prompt step compresses its longest rows
+        # first), else from compressing zeros of the full length once (one cheap iteration).
         H, d = example.lowrank_b.shape[1], example.lowrank_b.shape[2]
-        # zeros in the side dtype: the same field dtypes as the model dtype they came from (compress.side_dtype)
-        full = compress(example.scale.new_zeros(1, H, self.chunk_len, d), replace(self.spec, power_iters=1))
+        full = example
+        if not example_is_full:
+            # zeros in the side dtype: the same field dtypes as the model dtype they came from (compress.side_dtype)
+            full = compress(example.scale.new_zeros(1, H, self.chunk_len, d), replace(self.spec, power_iters=1))
         for name in FIELDS:
             t = getattr(full, name)
             self.extent[name] = t.shape[2]
@@ -121,9 +124,10 @@ class ChunkStore:
         self.head_dim = d
         self.dtype = example.scale.dtype  # the side dtype (compress.side_dtype): probes compress like it
 
-    def reserve(self, example: CompressedChunk, batch: int, chunks: int) -> None:
+    def reserve(self, example: CompressedChunk, batch: int, chunks: int, example_is_full: bool = False) -> None:
+        """Room for `chunks` chunks per row; example: a compressed chunk (example_is_full: of chunk_len tokens)."""
         if not self.fields:
-            self._allocate(example, batch, chunks)
+            self._allocate(example, batch, chunks, example_is_full)
         elif chunks > self.capacity:
             new_capacity = grown_capacity(self.capacity, chunks)
             for name, t in self.fields.items():
@@ -136,8 +140,8 @@ class ChunkStore:
         `chunks[j]` of row `rows[j]`. Chunks of one length compress exactly as each would alone (every statistic
         is per batch row), so batching changes no bit; callers group jobs by length."""
         compressed = compress(x, self.spec, quantize_pack=self._quantize_pack(x))
-        self.reserve(compressed, batch, max(max(chunks) + 1, reserve_chunks))
         full = x.shape[2] == self.chunk_len
+        self.reserve(compressed, batch, max(max(chunks) + 1, reserve_chunks), example_is_full=full)
         row_index = torch.tensor(rows, device=x.device)
         for name in FIELDS:
             src = getattr(compressed, name)  # [J, H, e, ...]: a short chunk may fill less (extent, rank)

@@ -22,3 +22,4 @@ def test_apply_rotary_is_hf_apply_rotary_pos_emb_bit_for_bit(dtype, shape):
     cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
     expected, _ = apply_rotary_pos_emb(x, x, cos, sin)
     assert torch.equal(apply_rotary(x, cos, sin), expected)
+    assert torch.equal(apply_rotary(x, cos, sin, out=torch.empty_like(x)), expected)  # into a workspace

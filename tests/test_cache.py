@@ -300,3 +300,55 @@ def test_gradients_on_get_a_clear_error():
         cache.store_and_read(0, k, torch.zeros(1, H, 4, D))
     with torch.no_grad():
         cache.store_and_read(0, k, torch.zeros(1, H, 4, D))
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("method", ["kivi", "gear"])
+def test_slot_layout_attends_like_the_padded_layout(attn, method, monkeypatch):
+    """Decode steps of a left-padded batch (rows that flush on different steps) attend in the slot layout: each
+    segment reconstructed for all rows at once, the model's mask remapped. Same tokens and scores (to rounding:
+    the columns are ordered differently) as attending in HF's padded layout, which it replaces on those steps;
+    the step's workspace is not held after the step."""
+    import gear_hf.cache.gear_cache as gear_cache_module
+    from gear_hf.cache.layout import RowLayout
+    from tiny_models import CACHE_ARG, greedy, prompts, tiny_model
+
+    model = tiny_model("llama3", attn)
+    ids, mask = prompts(3, length=40)  # rows of 40, 35 and 30 tokens
+    config = _config(method=method, sink_tokens=2)
+    used = []
+    slot_plan = RowLayout.slot_plan
+    monkeypatch.setattr(RowLayout, "slot_plan", lambda self, *args: used.append(1) or slot_plan(self, *args))
+    with gear_hf.enabled(model, config):
+        cache = GearCache(model)
+        slots = greedy(model, ids, mask, 30, **{CACHE_ARG: cache})
+        assert len(used) == (30 - 1) * 2  # every decode step (the prompt step gives the first token), both layers
+        assert not cache._workspace._tensors
+        if attn == "eager":  # attention weights go back to the caller: in HF's padded columns
+            used.clear()
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0,
+                                 output_attentions=True, return_dict_in_generate=True)
+            assert not used and out.attentions[-1][0].shape[-1] == ids.shape[1] + 2
+        monkeypatch.setattr(gear_cache_module, "SLOT_MAX_QUERY", 0)
+        used.clear()
+        padded = greedy(model, ids, mask, 30, **{CACHE_ARG: GearCache(model)})
+        assert not used
+    assert torch.equal(slots[0], padded[0])
+    torch.testing.assert_close(slots[1], padded[1], rtol=0, atol=1e-5)
+
+
+def test_prompt_step_compresses_each_prompt_length_once(monkeypatch):
+    """A prompt step compresses each stream once per prompt length, longest first, and the prompt store sizes
+    itself from that first (full) chunk instead of compressing zeros of the same length once more."""
+    import gear_hf.storage as storage
+
+    compressed = []
+    real_compress = storage.compress
+    monkeypatch.setattr(storage, "compress", lambda x, *a, **k: compressed.append(x.shape[2]) or real_compress(x, *a, **k))
+    cache = _cache(_config())
+    K, V = _stream(40, 0, batch=2)
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[1, :5] = 0  # rows of 40 and 35 tokens: prompt chunks of 40 and 32 (groups of 8), the rest buffered
+    cache.observe_attention_mask(mask)
+    cache.store_and_read(0, K, V)
+    assert compressed == [40, 32, 40, 32]  # keys, then values: no probe

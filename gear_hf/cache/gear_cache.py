@@ -15,10 +15,13 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..config import GearConfig
-from ..rope import RotaryMemo
+from ..rope import RotaryMemo, apply_rotary
 from .layer import GearLayer
-from .layout import RowLayout
+from .layout import RowLayout, SlotPlan
 from .memory import memory_report, summary
+from .workspace import StepWorkspace
+
+SLOT_MAX_QUERY = 16  # decode steps (and short chunks) of a batch whose rows differ attend in the slot layout
 
 
 def _sliding_windows(config) -> list[int | None]:
@@ -68,6 +71,7 @@ class GearCache(Cache):
         self.shape: tuple[int, int] | None = None  # (H_kv, d) of the stored layers
         self.model_dtype: torch.dtype | None = None
         self._rotary = RotaryMemo()
+        self._workspace = StepWorkspace()
         self._pending_mask: torch.Tensor | None = None
         self._finite: list[torch.Tensor] = []  # this step's "all compressed entries finite" flags
 
@@ -125,12 +129,75 @@ class GearCache(Cache):
         dtype = self.model_dtype if key_states is None else key_states.dtype
         return layer.read(self.layout, plan.attend, start, dtype, self.gear_config.sink_tokens)
 
+    def attention_inputs(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor, rotary_emb,
+                         attention_mask: torch.Tensor | None, padded_layout: bool = False):
+        """After `store`, what the reference path hands the model's attention function: (keys, values, mask), keys
+        rotated at their stored positions by the model's `rotary_emb` (when stored before RoPE).
+
+        Normally HF's padded layout and the model's own mask. On a decode step of a batch whose rows differ
+        (left padding, rows that flushed on different steps) the slot layout instead (`SlotPlan`): each segment
+        reconstructs for the whole batch straight into place, with no per-row copies, and the mask is the model's
+        own, remapped to those columns. padded_layout: always HF's columns (when the attention weights go back to
+        the caller). The tensors returned live in a per-step workspace that the next layer overwrites: use them
+        before that. A subclass that overrides `read` gets its reads, in the padded layout."""
+        layer, layout, plan = self.layers[layer_idx], self.layout, self.layout.plan
+        dtype, workspace = key_states.dtype, self._workspace
+        slots = None if padded_layout else self._slot_plan(layer, attention_mask)
+        if slots is None:
+            start = layer.visible_start(plan.rect_before)
+            if type(self).read is GearCache.read:
+                B, H, _, d = key_states.shape
+                shape = (B, H, layout.rect_length - start, d)
+                out = tuple(workspace.get(role, shape, dtype, key_states.device) for role in ("keys", "values"))
+                keys, values = layer.read(layout, plan.attend, start, dtype, self.gear_config.sink_tokens, out)
+            else:
+                keys, values = self.read(layer_idx, key_states, value_states)
+            rotary = lambda: self.rotary_for_read(layer_idx, rotary_emb, values)  # noqa: E731
+        else:
+            B, H, _, d = key_states.shape
+            shape = (B, H, slots.local.shape[1], d)
+            keys, values = (stream.read_slots(slots, workspace.get(role, shape, dtype, key_states.device))
+                            for stream, role in zip(layer.streams, ("keys", "values")))
+            attention_mask = self._slot_mask(slots, attention_mask)
+            rotary = lambda: self._rotary.get(layout.steps, "slots", rotary_emb, values,  # noqa: E731
+                                              lambda: layout.slot_positions(slots))
+        if self.gear_config.pre_rope:
+            keys = apply_rotary(keys, *rotary(), out=workspace.get("rotated keys", keys.shape, dtype, keys.device))
+        return keys, values, attention_mask
+
+    def _slot_plan(self, layer: GearLayer, attention_mask: torch.Tensor | None) -> SlotPlan | None:
+        """The slot layout when this step of this layer can attend in it, else None (the padded layout): a
+        compressing cache, rows that differ, a short step with a 4D mask over every column, a layer that keeps its
+        whole history (a sliding layer reads its window in the padded layout)."""
+        layout, plan = self.layout, self.layout.plan
+        if (not self.gear_config.compresses or plan.query_len > SLOT_MAX_QUERY or layer.is_sliding
+                or type(self).read is not GearCache.read or layout.uniform(plan.attend)):
+            return None
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.ndim != 4 \
+                or attention_mask.shape[-1] != layout.rect_length:  # (None, a 2D mask, flex attention's BlockMask)
+            return None
+        stream = layer.key_stream
+        prompt_width = stream.prefill.chunk_len if stream.prefill is not None and stream.prefill.fields else 0
+        return layout.slot_plan(plan.attend, prompt_width)
+
+    @staticmethod
+    def _slot_mask(slots: SlotPlan, mask: torch.Tensor) -> torch.Tensor:
+        """The model's 4D mask [B|1, H|1, q, T] (bool, or additive float) over padded columns, remapped to the slot
+        columns [B, H|1, q, T_slot]; holes are masked out."""
+        B = slots.columns.shape[0]
+        mask = mask.expand(B, *mask.shape[1:])
+        index = slots.columns.clamp(min=0)[:, None, None, :].expand(*mask.shape[:3], -1)
+        hole = (slots.columns < 0)[:, None, None, :]
+        masked = False if mask.dtype == torch.bool else torch.finfo(mask.dtype).min
+        return mask.gather(3, index).masked_fill_(hole, masked)
+
     def compress_pending(self, layer_idx: int) -> None:
         """After the layer attended: compress what left its buffer (planned once for every layer)."""
         layer = self.layers[layer_idx]
         self._finite += layer.flush(self.layout, self.layout.plan)
         if layer_idx == len(self.layers) - 1:  # the step ends: drop its temporaries, check what it compressed
             self._rotary.clear()
+            self._workspace.clear()
             self.layout.end_step()
             self._check_finite()
 

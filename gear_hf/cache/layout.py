@@ -72,6 +72,25 @@ class StepPlan:
     decode_reserve: int  # decode chunks to allocate room for (sizing hint)
 
 
+@dataclass(frozen=True)
+class SlotPlan:
+    """Where a decode step's attention finds each row's tokens when rows differ ("slot layout"): the segments of
+    every row side by side at the same columns, as the stores hold them,
+
+        [ sink: sink | prompt: prompt | decode chunks: chunks | buffer: buffer ]   (widths, shared by all rows)
+
+    so each segment reconstructs for the whole batch in one call, straight into place; a row's unused slots are
+    holes that the remapped attention mask hides. local: [B, T_slot] long, the row-local token in each slot (-1:
+    a hole); columns: [B, T_slot] long, its column in HF's padded layout (-1: a hole)."""
+
+    sink: int
+    prompt: int
+    chunks: int  # decode chunks (each chunk_len tokens)
+    buffer: int
+    local: torch.Tensor
+    columns: torch.Tensor
+
+
 class RowLayout:
     """Per-row bookkeeping of a GearCache, shared by all layers; plans each step once."""
 
@@ -90,6 +109,7 @@ class RowLayout:
         self.rect_to_local: torch.Tensor | None = None  # [B, cap] int32, -1 = padding
         self.plan: StepPlan | None = None
         self._kernel_memo: tuple | None = None  # (key, kernel_inputs) of the current step
+        self._slot_memo: tuple | None = None  # (step, SlotPlan) of the current step
 
     # -- planning ----------------------------------------------------------------------------------------------
     @property
@@ -194,7 +214,8 @@ class RowLayout:
             prompt[i] += to_prompt
             chunks[i] += decode
             buffer[i] = total - start
-        flush.prompt_groups = [(rows, length) for length, rows in sorted(by_length.items())]
+        # longest first: the first call fills a whole prompt chunk, so the store sizes itself from its result
+        flush.prompt_groups = [(rows, length) for length, rows in sorted(by_length.items(), reverse=True)]
         return flush, replace(attend, prompt=tuple(prompt), chunks=tuple(chunks), buffer=tuple(buffer))
 
     def _record_columns(self, held_before, new_valid, valid_rows, position_ids, rect_before, device) -> None:
@@ -248,6 +269,37 @@ class RowLayout:
         local = self.rect_to_local[:, start : self.rect_length].long().clamp(min=0)
         return self.positions.long().gather(1, local)
 
+    def slot_plan(self, counts: RowCounts, prompt_width: int) -> SlotPlan:
+        """The slot layout of this step's attention (see `SlotPlan`), for layers that released nothing; computed
+        once per step. prompt_width: tokens of the prompt chunk store (0: none)."""
+        if self._slot_memo is not None and self._slot_memo[0] == self.steps:
+            return self._slot_memo[1]
+        nb, device = self.chunk_len, self.positions.device
+        widths = (max(counts.sink, default=0), prompt_width if any(counts.prompt) else 0,
+                  max(counts.chunks, default=0), max(counts.buffer, default=0))
+        per_row = torch.tensor([(s, p, c * nb, f) for s, p, c, f in counts.rows()], device=device)  # [B, 4]
+        first = torch.cumsum(per_row, 1) - per_row  # row-local index of each segment's first token
+        parts = []
+        for i, width in enumerate((widths[0], widths[1], widths[2] * nb, widths[3])):
+            if width:
+                j = torch.arange(width, device=device)[None]
+                parts.append(torch.where(j < per_row[:, i : i + 1], first[:, i : i + 1] + j, -1))
+        local = torch.cat(parts, 1)  # [B, T_slot]
+        # the padded column of each row-local token: rect_to_local inverted
+        held = max(counts.held(nb), default=0)
+        rect = self.rect_to_local[:, : self.rect_length].long()
+        column_of_local = torch.full((self.batch, held + 1), -1, dtype=torch.long, device=device)
+        column_of_local.scatter_(1, torch.where(rect >= 0, rect, held),
+                                 torch.arange(self.rect_length, device=device).expand_as(rect))
+        columns = torch.where(local >= 0, column_of_local.gather(1, local.clamp(min=0)), -1)
+        plan = SlotPlan(*widths, local=local, columns=columns)
+        self._slot_memo = (self.steps, plan)
+        return plan
+
+    def slot_positions(self, slots: SlotPlan) -> torch.Tensor:
+        """[B, T_slot] long: the position of each slot's token (holes read token 0's)."""
+        return self.positions.long().gather(1, slots.local.clamp(min=0))
+
     def query_limits(self, query_len: int) -> torch.Tensor:
         """[B, q] int32: row-local index of each of the step's query tokens (-1: padding)."""
         return self.rect_to_local[:, self.rect_length - query_len : self.rect_length].contiguous()
@@ -279,7 +331,7 @@ class RowLayout:
 
     def end_step(self) -> None:
         """Drop the step's temporaries (nothing per-step is kept between steps)."""
-        self._kernel_memo = None
+        self._kernel_memo = self._slot_memo = None
         if self.plan is not None:
             self.plan.sink_cols = self.plan.buffer_cols = None
 
@@ -292,4 +344,4 @@ class RowLayout:
         self.positions = self.positions.index_select(0, index)
         self.rect_to_local = self.rect_to_local.index_select(0, index)
         self.batch = len(rows)
-        self._kernel_memo = None
+        self._kernel_memo = self._slot_memo = None

@@ -15,7 +15,7 @@ import torch
 
 from ..compress import ChunkSpec
 from ..storage import ChunkStore, TokenStore
-from .layout import RowCounts, RowLayout, StepPlan
+from .layout import RowCounts, RowLayout, SlotPlan, StepPlan
 
 
 @dataclass(frozen=True)
@@ -112,9 +112,10 @@ class Stream:
         return out
 
     def read(self, layout: RowLayout, counts: RowCounts, released: Released, start: int, dtype: torch.dtype,
-             sink_tokens: int) -> torch.Tensor:
+             sink_tokens: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """This layer's tokens in HF's padded layout from column `start` to the end: [B,H,T-start,d] (keys
-        before RoPE). Padding columns hold zeros (finite; the mask hides them)."""
+        before RoPE). Padding columns hold zeros (finite; the mask hides them). out: an optional [B,H,T-start,d]
+        tensor of `dtype` to build the result in (a buffer-only read returns a view of the buffer instead)."""
         T = layout.rect_length
         B, H, _, d = self.buffer.data.shape
         if layout.uniform(counts):  # padded layout == row-local: the segments, end to end, are the columns
@@ -123,7 +124,8 @@ class Stream:
             if first <= start:  # (held() of a sliding layer that released: the general path below)
                 if len(segments) == 1:  # the buffer alone (fp16 preset, prompt step): a view, as DynamicCache's
                     return self.buffer.data[:, :, start - first : T - first]
-                full = self.buffer.data.new_empty(B, H, T - first, d, dtype=dtype)
+                full = out if out is not None and first == start else \
+                    self.buffer.data.new_empty(B, H, T - first, d, dtype=dtype)
                 at = 0
                 for seg in segments:  # every row fills each segment exactly: reconstruct straight into place
                     seg.take(dtype, out=full[:, :, at : at + seg.length[0]])
@@ -136,7 +138,8 @@ class Stream:
                            for lo, s, p in zip(first_local, counts.sink, counts.prompt)]
         segments = self._segments(counts, released, dtype, sink_tokens, first_local)
         taken = [seg.take(dtype) for seg in segments]
-        out = self.buffer.data.new_empty(B, H, T - start, d, dtype=dtype)
+        if out is None:
+            out = self.buffer.data.new_empty(B, H, T - start, d, dtype=dtype)
         held = counts.held(self.chunk_len)
         for b in range(B):
             if not layout.contiguous[b]:
@@ -152,6 +155,24 @@ class Stream:
                 if hi > lo:
                     at = column_of_local0 + lo - start
                     out[b, :, at : at + hi - lo] = data[b, :, lo - seg.local_start[b] : hi - seg.local_start[b]]
+        return out
+
+    def read_slots(self, slots: SlotPlan, out: torch.Tensor) -> torch.Tensor:
+        """This layer's tokens in the slot layout (`SlotPlan`) into out [B,H,T_slot,d] (keys before RoPE): each
+        segment reconstructs for every row at once, straight into its columns. Holes hold finite leftovers (zeros
+        of a short prompt chunk, unused chunk slots, old buffer tokens) that the remapped mask hides."""
+        at = 0
+        if slots.sink:
+            out[:, :, : slots.sink].copy_(self.sink.data[:, :, : slots.sink])
+            at = slots.sink
+        if slots.prompt:
+            self.prefill.reconstruct(1, out.dtype, out=out[:, :, at : at + slots.prompt])
+            at += slots.prompt
+        if slots.chunks:
+            width = slots.chunks * self.chunk_len
+            self.decode.reconstruct(slots.chunks, out.dtype, out=out[:, :, at : at + width])
+            at += width
+        out[:, :, at : at + slots.buffer].copy_(self.buffer.data[:, :, : slots.buffer])
         return out
 
     @staticmethod

@@ -12,6 +12,8 @@ at bit j).
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 BITS = (2, 3, 4, 8)
@@ -91,16 +93,37 @@ def unpack_codes(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
         high = _unpack_fields(grouped.narrow(dim + 1, 2, 1), 1, dim + 1)
         return (low | (high << 2)).reshape(*packed.shape[:dim], units * 8, *packed.shape[dim + 1:])
     per_byte = unit
+    if dim == packed.ndim - 1 and _LITTLE_ENDIAN:
+        return _spread_bytes(packed, bits)
     shape = list(packed.shape)
     shape[dim] *= per_byte
     if packed.stride(-1) == 1 and packed.shape[-1] % 4 == 0 and packed.storage_offset() % 4 == 0:
-        # Four bytes at a time: shifting an int32 word moves the j-th code of each of its bytes to that byte's
-        # low bits, and the repeated mask drops what crossed a byte boundary (same codes, fewer, wider ops).
-        words = packed.view(torch.int32)
+        # Four bytes at a time, all code planes in one op: shifting an int32 word by bits*j moves the j-th code of
+        # each of its bytes to that byte's low bits, and the repeated mask drops what crossed a byte boundary.
+        # The planes land on a new axis after `dim` ([..., m, per_byte, ..., W]): the codes in order, no stack.
+        words = packed.view(torch.int32).unsqueeze(dim + 1)
         mask = int.from_bytes(bytes([levels(bits)]) * 4, "little", signed=True)
-        planes = [((words >> (bits * j)) & mask).view(torch.uint8) for j in range(per_byte)]
-        return torch.stack(planes, dim=dim + 1).reshape(shape)
+        shifts = torch.arange(0, bits * per_byte, bits, dtype=torch.int32, device=packed.device)
+        shifts = shifts.view(per_byte, *([1] * (packed.ndim - 1 - dim)))
+        return (words >> shifts).bitwise_and_(mask).view(torch.uint8).reshape(shape)
     return _unpack_fields(packed, bits, dim)
+
+
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+def _spread_bytes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes packed along the last dim -> uint8 codes [..., L * 8/bits], by spreading each byte's bit fields over
+    the bytes of a wider integer (code j -> byte j, little-endian): a few whole-tensor integer ops, where
+    unpacking into planes would have to interleave them byte by byte (slow for a short last dim)."""
+    if bits == 2:  # byte c3c2c1c0 -> int32 bytes (c0, c1, c2, c3)
+        x = packed.to(torch.int32).contiguous()
+        x.bitwise_or_(x << 12).bitwise_and_(0x000F000F)  # c1c0 at bits 0-3, c3c2 at bits 16-19
+        x.bitwise_or_(x << 6).bitwise_and_(0x03030303)  # c1 -> bits 8-9, c3 -> bits 24-25
+    else:  # 4 bits: byte c1c0 -> int16 bytes (c0, c1)
+        x = packed.to(torch.int16).contiguous()
+        x.bitwise_or_(x << 4).bitwise_and_(0x0F0F)
+    return x.view(torch.uint8)
 
 
 def _grouped(x: torch.Tensor, axis: str, group: int) -> tuple[torch.Tensor, int]:
@@ -217,15 +240,14 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, 
     """codes [B,H,n,d] (unpacked) with their stats -> [B,H,n,d] in out_dtype (computed in float32).
     out: an optional float32 [B,H,n,d] tensor to write into (when the groups split d evenly)."""
     cg, member = _grouped(codes, axis, group)  # a short last value group is padded with code 0 here
-    # uint8 codes times float32 scale promotes inside the multiply: the same values as cg.float() * scale,
-    # without a float copy of the codes (the reference path dequantizes the whole history every step)
     scale, minimum = scale.float().unsqueeze(member), minimum.float().unsqueeze(member)
     if out is not None and out.dtype == torch.float32 and cg.numel() == codes.numel():
         target = out.view(cg.shape)
-        torch.mul(cg, scale, out=target)
-        target.add_(minimum)
+        # cast, then scale and shift in place (the reference path dequantizes the whole history every step):
+        # three plain passes run faster than one mixed-dtype uint8 x float32 multiply, and give the same values
+        target.copy_(cg).mul_(scale).add_(minimum)
         return out
-    x = (cg * scale + minimum).reshape(*codes.shape[:3], -1)
+    x = cg.float().mul_(scale).add_(minimum).reshape(*codes.shape[:3], -1)
     x = x if x.shape[-1] == d else x[..., :d]
     if out is not None:
         return out.copy_(x)
