@@ -8,7 +8,7 @@ random data, for each context length T and batch size:
   reference  what gear_hf does without kernels: reconstruct K/V from the GEAR cache (torch engine), gather
              into HF's layout, RoPE the keys, then SDPA
   fused      gear_hf.kernels: attention straight from the compressed storage (GEAR 2/4-bit, GEAR-L 2-bit, and
-             GearConfig(), the library default: kivi 3-bit keys and values, Walsh–Hadamard rotation, 4 sinks)
+             GearConfig(), the library default: kivi, 4-bit keys, 2-bit values, Walsh–Hadamard rotation, 4 sinks)
 
 --variants adds rows of the fused kernel at other num_warps/num_stages/block_n (one point: the largest T and
 batch).
@@ -142,7 +142,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--bits", type=int, nargs="+", default=[2, 4], help="GEAR bit widths (GEAR-L: 2-bit)")
     parser.add_argument("--no-gear-l", action="store_true", help="skip the 2-bit GEAR-L rows")
-    parser.add_argument("--no-default", action="store_true", help="skip the GearConfig() (kivi 3-bit, rotated) rows")
+    parser.add_argument("--no-default", action="store_true", help="skip the GearConfig() (the library default) rows")
     parser.add_argument("--variants", action="store_true",
                         help="fused 2-bit GEAR at num_warps 4/8 x num_stages 1/2/3 (largest T and batch)")
     parser.add_argument("--padded", action="store_true",

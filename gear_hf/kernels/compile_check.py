@@ -12,7 +12,7 @@ registers and stack (local memory) per thread from the cubin.
 
 --sass-report compiles the main decode kernel for sm_90 at Llama-3-8B shapes (32 query heads, 8 KV heads,
 head_dim 128, bf16, q_len 1: GEAR 4, 3 and 2 bits with the paper's groups, buffer and ranks, and GearConfig() —
-kivi 3-bit, rotated keys and values, groups of 128, 4 sinks), disassembles it with
+the recommended default: kivi, 4-bit keys, 2-bit values, rotated, key groups of 128, 4 sinks), disassembles it with
 the cuobjdump of the installed Triton and counts, for each loop over compressed blocks (found by its backward
 branch), the SASS instructions of the loop body; per token and KV head that is body x num_warps / block
 tokens (a static count: every instruction of the body once, both sides of a branch included, an inner loop
