@@ -72,6 +72,7 @@ class GearCache(Cache):
         self.model_dtype: torch.dtype | None = None
         self._rotary = RotaryMemo()
         self._workspace = StepWorkspace()
+        self._slot_mask_memo: tuple | None = None  # (slot plan, model's mask, remapped mask) of the current step
         self._pending_mask: torch.Tensor | None = None
         self._finite: list[torch.Tensor] = []  # this step's "all compressed entries finite" flags
 
@@ -124,10 +125,18 @@ class GearCache(Cache):
         the first column a sliding layer sees), reconstructed — the reference path. The step's own tokens are
         in the buffer, exact. Positions: `read_positions()`. (key_states/value_states: ignored, for callers of
         the earlier signature.)"""
-        layer, plan = self.layers[layer_idx], self.layout.plan
-        start = layer.visible_start(plan.rect_before)
-        dtype = self.model_dtype if key_states is None else key_states.dtype
-        return layer.read(self.layout, plan.attend, start, dtype, self.gear_config.sink_tokens)
+        return self._read_padded(layer_idx, self.model_dtype if key_states is None else key_states.dtype)
+
+    def _read_padded(self, layer_idx: int, dtype: torch.dtype, workspace_like: torch.Tensor | None = None):
+        """`read` itself; workspace_like: a [B,H,q,d] tensor of the step, to build into the step's workspace."""
+        layer, layout = self.layers[layer_idx], self.layout
+        start = layer.visible_start(layout.plan.rect_before)
+        out = (None, None)
+        if workspace_like is not None:
+            B, H, _, d = workspace_like.shape
+            shape = (B, H, layout.rect_length - start, d)
+            out = tuple(self._workspace.get(role, shape, dtype, workspace_like.device) for role in ("keys", "values"))
+        return layer.read(layout, layout.plan.attend, start, dtype, self.gear_config.sink_tokens, out)
 
     def attention_inputs(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor, rotary_emb,
                          attention_mask: torch.Tensor | None, padded_layout: bool = False):
@@ -140,16 +149,12 @@ class GearCache(Cache):
         own, remapped to those columns. padded_layout: always HF's columns (when the attention weights go back to
         the caller). The tensors returned live in a per-step workspace that the next layer overwrites: use them
         before that. A subclass that overrides `read` gets its reads, in the padded layout."""
-        layer, layout, plan = self.layers[layer_idx], self.layout, self.layout.plan
+        layer, layout = self.layers[layer_idx], self.layout
         dtype, workspace = key_states.dtype, self._workspace
         slots = None if padded_layout else self._slot_plan(layer, attention_mask)
         if slots is None:
-            start = layer.visible_start(plan.rect_before)
             if type(self).read is GearCache.read:
-                B, H, _, d = key_states.shape
-                shape = (B, H, layout.rect_length - start, d)
-                out = tuple(workspace.get(role, shape, dtype, key_states.device) for role in ("keys", "values"))
-                keys, values = layer.read(layout, plan.attend, start, dtype, self.gear_config.sink_tokens, out)
+                keys, values = self._read_padded(layer_idx, dtype, workspace_like=key_states)
             else:
                 keys, values = self.read(layer_idx, key_states, value_states)
             rotary = lambda: self.rotary_for_read(layer_idx, rotary_emb, values)  # noqa: E731
@@ -180,16 +185,20 @@ class GearCache(Cache):
         prompt_width = stream.prefill.chunk_len if stream.prefill is not None and stream.prefill.fields else 0
         return layout.slot_plan(plan.attend, prompt_width)
 
-    @staticmethod
-    def _slot_mask(slots: SlotPlan, mask: torch.Tensor) -> torch.Tensor:
+    def _slot_mask(self, slots: SlotPlan, mask: torch.Tensor) -> torch.Tensor:
         """The model's 4D mask [B|1, H|1, q, T] (bool, or additive float) over padded columns, remapped to the slot
-        columns [B, H|1, q, T_slot]; holes are masked out."""
+        columns [B, H|1, q, T_slot]; holes are masked out. Remapped once per step: the layers share the mask."""
+        memo = self._slot_mask_memo
+        if memo is not None and memo[0] is slots and memo[1] is mask:
+            return memo[2]
         B = slots.columns.shape[0]
-        mask = mask.expand(B, *mask.shape[1:])
-        index = slots.columns.clamp(min=0)[:, None, None, :].expand(*mask.shape[:3], -1)
+        expanded = mask.expand(B, *mask.shape[1:])
+        index = slots.columns.clamp(min=0)[:, None, None, :].expand(*expanded.shape[:3], -1)
         hole = (slots.columns < 0)[:, None, None, :]
         masked = False if mask.dtype == torch.bool else torch.finfo(mask.dtype).min
-        return mask.gather(3, index).masked_fill_(hole, masked)
+        remapped = expanded.gather(3, index).masked_fill_(hole, masked)
+        self._slot_mask_memo = (slots, mask, remapped)
+        return remapped
 
     def compress_pending(self, layer_idx: int) -> None:
         """After the layer attended: compress what left its buffer (planned once for every layer)."""
@@ -198,6 +207,7 @@ class GearCache(Cache):
         if layer_idx == len(self.layers) - 1:  # the step ends: drop its temporaries, check what it compressed
             self._rotary.clear()
             self._workspace.clear()
+            self._slot_mask_memo = None
             self.layout.end_step()
             self._check_finite()
 
