@@ -79,8 +79,8 @@ def select_outliers(x: torch.Tensor, axis: str, ratio: float, valid: torch.Tenso
     # a short vector (length < 2k+1): the rest ran out of bottom candidates, and the p-th smallest is one of the
     # k largest, the (n-1-p)-th of them
     n_vec = counts_vec if counts_vec is not None else length
-    from_top = _at(top_val, (n_vec - 1 - p).clamp(min=0), float("inf"))
-    lo = torch.where(torch.isinf(lo) & (p >= n_vec - k), from_top, lo)
+    lo_among_top = _at(top_val, (n_vec - 1 - p).clamp(min=0), float("inf"))
+    lo = torch.where(torch.isinf(lo) & (p >= n_vec - k), lo_among_top, lo)
     width = hi - lo
     width = torch.where((j <= k_vec) & torch.isfinite(width), width, float("inf"))  # padding: never preferred
     from_top = width.argmin(dim=-1, keepdim=True)  # [B,H,V,1]
