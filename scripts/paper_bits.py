@@ -24,8 +24,9 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--presets", default="gear-2,kivi-2,gear-4",
-                        help="METHOD-BITS[-f8|-f16][-clipv]: -f8/-f16 int8/16-bit low-rank factors, -clipv values' "
-                             "ranges searched (range_search='values'); needs a checkout that has the option")
+                        help="METHOD-BITS[-f8|-f16][-oRATIO][-clipv]: -f8/-f16 int8/16-bit low-rank factors (the "
+                             "presets: int8), -oRATIO outlier_ratio (e.g. -o0.03125: 2 per 64-long vector), -clipv "
+                             "values' ranges searched (range_search='values'); needs a checkout that has the option")
     parser.add_argument("--save", default=None, help="capture with the model, save here, then measure")
     parser.add_argument("--load", default=None, help="measure saved captures (no model needed)")
     args = parser.parse_args(argv)
@@ -53,9 +54,13 @@ def main(argv=None) -> int:
     print(f"captures: {len(captures)} layers, T={T}, {H} KV heads, head_dim {d}, {captures[0].key.dtype}")
     for name in args.presets.split(","):
         base, options = name, {}
-        for suffix, option in (("-clipv", dict(range_search="values")), ("-f8", dict(factor_bits=8)),
+        for suffix, option in (("-clipv", dict(range_search="values")), ("-o", None), ("-f8", dict(factor_bits=8)),
                                ("-f16", dict(factor_bits=16))):
-            if base.endswith(suffix):
+            if suffix == "-o":  # -oRATIO
+                head, sep, ratio = base.rpartition("-o")
+                if sep and ratio.replace(".", "", 1).isdigit():
+                    base, options = head, {"outlier_ratio": float(ratio), **options}
+            elif base.endswith(suffix):
                 base, options = base[:-len(suffix)], {**option, **options}
         method, _, bits = base.rpartition("-")
         config = gear_hf.GearConfig.preset(method, bits=int(bits), backend="torch", **options)

@@ -284,7 +284,7 @@ def test_fp16_values_beyond_fp16_range_in_lowrank_factors_are_clamped():
             attn.v_proj.bias.view(-1, attn.head_dim)[:, 1] = 6e4
             attn.o_proj.weight.mul_(1e-5)  # keep the residual stream in range
     ids, _ = prompts(1, length=40)
-    with gear_hf.enabled(model, gear_hf.GearConfig.preset("gear-l", bits=2, **SMALL)):
+    with gear_hf.enabled(model, gear_hf.GearConfig.preset("gear-l", bits=2, factor_bits=16, **SMALL)):
         out = _gen(model, ids, max_new_tokens=10, min_new_tokens=10, output_scores=True,
                    return_dict_in_generate=True)
         cache = gear_hf.last_cache(model)

@@ -85,14 +85,18 @@ def test_side_information_is_16_bit_whatever_the_model_dtype(model_dtype, factor
 
 
 @pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_cache_stores_side_information_in_16_bits(model_dtype):
-    config = gear_hf.GearConfig.preset("gear", bits=2, group_size=16, buffer_size=16)
+@pytest.mark.parametrize("factor_bits", [8, 16])  # 8: the presets' default
+def test_cache_stores_side_information_in_16_bits(model_dtype, factor_bits):
+    config = gear_hf.GearConfig.preset("gear", bits=2, group_size=16, buffer_size=16, factor_bits=factor_bits)
     cache = GearCache(types.SimpleNamespace(num_hidden_layers=1), config)
     k, v = _x(n=40, d=64, dtype=model_dtype), _x(n=40, d=64, seed=1, dtype=model_dtype)
     cache.store_and_read(0, k, v)
+    factors = ("lowrank_a", "lowrank_b") if factor_bits == 16 else ("lowrank_a_scale", "lowrank_b_scale")
     for stream in (cache.layers[0].key_stream, cache.layers[0].value_stream):
-        for name in ("scale", "minimum", "sparse_values", "lowrank_a", "lowrank_b"):
+        for name in ("scale", "minimum", "sparse_values", *factors):
             assert stream.prefill.fields[name].dtype == torch.bfloat16, name
+        if factor_bits == 8:
+            assert stream.prefill.fields["lowrank_a"].dtype == stream.prefill.fields["lowrank_b"].dtype == torch.int8
         assert stream.buffer.data.dtype == model_dtype  # full-precision tokens stay in the model dtype
 
 
@@ -224,7 +228,7 @@ def test_recommended_follows_the_measured_frontier():
         gear_hf.GearConfig.recommended(name="tiny")
     # the paper's presets stay the paper's whatever the defaults
     paper = gear_hf.GearConfig.preset("gear", bits=2)
-    assert (paper.rotation, paper.factor_bits, paper.key_group, paper.buffer_size) == ("none", 16, 64, 64)
+    assert (paper.rotation, paper.factor_bits, paper.key_group, paper.buffer_size) == ("none", 8, 64, 64)
 
 
 @pytest.mark.parametrize("which", ["none", "keys", "values", "both"])

@@ -195,7 +195,8 @@ def compress(x: torch.Tensor, spec: ChunkSpec, valid: torch.Tensor | None = None
             lowrank_a, a_scale = _quantize_factor(lowrank_a, store)
             # refit B to the quantized A (least squares: B = Rᵀ A (AᵀA)⁻¹), then quantize it
             a = lowrank_a.float() * a_scale.float()
-            gram = a.transpose(-1, -2) @ a  # [B,H,r,r]
+            # non-finite input is refused by the cache once per step (no sync here): keep pinv from raising first
+            gram = torch.nan_to_num(a.transpose(-1, -2) @ a)  # [B,H,r,r]
             eye = torch.eye(gram.shape[-1], device=x.device)
             refit = residual.transpose(-1, -2) @ a @ torch.linalg.pinv(gram + 1e-12 * eye)  # [B,H,d,r]
             lowrank_b, b_scale = _quantize_factor(refit, store)

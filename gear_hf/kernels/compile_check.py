@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.uint8: "u8",
+_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.uint8: "u8", torch.int8: "i8",
           torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
 _OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
 
