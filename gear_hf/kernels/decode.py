@@ -278,14 +278,16 @@ def _lowrank_bt(bm_b, s_bm, b_rows, as_b, bs_b, chunk, R: tl.constexpr, DT: tl.c
     """Bᵀ [16, C] of B's rows `b_rows`, the rank padded with zeros to 16, in its storage dtype. int8 factors
     (gear_hf.compress.gear: A·diag(a_scale)·(B·diag(b_scale))ᵀ) carry both per-column scales of the chunk here:
     Bᵀ·diag(a_scale·b_scale) in the dot dtype (rounded once; A stays exact)."""
-    rr = tl.arange(0, 16)
-    bt = tl.load(bm_b + b_rows[None, :] * s_bm + rr[:, None], mask=(rr < R)[:, None], other=0)
+    RP: tl.constexpr = 1 << (R - 1).bit_length()  # the rank rounded up to a power of two
+    rr = tl.arange(0, RP)
+    bt = tl.load(bm_b + b_rows[None, :] * s_bm + rr[:, None], mask=(rr < R)[:, None], other=0)  # [RP, C]
     if bt.dtype == tl.int8:
         at = chunk * R + rr
         sc = tl.load(as_b + at, mask=rr < R, other=0.0).to(tl.float32) * \
             tl.load(bs_b + at, mask=rr < R, other=0.0).to(tl.float32)
         bt = (bt.to(tl.float32) * sc[:, None]).to(DT)
-    return bt
+    # 16 rows (the smallest dot), row j = rank j % RP: only the R real rows of the load; A's columns >= R are zero
+    return tl.reshape(tl.broadcast_to(bt[None, :, :], [16 // RP, RP, bt.shape[1]]), [16, bt.shape[1]])
 
 
 @triton.jit
