@@ -8,8 +8,9 @@ flash-decoding style) streams over that row's tokens in row-local order
 and a second small kernel merges the splits: two launches per layer-step, no allocation (workspaces are cached
 per device and size), no memset. Compressed blocks are decoded in registers, never written back:
 
-* codes of 2, 3, 4 or 8 bits through one unpacking path (`_unpack_units`: each byte loaded once, shifts and
-  masks in registers; 3 bits: 8 codes in 3 bytes, a 2-bit and a 1-bit plane, as gear_hf.compress.quant packs);
+* codes of 2, 4 or 8 bits loaded as 32-bit words (`_unpack_words`: shifts and masks in registers; a key word
+  holds 4 channels' bytes, a value word 32/bits channels of one token); 3 bits (8 codes in 3 bytes, a 2-bit and
+  a 1-bit plane, as gear_hf.compress.quant packs) byte by byte (`_unpack_3bit_units`), each byte loaded once;
 * keys (per channel over token groups): unpack along tokens, dequantize with the group's scale/minimum (one row
   of statistics per block when a group spans whole blocks), add the low-rank term A·Bᵀ as a tensor-core dot
   accumulating into the dequantized tile (rank padded to 16; int8 factors: their per-column scales folded into
@@ -140,30 +141,22 @@ def _unpack_words(w, BITS: tl.constexpr):
 
 
 @triton.jit
-def _unpack_units(p, step, mask, BITS: tl.constexpr):
-    """Codes of the packing units whose first byte `p` [R, C] points at (a unit's bytes `step` apart):
-    int32 [R, C, UNIT] in code order. 2/4/8 bits: 8/BITS codes per byte, low bits first; 3 bits: 8 codes in 3
-    bytes, a 2-bit plane of two bytes then a 1-bit plane (the layout of gear_hf.compress.quant). Every byte is
-    loaded once and unpacked with shifts and masks in registers; one path for every width."""
+def _unpack_3bit_units(p, step, mask):
+    """3-bit codes of the packing units whose first byte `p` [R, C] points at (a unit's bytes `step` apart):
+    int32 [R, C, 8] in code order. A unit is 8 codes in 3 bytes, a 2-bit plane of two bytes then a 1-bit plane
+    (the layout of gear_hf.compress.quant); units do not align with 32-bit words, so each byte is loaded once
+    and unpacked with shifts and masks in registers."""
     b0 = tl.load(p, mask=mask, other=0).to(tl.int32)
-    if BITS == 8:
-        return tl.reshape(b0, [b0.shape[0], b0.shape[1], 1])
-    elif BITS == 4:
-        return tl.join(b0 & 15, b0 >> 4)
-    elif BITS == 2:
-        return _join4(b0 & 3, (b0 >> 2) & 3, (b0 >> 4) & 3, b0 >> 6)
-    else:
-        tl.static_assert(BITS == 3, "codes of 2, 3, 4 or 8 bits")
-        b1 = tl.load(p + step, mask=mask, other=0).to(tl.int32)
-        hi = tl.load(p + 2 * step, mask=mask, other=0).to(tl.int32) << 2  # bit j of the plane -> bit j + 2
-        return _join8(b0 & 3 | hi & 4, (b0 >> 2) & 3 | (hi >> 1) & 4, (b0 >> 4) & 3 | (hi >> 2) & 4,
-                      (b0 >> 6) | (hi >> 3) & 4, b1 & 3 | (hi >> 4) & 4, (b1 >> 2) & 3 | (hi >> 5) & 4,
-                      (b1 >> 4) & 3 | (hi >> 6) & 4, (b1 >> 6) | (hi >> 7) & 4)
+    b1 = tl.load(p + step, mask=mask, other=0).to(tl.int32)
+    hi = tl.load(p + 2 * step, mask=mask, other=0).to(tl.int32) << 2  # bit j of the plane -> bit j + 2
+    return _join8(b0 & 3 | hi & 4, (b0 >> 2) & 3 | (hi >> 1) & 4, (b0 >> 4) & 3 | (hi >> 2) & 4,
+                  (b0 >> 6) | (hi >> 3) & 4, b1 & 3 | (hi >> 4) & 4, (b1 >> 2) & 3 | (hi >> 5) & 4,
+                  (b1 >> 4) & 3 | (hi >> 6) & 4, (b1 >> 6) | (hi >> 7) & 4)
 
 
 @triton.jit
 def _key_half(codes_b, scale_b, min_b, a_b, bm_b, s_codes, s_scale, s_a, s_bm, as_b, bs_b, slot, slot0, slot_end,
-              tvalid, chunk, ch, bt_pre, D: tl.constexpr, BITS: tl.constexpr, UNIT: tl.constexpr, GROUP: tl.constexpr,
+              tvalid, chunk, ch, ch0, bt_pre, D: tl.constexpr, BITS: tl.constexpr, UNIT: tl.constexpr, GROUP: tl.constexpr,
               R: tl.constexpr, STATS_ROW: tl.constexpr, DT: tl.constexpr, B_PRE: tl.constexpr):
     """Keys (axis="channel") at store slots `slot` [BN] (slot0 + arange, valid below slot_end) and channels
     `ch` [C]: D̂ + A·Bᵀ in float32 [BN, C].
@@ -171,14 +164,18 @@ def _key_half(codes_b, scale_b, min_b, a_b, bm_b, s_codes, s_scale, s_a, s_bm, a
     m2 = tvalid[:, None]
     BN: tl.constexpr = slot.shape[0]
     C: tl.constexpr = ch.shape[0]
-    if UNIT > 1:  # each code byte loaded once: [BN/UNIT, C, UNIT] -> [BN, C], token = unit * UNIT + j
+    if BITS != 3:  # 32-bit words of 4 channels' bytes (UNIT tokens each): [BN/UNIT, C/4, 4, UNIT] -> [BN, C]
         units = slot0 // UNIT + tl.arange(0, BN // UNIT)
-        UNIT_BYTES: tl.constexpr = 3 if BITS == 3 else 1
-        code = _unpack_units(codes_b + (units * UNIT_BYTES)[:, None] * s_codes + ch[None, :], s_codes,
-                             (units * UNIT < slot_end)[:, None], BITS)
+        rows = (codes_b + units[:, None] * s_codes).to(tl.pointer_type(tl.int32))
+        w = tl.load(rows + (ch0 // 4 + tl.arange(0, C // 4))[None, :], mask=(units * UNIT < slot_end)[:, None],
+                    other=0)
+        code = tl.reshape(_unpack_words(w, BITS), [BN // UNIT, C // 4, 4, UNIT])
+        code = tl.reshape(tl.permute(code, (0, 3, 1, 2)), [BN, C])
+    else:  # 3 bits, units of 3 bytes: [BN/8, C, 8] -> [BN, C], token = unit * 8 + j
+        units = slot0 // UNIT + tl.arange(0, BN // UNIT)
+        code = _unpack_3bit_units(codes_b + (units * 3)[:, None] * s_codes + ch[None, :], s_codes,
+                                  (units * UNIT < slot_end)[:, None])
         code = tl.reshape(tl.permute(code, (0, 2, 1)), [BN, C])
-    else:
-        code = tl.load(codes_b + slot[:, None] * s_codes + ch[None, :], mask=m2, other=0).to(tl.int32)
     if STATS_ROW:
         srow = (slot0 // GROUP) * s_scale + ch
         sc = tl.load(scale_b + srow).to(tl.float32)[None, :]
@@ -207,8 +204,7 @@ def _value_tile(codes_b, scale_b, min_b, spv_b, spi_b, s_codes, s_scale, s_sp, s
     BN: tl.constexpr = slot.shape[0]
     if BITS == 3:  # 8 codes in 3 bytes: byte by byte
         units = tl.arange(0, D // UNIT)
-        code = tl.reshape(_unpack_units(codes_b + slot[:, None] * s_codes + (units * 3)[None, :], 1, m2, BITS),
-                          [BN, D])
+        code = tl.reshape(_unpack_3bit_units(codes_b + slot[:, None] * s_codes + (units * 3)[None, :], 1, m2), [BN, D])
     else:  # a row is D*BITS/8 bytes, a multiple of 4: loaded as 32-bit words (4x fewer loads, fewer rows per thread)
         WORDS: tl.constexpr = D * BITS // 32
         rows = (codes_b + slot[:, None] * s_codes).to(tl.pointer_type(tl.int32))
@@ -369,9 +365,9 @@ def _compressed_block(
 ):
     h_offs = tl.arange(0, HALF)
     k1 = _key_half(kc, ks, km, ka, kb, s_kc, s_ks, s_ka, s_kb, kas, kbs, slot, slot0, slot_end, tvalid, chunk,
-                   h_offs, kbt1, D, K_BITS, K_UNIT, K_GROUP, K_R, K_STATS_ROW, DT, B_PRE)
+                   h_offs, 0, kbt1, D, K_BITS, K_UNIT, K_GROUP, K_R, K_STATS_ROW, DT, B_PRE)
     k2 = _key_half(kc, ks, km, ka, kb, s_kc, s_ks, s_ka, s_kb, kas, kbs, slot, slot0, slot_end, tvalid, chunk,
-                   h_offs + HALF, kbt2, D, K_BITS, K_UNIT, K_GROUP, K_R, K_STATS_ROW, DT, B_PRE)
+                   h_offs + HALF, HALF, kbt2, D, K_BITS, K_UNIT, K_GROUP, K_R, K_STATS_ROW, DT, B_PRE)
     if ROT_K:  # stored keys are k·H (Walsh–Hadamard): un-rotate before RoPE, k·H·H = k
         k1, k2 = _unrotate_halves(k1, k2, had_ptr, D, DT)
     pos = tl.load(pos_b + t, mask=tvalid, other=0)
@@ -647,6 +643,14 @@ def _check(t: torch.Tensor, name: str) -> torch.Tensor:
     return t
 
 
+def _check_code_words(run: ChunkRunView, prefix: str) -> None:
+    """2/4/8-bit codes are read as 32-bit words: their rows (d*bits/8 bytes for values, d bytes for keys) are whole
+    words, so the tensor must start on a 4-byte boundary (torch allocations always do)."""
+    if run.spec.bits != 3 and run.codes.data_ptr() % 4:
+        raise ValueError(f"{prefix}.codes must start on a 4-byte boundary (read as 32-bit words), got address "
+                         f"{run.codes.data_ptr():#x}")
+
+
 def _rank(run: ChunkRunView, prefix: str) -> int:
     r = run.lowrank_a.shape[-1]
     if r > MAX_FUSED_RANK:
@@ -675,6 +679,7 @@ def _key_run_args(run: ChunkRunView | None, chunks_used: int, dummy: torch.Tenso
     if run.chunk_len % unit or group % unit:
         raise NotImplementedError(f"fused kernel: chunk of {run.chunk_len} tokens / group {group} does not align "
                                   f"with packing units of {unit} codes")
+    _check_code_words(run, prefix)
     k2 = key_outlier_count(run)
     if k2 and spec.rotate:
         raise NotImplementedError("fused kernel: key outliers of rotated keys (rotation='keys'/'both' with a sparse "
@@ -708,6 +713,7 @@ def _value_run_args(run: ChunkRunView | None, chunks_used: int, dummy: torch.Ten
     spec = run.spec
     if spec.axis != "token":
         raise NotImplementedError("fused kernel: values must be stored per token (value_axis='token')")
+    _check_code_words(run, prefix)
     constexprs = {"BITS": spec.bits, "UNIT": pack_unit(spec.bits)[0], "GROUP": spec.group_for(run.chunk_len, head_dim),
                   "R": _rank(run, prefix), "K2": f["sparse_values"].shape[-1],
                   "CODES_W": f["codes"].shape[-1], "STATS_W": f["scale"].shape[-1]}
