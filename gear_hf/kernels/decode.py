@@ -155,11 +155,12 @@ def _unpack_3bit_units(p, step, mask):
 
 
 @triton.jit
-def _key_half(codes_b, scale_b, min_b, a_b, bm_b, s_codes, s_scale, s_a, s_bm, as_b, bs_b, slot, slot0, slot_end,
-              tvalid, chunk, ch, ch0, bt_pre, D: tl.constexpr, BITS: tl.constexpr, UNIT: tl.constexpr, GROUP: tl.constexpr,
-              R: tl.constexpr, STATS_ROW: tl.constexpr, DT: tl.constexpr, B_PRE: tl.constexpr):
+def _key_half(codes_b, scale_b, min_b, s_codes, s_scale, slot, slot0, slot_end, tvalid, ch, ch0, a, bt,
+              BITS: tl.constexpr, UNIT: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr, STATS_ROW: tl.constexpr,
+              DT: tl.constexpr):
     """Keys (axis="channel") at store slots `slot` [BN] (slot0 + arange, valid below slot_end) and channels
-    `ch` [C]: D̂ + A·Bᵀ in float32 [BN, C].
+    `ch` [C] (from ch0): D̂ + A·Bᵀ in float32 [BN, C] (a: the block's `_lowrank_a`, bt: the chunk's `_lowrank_bt`
+    of these channels).
     STATS_ROW: the block lies inside one quantization group (starting at slot0): one row of scale/minimum."""
     m2 = tvalid[:, None]
     BN: tl.constexpr = slot.shape[0]
@@ -186,11 +187,7 @@ def _key_half(codes_b, scale_b, min_b, a_b, bm_b, s_codes, s_scale, s_a, s_bm, a
         mn = tl.load(min_b + srow, mask=m2, other=0.0).to(tl.float32)
     k = code.to(tl.float32) * sc + mn
     if R > 0:  # + A·Bᵀ on the tensor cores (rank padded to 16 with zeros)
-        if B_PRE:  # the caller loaded Bᵀ once (the prompt chunk: the same B for every block)
-            bt = bt_pre
-        else:
-            bt = _lowrank_bt(bm_b, s_bm, chunk * D + ch, as_b, bs_b, chunk, R, DT)
-        k = _lowrank_dot(_lowrank_a(a_b, s_a, slot, tvalid, R, DT), bt, k, DT)
+        k = _lowrank_dot(a, bt, k, DT)
     return k
 
 
@@ -289,18 +286,22 @@ def _softmax_step(s, t, tvalid, limit, mvalid, window, m_i, l_i, acc, v, DT: tl.
 
 @triton.jit
 def _lowrank_a(a_b, s_a, slot, tvalid, R: tl.constexpr, DT: tl.constexpr):
-    """A [BN, 16] at store slots `slot`, the rank padded with zeros to 16 (the smallest tl.dot), in its storage
-    dtype; int8 factors in the dot dtype (exact in it; their per-column scales are carried by `_lowrank_bt`)."""
-    rr = tl.arange(0, 16)
+    """A [BN, 16] at store slots `slot`, the rank padded with zeros to 16 (the smallest tl.dot): only the R real
+    columns are loaded (rounded up to a power of two RP), column j holds rank j // (16/RP) when j is a multiple
+    of 16/RP, else zero (the rows of `_lowrank_bt` match). In the storage dtype; int8 factors in the dot dtype
+    (exact in it; their per-column scales are carried by `_lowrank_bt`)."""
+    RP: tl.constexpr = 1 << (R - 1).bit_length()
+    rr = tl.arange(0, RP)
     a = tl.load(a_b + slot[:, None] * s_a + rr[None, :], mask=tvalid[:, None] & (rr < R)[None, :], other=0)
     if a.dtype == tl.int8:  # (through float32: the CPU interpreter has no direct int8 -> bf16 conversion)
         a = a.to(tl.float32).to(DT)
-    return a
+    a = tl.where((tl.arange(0, 16 // RP) == 0)[None, None, :], a[:, :, None], tl.zeros_like(a)[:, :, None])
+    return tl.reshape(a, [a.shape[0], 16])
 
 
 @triton.jit
 def _lowrank_bt(bm_b, s_bm, b_rows, as_b, bs_b, chunk, R: tl.constexpr, DT: tl.constexpr):
-    """Bᵀ [16, C] of B's rows `b_rows`, the rank padded with zeros to 16, in its storage dtype. int8 factors
+    """Bᵀ [16, C] of B's rows `b_rows`, row j = rank j // (16/RP) (see `_lowrank_a`), in its storage dtype. int8 factors
     (gear_hf.compress.gear: A·diag(a_scale)·(B·diag(b_scale))ᵀ) carry both per-column scales of the chunk here:
     Bᵀ·diag(a_scale·b_scale) in the dot dtype (rounded once; A stays exact)."""
     RP: tl.constexpr = 1 << (R - 1).bit_length()  # the rank rounded up to a power of two
@@ -311,8 +312,8 @@ def _lowrank_bt(bm_b, s_bm, b_rows, as_b, bs_b, chunk, R: tl.constexpr, DT: tl.c
         sc = tl.load(as_b + at, mask=rr < R, other=0.0).to(tl.float32) * \
             tl.load(bs_b + at, mask=rr < R, other=0.0).to(tl.float32)
         bt = (bt.to(tl.float32) * sc[:, None]).to(DT)
-    # 16 rows (the smallest dot), row j = rank j % RP: only the R real rows of the load; A's columns >= R are zero
-    return tl.reshape(tl.broadcast_to(bt[None, :, :], [16 // RP, RP, bt.shape[1]]), [16, bt.shape[1]])
+    # 16 rows (the smallest dot) from the R real ones: each repeated 16/RP times (A is zero in all but the first)
+    return tl.reshape(tl.broadcast_to(bt[:, None, :], [RP, 16 // RP, bt.shape[1]]), [16, bt.shape[1]])
 
 
 @triton.jit
@@ -326,14 +327,8 @@ def _lowrank_dot(x, y, acc, DT: tl.constexpr):
 
 
 @triton.jit
-def _lowrank_values(acc, p, a_b, bm_b, s_a, s_bm, as_b, bs_b, slot, tvalid, chunk, bt_pre, D: tl.constexpr,
-                    R: tl.constexpr, DT: tl.constexpr, B_PRE: tl.constexpr):
+def _lowrank_values(acc, p, a, bt, DT: tl.constexpr):
     """acc += (P·A)·Bᵀ for the block (two small dots; A·Bᵀ never formed)."""
-    a = _lowrank_a(a_b, s_a, slot, tvalid, R, DT)
-    if B_PRE:
-        bt = bt_pre
-    else:
-        bt = _lowrank_bt(bm_b, s_bm, chunk * D + tl.arange(0, D), as_b, bs_b, chunk, R, DT)
     pa = _lowrank_dot(p, a, tl.zeros([p.shape[0], 16], tl.float32), DT)  # [M, 16]
     return _lowrank_dot(pa, bt, acc, DT)
 
@@ -353,21 +348,22 @@ def _unrotate_halves(x1, x2, had_ptr, D: tl.constexpr, DT: tl.constexpr):
 
 @triton.jit
 def _compressed_block(
-    q1, q2, q_rows, t, slot, slot0, slot_end, tvalid, chunk, tok0, pos_b, freq_ptr, freq, q_scale, limit, mvalid,
+    q1, q2, q_rows, t, slot, slot0, slot_end, tvalid, tok0, pos_b, freq_ptr, freq, q_scale, limit, mvalid,
     window, m_i, l_i, acc,
-    kc, ks, km, ka, kb, s_kc, s_ks, s_ka, s_kb, kas, kbs, ow, ov, ot, n_tiles, seg, t_base,
-    vc, vs, vm, vsv, vsi, va, vb, s_vc, s_vs, s_vsp, s_va, s_vb, vas, vbs, kbt1, kbt2, vbt, had_ptr,
-    D: tl.constexpr, HALF: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr,
-    B_PRE: tl.constexpr, ROT_K: tl.constexpr,
+    kc, ks, km, ka, s_kc, s_ks, s_ka, ow, ov, ot, n_tiles, seg, t_base,
+    vc, vs, vm, vsv, vsi, va, s_vc, s_vs, s_vsp, s_va, kbt1, kbt2, vbt, had_ptr,
+    D: tl.constexpr, HALF: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr, ROT_K: tl.constexpr,
     K_BITS: tl.constexpr, K_UNIT: tl.constexpr, K_GROUP: tl.constexpr, K_R: tl.constexpr, K_SPARSE: tl.constexpr,
     K_STATS_ROW: tl.constexpr,
     V_BITS: tl.constexpr, V_UNIT: tl.constexpr, V_GROUP: tl.constexpr, V_R: tl.constexpr, V_K2: tl.constexpr,
 ):
+    """One block of compressed tokens; kbt1/kbt2/vbt: the chunk's `_lowrank_bt` (key halves, values)."""
     h_offs = tl.arange(0, HALF)
-    k1 = _key_half(kc, ks, km, ka, kb, s_kc, s_ks, s_ka, s_kb, kas, kbs, slot, slot0, slot_end, tvalid, chunk,
-                   h_offs, 0, kbt1, D, K_BITS, K_UNIT, K_GROUP, K_R, K_STATS_ROW, DT, B_PRE)
-    k2 = _key_half(kc, ks, km, ka, kb, s_kc, s_ks, s_ka, s_kb, kas, kbs, slot, slot0, slot_end, tvalid, chunk,
-                   h_offs + HALF, HALF, kbt2, D, K_BITS, K_UNIT, K_GROUP, K_R, K_STATS_ROW, DT, B_PRE)
+    ka16 = _lowrank_a(ka, s_ka, slot, tvalid, K_R, DT) if K_R > 0 else 0  # shared by both halves
+    k1 = _key_half(kc, ks, km, s_kc, s_ks, slot, slot0, slot_end, tvalid, h_offs, 0, ka16, kbt1,
+                   K_BITS, K_UNIT, K_GROUP, K_R, K_STATS_ROW, DT)
+    k2 = _key_half(kc, ks, km, s_kc, s_ks, slot, slot0, slot_end, tvalid, h_offs + HALF, HALF, ka16, kbt2,
+                   K_BITS, K_UNIT, K_GROUP, K_R, K_STATS_ROW, DT)
     if ROT_K:  # stored keys are k·H (Walsh–Hadamard): un-rotate before RoPE, k·H·H = k
         k1, k2 = _unrotate_halves(k1, k2, had_ptr, D, DT)
     pos = tl.load(pos_b + t, mask=tvalid, other=0)
@@ -380,7 +376,7 @@ def _compressed_block(
                     s_vs)
     m_i, l_i, acc, p = _softmax_step(s, t, tvalid, limit, mvalid, window, m_i, l_i, acc, v, DT)
     if V_R > 0:
-        acc = _lowrank_values(acc, p, va, vb, s_va, s_vb, vas, vbs, slot, tvalid, chunk, vbt, D, V_R, DT, B_PRE)
+        acc = _lowrank_values(acc, p, _lowrank_a(va, s_va, slot, tvalid, V_R, DT), vbt, DT)
     return m_i, l_i, acc
 
 
@@ -529,16 +525,14 @@ def _decode_attention_kernel(
             tvalid = slot < p_len
             t = s_len + slot
             m_i, l_i, acc = _compressed_block(
-                q1, q2, q_rows, t, slot, slot0, p_len, tvalid, 0, slot0, pos_b, freq_ptr, freq, q_scale, limit,
+                q1, q2, q_rows, t, slot, slot0, p_len, tvalid, slot0, pos_b, freq_ptr, freq, q_scale, limit,
                 mvalid, window, m_i, l_i, acc,
-                pkc + bh64 * s_pkc, pks + bh64 * s_pks, pkm + bh64 * s_pks, pka + bh64 * s_pka,
-                pkb + bh64 * s_pkb, D, D, P_K_R, P_K_R, pkas + bh64 * s_pkas, pkbs + bh64 * s_pkas,
+                pkc + bh64 * s_pkc, pks + bh64 * s_pks, pkm + bh64 * s_pks, pka + bh64 * s_pka, D, D, P_K_R,
                 pow_ + bh64 * s_pow, pov + bh64 * s_pow, pot + bh64 * s_pot, p_tiles, 0, s_len,
                 pvc + bh64 * s_pvc, pvs + bh64 * s_pvs, pvm + bh64 * s_pvs, pvsv + bh64 * s_pvsp,
-                pvsi + bh64 * s_pvsp, pva + bh64 * s_pva, pvb + bh64 * s_pvb,
-                P_V_CODES_W, P_V_STATS_W, P_V_K2, P_V_R, P_V_R, pvas + bh64 * s_pvas, pvbs + bh64 * s_pvas,
+                pvsi + bh64 * s_pvsp, pva + bh64 * s_pva, P_V_CODES_W, P_V_STATS_W, P_V_K2, P_V_R,
                 pkbt1, pkbt2, pvbt, had_ptr,
-                D, HALF, BN, DT, FAST, True, ROT_K, P_K_BITS, P_K_UNIT, P_K_GROUP, P_K_R, P_K_SPARSE, P_K_STATS_ROW,
+                D, HALF, BN, DT, FAST, ROT_K, P_K_BITS, P_K_UNIT, P_K_GROUP, P_K_R, P_K_SPARSE, P_K_STATS_ROW,
                 P_V_BITS, P_V_UNIT, P_V_GROUP, P_V_R, P_V_K2)
 
     if D_K_BITS > 0:
@@ -567,16 +561,14 @@ def _decode_attention_kernel(
                 tvalid = slot < c_cnt * NB
                 t = s_len + p_len + slot
                 m_i, l_i, acc = _compressed_block(
-                    q1, q2, q_rows, t, slot, slot0, c_cnt * NB, tvalid, chunk, slot0 - chunk * NB, pos_b, freq_ptr,
+                    q1, q2, q_rows, t, slot, slot0, c_cnt * NB, tvalid, slot0 - chunk * NB, pos_b, freq_ptr,
                     freq, q_scale, limit, mvalid, window, m_i, l_i, acc,
-                    dkc + bh64 * s_dkc, dks + bh64 * s_dks, dkm + bh64 * s_dks, dka + bh64 * s_dka,
-                    dkb + bh64 * s_dkb, D, D, D_K_R, D_K_R, dkas + bh64 * s_dkas, dkbs + bh64 * s_dkas,
+                    dkc + bh64 * s_dkc, dks + bh64 * s_dks, dkm + bh64 * s_dks, dka + bh64 * s_dka, D, D, D_K_R,
                     dow + bh64 * s_dow, dov + bh64 * s_dow, dot_ + bh64 * s_dot + chunk * (NB // 16 + 1), NB // 16,
                     chunk * d_seg, s_len + p_len + chunk * NB,
                     dvc + bh64 * s_dvc, dvs + bh64 * s_dvs, dvm + bh64 * s_dvs, dvsv + bh64 * s_dvsp,
-                    dvsi + bh64 * s_dvsp, dva + bh64 * s_dva, dvb + bh64 * s_dvb,
-                    D_V_CODES_W, D_V_STATS_W, D_V_K2, D_V_R, D_V_R, dvas + bh64 * s_dvas, dvbs + bh64 * s_dvas,
-                    dkbt1, dkbt2, dvbt, had_ptr, D, HALF, BN, DT, FAST, True, ROT_K, D_K_BITS, D_K_UNIT, D_K_GROUP,
+                    dvsi + bh64 * s_dvsp, dva + bh64 * s_dva, D_V_CODES_W, D_V_STATS_W, D_V_K2, D_V_R,
+                    dkbt1, dkbt2, dvbt, had_ptr, D, HALF, BN, DT, FAST, ROT_K, D_K_BITS, D_K_UNIT, D_K_GROUP,
                     D_K_R, D_K_SPARSE, D_K_STATS_ROW, D_V_BITS, D_V_UNIT, D_V_GROUP, D_V_R, D_V_K2)
 
     for blk in range(tl.maximum(lo, e3), hi):
