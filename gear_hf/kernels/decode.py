@@ -13,15 +13,16 @@ per device and size), no memset. Compressed blocks are decoded in registers, nev
   a 1-bit plane, as gear_hf.compress.quant packs) byte by byte (`_unpack_3bit_units`), each byte loaded once;
 * keys (per channel over token groups): unpack along tokens, dequantize with the group's scale/minimum (one row
   of statistics per block when a group spans whole blocks), add the low-rank term A·Bᵀ as a tensor-core dot
-  accumulating into the dequantized tile (rank padded to 16; int8 factors: their per-column scales folded into
-  Bᵀ, which is loaded once per chunk), un-rotate Walsh–Hadamard-rotated keys (two [BN, d/2]x[d/2, d/2] dots),
+  accumulating into the dequantized tile (rank padded to 16 in registers: only A's R columns, loaded once per
+  block for both halves, and Bᵀ's R rows, loaded once per chunk, are read; int8 factors: their per-column
+  scales folded into Bᵀ), un-rotate Walsh–Hadamard-rotated keys (two [BN, d/2]x[d/2, d/2] dots),
   rotate the pre-RoPE key by its stored position (cos/sin from the rotary module's inv_freq, so
   llama3/linear/yarn scaling is covered) and take q·k (tl.dot); the softmax scale and the rotary
   attention_scaling are folded into the query once;
 * key outliers (fixed 2k per channel over a chunk) come sorted by token within their chunk with per-16-token
   offsets (`views.prepare_derived`, once per chunk): each block reads only its own outliers and adds their
   exact score terms v·(q_j cos ± q_{j±d/2} sin) through a one-hot tl.dot — no score buffer, no atomics;
-* values (per token over channel groups): unpack along channels (each byte once), dequantize with statistics
+* values (per token over channel groups): unpack along channels (each word once), dequantize with statistics
   loaded once per group, add the token's outliers, accumulate P·V̂ with tl.dot and the low-rank term as
   (P·A)·Bᵀ, two small dots (never A·Bᵀ); rotated values are attended in the rotated basis (the sink and buffer
   values rotated on the fly) and the output is un-rotated once per row in the merge kernel (P·V·H·H = P·V);
