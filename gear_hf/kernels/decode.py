@@ -382,25 +382,40 @@ def _compressed_block(
 
 
 @triton.jit
+def _load_row_halves(p, mask, C: tl.constexpr):
+    """float32 [R, C] of the 16-bit (bf16/fp16) or float32 elements p [R] + arange(C) (rows 4-byte aligned). 16-bit
+    rows are read as 32-bit words and split in registers (wide loads whatever layout the consumer wants)."""
+    ty = p.dtype.element_ty
+    if ty == tl.float32:
+        return tl.load(p[:, None] + tl.arange(0, C)[None, :], mask=mask, other=0.0)
+    w = tl.load(p.to(tl.pointer_type(tl.int32))[:, None] + tl.arange(0, C // 2)[None, :], mask=mask, other=0)
+    if ty == tl.bfloat16:  # a bf16 is the top half of the float32 with the same value
+        lo = (w << 16).to(tl.float32, bitcast=True)
+        hi = (w & -65536).to(tl.float32, bitcast=True)
+    else:
+        lo = (w & 65535).to(tl.int16).to(ty, bitcast=True).to(tl.float32)
+        hi = (w >> 16).to(tl.int16).to(ty, bitcast=True).to(tl.float32)
+    return tl.reshape(tl.join(lo, hi), [w.shape[0], C])
+
+
+@triton.jit
 def _dense_block(q1, q2, k_b, v_b, s_tok, t, slot, tvalid, pos_b, freq, limit,
                  mvalid, window, m_i, l_i, acc, had_ptr, D: tl.constexpr, HALF: tl.constexpr, DT: tl.constexpr,
                  FAST: tl.constexpr, ROT_V: tl.constexpr):
     """Full-precision tokens (sink or buffer) at store slots `slot`."""
-    h_offs = tl.arange(0, HALF)
     m2 = tvalid[:, None]
-    rows = slot[:, None] * s_tok
-    k1 = tl.load(k_b + rows + h_offs[None, :], mask=m2, other=0.0).to(tl.float32)
-    k2 = tl.load(k_b + rows + HALF + h_offs[None, :], mask=m2, other=0.0).to(tl.float32)
+    rows = slot * s_tok  # [BN]
+    k1 = _load_row_halves(k_b + rows, m2, HALF)
+    k2 = _load_row_halves(k_b + rows + HALF, m2, HALF)
     pos = tl.load(pos_b + t, mask=tvalid, other=0)
     k1, k2 = _rope(k1, k2, pos, freq, FAST)
     s = _dot(q1, tl.trans(k1), DT) + _dot(q2, tl.trans(k2), DT)
     if ROT_V:  # the compressed values are attended in the rotated basis (v·H); the output is un-rotated once
-        v1, v2 = _unrotate_halves(tl.load(v_b + rows + h_offs[None, :], mask=m2, other=0.0).to(tl.float32),
-                                  tl.load(v_b + rows + HALF + h_offs[None, :], mask=m2, other=0.0).to(tl.float32),
+        v1, v2 = _unrotate_halves(_load_row_halves(v_b + rows, m2, HALF), _load_row_halves(v_b + rows + HALF, m2, HALF),
                                   had_ptr, D, DT)
         v = tl.reshape(tl.permute(tl.join(v1, v2), (0, 2, 1)), [v1.shape[0], D])
     else:
-        v = tl.load(v_b + rows + tl.arange(0, D)[None, :], mask=m2, other=0.0)
+        v = tl.load(v_b + rows[:, None] + tl.arange(0, D)[None, :], mask=m2, other=0.0)
     m_i, l_i, acc, p = _softmax_step(s, t, tvalid, limit, mvalid, window, m_i, l_i, acc, v, DT)
     return m_i, l_i, acc
 
@@ -636,12 +651,14 @@ def _check(t: torch.Tensor, name: str) -> torch.Tensor:
     return t
 
 
-def _check_code_words(run: ChunkRunView, prefix: str) -> None:
-    """2/4/8-bit codes are read as 32-bit words: their rows (d*bits/8 bytes for values, d bytes for keys) are whole
-    words, so the tensor must start on a 4-byte boundary (torch allocations always do)."""
-    if run.spec.bits != 3 and run.codes.data_ptr() % 4:
-        raise ValueError(f"{prefix}.codes must start on a 4-byte boundary (read as 32-bit words), got address "
-                         f"{run.codes.data_ptr():#x}")
+def _check_words(t: torch.Tensor, name: str) -> torch.Tensor:
+    """Tensors the kernel reads as 32-bit words (2/4/8-bit codes: rows of d*bits/8 or d bytes; 16-bit sink and
+    buffer tokens: rows of 2d bytes) hold whole words per row, so they must start on a 4-byte boundary (torch
+    allocations always do)."""
+    if t.data_ptr() % 4:
+        raise ValueError(f"{name} must start on a 4-byte boundary (read as 32-bit words), got address "
+                         f"{t.data_ptr():#x}")
+    return t
 
 
 def _rank(run: ChunkRunView, prefix: str) -> int:
@@ -672,7 +689,8 @@ def _key_run_args(run: ChunkRunView | None, chunks_used: int, dummy: torch.Tenso
     if run.chunk_len % unit or group % unit:
         raise NotImplementedError(f"fused kernel: chunk of {run.chunk_len} tokens / group {group} does not align "
                                   f"with packing units of {unit} codes")
-    _check_code_words(run, prefix)
+    if spec.bits != 3:
+        _check_words(run.codes, f"{prefix}.codes")
     k2 = key_outlier_count(run)
     if k2 and spec.rotate:
         raise NotImplementedError("fused kernel: key outliers of rotated keys (rotation='keys'/'both' with a sparse "
@@ -706,7 +724,8 @@ def _value_run_args(run: ChunkRunView | None, chunks_used: int, dummy: torch.Ten
     spec = run.spec
     if spec.axis != "token":
         raise NotImplementedError("fused kernel: values must be stored per token (value_axis='token')")
-    _check_code_words(run, prefix)
+    if spec.bits != 3:
+        _check_words(run.codes, f"{prefix}.codes")
     constexprs = {"BITS": spec.bits, "UNIT": pack_unit(spec.bits)[0], "GROUP": spec.group_for(run.chunk_len, head_dim),
                   "R": _rank(run, prefix), "K2": f["sparse_values"].shape[-1],
                   "CODES_W": f["codes"].shape[-1], "STATS_W": f["scale"].shape[-1]}
@@ -842,7 +861,8 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
     B, Hq, QL, D = query.shape
     if D < 32 or D & (D - 1):
         raise NotImplementedError(f"fused kernel: head_dim {D} must be a power of two >= 32")
-    buf_k, buf_v = _check(keys.buffer, "buffer keys"), _check(values.buffer, "buffer values")
+    buf_k = _check_words(_check(keys.buffer, "buffer keys"), "buffer keys")
+    buf_v = _check_words(_check(values.buffer, "buffer values"), "buffer values")
     Hkv = buf_k.shape[1]
     if Hq % Hkv:
         raise ValueError(f"{Hq} query heads do not split into {Hkv} KV heads")
@@ -867,7 +887,8 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
 
     has_sink = keys.sink is not None and layout.max_sink > 0
     if has_sink:
-        _check(keys.sink, "sink keys"), _check(values.sink, "sink values")
+        _check_words(_check(keys.sink, "sink keys"), "sink keys")
+        _check_words(_check(values.sink, "sink values"), "sink values")
     if (keys.prompt is None) != (values.prompt is None) or (keys.decode is None) != (values.decode is None):
         raise ValueError("keys and values disagree on which chunk runs exist")
     NB = layout.buffer_size
