@@ -385,17 +385,19 @@ def _compressed_block(
 def _load_row_halves(p, mask, C: tl.constexpr):
     """float32 [R, C] of the 16-bit (bf16/fp16) or float32 elements p [R] + arange(C) (rows 4-byte aligned). 16-bit
     rows are read as 32-bit words and split in registers (wide loads whatever layout the consumer wants)."""
-    ty = p.dtype.element_ty
+    ty: tl.constexpr = p.dtype.element_ty
     if ty == tl.float32:
-        return tl.load(p[:, None] + tl.arange(0, C)[None, :], mask=mask, other=0.0)
-    w = tl.load(p.to(tl.pointer_type(tl.int32))[:, None] + tl.arange(0, C // 2)[None, :], mask=mask, other=0)
-    if ty == tl.bfloat16:  # a bf16 is the top half of the float32 with the same value
-        lo = (w << 16).to(tl.float32, bitcast=True)
-        hi = (w & -65536).to(tl.float32, bitcast=True)
+        x = tl.load(p[:, None] + tl.arange(0, C)[None, :], mask=mask, other=0.0)
     else:
-        lo = (w & 65535).to(tl.int16).to(ty, bitcast=True).to(tl.float32)
-        hi = (w >> 16).to(tl.int16).to(ty, bitcast=True).to(tl.float32)
-    return tl.reshape(tl.join(lo, hi), [w.shape[0], C])
+        w = tl.load(p.to(tl.pointer_type(tl.int32))[:, None] + tl.arange(0, C // 2)[None, :], mask=mask, other=0)
+        if ty == tl.bfloat16:  # a bf16 is the top half of the float32 with the same value
+            lo = (w << 16).to(tl.float32, bitcast=True)
+            hi = (w & -65536).to(tl.float32, bitcast=True)
+        else:
+            lo = (w & 65535).to(tl.int16).to(ty, bitcast=True).to(tl.float32)
+            hi = (w >> 16).to(tl.int16).to(ty, bitcast=True).to(tl.float32)
+        x = tl.reshape(tl.join(lo, hi), [w.shape[0], C])
+    return x
 
 
 @triton.jit
