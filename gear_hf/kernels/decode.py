@@ -156,6 +156,26 @@ def _unpack_3bit_units(p, step, mask):
 
 
 @triton.jit
+def _load_rows(p, mask, C: tl.constexpr):
+    """float32 [R, C] of the 16-bit (bf16/fp16) or float32 elements p [R] + arange(C) (rows 4-byte aligned). 16-bit
+    rows are read as 32-bit words and split in registers: wide loads whatever layout the consumer wants (a plain
+    16-bit load takes the consumer's layout, often one element per load)."""
+    ty: tl.constexpr = p.dtype.element_ty
+    if ty == tl.float32:
+        x = tl.load(p[:, None] + tl.arange(0, C)[None, :], mask=mask, other=0.0)
+    else:
+        w = tl.load(p.to(tl.pointer_type(tl.int32))[:, None] + tl.arange(0, C // 2)[None, :], mask=mask, other=0)
+        if ty == tl.bfloat16:  # a bf16 is the top half of the float32 with the same value
+            lo = (w << 16).to(tl.float32, bitcast=True)
+            hi = (w & -65536).to(tl.float32, bitcast=True)
+        else:
+            lo = (w & 65535).to(tl.int16).to(ty, bitcast=True).to(tl.float32)
+            hi = (w >> 16).to(tl.int16).to(ty, bitcast=True).to(tl.float32)
+        x = tl.reshape(tl.join(lo, hi), [w.shape[0], C])
+    return x
+
+
+@triton.jit
 def _key_half(codes_b, scale_b, min_b, s_codes, s_scale, slot, slot0, slot_end, tvalid, ch, ch0, a, bt,
               BITS: tl.constexpr, UNIT: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr, STATS_ROW: tl.constexpr,
               DT: tl.constexpr):
@@ -178,10 +198,10 @@ def _key_half(codes_b, scale_b, min_b, s_codes, s_scale, slot, slot0, slot_end, 
         code = _unpack_3bit_units(codes_b + (units * 3)[:, None] * s_codes + ch[None, :], s_codes,
                                   (units * UNIT < slot_end)[:, None])
         code = tl.reshape(tl.permute(code, (0, 2, 1)), [BN, C])
-    if STATS_ROW:
-        srow = (slot0 // GROUP) * s_scale + ch
-        sc = tl.load(scale_b + srow).to(tl.float32)[None, :]
-        mn = tl.load(min_b + srow).to(tl.float32)[None, :]
+    if STATS_ROW:  # one row of the group's statistics, [1, C]
+        srow = (slot0 // GROUP) * s_scale + ch0 + tl.zeros([1], tl.int32)
+        sc = _load_rows(scale_b + srow, tl.full([1, 1], True, tl.int1), C)
+        mn = _load_rows(min_b + srow, tl.full([1, 1], True, tl.int1), C)
     else:
         srow = (slot // GROUP)[:, None] * s_scale + ch[None, :]
         sc = tl.load(scale_b + srow, mask=m2, other=0.0).to(tl.float32)
@@ -382,38 +402,19 @@ def _compressed_block(
 
 
 @triton.jit
-def _load_row_halves(p, mask, C: tl.constexpr):
-    """float32 [R, C] of the 16-bit (bf16/fp16) or float32 elements p [R] + arange(C) (rows 4-byte aligned). 16-bit
-    rows are read as 32-bit words and split in registers (wide loads whatever layout the consumer wants)."""
-    ty: tl.constexpr = p.dtype.element_ty
-    if ty == tl.float32:
-        x = tl.load(p[:, None] + tl.arange(0, C)[None, :], mask=mask, other=0.0)
-    else:
-        w = tl.load(p.to(tl.pointer_type(tl.int32))[:, None] + tl.arange(0, C // 2)[None, :], mask=mask, other=0)
-        if ty == tl.bfloat16:  # a bf16 is the top half of the float32 with the same value
-            lo = (w << 16).to(tl.float32, bitcast=True)
-            hi = (w & -65536).to(tl.float32, bitcast=True)
-        else:
-            lo = (w & 65535).to(tl.int16).to(ty, bitcast=True).to(tl.float32)
-            hi = (w >> 16).to(tl.int16).to(ty, bitcast=True).to(tl.float32)
-        x = tl.reshape(tl.join(lo, hi), [w.shape[0], C])
-    return x
-
-
-@triton.jit
 def _dense_block(q1, q2, k_b, v_b, s_tok, t, slot, tvalid, pos_b, freq, limit,
                  mvalid, window, m_i, l_i, acc, had_ptr, D: tl.constexpr, HALF: tl.constexpr, DT: tl.constexpr,
                  FAST: tl.constexpr, ROT_V: tl.constexpr):
     """Full-precision tokens (sink or buffer) at store slots `slot`."""
     m2 = tvalid[:, None]
     rows = slot * s_tok  # [BN]
-    k1 = _load_row_halves(k_b + rows, m2, HALF)
-    k2 = _load_row_halves(k_b + rows + HALF, m2, HALF)
+    k1 = _load_rows(k_b + rows, m2, HALF)
+    k2 = _load_rows(k_b + rows + HALF, m2, HALF)
     pos = tl.load(pos_b + t, mask=tvalid, other=0)
     k1, k2 = _rope(k1, k2, pos, freq, FAST)
     s = _dot(q1, tl.trans(k1), DT) + _dot(q2, tl.trans(k2), DT)
     if ROT_V:  # the compressed values are attended in the rotated basis (v·H); the output is un-rotated once
-        v1, v2 = _unrotate_halves(_load_row_halves(v_b + rows, m2, HALF), _load_row_halves(v_b + rows + HALF, m2, HALF),
+        v1, v2 = _unrotate_halves(_load_rows(v_b + rows, m2, HALF), _load_rows(v_b + rows + HALF, m2, HALF),
                                   had_ptr, D, DT)
         v = tl.reshape(tl.permute(tl.join(v1, v2), (0, 2, 1)), [v1.shape[0], D])
     else:
@@ -655,8 +656,8 @@ def _check(t: torch.Tensor, name: str) -> torch.Tensor:
 
 def _check_words(t: torch.Tensor, name: str) -> torch.Tensor:
     """Tensors the kernel reads as 32-bit words (2/4/8-bit codes: rows of d*bits/8 or d bytes; 16-bit sink and
-    buffer tokens: rows of 2d bytes) hold whole words per row, so they must start on a 4-byte boundary (torch
-    allocations always do)."""
+    buffer tokens and key statistics: rows of d elements) hold whole words per row, so they must start on a
+    4-byte boundary (torch allocations always do)."""
     if t.data_ptr() % 4:
         raise ValueError(f"{name} must start on a 4-byte boundary (read as 32-bit words), got address "
                          f"{t.data_ptr():#x}")
@@ -693,6 +694,7 @@ def _key_run_args(run: ChunkRunView | None, chunks_used: int, dummy: torch.Tenso
                                   f"with packing units of {unit} codes")
     if spec.bits != 3:
         _check_words(run.codes, f"{prefix}.codes")
+    _check_words(run.scale, f"{prefix}.scale"), _check_words(run.minimum, f"{prefix}.minimum")
     k2 = key_outlier_count(run)
     if k2 and spec.rotate:
         raise NotImplementedError("fused kernel: key outliers of rotated keys (rotation='keys'/'both' with a sparse "
