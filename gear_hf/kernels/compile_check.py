@@ -41,6 +41,7 @@ _OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
 
 
 def _signature(kernel, args, kwargs):
+    """(signature, constexprs) of a launch, types only (no alignment attributes): the key of `seen` in main."""
     names = kernel.arg_names
     signature, constexprs = {}, {}
     for name, value in zip(names, args):
@@ -65,6 +66,24 @@ def _signature(kernel, args, kwargs):
     return signature, constexprs
 
 
+def _compile(kernel, args, kwargs, arch: int):
+    """triton.compile of one planned launch for sm_<arch>, specialized on its arguments as a GPU launch would
+    be (Triton's own binder: 16-byte-aligned pointers and integers divisible by 16 marked so, except those the
+    kernel says not to specialize on), so the code counted is the code a GPU would run."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    options = {k: kwargs[k] for k in _OPTIONS if k in kwargs}
+    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options)
+
+
 def _resource_usage(cubin: bytes) -> str:
     import triton
 
@@ -84,15 +103,7 @@ def _resource_usage(cubin: bytes) -> str:
 
 
 def compile_launch(kernel, args, kwargs, arch: int) -> str:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    signature, constexprs = _signature(kernel, args, kwargs)
-    options = {k: kwargs[k] for k in _OPTIONS if k in kwargs}
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs),
-                              target=GPUTarget("cuda", arch, 32), options=options)
-    return _resource_usage(compiled.asm["cubin"])
+    return _resource_usage(_compile(kernel, args, kwargs, arch).asm["cubin"])
 
 
 def _disassemble(cubin: bytes) -> list[tuple[int, str]]:
@@ -136,10 +147,6 @@ def _kernel_counts(sass: list[tuple[int, str]]) -> dict:
 def sass_report(arch: int = 90) -> int:
     """Print the main-loop SASS figures of the decode kernel at Llama-3-8B shapes; the last line is
     `instructions/token/kv-head: N` for 2-bit GEAR. Returns the exit status."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from ..config import GearConfig
     from .decode import cache_decode_attention
     from .reference import build_cache
@@ -154,10 +161,7 @@ def sass_report(arch: int = 90) -> int:
         cache_decode_attention(cache, 0, q, scaling=128 ** -0.5, inv_freq=torch.ones(64), _plan=plan)
         totals = {"spill_ops": 0, "fences": 0, "atomics": 0}
         for kernel, _grid, kargs, kwargs in plan:
-            signature, constexprs = _signature(kernel, kargs, kwargs)
-            options = {k: kwargs[k] for k in _OPTIONS if k in kwargs}
-            compiled = triton.compile(ASTSource(kernel, signature, constexprs),
-                                      target=GPUTarget("cuda", arch, 32), options=options)
+            compiled = _compile(kernel, kargs, kwargs, arch)
             sass = _disassemble(compiled.asm["cubin"])
             counts = _kernel_counts(sass)
             for k in totals:

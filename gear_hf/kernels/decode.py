@@ -8,19 +8,21 @@ flash-decoding style) streams over that row's tokens in row-local order
 and a second small kernel merges the splits: two launches per layer-step, no allocation (workspaces are cached
 per device and size), no memset. Compressed blocks are decoded in registers, never written back:
 
-* codes of 2, 3, 4 or 8 bits through one unpacking path (`_unpack_units`: each byte loaded once, shifts and
-  masks in registers; 3 bits: 8 codes in 3 bytes, a 2-bit and a 1-bit plane, as gear_hf.compress.quant packs);
+* codes of 2, 4 or 8 bits loaded as 32-bit words (`_unpack_words`: shifts and masks in registers; a key word
+  holds 4 channels' bytes, a value word 32/bits channels of one token); 3 bits (8 codes in 3 bytes, a 2-bit and
+  a 1-bit plane, as gear_hf.compress.quant packs) byte by byte (`_unpack_3bit_units`), each byte loaded once;
 * keys (per channel over token groups): unpack along tokens, dequantize with the group's scale/minimum (one row
   of statistics per block when a group spans whole blocks), add the low-rank term A·Bᵀ as a tensor-core dot
-  accumulating into the dequantized tile (rank padded to 16; int8 factors: their per-column scales folded into
-  Bᵀ, which is loaded once per chunk), un-rotate Walsh–Hadamard-rotated keys (two [BN, d/2]x[d/2, d/2] dots),
+  accumulating into the dequantized tile (rank padded to 16 in registers: only A's R columns, loaded once per
+  block for both halves, and Bᵀ's R rows, loaded once per chunk, are read; int8 factors: their per-column
+  scales folded into Bᵀ), un-rotate Walsh–Hadamard-rotated keys (two [BN, d/2]x[d/2, d/2] dots),
   rotate the pre-RoPE key by its stored position (cos/sin from the rotary module's inv_freq, so
   llama3/linear/yarn scaling is covered) and take q·k (tl.dot); the softmax scale and the rotary
   attention_scaling are folded into the query once;
 * key outliers (fixed 2k per channel over a chunk) come sorted by token within their chunk with per-16-token
   offsets (`views.prepare_derived`, once per chunk): each block reads only its own outliers and adds their
   exact score terms v·(q_j cos ± q_{j±d/2} sin) through a one-hot tl.dot — no score buffer, no atomics;
-* values (per token over channel groups): unpack along channels (each byte once), dequantize with statistics
+* values (per token over channel groups): unpack along channels (each word once), dequantize with statistics
   loaded once per group, add the token's outliers, accumulate P·V̂ with tl.dot and the low-rank term as
   (P·A)·Bᵀ, two small dots (never A·Bᵀ); rotated values are attended in the rotated basis (the sink and buffer
   values rotated on the fly) and the output is un-rotated once per row in the merge kernel (P·V·H·H = P·V);
@@ -116,60 +118,97 @@ def _join8(c0, c1, c2, c3, c4, c5, c6, c7):
 
 
 @triton.jit
-def _unpack_units(p, step, mask, BITS: tl.constexpr):
-    """Codes of the packing units whose first byte `p` [R, C] points at (a unit's bytes `step` apart):
-    int32 [R, C, UNIT] in code order. 2/4/8 bits: 8/BITS codes per byte, low bits first; 3 bits: 8 codes in 3
-    bytes, a 2-bit plane of two bytes then a 1-bit plane (the layout of gear_hf.compress.quant). Every byte is
-    loaded once and unpacked with shifts and masks in registers; one path for every width."""
-    b0 = tl.load(p, mask=mask, other=0).to(tl.int32)
-    if BITS == 8:
-        return tl.reshape(b0, [b0.shape[0], b0.shape[1], 1])
-    elif BITS == 4:
-        return tl.join(b0 & 15, b0 >> 4)
-    elif BITS == 2:
-        return _join4(b0 & 3, (b0 >> 2) & 3, (b0 >> 4) & 3, b0 >> 6)
-    else:
-        tl.static_assert(BITS == 3, "codes of 2, 3, 4 or 8 bits")
-        b1 = tl.load(p + step, mask=mask, other=0).to(tl.int32)
-        hi = tl.load(p + 2 * step, mask=mask, other=0).to(tl.int32) << 2  # bit j of the plane -> bit j + 2
-        return _join8(b0 & 3 | hi & 4, (b0 >> 2) & 3 | (hi >> 1) & 4, (b0 >> 4) & 3 | (hi >> 2) & 4,
-                      (b0 >> 6) | (hi >> 3) & 4, b1 & 3 | (hi >> 4) & 4, (b1 >> 2) & 3 | (hi >> 5) & 4,
-                      (b1 >> 4) & 3 | (hi >> 6) & 4, (b1 >> 6) | (hi >> 7) & 4)
+def _join16(c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15):
+    """Sixteen [R, C] tiles -> [R, C, 16], tile j at index j of the last axis."""
+    even = _join8(c0, c2, c4, c6, c8, c10, c12, c14)
+    odd = _join8(c1, c3, c5, c7, c9, c11, c13, c15)
+    return tl.reshape(tl.join(even, odd), [c0.shape[0], c0.shape[1], 16])
 
 
 @triton.jit
-def _key_half(codes_b, scale_b, min_b, a_b, bm_b, s_codes, s_scale, s_a, s_bm, as_b, bs_b, slot, slot0, slot_end,
-              tvalid, chunk, ch, bt_pre, D: tl.constexpr, BITS: tl.constexpr, UNIT: tl.constexpr, GROUP: tl.constexpr,
-              R: tl.constexpr, STATS_ROW: tl.constexpr, DT: tl.constexpr, B_PRE: tl.constexpr):
+def _unpack_words(w, BITS: tl.constexpr):
+    """Codes of 32-bit little-endian words w [R, C] of 2/4/8-bit codes (code j at bits BITS*j, the byte order
+    of gear_hf.compress.quant's packing read four bytes at a time): int32 [R, C, 32 // BITS] in code order."""
+    if BITS == 8:
+        return _join4(w & 255, (w >> 8) & 255, (w >> 16) & 255, (w >> 24) & 255)
+    elif BITS == 4:
+        return _join8(w & 15, (w >> 4) & 15, (w >> 8) & 15, (w >> 12) & 15, (w >> 16) & 15, (w >> 20) & 15,
+                      (w >> 24) & 15, (w >> 28) & 15)
+    else:
+        tl.static_assert(BITS == 2, "words of 2, 4 or 8-bit codes")
+        return _join16(w & 3, (w >> 2) & 3, (w >> 4) & 3, (w >> 6) & 3, (w >> 8) & 3, (w >> 10) & 3,
+                       (w >> 12) & 3, (w >> 14) & 3, (w >> 16) & 3, (w >> 18) & 3, (w >> 20) & 3, (w >> 22) & 3,
+                       (w >> 24) & 3, (w >> 26) & 3, (w >> 28) & 3, (w >> 30) & 3)
+
+
+@triton.jit
+def _unpack_3bit_units(p, step, mask):
+    """3-bit codes of the packing units whose first byte `p` [R, C] points at (a unit's bytes `step` apart):
+    int32 [R, C, 8] in code order. A unit is 8 codes in 3 bytes, a 2-bit plane of two bytes then a 1-bit plane
+    (the layout of gear_hf.compress.quant); units do not align with 32-bit words, so each byte is loaded once
+    and unpacked with shifts and masks in registers."""
+    b0 = tl.load(p, mask=mask, other=0).to(tl.int32)
+    b1 = tl.load(p + step, mask=mask, other=0).to(tl.int32)
+    hi = tl.load(p + 2 * step, mask=mask, other=0).to(tl.int32) << 2  # bit j of the plane -> bit j + 2
+    return _join8(b0 & 3 | hi & 4, (b0 >> 2) & 3 | (hi >> 1) & 4, (b0 >> 4) & 3 | (hi >> 2) & 4,
+                  (b0 >> 6) | (hi >> 3) & 4, b1 & 3 | (hi >> 4) & 4, (b1 >> 2) & 3 | (hi >> 5) & 4,
+                  (b1 >> 4) & 3 | (hi >> 6) & 4, (b1 >> 6) | (hi >> 7) & 4)
+
+
+@triton.jit
+def _load_rows(p, mask, C: tl.constexpr):
+    """float32 [R, C] of the 16-bit (bf16/fp16) or float32 elements p [R] + arange(C) (rows 4-byte aligned). 16-bit
+    rows are read as 32-bit words and split in registers: wide loads whatever layout the consumer wants (a plain
+    16-bit load takes the consumer's layout, often one element per load)."""
+    ty: tl.constexpr = p.dtype.element_ty
+    if ty == tl.float32:
+        x = tl.load(p[:, None] + tl.arange(0, C)[None, :], mask=mask, other=0.0)
+    else:
+        w = tl.load(p.to(tl.pointer_type(tl.int32))[:, None] + tl.arange(0, C // 2)[None, :], mask=mask, other=0)
+        if ty == tl.bfloat16:  # a bf16 is the top half of the float32 with the same value
+            lo = (w << 16).to(tl.float32, bitcast=True)
+            hi = (w & -65536).to(tl.float32, bitcast=True)
+        else:
+            lo = (w & 65535).to(tl.int16).to(ty, bitcast=True).to(tl.float32)
+            hi = (w >> 16).to(tl.int16).to(ty, bitcast=True).to(tl.float32)
+        x = tl.reshape(tl.join(lo, hi), [w.shape[0], C])
+    return x
+
+
+@triton.jit
+def _key_half(codes_b, scale_b, min_b, s_codes, s_scale, slot, slot0, slot_end, tvalid, ch, ch0, a, bt,
+              BITS: tl.constexpr, UNIT: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr, STATS_ROW: tl.constexpr,
+              DT: tl.constexpr):
     """Keys (axis="channel") at store slots `slot` [BN] (slot0 + arange, valid below slot_end) and channels
-    `ch` [C]: D̂ + A·Bᵀ in float32 [BN, C].
+    `ch` [C] (from ch0): D̂ + A·Bᵀ in float32 [BN, C] (a: the block's `_lowrank_a`, bt: the chunk's `_lowrank_bt`
+    of these channels).
     STATS_ROW: the block lies inside one quantization group (starting at slot0): one row of scale/minimum."""
     m2 = tvalid[:, None]
     BN: tl.constexpr = slot.shape[0]
     C: tl.constexpr = ch.shape[0]
-    if UNIT > 1:  # each code byte loaded once: [BN/UNIT, C, UNIT] -> [BN, C], token = unit * UNIT + j
+    if BITS != 3:  # 32-bit words of 4 channels' bytes (UNIT tokens each): [BN/UNIT, C/4, 4, UNIT] -> [BN, C]
         units = slot0 // UNIT + tl.arange(0, BN // UNIT)
-        UNIT_BYTES: tl.constexpr = 3 if BITS == 3 else 1
-        code = _unpack_units(codes_b + (units * UNIT_BYTES)[:, None] * s_codes + ch[None, :], s_codes,
-                             (units * UNIT < slot_end)[:, None], BITS)
+        rows = (codes_b + units[:, None] * s_codes).to(tl.pointer_type(tl.int32))
+        w = tl.load(rows + (ch0 // 4 + tl.arange(0, C // 4))[None, :], mask=(units * UNIT < slot_end)[:, None],
+                    other=0)
+        code = tl.reshape(_unpack_words(w, BITS), [BN // UNIT, C // 4, 4, UNIT])
+        code = tl.reshape(tl.permute(code, (0, 3, 1, 2)), [BN, C])
+    else:  # 3 bits, units of 3 bytes: [BN/8, C, 8] -> [BN, C], token = unit * 8 + j
+        units = slot0 // UNIT + tl.arange(0, BN // UNIT)
+        code = _unpack_3bit_units(codes_b + (units * 3)[:, None] * s_codes + ch[None, :], s_codes,
+                                  (units * UNIT < slot_end)[:, None])
         code = tl.reshape(tl.permute(code, (0, 2, 1)), [BN, C])
-    else:
-        code = tl.load(codes_b + slot[:, None] * s_codes + ch[None, :], mask=m2, other=0).to(tl.int32)
-    if STATS_ROW:
-        srow = (slot0 // GROUP) * s_scale + ch
-        sc = tl.load(scale_b + srow).to(tl.float32)[None, :]
-        mn = tl.load(min_b + srow).to(tl.float32)[None, :]
+    if STATS_ROW:  # one row of the group's statistics, [1, C]
+        srow = (slot0 // GROUP) * s_scale + ch0 + tl.zeros([1], tl.int32)
+        sc = _load_rows(scale_b + srow, tl.full([1, 1], True, tl.int1), C)
+        mn = _load_rows(min_b + srow, tl.full([1, 1], True, tl.int1), C)
     else:
         srow = (slot // GROUP)[:, None] * s_scale + ch[None, :]
         sc = tl.load(scale_b + srow, mask=m2, other=0.0).to(tl.float32)
         mn = tl.load(min_b + srow, mask=m2, other=0.0).to(tl.float32)
     k = code.to(tl.float32) * sc + mn
     if R > 0:  # + A·Bᵀ on the tensor cores (rank padded to 16 with zeros)
-        if B_PRE:  # the caller loaded Bᵀ once (the prompt chunk: the same B for every block)
-            bt = bt_pre
-        else:
-            bt = _lowrank_bt(bm_b, s_bm, chunk * D + ch, as_b, bs_b, chunk, R, DT)
-        k = _lowrank_dot(_lowrank_a(a_b, s_a, slot, tvalid, R, DT), bt, k, DT)
+        k = _lowrank_dot(a, bt, k, DT)
     return k
 
 
@@ -181,10 +220,14 @@ def _value_tile(codes_b, scale_b, min_b, spv_b, spi_b, s_codes, s_scale, s_sp, s
     c = tl.arange(0, D)
     m2 = tvalid[:, None]
     BN: tl.constexpr = slot.shape[0]
-    UNIT_BYTES: tl.constexpr = 3 if BITS == 3 else 1
-    units = tl.arange(0, D // UNIT)
-    code = tl.reshape(_unpack_units(codes_b + slot[:, None] * s_codes + (units * UNIT_BYTES)[None, :], 1, m2, BITS),
-                      [BN, D])
+    if BITS == 3:  # 8 codes in 3 bytes: byte by byte
+        units = tl.arange(0, D // UNIT)
+        code = tl.reshape(_unpack_3bit_units(codes_b + slot[:, None] * s_codes + (units * 3)[None, :], 1, m2), [BN, D])
+    else:  # a row is D*BITS/8 bytes, a multiple of 4: loaded as 32-bit words (4x fewer loads, fewer rows per thread)
+        WORDS: tl.constexpr = D * BITS // 32
+        rows = (codes_b + slot[:, None] * s_codes).to(tl.pointer_type(tl.int32))
+        w = tl.load(rows + tl.arange(0, WORDS)[None, :], mask=m2, other=0)
+        code = tl.reshape(_unpack_words(w, BITS), [BN, D])
     if STATS_W * GROUP == D:  # whole groups: one load per group, broadcast over its channels in registers
         g = tl.arange(0, STATS_W)
         srow = slot[:, None] * s_scale + g[None, :]
@@ -264,28 +307,34 @@ def _softmax_step(s, t, tvalid, limit, mvalid, window, m_i, l_i, acc, v, DT: tl.
 
 @triton.jit
 def _lowrank_a(a_b, s_a, slot, tvalid, R: tl.constexpr, DT: tl.constexpr):
-    """A [BN, 16] at store slots `slot`, the rank padded with zeros to 16 (the smallest tl.dot), in its storage
-    dtype; int8 factors in the dot dtype (exact in it; their per-column scales are carried by `_lowrank_bt`)."""
-    rr = tl.arange(0, 16)
+    """A [BN, 16] at store slots `slot`, the rank padded with zeros to 16 (the smallest tl.dot): only the R real
+    columns are loaded (rounded up to a power of two RP), column j holds rank j // (16/RP) when j is a multiple
+    of 16/RP, else zero (the rows of `_lowrank_bt` match). In the storage dtype; int8 factors in the dot dtype
+    (exact in it; their per-column scales are carried by `_lowrank_bt`)."""
+    RP: tl.constexpr = 1 << (R - 1).bit_length()
+    rr = tl.arange(0, RP)
     a = tl.load(a_b + slot[:, None] * s_a + rr[None, :], mask=tvalid[:, None] & (rr < R)[None, :], other=0)
     if a.dtype == tl.int8:  # (through float32: the CPU interpreter has no direct int8 -> bf16 conversion)
         a = a.to(tl.float32).to(DT)
-    return a
+    a = tl.where((tl.arange(0, 16 // RP) == 0)[None, None, :], a[:, :, None], tl.zeros_like(a)[:, :, None])
+    return tl.reshape(a, [a.shape[0], 16])
 
 
 @triton.jit
 def _lowrank_bt(bm_b, s_bm, b_rows, as_b, bs_b, chunk, R: tl.constexpr, DT: tl.constexpr):
-    """Bᵀ [16, C] of B's rows `b_rows`, the rank padded with zeros to 16, in its storage dtype. int8 factors
+    """Bᵀ [16, C] of B's rows `b_rows`, row j = rank j // (16/RP) (see `_lowrank_a`), in its storage dtype. int8 factors
     (gear_hf.compress.gear: A·diag(a_scale)·(B·diag(b_scale))ᵀ) carry both per-column scales of the chunk here:
     Bᵀ·diag(a_scale·b_scale) in the dot dtype (rounded once; A stays exact)."""
-    rr = tl.arange(0, 16)
-    bt = tl.load(bm_b + b_rows[None, :] * s_bm + rr[:, None], mask=(rr < R)[:, None], other=0)
+    RP: tl.constexpr = 1 << (R - 1).bit_length()  # the rank rounded up to a power of two
+    rr = tl.arange(0, RP)
+    bt = tl.load(bm_b + b_rows[None, :] * s_bm + rr[:, None], mask=(rr < R)[:, None], other=0)  # [RP, C]
     if bt.dtype == tl.int8:
         at = chunk * R + rr
         sc = tl.load(as_b + at, mask=rr < R, other=0.0).to(tl.float32) * \
             tl.load(bs_b + at, mask=rr < R, other=0.0).to(tl.float32)
         bt = (bt.to(tl.float32) * sc[:, None]).to(DT)
-    return bt
+    # 16 rows (the smallest dot) from the R real ones: each repeated 16/RP times (A is zero in all but the first)
+    return tl.reshape(tl.broadcast_to(bt[:, None, :], [RP, 16 // RP, bt.shape[1]]), [16, bt.shape[1]])
 
 
 @triton.jit
@@ -299,14 +348,8 @@ def _lowrank_dot(x, y, acc, DT: tl.constexpr):
 
 
 @triton.jit
-def _lowrank_values(acc, p, a_b, bm_b, s_a, s_bm, as_b, bs_b, slot, tvalid, chunk, bt_pre, D: tl.constexpr,
-                    R: tl.constexpr, DT: tl.constexpr, B_PRE: tl.constexpr):
+def _lowrank_values(acc, p, a, bt, DT: tl.constexpr):
     """acc += (P·A)·Bᵀ for the block (two small dots; A·Bᵀ never formed)."""
-    a = _lowrank_a(a_b, s_a, slot, tvalid, R, DT)
-    if B_PRE:
-        bt = bt_pre
-    else:
-        bt = _lowrank_bt(bm_b, s_bm, chunk * D + tl.arange(0, D), as_b, bs_b, chunk, R, DT)
     pa = _lowrank_dot(p, a, tl.zeros([p.shape[0], 16], tl.float32), DT)  # [M, 16]
     return _lowrank_dot(pa, bt, acc, DT)
 
@@ -326,21 +369,22 @@ def _unrotate_halves(x1, x2, had_ptr, D: tl.constexpr, DT: tl.constexpr):
 
 @triton.jit
 def _compressed_block(
-    q1, q2, q_rows, t, slot, slot0, slot_end, tvalid, chunk, tok0, pos_b, freq_ptr, freq, q_scale, limit, mvalid,
+    q1, q2, q_rows, t, slot, slot0, slot_end, tvalid, tok0, pos_b, freq_ptr, freq, q_scale, limit, mvalid,
     window, m_i, l_i, acc,
-    kc, ks, km, ka, kb, s_kc, s_ks, s_ka, s_kb, kas, kbs, ow, ov, ot, n_tiles, seg, t_base,
-    vc, vs, vm, vsv, vsi, va, vb, s_vc, s_vs, s_vsp, s_va, s_vb, vas, vbs, kbt1, kbt2, vbt, had_ptr,
-    D: tl.constexpr, HALF: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr,
-    B_PRE: tl.constexpr, ROT_K: tl.constexpr,
+    kc, ks, km, ka, s_kc, s_ks, s_ka, ow, ov, ot, n_tiles, seg, t_base,
+    vc, vs, vm, vsv, vsi, va, s_vc, s_vs, s_vsp, s_va, kbt1, kbt2, vbt, had_ptr,
+    D: tl.constexpr, HALF: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr, ROT_K: tl.constexpr,
     K_BITS: tl.constexpr, K_UNIT: tl.constexpr, K_GROUP: tl.constexpr, K_R: tl.constexpr, K_SPARSE: tl.constexpr,
     K_STATS_ROW: tl.constexpr,
     V_BITS: tl.constexpr, V_UNIT: tl.constexpr, V_GROUP: tl.constexpr, V_R: tl.constexpr, V_K2: tl.constexpr,
 ):
+    """One block of compressed tokens; kbt1/kbt2/vbt: the chunk's `_lowrank_bt` (key halves, values)."""
     h_offs = tl.arange(0, HALF)
-    k1 = _key_half(kc, ks, km, ka, kb, s_kc, s_ks, s_ka, s_kb, kas, kbs, slot, slot0, slot_end, tvalid, chunk,
-                   h_offs, kbt1, D, K_BITS, K_UNIT, K_GROUP, K_R, K_STATS_ROW, DT, B_PRE)
-    k2 = _key_half(kc, ks, km, ka, kb, s_kc, s_ks, s_ka, s_kb, kas, kbs, slot, slot0, slot_end, tvalid, chunk,
-                   h_offs + HALF, kbt2, D, K_BITS, K_UNIT, K_GROUP, K_R, K_STATS_ROW, DT, B_PRE)
+    ka16 = _lowrank_a(ka, s_ka, slot, tvalid, K_R, DT) if K_R > 0 else 0  # shared by both halves
+    k1 = _key_half(kc, ks, km, s_kc, s_ks, slot, slot0, slot_end, tvalid, h_offs, 0, ka16, kbt1,
+                   K_BITS, K_UNIT, K_GROUP, K_R, K_STATS_ROW, DT)
+    k2 = _key_half(kc, ks, km, s_kc, s_ks, slot, slot0, slot_end, tvalid, h_offs + HALF, HALF, ka16, kbt2,
+                   K_BITS, K_UNIT, K_GROUP, K_R, K_STATS_ROW, DT)
     if ROT_K:  # stored keys are k·H (Walsh–Hadamard): un-rotate before RoPE, k·H·H = k
         k1, k2 = _unrotate_halves(k1, k2, had_ptr, D, DT)
     pos = tl.load(pos_b + t, mask=tvalid, other=0)
@@ -353,7 +397,7 @@ def _compressed_block(
                     s_vs)
     m_i, l_i, acc, p = _softmax_step(s, t, tvalid, limit, mvalid, window, m_i, l_i, acc, v, DT)
     if V_R > 0:
-        acc = _lowrank_values(acc, p, va, vb, s_va, s_vb, vas, vbs, slot, tvalid, chunk, vbt, D, V_R, DT, B_PRE)
+        acc = _lowrank_values(acc, p, _lowrank_a(va, s_va, slot, tvalid, V_R, DT), vbt, DT)
     return m_i, l_i, acc
 
 
@@ -362,21 +406,19 @@ def _dense_block(q1, q2, k_b, v_b, s_tok, t, slot, tvalid, pos_b, freq, limit,
                  mvalid, window, m_i, l_i, acc, had_ptr, D: tl.constexpr, HALF: tl.constexpr, DT: tl.constexpr,
                  FAST: tl.constexpr, ROT_V: tl.constexpr):
     """Full-precision tokens (sink or buffer) at store slots `slot`."""
-    h_offs = tl.arange(0, HALF)
     m2 = tvalid[:, None]
-    rows = slot[:, None] * s_tok
-    k1 = tl.load(k_b + rows + h_offs[None, :], mask=m2, other=0.0).to(tl.float32)
-    k2 = tl.load(k_b + rows + HALF + h_offs[None, :], mask=m2, other=0.0).to(tl.float32)
+    rows = slot * s_tok  # [BN]
+    k1 = _load_rows(k_b + rows, m2, HALF)
+    k2 = _load_rows(k_b + rows + HALF, m2, HALF)
     pos = tl.load(pos_b + t, mask=tvalid, other=0)
     k1, k2 = _rope(k1, k2, pos, freq, FAST)
     s = _dot(q1, tl.trans(k1), DT) + _dot(q2, tl.trans(k2), DT)
     if ROT_V:  # the compressed values are attended in the rotated basis (v·H); the output is un-rotated once
-        v1, v2 = _unrotate_halves(tl.load(v_b + rows + h_offs[None, :], mask=m2, other=0.0).to(tl.float32),
-                                  tl.load(v_b + rows + HALF + h_offs[None, :], mask=m2, other=0.0).to(tl.float32),
+        v1, v2 = _unrotate_halves(_load_rows(v_b + rows, m2, HALF), _load_rows(v_b + rows + HALF, m2, HALF),
                                   had_ptr, D, DT)
         v = tl.reshape(tl.permute(tl.join(v1, v2), (0, 2, 1)), [v1.shape[0], D])
     else:
-        v = tl.load(v_b + rows + tl.arange(0, D)[None, :], mask=m2, other=0.0)
+        v = tl.load(v_b + rows[:, None] + tl.arange(0, D)[None, :], mask=m2, other=0.0)
     m_i, l_i, acc, p = _softmax_step(s, t, tvalid, limit, mvalid, window, m_i, l_i, acc, v, DT)
     return m_i, l_i, acc
 
@@ -502,16 +544,14 @@ def _decode_attention_kernel(
             tvalid = slot < p_len
             t = s_len + slot
             m_i, l_i, acc = _compressed_block(
-                q1, q2, q_rows, t, slot, slot0, p_len, tvalid, 0, slot0, pos_b, freq_ptr, freq, q_scale, limit,
+                q1, q2, q_rows, t, slot, slot0, p_len, tvalid, slot0, pos_b, freq_ptr, freq, q_scale, limit,
                 mvalid, window, m_i, l_i, acc,
-                pkc + bh64 * s_pkc, pks + bh64 * s_pks, pkm + bh64 * s_pks, pka + bh64 * s_pka,
-                pkb + bh64 * s_pkb, D, D, P_K_R, P_K_R, pkas + bh64 * s_pkas, pkbs + bh64 * s_pkas,
+                pkc + bh64 * s_pkc, pks + bh64 * s_pks, pkm + bh64 * s_pks, pka + bh64 * s_pka, D, D, P_K_R,
                 pow_ + bh64 * s_pow, pov + bh64 * s_pow, pot + bh64 * s_pot, p_tiles, 0, s_len,
                 pvc + bh64 * s_pvc, pvs + bh64 * s_pvs, pvm + bh64 * s_pvs, pvsv + bh64 * s_pvsp,
-                pvsi + bh64 * s_pvsp, pva + bh64 * s_pva, pvb + bh64 * s_pvb,
-                P_V_CODES_W, P_V_STATS_W, P_V_K2, P_V_R, P_V_R, pvas + bh64 * s_pvas, pvbs + bh64 * s_pvas,
+                pvsi + bh64 * s_pvsp, pva + bh64 * s_pva, P_V_CODES_W, P_V_STATS_W, P_V_K2, P_V_R,
                 pkbt1, pkbt2, pvbt, had_ptr,
-                D, HALF, BN, DT, FAST, True, ROT_K, P_K_BITS, P_K_UNIT, P_K_GROUP, P_K_R, P_K_SPARSE, P_K_STATS_ROW,
+                D, HALF, BN, DT, FAST, ROT_K, P_K_BITS, P_K_UNIT, P_K_GROUP, P_K_R, P_K_SPARSE, P_K_STATS_ROW,
                 P_V_BITS, P_V_UNIT, P_V_GROUP, P_V_R, P_V_K2)
 
     if D_K_BITS > 0:
@@ -540,16 +580,14 @@ def _decode_attention_kernel(
                 tvalid = slot < c_cnt * NB
                 t = s_len + p_len + slot
                 m_i, l_i, acc = _compressed_block(
-                    q1, q2, q_rows, t, slot, slot0, c_cnt * NB, tvalid, chunk, slot0 - chunk * NB, pos_b, freq_ptr,
+                    q1, q2, q_rows, t, slot, slot0, c_cnt * NB, tvalid, slot0 - chunk * NB, pos_b, freq_ptr,
                     freq, q_scale, limit, mvalid, window, m_i, l_i, acc,
-                    dkc + bh64 * s_dkc, dks + bh64 * s_dks, dkm + bh64 * s_dks, dka + bh64 * s_dka,
-                    dkb + bh64 * s_dkb, D, D, D_K_R, D_K_R, dkas + bh64 * s_dkas, dkbs + bh64 * s_dkas,
+                    dkc + bh64 * s_dkc, dks + bh64 * s_dks, dkm + bh64 * s_dks, dka + bh64 * s_dka, D, D, D_K_R,
                     dow + bh64 * s_dow, dov + bh64 * s_dow, dot_ + bh64 * s_dot + chunk * (NB // 16 + 1), NB // 16,
                     chunk * d_seg, s_len + p_len + chunk * NB,
                     dvc + bh64 * s_dvc, dvs + bh64 * s_dvs, dvm + bh64 * s_dvs, dvsv + bh64 * s_dvsp,
-                    dvsi + bh64 * s_dvsp, dva + bh64 * s_dva, dvb + bh64 * s_dvb,
-                    D_V_CODES_W, D_V_STATS_W, D_V_K2, D_V_R, D_V_R, dvas + bh64 * s_dvas, dvbs + bh64 * s_dvas,
-                    dkbt1, dkbt2, dvbt, had_ptr, D, HALF, BN, DT, FAST, True, ROT_K, D_K_BITS, D_K_UNIT, D_K_GROUP,
+                    dvsi + bh64 * s_dvsp, dva + bh64 * s_dva, D_V_CODES_W, D_V_STATS_W, D_V_K2, D_V_R,
+                    dkbt1, dkbt2, dvbt, had_ptr, D, HALF, BN, DT, FAST, ROT_K, D_K_BITS, D_K_UNIT, D_K_GROUP,
                     D_K_R, D_K_SPARSE, D_K_STATS_ROW, D_V_BITS, D_V_UNIT, D_V_GROUP, D_V_R, D_V_K2)
 
     for blk in range(tl.maximum(lo, e3), hi):
@@ -616,6 +654,16 @@ def _check(t: torch.Tensor, name: str) -> torch.Tensor:
     return t
 
 
+def _check_words(t: torch.Tensor, name: str) -> torch.Tensor:
+    """Tensors the kernel reads as 32-bit words (2/4/8-bit codes: rows of d*bits/8 or d bytes; 16-bit sink and
+    buffer tokens and key statistics: rows of d elements) hold whole words per row, so they must start on a
+    4-byte boundary (torch allocations always do)."""
+    if t.data_ptr() % 4:
+        raise ValueError(f"{name} must start on a 4-byte boundary (read as 32-bit words), got address "
+                         f"{t.data_ptr():#x}")
+    return t
+
+
 def _rank(run: ChunkRunView, prefix: str) -> int:
     r = run.lowrank_a.shape[-1]
     if r > MAX_FUSED_RANK:
@@ -644,6 +692,9 @@ def _key_run_args(run: ChunkRunView | None, chunks_used: int, dummy: torch.Tenso
     if run.chunk_len % unit or group % unit:
         raise NotImplementedError(f"fused kernel: chunk of {run.chunk_len} tokens / group {group} does not align "
                                   f"with packing units of {unit} codes")
+    if spec.bits != 3:
+        _check_words(run.codes, f"{prefix}.codes")
+    _check_words(run.scale, f"{prefix}.scale"), _check_words(run.minimum, f"{prefix}.minimum")
     k2 = key_outlier_count(run)
     if k2 and spec.rotate:
         raise NotImplementedError("fused kernel: key outliers of rotated keys (rotation='keys'/'both' with a sparse "
@@ -677,6 +728,8 @@ def _value_run_args(run: ChunkRunView | None, chunks_used: int, dummy: torch.Ten
     spec = run.spec
     if spec.axis != "token":
         raise NotImplementedError("fused kernel: values must be stored per token (value_axis='token')")
+    if spec.bits != 3:
+        _check_words(run.codes, f"{prefix}.codes")
     constexprs = {"BITS": spec.bits, "UNIT": pack_unit(spec.bits)[0], "GROUP": spec.group_for(run.chunk_len, head_dim),
                   "R": _rank(run, prefix), "K2": f["sparse_values"].shape[-1],
                   "CODES_W": f["codes"].shape[-1], "STATS_W": f["scale"].shape[-1]}
@@ -812,7 +865,8 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
     B, Hq, QL, D = query.shape
     if D < 32 or D & (D - 1):
         raise NotImplementedError(f"fused kernel: head_dim {D} must be a power of two >= 32")
-    buf_k, buf_v = _check(keys.buffer, "buffer keys"), _check(values.buffer, "buffer values")
+    buf_k = _check_words(_check(keys.buffer, "buffer keys"), "buffer keys")
+    buf_v = _check_words(_check(values.buffer, "buffer values"), "buffer values")
     Hkv = buf_k.shape[1]
     if Hq % Hkv:
         raise ValueError(f"{Hq} query heads do not split into {Hkv} KV heads")
@@ -837,7 +891,8 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
 
     has_sink = keys.sink is not None and layout.max_sink > 0
     if has_sink:
-        _check(keys.sink, "sink keys"), _check(values.sink, "sink values")
+        _check_words(_check(keys.sink, "sink keys"), "sink keys")
+        _check_words(_check(values.sink, "sink values"), "sink values")
     if (keys.prompt is None) != (values.prompt is None) or (keys.decode is None) != (values.decode is None):
         raise ValueError("keys and values disagree on which chunk runs exist")
     NB = layout.buffer_size
