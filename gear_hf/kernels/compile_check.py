@@ -152,8 +152,10 @@ def sass_report(arch: int = 90) -> int:
     from .reference import build_cache
 
     figure = None
+    # the presets store int8 low-rank factors; gear2-f16 keeps the paper's 16-bit ones (the figure before int8)
     cases = [("gear4", GearConfig.preset("gear", bits=4)), ("gear3", GearConfig.preset("gear", bits=3)),
-             ("default", GearConfig()), ("gear2", GearConfig.preset("gear", bits=2))]
+             ("default", GearConfig()), ("gear2-f16", GearConfig.preset("gear", bits=2, factor_bits=16)),
+             ("gear2", GearConfig.preset("gear", bits=2))]
     for label, cfg in cases:
         cache, _, _ = build_cache(cfg, batch=1, kv_heads=2, head_dim=128, steps=[150, 70, 1], dtype=torch.bfloat16)
         q = torch.zeros(1, 8, 1, 128, dtype=torch.bfloat16)  # GQA 4, q_len 1
