@@ -132,6 +132,37 @@ def test_outlier_count_per_vector_is_fixed(axis):
     assert (vec.masked_fill(m, 0).abs().amax(-1) <= vec.abs().amax(-1)).all()
 
 
+def _brute_force_outliers(vec: list[float], k: int) -> set[int]:
+    """The documented choice, one vector at a time: the k+1 largest (equal values: lower index first), the k+1
+    smallest of what the k largest leave, and the split (fewest from the top on a tie) leaving the narrowest range."""
+    top = sorted(range(len(vec)), key=lambda i: (-vec[i], i))
+    bottom = sorted(top[k:], key=lambda i: (vec[i], i))
+    widths = [vec[top[j]] - vec[bottom[k - j]] for j in range(k + 1)]
+    j = widths.index(min(widths))
+    return set(top[:j]) | set(bottom[: k - j])
+
+
+@pytest.mark.parametrize("whole_vectors", [False, True])
+@pytest.mark.parametrize("axis", ["channel", "token"])
+def test_outliers_on_ties_follow_the_documented_order(axis, whole_vectors, monkeypatch):
+    """Many equal values (small integers; bf16 caches and repeated tokens have them): the chosen entries are those of
+    the brute-force rule, on the CPU's candidate path and on the whole-vector sort (the path other devices take)."""
+    from gear_hf.compress import outliers
+
+    if whole_vectors:
+        monkeypatch.setattr(outliers, "_candidates", lambda *a, **k: None)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(-4, 5, (2, 2, 40, 12), generator=g).float()
+    x[0, 0, :, 5] = 0.0  # a constant vector along tokens: every entry ties
+    x[1, 1, 7] = 0.0  # and one along channels
+    _, _, mask = select_outliers(x, axis, 0.1)
+    vec = x.transpose(-1, -2) if axis == "channel" else x
+    chosen = mask.transpose(-1, -2) if axis == "channel" else mask
+    k = outliers_per_vector(vec.shape[-1], 0.1)
+    for v, m in zip(vec.reshape(-1, vec.shape[-1]).tolist(), chosen.reshape(-1, vec.shape[-1])):
+        assert set(torch.nonzero(m).flatten().tolist()) == _brute_force_outliers(v, k)
+
+
 def test_outliers_ignore_padding_and_follow_row_length():
     x = _x(B=2, n=100)
     valid = torch.ones(2, 100, dtype=torch.bool)

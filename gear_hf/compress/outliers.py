@@ -38,39 +38,34 @@ def select_outliers(x: torch.Tensor, axis: str, ratio: float, valid: torch.Tenso
 
     valid: [B, n] bool, False at padding (padding is never chosen, and a row's count k follows its number
     of valid tokens when vectors run along tokens).
+    Ties: among equal values the entry with the lower index inside its vector ranks first (so the choice depends on
+    the values and their order only, not on how a sort happens to break ties).
     Returns (index, slot_used, mask):
       index     int64, [B,H,k,d] (token index, axis="channel") or [B,H,n,k] (channel index, axis="token")
       slot_used bool, same shape: False for slots a short row leaves empty (they must hold value 0)
       mask      bool [B,H,n,d], True at chosen entries
     """
     B, H, n, d = x.shape
-    vec = _vectors_last(x.float(), axis)  # [B,H,V,L]
-    length = vec.shape[-1]
+    length = n if axis == "channel" else d
     k = outliers_per_vector(length, ratio)
     if k == 0:
         shape = (B, H, 0, d) if axis == "channel" else (B, H, n, 0)
         empty = torch.zeros(shape, dtype=torch.long, device=x.device)
         return empty, empty.bool(), torch.zeros_like(x, dtype=torch.bool)
 
+    entry_ok = None  # [B,1,n,1] valid entries, when there is padding
     counts_vec = None  # valid entries per vector, when it is not the length
-    if valid is None:
-        entry_ok = torch.ones_like(vec, dtype=torch.bool)
-        k_row = torch.full((B,), k, device=x.device)
-    elif axis == "channel":
-        entry_ok = valid[:, None, None, :].expand_as(vec)
-        counts = valid.sum(dim=1).tolist()
-        k_row = torch.tensor([outliers_per_vector(c, ratio) for c in counts], device=x.device)
-        counts_vec = torch.tensor(counts, device=x.device)[:, None, None, None]
-    else:
-        entry_ok = valid[:, None, :, None].expand_as(vec)
-        k_row = torch.full((B,), k, device=x.device)
+    k_row = torch.full((B,), k, device=x.device)
+    if valid is not None:
+        entry_ok = valid[:, None, :, None]
+        if axis == "channel":
+            counts = valid.sum(dim=1).tolist()
+            k_row = torch.tensor([outliers_per_vector(c, ratio) for c in counts], device=x.device)
+            counts_vec = torch.tensor(counts, device=x.device)[:, None, None, None]
     k_vec = k_row[:, None, None, None]  # [B,1,1,1]
 
-    # k+1 largest, then k+1 smallest of the rest (padding never: its candidates are infinite)
-    top_val, top_idx = vec.masked_fill(~entry_ok, float("-inf")).topk(min(k + 1, length), dim=-1)
-    taken = torch.zeros_like(entry_ok).scatter_(-1, top_idx[..., :k], True)
-    bottom_val, bottom_idx = vec.masked_fill(~entry_ok | taken, float("inf")).topk(
-        min(k + 1, length - k), dim=-1, largest=False)
+    # k+1 largest, then k+1 smallest of the rest (padding never: its slots hold -inf / +inf)
+    top_val, top_idx, bottom_val, bottom_idx = _extremes(x, axis, k, entry_ok)  # [B,H,V,k+1] (fewer if short)
     # Taking j from the top and k-j from the bottom leaves the range [bottom[k-j], top[j]]: pick the narrowest.
     j = torch.arange(k + 1, device=x.device)
     hi = _at(top_val, j, float("-inf"))  # [B,H,V,k+1]
@@ -89,15 +84,119 @@ def select_outliers(x: torch.Tensor, axis: str, ratio: float, valid: torch.Tenso
     candidates = torch.cat([top_idx[..., :k], bottom_idx[..., :k]], dim=-1)
     values = torch.cat([top_val[..., :k], bottom_val[..., :k]], dim=-1)
     order = torch.sort((~chosen).to(torch.uint8), dim=-1, stable=True).indices[..., :k]  # chosen slots first
-    index = candidates.gather(-1, order)  # [B,H,V,k]
     slot_used = chosen.gather(-1, order) & torch.isfinite(values.gather(-1, order))
-
-    mask_vec = torch.zeros_like(entry_ok).scatter_(-1, index, slot_used)
-    mask = mask_vec.transpose(-1, -2) if axis == "channel" else mask_vec
-    index = torch.where(slot_used, index, 0)
+    index = torch.where(slot_used, candidates.gather(-1, order), 0)  # [B,H,V,k]
     if axis == "channel":
         index, slot_used = index.transpose(-1, -2), slot_used.transpose(-1, -2)  # [B,H,k,d]
+    # each entry is chosen at most once and unused slots (index 0) add 0: the sum is the 0/1 mask
+    dim = -2 if axis == "channel" else -1
+    mask = torch.zeros(x.shape, dtype=torch.uint8, device=x.device).scatter_add_(
+        dim, index, slot_used.to(torch.uint8)).view(torch.bool)
     return index, slot_used, mask
+
+
+# Blocks per outlier slot for the candidate bounds (_candidates): more blocks give a tighter bound (fewer
+# candidates to sort) for more block statistics to rank.
+_BLOCKS_PER_SLOT = 4
+
+
+def _extremes(x: torch.Tensor, axis: str, k: int, entry_ok: torch.Tensor | None):
+    """The min(k+1, L) largest entries of each vector of x [B,H,n,d], then the min(k+1, L-k) smallest of those
+    left once the k largest are taken: (top_val, top_idx, bottom_val, bottom_idx), [B,H,V,m] float32 / int64,
+    each ordered from the extreme inward, equal values in index order. entry_ok [B,1,n,1] (or None): entries
+    that may be taken; slots without one hold -inf (top) / +inf (bottom).
+
+    On the CPU only the candidates (_candidates: every entry that can be among them) are sorted; elsewhere the
+    whole vectors are (one stable sort, fast on a GPU, no host sync). Both give the same result.
+    """
+    if x.device.type == "cpu":
+        compact = _candidates(x, axis, k, entry_ok)
+        if compact is not None:
+            values, positions, present = compact  # [B,H,V,C]
+            return _sorted_extremes(values, present, k, positions)
+    vec = _vectors_last(x.float(), axis)  # [B,H,V,L]
+    ok = None if entry_ok is None else _vectors_last(entry_ok, axis).expand_as(vec)
+    return _sorted_extremes(vec, ok, k)
+
+
+def _sorted_extremes(values: torch.Tensor, present: torch.Tensor | None, k: int,
+                     positions: torch.Tensor | None = None):
+    """_extremes of vectors values [..., C] (float32) whose entries are present where `present` (None: all), at
+    `positions` inside their vector (None: 0..C-1, ascending)."""
+    C = values.shape[-1]
+    if positions is None:
+        positions = torch.arange(C, device=values.device).expand(values.shape)
+    top_side = values if present is None else values.masked_fill(~present, float("-inf"))
+    # one int64 key per entry, unique inside its vector: the value's order in the high half, the position in the
+    # low half, so that topk ranks equal values by position (its own order among equal values is unspecified)
+    order = _ordered_bits(top_side) << 32
+    top_order = (order | (_POSITION_LIMIT - positions)).topk(k + 1, dim=-1).indices  # largest first, [..., k+1]
+    taken = torch.zeros(values.shape, dtype=torch.bool, device=values.device).scatter_(-1, top_order[..., :k], True)
+    rest = taken if present is None else taken | ~present
+    order = _ordered_bits(values.masked_fill(rest, float("inf"))) << 32
+    bottom_order = (order | positions).topk(min(k + 1, C - k), dim=-1, largest=False).indices  # smallest first
+    return (top_side.gather(-1, top_order), positions.gather(-1, top_order),
+            values.gather(-1, bottom_order).masked_fill_(rest.gather(-1, bottom_order), float("inf")),
+            positions.gather(-1, bottom_order))
+
+
+_POSITION_LIMIT = (1 << 31) - 1  # positions inside a vector stay below it (index_dtype: at most int32)
+
+
+def _ordered_bits(values: torch.Tensor) -> torch.Tensor:
+    """float32 values -> int64 integers in the same order (equal values, -0.0 and +0.0 included, equal integers)."""
+    bits = (values + 0.0).view(torch.int32)  # + 0.0: -0.0 becomes +0.0
+    # negative floats order backwards as integers: flipping their magnitude bits puts them in order, below 0
+    return torch.where(bits < 0, bits ^ _POSITION_LIMIT, bits).long()
+
+
+def _candidates(x: torch.Tensor, axis: str, k: int, entry_ok: torch.Tensor | None):
+    """The entries of each vector of x [B,H,n,d] that can be among its k+1 largest or, once the k largest are
+    taken, the k+1 smallest of the rest, packed to the front: (values float32, positions int64, present bool),
+    each [B,H,V,C] (C: the most candidates of any vector, at least k+1, in index order); None when nearly every
+    entry is a candidate (sorting whole vectors is then as cheap).
+
+    Bounds from block statistics: split each vector into m >= k+1 blocks; at least k+1 entries are >= the (k+1)-th
+    largest block maximum (t_hi) and at least k+1 are <= the (k+1)-th smallest block minimum (t_lo). So every entry
+    of the top k+1 is >= t_hi, and, when t_hi > t_lo, the k largest are all > t_lo and the k+1 smallest of the rest
+    are <= t_lo (when t_hi <= t_lo every entry is a candidate). Equal values at a boundary are all candidates.
+    """
+    B, H, n, d = x.shape
+    dim = 2 if axis == "channel" else 3
+    L = x.shape[dim]
+    block = max(1, L // (_BLOCKS_PER_SLOT * (k + 1)))
+    blocks = L // block  # >= k+1 (k <= L // 2); a remainder shorter than a block joins no block
+    hi_src = x if entry_ok is None else x.masked_fill(~entry_ok, float("-inf"))
+    lo_src = x if entry_ok is None else x.masked_fill(~entry_ok, float("inf"))
+    # block j: the entries j, j+m, j+2m, ... (interleaved: neighbouring tokens are alike, so blocks of consecutive
+    # ones would have alike maxima and a loose bound)
+    block_max = hi_src.narrow(dim, 0, blocks * block).unflatten(dim, (block, blocks)).amax(dim)  # m blocks
+    block_min = lo_src.narrow(dim, 0, blocks * block).unflatten(dim, (block, blocks)).amin(dim)
+    t_hi = block_max.kthvalue(blocks - k, dim=dim, keepdim=True).values  # (k+1)-th largest, [B,H,1,d] / [B,H,n,1]
+    t_lo = block_min.kthvalue(k + 1, dim=dim, keepdim=True).values  # (k+1)-th smallest
+    # candidates written straight in the vectors' layout [B,H,V,L] (nonzero then lists them vector by vector)
+    vec, t_hi, t_lo = (_vectors_last(t, axis) for t in (x, t_hi, t_lo))
+    candidate = torch.ge(vec, t_hi, out=torch.empty(vec.shape, dtype=torch.bool, device=x.device))
+    candidate |= vec <= t_lo
+    if entry_ok is not None:
+        candidate &= _vectors_last(entry_ok, axis)
+    per_vector = candidate.sum(dim=-1)  # [B,H,V]
+    width = max(int(per_vector.max()), k + 1)
+    if 2 * width > L:
+        return None
+    vector, position = candidate.view(-1, L).nonzero(as_tuple=True)  # vector by vector (flat id), positions ascending
+    counts = per_vector.flatten()
+    first = counts.cumsum(0) - counts  # [B*H*V] where each vector's candidates start
+    column = torch.arange(vector.numel(), device=x.device) - first[vector]
+    # offset of each candidate in x [B,H,n,d] (contiguous): vectors are (b,h,channel) or (b,h,token)
+    offset = (vector // d * n + position) * d + vector % d if axis == "channel" else vector * d + position
+    shape = (*per_vector.shape, width)
+    values = x.new_zeros(shape, dtype=torch.float32)
+    values.view(-1, width)[vector, column] = x.reshape(-1)[offset].float()
+    positions = torch.zeros(shape, dtype=torch.long, device=x.device)
+    positions.view(-1, width)[vector, column] = position
+    present = torch.arange(width, device=x.device) < per_vector[..., None]
+    return values, positions, present
 
 
 def _at(values: torch.Tensor, position: torch.Tensor, missing: float) -> torch.Tensor:
