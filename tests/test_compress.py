@@ -142,23 +142,29 @@ def _brute_force_outliers(vec: list[float], k: int) -> set[int]:
     return set(top[:j]) | set(bottom[: k - j])
 
 
-@pytest.mark.parametrize("whole_vectors", [False, True])
+@pytest.mark.parametrize("path", ["extract", "candidates", "whole"])
+@pytest.mark.parametrize("ratio", [0.01, 0.05])
 @pytest.mark.parametrize("axis", ["channel", "token"])
-def test_outliers_on_ties_follow_the_documented_order(axis, whole_vectors, monkeypatch):
+def test_outliers_on_ties_follow_the_documented_order(axis, ratio, path, monkeypatch):
     """Many equal values (small integers; bf16 caches and repeated tokens have them): the chosen entries are those of
-    the brute-force rule, on the CPU's candidate path and on the whole-vector sort (the path other devices take)."""
+    the brute-force rule on each way of finding the extremes: taking them one by one (few per vector), ranking the
+    candidates (the CPU's way for more), sorting whole vectors (other devices')."""
     from gear_hf.compress import outliers
 
-    if whole_vectors:
-        monkeypatch.setattr(outliers, "_candidates", lambda *a, **k: None)
     g = torch.Generator().manual_seed(3)
-    x = torch.randint(-4, 5, (2, 2, 40, 12), generator=g).float()
-    x[0, 0, :, 5] = 0.0  # a constant vector along tokens: every entry ties
-    x[1, 1, 7] = 0.0  # and one along channels
-    _, _, mask = select_outliers(x, axis, 0.1)
+    x = torch.randint(-4, 5, (2, 2, 200, 64), generator=g).float()
+    if path != "candidates":  # (a vector where every entry is a candidate sends the whole call to another way)
+        x[0, 0, :, 5] = 0.0  # a constant vector along tokens: every entry ties
+        x[1, 1, 7] = 0.0  # and one along channels
+    k = outliers_per_vector(200 if axis == "channel" else 64, ratio)
+    monkeypatch.setattr(outliers, "_EXTRACTION_MAX_SLOTS", 1000 if path == "extract" else 0)
+    if path == "whole":
+        monkeypatch.setattr(outliers, "_candidates", lambda *a, **kw: None)
+    elif path == "candidates":
+        assert outliers._candidates(x, axis, k, None) is not None  # the candidates are few enough to be ranked
+    _, _, mask = select_outliers(x, axis, ratio)
     vec = x.transpose(-1, -2) if axis == "channel" else x
     chosen = mask.transpose(-1, -2) if axis == "channel" else mask
-    k = outliers_per_vector(vec.shape[-1], 0.1)
     for v, m in zip(vec.reshape(-1, vec.shape[-1]).tolist(), chosen.reshape(-1, vec.shape[-1])):
         assert set(torch.nonzero(m).flatten().tolist()) == _brute_force_outliers(v, k)
 

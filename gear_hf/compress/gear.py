@@ -123,8 +123,11 @@ def exact_outliers(target: torch.Tensor, code: torch.Tensor, scale: torch.Tensor
     candidates = torch.stack([by_ulp[u] for u in _ULP_STEPS], dim=1)  # [c, u, *E]
     hit = (base.unsqueeze(1) + candidates.float()).to(model_dtype).float() == target  # [c, u, *E]
     hit = hit.flatten(0, 1)  # [c*u, *E], in the order tried
-    first = hit.to(torch.uint8).argmax(dim=0, keepdim=True)  # [1, *E]: the first pair that hits (0 if none)
-    found = hit.any(dim=0)
+    pairs = hit.shape[0]
+    tried = torch.arange(pairs, dtype=torch.uint8, device=code.device).view(-1, *([1] * code.ndim))
+    first = torch.where(hit, tried, pairs).amin(dim=0, keepdim=True)  # [1, *E]: the first pair that hits, or `pairs`
+    found = first[0] < pairs
+    first = first.clamp_(max=pairs - 1).long()
     chosen_code = codes.repeat_interleave(len(_ULP_STEPS), dim=0).gather(0, first)[0]
     chosen_s = candidates.flatten(0, 1).gather(0, first)[0]
     # no hit: the clamped code (code steps 0) and the nearest S

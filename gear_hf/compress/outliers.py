@@ -67,25 +67,29 @@ def select_outliers(x: torch.Tensor, axis: str, ratio: float, valid: torch.Tenso
     # k+1 largest, then k+1 smallest of the rest (padding never: its slots hold -inf / +inf)
     top_val, top_idx, bottom_val, bottom_idx = _extremes(x, axis, k, entry_ok)  # [B,H,V,k+1] (fewer if short)
     # Taking j from the top and k-j from the bottom leaves the range [bottom[k-j], top[j]]: pick the narrowest.
-    j = torch.arange(k + 1, device=x.device)
-    hi = _at(top_val, j, float("-inf"))  # [B,H,V,k+1]
-    p = (k_vec - j).clamp(min=0)  # taken from the bottom
-    lo = _at(bottom_val, p, float("inf"))
-    # a short vector (length < 2k+1): the rest ran out of bottom candidates, and the p-th smallest is one of the
-    # k largest, the (n-1-p)-th of them
-    n_vec = counts_vec if counts_vec is not None else length
-    lo_among_top = _at(top_val, (n_vec - 1 - p).clamp(min=0), float("inf"))
-    lo = torch.where(torch.isinf(lo) & (p >= n_vec - k), lo_among_top, lo)
-    width = hi - lo
-    width = torch.where((j <= k_vec) & torch.isfinite(width), width, float("inf"))  # padding: never preferred
+    if valid is None and bottom_val.shape[-1] == k + 1:  # every vector full and long enough (length >= 2k+1)
+        width = (top_val - bottom_val.flip(-1)).nan_to_num_(nan=float("inf"), neginf=float("inf"))  # [B,H,V,k+1]
+    else:
+        j = torch.arange(k + 1, device=x.device)
+        hi = _at(top_val, j, float("-inf"))  # [B,H,V,k+1]
+        p = (k_vec - j).clamp(min=0)  # taken from the bottom
+        lo = _at(bottom_val, p, float("inf"))
+        # a short vector (length < 2k+1): the rest ran out of bottom candidates, and the p-th smallest is one of the
+        # k largest, the (n-1-p)-th of them
+        n_vec = counts_vec if counts_vec is not None else length
+        lo_among_top = _at(top_val, (n_vec - 1 - p).clamp(min=0), float("inf"))
+        lo = torch.where(torch.isinf(lo) & (p >= n_vec - k), lo_among_top, lo)
+        width = hi - lo
+        width = torch.where((j <= k_vec) & torch.isfinite(width), width, float("inf"))  # padding: never preferred
     from_top = width.argmin(dim=-1, keepdim=True)  # [B,H,V,1]
+    # slot s holds the s-th largest while s < from_top, then the (s - from_top)-th smallest; k_row slots per vector
     slot = torch.arange(k, device=x.device)
-    chosen = torch.cat([slot < from_top, slot < k_vec - from_top], dim=-1)  # [B,H,V,2k], k_row True per vector
-    candidates = torch.cat([top_idx[..., :k], bottom_idx[..., :k]], dim=-1)
-    values = torch.cat([top_val[..., :k], bottom_val[..., :k]], dim=-1)
-    order = torch.sort((~chosen).to(torch.uint8), dim=-1, stable=True).indices[..., :k]  # chosen slots first
-    slot_used = chosen.gather(-1, order) & torch.isfinite(values.gather(-1, order))
-    index = torch.where(slot_used, candidates.gather(-1, order), 0)  # [B,H,V,k]
+    on_top = slot < from_top  # [B,H,V,k]
+    below = (slot - from_top).clamp_(min=0)
+    index = torch.where(on_top, top_idx[..., :k], bottom_idx.gather(-1, below))  # [B,H,V,k]
+    values = torch.where(on_top, top_val[..., :k], bottom_val.gather(-1, below))
+    slot_used = (slot < k_vec) & torch.isfinite(values)
+    index = torch.where(slot_used, index, 0)
     if axis == "channel":
         index, slot_used = index.transpose(-1, -2), slot_used.transpose(-1, -2)  # [B,H,k,d]
     # each entry is chosen at most once and unused slots (index 0) add 0: the sum is the 0/1 mask
@@ -106,9 +110,12 @@ def _extremes(x: torch.Tensor, axis: str, k: int, entry_ok: torch.Tensor | None)
     each ordered from the extreme inward, equal values in index order. entry_ok [B,1,n,1] (or None): entries
     that may be taken; slots without one hold -inf (top) / +inf (bottom).
 
-    On the CPU only the candidates (_candidates: every entry that can be among them) are sorted; elsewhere the
-    whole vectors are (one stable sort, fast on a GPU, no host sync). Both give the same result.
+    Three ways, one result: for a few slots, the extreme is taken k+1 times (_extract_extremes); else, on the CPU,
+    only the candidates (_candidates: every entry that can be among them) are ranked; else whole vectors are (fast
+    on a GPU, no host sync).
     """
+    if k + 1 <= _EXTRACTION_MAX_SLOTS:
+        return _extract_extremes(x, axis, k, entry_ok)
     if x.device.type == "cpu":
         compact = _candidates(x, axis, k, entry_ok)
         if compact is not None:
@@ -126,28 +133,79 @@ def _sorted_extremes(values: torch.Tensor, present: torch.Tensor | None, k: int,
     C = values.shape[-1]
     if positions is None:
         positions = torch.arange(C, device=values.device).expand(values.shape)
-    top_side = values if present is None else values.masked_fill(~present, float("-inf"))
     # one int64 key per entry, unique inside its vector: the value's order in the high half, the position in the
     # low half, so that topk ranks equal values by position (its own order among equal values is unspecified)
-    order = _ordered_bits(top_side) << 32
-    top_order = (order | (_POSITION_LIMIT - positions)).topk(k + 1, dim=-1).indices  # largest first, [..., k+1]
-    taken = torch.zeros(values.shape, dtype=torch.bool, device=values.device).scatter_(-1, top_order[..., :k], True)
-    rest = taken if present is None else taken | ~present
-    order = _ordered_bits(values.masked_fill(rest, float("inf"))) << 32
-    bottom_order = (order | positions).topk(min(k + 1, C - k), dim=-1, largest=False).indices  # smallest first
-    return (top_side.gather(-1, top_order), positions.gather(-1, top_order),
-            values.gather(-1, bottom_order).masked_fill_(rest.gather(-1, bottom_order), float("inf")),
-            positions.gather(-1, bottom_order))
+    order = _ordered_bits(values) << 32
+    top_key = order | (_POSITION_LIMIT - positions)
+    bottom_key = order.bitwise_or_(positions)
+    if present is not None:
+        top_key.masked_fill_(~present, _KEY_MIN)
+    top_order = top_key.topk(k + 1, dim=-1).indices  # largest first, [..., k+1]
+    bottom_key.scatter_(-1, top_order[..., :k], _KEY_MAX)  # the k largest are taken
+    if present is not None:
+        bottom_key.masked_fill_(~present, _KEY_MAX)
+    bottom_order = bottom_key.topk(min(k + 1, C - k), dim=-1, largest=False).indices  # smallest first
+    top_val, bottom_val = values.gather(-1, top_order), values.gather(-1, bottom_order)
+    top_val.masked_fill_(top_key.gather(-1, top_order) == _KEY_MIN, float("-inf"))  # no entry left in the slot
+    bottom_val.masked_fill_(bottom_key.gather(-1, bottom_order) == _KEY_MAX, float("inf"))
+    return top_val, positions.gather(-1, top_order), bottom_val, positions.gather(-1, bottom_order)
 
 
+_KEY_MIN, _KEY_MAX = torch.iinfo(torch.int64).min, torch.iinfo(torch.int64).max  # below / above every entry's key
 _POSITION_LIMIT = (1 << 31) - 1  # positions inside a vector stay below it (index_dtype: at most int32)
 
 
 def _ordered_bits(values: torch.Tensor) -> torch.Tensor:
     """float32 values -> int64 integers in the same order (equal values, -0.0 and +0.0 included, equal integers)."""
     bits = (values + 0.0).view(torch.int32)  # + 0.0: -0.0 becomes +0.0
-    # negative floats order backwards as integers: flipping their magnitude bits puts them in order, below 0
-    return torch.where(bits < 0, bits ^ _POSITION_LIMIT, bits).long()
+    # negative floats order backwards as integers: flipping their magnitude bits (xor with 0 or 0x7FFFFFFF, from
+    # the sign) puts them in order, below 0
+    return (bits ^ ((bits >> 31) & _POSITION_LIMIT)).long()
+
+
+# Up to this many slots (k+1) per side, _extremes takes the extreme k+1 times (each a pass over the chunk), beyond it
+# ranks candidates.
+_EXTRACTION_MAX_SLOTS = 4
+
+
+def _extract_extremes(x: torch.Tensor, axis: str, k: int, entry_ok: torch.Tensor | None):
+    """_extremes by taking the largest key k+1 times, then the smallest of the rest: reductions along the vectors in
+    x's own layout (no transpose, no sort), 2k+2 of them."""
+    dim = 2 if axis == "channel" else 3
+    L = x.shape[dim]
+    position = torch.arange(L, device=x.device).view([L if i == dim else 1 for i in range(4)])
+    order = _ordered_bits(x.float()).bitwise_left_shift_(32)  # [B,H,n,d] int64, unique keys as in _sorted_extremes
+    top_key = order | (_POSITION_LIMIT - position)
+    # bottom keys bitwise inverted (~key = -key-1 reverses the order): the smallest is taken with amax as well
+    bottom_key = order.bitwise_or_(position).bitwise_not_()
+    if entry_ok is not None:
+        top_key.masked_fill_(~entry_ok, _KEY_MIN)
+        bottom_key.masked_fill_(~entry_ok, _KEY_MIN)
+
+    def take(keys: torch.Tensor, count: int, largest: bool) -> torch.Tensor:
+        taken = []  # each [B,H,1,d] / [B,H,n,1]
+        for _ in range(count):
+            key = keys.amax(dim=dim, keepdim=True)
+            taken.append(key)
+            keys.scatter_(dim, _key_position(key, largest, L), _KEY_MIN)
+        return torch.cat(taken, dim=dim)  # [B,H,count,d] / [B,H,n,count]
+
+    top = take(top_key, k + 1, largest=True)
+    top_pos = _key_position(top, True, L)
+    bottom_key.scatter_(dim, top_pos.narrow(dim, 0, k), _KEY_MIN)  # the k largest are taken
+    bottom = take(bottom_key, min(k + 1, L - k), largest=False)
+    bottom_pos = _key_position(bottom, False, L)
+    # slots with no entry left (key at the limit) hold -inf / +inf
+    top_val = x.gather(dim, top_pos).float().masked_fill_(top == _KEY_MIN, float("-inf"))
+    bottom_val = x.gather(dim, bottom_pos).float().masked_fill_(bottom == _KEY_MIN, float("inf"))
+    return tuple(_vectors_last(t, axis) for t in (top_val, top_pos, bottom_val, bottom_pos))
+
+
+def _key_position(key: torch.Tensor, largest: bool, length: int) -> torch.Tensor:
+    """The position held in the low half of _extract_extremes' keys (top keys, or inverted bottom keys); a key at
+    the limit (_KEY_MIN: no entry left) gives length-1, which is then taken already or padding."""
+    low = (key if largest else ~key) & 0xFFFFFFFF
+    return (_POSITION_LIMIT - low if largest else low).clamp_(max=length - 1)
 
 
 def _candidates(x: torch.Tensor, axis: str, k: int, entry_ok: torch.Tensor | None):

@@ -214,7 +214,7 @@ def quantize(x: torch.Tensor, bits: int, axis: str, group: int, exclude: torch.T
     n, d = x.shape[-2:]
     xg, member = _grouped(x.float(), axis, group)
     if exclude is not None:
-        eg = _grouped(exclude.to(torch.uint8), axis, group)[0].bool()
+        eg = _grouped(exclude, axis, group)[0]
     else:
         eg = torch.zeros_like(xg, dtype=torch.bool)
     if axis == "token" and d % group:  # padded channels are not data
@@ -230,7 +230,7 @@ def quantize(x: torch.Tensor, bits: int, axis: str, group: int, exclude: torch.T
     else:
         minimum, scale = _stored_stats(lo, hi, levels(bits), stats_dtype)
     safe_scale = torch.where(scale.float() > 0, scale.float(), torch.ones_like(lo))
-    codes = torch.round((xg - minimum.float().unsqueeze(member)) / safe_scale.unsqueeze(member))
+    codes = (xg - minimum.float().unsqueeze(member)).div_(safe_scale.unsqueeze(member)).round_()  # one buffer
     codes = codes.clamp_(0, levels(bits)).to(torch.uint8).reshape(*x.shape[:2], n, -1)
     return codes[..., :d], scale, minimum  # padded channels (a short last value group) are not codes
 
