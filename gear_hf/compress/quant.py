@@ -48,11 +48,11 @@ def _shifts(bits: int, per_byte: int, ndim: int, dim: int, device) -> torch.Tens
 def _pack_fields(codes: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """8/bits codes of `bits` bits per byte along dim (dim % (8/bits) == 0), low bits first."""
     per_byte = 8 // bits
-    n = codes.shape[dim]
-    split = (*codes.shape[:dim], n // per_byte, per_byte, *codes.shape[dim + 1:])
-    # disjoint bit fields: the sum is the bitwise or
-    return (codes.reshape(split) << _shifts(bits, per_byte, codes.ndim, dim, codes.device)).sum(
-        dim=dim + 1, dtype=torch.uint8)
+    fields = codes.unflatten(dim, (codes.shape[dim] // per_byte, per_byte))  # [..., bytes, per_byte, ...]
+    packed = fields.select(dim + 1, 0).clone(memory_format=torch.contiguous_format)  # code 0: the low bits
+    for j in range(1, per_byte):  # disjoint bit fields: or-ing the shifted codes assembles each byte
+        packed |= fields.select(dim + 1, j) << (bits * j)
+    return packed
 
 
 def _unpack_fields(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
