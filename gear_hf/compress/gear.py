@@ -172,9 +172,10 @@ def compress(x: torch.Tensor, spec: ChunkSpec, valid: torch.Tensor | None = None
     group = spec.group_for(n, d)
     work = rotate(x) if spec.rotate else x  # [B,H,n,d] float32 when rotated, else the model's own values
     index, slot_used, mask = outliers.select_outliers(work, spec.axis, spec.outlier_ratio, valid)
-    exclude = mask
+    exclude = mask if index.numel() else None  # [B,H,n,d] bool, None: nothing to keep out of the statistics
     if valid is not None:
-        exclude = mask | ~valid[:, None, :, None]
+        padding = ~valid[:, None, :, None]
+        exclude = padding.expand(x.shape) if exclude is None else exclude | padding
     packed = None
     if quantize_pack is None or spec.range_search:  # the accelerated quantizer takes min/max
         codes, scale, minimum = quant.quantize(work, spec.bits, spec.axis, group, exclude=exclude, stats_dtype=store,

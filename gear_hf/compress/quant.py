@@ -213,24 +213,30 @@ def quantize(x: torch.Tensor, bits: int, axis: str, group: int, exclude: torch.T
     stats_dtype = stats_dtype or x.dtype
     n, d = x.shape[-2:]
     xg, member = _grouped(x.float(), axis, group)
+    eg = None  # excluded entries, grouped as xg
     if exclude is not None:
         eg = _grouped(exclude, axis, group)[0]
-    else:
-        eg = torch.zeros_like(xg, dtype=torch.bool)
     if axis == "token" and d % group:  # padded channels are not data
         pad_mask = torch.arange(xg.shape[3] * group, device=x.device).view(-1, group) >= d
-        eg = eg | pad_mask
-    lo = xg.masked_fill(eg, float("inf")).amin(dim=member)
-    hi = xg.masked_fill(eg, float("-inf")).amax(dim=member)
+        eg = pad_mask if eg is None else eg | pad_mask
+    if eg is None:
+        buffer = None
+        lo, hi = xg.amin(dim=member), xg.amax(dim=member)
+    else:  # one buffer for the masked copies and then the codes
+        buffer = xg.masked_fill(eg, float("inf"))
+        lo = buffer.amin(dim=member)
+        hi = buffer.masked_fill_(eg, float("-inf")).amax(dim=member)
     empty = torch.isinf(lo)  # every entry excluded: the group carries nothing
     lo = torch.where(empty, torch.zeros_like(lo), lo)
     hi = torch.where(empty, torch.zeros_like(hi), hi)
     if range_search:
+        eg = torch.zeros_like(xg, dtype=torch.bool) if eg is None else eg
         minimum, scale = _searched_stats(xg, eg, member, lo, hi, levels(bits), stats_dtype)
     else:
         minimum, scale = _stored_stats(lo, hi, levels(bits), stats_dtype)
     safe_scale = torch.where(scale.float() > 0, scale.float(), torch.ones_like(lo))
-    codes = (xg - minimum.float().unsqueeze(member)).div_(safe_scale.unsqueeze(member)).round_()  # one buffer
+    codes = torch.sub(xg, minimum.float().unsqueeze(member), out=buffer)  # [B,H,n/g,g,d] / [B,H,n,G,g] float32
+    codes = codes.div_(safe_scale.unsqueeze(member)).round_()
     codes = codes.clamp_(0, levels(bits)).to(torch.uint8).reshape(*x.shape[:2], n, -1)
     return codes[..., :d], scale, minimum  # padded channels (a short last value group) are not codes
 
