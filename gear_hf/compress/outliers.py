@@ -7,6 +7,10 @@ largest and smallest that leaves the narrowest range for the quantizer (the pape
 the narrower range is what makes the rest quantize better). Because the count is fixed, S is stored as dense
 [..., k] value and index arrays instead of COO; an index counts positions inside its vector, so it takes the
 smallest integer type that holds the vector length (`index_dtype`).
+
+Equal values rank by position (the lower index first), so the choice is a function of the values alone. No full
+sort or topk over the chunk: a few extremes per vector are taken one reduction at a time; more are ranked among
+candidates that cheap block bounds guarantee to contain them (see `_extremes`).
 """
 
 from __future__ import annotations
@@ -99,9 +103,14 @@ def select_outliers(x: torch.Tensor, axis: str, ratio: float, valid: torch.Tenso
     return index, slot_used, mask
 
 
-# Blocks per outlier slot for the candidate bounds (_candidates): more blocks give a tighter bound (fewer
-# candidates to sort) for more block statistics to rank.
+# How _extremes finds each vector's extremes. Up to _EXTRACTION_MAX_SLOTS slots (k+1) per side it takes the extreme
+# k+1 times (each a pass over the chunk); beyond, it ranks candidates, bounded with _BLOCKS_PER_SLOT blocks per slot
+# (more blocks: a tighter bound, fewer candidates to rank, more block statistics to rank first).
+_EXTRACTION_MAX_SLOTS = 4
 _BLOCKS_PER_SLOT = 4
+# Ranking keys (int64): a float's order in the high half, its position in the vector in the low half.
+_KEY_MIN, _KEY_MAX = torch.iinfo(torch.int64).min, torch.iinfo(torch.int64).max  # below / above every entry's key
+_POSITION_LIMIT = (1 << 31) - 1  # positions inside a vector stay below it (index_dtype: at most int32)
 
 
 def _extremes(x: torch.Tensor, axis: str, k: int, entry_ok: torch.Tensor | None):
@@ -151,21 +160,12 @@ def _sorted_extremes(values: torch.Tensor, present: torch.Tensor | None, k: int,
     return top_val, positions.gather(-1, top_order), bottom_val, positions.gather(-1, bottom_order)
 
 
-_KEY_MIN, _KEY_MAX = torch.iinfo(torch.int64).min, torch.iinfo(torch.int64).max  # below / above every entry's key
-_POSITION_LIMIT = (1 << 31) - 1  # positions inside a vector stay below it (index_dtype: at most int32)
-
-
 def _ordered_bits(values: torch.Tensor) -> torch.Tensor:
     """float32 values -> int64 integers in the same order (equal values, -0.0 and +0.0 included, equal integers)."""
     bits = (values + 0.0).view(torch.int32)  # + 0.0: -0.0 becomes +0.0
     # negative floats order backwards as integers: flipping their magnitude bits (xor with 0 or 0x7FFFFFFF, from
     # the sign) puts them in order, below 0
     return (bits ^ ((bits >> 31) & _POSITION_LIMIT)).long()
-
-
-# Up to this many slots (k+1) per side, _extremes takes the extreme k+1 times (each a pass over the chunk), beyond it
-# ranks candidates.
-_EXTRACTION_MAX_SLOTS = 4
 
 
 def _extract_extremes(x: torch.Tensor, axis: str, k: int, entry_ok: torch.Tensor | None):
@@ -212,7 +212,7 @@ def _candidates(x: torch.Tensor, axis: str, k: int, entry_ok: torch.Tensor | Non
     """The entries of each vector of x [B,H,n,d] that can be among its k+1 largest or, once the k largest are
     taken, the k+1 smallest of the rest, packed to the front: (values float32, positions int64, present bool),
     each [B,H,V,C] (C: the most candidates of any vector, at least k+1, in index order); None when nearly every
-    entry is a candidate (sorting whole vectors is then as cheap).
+    entry is a candidate (ranking whole vectors is then as cheap).
 
     Bounds from block statistics: split each vector into m >= k+1 blocks; at least k+1 entries are >= the (k+1)-th
     largest block maximum (t_hi) and at least k+1 are <= the (k+1)-th smallest block minimum (t_lo). So every entry
@@ -238,7 +238,7 @@ def _candidates(x: torch.Tensor, axis: str, k: int, entry_ok: torch.Tensor | Non
     candidate |= vec <= t_lo
     if entry_ok is not None:
         candidate &= _vectors_last(entry_ok, axis)
-    per_vector = candidate.sum(dim=-1)  # [B,H,V]
+    per_vector = candidate.sum(dim=-1, dtype=torch.int32)  # [B,H,V]
     width = max(int(per_vector.max()), k + 1)
     if 2 * width > L:
         return None
@@ -246,7 +246,7 @@ def _candidates(x: torch.Tensor, axis: str, k: int, entry_ok: torch.Tensor | Non
     counts = per_vector.flatten()
     first = counts.cumsum(0) - counts  # [B*H*V] where each vector's candidates start
     column = torch.arange(vector.numel(), device=x.device) - first[vector]
-    # offset of each candidate in x [B,H,n,d] (contiguous): vectors are (b,h,channel) or (b,h,token)
+    # offset of each candidate in x [B,H,n,d] read row-major: vectors are (b,h,channel) or (b,h,token)
     offset = (vector // d * n + position) * d + vector % d if axis == "channel" else vector * d + position
     shape = (*per_vector.shape, width)
     values = x.new_zeros(shape, dtype=torch.float32)
