@@ -128,7 +128,7 @@ def exact_outliers(target: torch.Tensor, code: torch.Tensor, scale: torch.Tensor
     first = torch.where(hit, tried, pairs).amin(dim=0, keepdim=True)  # [1, *E]: the first pair that hits, or `pairs`
     found = first[0] < pairs
     first = first.clamp_(max=pairs - 1).long()
-    chosen_code = codes.repeat_interleave(len(_ULP_STEPS), dim=0).gather(0, first)[0]
+    chosen_code = codes.gather(0, first // len(_ULP_STEPS))[0]  # pair p = (code step p // u, ulp step p % u)
     chosen_s = candidates.flatten(0, 1).gather(0, first)[0]
     # no hit: the clamped code (code steps 0) and the nearest S
     return torch.where(found, chosen_code, codes[0]), torch.where(found, chosen_s, nearest[0])
