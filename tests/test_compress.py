@@ -290,3 +290,25 @@ def test_range_search_keeps_the_stored_format_and_lowers_the_error(axis):
         y = decompress(chunk, spec, 128, 64, torch.float32)
         return ((y - x.float()).norm() / x.float().norm()).item()
     assert err(searched, search_spec) < 0.95 * err(plain, plain_spec)
+
+
+@pytest.mark.parametrize("model_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_exact_outliers_searching_only_the_misses_changes_nothing(model_dtype):
+    """On the CPU only the entries whose first pair (quantized code, nearest S) misses are searched further: the
+    same codes and S as searching every entry (the way other devices take)."""
+    from gear_hf.compress import gear
+
+    g = torch.Generator().manual_seed(7)
+    target = (torch.randn(4000, generator=g) * 3).to(model_dtype).float()
+    scale = torch.rand(4000, generator=g) * 0.5 + 0.01
+    minimum = -torch.rand(4000, generator=g) * 4
+    code = torch.round((target - minimum) / scale).clamp(0, 3).to(torch.uint8)
+    code[::3] = torch.randint(0, 4, (len(code[::3]),), generator=g, dtype=torch.uint8)  # some far from the target
+    store = torch.float16 if model_dtype == torch.float16 else torch.bfloat16
+    searched = gear.exact_outliers(target, code, scale, minimum, 2, model_dtype, store)
+    everywhere = gear._search_pairs(target, code, scale, minimum, 2, model_dtype, store)
+    assert torch.equal(searched[0], everywhere[0]) and torch.equal(searched[1], everywhere[1])
+    base = code * scale + minimum
+    first_pair_hits = (base + (target - base).to(store).float()).to(model_dtype).float() == target
+    if model_dtype != torch.float32:
+        assert 0 < int(first_pair_hits.sum()) < len(target)  # both ways are exercised

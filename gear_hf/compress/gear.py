@@ -107,10 +107,27 @@ def exact_outliers(target: torch.Tensor, code: torch.Tensor, scale: torch.Tensor
     does, rounds to `target` in model_dtype. An outlier's code is free (it takes no part in its group's stats):
     nearby codes and S one or two ulps off the nearest are tried (_CODE_STEPS x _ULP_STEPS), first hit kept; else
     the clamped code and the nearest S (only where no 16-bit S can reach: a 32-bit model, or an entry far outside
-    its group's range). All pairs are evaluated at once.
+    its group's range).
 
     target/scale/minimum: float32 at the entries [*E]; code: uint8 there.
     """
+    if target.device.type == "cpu":
+        # The first pair (the quantized code, the nearest S) hits for most entries of a 16-bit model: search the
+        # others only (finding them is a host sync, so other devices search every entry at once; same result).
+        base = code * scale + minimum
+        nearest = (target - base).to(store_dtype)
+        miss = ((base + nearest.float()).to(model_dtype).float() != target).nonzero(as_tuple=True)
+        if len(miss[0]) < target.numel():
+            code, nearest = code.clone(), nearest.clone()
+            code[miss], nearest[miss] = _search_pairs(target[miss], code[miss], scale[miss], minimum[miss], bits,
+                                                      model_dtype, store_dtype)
+            return code, nearest
+    return _search_pairs(target, code, scale, minimum, bits, model_dtype, store_dtype)
+
+
+def _search_pairs(target: torch.Tensor, code: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int,
+                  model_dtype: torch.dtype, store_dtype: torch.dtype):
+    """exact_outliers on every entry [*E]: all pairs evaluated at once, the first that hits kept."""
     steps = torch.tensor(_CODE_STEPS, dtype=torch.int32, device=code.device).view(-1, *([1] * code.ndim))
     codes = (code.int() + steps).clamp_(0, quant.levels(bits)).to(torch.uint8)  # [c, *E]
     base = codes * scale + minimum  # [c, *E] float32
