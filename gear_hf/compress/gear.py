@@ -219,7 +219,7 @@ def compress(x: torch.Tensor, spec: ChunkSpec, valid: torch.Tensor | None = None
     if spec.rank:
         approx = quant.dequantize(codes, scale, minimum, spec.axis, group, d, torch.float32)  # [B,H,n,d]
         outliers.scatter_add_entries(approx, index, sparse_values, spec.axis)  # D̂ + S, in place
-        residual = torch.sub(work.float(), approx, out=approx)  # [B,H,n,d] float32, in approx's memory
+        residual = torch.sub(work, approx, out=approx)  # [B,H,n,d] float32 (work promoted), in approx's memory
         lowrank_a, lowrank_b = lowrank.lowrank_fit(residual, spec.rank, spec.power_iters, valid,
                                                    out_dtype=torch.float32)
         if spec.factor_bits == 8:

@@ -212,7 +212,7 @@ def quantize(x: torch.Tensor, bits: int, axis: str, group: int, exclude: torch.T
     """
     stats_dtype = stats_dtype or x.dtype
     n, d = x.shape[-2:]
-    xg, member = _grouped(x.float(), axis, group)
+    xg, member = _grouped(x, axis, group)  # in x's dtype: every use below computes in float32 (exact casts)
     eg = None  # excluded entries, grouped as xg
     if exclude is not None:
         eg = _grouped(exclude, axis, group)[0]
@@ -221,9 +221,9 @@ def quantize(x: torch.Tensor, bits: int, axis: str, group: int, exclude: torch.T
         eg = pad_mask if eg is None else eg | pad_mask
     if eg is None:
         buffer = None
-        lo, hi = xg.amin(dim=member), xg.amax(dim=member)
-    else:  # one buffer for the masked copies and then the codes
-        buffer = xg.masked_fill(eg, float("inf"))
+        lo, hi = xg.amin(dim=member).float(), xg.amax(dim=member).float()
+    else:  # one float32 buffer for the masked copies and then the codes
+        buffer = xg.to(torch.float32, copy=True).masked_fill_(eg, float("inf"))
         lo = buffer.amin(dim=member)
         hi = buffer.masked_fill_(eg, float("-inf")).amax(dim=member)
     empty = torch.isinf(lo)  # every entry excluded: the group carries nothing
@@ -236,6 +236,7 @@ def quantize(x: torch.Tensor, bits: int, axis: str, group: int, exclude: torch.T
         minimum, scale = _stored_stats(lo, hi, levels(bits), stats_dtype)
     safe_scale = torch.where(scale.float() > 0, scale.float(), torch.ones_like(lo))
     codes = torch.sub(xg, minimum.float().unsqueeze(member), out=buffer)  # [B,H,n/g,g,d] / [B,H,n,G,g] float32
+    # (xg promoted to float32 inside the subtraction: no float32 copy of x)
     codes = codes.div_(safe_scale.unsqueeze(member)).round_()
     codes = codes.clamp_(0, levels(bits)).to(torch.uint8).reshape(*x.shape[:2], n, -1)
     return codes[..., :d], scale, minimum  # padded channels (a short last value group) are not codes
