@@ -161,11 +161,12 @@ def _sorted_extremes(values: torch.Tensor, present: torch.Tensor | None, k: int,
 
 
 def _ordered_bits(values: torch.Tensor) -> torch.Tensor:
-    """float32 values -> int64 integers in the same order (equal values, -0.0 and +0.0 included, equal integers)."""
-    bits = (values + 0.0).view(torch.int32)  # + 0.0: -0.0 becomes +0.0
+    """Float values -> int64 integers in the same order (equal values, -0.0 and +0.0 included, equal integers)."""
+    bits = values.to(torch.float32, copy=True).add_(0.0).view(torch.int32)  # + 0.0: -0.0 becomes +0.0
     # negative floats order backwards as integers: flipping their magnitude bits (xor with 0 or 0x7FFFFFFF, from
     # the sign) puts them in order, below 0
-    return (bits ^ ((bits >> 31) & _POSITION_LIMIT)).long()
+    sign = bits >> 31
+    return bits.bitwise_xor_(sign.bitwise_and_(_POSITION_LIMIT)).long()
 
 
 def _extract_extremes(x: torch.Tensor, axis: str, k: int, entry_ok: torch.Tensor | None):
@@ -174,7 +175,7 @@ def _extract_extremes(x: torch.Tensor, axis: str, k: int, entry_ok: torch.Tensor
     dim = 2 if axis == "channel" else 3
     L = x.shape[dim]
     position = torch.arange(L, device=x.device).view([L if i == dim else 1 for i in range(4)])
-    order = _ordered_bits(x.float()).bitwise_left_shift_(32)  # [B,H,n,d] int64, unique keys as in _sorted_extremes
+    order = _ordered_bits(x).bitwise_left_shift_(32)  # [B,H,n,d] int64, unique keys as in _sorted_extremes
     top_key = order | (_POSITION_LIMIT - position)
     # bottom keys bitwise inverted (~key = -key-1 reverses the order): the smallest is taken with amax as well
     bottom_key = order.bitwise_or_(position).bitwise_not_()
