@@ -310,5 +310,5 @@ def test_exact_outliers_searching_only_the_misses_changes_nothing(model_dtype):
     assert torch.equal(searched[0], everywhere[0]) and torch.equal(searched[1], everywhere[1])
     base = code * scale + minimum
     first_pair_hits = (base + (target - base).to(store).float()).to(model_dtype).float() == target
-    if model_dtype != torch.float32:
-        assert 0 < int(first_pair_hits.sum()) < len(target)  # both ways are exercised
+    if model_dtype != torch.float32:  # the misses alone were searched (at most half), some of them
+        assert 0 < 2 * int((~first_pair_hits).sum()) <= len(target)
