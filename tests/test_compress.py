@@ -132,6 +132,43 @@ def test_outlier_count_per_vector_is_fixed(axis):
     assert (vec.masked_fill(m, 0).abs().amax(-1) <= vec.abs().amax(-1)).all()
 
 
+def _brute_force_outliers(vec: list[float], k: int) -> set[int]:
+    """The documented choice, one vector at a time: the k+1 largest (equal values: lower index first), the k+1
+    smallest of what the k largest leave, and the split (fewest from the top on a tie) leaving the narrowest range."""
+    top = sorted(range(len(vec)), key=lambda i: (-vec[i], i))
+    bottom = sorted(top[k:], key=lambda i: (vec[i], i))
+    widths = [vec[top[j]] - vec[bottom[k - j]] for j in range(k + 1)]
+    j = widths.index(min(widths))
+    return set(top[:j]) | set(bottom[: k - j])
+
+
+@pytest.mark.parametrize("path", ["extract", "candidates", "whole"])
+@pytest.mark.parametrize("ratio", [0.01, 0.05])
+@pytest.mark.parametrize("axis", ["channel", "token"])
+def test_outliers_on_ties_follow_the_documented_order(axis, ratio, path, monkeypatch):
+    """Many equal values (small integers; bf16 caches and repeated tokens have them): the chosen entries are those of
+    the brute-force rule on each way of finding the extremes: taking them one by one (few per vector), ranking the
+    candidates (the CPU's way for more), sorting whole vectors (other devices')."""
+    from gear_hf.compress import outliers
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(-4, 5, (2, 2, 200, 64), generator=g).float()
+    if path != "candidates":  # (a vector where every entry is a candidate sends the whole call to another way)
+        x[0, 0, :, 5] = 0.0  # a constant vector along tokens: every entry ties
+        x[1, 1, 7] = 0.0  # and one along channels
+    k = outliers_per_vector(200 if axis == "channel" else 64, ratio)
+    monkeypatch.setattr(outliers, "_EXTRACTION_MAX_SLOTS", 1000 if path == "extract" else 0)
+    if path == "whole":
+        monkeypatch.setattr(outliers, "_candidates", lambda *a, **kw: None)
+    elif path == "candidates":
+        assert outliers._candidates(x, axis, k, None) is not None  # the candidates are few enough to be ranked
+    _, _, mask = select_outliers(x, axis, ratio)
+    vec = x.transpose(-1, -2) if axis == "channel" else x
+    chosen = mask.transpose(-1, -2) if axis == "channel" else mask
+    for v, m in zip(vec.reshape(-1, vec.shape[-1]).tolist(), chosen.reshape(-1, vec.shape[-1])):
+        assert set(torch.nonzero(m).flatten().tolist()) == _brute_force_outliers(v, k)
+
+
 def test_outliers_ignore_padding_and_follow_row_length():
     x = _x(B=2, n=100)
     valid = torch.ones(2, 100, dtype=torch.bool)
@@ -253,3 +290,25 @@ def test_range_search_keeps_the_stored_format_and_lowers_the_error(axis):
         y = decompress(chunk, spec, 128, 64, torch.float32)
         return ((y - x.float()).norm() / x.float().norm()).item()
     assert err(searched, search_spec) < 0.95 * err(plain, plain_spec)
+
+
+@pytest.mark.parametrize("model_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_exact_outliers_searching_only_the_misses_changes_nothing(model_dtype):
+    """On the CPU only the entries whose first pair (quantized code, nearest S) misses are searched further: the
+    same codes and S as searching every entry (the way other devices take)."""
+    from gear_hf.compress import gear
+
+    g = torch.Generator().manual_seed(7)
+    target = (torch.randn(4000, generator=g) * 3).to(model_dtype).float()
+    scale = torch.rand(4000, generator=g) * 0.5 + 0.01
+    minimum = -torch.rand(4000, generator=g) * 4
+    code = torch.round((target - minimum) / scale).clamp(0, 3).to(torch.uint8)
+    code[::3] = torch.randint(0, 4, (len(code[::3]),), generator=g, dtype=torch.uint8)  # some far from the target
+    store = torch.float16 if model_dtype == torch.float16 else torch.bfloat16
+    searched = gear.exact_outliers(target, code, scale, minimum, 2, model_dtype, store)
+    everywhere = gear._search_pairs(target, code, scale, minimum, 2, model_dtype, store)
+    assert torch.equal(searched[0], everywhere[0]) and torch.equal(searched[1], everywhere[1])
+    base = code * scale + minimum
+    first_pair_hits = (base + (target - base).to(store).float()).to(model_dtype).float() == target
+    if model_dtype != torch.float32:  # the misses alone were searched (at most half), some of them
+        assert 0 < 2 * int((~first_pair_hits).sum()) <= len(target)

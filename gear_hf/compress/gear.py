@@ -90,42 +90,75 @@ def _padded_to_unit(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.nn.functional.pad(codes, (0, pad)) if pad else codes
 
 
-def _neighbours(t: torch.Tensor, steps: int) -> torch.Tensor:
-    """t moved `steps` ulps of its dtype (negative: down)."""
-    direction = float("inf") if steps > 0 else float("-inf")
-    for _ in range(abs(steps)):
-        t = torch.nextafter(t, torch.full_like(t, direction))
-    return t
+def _entry_stats(stat: torch.Tensor, index: torch.Tensor, axis: str, group: int) -> torch.Tensor:
+    """A group statistic [B,H,n/g,d] or [B,H,n,G] at the outlier entries `index` (select_outliers' layout), float32."""
+    return outliers.gather_entries(stat, torch.div(index, group, rounding_mode="floor"), axis).float()
 
 
-def _entry_stats(stat: torch.Tensor, index: torch.Tensor, axis: str, group: int, d: int) -> torch.Tensor:
-    """A group statistic [B,H,n/g,d] or [B,H,n,G] at the outlier entries `index` (select_outliers' layout)."""
-    full = stat.repeat_interleave(group, dim=2) if axis == "channel" else \
-        stat.repeat_interleave(group, dim=3)[..., :d]
-    return outliers.gather_entries(full.float(), index, axis)
+# The (code, S) pairs exact_outliers tries, in order: codes this many steps from the quantized one, and for each, S
+# this many ulps from the nearest 16-bit value.
+_CODE_STEPS = (0, 1, -1, 2, -2)
+_ULP_STEPS = (0, 1, -1, 2, -2)
 
 
 def exact_outliers(target: torch.Tensor, code: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
                    bits: int, model_dtype: torch.dtype, store_dtype: torch.dtype):
     """(code, S) at outlier entries such that D̂ + S = code*scale + minimum + S, computed in float32 as decompress
     does, rounds to `target` in model_dtype. An outlier's code is free (it takes no part in its group's stats):
-    nearby codes and S one or two ulps off the nearest are tried, first hit kept; else the clamped code and the
-    nearest S (only where no 16-bit S can reach: a 32-bit model, or an entry far outside its group's range).
+    nearby codes and S one or two ulps off the nearest are tried (_CODE_STEPS x _ULP_STEPS), first hit kept; else
+    the clamped code and the nearest S (only where no 16-bit S can reach: a 32-bit model, or an entry far outside
+    its group's range).
 
-    target/scale/minimum: float32 at the entries; code: uint8 there.
+    target/scale/minimum: float32 at the entries [*E]; code: uint8 there.
     """
-    best_code, best_s = code, (target - (code * scale + minimum)).to(store_dtype)
-    hit = torch.zeros_like(target, dtype=torch.bool)
-    for code_step in (0, 1, -1, 2, -2):
-        c = (code.int() + code_step).clamp(0, quant.levels(bits)).to(torch.uint8)
-        base = c * scale + minimum
+    if target.device.type == "cpu":
+        # The first pair (the quantized code, the nearest S) hits for most entries of a 16-bit model: search the
+        # others only (finding them is a host sync, so other devices search every entry at once; same result).
+        base = code * scale + minimum
         nearest = (target - base).to(store_dtype)
-        for steps in (0, 1, -1, 2, -2):
-            s_candidate = _neighbours(nearest, steps)
-            ok = ~hit & ((base + s_candidate.float()).to(model_dtype).float() == target)
-            best_code, best_s = torch.where(ok, c, best_code), torch.where(ok, s_candidate, best_s)
-            hit |= ok
-    return best_code, best_s
+        miss = ((base + nearest.float()).to(model_dtype).float() != target).nonzero(as_tuple=True)
+        if 2 * len(miss[0]) <= target.numel():  # (a 32-bit model misses nearly everywhere: search all at once)
+            code, nearest = code.clone(), nearest.clone()
+            code[miss], nearest[miss] = _search_pairs(target[miss], code[miss], scale[miss], minimum[miss], bits,
+                                                      model_dtype, store_dtype)
+            return code, nearest
+    return _search_pairs(target, code, scale, minimum, bits, model_dtype, store_dtype)
+
+
+def _search_pairs(target: torch.Tensor, code: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int,
+                  model_dtype: torch.dtype, store_dtype: torch.dtype):
+    """exact_outliers on every entry [*E]: all pairs evaluated at once, the first that hits kept."""
+    steps = torch.tensor(_CODE_STEPS, dtype=torch.int32, device=code.device).view(-1, *([1] * code.ndim))
+    codes = (code.int() + steps).clamp_(0, quant.levels(bits)).to(torch.uint8)  # [c, *E]
+    base = codes * scale + minimum  # [c, *E] float32
+    nearest = (target - base).to(store_dtype)
+    up, down = torch.full_like(nearest, float("inf")), torch.full_like(nearest, float("-inf"))
+    by_ulp = {0: nearest}
+    for ulps in range(1, max(_ULP_STEPS) + 1):
+        by_ulp[ulps] = torch.nextafter(by_ulp[ulps - 1], up)
+        by_ulp[-ulps] = torch.nextafter(by_ulp[-(ulps - 1)], down)
+    candidates = torch.stack([by_ulp[u] for u in _ULP_STEPS], dim=1)  # [c, u, *E]
+    hit = (base.unsqueeze(1) + candidates.float()).to(model_dtype).float() == target  # [c, u, *E]
+    hit = hit.flatten(0, 1)  # [c*u, *E], in the order tried
+    pairs = hit.shape[0]
+    tried = torch.arange(pairs, dtype=torch.uint8, device=code.device).view(-1, *([1] * code.ndim))
+    first = torch.where(hit, tried, pairs).amin(dim=0, keepdim=True)  # [1, *E]: the first pair that hits, or `pairs`
+    found = first[0] < pairs
+    first = first.clamp_(max=pairs - 1).long()
+    chosen_code = codes.gather(0, first // len(_ULP_STEPS))[0]  # pair p = (code step p // u, ulp step p % u)
+    chosen_s = candidates.flatten(0, 1).gather(0, first)[0]
+    # no hit: the clamped code (code steps 0) and the nearest S
+    return torch.where(found, chosen_code, codes[0]), torch.where(found, chosen_s, nearest[0])
+
+
+def _set_entry_codes(codes: torch.Tensor, index: torch.Tensor, slot_used: torch.Tensor, entry_code: torch.Tensor,
+                     quantized_code: torch.Tensor, dim: int) -> None:
+    """codes [B,H,n,d] take entry_code at the used outlier slots, in place. Unused slots (index 0) write what a used
+    slot of their vector writes (its first slot: used slots come first), or entry 0's own code when none is used,
+    so that no two writes to one entry differ."""
+    code = torch.where(slot_used, entry_code, quantized_code)
+    first_index, first_code = index.narrow(dim, 0, 1), code.narrow(dim, 0, 1)
+    codes.scatter_(dim, torch.where(slot_used, index, first_index), torch.where(slot_used, code, first_code))
 
 
 def _quantize_factor(f: torch.Tensor, store_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,9 +189,10 @@ def compress(x: torch.Tensor, spec: ChunkSpec, valid: torch.Tensor | None = None
     group = spec.group_for(n, d)
     work = rotate(x) if spec.rotate else x  # [B,H,n,d] float32 when rotated, else the model's own values
     index, slot_used, mask = outliers.select_outliers(work, spec.axis, spec.outlier_ratio, valid)
-    exclude = mask
+    exclude = mask if index.numel() else None  # [B,H,n,d] bool, None: nothing to keep out of the statistics
     if valid is not None:
-        exclude = mask | ~valid[:, None, :, None]
+        padding = ~valid[:, None, :, None]
+        exclude = padding.expand(x.shape) if exclude is None else exclude | padding
     packed = None
     if quantize_pack is None or spec.range_search:  # the accelerated quantizer takes min/max
         codes, scale, minimum = quant.quantize(work, spec.bits, spec.axis, group, exclude=exclude, stats_dtype=store,
@@ -170,25 +204,22 @@ def compress(x: torch.Tensor, spec: ChunkSpec, valid: torch.Tensor | None = None
     if index.numel():
         # exact in the model dtype where the entries are the model's own (rotated entries are float32 sums)
         model_dtype = torch.float32 if spec.rotate else x.dtype
+        quantized_code = outliers.gather_entries(codes, index, spec.axis)
         entry_code, sparse_values = exact_outliers(
-            outliers.gather_entries(work.float(), index, spec.axis),
-            outliers.gather_entries(codes, index, spec.axis),
-            _entry_stats(scale, index, spec.axis, group, d), _entry_stats(minimum, index, spec.axis, group, d),
+            outliers.gather_entries(work, index, spec.axis).float(), quantized_code,
+            _entry_stats(scale, index, spec.axis, group), _entry_stats(minimum, index, spec.axis, group),
             spec.bits, model_dtype, store)
         sparse_values = torch.where(slot_used, sparse_values, torch.zeros_like(sparse_values))
-        # each entry is chosen at most once; unused slots (index 0) add nothing
-        chosen = torch.zeros(codes.shape, dtype=torch.int16, device=x.device).scatter_add_(
-            spec.pack_dim, index, torch.where(slot_used, entry_code.short() + 1, 0).short())
-        codes = torch.where(chosen > 0, chosen - 1, codes.short()).to(torch.uint8)
+        _set_entry_codes(codes, index, slot_used, entry_code, quantized_code, spec.pack_dim)
     if packed is None or index.numel():  # outlier entries got their own codes: pack again
         padded = _padded_to_unit(codes, spec.bits) if spec.axis == "token" else codes
         packed = quant.pack_codes(padded, spec.bits, spec.pack_dim)
-    dequantized = quant.dequantize(codes, scale, minimum, spec.axis, group, d, torch.float32)
     empty_scale = x.new_zeros(B, H, 0, spec.rank, dtype=store)
     a_scale = b_scale = empty_scale
     if spec.rank:
-        approx = outliers.scatter_add_entries(dequantized.clone(), index, sparse_values, spec.axis)
-        residual = work.float() - approx
+        approx = quant.dequantize(codes, scale, minimum, spec.axis, group, d, torch.float32)  # [B,H,n,d]
+        outliers.scatter_add_entries(approx, index, sparse_values, spec.axis)  # D̂ + S, in place
+        residual = torch.sub(work, approx, out=approx)  # [B,H,n,d] float32 (work promoted), in approx's memory
         lowrank_a, lowrank_b = lowrank.lowrank_fit(residual, spec.rank, spec.power_iters, valid,
                                                    out_dtype=torch.float32)
         if spec.factor_bits == 8:

@@ -7,6 +7,10 @@ largest and smallest that leaves the narrowest range for the quantizer (the pape
 the narrower range is what makes the rest quantize better). Because the count is fixed, S is stored as dense
 [..., k] value and index arrays instead of COO; an index counts positions inside its vector, so it takes the
 smallest integer type that holds the vector length (`index_dtype`).
+
+Equal values rank by position (the lower index first), so the choice is a function of the values alone. No full
+sort or topk over the chunk: a few extremes per vector are taken one reduction at a time; more are ranked among
+candidates that cheap block bounds guarantee to contain them (see `_extremes`).
 """
 
 from __future__ import annotations
@@ -38,66 +42,220 @@ def select_outliers(x: torch.Tensor, axis: str, ratio: float, valid: torch.Tenso
 
     valid: [B, n] bool, False at padding (padding is never chosen, and a row's count k follows its number
     of valid tokens when vectors run along tokens).
+    Ties: among equal values the entry with the lower index inside its vector ranks first (so the choice depends on
+    the values and their order only, not on how a sort happens to break ties).
     Returns (index, slot_used, mask):
       index     int64, [B,H,k,d] (token index, axis="channel") or [B,H,n,k] (channel index, axis="token")
       slot_used bool, same shape: False for slots a short row leaves empty (they must hold value 0)
       mask      bool [B,H,n,d], True at chosen entries
     """
     B, H, n, d = x.shape
-    vec = _vectors_last(x.float(), axis)  # [B,H,V,L]
-    length = vec.shape[-1]
+    length = n if axis == "channel" else d
     k = outliers_per_vector(length, ratio)
     if k == 0:
         shape = (B, H, 0, d) if axis == "channel" else (B, H, n, 0)
         empty = torch.zeros(shape, dtype=torch.long, device=x.device)
         return empty, empty.bool(), torch.zeros_like(x, dtype=torch.bool)
 
+    entry_ok = None  # [B,1,n,1] valid entries, when there is padding
     counts_vec = None  # valid entries per vector, when it is not the length
-    if valid is None:
-        entry_ok = torch.ones_like(vec, dtype=torch.bool)
-        k_row = torch.full((B,), k, device=x.device)
-    elif axis == "channel":
-        entry_ok = valid[:, None, None, :].expand_as(vec)
-        counts = valid.sum(dim=1).tolist()
-        k_row = torch.tensor([outliers_per_vector(c, ratio) for c in counts], device=x.device)
-        counts_vec = torch.tensor(counts, device=x.device)[:, None, None, None]
-    else:
-        entry_ok = valid[:, None, :, None].expand_as(vec)
-        k_row = torch.full((B,), k, device=x.device)
+    k_row = torch.full((B,), k, device=x.device)
+    if valid is not None:
+        entry_ok = valid[:, None, :, None]
+        if axis == "channel":
+            counts = valid.sum(dim=1).tolist()
+            k_row = torch.tensor([outliers_per_vector(c, ratio) for c in counts], device=x.device)
+            counts_vec = torch.tensor(counts, device=x.device)[:, None, None, None]
     k_vec = k_row[:, None, None, None]  # [B,1,1,1]
 
-    # k+1 largest, then k+1 smallest of the rest (padding never: its candidates are infinite)
-    top_val, top_idx = vec.masked_fill(~entry_ok, float("-inf")).topk(min(k + 1, length), dim=-1)
-    taken = torch.zeros_like(entry_ok).scatter_(-1, top_idx[..., :k], True)
-    bottom_val, bottom_idx = vec.masked_fill(~entry_ok | taken, float("inf")).topk(
-        min(k + 1, length - k), dim=-1, largest=False)
+    # k+1 largest, then k+1 smallest of the rest (padding never: its slots hold -inf / +inf)
+    top_val, top_idx, bottom_val, bottom_idx = _extremes(x, axis, k, entry_ok)  # [B,H,V,k+1] (fewer if short)
     # Taking j from the top and k-j from the bottom leaves the range [bottom[k-j], top[j]]: pick the narrowest.
-    j = torch.arange(k + 1, device=x.device)
-    hi = _at(top_val, j, float("-inf"))  # [B,H,V,k+1]
-    p = (k_vec - j).clamp(min=0)  # taken from the bottom
-    lo = _at(bottom_val, p, float("inf"))
-    # a short vector (length < 2k+1): the rest ran out of bottom candidates, and the p-th smallest is one of the
-    # k largest, the (n-1-p)-th of them
-    n_vec = counts_vec if counts_vec is not None else length
-    lo_among_top = _at(top_val, (n_vec - 1 - p).clamp(min=0), float("inf"))
-    lo = torch.where(torch.isinf(lo) & (p >= n_vec - k), lo_among_top, lo)
-    width = hi - lo
-    width = torch.where((j <= k_vec) & torch.isfinite(width), width, float("inf"))  # padding: never preferred
+    if valid is None and bottom_val.shape[-1] == k + 1:  # every vector full and long enough (length >= 2k+1)
+        width = (top_val - bottom_val.flip(-1)).nan_to_num_(nan=float("inf"), neginf=float("inf"))  # [B,H,V,k+1]
+    else:
+        j = torch.arange(k + 1, device=x.device)
+        hi = _at(top_val, j, float("-inf"))  # [B,H,V,k+1]
+        p = (k_vec - j).clamp(min=0)  # taken from the bottom
+        lo = _at(bottom_val, p, float("inf"))
+        # a short vector (length < 2k+1): the rest ran out of bottom candidates, and the p-th smallest is one of the
+        # k largest, the (n-1-p)-th of them
+        n_vec = counts_vec if counts_vec is not None else length
+        lo_among_top = _at(top_val, (n_vec - 1 - p).clamp(min=0), float("inf"))
+        lo = torch.where(torch.isinf(lo) & (p >= n_vec - k), lo_among_top, lo)
+        width = hi - lo
+        width = torch.where((j <= k_vec) & torch.isfinite(width), width, float("inf"))  # padding: never preferred
     from_top = width.argmin(dim=-1, keepdim=True)  # [B,H,V,1]
+    # slot s holds the s-th largest while s < from_top, then the (s - from_top)-th smallest; k_row slots per vector
     slot = torch.arange(k, device=x.device)
-    chosen = torch.cat([slot < from_top, slot < k_vec - from_top], dim=-1)  # [B,H,V,2k], k_row True per vector
-    candidates = torch.cat([top_idx[..., :k], bottom_idx[..., :k]], dim=-1)
-    values = torch.cat([top_val[..., :k], bottom_val[..., :k]], dim=-1)
-    order = torch.sort((~chosen).to(torch.uint8), dim=-1, stable=True).indices[..., :k]  # chosen slots first
-    index = candidates.gather(-1, order)  # [B,H,V,k]
-    slot_used = chosen.gather(-1, order) & torch.isfinite(values.gather(-1, order))
-
-    mask_vec = torch.zeros_like(entry_ok).scatter_(-1, index, slot_used)
-    mask = mask_vec.transpose(-1, -2) if axis == "channel" else mask_vec
+    on_top = slot < from_top  # [B,H,V,k]
+    below = (slot - from_top).clamp_(min=0)
+    index = torch.where(on_top, top_idx[..., :k], bottom_idx.gather(-1, below))  # [B,H,V,k]
+    values = torch.where(on_top, top_val[..., :k], bottom_val.gather(-1, below))
+    slot_used = (slot < k_vec) & torch.isfinite(values)
     index = torch.where(slot_used, index, 0)
     if axis == "channel":
         index, slot_used = index.transpose(-1, -2), slot_used.transpose(-1, -2)  # [B,H,k,d]
+    # each entry is chosen at most once and unused slots (index 0) add 0: the sum is the 0/1 mask
+    dim = -2 if axis == "channel" else -1
+    mask = torch.zeros(x.shape, dtype=torch.uint8, device=x.device).scatter_add_(
+        dim, index, slot_used.to(torch.uint8)).view(torch.bool)
     return index, slot_used, mask
+
+
+# How _extremes finds each vector's extremes. Up to _EXTRACTION_MAX_SLOTS slots (k+1) per side it takes the extreme
+# k+1 times (each a pass over the chunk); beyond, it ranks candidates, bounded with _BLOCKS_PER_SLOT blocks per slot
+# (more blocks: a tighter bound, fewer candidates to rank, more block statistics to rank first).
+_EXTRACTION_MAX_SLOTS = 4
+_BLOCKS_PER_SLOT = 4
+# Ranking keys (int64): a float's order in the high half, its position in the vector in the low half.
+_KEY_MIN, _KEY_MAX = torch.iinfo(torch.int64).min, torch.iinfo(torch.int64).max  # below / above every entry's key
+_POSITION_LIMIT = (1 << 31) - 1  # positions inside a vector stay below it (index_dtype: at most int32)
+
+
+def _extremes(x: torch.Tensor, axis: str, k: int, entry_ok: torch.Tensor | None):
+    """The min(k+1, L) largest entries of each vector of x [B,H,n,d], then the min(k+1, L-k) smallest of those
+    left once the k largest are taken: (top_val, top_idx, bottom_val, bottom_idx), [B,H,V,m] float32 / int64,
+    each ordered from the extreme inward, equal values in index order. entry_ok [B,1,n,1] (or None): entries
+    that may be taken; slots without one hold -inf (top) / +inf (bottom).
+
+    Three ways, one result: for a few slots, the extreme is taken k+1 times (_extract_extremes); else, on the CPU,
+    only the candidates (_candidates: every entry that can be among them) are ranked; else whole vectors are (fast
+    on a GPU, no host sync).
+    """
+    if k + 1 <= _EXTRACTION_MAX_SLOTS:
+        return _extract_extremes(x, axis, k, entry_ok)
+    if x.device.type == "cpu":
+        compact = _candidates(x, axis, k, entry_ok)
+        if compact is not None:
+            values, positions, present = compact  # [B,H,V,C]
+            return _sorted_extremes(values, present, k, positions)
+    vec = _vectors_last(x.float(), axis)  # [B,H,V,L]
+    ok = None if entry_ok is None else _vectors_last(entry_ok, axis).expand_as(vec)
+    return _sorted_extremes(vec, ok, k)
+
+
+def _sorted_extremes(values: torch.Tensor, present: torch.Tensor | None, k: int,
+                     positions: torch.Tensor | None = None):
+    """_extremes of vectors values [..., C] (float32) whose entries are present where `present` (None: all), at
+    `positions` inside their vector (None: 0..C-1, ascending)."""
+    C = values.shape[-1]
+    if positions is None:
+        positions = torch.arange(C, device=values.device).expand(values.shape)
+    # one int64 key per entry, unique inside its vector: the value's order in the high half, the position in the
+    # low half, so that topk ranks equal values by position (its own order among equal values is unspecified)
+    order = _ordered_bits(values) << 32
+    top_key = order | (_POSITION_LIMIT - positions)
+    bottom_key = order.bitwise_or_(positions)
+    if present is not None:
+        top_key.masked_fill_(~present, _KEY_MIN)
+    top_order = top_key.topk(k + 1, dim=-1).indices  # largest first, [..., k+1]
+    bottom_key.scatter_(-1, top_order[..., :k], _KEY_MAX)  # the k largest are taken
+    if present is not None:
+        bottom_key.masked_fill_(~present, _KEY_MAX)
+    bottom_order = bottom_key.topk(min(k + 1, C - k), dim=-1, largest=False).indices  # smallest first
+    top_val, bottom_val = values.gather(-1, top_order), values.gather(-1, bottom_order)
+    top_val.masked_fill_(top_key.gather(-1, top_order) == _KEY_MIN, float("-inf"))  # no entry left in the slot
+    bottom_val.masked_fill_(bottom_key.gather(-1, bottom_order) == _KEY_MAX, float("inf"))
+    return top_val, positions.gather(-1, top_order), bottom_val, positions.gather(-1, bottom_order)
+
+
+def _ordered_bits(values: torch.Tensor) -> torch.Tensor:
+    """Float values -> int64 integers in the same order (equal values, -0.0 and +0.0 included, equal integers)."""
+    bits = values.to(torch.float32, copy=True).add_(0.0).view(torch.int32)  # + 0.0: -0.0 becomes +0.0
+    # negative floats order backwards as integers: flipping their magnitude bits (xor with 0 or 0x7FFFFFFF, from
+    # the sign) puts them in order, below 0
+    sign = bits >> 31
+    return bits.bitwise_xor_(sign.bitwise_and_(_POSITION_LIMIT)).long()
+
+
+def _extract_extremes(x: torch.Tensor, axis: str, k: int, entry_ok: torch.Tensor | None):
+    """_extremes by taking the largest key k+1 times, then the smallest of the rest: reductions along the vectors in
+    x's own layout (no transpose, no sort), 2k+2 of them."""
+    dim = 2 if axis == "channel" else 3
+    L = x.shape[dim]
+    position = torch.arange(L, device=x.device).view([L if i == dim else 1 for i in range(4)])
+    order = _ordered_bits(x).bitwise_left_shift_(32)  # [B,H,n,d] int64, unique keys as in _sorted_extremes
+    top_key = order | (_POSITION_LIMIT - position)
+    # bottom keys bitwise inverted (~key = -key-1 reverses the order): the smallest is taken with amax as well
+    bottom_key = order.bitwise_or_(position).bitwise_not_()
+    if entry_ok is not None:
+        top_key.masked_fill_(~entry_ok, _KEY_MIN)
+        bottom_key.masked_fill_(~entry_ok, _KEY_MIN)
+
+    def take(keys: torch.Tensor, count: int, largest: bool) -> torch.Tensor:
+        taken = []  # each [B,H,1,d] / [B,H,n,1]
+        for _ in range(count):
+            key = keys.amax(dim=dim, keepdim=True)
+            taken.append(key)
+            keys.scatter_(dim, _key_position(key, largest, L), _KEY_MIN)
+        return torch.cat(taken, dim=dim)  # [B,H,count,d] / [B,H,n,count]
+
+    top = take(top_key, k + 1, largest=True)
+    top_pos = _key_position(top, True, L)
+    bottom_key.scatter_(dim, top_pos.narrow(dim, 0, k), _KEY_MIN)  # the k largest are taken
+    bottom = take(bottom_key, min(k + 1, L - k), largest=False)
+    bottom_pos = _key_position(bottom, False, L)
+    # slots with no entry left (key at the limit) hold -inf / +inf
+    top_val = x.gather(dim, top_pos).float().masked_fill_(top == _KEY_MIN, float("-inf"))
+    bottom_val = x.gather(dim, bottom_pos).float().masked_fill_(bottom == _KEY_MIN, float("inf"))
+    return tuple(_vectors_last(t, axis) for t in (top_val, top_pos, bottom_val, bottom_pos))
+
+
+def _key_position(key: torch.Tensor, largest: bool, length: int) -> torch.Tensor:
+    """The position held in the low half of _extract_extremes' keys (top keys, or inverted bottom keys); a key at
+    the limit (_KEY_MIN: no entry left) gives length-1, which is then taken already or padding."""
+    low = (key if largest else ~key) & 0xFFFFFFFF
+    return (_POSITION_LIMIT - low if largest else low).clamp_(max=length - 1)
+
+
+def _candidates(x: torch.Tensor, axis: str, k: int, entry_ok: torch.Tensor | None):
+    """The entries of each vector of x [B,H,n,d] that can be among its k+1 largest or, once the k largest are
+    taken, the k+1 smallest of the rest, packed to the front: (values float32, positions int64, present bool),
+    each [B,H,V,C] (C: the most candidates of any vector, at least k+1, in index order); None when nearly every
+    entry is a candidate (ranking whole vectors is then as cheap).
+
+    Bounds from block statistics: split each vector into m >= k+1 blocks; at least k+1 entries are >= the (k+1)-th
+    largest block maximum (t_hi) and at least k+1 are <= the (k+1)-th smallest block minimum (t_lo). So every entry
+    of the top k+1 is >= t_hi, and, when t_hi > t_lo, the k largest are all > t_lo and the k+1 smallest of the rest
+    are <= t_lo (when t_hi <= t_lo every entry is a candidate). Equal values at a boundary are all candidates.
+    """
+    B, H, n, d = x.shape
+    dim = 2 if axis == "channel" else 3
+    L = x.shape[dim]
+    block = max(1, L // (_BLOCKS_PER_SLOT * (k + 1)))
+    blocks = L // block  # >= k+1 (k <= L // 2); a remainder shorter than a block joins no block
+    hi_src = x if entry_ok is None else x.masked_fill(~entry_ok, float("-inf"))
+    lo_src = x if entry_ok is None else x.masked_fill(~entry_ok, float("inf"))
+    # block j: the entries j, j+m, j+2m, ... (interleaved: neighbouring tokens are alike, so blocks of consecutive
+    # ones would have alike maxima and a loose bound)
+    block_max = hi_src.narrow(dim, 0, blocks * block).unflatten(dim, (block, blocks)).amax(dim)  # m blocks
+    block_min = lo_src.narrow(dim, 0, blocks * block).unflatten(dim, (block, blocks)).amin(dim)
+    t_hi = block_max.kthvalue(blocks - k, dim=dim, keepdim=True).values  # (k+1)-th largest, [B,H,1,d] / [B,H,n,1]
+    t_lo = block_min.kthvalue(k + 1, dim=dim, keepdim=True).values  # (k+1)-th smallest
+    # candidates written straight in the vectors' layout [B,H,V,L] (nonzero then lists them vector by vector)
+    vec, t_hi, t_lo = (_vectors_last(t, axis) for t in (x, t_hi, t_lo))
+    candidate = torch.ge(vec, t_hi, out=torch.empty(vec.shape, dtype=torch.bool, device=x.device))
+    candidate |= vec <= t_lo
+    if entry_ok is not None:
+        candidate &= _vectors_last(entry_ok, axis)
+    per_vector = candidate.sum(dim=-1, dtype=torch.int32)  # [B,H,V]
+    width = max(int(per_vector.max()), k + 1)
+    if 2 * width > L:
+        return None
+    vector, position = candidate.view(-1, L).nonzero(as_tuple=True)  # vector by vector (flat id), positions ascending
+    counts = per_vector.flatten()
+    first = counts.cumsum(0) - counts  # [B*H*V] where each vector's candidates start
+    column = torch.arange(vector.numel(), device=x.device) - first[vector]
+    # offset of each candidate in x [B,H,n,d] read row-major: vectors are (b,h,channel) or (b,h,token)
+    offset = (vector // d * n + position) * d + vector % d if axis == "channel" else vector * d + position
+    shape = (*per_vector.shape, width)
+    values = x.new_zeros(shape, dtype=torch.float32)
+    values.view(-1, width)[vector, column] = x.reshape(-1)[offset].float()
+    positions = torch.zeros(shape, dtype=torch.long, device=x.device)
+    positions.view(-1, width)[vector, column] = position
+    present = torch.arange(width, device=x.device) < per_vector[..., None]
+    return values, positions, present
 
 
 def _at(values: torch.Tensor, position: torch.Tensor, missing: float) -> torch.Tensor:

@@ -48,11 +48,11 @@ def _shifts(bits: int, per_byte: int, ndim: int, dim: int, device) -> torch.Tens
 def _pack_fields(codes: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """8/bits codes of `bits` bits per byte along dim (dim % (8/bits) == 0), low bits first."""
     per_byte = 8 // bits
-    n = codes.shape[dim]
-    split = (*codes.shape[:dim], n // per_byte, per_byte, *codes.shape[dim + 1:])
-    # disjoint bit fields: the sum is the bitwise or
-    return (codes.reshape(split) << _shifts(bits, per_byte, codes.ndim, dim, codes.device)).sum(
-        dim=dim + 1, dtype=torch.uint8)
+    fields = codes.unflatten(dim, (codes.shape[dim] // per_byte, per_byte))  # [..., bytes, per_byte, ...]
+    packed = fields.select(dim + 1, 0).clone(memory_format=torch.contiguous_format)  # code 0: the low bits
+    for j in range(1, per_byte):  # disjoint bit fields: or-ing the shifted codes assembles each byte
+        packed |= fields.select(dim + 1, j) << (bits * j)
+    return packed
 
 
 def _unpack_fields(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
@@ -212,25 +212,32 @@ def quantize(x: torch.Tensor, bits: int, axis: str, group: int, exclude: torch.T
     """
     stats_dtype = stats_dtype or x.dtype
     n, d = x.shape[-2:]
-    xg, member = _grouped(x.float(), axis, group)
+    xg, member = _grouped(x, axis, group)  # in x's dtype: every use below computes in float32 (exact casts)
+    eg = None  # excluded entries, grouped as xg
     if exclude is not None:
-        eg = _grouped(exclude.to(torch.uint8), axis, group)[0].bool()
-    else:
-        eg = torch.zeros_like(xg, dtype=torch.bool)
+        eg = _grouped(exclude, axis, group)[0]
     if axis == "token" and d % group:  # padded channels are not data
         pad_mask = torch.arange(xg.shape[3] * group, device=x.device).view(-1, group) >= d
-        eg = eg | pad_mask
-    lo = xg.masked_fill(eg, float("inf")).amin(dim=member)
-    hi = xg.masked_fill(eg, float("-inf")).amax(dim=member)
+        eg = pad_mask if eg is None else eg | pad_mask
+    if eg is None:
+        buffer = None
+        lo, hi = xg.amin(dim=member).float(), xg.amax(dim=member).float()
+    else:  # one float32 buffer for the masked copies and then the codes
+        buffer = xg.to(torch.float32, copy=True).masked_fill_(eg, float("inf"))
+        lo = buffer.amin(dim=member)
+        hi = buffer.masked_fill_(eg, float("-inf")).amax(dim=member)
     empty = torch.isinf(lo)  # every entry excluded: the group carries nothing
     lo = torch.where(empty, torch.zeros_like(lo), lo)
     hi = torch.where(empty, torch.zeros_like(hi), hi)
     if range_search:
+        eg = torch.zeros_like(xg, dtype=torch.bool) if eg is None else eg
         minimum, scale = _searched_stats(xg, eg, member, lo, hi, levels(bits), stats_dtype)
     else:
         minimum, scale = _stored_stats(lo, hi, levels(bits), stats_dtype)
     safe_scale = torch.where(scale.float() > 0, scale.float(), torch.ones_like(lo))
-    codes = torch.round((xg - minimum.float().unsqueeze(member)) / safe_scale.unsqueeze(member))
+    codes = torch.sub(xg, minimum.float().unsqueeze(member), out=buffer)  # [B,H,n/g,g,d] / [B,H,n,G,g] float32
+    # (xg promoted to float32 inside the subtraction: no float32 copy of x)
+    codes = codes.div_(safe_scale.unsqueeze(member)).round_()
     codes = codes.clamp_(0, levels(bits)).to(torch.uint8).reshape(*x.shape[:2], n, -1)
     return codes[..., :d], scale, minimum  # padded channels (a short last value group) are not codes
 
