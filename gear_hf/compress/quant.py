@@ -117,9 +117,10 @@ def _spread_bytes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     the bytes of a wider integer (code j -> byte j, little-endian): a few whole-tensor integer ops, where
     unpacking into planes would have to interleave them byte by byte (slow for a short last dim)."""
     if bits == 2:  # byte c3c2c1c0 -> int32 bytes (c0, c1, c2, c3)
+        # x * (1 + 2^k) == x | x << k where the two never share a bit: an in-place multiply, no shifted copy
         x = packed.to(torch.int32).contiguous()
-        x.bitwise_or_(x << 12).bitwise_and_(0x000F000F)  # c1c0 at bits 0-3, c3c2 at bits 16-19
-        x.bitwise_or_(x << 6).bitwise_and_(0x03030303)  # c1 -> bits 8-9, c3 -> bits 24-25
+        x.mul_(1 + (1 << 12)).bitwise_and_(0x000F000F)  # c1c0 at bits 0-3, c3c2 at bits 16-19
+        x.mul_(1 + (1 << 6)).bitwise_and_(0x03030303)  # c1 -> bits 8-9, c3 -> bits 24-25
     else:  # 4 bits: byte c1c0 -> int16 bytes (c0, c1)
         x = packed.to(torch.int16).contiguous()
         x.bitwise_or_(x << 4).bitwise_and_(0x0F0F)
