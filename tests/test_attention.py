@@ -23,3 +23,5 @@ def test_apply_rotary_is_hf_apply_rotary_pos_emb_bit_for_bit(dtype, shape):
     expected, _ = apply_rotary_pos_emb(x, x, cos, sin)
     assert torch.equal(apply_rotary(x, cos, sin), expected)
     assert torch.equal(apply_rotary(x, cos, sin, out=torch.empty_like(x)), expected)  # into a workspace
+    scratch = torch.full((B, H, T, d // 2), float("nan"), dtype=dtype)  # the half products' workspace
+    assert torch.equal(apply_rotary(x, cos, sin, out=torch.empty_like(x), scratch=scratch), expected)

@@ -167,7 +167,9 @@ class GearCache(Cache):
             rotary = lambda: self._rotary.get(layout.steps, "slots", rotary_emb, values,  # noqa: E731
                                               lambda: layout.slot_positions(slots))
         if self.gear_config.pre_rope:
-            keys = apply_rotary(keys, *rotary(), out=workspace.get("rotated keys", keys.shape, dtype, keys.device))
+            B, H, T, d = keys.shape
+            keys = apply_rotary(keys, *rotary(), out=workspace.get("rotated keys", keys.shape, dtype, keys.device),
+                                scratch=workspace.get("rotary scratch", (B, H, T, d // 2), dtype, keys.device))
         return keys, values, attention_mask
 
     def _slot_plan(self, layer: GearLayer, attention_mask: torch.Tensor | None) -> SlotPlan | None:

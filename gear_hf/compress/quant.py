@@ -105,8 +105,8 @@ def unpack_codes(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
         words = packed.view(torch.int32)
         mask = int.from_bytes(bytes([levels(bits)]) * 4, "little", signed=True)
         planes = words.new_empty(*words.shape[: dim + 1], per_byte, *words.shape[dim + 1:])
-        for j in range(per_byte):
-            torch.bitwise_right_shift(words, bits * j, out=planes.select(dim + 1, j))
+        for j, plane in enumerate(planes.unbind(dim + 1)):
+            torch.bitwise_right_shift(words, bits * j, out=plane)
         return planes.bitwise_and_(mask).view(torch.uint8).reshape(shape)
     return _unpack_fields(packed, bits, dim)
 
