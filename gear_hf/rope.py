@@ -14,9 +14,10 @@ import torch
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None,
                  scratch: torch.Tensor | None = None) -> torch.Tensor:
-    """x [B,H,T,d] rotated by cos/sin [B,T,r] (or [B,1,T,r]): bit for bit HF's apply_rotary_pos_emb, x*cos + rotate_half(x)*sin
-    with rotate_half(x) = cat(-x2, x1), computed per half in place (a + (-b)*s == a - b*s exactly), which
-    skips the negated copy and the concatenation: the reference path rotates the whole history every step.
+    """x [B,H,T,d] rotated by cos/sin [B,T,r] (or [B,1,T,r]): bit for bit HF's apply_rotary_pos_emb,
+    x*cos + rotate_half(x)*sin with rotate_half(x) = cat(-x2, x1), computed per half in place
+    (a + (-b)*s == a - b*s exactly), which skips the negated copy and the concatenation: the reference path
+    rotates the whole history every step.
     Partial rotary (r < d, Phi-3's partial_rotary_factor): the first r channels rotate, the rest pass through.
     cos/sin in a wider dtype than x (OLMo 2): computed in that dtype, the result cast back to x's.
     out: an optional tensor shaped and typed like x (not overlapping it) to write the result into; scratch: an
