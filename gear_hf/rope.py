@@ -12,13 +12,16 @@ from typing import Callable
 import torch
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [B,H,T,d] rotated by cos/sin [B,T,r]: bit for bit HF's apply_rotary_pos_emb, x*cos + rotate_half(x)*sin
-    with rotate_half(x) = cat(-x2, x1), computed per half in place (a + (-b)*s == a - b*s exactly), which
-    skips the negated copy and the concatenation: the reference path rotates the whole history every step.
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None,
+                 scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """x [B,H,T,d] rotated by cos/sin [B,T,r] (or [B,1,T,r]): bit for bit HF's apply_rotary_pos_emb,
+    x*cos + rotate_half(x)*sin with rotate_half(x) = cat(-x2, x1), computed per half in place
+    (a + (-b)*s == a - b*s exactly), which skips the negated copy and the concatenation: the reference path
+    rotates the whole history every step.
     Partial rotary (r < d, Phi-3's partial_rotary_factor): the first r channels rotate, the rest pass through.
     cos/sin in a wider dtype than x (OLMo 2): computed in that dtype, the result cast back to x's.
-    out: an optional tensor shaped and typed like x (not overlapping it) to write the result into."""
+    out: an optional tensor shaped and typed like x (not overlapping it) to write the result into; scratch: an
+    optional [B,H,T,r/2] tensor of out's dtype for the half products (else two temporaries are allocated)."""
     rotary_dim = cos.shape[-1]
     if rotary_dim < x.shape[-1]:
         rotated = apply_rotary(x[..., :rotary_dim], cos, sin)
@@ -27,15 +30,18 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: tor
         out[..., :rotary_dim].copy_(rotated)
         out[..., rotary_dim:].copy_(x[..., rotary_dim:])
         return out
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    if cos.ndim < x.ndim:  # [B,T,r] -> [B,1,T,r] (already so when the caller shares them between layers)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     if out is None or torch.result_type(x, cos) != out.dtype:
-        rotated = x * cos
+        rotated, scratch = x * cos, None
     else:
         rotated = torch.mul(x, cos, out=out)
-    rotated[..., :half] -= x2 * sin[..., :half]
-    rotated[..., half:] += x1 * sin[..., half:]
+    if scratch is not None and (scratch.dtype != rotated.dtype or scratch.shape != x2.shape):
+        scratch = None
+    rotated[..., :half].sub_(torch.mul(x2, sin[..., :half], out=scratch))
+    rotated[..., half:].add_(torch.mul(x1, sin[..., half:], out=scratch))
     if out is None:
         return rotated.to(x.dtype)  # OLMo 2's float32 cos/sin: rotate in float32, back to x's dtype as HF does
     return rotated if rotated is out else out.copy_(rotated)
@@ -61,14 +67,20 @@ class RotaryMemo:
     def __init__(self) -> None:
         self._entries: dict = {}
 
-    def get(self, step: int, columns, rotary_emb, like: torch.Tensor, positions: Callable[[], torch.Tensor]):
+    def get(self, step: int, columns, rotary_emb, like: torch.Tensor, positions: Callable[[], torch.Tensor],
+            heads_axis: bool = False):
         """rotary_emb(like, positions()) for this step's read of `columns` (a visible start column of the padded
-        layout, or "slots"), computed once."""
-        key = (step, columns, id(rotary_emb), like.dtype, like.device)
+        layout, or "slots"), computed once: (cos, sin) [B,T,d], or [B,1,T,d] with heads_axis (as `apply_rotary`
+        broadcasts them over the heads)."""
+        key = (step, columns, id(rotary_emb), like.dtype, like.device, heads_axis)
         if key not in self._entries:
             if self._entries and next(iter(self._entries))[0] != step:
                 self._entries.clear()
-            self._entries[key] = rotary_emb(like, positions())
+            if heads_axis:
+                cos, sin = self.get(step, columns, rotary_emb, like, positions)
+                self._entries[key] = cos.unsqueeze(1), sin.unsqueeze(1)
+            else:
+                self._entries[key] = rotary_emb(like, positions())
         return self._entries[key]
 
     def clear(self) -> None:

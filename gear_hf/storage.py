@@ -107,6 +107,7 @@ class ChunkStore:
         self.head_dim = 0
         self.dtype: torch.dtype | None = None
         self._chunk_nbytes: dict = {}  # (n, itemsize cap) -> bytes by component (accounting memo)
+        self._runs: dict[int, CompressedChunk] = {}  # chunks -> views of the first `chunks` of every field
 
     def _allocate(self, example: CompressedChunk, batch: int, chunks: int, example_is_full: bool) -> None:
         # The extents of a full chunk: the example's when it is one (a prompt step compresses its longest rows
@@ -120,6 +121,7 @@ class ChunkStore:
             t = getattr(full, name)
             self.extent[name] = t.shape[2]
             self.fields[name] = t.new_zeros(batch, t.shape[1], chunks * t.shape[2], *t.shape[3:])
+        self._runs.clear()
         self.capacity = chunks
         self.head_dim = d
         self.dtype = example.scale.dtype  # the side dtype (compress.side_dtype): probes compress like it
@@ -133,6 +135,7 @@ class ChunkStore:
             for name, t in self.fields.items():
                 self.fields[name] = _grown(t, new_capacity * self.extent[name])
             self.capacity = new_capacity
+            self._runs.clear()
 
     def compress_rows(self, x: torch.Tensor, rows: list[int], chunks: list[int], batch: int,
                       reserve_chunks: int) -> None:
@@ -197,7 +200,10 @@ class ChunkStore:
         Chunks lie one after the other along each field's dim 2, so they decompress in one call, in place."""
         if chunks == 0 or not self.fields:
             return torch.empty(0)
-        run = CompressedChunk(**{name: t[:, :, : chunks * self.extent[name]] for name, t in self.fields.items()})
+        run = self._runs.get(chunks)
+        if run is None:  # views, kept while the fields are the same tensors (every decode step reads them)
+            run = self._runs[chunks] = CompressedChunk(**{name: t[:, :, : chunks * self.extent[name]]
+                                                          for name, t in self.fields.items()})
         return decompress(run, self.spec, self.chunk_len, self.head_dim, out_dtype, chunks=chunks, out=out)
 
     def nbytes_by_component(self) -> dict[str, int]:
@@ -209,3 +215,4 @@ class ChunkStore:
     def select_rows(self, index: torch.Tensor) -> None:
         for name, t in self.fields.items():
             self.fields[name] = t.index_select(0, index)
+        self._runs.clear()

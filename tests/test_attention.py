@@ -23,3 +23,7 @@ def test_apply_rotary_is_hf_apply_rotary_pos_emb_bit_for_bit(dtype, shape):
     expected, _ = apply_rotary_pos_emb(x, x, cos, sin)
     assert torch.equal(apply_rotary(x, cos, sin), expected)
     assert torch.equal(apply_rotary(x, cos, sin, out=torch.empty_like(x)), expected)  # into a workspace
+    scratch = torch.full((B, H, T, d // 2), float("nan"), dtype=dtype)  # the half products' workspace
+    assert torch.equal(apply_rotary(x, cos, sin, out=torch.empty_like(x), scratch=scratch), expected)
+    cos4, sin4 = cos.unsqueeze(1), sin.unsqueeze(1)  # shared by the layers of a step, already over the heads axis
+    assert torch.equal(apply_rotary(x, cos4, sin4, out=torch.empty_like(x), scratch=scratch), expected)

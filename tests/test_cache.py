@@ -352,3 +352,34 @@ def test_prompt_step_compresses_each_prompt_length_once(monkeypatch):
     cache.observe_attention_mask(mask)
     cache.store_and_read(0, K, V)
     assert compressed == [40, 32, 40, 32]  # keys, then values: no probe
+
+
+def test_slot_layout_holds_each_rows_tokens_with_its_buffer_after_its_own_chunks():
+    """Rows that flushed different numbers of decode chunks: in the slot layout each slot holds exactly the token
+    the padded read has for that row (keys and values), and the decode chunks + buffer run is as wide as the
+    longest row's, not (most chunks + longest buffer)."""
+    config = _config(sink_tokens=2)
+    K, V = _stream(40, 30, batch=3)
+    mask = torch.ones(3, 70, dtype=torch.long)
+    mask[1, :5] = 0
+    mask[2, :13] = 0  # prompt chunks of 40, 32, 24 tokens: buffers fill and flush on different steps
+    cache = _cache(config)
+    seen_chunk_counts = set()
+    cache.observe_attention_mask(mask[:, :40])
+    cache.store_and_read(0, K[:, :, :40], V[:, :, :40])
+    for t in range(40, 70):
+        cache.observe_attention_mask(mask[:, : t + 1])
+        layer = cache.store(0, K[:, :, t : t + 1], V[:, :, t : t + 1])
+        counts = cache.layout.plan.attend
+        slots = cache.layout.slot_plan(counts, layer.key_stream.prefill.chunk_len)
+        nb = cache.layout.chunk_len
+        assert slots.tail == max(c * nb + f for c, f in zip(counts.chunks, counts.buffer))
+        padded = cache.read(0)
+        for stream, expected in zip(layer.streams, padded):
+            got = stream.read_slots(slots, torch.empty(3, H, slots.local.shape[1], D))
+            for b in range(3):
+                real = slots.columns[b] >= 0
+                assert torch.equal(got[b][:, real], expected[b][:, slots.columns[b][real]])
+        seen_chunk_counts.add(tuple(counts.chunks))
+        cache.compress_pending(0)
+    assert any(len(set(chunks)) > 1 for chunks in seen_chunk_counts)  # rows really held different chunk counts

@@ -157,7 +157,7 @@ class GearCache(Cache):
                 keys, values = self._read_padded(layer_idx, dtype, workspace_like=key_states)
             else:
                 keys, values = self.read(layer_idx, key_states, value_states)
-            rotary = lambda: self.rotary_for_read(layer_idx, rotary_emb, values)  # noqa: E731
+            rotary = lambda: self.rotary_for_read(layer_idx, rotary_emb, values, heads_axis=True)  # noqa: E731
         else:
             B, H, _, d = key_states.shape
             shape = (B, H, slots.local.shape[1], d)
@@ -165,9 +165,11 @@ class GearCache(Cache):
                             for stream, role in zip(layer.streams, ("keys", "values")))
             attention_mask = self._slot_mask(slots, attention_mask)
             rotary = lambda: self._rotary.get(layout.steps, "slots", rotary_emb, values,  # noqa: E731
-                                              lambda: layout.slot_positions(slots))
+                                              lambda: layout.slot_positions(slots), heads_axis=True)
         if self.gear_config.pre_rope:
-            keys = apply_rotary(keys, *rotary(), out=workspace.get("rotated keys", keys.shape, dtype, keys.device))
+            B, H, T, d = keys.shape
+            keys = apply_rotary(keys, *rotary(), out=workspace.get("rotated keys", keys.shape, dtype, keys.device),
+                                scratch=workspace.get("rotary scratch", (B, H, T, d // 2), dtype, keys.device))
         return keys, values, attention_mask
 
     def _slot_plan(self, layer: GearLayer, attention_mask: torch.Tensor | None) -> SlotPlan | None:
@@ -237,12 +239,12 @@ class GearCache(Cache):
         layout = self.layout
         return layout.read_positions(self.layers[layer_idx].visible_start(layout.plan.rect_before))
 
-    def rotary_for_read(self, layer_idx: int, rotary_emb, like: torch.Tensor):
-        """(cos, sin) [B,T,d] for the keys `read` returned, from the model's rotary module; computed once per step
-        per (visible start, rotary module) and shared by the layers."""
+    def rotary_for_read(self, layer_idx: int, rotary_emb, like: torch.Tensor, heads_axis: bool = False):
+        """(cos, sin) [B,T,d] ([B,1,T,d] with heads_axis) for the keys `read` returned, from the model's rotary
+        module; computed once per step per (visible start, rotary module) and shared by the layers."""
         start = self.layers[layer_idx].visible_start(self.layout.plan.rect_before)
         return self._rotary.get(self.layout.steps, start, rotary_emb, like,
-                                lambda: self.layout.read_positions(start))
+                                lambda: self.layout.read_positions(start), heads_axis)
 
     # -- fused Triton decode attention (gear_hf.kernels); read + attention stays the default and the oracle --
     def fused_attention(self, layer_idx: int, query: torch.Tensor, *, scaling: float, inv_freq: torch.Tensor,

@@ -74,19 +74,23 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class SlotPlan:
-    """Where a decode step's attention finds each row's tokens when rows differ ("slot layout"): the segments of
-    every row side by side at the same columns, as the stores hold them,
+    """Where a decode step's attention finds each row's tokens when rows differ ("slot layout"): the stored
+    segments of every row side by side at the same columns, then each row's decode chunks and buffer as one run,
 
-        [ sink: sink | prompt: prompt | decode chunks: chunks | buffer: buffer ]   (widths, shared by all rows)
+        [ sink: sink | prompt: prompt | tail: the row's decode chunks, then its buffer right after them ]
 
-    so each segment reconstructs for the whole batch in one call, straight into place; a row's unused slots are
-    holes that the remapped attention mask hides. local: [B, T_slot] long, the row-local token in each slot (-1:
-    a hole); columns: [B, T_slot] long, its column in HF's padded layout (-1: a hole)."""
+    so each store reconstructs for the whole batch in one call, straight into place (decode chunks: `chunks` of
+    them for every row), and each row's buffer is copied in after its own chunks (`buffer_at`): the width does not
+    grow with how many more chunks one row flushed than another. A row's unused slots are holes that the remapped
+    attention mask hides. local: [B, T_slot] long, the row-local token in each slot (-1: a hole); columns:
+    [B, T_slot] long, its column in HF's padded layout (-1: a hole)."""
 
     sink: int
     prompt: int
-    chunks: int  # decode chunks (each chunk_len tokens)
-    buffer: int
+    chunks: int  # decode chunks reconstructed for every row (the most any row holds; each chunk_len tokens)
+    tail: int  # width of the decode chunks + buffer run: the longest row's
+    buffer_at: tuple[int, ...]  # per row: where its buffer starts in the tail (its decode chunks' tokens)
+    buffer: tuple[int, ...]  # per row: its buffered tokens
     local: torch.Tensor
     columns: torch.Tensor
 
@@ -275,12 +279,13 @@ class RowLayout:
         if self._slot_memo is not None and self._slot_memo[0] == self.steps:
             return self._slot_memo[1]
         nb, device = self.chunk_len, self.positions.device
-        widths = (max(counts.sink, default=0), prompt_width if any(counts.prompt) else 0,
-                  max(counts.chunks, default=0), max(counts.buffer, default=0))
-        per_row = torch.tensor([(s, p, c * nb, f) for s, p, c, f in counts.rows()], device=device)  # [B, 4]
+        rows = counts.rows()
+        sink, prompt = max(counts.sink, default=0), prompt_width if any(counts.prompt) else 0
+        tail = max((c * nb + f for _, _, c, f in rows), default=0)
+        per_row = torch.tensor([(s, p, c * nb + f) for s, p, c, f in rows], device=device)  # [B, 3]
         first = torch.cumsum(per_row, 1) - per_row  # row-local index of each segment's first token
         parts = []
-        for i, width in enumerate((widths[0], widths[1], widths[2] * nb, widths[3])):
+        for i, width in enumerate((sink, prompt, tail)):
             if width:
                 j = torch.arange(width, device=device)[None]
                 parts.append(torch.where(j < per_row[:, i : i + 1], first[:, i : i + 1] + j, -1))
@@ -292,7 +297,8 @@ class RowLayout:
         column_of_local.scatter_(1, torch.where(rect >= 0, rect, held),
                                  torch.arange(self.rect_length, device=device).expand_as(rect))
         columns = torch.where(local >= 0, column_of_local.gather(1, local.clamp(min=0)), -1)
-        plan = SlotPlan(*widths, local=local, columns=columns)
+        plan = SlotPlan(sink, prompt, max(counts.chunks, default=0), tail, tuple(c * nb for c in counts.chunks),
+                        counts.buffer, local=local, columns=columns)
         self._slot_memo = (self.steps, plan)
         return plan
 

@@ -159,8 +159,9 @@ class Stream:
 
     def read_slots(self, slots: SlotPlan, out: torch.Tensor) -> torch.Tensor:
         """This layer's tokens in the slot layout (`SlotPlan`) into out [B,H,T_slot,d] (keys before RoPE): each
-        segment reconstructs for every row at once, straight into its columns. Holes hold finite leftovers (zeros
-        of a short prompt chunk, unused chunk slots, old buffer tokens) that the remapped mask hides."""
+        store reconstructs for every row at once, straight into its columns; each row's buffer follows its own
+        decode chunks. Holes hold finite leftovers (zeros of a short prompt chunk, unused chunk slots, old buffer
+        tokens) that the remapped mask hides."""
         at = 0
         if slots.sink:
             out[:, :, : slots.sink].copy_(self.sink.data[:, :, : slots.sink])
@@ -168,11 +169,22 @@ class Stream:
         if slots.prompt:
             self.prefill.reconstruct(1, out.dtype, out=out[:, :, at : at + slots.prompt])
             at += slots.prompt
-        if slots.chunks:
-            width = slots.chunks * self.chunk_len
-            self.decode.reconstruct(slots.chunks, out.dtype, out=out[:, :, at : at + width])
-            at += width
-        out[:, :, at : at + slots.buffer].copy_(self.buffer.data[:, :, : slots.buffer])
+        if slots.chunks:  # before the buffers: a row with fewer chunks has its buffer over the others' last chunks
+            self.decode.reconstruct(slots.chunks, out.dtype, out=out[:, :, at : at + slots.chunks * self.chunk_len])
+        buffer = self.buffer.data
+        by_offset: dict[int, list[int]] = {}
+        for row, offset in enumerate(slots.buffer_at):
+            by_offset.setdefault(offset, []).append(row)
+        for offset, rows in by_offset.items():
+            n = max(slots.buffer[row] for row in rows)
+            if not n:
+                continue
+            start = at + offset
+            if len(rows) == len(slots.buffer_at):  # rows that flushed alike: one copy
+                out[:, :, start : start + n].copy_(buffer[:, :, :n])
+            else:
+                for row in rows:
+                    out[row, :, start : start + n].copy_(buffer[row, :, :n])
         return out
 
     @staticmethod

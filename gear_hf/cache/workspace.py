@@ -15,7 +15,8 @@ class StepWorkspace:
         self._tensors: dict = {}
 
     def get(self, role: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """An uninitialised tensor for `role` ("keys", "values", "rotated keys"), the same one for the same request."""
+        """An uninitialised tensor for `role` ("keys", "values", "rotated keys", "rotary scratch"), the same one for
+        the same request."""
         key = (role, tuple(shape), dtype, device)
         tensor = self._tensors.get(key)
         if tensor is None:
