@@ -8,6 +8,8 @@
   The models are shared: after every test ``gear_hf.disable(model)`` runs on any of them left enabled. Tests that
   use them get the ``realweights`` marker automatically (``-m "not realweights"`` for a quick run).
   See tests/realweights.py for when they skip and when they fail instead.
+* Step workspaces (gear_hf.cache.workspace) start filled with NaN: they are uninitialised memory in use, so a
+  read of a column nothing wrote fails every time here instead of now and then.
 * Hypothesis: no deadline (a 2-core CI machine is slow and noisy); derandomized when ``CI`` is set.
 """
 
@@ -90,3 +92,18 @@ def smollm2_bf16():
 def qwen25():
     """``(model, tokenizer)``: Qwen2.5-Coder-0.5B-Instruct (Qwen2 arch), bf16. Needs `make weights-qwen`."""
     return realweights.load("qwen25", "bfloat16")
+
+
+@pytest.fixture(autouse=True)
+def _workspaces_start_as_nan(monkeypatch):
+    """A fresh workspace tensor holds NaN (floating dtypes): whatever the cache reads of it must be written first."""
+    from gear_hf.cache.workspace import StepWorkspace
+
+    get = StepWorkspace.get
+
+    def poisoned_get(self, role, shape, dtype, device):
+        fresh = (role, tuple(shape), dtype, device) not in self._tensors
+        tensor = get(self, role, shape, dtype, device)
+        return tensor.fill_(float("nan")) if fresh and tensor.is_floating_point() else tensor
+
+    monkeypatch.setattr(StepWorkspace, "get", poisoned_get)

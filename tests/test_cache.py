@@ -308,7 +308,8 @@ def test_slot_layout_attends_like_the_padded_layout(attn, method, monkeypatch):
     """Decode steps of a left-padded batch (rows that flush on different steps) attend in the slot layout: each
     segment reconstructed for all rows at once, the model's mask remapped. Same tokens and scores (to rounding:
     the columns are ordered differently) as attending in HF's padded layout, which it replaces on those steps;
-    the step's workspace is not held after the step."""
+    the step's workspace is not held after the step. Workspaces start as NaN in tests (conftest): a hole left
+    unwritten would turn its row's attention output into NaN."""
     import gear_hf.cache.gear_cache as gear_cache_module
     from gear_hf.cache.layout import RowLayout
     from tiny_models import CACHE_ARG, greedy, prompts, tiny_model

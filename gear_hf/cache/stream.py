@@ -169,8 +169,13 @@ class Stream:
         if slots.prompt:
             self.prefill.reconstruct(1, out.dtype, out=out[:, :, at : at + slots.prompt])
             at += slots.prompt
+        chunk_width = slots.chunks * self.chunk_len
         if slots.chunks:  # before the buffers: a row with fewer chunks has its buffer over the others' last chunks
-            self.decode.reconstruct(slots.chunks, out.dtype, out=out[:, :, at : at + slots.chunks * self.chunk_len])
+            self.decode.reconstruct(slots.chunks, out.dtype, out=out[:, :, at : at + chunk_width])
+        # past the chunks only buffers are written, each as long as its row's: the rest of the tail is a hole that
+        # must be finite (the masked weight 0 times NaN would poison the row), and `out` is an uninitialised
+        # workspace
+        out[:, :, at + chunk_width : at + slots.tail].zero_()
         buffer = self.buffer.data
         by_offset: dict[int, list[int]] = {}
         for row, offset in enumerate(slots.buffer_at):
