@@ -133,10 +133,13 @@ class GearCache(Cache):
         start = layer.visible_start(layout.plan.rect_before)
         out = (None, None)
         if workspace_like is not None:
-            B, H, _, d = workspace_like.shape
-            shape = (B, H, layout.rect_length - start, d)
-            out = tuple(self._workspace.get(role, shape, dtype, workspace_like.device) for role in ("keys", "values"))
+            out = self._key_value_workspace(workspace_like, layout.rect_length - start, dtype)
         return layer.read(layout, layout.plan.attend, start, dtype, self.gear_config.sink_tokens, out)
+
+    def _key_value_workspace(self, like: torch.Tensor, length: int, dtype: torch.dtype):
+        """The step's (keys, values) workspace tensors [B,H,length,d], for states like [B,H,q,d]."""
+        B, H, _, d = like.shape
+        return tuple(self._workspace.get(role, (B, H, length, d), dtype, like.device) for role in ("keys", "values"))
 
     def attention_inputs(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor, rotary_emb,
                          attention_mask: torch.Tensor | None, padded_layout: bool = False):
@@ -159,10 +162,8 @@ class GearCache(Cache):
                 keys, values = self.read(layer_idx, key_states, value_states)
             rotary = lambda: self.rotary_for_read(layer_idx, rotary_emb, values, heads_axis=True)  # noqa: E731
         else:
-            B, H, _, d = key_states.shape
-            shape = (B, H, slots.local.shape[1], d)
-            keys, values = (stream.read_slots(slots, workspace.get(role, shape, dtype, key_states.device))
-                            for stream, role in zip(layer.streams, ("keys", "values")))
+            keys, values = (stream.read_slots(slots, out) for stream, out in
+                            zip(layer.streams, self._key_value_workspace(key_states, slots.local.shape[1], dtype)))
             attention_mask = self._slot_mask(slots, attention_mask)
             rotary = lambda: self._rotary.get(layout.steps, "slots", rotary_emb, values,  # noqa: E731
                                               lambda: layout.slot_positions(slots), heads_axis=True)

@@ -177,19 +177,12 @@ class Stream:
         # workspace
         out[:, :, at + chunk_width : at + slots.tail].zero_()
         buffer = self.buffer.data
-        by_offset: dict[int, list[int]] = {}
-        for row, offset in enumerate(slots.buffer_at):
-            by_offset.setdefault(offset, []).append(row)
-        for offset, rows in by_offset.items():
-            n = max(slots.buffer[row] for row in rows)
-            if not n:
-                continue
-            start = at + offset
-            if len(rows) == len(slots.buffer_at):  # rows that flushed alike: one copy
-                out[:, :, start : start + n].copy_(buffer[:, :, :n])
-            else:
-                for row in rows:
-                    out[row, :, start : start + n].copy_(buffer[row, :, :n])
+        if len(set(slots.buffer_at)) == 1:  # rows that flushed alike: one copy (shorter rows' extra columns: holes)
+            start, n = at + slots.buffer_at[0], max(slots.buffer)
+            out[:, :, start : start + n].copy_(buffer[:, :, :n])
+        else:
+            for row, (offset, n) in enumerate(zip(slots.buffer_at, slots.buffer)):
+                out[row, :, at + offset : at + offset + n].copy_(buffer[row, :, :n])
         return out
 
     @staticmethod
