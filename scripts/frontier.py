@@ -7,7 +7,8 @@
     python scripts/frontier.py --tokens 1028 --text 1 --out out/frontier-text1 --configs ...  # another text: noise
 
 Names: METHOD-BITS (kBvB: key/value bits), then -sN N sinks, -rv/-rk/-rkv rotation of values/keys/both, -f8 int8
-low-rank factors, -gkN key groups of N tokens, -rPD ranks prefill/decode, -clipv/-clipk/-clipkv ranges searched
+low-rank factors, -vc values per channel over token groups (value_axis="channel"), -gkN key groups of N tokens, -gvN
+value groups of N (channels; tokens with -vc), -rPD ranks prefill/decode, -clipv/-clipk/-clipkv ranges searched
 (range_search) for values/keys/both.
 
 Bits are held at the end of the text, so a configuration whose last tokens still wait in the full-precision buffer
@@ -52,20 +53,22 @@ SHOTS_FOR = {1024: 8, 4096: 40}  # GSM8K exemplars so the text is at least T tok
 
 def point(method: str, key_bits: int, value_bits: int, *, sink: int = 0, rotation: str = "none",
           factor_bits: int = 16, key_group: int | None = None, value_group: int | None = None,
-          ranks: tuple[int, int] | None = None, range_search: str = "none"):
+          ranks: tuple[int, int] | None = None, range_search: str = "none", value_axis: str = "token"):
     """(name, GearConfig): the paper's preset of `method` with these changes; the name spells the changes."""
     import gear_hf
 
-    granule = math.lcm(64, key_group or 64)
+    granule = math.lcm(64, key_group or 64, value_group if value_axis == "channel" and value_group else 64)
     config = gear_hf.GearConfig.preset(method, key_bits=key_bits, value_bits=value_bits, sink_tokens=sink,
                                        rotation=rotation, factor_bits=factor_bits, key_group_size=key_group,
                                        value_group_size=value_group, buffer_size=granule, range_search=range_search,
+                                       value_axis=value_axis,
                                        **(dict(rank_prefill=ranks[0], rank_decode=ranks[1]) if ranks else {}))
     bits = f"{key_bits}" if key_bits == value_bits else f"k{key_bits}v{value_bits}"
     name = f"{method}-{bits}"
     name += f"-s{sink}" if sink else ""
     name += {"none": "", "values": "-rv", "keys": "-rk", "both": "-rkv"}[rotation]
     name += "-f8" if factor_bits == 8 and config.uses_lowrank else ""
+    name += "-vc" if value_axis == "channel" else ""
     name += f"-gk{key_group}" if key_group else ""
     name += f"-gv{value_group}" if value_group else ""
     name += f"-r{ranks[0]}{ranks[1]}" if ranks else ""
@@ -117,6 +120,17 @@ def grid(kind: str) -> dict:
         points += [point("kivi", 2, 2, sink=4, rotation=rotation, range_search="values"),
                    point("gear-l", 2, 2, sink=4, rotation=rotation, factor_bits=8, key_group=128, ranks=(2, 1),
                          range_search="values")]
+    # round 5: values per channel over token groups (value_axis="channel", the keys' layout) with groups of 256
+    # tokens for both: 1/8 bit of statistics per element instead of 1/4 (keys, groups of 128) and 1/2 (values,
+    # groups of one 64-channel head)
+    long_groups = dict(sink=4, key_group=256, value_group=256, value_axis="channel")
+    for key_bits, value_bits in ((2, 2), (3, 2), (4, 2), (3, 3), (4, 3)):
+        points += [point("kivi", key_bits, value_bits, rotation="both", range_search="values", **long_groups)]
+    points += [point("kivi", 2, 2, rotation="values", range_search="values", **long_groups),
+               point("kivi", 3, 2, rotation="values", range_search="values", **long_groups),
+               point("kivi", 4, 2, rotation="both", **long_groups), point("kivi", 3, 2, rotation="both", **long_groups),
+               point("kivi", 3, 2, rotation="both", sink=4, key_group=128, value_group=128, value_axis="channel",
+                     range_search="values")]
     if kind == "quick":
         keep = {"kivi-2", "kivi-4", "gear-2", "gear-4", "kivi-k4v2", "kivi-k4v2-rv", "kivi-k3v2-rv", "kivi-3-rv",
                 "kivi-2-rv", "kivi-2-rv-gk128", "kivi-k3v2-rv-gk128", "gear-2-f8"}

@@ -229,6 +229,13 @@ STORAGE = [
     ("gear-l", 3, dict(rotation="both", factor_bits=8, key_group_size=32, value_group_size=16, dtype=torch.float16)),
     ("kivi", 4, dict(key_group_size=32, value_group_size=8, window=37)),
     ("gear-l", 4, dict(rank_prefill=16, rank_decode=16)),  # the largest rank one 16-wide dot operand holds
+    # values per channel over token groups (value_axis="channel"), read like keys: a group spanning whole blocks
+    # (one row of statistics per block) or shorter than a block, 2/3/4/8 bits, rotated, with low-rank factors
+    ("kivi", 2, dict(value_axis="channel", rotation="both", sink=4, range_search="values", key_group_size=32,
+                     value_group_size=32)),
+    ("kivi", 3, dict(value_axis="channel", value_group_size=16, q_len=4, dtype=torch.float16)),
+    ("gear-l", 4, dict(value_axis="channel", factor_bits=8, rotation="values", dtype=torch.bfloat16)),
+    ("kivi", 8, dict(value_axis="channel", value_group_size=32, window=37, d=128)),
 ]
 
 

@@ -61,8 +61,11 @@ def test_use_fused(monkeypatch):
     assert not use_fused(forced, q1, training=True)
     with pytest.raises(NotImplementedError, match="pre_rope"):
         use_fused(forced.replace(pre_rope=False), q1)
-    with pytest.raises(NotImplementedError, match="axis"):
+    with pytest.raises(NotImplementedError, match="value_axis='channel' with value outliers"):
         use_fused(forced.replace(value_axis="channel"), q1)
+    with pytest.raises(NotImplementedError, match="key_axis='token'"):
+        use_fused(forced.replace(key_axis="token"), q1)
+    assert use_fused(GearConfig.preset("gear-l", bits=4, backend="triton", value_axis="channel"), q1)
     assert not use_fused(GearConfig(pre_rope=False), q1)  # auto: silently the torch path
     assert fused_supported(GearConfig(), 96, 1) is not None  # head_dim not a power of two
     assert fused_supported(GearConfig(group_size=8, buffer_size=8), 64, 1) is not None  # tiles < 16 tokens

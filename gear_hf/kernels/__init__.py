@@ -80,9 +80,12 @@ def fused_supported(config, head_dim: int, query_len: int, *, rotary_dim: int | 
     the model's attention function is given (Gemma 2), None when it has none."""
     if not config.pre_rope:
         return "pre_rope=False (keys stored after RoPE) is only implemented by the torch path"
-    if config.compresses and (config.key_axis, config.value_axis) != ("channel", "token"):
-        return (f"key_axis={config.key_axis!r}/value_axis={config.value_axis!r}: the fused kernel implements the "
-                "default axes (keys per channel, values per token) only")
+    if config.compresses and config.key_axis != "channel":
+        return (f"key_axis={config.key_axis!r}: the fused kernel reads keys stored per channel (key_axis='channel') "
+                "only")
+    if config.compresses and config.value_axis == "channel" and config.uses_outliers:
+        return (f"value_axis='channel' with value outliers (method={config.method!r}): the fused kernel adds value "
+                "outliers per token only")
     if head_dim < 32 or head_dim & (head_dim - 1):
         return f"head_dim={head_dim}: the fused kernel needs a power of two >= 32"
     if rotary_dim is not None and rotary_dim != head_dim:

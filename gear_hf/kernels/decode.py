@@ -38,9 +38,9 @@ strides that grow with the storage) are not specialized on, so the kernel compil
 
 Operands of tl.dot are cast to the model dtype (fp16/bf16: tensor cores) or stay float32 (`ieee`); under the
 CPU interpreter bf16 is upcast to float32 (the interpreter computes bf16 dots wrong). Everything else is
-float32. Supported: keys axis="channel", values axis="token" (the defaults) and pre_rope=True, every bit width,
-rotation, int8 factors and group size, except key outliers of rotated keys; the other combinations use the torch
-path (see gear_hf.kernels.fused_supported).
+float32. Supported: keys axis="channel", values axis="token" (the defaults) or "channel" (read like keys; without
+value outliers), pre_rope=True, every bit width, rotation, int8 factors and group size, except key outliers of
+rotated keys; the other combinations use the torch path (see gear_hf.kernels.fused_supported).
 """
 
 from __future__ import annotations
@@ -377,8 +377,10 @@ def _compressed_block(
     K_BITS: tl.constexpr, K_UNIT: tl.constexpr, K_GROUP: tl.constexpr, K_R: tl.constexpr, K_SPARSE: tl.constexpr,
     K_STATS_ROW: tl.constexpr,
     V_BITS: tl.constexpr, V_UNIT: tl.constexpr, V_GROUP: tl.constexpr, V_R: tl.constexpr, V_K2: tl.constexpr,
+    V_BY_CHANNEL: tl.constexpr, V_STATS_ROW: tl.constexpr,
 ):
-    """One block of compressed tokens; kbt1/kbt2/vbt: the chunk's `_lowrank_bt` (key halves, values)."""
+    """One block of compressed tokens; kbt1/kbt2/vbt: the chunk's `_lowrank_bt` (key halves, values).
+    V_BY_CHANNEL: values stored per channel over token groups (value_axis="channel", no outliers): read like keys."""
     h_offs = tl.arange(0, HALF)
     ka16 = _lowrank_a(ka, s_ka, slot, tvalid, K_R, DT) if K_R > 0 else 0  # shared by both halves
     k1 = _key_half(kc, ks, km, s_kc, s_ks, slot, slot0, slot_end, tvalid, h_offs, 0, ka16, kbt1,
@@ -393,8 +395,12 @@ def _compressed_block(
     if K_SPARSE:
         s = _key_outlier_scores(s, q_rows, mvalid, ow, ov, ot, n_tiles, seg, tok0, t_base, pos_b, freq_ptr,
                                 q_scale, D, HALF, BN, OUTLIERS_PER_STEP, DT == tl.float32, FAST)
-    v = _value_tile(vc, vs, vm, vsv, vsi, s_vc, s_vs, s_vsp, slot, tvalid, D, V_BITS, V_UNIT, V_GROUP, V_K2,
-                    s_vs)
+    if V_BY_CHANNEL:  # codes packed along tokens, a row of statistics per token group: the keys' layout
+        v = _key_half(vc, vs, vm, s_vc, s_vs, slot, slot0, slot_end, tvalid, tl.arange(0, D), 0, 0, 0,
+                      V_BITS, V_UNIT, V_GROUP, 0, V_STATS_ROW, DT)
+    else:
+        v = _value_tile(vc, vs, vm, vsv, vsi, s_vc, s_vs, s_vsp, slot, tvalid, D, V_BITS, V_UNIT, V_GROUP, V_K2,
+                        s_vs)
     m_i, l_i, acc, p = _softmax_step(s, t, tvalid, limit, mvalid, window, m_i, l_i, acc, v, DT)
     if V_R > 0:
         acc = _lowrank_values(acc, p, _lowrank_a(va, s_va, slot, tvalid, V_R, DT), vbt, DT)
@@ -462,11 +468,11 @@ def _decode_attention_kernel(
     P_K_BITS: tl.constexpr, P_K_UNIT: tl.constexpr, P_K_GROUP: tl.constexpr, P_K_R: tl.constexpr,
     P_K_SPARSE: tl.constexpr, P_K_STATS_ROW: tl.constexpr, P_V_BITS: tl.constexpr, P_V_UNIT: tl.constexpr,
     P_V_GROUP: tl.constexpr, P_V_R: tl.constexpr, P_V_K2: tl.constexpr, P_V_CODES_W: tl.constexpr,
-    P_V_STATS_W: tl.constexpr,
+    P_V_STATS_W: tl.constexpr, P_V_BY_CHANNEL: tl.constexpr, P_V_STATS_ROW: tl.constexpr,
     D_K_BITS: tl.constexpr, D_K_UNIT: tl.constexpr, D_K_GROUP: tl.constexpr, D_K_R: tl.constexpr,
     D_K_SPARSE: tl.constexpr, D_K_STATS_ROW: tl.constexpr, D_V_BITS: tl.constexpr, D_V_UNIT: tl.constexpr,
     D_V_GROUP: tl.constexpr, D_V_R: tl.constexpr, D_V_K2: tl.constexpr, D_V_CODES_W: tl.constexpr,
-    D_V_STATS_W: tl.constexpr,
+    D_V_STATS_W: tl.constexpr, D_V_BY_CHANNEL: tl.constexpr, D_V_STATS_ROW: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -552,7 +558,7 @@ def _decode_attention_kernel(
                 pvsi + bh64 * s_pvsp, pva + bh64 * s_pva, P_V_CODES_W, P_V_STATS_W, P_V_K2, P_V_R,
                 pkbt1, pkbt2, pvbt, had_ptr,
                 D, HALF, BN, DT, FAST, ROT_K, P_K_BITS, P_K_UNIT, P_K_GROUP, P_K_R, P_K_SPARSE, P_K_STATS_ROW,
-                P_V_BITS, P_V_UNIT, P_V_GROUP, P_V_R, P_V_K2)
+                P_V_BITS, P_V_UNIT, P_V_GROUP, P_V_R, P_V_K2, P_V_BY_CHANNEL, P_V_STATS_ROW)
 
     if D_K_BITS > 0:
         # chunk by chunk: each chunk's Bᵀ (keys: two halves, values) is loaded once for its NB/BN blocks
@@ -588,7 +594,8 @@ def _decode_attention_kernel(
                     dvc + bh64 * s_dvc, dvs + bh64 * s_dvs, dvm + bh64 * s_dvs, dvsv + bh64 * s_dvsp,
                     dvsi + bh64 * s_dvsp, dva + bh64 * s_dva, D_V_CODES_W, D_V_STATS_W, D_V_K2, D_V_R,
                     dkbt1, dkbt2, dvbt, had_ptr, D, HALF, BN, DT, FAST, ROT_K, D_K_BITS, D_K_UNIT, D_K_GROUP,
-                    D_K_R, D_K_SPARSE, D_K_STATS_ROW, D_V_BITS, D_V_UNIT, D_V_GROUP, D_V_R, D_V_K2)
+                    D_K_R, D_K_SPARSE, D_K_STATS_ROW, D_V_BITS, D_V_UNIT, D_V_GROUP, D_V_R, D_V_K2,
+                    D_V_BY_CHANNEL, D_V_STATS_ROW)
 
     for blk in range(tl.maximum(lo, e3), hi):
         slot = (blk - e3) * BN + n_offs
@@ -673,7 +680,8 @@ def _rank(run: ChunkRunView, prefix: str) -> int:
 
 
 _NO_KEYS = {"BITS": 0, "UNIT": 1, "GROUP": 1, "R": 0, "SPARSE": False, "STATS_ROW": False}
-_NO_VALUES = {"BITS": 0, "UNIT": 1, "GROUP": 1, "R": 0, "K2": 0, "CODES_W": 1, "STATS_W": 1}
+_NO_VALUES = {"BITS": 0, "UNIT": 1, "GROUP": 1, "R": 0, "K2": 0, "CODES_W": 1, "STATS_W": 1, "BY_CHANNEL": False,
+              "STATS_ROW": False}
 
 
 def _key_run_args(run: ChunkRunView | None, chunks_used: int, dummy: torch.Tensor, head_dim: int, prefix: str,
@@ -687,14 +695,7 @@ def _key_run_args(run: ChunkRunView | None, chunks_used: int, dummy: torch.Tenso
     spec = run.spec
     if spec.axis != "channel":
         raise NotImplementedError("fused kernel: keys must be stored per channel (key_axis='channel')")
-    group = spec.group_for(run.chunk_len, head_dim)
-    unit = pack_unit(spec.bits)[0]
-    if run.chunk_len % unit or group % unit:
-        raise NotImplementedError(f"fused kernel: chunk of {run.chunk_len} tokens / group {group} does not align "
-                                  f"with packing units of {unit} codes")
-    if spec.bits != 3:
-        _check_words(run.codes, f"{prefix}.codes")
-    _check_words(run.scale, f"{prefix}.scale"), _check_words(run.minimum, f"{prefix}.minimum")
+    grouped = _token_grouped_constexprs(run, head_dim, prefix, block_n)
     k2 = key_outlier_count(run)
     if k2 and spec.rotate:
         raise NotImplementedError("fused kernel: key outliers of rotated keys (rotation='keys'/'both' with a sparse "
@@ -715,24 +716,47 @@ def _key_run_args(run: ChunkRunView | None, chunks_used: int, dummy: torch.Tenso
     ptrs = [f["codes"], f["scale"], f["minimum"], f["lowrank_a"], f["lowrank_b"], where, value, tile]
     strides = [f["codes"].stride(1), f["scale"].stride(1), f["lowrank_a"].stride(1), f["lowrank_b"].stride(1),
                where.stride(1) if k2 else 0, tile.stride(1) if k2 else 0, tiles, k2 * head_dim]
-    constexprs = {"BITS": spec.bits, "UNIT": unit, "GROUP": group, "R": _rank(run, prefix), "SPARSE": k2 > 0,
-                  "STATS_ROW": group % block_n == 0}
+    constexprs = {**grouped, "R": _rank(run, prefix), "SPARSE": k2 > 0}
     return ptrs, strides, {f"{prefix}_{k}": v for k, v in constexprs.items()}
 
 
-def _value_run_args(run: ChunkRunView | None, chunks_used: int, dummy: torch.Tensor, head_dim: int, prefix: str):
+def _token_grouped_constexprs(run: ChunkRunView, head_dim: int, prefix: str, block_n: int) -> dict:
+    """Checks and constexprs of a run stored per channel over token groups (keys; values with
+    value_axis="channel"): codes packed along tokens, read as 32-bit words of 4 channels' bytes (2/4/8 bits), one
+    row of statistics per group (STATS_ROW: once per block when a group spans whole blocks)."""
+    spec = run.spec
+    group = spec.group_for(run.chunk_len, head_dim)
+    unit = pack_unit(spec.bits)[0]
+    if run.chunk_len % unit or group % unit:
+        raise NotImplementedError(f"fused kernel: chunk of {run.chunk_len} tokens / group {group} does not align "
+                                  f"with packing units of {unit} codes")
+    if spec.bits != 3:
+        _check_words(run.codes, f"{prefix}.codes")
+    _check_words(run.scale, f"{prefix}.scale"), _check_words(run.minimum, f"{prefix}.minimum")
+    return {"BITS": spec.bits, "UNIT": unit, "GROUP": group, "STATS_ROW": group % block_n == 0}
+
+
+def _value_run_args(run: ChunkRunView | None, chunks_used: int, dummy: torch.Tensor, head_dim: int, prefix: str,
+                    block_n: int):
     if run is None or chunks_used == 0:
         return [dummy] * 7, [0] * 5, {f"{prefix}_{k}": v for k, v in _NO_VALUES.items()}
     names = ("codes", "scale", "minimum", "sparse_values", "sparse_index", "lowrank_a", "lowrank_b")
     f = {name: _check(getattr(run, name), f"{prefix}.{name}") for name in names}
     spec = run.spec
-    if spec.axis != "token":
-        raise NotImplementedError("fused kernel: values must be stored per token (value_axis='token')")
-    if spec.bits != 3:
-        _check_words(run.codes, f"{prefix}.codes")
-    constexprs = {"BITS": spec.bits, "UNIT": pack_unit(spec.bits)[0], "GROUP": spec.group_for(run.chunk_len, head_dim),
-                  "R": _rank(run, prefix), "K2": f["sparse_values"].shape[-1],
-                  "CODES_W": f["codes"].shape[-1], "STATS_W": f["scale"].shape[-1]}
+    # row strides of codes and statistics within a head: the fields' last dims (CODES_W, STATS_W)
+    widths = {"CODES_W": f["codes"].shape[-1], "STATS_W": f["scale"].shape[-1], "R": _rank(run, prefix)}
+    if spec.axis == "channel":  # the keys' layout ([B,H,P(n),d] codes, [B,H,n/g,d] statistics)
+        if f["sparse_values"].shape[2]:
+            raise NotImplementedError("fused kernel: outliers of values stored per channel (value_axis='channel' "
+                                      "with a sparse term) are only applied by the torch path")
+        constexprs = {**_token_grouped_constexprs(run, head_dim, prefix, block_n), **widths, "K2": 0,
+                      "BY_CHANNEL": True}
+    else:
+        if spec.bits != 3:
+            _check_words(run.codes, f"{prefix}.codes")
+        constexprs = {"BITS": spec.bits, "UNIT": pack_unit(spec.bits)[0],
+                      "GROUP": spec.group_for(run.chunk_len, head_dim), **widths, "K2": f["sparse_values"].shape[-1],
+                      "BY_CHANNEL": False, "STATS_ROW": False}
     strides = [f[n].stride(1) for n in ("codes", "scale", "sparse_values", "lowrank_a", "lowrank_b")]
     return [f[n] for n in names], strides, {f"{prefix}_{k}": v for k, v in constexprs.items()}
 
@@ -904,9 +928,9 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
                                   f"dividing buffer_size={NB}")
     prompt_chunks = 1 if (keys.prompt is not None and layout.max_prompt > 0) else 0
     pk_ptrs, pk_strides, pk_c = _key_run_args(keys.prompt, prompt_chunks, query, D, "P_K", block_n)
-    pv_ptrs, pv_strides, pv_c = _value_run_args(values.prompt, prompt_chunks, query, D, "P_V")
+    pv_ptrs, pv_strides, pv_c = _value_run_args(values.prompt, prompt_chunks, query, D, "P_V", block_n)
     dk_ptrs, dk_strides, dk_c = _key_run_args(keys.decode, decode_chunks, query, D, "D_K", block_n)
-    dv_ptrs, dv_strides, dv_c = _value_run_args(values.decode, decode_chunks, query, D, "D_V")
+    dv_ptrs, dv_strides, dv_c = _value_run_args(values.decode, decode_chunks, query, D, "D_V", block_n)
     used = [(keys.prompt, values.prompt)] if prompt_chunks else []
     used += [(keys.decode, values.decode)] if decode_chunks else []
     rot_k = _rotated([k for k, _ in used], "keys")
