@@ -249,25 +249,24 @@ def _candidates(x: torch.Tensor, axis: str, k: int, entry_ok: torch.Tensor | Non
     block_min = lo_src.narrow(dim, 0, blocks * block).unflatten(dim, (block, blocks)).amin(dim)
     t_hi = block_max.kthvalue(blocks - k, dim=dim, keepdim=True).values  # (k+1)-th largest, [B,H,1,d] / [B,H,n,1]
     t_lo = block_min.kthvalue(k + 1, dim=dim, keepdim=True).values  # (k+1)-th smallest
-    # candidates written straight in the vectors' layout [B,H,V,L] (nonzero then lists them vector by vector)
-    vec, t_hi, t_lo = (_vectors_last(t, axis) for t in (x, t_hi, t_lo))
-    candidate = torch.ge(vec, t_hi, out=torch.empty(vec.shape, dtype=torch.bool, device=x.device))
-    candidate |= vec <= t_lo
+    # candidates marked in x's own layout (contiguous; a transposed output would cost a copy), then listed by nonzero
+    # through the vectors' view [B,H,V,L], vector by vector, positions ascending
+    candidate = (x >= t_hi).logical_or_(x <= t_lo)  # [B,H,n,d]
     if entry_ok is not None:
-        candidate &= _vectors_last(entry_ok, axis)
-    per_vector = candidate.sum(dim=-1, dtype=torch.int32)  # [B,H,V]
+        candidate &= entry_ok
+    per_vector = candidate.sum(dim=dim, dtype=torch.int32)  # [B,H,V]
     width = max(int(per_vector.max()), k + 1)
     if 2 * width > L:
         return None
-    vector, position = candidate.view(-1, L).nonzero(as_tuple=True)  # vector by vector (flat id), positions ascending
+    b, h, v, position = _vectors_last(candidate, axis).nonzero(as_tuple=True)
+    vector = (b * H + h) * per_vector.shape[-1] + v  # flat id
     counts = per_vector.flatten()
     first = counts.cumsum(0) - counts  # [B*H*V] where each vector's candidates start
     column = torch.arange(vector.numel(), device=x.device) - first[vector]
-    # offset of each candidate in x [B,H,n,d] read row-major: vectors are (b,h,channel) or (b,h,token)
-    offset = (vector // d * n + position) * d + vector % d if axis == "channel" else vector * d + position
     shape = (*per_vector.shape, width)
     values = x.new_zeros(shape)
-    values.view(-1, width)[vector, column] = x.reshape(-1)[offset]
+    # read through x's strides (a chunk sliced from a longer buffer is not contiguous: no copy of it)
+    values.view(-1, width)[vector, column] = x[b, h, position, v] if axis == "channel" else x[b, h, v, position]
     positions = torch.zeros(shape, dtype=torch.long, device=x.device)
     positions.view(-1, width)[vector, column] = position
     present = torch.arange(width, device=x.device) < per_vector[..., None]
