@@ -175,10 +175,13 @@ def test_outliers_on_ties_follow_the_documented_order(axis, ratio, path, dtype, 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("axis", ["channel", "token"])
-def test_16bit_ranking_keys_choose_what_float32_keys_choose(axis, dtype):
+def test_16bit_ranking_keys_choose_what_float32_keys_choose(axis, dtype, monkeypatch):
     """16-bit values are ranked with int32 keys, float32 ones with int64 keys: the same values (a 16-bit chunk and its
-    exact float32 copy) give the same outliers, on every way of finding them (ratios: few and many per vector), with
-    -0.0 beside +0.0, infinities, subnormals, ties, an odd shape and padding."""
+    exact float32 copy) give the same outliers, on every way of finding them (the one each ratio takes; every ratio
+    by extraction; every ratio by sorting whole vectors), with -0.0 beside +0.0, infinities, subnormals, ties, an
+    odd shape and padding."""
+    from gear_hf.compress import outliers
+
     g = torch.Generator().manual_seed(11)
     x = (torch.randn(3, 2, 328, 72, generator=g) * torch.rand(72, generator=g).mul(8).exp()).to(dtype)
     x[0, 0, :, 3] = 0.0  # a vector of zeros, -0.0 and +0.0 mixed: equal, so chosen by position
@@ -191,12 +194,17 @@ def test_16bit_ranking_keys_choose_what_float32_keys_choose(axis, dtype):
     x[2, 0, 100:140] = x[2, 0, 100:140].round()  # ties
     valid = torch.ones(3, 328, dtype=torch.bool)
     valid[1, :70] = False
-    for ratio in (0.01, 0.02, 0.06, 0.3):
-        for mask in (None, valid):
-            narrow = select_outliers(x, axis, ratio, mask)
-            wide = select_outliers(x.float(), axis, ratio, mask)
-            for a, b in zip(narrow, wide):
-                assert torch.equal(a, b)
+    cases = [(ratio, mask) for ratio in (0.01, 0.02, 0.06, 0.3) for mask in (None, valid)]
+    expected = [select_outliers(x.float(), axis, ratio, mask) for ratio, mask in cases]
+    for way in ("own", "extract", "whole"):
+        if way == "extract":
+            monkeypatch.setattr(outliers, "_EXTRACTION_MAX_SLOTS", 1000)
+        if way == "whole":
+            monkeypatch.setattr(outliers, "_EXTRACTION_MAX_SLOTS", 0)
+            monkeypatch.setattr(outliers, "_candidates", lambda *a, **kw: None)
+        for (ratio, mask), wide in zip(cases, expected):
+            for a, b in zip(select_outliers(x, axis, ratio, mask), wide):
+                assert torch.equal(a, b), (way, ratio, mask is not None)
 
 
 def test_outliers_ignore_padding_and_follow_row_length():
