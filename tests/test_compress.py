@@ -142,20 +142,24 @@ def _brute_force_outliers(vec: list[float], k: int) -> set[int]:
     return set(top[:j]) | set(bottom[: k - j])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("path", ["extract", "candidates", "whole"])
 @pytest.mark.parametrize("ratio", [0.01, 0.05])
 @pytest.mark.parametrize("axis", ["channel", "token"])
-def test_outliers_on_ties_follow_the_documented_order(axis, ratio, path, monkeypatch):
+def test_outliers_on_ties_follow_the_documented_order(axis, ratio, path, dtype, monkeypatch):
     """Many equal values (small integers; bf16 caches and repeated tokens have them): the chosen entries are those of
     the brute-force rule on each way of finding the extremes: taking them one by one (few per vector), ranking the
-    candidates (the CPU's way for more), sorting whole vectors (other devices')."""
+    candidates (the CPU's way for more), sorting whole vectors (other devices'); with 16-bit ranking keys (16-bit
+    values) and 64-bit ones (float32)."""
     from gear_hf.compress import outliers
 
     g = torch.Generator().manual_seed(3)
-    x = torch.randint(-4, 5, (2, 2, 200, 64), generator=g).float()
+    x = torch.randint(-4, 5, (2, 2, 200, 64), generator=g).to(dtype)
     if path != "candidates":  # (a vector where every entry is a candidate sends the whole call to another way)
-        x[0, 0, :, 5] = 0.0  # a constant vector along tokens: every entry ties
+        x[0, 0, :, 5] = 0.0  # a constant vector along tokens: every entry ties (-0.0 and +0.0 are equal)
+        x[0, 0, ::3, 5] = -0.0
         x[1, 1, 7] = 0.0  # and one along channels
+        x[1, 1, 7, 1::2] = -0.0
     k = outliers_per_vector(200 if axis == "channel" else 64, ratio)
     monkeypatch.setattr(outliers, "_EXTRACTION_MAX_SLOTS", 1000 if path == "extract" else 0)
     if path == "whole":
@@ -167,6 +171,40 @@ def test_outliers_on_ties_follow_the_documented_order(axis, ratio, path, monkeyp
     chosen = mask.transpose(-1, -2) if axis == "channel" else mask
     for v, m in zip(vec.reshape(-1, vec.shape[-1]).tolist(), chosen.reshape(-1, vec.shape[-1])):
         assert set(torch.nonzero(m).flatten().tolist()) == _brute_force_outliers(v, k)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("axis", ["channel", "token"])
+def test_16bit_ranking_keys_choose_what_float32_keys_choose(axis, dtype, monkeypatch):
+    """16-bit values are ranked with int32 keys, float32 ones with int64 keys: the same values (a 16-bit chunk and its
+    exact float32 copy) give the same outliers, on every way of finding them (the one each ratio takes; every ratio
+    by extraction; every ratio by sorting whole vectors), with -0.0 beside +0.0, infinities, subnormals, ties, an
+    odd shape and padding."""
+    from gear_hf.compress import outliers
+
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(3, 2, 328, 72, generator=g) * torch.rand(72, generator=g).mul(8).exp()).to(dtype)
+    x[0, 0, :, 3] = 0.0  # a vector of zeros, -0.0 and +0.0 mixed: equal, so chosen by position
+    x[0, 0, 7::3, 3] = -0.0
+    x[0, 1, 17] = 0.0
+    x[0, 1, 17, 1::2] = -0.0
+    x[1, 1, 9] = torch.finfo(dtype).tiny / 4  # subnormal
+    x[1, 0, 11, :9] = float("inf")
+    x[2, 1, 13, 20:30] = float("-inf")
+    x[2, 0, 100:140] = x[2, 0, 100:140].round()  # ties
+    valid = torch.ones(3, 328, dtype=torch.bool)
+    valid[1, :70] = False
+    cases = [(ratio, mask) for ratio in (0.01, 0.02, 0.06, 0.3) for mask in (None, valid)]
+    expected = [select_outliers(x.float(), axis, ratio, mask) for ratio, mask in cases]
+    for way in ("own", "extract", "whole"):
+        if way == "extract":
+            monkeypatch.setattr(outliers, "_EXTRACTION_MAX_SLOTS", 1000)
+        if way == "whole":
+            monkeypatch.setattr(outliers, "_EXTRACTION_MAX_SLOTS", 0)
+            monkeypatch.setattr(outliers, "_candidates", lambda *a, **kw: None)
+        for (ratio, mask), wide in zip(cases, expected):
+            for a, b in zip(select_outliers(x, axis, ratio, mask), wide):
+                assert torch.equal(a, b), (way, ratio, mask is not None)
 
 
 def test_outliers_ignore_padding_and_follow_row_length():

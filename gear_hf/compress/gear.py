@@ -115,12 +115,13 @@ def exact_outliers(target: torch.Tensor, code: torch.Tensor, scale: torch.Tensor
         # The first pair (the quantized code, the nearest S) hits for most entries of a 16-bit model: search the
         # others only (finding them is a host sync, so other devices search every entry at once; same result).
         base = code * scale + minimum
-        nearest = (target - base).to(store_dtype)
-        miss = ((base + nearest.float()).to(model_dtype).float() != target).nonzero(as_tuple=True)
-        if 2 * len(miss[0]) <= target.numel():  # (a 32-bit model misses nearly everywhere: search all at once)
-            code, nearest = code.clone(), nearest.clone()
-            code[miss], nearest[miss] = _search_pairs(target[miss], code[miss], scale[miss], minimum[miss], bits,
-                                                      model_dtype, store_dtype)
+        nearest = (target - base).to(store_dtype, memory_format=torch.contiguous_format)  # [*E]
+        # flat positions of the misses [M]: one flat index per tensor is far cheaper than a tuple of per-dim indices
+        miss = ((base + nearest.float()).to(model_dtype).float() != target).reshape(-1).nonzero().squeeze(1)
+        if 2 * miss.numel() <= target.numel():  # (a 32-bit model misses nearly everywhere: search all at once)
+            code = code.clone(memory_format=torch.contiguous_format)  # (written through a flat view below)
+            code.view(-1)[miss], nearest.view(-1)[miss] = _search_pairs(
+                *(t.reshape(-1)[miss] for t in (target, code, scale, minimum)), bits, model_dtype, store_dtype)
             return code, nearest
     return _search_pairs(target, code, scale, minimum, bits, model_dtype, store_dtype)
 

@@ -105,12 +105,44 @@ def select_outliers(x: torch.Tensor, axis: str, ratio: float, valid: torch.Tenso
 
 # How _extremes finds each vector's extremes. Up to _EXTRACTION_MAX_SLOTS slots (k+1) per side it takes the extreme
 # k+1 times (each a pass over the chunk); beyond, it ranks candidates, bounded with _BLOCKS_PER_SLOT blocks per slot
-# (more blocks: a tighter bound, fewer candidates to rank, more block statistics to rank first).
+# (more blocks: a tighter bound, fewer candidates to rank, more block statistics to rank first; on SmolLM2's bf16 keys
+# at T=1k, 2 per slot took ~0.93 ms per chunk, 4 took ~1.07 ms: kthvalue's cost grows faster than the candidates'
+# count falls, 75 vs 60 per vector). Only the speed depends on it: the candidates always contain the extremes.
 _EXTRACTION_MAX_SLOTS = 4
-_BLOCKS_PER_SLOT = 4
-# Ranking keys (int64): a float's order in the high half, its position in the vector in the low half.
-_KEY_MIN, _KEY_MAX = torch.iinfo(torch.int64).min, torch.iinfo(torch.int64).max  # below / above every entry's key
-_POSITION_LIMIT = (1 << 31) - 1  # positions inside a vector stay below it (index_dtype: at most int32)
+_BLOCKS_PER_SLOT = 2
+
+
+class _Keys:
+    """Ranking keys: one integer per entry, unique inside its vector, the value's order in the high half and its
+    position in the vector in the low half (top keys hold `low - position`, so that equal values rank by position
+    whichever way they are ranked). 16-bit values of vectors shorter than 2^16 fit int32 keys (16 + 16 bits: half
+    the memory of int64 and faster integer passes on the CPU); anything else takes int64 keys (32 + 32 bits).
+    Both order every value the same way, so the choice changes no ranking."""
+
+    def __init__(self, value_dtype: torch.dtype, length: int) -> None:
+        narrow = torch.finfo(value_dtype).bits == 16 and length < 1 << 16
+        self.value_bits = 16 if narrow else 32
+        self.dtype = torch.int32 if narrow else torch.int64
+        self.low = (1 << self.value_bits) - 1  # the position half; positions stay below it
+        self.min, self.max = torch.iinfo(self.dtype).min, torch.iinfo(self.dtype).max  # below / above every key
+
+    def order(self, values: torch.Tensor) -> torch.Tensor:
+        """Float values -> keys with the value's order in the high half and 0 in the low half (a new tensor): equal
+        values, -0.0 and +0.0 included, get equal keys."""
+        if self.value_bits == 16:
+            bits = values.view(torch.int16).to(self.dtype)  # sign-extended
+        else:
+            bits = values.float().view(torch.int32).to(self.dtype)
+        # sign-magnitude to two's complement: the magnitude bits, negated where the sign bit is set (-0.0 -> 0)
+        sign = bits >> (self.value_bits - 1)  # -1 or 0
+        magnitude = bits.bitwise_and_((1 << (self.value_bits - 1)) - 1)
+        return magnitude.bitwise_xor_(sign).sub_(sign).bitwise_left_shift_(self.value_bits)
+
+    def position(self, key: torch.Tensor, largest: bool, length: int) -> torch.Tensor:
+        """The position (int64) held in the low half of a top key, or of an inverted (~) bottom key; a key at the
+        limit (no entry left) gives length-1, which is then taken already or padding."""
+        low = (key if largest else ~key) & self.low
+        return (self.low - low if largest else low).clamp_(max=length - 1).long()
 
 
 def _extremes(x: torch.Tensor, axis: str, k: int, entry_ok: torch.Tensor | None):
@@ -129,44 +161,36 @@ def _extremes(x: torch.Tensor, axis: str, k: int, entry_ok: torch.Tensor | None)
         compact = _candidates(x, axis, k, entry_ok)
         if compact is not None:
             values, positions, present = compact  # [B,H,V,C]
-            return _sorted_extremes(values, present, k, positions)
-    vec = _vectors_last(x.float(), axis)  # [B,H,V,L]
+            return _sorted_extremes(values, present, k, x.shape[2 if axis == "channel" else 3], positions)
+    vec = _vectors_last(x, axis)  # [B,H,V,L]
     ok = None if entry_ok is None else _vectors_last(entry_ok, axis).expand_as(vec)
-    return _sorted_extremes(vec, ok, k)
+    return _sorted_extremes(vec, ok, k, vec.shape[-1])
 
 
-def _sorted_extremes(values: torch.Tensor, present: torch.Tensor | None, k: int,
+def _sorted_extremes(values: torch.Tensor, present: torch.Tensor | None, k: int, length: int,
                      positions: torch.Tensor | None = None):
-    """_extremes of vectors values [..., C] (float32) whose entries are present where `present` (None: all), at
-    `positions` inside their vector (None: 0..C-1, ascending)."""
+    """_extremes of vectors values [..., C] (floating) whose entries are present where `present` (None: all), at
+    `positions` inside their vector of `length` entries (None: 0..C-1, ascending)."""
     C = values.shape[-1]
     if positions is None:
         positions = torch.arange(C, device=values.device).expand(values.shape)
-    # one int64 key per entry, unique inside its vector: the value's order in the high half, the position in the
-    # low half, so that topk ranks equal values by position (its own order among equal values is unspecified)
-    order = _ordered_bits(values) << 32
-    top_key = order | (_POSITION_LIMIT - positions)
-    bottom_key = order.bitwise_or_(positions)
+    # unique keys, so that topk ranks equal values by position (its own order among equal values is unspecified)
+    keys = _Keys(values.dtype, length)
+    order = keys.order(values)
+    key_positions = positions.to(keys.dtype)  # (mixed integer types would take a slow promoting path)
+    top_key = order | (keys.low - key_positions)
+    bottom_key = order.bitwise_or_(key_positions)
     if present is not None:
-        top_key.masked_fill_(~present, _KEY_MIN)
+        top_key.masked_fill_(~present, keys.min)
     top_order = top_key.topk(k + 1, dim=-1).indices  # largest first, [..., k+1]
-    bottom_key.scatter_(-1, top_order[..., :k], _KEY_MAX)  # the k largest are taken
+    bottom_key.scatter_(-1, top_order[..., :k], keys.max)  # the k largest are taken
     if present is not None:
-        bottom_key.masked_fill_(~present, _KEY_MAX)
+        bottom_key.masked_fill_(~present, keys.max)
     bottom_order = bottom_key.topk(min(k + 1, C - k), dim=-1, largest=False).indices  # smallest first
-    top_val, bottom_val = values.gather(-1, top_order), values.gather(-1, bottom_order)
-    top_val.masked_fill_(top_key.gather(-1, top_order) == _KEY_MIN, float("-inf"))  # no entry left in the slot
-    bottom_val.masked_fill_(bottom_key.gather(-1, bottom_order) == _KEY_MAX, float("inf"))
+    top_val, bottom_val = values.gather(-1, top_order).float(), values.gather(-1, bottom_order).float()
+    top_val.masked_fill_(top_key.gather(-1, top_order) == keys.min, float("-inf"))  # no entry left in the slot
+    bottom_val.masked_fill_(bottom_key.gather(-1, bottom_order) == keys.max, float("inf"))
     return top_val, positions.gather(-1, top_order), bottom_val, positions.gather(-1, bottom_order)
-
-
-def _ordered_bits(values: torch.Tensor) -> torch.Tensor:
-    """Float values -> int64 integers in the same order (equal values, -0.0 and +0.0 included, equal integers)."""
-    bits = values.to(torch.float32, copy=True).add_(0.0).view(torch.int32)  # + 0.0: -0.0 becomes +0.0
-    # negative floats order backwards as integers: flipping their magnitude bits (xor with 0 or 0x7FFFFFFF, from
-    # the sign) puts them in order, below 0
-    sign = bits >> 31
-    return bits.bitwise_xor_(sign.bitwise_and_(_POSITION_LIMIT)).long()
 
 
 def _extract_extremes(x: torch.Tensor, axis: str, k: int, entry_ok: torch.Tensor | None):
@@ -174,44 +198,38 @@ def _extract_extremes(x: torch.Tensor, axis: str, k: int, entry_ok: torch.Tensor
     x's own layout (no transpose, no sort), 2k+2 of them."""
     dim = 2 if axis == "channel" else 3
     L = x.shape[dim]
-    position = torch.arange(L, device=x.device).view([L if i == dim else 1 for i in range(4)])
-    order = _ordered_bits(x).bitwise_left_shift_(32)  # [B,H,n,d] int64, unique keys as in _sorted_extremes
-    top_key = order | (_POSITION_LIMIT - position)
+    keys = _Keys(x.dtype, L)
+    position = torch.arange(L, dtype=keys.dtype, device=x.device).view([L if i == dim else 1 for i in range(4)])
+    order = keys.order(x)  # [B,H,n,d], unique keys as in _sorted_extremes
+    top_key = order | (keys.low - position)
     # bottom keys bitwise inverted (~key = -key-1 reverses the order): the smallest is taken with amax as well
     bottom_key = order.bitwise_or_(position).bitwise_not_()
     if entry_ok is not None:
-        top_key.masked_fill_(~entry_ok, _KEY_MIN)
-        bottom_key.masked_fill_(~entry_ok, _KEY_MIN)
+        top_key.masked_fill_(~entry_ok, keys.min)
+        bottom_key.masked_fill_(~entry_ok, keys.min)
 
-    def take(keys: torch.Tensor, count: int, largest: bool) -> torch.Tensor:
+    def take(key_of: torch.Tensor, count: int, largest: bool) -> torch.Tensor:
         taken = []  # each [B,H,1,d] / [B,H,n,1]
         for _ in range(count):
-            key = keys.amax(dim=dim, keepdim=True)
+            key = key_of.amax(dim=dim, keepdim=True)
             taken.append(key)
-            keys.scatter_(dim, _key_position(key, largest, L), _KEY_MIN)
+            key_of.scatter_(dim, keys.position(key, largest, L), keys.min)
         return torch.cat(taken, dim=dim)  # [B,H,count,d] / [B,H,n,count]
 
     top = take(top_key, k + 1, largest=True)
-    top_pos = _key_position(top, True, L)
-    bottom_key.scatter_(dim, top_pos.narrow(dim, 0, k), _KEY_MIN)  # the k largest are taken
+    top_pos = keys.position(top, True, L)
+    bottom_key.scatter_(dim, top_pos.narrow(dim, 0, k), keys.min)  # the k largest are taken
     bottom = take(bottom_key, min(k + 1, L - k), largest=False)
-    bottom_pos = _key_position(bottom, False, L)
+    bottom_pos = keys.position(bottom, False, L)
     # slots with no entry left (key at the limit) hold -inf / +inf
-    top_val = x.gather(dim, top_pos).float().masked_fill_(top == _KEY_MIN, float("-inf"))
-    bottom_val = x.gather(dim, bottom_pos).float().masked_fill_(bottom == _KEY_MIN, float("inf"))
+    top_val = x.gather(dim, top_pos).float().masked_fill_(top == keys.min, float("-inf"))
+    bottom_val = x.gather(dim, bottom_pos).float().masked_fill_(bottom == keys.min, float("inf"))
     return tuple(_vectors_last(t, axis) for t in (top_val, top_pos, bottom_val, bottom_pos))
-
-
-def _key_position(key: torch.Tensor, largest: bool, length: int) -> torch.Tensor:
-    """The position held in the low half of _extract_extremes' keys (top keys, or inverted bottom keys); a key at
-    the limit (_KEY_MIN: no entry left) gives length-1, which is then taken already or padding."""
-    low = (key if largest else ~key) & 0xFFFFFFFF
-    return (_POSITION_LIMIT - low if largest else low).clamp_(max=length - 1)
 
 
 def _candidates(x: torch.Tensor, axis: str, k: int, entry_ok: torch.Tensor | None):
     """The entries of each vector of x [B,H,n,d] that can be among its k+1 largest or, once the k largest are
-    taken, the k+1 smallest of the rest, packed to the front: (values float32, positions int64, present bool),
+    taken, the k+1 smallest of the rest, packed to the front: (values in x's dtype, positions int64, present bool),
     each [B,H,V,C] (C: the most candidates of any vector, at least k+1, in index order); None when nearly every
     entry is a candidate (ranking whole vectors is then as cheap).
 
@@ -225,33 +243,34 @@ def _candidates(x: torch.Tensor, axis: str, k: int, entry_ok: torch.Tensor | Non
     L = x.shape[dim]
     block = max(1, L // (_BLOCKS_PER_SLOT * (k + 1)))
     blocks = L // block  # >= k+1 (k <= L // 2); a remainder shorter than a block joins no block
-    hi_src = x if entry_ok is None else x.masked_fill(~entry_ok, float("-inf"))
-    lo_src = x if entry_ok is None else x.masked_fill(~entry_ok, float("inf"))
+    xf = x.float()  # [B,H,n,d]: comparisons run several times faster on float32 than on 16-bit operands on the CPU
+    hi_src = xf if entry_ok is None else xf.masked_fill(~entry_ok, float("-inf"))
+    lo_src = xf if entry_ok is None else xf.masked_fill(~entry_ok, float("inf"))
     # block j: the entries j, j+m, j+2m, ... (interleaved: neighbouring tokens are alike, so blocks of consecutive
     # ones would have alike maxima and a loose bound)
     block_max = hi_src.narrow(dim, 0, blocks * block).unflatten(dim, (block, blocks)).amax(dim)  # m blocks
     block_min = lo_src.narrow(dim, 0, blocks * block).unflatten(dim, (block, blocks)).amin(dim)
     t_hi = block_max.kthvalue(blocks - k, dim=dim, keepdim=True).values  # (k+1)-th largest, [B,H,1,d] / [B,H,n,1]
     t_lo = block_min.kthvalue(k + 1, dim=dim, keepdim=True).values  # (k+1)-th smallest
-    # candidates written straight in the vectors' layout [B,H,V,L] (nonzero then lists them vector by vector)
-    vec, t_hi, t_lo = (_vectors_last(t, axis) for t in (x, t_hi, t_lo))
-    candidate = torch.ge(vec, t_hi, out=torch.empty(vec.shape, dtype=torch.bool, device=x.device))
-    candidate |= vec <= t_lo
+    # candidates marked in x's own layout (contiguous; a transposed output would cost a copy), then listed by nonzero
+    # through the vectors' view [B,H,V,L], vector by vector, positions ascending
+    candidate = (xf >= t_hi).logical_or_(xf <= t_lo)  # [B,H,n,d]
     if entry_ok is not None:
-        candidate &= _vectors_last(entry_ok, axis)
-    per_vector = candidate.sum(dim=-1, dtype=torch.int32)  # [B,H,V]
-    width = max(int(per_vector.max()), k + 1)
+        candidate &= entry_ok
+    b, h, v, position = _vectors_last(candidate, axis).nonzero(as_tuple=True)
+    V = x.shape[5 - dim]  # vectors per head
+    vector = (b * H + h) * V + v  # flat id
+    counts = torch.bincount(vector, minlength=B * H * V)  # (a sum over the bool mask would convert all of it first)
+    per_vector = counts.view(B, H, V)
+    width = max(int(counts.max()), k + 1)
     if 2 * width > L:
         return None
-    vector, position = candidate.view(-1, L).nonzero(as_tuple=True)  # vector by vector (flat id), positions ascending
-    counts = per_vector.flatten()
     first = counts.cumsum(0) - counts  # [B*H*V] where each vector's candidates start
     column = torch.arange(vector.numel(), device=x.device) - first[vector]
-    # offset of each candidate in x [B,H,n,d] read row-major: vectors are (b,h,channel) or (b,h,token)
-    offset = (vector // d * n + position) * d + vector % d if axis == "channel" else vector * d + position
     shape = (*per_vector.shape, width)
-    values = x.new_zeros(shape, dtype=torch.float32)
-    values.view(-1, width)[vector, column] = x.reshape(-1)[offset].float()
+    values = x.new_zeros(shape)
+    # read through x's strides (a chunk sliced from a longer buffer is not contiguous: no copy of it)
+    values.view(-1, width)[vector, column] = x[b, h, position, v] if axis == "channel" else x[b, h, v, position]
     positions = torch.zeros(shape, dtype=torch.long, device=x.device)
     positions.view(-1, width)[vector, column] = position
     present = torch.arange(width, device=x.device) < per_vector[..., None]
