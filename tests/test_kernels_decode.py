@@ -248,16 +248,22 @@ def test_fused_reads_issue9_storage(method, bits, kw):
     _check(out, ref, dtype)
 
 
-@pytest.mark.parametrize("d,dtype", [(64, torch.float32), (128, torch.bfloat16)], ids=["d64-fp32", "d128-bf16"])
-def test_default_config_runs_fused(d, dtype):
-    """GearConfig() itself (kivi, 4-bit keys, 2-bit values, rotation of both, groups of 128, 4 sinks, int8 factors):
-    the fused kernel covers it and equals the oracle (prompt chunk, a decode chunk, buffer, sinks, a padded row)."""
+RECOMMENDED_CASES = [("default", 64, torch.float32, [290, 100, 1]), ("default", 128, torch.bfloat16, [290, 100, 1]),
+                     ("long-context", 64, torch.bfloat16, [300, 270, 1])]
+
+
+@pytest.mark.parametrize("name,d,dtype,steps", RECOMMENDED_CASES,
+                         ids=[f"{n}-d{d}-{str(t)[6:]}" for n, d, t, _ in RECOMMENDED_CASES])
+def test_recommended_configs_run_fused(name, d, dtype, steps):
+    """GearConfig() itself (kivi, 4-bit keys, 2-bit values, rotation of both, groups of 128, 4 sinks) and the
+    "long-context" recommendation (values per channel over 256-token groups, ranges searched): the fused kernel covers
+    them and equals the oracle (prompt chunk, a decode chunk, buffer, sinks, a padded row)."""
     from gear_hf.kernels import fused_supported
     from gear_hf.kernels.decode import cache_decode_attention
 
-    cfg = GearConfig()
+    cfg = GearConfig() if name == "default" else GearConfig.recommended(name=name)
     assert fused_supported(cfg, d, 1) is None
-    cache, _, _ = build_cache(cfg, batch=2, kv_heads=2, head_dim=d, steps=[290, 100, 1], pad=[0, 37], dtype=dtype,
+    cache, _, _ = build_cache(cfg, batch=2, kv_heads=2, head_dim=d, steps=steps, pad=[0, 37], dtype=dtype,
                               device=DEVICE)
     assert min(cache.decode_chunks) == 1 and min(cache.prefill_len) > 0
     q = torch.randn(2, 8, 1, d, generator=torch.Generator().manual_seed(3)).to(dtype).to(DEVICE)
