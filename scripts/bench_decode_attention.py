@@ -8,7 +8,8 @@ random data, for each context length T and batch size:
   reference  what gear_hf does without kernels: reconstruct K/V from the GEAR cache (torch engine), gather
              into HF's layout, RoPE the keys, then SDPA
   fused      gear_hf.kernels: attention straight from the compressed storage (GEAR 2/4-bit, GEAR-L 2-bit, and
-             GearConfig(), the library default: kivi, 4-bit keys, 2-bit values, Walsh–Hadamard rotation, 4 sinks)
+             GearConfig(), the library default: kivi, 4-bit keys, 2-bit values, Walsh–Hadamard rotation, 4 sinks; and
+             recommended "long-context": 3-bit keys, 2-bit values per channel over 256-token groups)
 
 --variants adds rows of the fused kernel at other num_warps/num_stages/block_n (one point: the largest T and
 batch).
@@ -104,7 +105,10 @@ def _build(T: int, batch: int, bits: int, dtype, device, method: str = "gear", p
     from gear_hf.config import GearConfig
     from gear_hf.kernels.reference import build_cache
 
-    cfg = GearConfig() if method == "default" else GearConfig.preset(method, bits=bits)
+    if method in _RECOMMENDED_ROWS:
+        cfg = GearConfig() if method == "default" else GearConfig.recommended(name=method)
+    else:
+        cfg = GearConfig.preset(method, bits=bits)
     decode_part = min(4 * cfg.buffer_size - 1, T // 4)
     cache, _, _ = build_cache(cfg, batch=batch, kv_heads=HKV, head_dim=D, steps=[T - decode_part - 1, decode_part, 1],
                               pad=pad, dtype=dtype, device=device, seed=T * 31 + batch * 7 + bits, outlier_channels=4)
@@ -142,7 +146,8 @@ def main() -> int:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--bits", type=int, nargs="+", default=[2, 4], help="GEAR bit widths (GEAR-L: 2-bit)")
     parser.add_argument("--no-gear-l", action="store_true", help="skip the 2-bit GEAR-L rows")
-    parser.add_argument("--no-default", action="store_true", help="skip the GearConfig() (the library default) rows")
+    parser.add_argument("--no-default", action="store_true",
+                        help="skip the rows of GearConfig() (the library default) and recommended 'long-context'")
     parser.add_argument("--variants", action="store_true",
                         help="fused 2-bit GEAR at num_warps 4/8 x num_stages 1/2/3 (largest T and batch)")
     parser.add_argument("--padded", action="store_true",
@@ -294,12 +299,16 @@ def _time_fused(cache, q, inv_freq, args, record, T, batch, label, sdpa_ms, comp
                pad=pad)
 
 
+# rows named after a recommended configuration (GearConfig(); recommended(name="long-context")), with their key bits
+_RECOMMENDED_ROWS = {"default": 4, "long-context": 3}
+
+
 def _methods(args):
     out = [("gear", b) for b in args.bits]
     if not args.no_gear_l:
         out.append(("gear-l", 2))
     if not args.no_default:
-        out.append(("default", 3))
+        out += list(_RECOMMENDED_ROWS.items())
     return out
 
 
@@ -316,7 +325,7 @@ def _bench_point(T, batch, args, dtype, device, inv_freq, record):
            bytes=2 * k.numel() * k.element_size() + 2 * q.numel() * q.element_size(), vs_sdpa=1.0)
     del fn, k, v
     for method, bits in _methods(args):
-        name = method if method == "default" else f"{method}{bits}"
+        name = method if method in _RECOMMENDED_ROWS else f"{method}{bits}"
         try:
             cache = _build(T, batch, bits, dtype, device, method)
         except torch.cuda.OutOfMemoryError:

@@ -130,6 +130,8 @@ def grid(kind: str) -> dict:
                point("kivi", 3, 2, rotation="values", range_search="values", **long_groups),
                point("kivi", 4, 2, rotation="both", **long_groups), point("kivi", 3, 2, rotation="both", **long_groups),
                point("kivi", 3, 2, rotation="both", sink=4, key_group=128, value_group=128, value_axis="channel",
+                     range_search="values"),
+               point("kivi", 4, 2, rotation="both", sink=4, key_group=128, value_group=128, value_axis="channel",
                      range_search="values")]
     if kind == "quick":
         keep = {"kivi-2", "kivi-4", "gear-2", "gear-4", "kivi-k4v2", "kivi-k4v2-rv", "kivi-k3v2-rv", "kivi-3-rv",
@@ -288,10 +290,32 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+HF_RESIDUAL = 128  # tokens HF QuantizedCache keeps unquantized at most (benchlib.make_hf_quantized_cache)
+_DTYPE_BITS = {"bfloat16": 16, "float16": 16, "float32": 32}
+
+
+def half_full_bits(row: dict, configs: dict) -> float:
+    """Bits per element held with the full-precision buffer half full: the points are measured where it has just
+    been emptied (T = 1024 + 4 sinks, 4096 + 4), but generation stops anywhere, so on average n_b/2 of the T tokens
+    sit in the buffer in the model dtype instead of compressed: + (n_b/2) * (dtype bits - bits) / T. NaN for a
+    name no longer in the grid."""
+    if row["config"].startswith("hf-"):
+        buffer = HF_RESIDUAL
+    elif row["config"] in configs:
+        buffer = configs[row["config"]].buffer_size
+    else:
+        return float("nan")
+    bits = row["bits_per_element"]
+    return bits + buffer / 2 * (_DTYPE_BITS[row["dtype"]] - bits) / row["tokens"]
+
+
 def summarize(out: Path, cond, args) -> str:
     rows = _read(out / "raw.csv")
     if not rows:
         return "no results"
+    configs = grid("full")
+    for r in rows:
+        r["half_full_bits"] = half_full_bits(r, configs)
     lines = []
     for model, T in sorted({(r["model"], r["tokens"]) for r in rows}):
         mine = sorted((r for r in rows if r["model"] == model and r["tokens"] == T),
@@ -302,7 +326,7 @@ def summarize(out: Path, cond, args) -> str:
         lines.append(f"### {model}, T={T}, {mine[0]['dtype']}\n")
         lines.append(benchlib.markdown_table(mine, [
             ("config", "config", "{}"), ("bits_per_element", "bits/elem held", "{:.2f}"),
-            ("mean_kl", "mean KL", "{:.4f}"), ("top1", "top-1", "{:.3f}"),
+            ("half_full_bits", "bits, buffer half full", "{:.2f}"), ("mean_kl", "mean KL", "{:.4f}"), ("top1", "top-1", "{:.3f}"),
             ("attn_out_error", "attn-out err", "{:.4f}"), ("allocated_bits_per_element", "allocated bits", "{:.2f}"),
             ("frontier", "frontier", "{}")]))
         lines.append("")
@@ -311,7 +335,9 @@ def summarize(out: Path, cond, args) -> str:
     body = (f"Teacher-forced next-token KL over the last {args.continuation} tokens of a GSM8K CoT text (fed "
             f"{args.chunk} per step), top-1 agreement, mean attention-output error over layers (last 32 queries, "
             "last 64 tokens streamed one per step); bits/element held from memory_report() (tokens' bytes "
-            "only: no reserved capacity; 'allocated' adds it), HF QuantizedCache by all its tensors (quanto/HQQ, per-token axes, "
+            "only: no reserved capacity; 'allocated' adds it) at T, where every full-precision buffer has just been "
+            "emptied; 'buffer half full': + (n_b/2)(dtype bits - bits)/T, the average over where generation stops "
+            "(n_b: buffer_size, HF residual_length), HF QuantizedCache by all its tensors (quanto/HQQ, per-token axes, "
             "post-RoPE, q_group_size=64, residual_length=128). Frontier: gear_hf points no other gear_hf point "
             "beats on both bits and KL.\n\n" + "\n".join(lines))
     benchlib.write_summary(out / "frontier.md", "Accuracy per byte: the measured frontier", cond, body)
