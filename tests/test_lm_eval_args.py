@@ -44,6 +44,17 @@ def test_defaults_and_method_alias():
         parse_gear_args({"preset": "gear", "method": "kivi"})
 
 
+def test_recommended_names():
+    """A frontier pick by name (GearConfig.recommended), fields changed on top; not together with a preset."""
+    assert parse_gear_args({"recommended": "long-context"}) == GearConfig.recommended(name="long-context")
+    assert parse_gear_args({"recommended": "balanced", "sink_tokens": "0"}) == \
+        GearConfig.recommended(name="balanced", sink_tokens=0)
+    with pytest.raises(ModelArgsError, match="recommended='tiny' is invalid; allowed: small \\| long-context"):
+        parse_gear_args({"recommended": "tiny"})
+    with pytest.raises(ModelArgsError, match="not both"):
+        parse_gear_args({"recommended": "small", "preset": "gear-2"})
+
+
 def test_preset_names_with_bits():
     """Issue 11.5: the names the README, demo and sweep print are accepted as model_args."""
     assert parse_gear_args({"preset": "gear-2"}) == GearConfig.preset("gear", bits=2)
@@ -78,7 +89,7 @@ def test_unknown_key_is_named_with_a_suggestion():
         split_model_args({"pretrained": "/m", "buffersize": 64})
     message = str(err.value)
     assert "unknown key 'buffersize'" in message and "did you mean 'buffer_size'" in message
-    assert "GEAR keys: preset, bits" in message and "gguf_file" in message
+    assert "GEAR keys: preset, recommended, bits" in message and "gguf_file" in message
 
 
 def test_hf_keys_pass_through():

@@ -1,7 +1,8 @@
 """`--model_args` of the `gear_hf` lm-eval model: split the GEAR keys from the Hugging Face ones, convert and
 validate them, and reject unknown keys with a message naming the key and what is allowed.
 
-GEAR keys: `preset` (alias `method`), `bits` (sets key_bits and value_bits) and every `GearConfig` field.
+GEAR keys: `preset` (alias `method`), `recommended` (a `GearConfig.recommended` name), `bits` (sets key_bits and
+value_bits) and every `GearConfig` field.
 A GearConfig field whose name HFLM also uses is spelled `gear_<field>`: `gear_backend=torch|triton|auto`
 (`backend=` stays lm-eval's causal/seq2seq switch).
 lm-eval's CLI has already turned "2" into 2 and "false" into False; the Python API may pass strings.
@@ -19,7 +20,7 @@ from gear_hf.config import GearConfig
 
 _GEAR_FIELDS = {f.name: f for f in dataclasses.fields(GearConfig)}
 # GEAR keys that are not GearConfig fields.
-_GEAR_EXTRA = {"preset": "str", "bits": "int"}
+_GEAR_EXTRA = {"preset": "str", "recommended": "str", "bits": "int"}
 
 # Keyword arguments that HFLM does not name but forwards to `from_pretrained` (its **kwargs), allowed here.
 FROM_PRETRAINED_KEYS = frozenset({
@@ -46,7 +47,7 @@ def _hflm_params() -> set[str]:
 def _gear_key_map() -> dict[str, str]:
     """model_args key -> GearConfig field (or "preset"/"bits"); colliding fields get a `gear_` prefix."""
     hf = _hflm_params()
-    keys = {"preset": "preset", "bits": "bits"}
+    keys = {name: name for name in _GEAR_EXTRA}
     for name in _GEAR_FIELDS:
         keys[f"gear_{name}" if name in hf else name] = name
     return keys
@@ -134,20 +135,28 @@ def parse_gear_args(args: dict[str, Any]) -> GearConfig:
                 raise ModelArgsError(str(e).replace(f" {field}=", f" {key}=", 1)) from None
     preset = gear.pop("preset", None)
     method = gear.pop("method", None)
+    recommended = gear.pop("recommended", None)
     if preset is not None and method is not None and preset != method:
         raise ModelArgsError(f"gear_hf --model_args: preset={preset!r} and method={method!r} disagree; give one")
+    if recommended is not None and (preset is not None or method is not None):
+        raise ModelArgsError(f"gear_hf --model_args: recommended={recommended!r} names a whole configuration; give it "
+                             f"or preset/method, not both (fields such as buffer_size= may be added to either)")
     name = preset if preset is not None else method if method is not None else GearConfig.method
     name_key = "preset" if preset is not None else "method"
     bits = gear.pop("bits", None)
     if bits is not None and ("key_bits" in gear or "value_bits" in gear):
         raise ModelArgsError("gear_hf --model_args: give bits, or key_bits/value_bits, not both")
     try:
+        both_bits = {"key_bits": bits, "value_bits": bits} if bits is not None else {}
+        if recommended is not None:  # a frontier pick, fields changed
+            return GearConfig.recommended(name=recommended, **gear, **both_bits)
         if preset is None and method is None:  # nothing named: the recommended default GearConfig(), fields changed
-            return GearConfig(**gear, **({"key_bits": bits, "value_bits": bits} if bits is not None else {}))
+            return GearConfig(**gear, **both_bits)
         return GearConfig.preset(name, bits=bits, **gear)
     except ValueError as e:
         message = str(e)
         message = message.replace("GearConfig.preset name ", f"{name_key}=")  # e.g. preset='gear2' ... did you mean
+        message = message.replace("GearConfig.recommended name=", "recommended=")
         for key, field in keys.items():
             if key != field:
                 message = message.replace(f"GearConfig.{field}=", f"{key}=")
