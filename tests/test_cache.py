@@ -130,9 +130,11 @@ def test_memory_report_matches_independent_count(method):
         assert report["codes"] > 0 and (report["lowrank"] > 0) == (method == "gear")
 
 
-def test_batch_invariance_of_the_compressed_cache():
+@pytest.mark.parametrize("overrides", [{}, dict(method="kivi", bits=3, value_axis="channel", rotation="both",
+                                               range_search="values")], ids=["gear", "kivi3-values-per-channel"])
+def test_batch_invariance_of_the_compressed_cache(overrides):
     """Row 0 alone and inside a left-padded batch stores bit-identical compressed data."""
-    config = _config()
+    config = _config(**overrides)
     K, V = _stream(45, 30, batch=3)
     alone = _cache(config)
     keys_alone, values_alone = _feed(alone, K[:1, :, 11:], V[:1, :, 11:], 34)
