@@ -50,9 +50,9 @@ PAPER_FIELDS: dict[str, Any] = dict(key_bits=4, value_bits=4, group_size=64, ran
 # nothing to search at compress time).
 # "long-context" stores values like keys (per channel over groups of 256 tokens, value_axis="channel"; rotated first):
 # 1/8 bit of statistics per element instead of 1/4 (keys) and 1/2 (values per 64-channel head), the lowest KL of the
-# frontier below 2.75 bits on both models and all three texts (below "balanced"'s on five of six). Its price is the 256-token
-# full-precision buffer its groups need: half full, it adds 1.7 bits at T=1k and 0.4 at T=4k (README), so it pays off
-# on long contexts only.
+# frontier below 2.75 bits on both models and all three texts (below "balanced"'s on five of six). Its price is the
+# 256-token full-precision buffer its groups need: half full, it adds 1.7 bits at T=1k and 0.4 at T=4k (README), so
+# it pays off on long contexts only.
 _SEARCHED_VALUES = dict(rotation="values", range_search="values", group_size=128, sink_tokens=4)
 RECOMMENDED: tuple[tuple[str, float, dict[str, Any]], ...] = (
     ("small", 2.43, dict(method="kivi", key_bits=2, value_bits=2, **_SEARCHED_VALUES)),

@@ -326,7 +326,8 @@ def summarize(out: Path, cond, args) -> str:
         lines.append(f"### {model}, T={T}, {mine[0]['dtype']}\n")
         lines.append(benchlib.markdown_table(mine, [
             ("config", "config", "{}"), ("bits_per_element", "bits/elem held", "{:.2f}"),
-            ("half_full_bits", "bits, buffer half full", "{:.2f}"), ("mean_kl", "mean KL", "{:.4f}"), ("top1", "top-1", "{:.3f}"),
+            ("half_full_bits", "bits, buffer half full", "{:.2f}"), ("mean_kl", "mean KL", "{:.4f}"),
+            ("top1", "top-1", "{:.3f}"),
             ("attn_out_error", "attn-out err", "{:.4f}"), ("allocated_bits_per_element", "allocated bits", "{:.2f}"),
             ("frontier", "frontier", "{}")]))
         lines.append("")

@@ -222,7 +222,7 @@ def test_recommended_follows_the_measured_frontier():
         config = gear_hf.GearConfig.recommended(name=name)
         assert all(getattr(config, k) == v for k, v in fields.items())
     assert gear_hf.GearConfig.recommended(3.0) == gear_hf.GearConfig.recommended(name="balanced")
-    long = gear_hf.GearConfig.recommended(2.7)  # values per channel over 256-token groups: the buffer holds whole groups
+    long = gear_hf.GearConfig.recommended(2.7)  # values per channel, 256-token groups: the buffer holds whole groups
     assert (long.value_axis, long.key_group, long.value_group, long.buffer_size) == ("channel", 256, 256, 256)
     with pytest.raises(ValueError, match="bits_per_element=1.5"):
         gear_hf.GearConfig.recommended(1.5)

@@ -156,11 +156,12 @@ def sass_report(arch: int = 90) -> int:
     # the presets store int8 low-rank factors; gear2-f16 keeps the paper's 16-bit ones (the figure before int8)
     cases = [("gear4", GearConfig.preset("gear", bits=4)), ("gear3", GearConfig.preset("gear", bits=3)),
              ("default", GearConfig()), ("gear2-f16", GearConfig.preset("gear", bits=2, factor_bits=16)),
-             ("long-context", GearConfig.recommended(name="long-context")), ("gear2", GearConfig.preset("gear", bits=2))]
+             ("long-context", GearConfig.recommended(name="long-context")),
+             ("gear2", GearConfig.preset("gear", bits=2))]
     for label, cfg in cases:
         nb = cfg.buffer_size  # a prompt chunk and a decode chunk for every buffer size
-        cache, _, _ = build_cache(cfg, batch=1, kv_heads=2, head_dim=128, steps=[max(150, nb + 30), max(70, nb + 10), 1],
-                                  dtype=torch.bfloat16)
+        steps = [max(150, nb + 30), max(70, nb + 10), 1]
+        cache, _, _ = build_cache(cfg, batch=1, kv_heads=2, head_dim=128, steps=steps, dtype=torch.bfloat16)
         q = torch.zeros(1, 8, 1, 128, dtype=torch.bfloat16)  # GQA 4, q_len 1
         plan = []
         cache_decode_attention(cache, 0, q, scaling=128 ** -0.5, inv_freq=torch.ones(64), _plan=plan)
