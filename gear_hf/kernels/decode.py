@@ -176,12 +176,13 @@ def _load_rows(p, mask, C: tl.constexpr):
 
 
 @triton.jit
-def _key_half(codes_b, scale_b, min_b, s_codes, s_scale, slot, slot0, slot_end, tvalid, ch, ch0, a, bt,
-              BITS: tl.constexpr, UNIT: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr, STATS_ROW: tl.constexpr,
-              DT: tl.constexpr):
-    """Keys (axis="channel") at store slots `slot` [BN] (slot0 + arange, valid below slot_end) and channels
-    `ch` [C] (from ch0): D̂ + A·Bᵀ in float32 [BN, C] (a: the block's `_lowrank_a`, bt: the chunk's `_lowrank_bt`
-    of these channels).
+def _per_channel_tile(codes_b, scale_b, min_b, s_codes, s_scale, slot, slot0, slot_end, tvalid, ch, ch0, a, bt,
+                      BITS: tl.constexpr, UNIT: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr,
+                      STATS_ROW: tl.constexpr, DT: tl.constexpr):
+    """A run stored per channel over token groups (axis="channel": keys, a half of head_dim at a time; values with
+    value_axis="channel", all channels) at store slots `slot` [BN] (slot0 + arange, valid below slot_end) and
+    channels `ch` [C] (from ch0): D̂ + A·Bᵀ in float32 [BN, C] (a: the block's `_lowrank_a`, bt: the chunk's
+    `_lowrank_bt` of these channels; R=0: no low-rank term).
     STATS_ROW: the block lies inside one quantization group (starting at slot0): one row of scale/minimum."""
     m2 = tvalid[:, None]
     BN: tl.constexpr = slot.shape[0]
@@ -383,10 +384,10 @@ def _compressed_block(
     V_BY_CHANNEL: values stored per channel over token groups (value_axis="channel", no outliers): read like keys."""
     h_offs = tl.arange(0, HALF)
     ka16 = _lowrank_a(ka, s_ka, slot, tvalid, K_R, DT) if K_R > 0 else 0  # shared by both halves
-    k1 = _key_half(kc, ks, km, s_kc, s_ks, slot, slot0, slot_end, tvalid, h_offs, 0, ka16, kbt1,
-                   K_BITS, K_UNIT, K_GROUP, K_R, K_STATS_ROW, DT)
-    k2 = _key_half(kc, ks, km, s_kc, s_ks, slot, slot0, slot_end, tvalid, h_offs + HALF, HALF, ka16, kbt2,
-                   K_BITS, K_UNIT, K_GROUP, K_R, K_STATS_ROW, DT)
+    k1 = _per_channel_tile(kc, ks, km, s_kc, s_ks, slot, slot0, slot_end, tvalid, h_offs, 0, ka16, kbt1,
+                           K_BITS, K_UNIT, K_GROUP, K_R, K_STATS_ROW, DT)
+    k2 = _per_channel_tile(kc, ks, km, s_kc, s_ks, slot, slot0, slot_end, tvalid, h_offs + HALF, HALF, ka16, kbt2,
+                           K_BITS, K_UNIT, K_GROUP, K_R, K_STATS_ROW, DT)
     if ROT_K:  # stored keys are k·H (Walsh–Hadamard): un-rotate before RoPE, k·H·H = k
         k1, k2 = _unrotate_halves(k1, k2, had_ptr, D, DT)
     pos = tl.load(pos_b + t, mask=tvalid, other=0)
@@ -396,8 +397,8 @@ def _compressed_block(
         s = _key_outlier_scores(s, q_rows, mvalid, ow, ov, ot, n_tiles, seg, tok0, t_base, pos_b, freq_ptr,
                                 q_scale, D, HALF, BN, OUTLIERS_PER_STEP, DT == tl.float32, FAST)
     if V_BY_CHANNEL:  # codes packed along tokens, a row of statistics per token group: the keys' layout
-        v = _key_half(vc, vs, vm, s_vc, s_vs, slot, slot0, slot_end, tvalid, tl.arange(0, D), 0, 0, 0,
-                      V_BITS, V_UNIT, V_GROUP, 0, V_STATS_ROW, DT)
+        v = _per_channel_tile(vc, vs, vm, s_vc, s_vs, slot, slot0, slot_end, tvalid, tl.arange(0, D), 0, 0, 0,
+                              V_BITS, V_UNIT, V_GROUP, 0, V_STATS_ROW, DT)
     else:
         v = _value_tile(vc, vs, vm, vsv, vsi, s_vc, s_vs, s_vsp, slot, tvalid, D, V_BITS, V_UNIT, V_GROUP, V_K2,
                         s_vs)

@@ -1,6 +1,7 @@
 """Methods by name and one timed greedy `generate` with each: ``dynamic`` (transformers' DynamicCache),
 ``hf-quanto-int2/4`` and ``hf-hqq-int2/4`` (transformers' QuantizedCache; skipped with a line when the backend is
-not installed) and gear_hf presets ``fp16``, ``kivi-2``, ``gear-4``, ... (`GearConfig.preset` names)."""
+not installed), gear_hf presets ``fp16``, ``kivi-2``, ``gear-4``, ... (`GearConfig.preset` names) and the frontier's
+picks ``rec-accurate`` (= GearConfig()), ``rec-long-context``, ... (``rec-`` + a `GearConfig.recommended` name)."""
 
 from __future__ import annotations
 
@@ -19,18 +20,24 @@ GEAR_PRESETS = ("fp16", "kivi-2", "kcvt-2", "outlier-2", "gear-l-2", "gear-2",
 HF_METHODS = ("hf-quanto-int2", "hf-quanto-int4", "hf-hqq-int2", "hf-hqq-int4")
 
 
+RECOMMENDED_PREFIX = "rec-"
+
+
 def gear_config(name: str):
-    """GearConfig of a preset name ('gear-2', 'kivi-4', 'fp16', ...); a bad name exits with the reason."""
+    """GearConfig of a preset name ('gear-2', 'kivi-4', 'fp16', ...) or of 'rec-' + a recommended name
+    ('rec-long-context'); a bad name exits with the reason."""
     from gear_hf import GearConfig
 
     try:
+        if name.startswith(RECOMMENDED_PREFIX):
+            return GearConfig.recommended(name=name[len(RECOMMENDED_PREFIX):])
         return GearConfig.preset(name)
     except ValueError as err:
         raise SystemExit(f"--methods: {err}") from err
 
 
 def method_bits(name: str) -> int | None:
-    if name in ("dynamic", "fp16"):
+    if name in ("dynamic", "fp16") or name.startswith(RECOMMENDED_PREFIX):  # (recommended: key and value bits differ)
         return None
     return int(name.rsplit("-", 1)[1].replace("int", ""))
 
