@@ -169,9 +169,12 @@ class GearConfig:
                                    f"{unit} codes of {bits} bits fill whole bytes)")
         if self.buffer_size % self.chunk_granule:
             if self.buffer_size == _DEFAULT_BUFFER:  # blame what the user wrote, not a default
-                _fail("group_size" if self.key_group_size is None else "key_group_size", self.key_group,
-                      f"a divisor of buffer_size={self.buffer_size} (the default), or also set buffer_size to a "
-                      f"multiple of {self.chunk_granule}")
+                for prefix, axis, group in (("key", self.key_axis, self.key_group),
+                                            ("value", self.value_axis, self.value_group)):
+                    if axis == "channel" and self.buffer_size % group:
+                        name = f"{prefix}_group_size" if getattr(self, f"{prefix}_group_size") else "group_size"
+                        _fail(name, group, f"a divisor of buffer_size={self.buffer_size} (the default), or also set "
+                                           f"buffer_size to a multiple of {self.chunk_granule}")
             _fail("buffer_size", self.buffer_size, f"a positive multiple of {self.chunk_granule} (the groups "
                                                   "along tokens and the code packing)")
 
