@@ -36,7 +36,8 @@ _USES_LOWRANK = {"fp16": False, "kivi": False, "kcvt": False, "outlier": False, 
 PAPER_FIELDS: dict[str, Any] = dict(key_bits=4, value_bits=4, group_size=64, rank_prefill=4, rank_decode=2,
                                     power_iters=3, outlier_ratio=0.02, buffer_size=64, sink_tokens=0,
                                     key_axis="channel", value_axis="token", pre_rope=True, key_group_size=None,
-                                    value_group_size=None, rotation="none", factor_bits=8, range_search="none")
+                                    value_group_size=None, rotation="none", factor_bits=8, range_search="none",
+                                    prompt_group_size=None)
 
 
 # What the measured frontier says to pick (scripts/frontier.py; SmolLM2-135M and Qwen2.5-0.5B in bf16, head_dim 64,
@@ -80,6 +81,10 @@ class GearConfig:
                    for both of the next two
     key_group_size / value_group_size: the key group (tokens) / value group (channels) when they differ;
                    None = group_size (`key_group` / `value_group` give the group in use)
+    prompt_group_size: tokens per group in the prompt chunk, for the streams grouped along tokens (keys; values
+                   with value_axis="channel"); None = their decode group. The prompt chunk is compressed once, so
+                   longer groups there cost less side information without a longer buffer (the buffer holds
+                   whole decode groups only); the prompt's tail past a whole prompt group goes to decode chunks.
     rank_prefill:  low-rank rank of the prompt chunk; rank_decode: of each decode chunk
     power_iters:   power iterations of the low-rank fit
     outlier_ratio: fraction s of each vector kept exactly (s/2 largest, s/2 smallest)
@@ -119,6 +124,7 @@ class GearConfig:
     rotation: str = "both"
     factor_bits: int = 8  # int8 factors moved gear-2's attention-output error by < 0.1% (README)
     range_search: str = "none"
+    prompt_group_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -132,16 +138,19 @@ class GearConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 _fail(name, value, f"an integer >= {low}")
-        for name in ("key_group_size", "value_group_size"):
+        for name in ("key_group_size", "value_group_size", "prompt_group_size"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                _fail(name, value, "None (= group_size) or an integer >= 1")
+                _fail(name, value, "None (= group_size) or an integer >= 1" if name != "prompt_group_size" else
+                      "None (= the decode groups) or an integer >= 1")
         if self.rotation not in ROTATIONS:
             _fail("rotation", self.rotation, " | ".join(ROTATIONS))
         if isinstance(self.factor_bits, bool) or self.factor_bits not in FACTOR_BITS:
             _fail("factor_bits", self.factor_bits, "16 or 8")
         if self.range_search not in ROTATIONS:
             _fail("range_search", self.range_search, " | ".join(ROTATIONS))
+        if self.prompt_group_size is not None and self.coarse_groups:
+            _fail("prompt_group_size", self.prompt_group_size, "None for method 'kcvt' (one group per whole channel)")
         self._check_token_groups()
         if isinstance(self.outlier_ratio, bool) or not isinstance(self.outlier_ratio, (int, float)) \
                 or not 0.0 <= self.outlier_ratio < 1.0:
@@ -163,10 +172,12 @@ class GearConfig:
         for prefix, axis, group, bits in (("key", self.key_axis, self.key_group, self.key_bits),
                                           ("value", self.value_axis, self.value_group, self.value_bits)):
             unit = pack_unit(bits)[0]
-            if axis == "channel" and self.compresses and not self.coarse_groups and group % unit:
+            if axis == "channel" and self.compresses and not self.coarse_groups:
                 name = f"{prefix}_group_size" if getattr(self, f"{prefix}_group_size") else "group_size"
-                _fail(name, group, f"a multiple of {unit} ({prefix}s are grouped along tokens and "
-                                   f"{unit} codes of {bits} bits fill whole bytes)")
+                for name, group in ((name, group), ("prompt_group_size", self.prompt_group_size or group)):
+                    if group % unit:
+                        _fail(name, group, f"a multiple of {unit} ({prefix}s are grouped along tokens and "
+                                           f"{unit} codes of {bits} bits fill whole bytes)")
         if self.buffer_size % self.chunk_granule:
             if self.buffer_size == _DEFAULT_BUFFER:  # blame what the user wrote, not a default
                 for prefix, axis, group in (("key", self.key_axis, self.key_group),
@@ -186,12 +197,25 @@ class GearConfig:
     def value_group(self) -> int:
         return self.value_group_size or self.group_size
 
+    def prompt_group(self, stream: str) -> int:
+        """The group length of the prompt chunk for stream "key" or "value" (decode chunks: key_group/value_group)."""
+        axis, group = (self.key_axis, self.key_group) if stream == "key" else (self.value_axis, self.value_group)
+        return self.prompt_group_size if axis == "channel" and self.prompt_group_size else group
+
     @property
     def chunk_granule(self) -> int:
-        """Compressed chunks hold a multiple of this many tokens: every group along tokens, whole code bytes."""
+        """Decode chunks hold a multiple of this many tokens: every group along tokens, whole code bytes."""
+        return self._granule(self.key_group, self.value_group)
+
+    @property
+    def prompt_granule(self) -> int:
+        """The prompt chunk holds a multiple of this many tokens (prompt_group_size where it applies)."""
+        return self._granule(self.prompt_group("key"), self.prompt_group("value"))
+
+    def _granule(self, key_group: int, value_group: int) -> int:
         granule = 1
-        for axis, group, bits in ((self.key_axis, self.key_group, self.key_bits),
-                                  (self.value_axis, self.value_group, self.value_bits)):
+        for axis, group, bits in ((self.key_axis, key_group, self.key_bits),
+                                  (self.value_axis, value_group, self.value_bits)):
             if axis == "channel":
                 granule = math.lcm(granule, group, pack_unit(bits)[0] if self.compresses else 1)
         return granule

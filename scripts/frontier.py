@@ -8,8 +8,8 @@
 
 Names: METHOD-BITS (kBvB: key/value bits), then -sN N sinks, -rv/-rk/-rkv rotation of values/keys/both, -f8 int8
 low-rank factors, -vc values per channel over token groups (value_axis="channel"), -gkN key groups of N tokens, -gvN
-value groups of N (channels; tokens with -vc), -rPD ranks prefill/decode, -clipv/-clipk/-clipkv ranges searched
-(range_search) for values/keys/both.
+value groups of N (channels; tokens with -vc), -gpN the prompt chunk's token groups (prompt_group_size), -rPD ranks
+prefill/decode, -clipv/-clipk/-clipkv ranges searched (range_search) for values/keys/both.
 
 Bits are held at the end of the text, so a configuration whose last tokens still wait in the full-precision buffer
 pays for them there: with 4 sinks, T=1024 leaves 60 (n_b=64) or 124 (n_b=128) tokens buffered; measure sink
@@ -53,7 +53,8 @@ SHOTS_FOR = {1024: 8, 4096: 40}  # GSM8K exemplars so the text is at least T tok
 
 def point(method: str, key_bits: int, value_bits: int, *, sink: int = 0, rotation: str = "none",
           factor_bits: int = 16, key_group: int | None = None, value_group: int | None = None,
-          ranks: tuple[int, int] | None = None, range_search: str = "none", value_axis: str = "token"):
+          ranks: tuple[int, int] | None = None, range_search: str = "none", value_axis: str = "token",
+          prompt_group: int | None = None):
     """(name, GearConfig): the paper's preset of `method` with these changes; the name spells the changes."""
     import gear_hf
 
@@ -61,7 +62,7 @@ def point(method: str, key_bits: int, value_bits: int, *, sink: int = 0, rotatio
     config = gear_hf.GearConfig.preset(method, key_bits=key_bits, value_bits=value_bits, sink_tokens=sink,
                                        rotation=rotation, factor_bits=factor_bits, key_group_size=key_group,
                                        value_group_size=value_group, buffer_size=granule, range_search=range_search,
-                                       value_axis=value_axis,
+                                       value_axis=value_axis, prompt_group_size=prompt_group,
                                        **(dict(rank_prefill=ranks[0], rank_decode=ranks[1]) if ranks else {}))
     bits = f"{key_bits}" if key_bits == value_bits else f"k{key_bits}v{value_bits}"
     name = f"{method}-{bits}"
@@ -71,6 +72,7 @@ def point(method: str, key_bits: int, value_bits: int, *, sink: int = 0, rotatio
     name += "-vc" if value_axis == "channel" else ""
     name += f"-gk{key_group}" if key_group else ""
     name += f"-gv{value_group}" if value_group else ""
+    name += f"-gp{prompt_group}" if prompt_group else ""
     name += f"-r{ranks[0]}{ranks[1]}" if ranks else ""
     name += {"none": "", "values": "-clipv", "keys": "-clipk", "both": "-clipkv"}[range_search]
     return name, config
@@ -133,6 +135,10 @@ def grid(kind: str) -> dict:
                      range_search="values"),
                point("kivi", 4, 2, rotation="both", sink=4, key_group=128, value_group=128, value_axis="channel",
                      range_search="values")]
+    # round 6: the same with the prompt chunk alone in 256-token groups (prompt_group_size): a 128-token buffer
+    short_buffer = dict(sink=4, key_group=128, value_group=128, value_axis="channel", prompt_group=256)
+    for key_bits, value_bits in ((2, 2), (3, 2), (4, 2), (4, 3)):
+        points += [point("kivi", key_bits, value_bits, rotation="both", range_search="values", **short_buffer)]
     if kind == "quick":
         keep = {"kivi-2", "kivi-4", "gear-2", "gear-4", "kivi-k4v2", "kivi-k4v2-rv", "kivi-k3v2-rv", "kivi-3-rv",
                 "kivi-2-rv", "kivi-2-rv-gk128", "kivi-k3v2-rv-gk128", "gear-2-f8"}

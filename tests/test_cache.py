@@ -64,6 +64,30 @@ def test_streaming_matches_engine_chunk_by_chunk(method):
         assert torch.equal(got, torch.cat(expected, dim=2))
 
 
+@pytest.mark.parametrize("overrides", [dict(method="gear"), dict(method="kivi", value_axis="channel")],
+                         ids=["gear", "kivi-values-per-channel"])
+def test_prompt_groups_longer_than_decode_groups(overrides):
+    """prompt_group_size=32 (groups of 8 in decode chunks of 16): the prompt chunk holds whole groups of 32 in
+    their own statistics, the prompt's tail fills decode chunks at once, then n_b-token decode chunks."""
+    config = _config(prompt_group_size=32, **overrides)
+    cache = _cache(config)
+    K, V = _stream(90, 21)  # 90 = 64 (two prompt groups) + 16 (a decode chunk at prefill) + 10 buffered; +21
+    keys, values = _feed(cache, K, V, 90)
+    assert cache.prefill_len == [64] and cache.decode_chunks == [2] and cache.buffer_len == [15]
+    for X, got, stream in ((K, keys, "key"), (V, values, "value")):
+        prompt_spec, decode_spec = _stream_specs(config, stream)
+        along_tokens = stream == "key" or config.value_axis == "channel"
+        assert (prompt_spec.group, decode_spec.group) == ((32, 8) if along_tokens else (8, 8))
+        expected = [decompress(compress(X[:, :, :64], prompt_spec), prompt_spec, 64, D, torch.float32)]
+        for start in (64, 80):
+            chunk = X[:, :, start : start + 16]
+            expected.append(decompress(compress(chunk, decode_spec), decode_spec, 16, D, torch.float32))
+        expected.append(X[:, :, 96:])
+        assert torch.equal(got, torch.cat(expected, dim=2))
+    # statistics of 64 prompt keys: 2 rows per channel instead of 8
+    assert cache.layers[0].key_stream.prefill.fields["scale"].shape[2] == 2
+
+
 def test_fp16_method_stores_tokens_exactly():
     cache = _cache(gear_hf.GearConfig.preset("fp16"))
     K, V = _stream(10, 30)
@@ -131,7 +155,8 @@ def test_memory_report_matches_independent_count(method):
 
 
 @pytest.mark.parametrize("overrides", [{}, dict(method="kivi", bits=3, value_axis="channel", rotation="both",
-                                               range_search="values")], ids=["gear", "kivi3-values-per-channel"])
+                                               range_search="values", prompt_group_size=32)],
+                         ids=["gear", "kivi3-values-per-channel-prompt-groups"])
 def test_batch_invariance_of_the_compressed_cache(overrides):
     """Row 0 alone and inside a left-padded batch stores bit-identical compressed data."""
     config = _config(**overrides)

@@ -236,6 +236,9 @@ STORAGE = [
     ("kivi", 3, dict(value_axis="channel", value_group_size=16, q_len=4, dtype=torch.float16)),
     ("gear-l", 4, dict(value_axis="channel", factor_bits=8, rotation="values", dtype=torch.bfloat16)),
     ("kivi", 8, dict(value_axis="channel", value_group_size=32, window=37, d=128)),
+    # the prompt chunk in longer token groups than the decode chunks (prompt_group_size)
+    ("kivi", 3, dict(value_axis="channel", rotation="both", prompt_group_size=32, sink=4)),
+    ("gear", 4, dict(prompt_group_size=64, factor_bits=8, dtype=torch.float16)),
 ]
 
 

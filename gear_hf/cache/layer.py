@@ -14,14 +14,15 @@ from .stream import Released, Stream
 def stream_specs(cfg: GearConfig, stream: str) -> tuple[ChunkSpec, ChunkSpec]:
     """(prompt chunk spec, decode chunk spec) for stream "key" or "value"."""
     bits, axis = (cfg.key_bits, cfg.key_axis) if stream == "key" else (cfg.value_bits, cfg.value_axis)
-    group = 0 if cfg.coarse_groups else (cfg.key_group if stream == "key" else cfg.value_group)
+    decode_group = cfg.key_group if stream == "key" else cfg.value_group
+    groups = (0, 0) if cfg.coarse_groups else (cfg.prompt_group(stream), decode_group)
     ratio = cfg.outlier_ratio if cfg.uses_outliers else 0.0
     ranks = (cfg.rank_prefill, cfg.rank_decode) if cfg.uses_lowrank else (0, 0)
     rotate = cfg.rotation in ("both", stream + "s")
     range_search = cfg.range_search in ("both", stream + "s")
     return tuple(ChunkSpec(bits, axis, group, ratio, rank, cfg.power_iters, rotate, cfg.factor_bits,
                            range_search)
-                 for rank in ranks)
+                 for group, rank in zip(groups, ranks))
 
 
 class GearLayer(CacheLayerMixin):

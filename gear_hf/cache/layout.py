@@ -122,8 +122,9 @@ class RowLayout:
 
     @property
     def prompt_multiple(self) -> int:
-        """The prompt chunk holds whole groups along tokens and whole code bytes; the rest goes to the buffer."""
-        return self.config.chunk_granule
+        """The prompt chunk holds whole prompt groups along tokens and whole code bytes; the rest goes to decode
+        chunks (whole ones) and the buffer."""
+        return self.config.prompt_granule
 
     def plan_step(self, batch: int, query_len: int, new_valid: torch.Tensor | None,
                   position_ids: torch.Tensor | None, device: torch.device) -> StepPlan:
