@@ -49,16 +49,17 @@ PAPER_FIELDS: dict[str, Any] = dict(key_bits=4, value_bits=4, group_size=64, ran
 # rotated (Walsh–Hadamard) with their ranges searched, keys unrotated (rotating keys helps SmolLM2 and hurts Qwen at
 # 2-3 bits); with 4-bit keys, keys and values rotated with min/max ranges (also the lowest mean on both models, and
 # nothing to search at compress time).
-# "long-context" stores values like keys (per channel over groups of 256 tokens, value_axis="channel"; rotated first):
-# 1/8 bit of statistics per element instead of 1/4 (keys) and 1/2 (values per 64-channel head), the lowest KL of the
-# frontier below 2.75 bits on both models and all three texts (below "balanced"'s on five of six). Its price is the
-# 256-token full-precision buffer its groups need: half full, it adds 1.7 bits at T=1k and 0.4 at T=4k (README), so
-# it pays off on long contexts only.
+# "compact" stores values like keys (per channel over token groups, value_axis="channel"; rotated first, ranges
+# searched) and the prompt chunk in groups of 256 tokens (prompt_group_size): statistics of 1/8 + 1/8 bit per element
+# on the prompt instead of 1/4 (keys, groups of 128) + 1/2 (values per 64-channel head), with the same 128-token
+# buffer as "balanced": at 0.22 bit less, its KL is "balanced"'s on SmolLM2 and up to 2.1x it on Qwen (all three
+# texts: 0.017-0.035, under half of kivi-2's). 256-token groups everywhere would need a 256-token buffer, which keeps
+# more recent tokens exact while KL is measured and costs 1.7 bits at T=1k half full (README "Accuracy per byte").
 _SEARCHED_VALUES = dict(rotation="values", range_search="values", group_size=128, sink_tokens=4)
 RECOMMENDED: tuple[tuple[str, float, dict[str, Any]], ...] = (
     ("small", 2.43, dict(method="kivi", key_bits=2, value_bits=2, **_SEARCHED_VALUES)),
-    ("long-context", 2.68, dict(method="kivi", key_bits=3, value_bits=2, rotation="both", range_search="values",
-                                group_size=256, value_axis="channel", sink_tokens=4)),
+    ("compact", 2.71, dict(method="kivi", key_bits=3, value_bits=2, rotation="both", range_search="values",
+                           group_size=128, prompt_group_size=256, value_axis="channel", sink_tokens=4)),
     ("balanced", 2.93, dict(method="kivi", key_bits=3, value_bits=2, **_SEARCHED_VALUES)),
     ("accurate", 3.43, dict(method="kivi", key_bits=4, value_bits=2, rotation="both", group_size=128, sink_tokens=4)),
     ("kivi-4", 4.55, dict(method="kivi", key_bits=4, value_bits=4)),
@@ -271,8 +272,7 @@ class GearConfig:
         element not above `bits_per_element`, or the one called `name`; neither: the default (= GearConfig()).
 
         The bits were measured on head_dim 64 at T=1028 with the full-precision buffer empty (per-group side
-        information weighs more on smaller heads; the buffer of up to buffer_size tokens adds its share at short T:
-        "long-context" needs a 256-token buffer)."""
+        information weighs more on smaller heads; the buffer of up to buffer_size tokens adds its share at short T)."""
         if bits_per_element is not None and name is not None:
             raise ValueError("GearConfig.recommended takes bits_per_element or name, not both")
         names = [n for n, _, _ in RECOMMENDED]

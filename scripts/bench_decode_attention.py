@@ -9,7 +9,7 @@ random data, for each context length T and batch size:
              into HF's layout, RoPE the keys, then SDPA
   fused      gear_hf.kernels: attention straight from the compressed storage (GEAR 2/4-bit, GEAR-L 2-bit, and
              GearConfig(), the library default: kivi, 4-bit keys, 2-bit values, Walsh–Hadamard rotation, 4 sinks; and
-             recommended "long-context": 3-bit keys, 2-bit values per channel over 256-token groups)
+             recommended "compact": 3-bit keys, 2-bit values per channel, the prompt in 256-token groups)
 
 --variants adds rows of the fused kernel at other num_warps/num_stages/block_n (one point: the largest T and
 batch).
@@ -147,7 +147,7 @@ def main() -> int:
     parser.add_argument("--bits", type=int, nargs="+", default=[2, 4], help="GEAR bit widths (GEAR-L: 2-bit)")
     parser.add_argument("--no-gear-l", action="store_true", help="skip the 2-bit GEAR-L rows")
     parser.add_argument("--no-default", action="store_true",
-                        help="skip the rows of GearConfig() (the library default) and recommended 'long-context'")
+                        help="skip the rows of GearConfig() (the library default) and recommended 'compact'")
     parser.add_argument("--variants", action="store_true",
                         help="fused 2-bit GEAR at num_warps 4/8 x num_stages 1/2/3 (largest T and batch)")
     parser.add_argument("--padded", action="store_true",
@@ -299,8 +299,8 @@ def _time_fused(cache, q, inv_freq, args, record, T, batch, label, sdpa_ms, comp
                pad=pad)
 
 
-# rows named after a recommended configuration (GearConfig(); recommended(name="long-context")), with their key bits
-_RECOMMENDED_ROWS = {"default": 4, "long-context": 3}
+# rows named after a recommended configuration (GearConfig(); recommended(name="compact")), with their key bits
+_RECOMMENDED_ROWS = {"default": 4, "compact": 3}
 
 
 def _methods(args):

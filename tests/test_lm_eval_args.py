@@ -46,10 +46,10 @@ def test_defaults_and_method_alias():
 
 def test_recommended_names():
     """A frontier pick by name (GearConfig.recommended), fields changed on top; not together with a preset."""
-    assert parse_gear_args({"recommended": "long-context"}) == GearConfig.recommended(name="long-context")
+    assert parse_gear_args({"recommended": "compact"}) == GearConfig.recommended(name="compact")
     assert parse_gear_args({"recommended": "balanced", "sink_tokens": "0"}) == \
         GearConfig.recommended(name="balanced", sink_tokens=0)
-    with pytest.raises(ModelArgsError, match="recommended='tiny' is invalid; allowed: small \\| long-context"):
+    with pytest.raises(ModelArgsError, match="recommended='tiny' is invalid; allowed: small \\| compact"):
         parse_gear_args({"recommended": "tiny"})
     with pytest.raises(ModelArgsError, match="not both"):
         parse_gear_args({"recommended": "small", "preset": "gear-2"})

@@ -222,8 +222,9 @@ def test_recommended_follows_the_measured_frontier():
         config = gear_hf.GearConfig.recommended(name=name)
         assert all(getattr(config, k) == v for k, v in fields.items())
     assert gear_hf.GearConfig.recommended(3.0) == gear_hf.GearConfig.recommended(name="balanced")
-    long = gear_hf.GearConfig.recommended(2.7)  # values per channel, 256-token groups: the buffer holds whole groups
-    assert (long.value_axis, long.key_group, long.value_group, long.buffer_size) == ("channel", 256, 256, 256)
+    compact = gear_hf.GearConfig.recommended(2.75)  # values per channel; the prompt chunk alone in 256-token groups
+    assert (compact.value_axis, compact.key_group, compact.value_group, compact.prompt_group_size,
+            compact.buffer_size) == ("channel", 128, 128, 256, 128)
     with pytest.raises(ValueError, match="bits_per_element=1.5"):
         gear_hf.GearConfig.recommended(1.5)
     with pytest.raises(ValueError, match="tiny"):

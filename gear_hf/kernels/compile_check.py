@@ -13,7 +13,7 @@ registers and stack (local memory) per thread from the cubin.
 --sass-report compiles the main decode kernel for sm_90 at Llama-3-8B shapes (32 query heads, 8 KV heads,
 head_dim 128, bf16, q_len 1: GEAR 4, 3 and 2 bits with the paper's groups, buffer and ranks, and GearConfig() —
 the recommended default: kivi, 4-bit keys, 2-bit values, rotated, key groups of 128, 4 sinks — and the
-"long-context" recommendation, values read like keys), disassembles it with
+"compact" recommendation, values read like keys), disassembles it with
 the cuobjdump of the installed Triton and counts, for each loop over compressed blocks (found by its backward
 branch), the SASS instructions of the loop body; per token and KV head that is body x num_warps / block
 tokens (a static count: every instruction of the body once, both sides of a branch included, an inner loop
@@ -156,7 +156,7 @@ def sass_report(arch: int = 90) -> int:
     # the presets store int8 low-rank factors; gear2-f16 keeps the paper's 16-bit ones (the figure before int8)
     cases = [("gear4", GearConfig.preset("gear", bits=4)), ("gear3", GearConfig.preset("gear", bits=3)),
              ("default", GearConfig()), ("gear2-f16", GearConfig.preset("gear", bits=2, factor_bits=16)),
-             ("long-context", GearConfig.recommended(name="long-context")),
+             ("compact", GearConfig.recommended(name="compact")),
              ("gear2", GearConfig.preset("gear", bits=2))]
     for label, cfg in cases:
         nb = cfg.buffer_size  # a prompt chunk and a decode chunk for every buffer size

@@ -1,7 +1,7 @@
 """Methods by name and one timed greedy `generate` with each: ``dynamic`` (transformers' DynamicCache),
 ``hf-quanto-int2/4`` and ``hf-hqq-int2/4`` (transformers' QuantizedCache; skipped with a line when the backend is
 not installed), gear_hf presets ``fp16``, ``kivi-2``, ``gear-4``, ... (`GearConfig.preset` names) and the frontier's
-picks ``rec-accurate`` (= GearConfig()), ``rec-long-context``, ... (``rec-`` + a `GearConfig.recommended` name)."""
+picks ``rec-accurate`` (= GearConfig()), ``rec-compact``, ... (``rec-`` + a `GearConfig.recommended` name)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ RECOMMENDED_PREFIX = "rec-"
 
 def gear_config(name: str):
     """GearConfig of a preset name ('gear-2', 'kivi-4', 'fp16', ...) or of 'rec-' + a recommended name
-    ('rec-long-context'); a bad name exits with the reason."""
+    ('rec-compact'); a bad name exits with the reason."""
     from gear_hf import GearConfig
 
     try:
