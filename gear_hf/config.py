@@ -174,8 +174,8 @@ class GearConfig:
                                           ("value", self.value_axis, self.value_group, self.value_bits)):
             unit = pack_unit(bits)[0]
             if axis == "channel" and self.compresses and not self.coarse_groups:
-                name = f"{prefix}_group_size" if getattr(self, f"{prefix}_group_size") else "group_size"
-                for name, group in ((name, group), ("prompt_group_size", self.prompt_group_size or group)):
+                for name, group in ((self._group_field(prefix), group),
+                                    ("prompt_group_size", self.prompt_group_size or group)):
                     if group % unit:
                         _fail(name, group, f"a multiple of {unit} ({prefix}s are grouped along tokens and "
                                            f"{unit} codes of {bits} bits fill whole bytes)")
@@ -184,11 +184,14 @@ class GearConfig:
                 for prefix, axis, group in (("key", self.key_axis, self.key_group),
                                             ("value", self.value_axis, self.value_group)):
                     if axis == "channel" and self.buffer_size % group:
-                        name = f"{prefix}_group_size" if getattr(self, f"{prefix}_group_size") else "group_size"
-                        _fail(name, group, f"a divisor of buffer_size={self.buffer_size} (the default), or also set "
+                        _fail(self._group_field(prefix), group, f"a divisor of buffer_size={self.buffer_size} (the default), or also set "
                                            f"buffer_size to a multiple of {self.chunk_granule}")
             _fail("buffer_size", self.buffer_size, f"a positive multiple of {self.chunk_granule} (the groups "
                                                   "along tokens and the code packing)")
+
+    def _group_field(self, prefix: str) -> str:
+        """The field that set the key ("key") or value ("value") group: its own, or the group_size shorthand."""
+        return f"{prefix}_group_size" if getattr(self, f"{prefix}_group_size") else "group_size"
 
     @property
     def key_group(self) -> int:
