@@ -55,13 +55,19 @@ def test_streaming_matches_engine_chunk_by_chunk(method):
     keys, values = _feed(cache, K, V, 37)
     assert cache.prefill_len == [32] and cache.decode_chunks == [2] and cache.buffer_len == [13]
     for X, got, stream in ((K, keys, "key"), (V, values, "value")):
-        prompt_spec, decode_spec = _stream_specs(config, stream)
-        expected = [decompress(compress(X[:, :, :32], prompt_spec), prompt_spec, 32, D, torch.float32)]
-        for start in (32, 48):
-            chunk = X[:, :, start : start + 16]
-            expected.append(decompress(compress(chunk, decode_spec), decode_spec, 16, D, torch.float32))
-        expected.append(X[:, :, 64:])
-        assert torch.equal(got, torch.cat(expected, dim=2))
+        assert torch.equal(got, _engine_read(X, config, stream, prompt=32, decode_chunks=2))
+
+
+def _engine_read(X, config, stream, prompt, decode_chunks, chunk_len=16):
+    """What the cache should read for X [1,H,T,d]: the first `prompt` tokens compressed as one chunk (prompt spec),
+    then `decode_chunks` chunks of `chunk_len` (decode spec), then the rest exact (the buffer), by the engine."""
+    prompt_spec, decode_spec = _stream_specs(config, stream)
+    parts = [decompress(compress(X[:, :, :prompt], prompt_spec), prompt_spec, prompt, D, torch.float32)]
+    for start in range(prompt, prompt + decode_chunks * chunk_len, chunk_len):
+        chunk = X[:, :, start : start + chunk_len]
+        parts.append(decompress(compress(chunk, decode_spec), decode_spec, chunk_len, D, torch.float32))
+    parts.append(X[:, :, prompt + decode_chunks * chunk_len :])
+    return torch.cat(parts, dim=2)
 
 
 @pytest.mark.parametrize("overrides", [dict(method="gear"), dict(method="kivi", value_axis="channel")],
@@ -78,12 +84,7 @@ def test_prompt_groups_longer_than_decode_groups(overrides):
         prompt_spec, decode_spec = _stream_specs(config, stream)
         along_tokens = stream == "key" or config.value_axis == "channel"
         assert (prompt_spec.group, decode_spec.group) == ((32, 8) if along_tokens else (8, 8))
-        expected = [decompress(compress(X[:, :, :64], prompt_spec), prompt_spec, 64, D, torch.float32)]
-        for start in (64, 80):
-            chunk = X[:, :, start : start + 16]
-            expected.append(decompress(compress(chunk, decode_spec), decode_spec, 16, D, torch.float32))
-        expected.append(X[:, :, 96:])
-        assert torch.equal(got, torch.cat(expected, dim=2))
+        assert torch.equal(got, _engine_read(X, config, stream, prompt=64, decode_chunks=2))
     # statistics of 64 prompt keys: 2 rows per channel instead of 8
     assert cache.layers[0].key_stream.prefill.fields["scale"].shape[2] == 2
 
