@@ -67,20 +67,16 @@ class RotaryMemo:
     def __init__(self) -> None:
         self._entries: dict = {}
 
-    def get(self, step: int, columns, rotary_emb, like: torch.Tensor, positions: Callable[[], torch.Tensor],
-            heads_axis: bool = False):
+    def get(self, step: int, columns, rotary_emb, like: torch.Tensor, positions: Callable[[], torch.Tensor]):
         """rotary_emb(like, positions()) for this step's read of `columns` (a visible start column of the padded
-        layout, or "slots"), computed once: (cos, sin) [B,T,d], or [B,1,T,d] with heads_axis (as `apply_rotary`
-        broadcasts them over the heads)."""
-        key = (step, columns, id(rotary_emb), like.dtype, like.device, heads_axis)
+        layout, or "slots"), computed once: (cos, sin) [B,1,T,d], shaped once as `apply_rotary` broadcasts them
+        over the heads."""
+        key = (step, columns, id(rotary_emb), like.dtype, like.device)
         if key not in self._entries:
             if self._entries and next(iter(self._entries))[0] != step:
                 self._entries.clear()
-            if heads_axis:
-                cos, sin = self.get(step, columns, rotary_emb, like, positions)
-                self._entries[key] = cos.unsqueeze(1), sin.unsqueeze(1)
-            else:
-                self._entries[key] = rotary_emb(like, positions())
+            cos, sin = rotary_emb(like, positions())
+            self._entries[key] = cos.unsqueeze(1), sin.unsqueeze(1)
         return self._entries[key]
 
     def clear(self) -> None:

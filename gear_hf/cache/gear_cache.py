@@ -160,13 +160,13 @@ class GearCache(Cache):
                 keys, values = self._read_padded(layer_idx, dtype, workspace_like=key_states)
             else:
                 keys, values = self.read(layer_idx, key_states, value_states)
-            rotary = lambda: self.rotary_for_read(layer_idx, rotary_emb, values, heads_axis=True)  # noqa: E731
+            rotary = lambda: self.rotary_for_read(layer_idx, rotary_emb, values)  # noqa: E731
         else:
             keys, values = (stream.read_slots(slots, out) for stream, out in
                             zip(layer.streams, self._key_value_workspace(key_states, slots.local.shape[1], dtype)))
             attention_mask = self._slot_mask(slots, attention_mask)
             rotary = lambda: self._rotary.get(layout.steps, "slots", rotary_emb, values,  # noqa: E731
-                                              lambda: layout.slot_positions(slots), heads_axis=True)
+                                              lambda: layout.slot_positions(slots))
         if self.gear_config.pre_rope:
             B, H, T, d = keys.shape
             keys = apply_rotary(keys, *rotary(), out=workspace.get("rotated keys", keys.shape, dtype, keys.device),
@@ -240,12 +240,11 @@ class GearCache(Cache):
         layout = self.layout
         return layout.read_positions(self.layers[layer_idx].visible_start(layout.plan.rect_before))
 
-    def rotary_for_read(self, layer_idx: int, rotary_emb, like: torch.Tensor, heads_axis: bool = False):
-        """(cos, sin) [B,T,d] ([B,1,T,d] with heads_axis) for the keys `read` returned, from the model's rotary
-        module; computed once per step per (visible start, rotary module) and shared by the layers."""
+    def rotary_for_read(self, layer_idx: int, rotary_emb, like: torch.Tensor):
+        """(cos, sin) [B,1,T,d] for the keys `read` returned, from the model's rotary module; computed once per step
+        per (visible start, rotary module) and shared by the layers."""
         start = self.layers[layer_idx].visible_start(self.layout.plan.rect_before)
-        return self._rotary.get(self.layout.steps, start, rotary_emb, like,
-                                lambda: self.layout.read_positions(start), heads_axis)
+        return self._rotary.get(self.layout.steps, start, rotary_emb, like, lambda: self.layout.read_positions(start))
 
     # -- fused Triton decode attention (gear_hf.kernels); read + attention stays the default and the oracle --
     def fused_attention(self, layer_idx: int, query: torch.Tensor, *, scaling: float, inv_freq: torch.Tensor,
