@@ -184,8 +184,9 @@ class GearConfig:
                 for prefix, axis, group in (("key", self.key_axis, self.key_group),
                                             ("value", self.value_axis, self.value_group)):
                     if axis == "channel" and self.buffer_size % group:
-                        _fail(self._group_field(prefix), group, f"a divisor of buffer_size={self.buffer_size} (the default), or also set "
-                                           f"buffer_size to a multiple of {self.chunk_granule}")
+                        _fail(self._group_field(prefix), group, f"a divisor of buffer_size={self.buffer_size} (the "
+                                                                f"default), or also set buffer_size to a multiple of "
+                                                                f"{self.chunk_granule}")
             _fail("buffer_size", self.buffer_size, f"a positive multiple of {self.chunk_granule} (the groups "
                                                   "along tokens and the code packing)")
 
@@ -217,12 +218,7 @@ class GearConfig:
         return self._granule(self.prompt_group("key"), self.prompt_group("value"))
 
     def _granule(self, key_group: int, value_group: int) -> int:
-        granule = 1
-        for axis, group, bits in ((self.key_axis, key_group, self.key_bits),
-                                  (self.value_axis, value_group, self.value_bits)):
-            if axis == "channel":
-                granule = math.lcm(granule, group, pack_unit(bits)[0] if self.compresses else 1)
-        return granule
+        return _token_granule(vars(self), key_group, value_group)
 
     # What the method computes -------------------------------------------------------------------------------
     @property
@@ -293,10 +289,9 @@ class GearConfig:
             fields = fitting[-1]
         merged = {**PAPER_FIELDS, **fields, **overrides}
         if "buffer_size" not in overrides:  # the paper's 64 tokens, or a multiple of longer groups along tokens
-            groups = [merged["key_group_size"] or merged["group_size"]]
-            if merged["value_axis"] == "channel":
-                groups.append(merged["value_group_size"] or merged["group_size"])
-            merged["buffer_size"] = math.lcm(PAPER_FIELDS["buffer_size"], *groups)
+            groups = (merged["key_group_size"] or merged["group_size"],
+                      merged["value_group_size"] or merged["group_size"])
+            merged["buffer_size"] = math.lcm(PAPER_FIELDS["buffer_size"], _token_granule(merged, *groups))
         return cls(**merged)
 
     def describe(self) -> str:
@@ -308,6 +303,17 @@ class GearConfig:
 
 
 _DEFAULT_BUFFER = GearConfig.__dataclass_fields__["buffer_size"].default
+
+
+def _token_granule(fields: dict[str, Any], key_group: int, value_group: int) -> int:
+    """Tokens a chunk holds a multiple of, for these groups: every group that runs along tokens (axis "channel") and
+    whole code bytes. fields: GearConfig fields (a config's vars, or the dict `recommended` builds one from)."""
+    granule = 1
+    for prefix, group in (("key", key_group), ("value", value_group)):
+        if fields[f"{prefix}_axis"] == "channel":
+            unit = pack_unit(fields[f"{prefix}_bits"])[0] if _USES_QUANT[fields["method"]] else 1
+            granule = math.lcm(granule, group, unit)
+    return granule
 _BITS_RE = re.compile(r"(?:(\d+)|k(\d+)v(\d+))")
 
 
