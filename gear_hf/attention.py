@@ -57,7 +57,8 @@ def gear_attention_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
     position_ids = kwargs.get("position_ids")
     if not cache.gear_config.pre_rope:  # ablation: compress keys after RoPE, as HF's QuantizedCache does
         key = apply_rotary(key, cos, sin)
-    cache.store(module.layer_idx, key, value, position_ids)  # joins the buffer: the step sees itself exactly
+    # joins the buffer: the step sees itself exactly (the query: for keys whose bits are allocated by it)
+    cache.store(module.layer_idx, key, value, position_ids, query)
     quirks = patch.attention_kwargs(module)  # e.g. sliding_window, softcap
     if use_fused(cache.gear_config, query, training=module.training,
                  output_attentions=bool(kwargs.get("output_attentions")),

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .compress.quant import pack_unit  # codes are packed in whole units: groups along tokens hold whole units
+from .compress.quant import PLANE_TOKENS, pack_unit  # codes are packed in whole units: groups hold whole units
 
 
 METHODS = ("fp16", "kivi", "kcvt", "outlier", "gear-l", "gear")
@@ -21,6 +21,7 @@ BITS = (2, 3, 4, 8)
 ROTATIONS = ("none", "keys", "values", "both")
 FACTOR_BITS = (16, 8)
 AXES = ("channel", "token")
+KEY_BIT_ALLOCATIONS = ("uniform", "query")
 BACKENDS = ("auto", "torch", "triton")
 
 # Which correction terms each method adds to the quantized backbone.
@@ -37,7 +38,7 @@ PAPER_FIELDS: dict[str, Any] = dict(key_bits=4, value_bits=4, group_size=64, ran
                                     power_iters=3, outlier_ratio=0.02, buffer_size=64, sink_tokens=0,
                                     key_axis="channel", value_axis="token", pre_rope=True, key_group_size=None,
                                     value_group_size=None, rotation="none", factor_bits=8, range_search="none",
-                                    prompt_group_size=None)
+                                    prompt_group_size=None, key_bit_allocation="uniform")
 
 
 # What the measured frontier says to pick (scripts/frontier.py; SmolLM2-135M and Qwen2.5-0.5B in bf16, head_dim 64,
@@ -77,7 +78,12 @@ class GearConfig:
     """How keys and values are compressed.
 
     method:        fp16 | kivi | kcvt | outlier | gear-l | gear  (see DESIGN §2)
-    key_bits, value_bits: 2, 3, 4 or 8 (ignored by fp16)
+    key_bits, value_bits: 2, 3, 4 or 8 (ignored by fp16); with key_bit_allocation="query", key_bits is the mean
+                   width of a key channel: a multiple of 1/8 in [1, 8] (e.g. 3.5)
+    key_bit_allocation: "uniform" (every key channel key_bits wide) or "query" (beyond GEAR: each row's key
+                   channels get 1-8 bits, chosen when the row's first chunk is compressed, where the queries seen
+                   so far times the key ranges make an error cost most; compress/allocation.py; the torch path
+                   reads them). Needs key_axis="channel", no outliers, keys not rotated.
     group_size:    g, tokens per key group (per channel) and channels per value group (per token): the shorthand
                    for both of the next two
     key_group_size / value_group_size: the key group (tokens) / value group (channels) when they differ;
@@ -126,14 +132,30 @@ class GearConfig:
     factor_bits: int = 8  # int8 factors moved gear-2's attention-output error by < 0.1% (README)
     range_search: str = "none"
     prompt_group_size: int | None = None
+    key_bit_allocation: str = "uniform"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             _fail("method", self.method, " | ".join(METHODS))
+        if self.key_bit_allocation not in KEY_BIT_ALLOCATIONS:
+            _fail("key_bit_allocation", self.key_bit_allocation, " | ".join(KEY_BIT_ALLOCATIONS))
         for name in ("key_bits", "value_bits"):
             value = getattr(self, name)
-            if isinstance(value, bool) or value not in BITS:
-                _fail(name, value, "2, 3, 4 or 8")
+            if name == "key_bits" and self.key_bit_allocation == "query":
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1 <= value <= 8 \
+                        or value * PLANE_TOKENS != int(value * PLANE_TOKENS):
+                    _fail(name, value, "a multiple of 1/8 in [1, 8] (the mean bits of a key channel with "
+                                       "key_bit_allocation='query')")
+            elif isinstance(value, bool) or value not in BITS:
+                _fail(name, value, "2, 3, 4 or 8" + (" (or, with key_bit_allocation='query', a mean such as 3.5)"
+                                                     if name == "key_bits" else ""))
+        if self.key_bit_allocation == "query" and self.compresses:
+            for field, value, bad, allowed in (
+                    ("key_axis", self.key_axis, self.key_axis != "channel", "'channel'"),
+                    ("method", self.method, self.uses_outliers, "a method without outliers (kivi, kcvt, gear-l)"),
+                    ("rotation", self.rotation, self.rotation in ("keys", "both"), "'none' or 'values'")):
+                if bad:
+                    _fail(field, value, f"{allowed} with key_bit_allocation='query' (widths per key channel)")
         for name, low in (("group_size", 1), ("rank_prefill", 0), ("rank_decode", 0), ("power_iters", 1),
                           ("sink_tokens", 0), ("buffer_size", 1)):
             value = getattr(self, name)
@@ -172,7 +194,7 @@ class GearConfig:
         """Groups that run along tokens hold whole packing units, and the buffer holds whole groups."""
         for prefix, axis, group, bits in (("key", self.key_axis, self.key_group, self.key_bits),
                                           ("value", self.value_axis, self.value_group, self.value_bits)):
-            unit = pack_unit(bits)[0]
+            unit = _code_unit(vars(self), prefix)
             if axis == "channel" and self.compresses and not self.coarse_groups:
                 for name, group in ((self._group_field(prefix), group),
                                     ("prompt_group_size", self.prompt_group_size or group)):
@@ -295,11 +317,13 @@ class GearConfig:
         return cls(**merged)
 
     def describe(self) -> str:
-        """The preset name of this config's method and bits ("gear-2", "kivi-k4v2", "fp16"); `preset` reads it."""
+        """The preset name of this config's method and bits ("gear-2", "kivi-k4v2", "fp16"); `preset` reads it.
+        Keys with allocated widths add "-query-allocated" to the mean (e.g. "kivi-k3.5v3-query-allocated"): a
+        description, not a preset name."""
         if not self.compresses:
             return "fp16"
         bits = f"{self.key_bits}" if self.key_bits == self.value_bits else f"k{self.key_bits}v{self.value_bits}"
-        return f"{self.method}-{bits}"
+        return f"{self.method}-{bits}" + ("-query-allocated" if self.key_bit_allocation == "query" else "")
 
 
 _DEFAULT_BUFFER = GearConfig.__dataclass_fields__["buffer_size"].default
@@ -311,9 +335,16 @@ def _token_granule(fields: dict[str, Any], key_group: int, value_group: int) -> 
     granule = 1
     for prefix, group in (("key", key_group), ("value", value_group)):
         if fields[f"{prefix}_axis"] == "channel":
-            unit = pack_unit(fields[f"{prefix}_bits"])[0] if _USES_QUANT[fields["method"]] else 1
+            unit = _code_unit(fields, prefix) if _USES_QUANT[fields["method"]] else 1
             granule = math.lcm(granule, group, unit)
     return granule
+
+
+def _code_unit(fields: dict[str, Any], prefix: str) -> int:
+    """Codes of stream `prefix` ("key"/"value") per packing unit along tokens: widths per channel take bit planes."""
+    if prefix == "key" and fields["key_bit_allocation"] == "query":
+        return PLANE_TOKENS
+    return pack_unit(fields[f"{prefix}_bits"])[0]
 _BITS_RE = re.compile(r"(?:(\d+)|k(\d+)v(\d+))")
 
 

@@ -13,6 +13,7 @@ from dataclasses import replace
 import torch
 
 from .compress import ChunkSpec, CompressedChunk, compress, decompress
+from .compress.allocation import even_channel_bits
 
 GROWTH = 1.5
 
@@ -82,9 +83,9 @@ class _Backend:
 
 
 # Fields of a CompressedChunk, in storage order.
-FIELDS = ("codes", "scale", "minimum", "sparse_values", "sparse_index", "lowrank_a", "lowrank_b",
+FIELDS = ("codes", "channel_bits", "scale", "minimum", "sparse_values", "sparse_index", "lowrank_a", "lowrank_b",
           "lowrank_a_scale", "lowrank_b_scale")
-COMPONENT_OF = {"codes": "codes", "scale": "scales", "minimum": "scales", "sparse_values": "sparse_values",
+COMPONENT_OF = {"codes": "codes", "channel_bits": "scales", "scale": "scales", "minimum": "scales", "sparse_values": "sparse_values",
                 "sparse_index": "sparse_indices", "lowrank_a": "lowrank", "lowrank_b": "lowrank",
                 "lowrank_a_scale": "lowrank", "lowrank_b_scale": "lowrank"}
 
@@ -116,7 +117,7 @@ class ChunkStore:
         full = example
         if not example_is_full:
             # zeros in the side dtype: the same field dtypes as the model dtype they came from (compress.side_dtype)
-            full = compress(example.scale.new_zeros(1, H, self.chunk_len, d), replace(self.spec, power_iters=1))
+            full = self._probe(example.scale.new_zeros(1, H, self.chunk_len, d))
         for name in FIELDS:
             t = getattr(full, name)
             self.extent[name] = t.shape[2]
@@ -138,11 +139,12 @@ class ChunkStore:
             self._runs.clear()
 
     def compress_rows(self, x: torch.Tensor, rows: list[int], chunks: list[int], batch: int,
-                      reserve_chunks: int) -> None:
+                      reserve_chunks: int, channel_bits: torch.Tensor | None = None) -> None:
         """Compress x [J,H,n,d] (J chunks of n <= chunk_len tokens, in one call) and store job j as chunk
         `chunks[j]` of row `rows[j]`. Chunks of one length compress exactly as each would alone (every statistic
-        is per batch row), so batching changes no bit; callers group jobs by length."""
-        compressed = compress(x, self.spec, quantize_pack=self._quantize_pack(x))
+        is per batch row), so batching changes no bit; callers group jobs by length. channel_bits [J,H,d]: the
+        jobs' key widths (an allocated spec)."""
+        compressed = compress(x, self.spec, quantize_pack=self._quantize_pack(x), channel_bits=channel_bits)
         full = x.shape[2] == self.chunk_len
         self.reserve(compressed, batch, max(max(chunks) + 1, reserve_chunks), example_is_full=full)
         row_index = torch.tensor(rows, device=x.device)
@@ -173,8 +175,7 @@ class ChunkStore:
         memo = self._chunk_nbytes
         if key not in memo:
             H, d = self.fields["lowrank_b"].shape[1], self.head_dim
-            probe = compress(torch.zeros(1, H, n, d, dtype=self.dtype, device=self.fields["codes"].device),
-                             replace(self.spec, power_iters=1))
+            probe = self._probe(torch.zeros(1, H, n, d, dtype=self.dtype, device=self.fields["codes"].device))
             out: dict[str, int] = {}
             for name in FIELDS:
                 t = getattr(probe, name)
@@ -185,13 +186,19 @@ class ChunkStore:
             memo[key] = out
         return memo[key]
 
+    def _probe(self, zeros: torch.Tensor) -> CompressedChunk:
+        """Zeros [1,H,n,d] compressed (one cheap iteration): the shapes and dtypes a chunk of n tokens stores."""
+        _, H, _, d = zeros.shape
+        bits = even_channel_bits(1, H, d, self.spec.bits, zeros.device) if self.spec.allocated else None
+        return compress(zeros, replace(self.spec, power_iters=1), channel_bits=bits)
+
     def _quantize_pack(self, x: torch.Tensor):
         """The Triton quantize+pack kernel when the backend resolves to triton for x's device, else None."""
         from . import kernels  # light: triton itself is imported only when the kernel is fetched
 
         if kernels.resolve_backend(_Backend(self.backend), x.device) != "triton":
             return None
-        if not kernels.quantize_pack_supports(self.spec, x.shape[2], x.shape[3]):
+        if self.spec.allocated or not kernels.quantize_pack_supports(self.spec, x.shape[2], x.shape[3]):
             return None  # e.g. a group the packing kernel cannot split into bytes: the torch engine handles it
         return kernels.quantize_pack
 

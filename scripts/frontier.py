@@ -54,7 +54,7 @@ SHOTS_FOR = {1024: 8, 4096: 40}  # GSM8K exemplars so the text is at least T tok
 def point(method: str, key_bits: int, value_bits: int, *, sink: int = 0, rotation: str = "none",
           factor_bits: int = 16, key_group: int | None = None, value_group: int | None = None,
           ranks: tuple[int, int] | None = None, range_search: str = "none", value_axis: str = "token",
-          prompt_group: int | None = None):
+          prompt_group: int | None = None, allocate: bool = False):
     """(name, GearConfig): the paper's preset of `method` with these changes; the name spells the changes."""
     import gear_hf
 
@@ -63,6 +63,7 @@ def point(method: str, key_bits: int, value_bits: int, *, sink: int = 0, rotatio
                                        rotation=rotation, factor_bits=factor_bits, key_group_size=key_group,
                                        value_group_size=value_group, buffer_size=granule, range_search=range_search,
                                        value_axis=value_axis, prompt_group_size=prompt_group,
+                                       key_bit_allocation="query" if allocate else "uniform",
                                        **(dict(rank_prefill=ranks[0], rank_decode=ranks[1]) if ranks else {}))
     bits = f"{key_bits}" if key_bits == value_bits else f"k{key_bits}v{value_bits}"
     name = f"{method}-{bits}"
@@ -75,6 +76,7 @@ def point(method: str, key_bits: int, value_bits: int, *, sink: int = 0, rotatio
     name += f"-gp{prompt_group}" if prompt_group else ""
     name += f"-r{ranks[0]}{ranks[1]}" if ranks else ""
     name += {"none": "", "values": "-clipv", "keys": "-clipk", "both": "-clipkv"}[range_search]
+    name += "-qa" if allocate else ""  # key widths allocated per channel by the queries
     return name, config
 
 
@@ -139,6 +141,13 @@ def grid(kind: str) -> dict:
     short_buffer = dict(sink=4, key_group=128, value_group=128, value_axis="channel", prompt_group=256)
     for key_bits, value_bits in ((2, 2), (3, 2), (4, 2), (4, 3)):
         points += [point("kivi", key_bits, value_bits, rotation="both", range_search="values", **short_buffer)]
+    # round 7: key widths allocated per channel from the queries (key_bit_allocation="query"; keys unrotated, as
+    # the allocation needs), with the round-6 layout; their uniform twins with keys unrotated
+    for key_bits, value_bits in ((2.5, 2), (3, 2), (3, 3), (3.5, 3)):
+        points += [point("kivi", key_bits, value_bits, rotation="values", range_search="values", allocate=True,
+                         **short_buffer)]
+    for key_bits, value_bits in ((3, 2), (3, 3), (4, 3)):
+        points += [point("kivi", key_bits, value_bits, rotation="values", range_search="values", **short_buffer)]
     if kind == "quick":
         keep = {"kivi-2", "kivi-4", "gear-2", "gear-4", "kivi-k4v2", "kivi-k4v2-rv", "kivi-k3v2-rv", "kivi-3-rv",
                 "kivi-2-rv", "kivi-2-rv-gk128", "kivi-k3v2-rv-gk128", "gear-2-f8"}

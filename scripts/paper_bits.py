@@ -67,7 +67,8 @@ def main(argv=None) -> int:
         cache = GearCache(_NumLayers(len(captures)), config)
         for start, length in [(0, T - 64)] + [(t, 1) for t in range(T - 64, T)]:
             for i, cap in enumerate(captures):
-                cache.store_and_read(i, cap.key[:, :, start:start + length], cap.value[:, :, start:start + length])
+                cache.store_and_read(i, cap.key[:, :, start:start + length], cap.value[:, :, start:start + length],
+                                     query=cap.query[:, :, start:start + length])
         errors = D.layer_errors(captures, config, decode_tokens=64, last_queries=32)
         attn = sum(r["attention_output_error"] for r in errors) / len(errors)
         print(f"{name}: {cache.memory_report()['bits_per_element']:.3f} bits/elem, attention-output error {attn:.4f}")

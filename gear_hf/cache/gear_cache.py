@@ -85,9 +85,10 @@ class GearCache(Cache):
 
     # -- a step: store, attend (read or fused), compress ---------------------------------------------------
     def store(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor,
-              position_ids: torch.Tensor | None = None) -> GearLayer:
+              position_ids: torch.Tensor | None = None, query: torch.Tensor | None = None) -> GearLayer:
         """Append this step's keys (before RoPE) and values [B,H,q,d] of one layer to its buffer; the first
-        layer to store in a step plans it for all layers."""
+        layer to store in a step plans it for all layers. query [B,Hq,q,d]: the step's queries, which
+        key_bit_allocation='query' chooses each row's key widths from (the patched attention passes them)."""
         if torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
             raise RuntimeError("GearCache stores compressed keys/values without autograd; run generation under "
                                "torch.no_grad() or torch.inference_mode() (model.generate does), or pass "
@@ -101,7 +102,7 @@ class GearCache(Cache):
                                "must be updated once per forward step, in order")
         if key_states.shape[0] != layout.batch:
             raise ValueError(f"batch size changed from {layout.batch} to {key_states.shape[0]} in one GearCache")
-        layer.append(layout.plan, key_states, value_states, self.gear_config.sink_tokens)
+        layer.append(layout.plan, key_states, value_states, self.gear_config.sink_tokens, query)
         if self.shape is None:
             self.shape, self.model_dtype = (key_states.shape[1], key_states.shape[3]), key_states.dtype
         return layer
@@ -222,9 +223,10 @@ class GearCache(Cache):
                                  "them before the cache (check the dtype's range, e.g. fp16)")
 
     def store_and_read(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor,
-                       position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       position_ids: torch.Tensor | None = None, query: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """`store`, `read` (what the attention gets), then `compress_pending`: one whole step of one layer."""
-        self.store(layer_idx, key_states, value_states, position_ids)
+        self.store(layer_idx, key_states, value_states, position_ids, query)
         out = self.read(layer_idx, key_states, value_states)
         self.compress_pending(layer_idx)
         return out
@@ -303,8 +305,7 @@ class GearCache(Cache):
             return
         index = index.to(self.layout.positions.device).long()
         for layer in self.layers:
-            for stream in layer.streams:
-                stream.select_rows(index)
+            layer.select_rows(index)
         self.layout.select_rows(index.tolist(), index)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

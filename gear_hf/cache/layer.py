@@ -6,6 +6,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ..compress import ChunkSpec
+from ..compress.allocation import query_pair_energy
 from ..config import GearConfig
 from .layout import RowLayout, StepPlan
 from .stream import Released, Stream
@@ -20,8 +21,9 @@ def stream_specs(cfg: GearConfig, stream: str) -> tuple[ChunkSpec, ChunkSpec]:
     ranks = (cfg.rank_prefill, cfg.rank_decode) if cfg.uses_lowrank else (0, 0)
     rotate = cfg.rotation in ("both", stream + "s")
     range_search = cfg.range_search in ("both", stream + "s")
+    allocated = stream == "key" and cfg.key_bit_allocation == "query"
     return tuple(ChunkSpec(bits, axis, group, ratio, rank, cfg.power_iters, rotate, cfg.factor_bits,
-                           range_search)
+                           range_search, allocated)
                  for group, rank in zip(groups, ranks))
 
 
@@ -42,6 +44,7 @@ class GearLayer(CacheLayerMixin):
         self.seen_length = 0
         self.released = Released()
         self.flushed_step = 0  # layout steps completed by this layer (== steps once the step's flush ran)
+        self.query_energy: torch.Tensor | None = None  # [B,Hkv,d] float64, while key widths are to be allocated
         nb = config.buffer_size
         self.key_stream = Stream(*stream_specs(config, "key"), nb, config.backend)
         self.value_stream = Stream(*stream_specs(config, "value"), nb, config.backend)
@@ -51,7 +54,14 @@ class GearLayer(CacheLayerMixin):
         return self.key_stream, self.value_stream
 
     # -- a step --------------------------------------------------------------------------------------------
-    def append(self, plan: StepPlan, key_states: torch.Tensor, value_states: torch.Tensor, sink_tokens: int) -> None:
+    def append(self, plan: StepPlan, key_states: torch.Tensor, value_states: torch.Tensor, sink_tokens: int,
+               query: torch.Tensor | None = None) -> None:
+        if query is not None and self.key_stream.needs_query_energy():
+            valid = plan.buffer_cols != plan.buffer_capacity  # [B,q] (padding goes to the scratch column)
+            if sink_tokens:
+                valid |= plan.sink_cols != sink_tokens
+            energy = query_pair_energy(query, key_states.shape[1], valid)
+            self.query_energy = energy if self.query_energy is None else self.query_energy + energy
         for stream, x in zip(self.streams, (key_states, value_states)):
             stream.append(plan, x, sink_tokens)
         self.steps += 1
@@ -69,8 +79,10 @@ class GearLayer(CacheLayerMixin):
         reserve = plan.decode_reserve - self.released.chunks
         if self.is_sliding:  # live chunks never exceed a window's worth (+ the partly visible and the newest):
             reserve = -(-self.sliding_window // layout.chunk_len) + 2  # allocated once, never grown
-        finite = [stream.flush(plan, layout.prompt_capacity, layout.batch, self.released.chunks, reserve)
-                  for stream in self.streams]
+        finite = [stream.flush(plan, layout.prompt_capacity, layout.batch, self.released.chunks, reserve,
+                               self.query_energy) for stream in self.streams]
+        if self.query_energy is not None and not self.key_stream.needs_query_energy():
+            self.query_energy = None  # every row's widths are chosen
         if self.is_sliding:
             self._release(layout)
         self.flushed_step = layout.steps
@@ -91,6 +103,12 @@ class GearLayer(CacheLayerMixin):
             for stream in self.streams:
                 stream.release(self.released, after, counts)
             self.released = after
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        for stream in self.streams:
+            stream.select_rows(index)
+        if self.query_energy is not None:
+            self.query_energy = self.query_energy.index_select(0, index)
 
     # -- HF CacheLayerMixin ---------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:

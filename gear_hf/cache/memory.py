@@ -1,7 +1,7 @@
 """What a GearCache holds between steps, in bytes: by tokens (held) and by spare capacity (reserved).
 
-Everything the cache keeps is counted: codes, scales/minimums, low-rank factors, outlier values and indices,
-the full-precision sink and buffer, and the position bookkeeping. Per-step temporaries are not kept and not
+Everything the cache keeps is counted: codes, scales/minimums (and allocated key widths), low-rank factors, outlier
+values and indices, the full-precision sink and buffer, and the position bookkeeping. Per-step temporaries are not kept and not
 counted. Bits per element are given as stored, and as they would be with every floating tensor in 16 bits
 (an fp32 model's buffer is fp32: the 16-bit figure is the one to compare with an fp16/bf16 model).
 """
@@ -42,6 +42,7 @@ def _held_by_component(cache, cap: int | None) -> dict[str, int]:
             if live and stream.decode.fields:
                 for name, n in stream.decode.chunk_nbytes(nb, cap).items():
                     out[name] += live * n
+            out["scales"] += _nbytes(stream.channel_bits)  # each row's allocated key widths (for its next chunks)
     if layout.positions is not None:
         out["positions"] = 4 * (sum(counts.held(nb)) + layout.batch * layout.rect_length)
     return out
@@ -51,8 +52,9 @@ def allocated_bytes(cache) -> int:
     """Every tensor the cache keeps between steps, spare capacity and scratch columns included."""
     total = _nbytes(cache.layout.positions) + _nbytes(cache.layout.rect_to_local)
     for layer in cache.layers:
+        total += _nbytes(layer.query_energy)  # kept until every row's key widths are allocated
         for stream in layer.streams:
-            total += _nbytes(stream.sink.data) + _nbytes(stream.buffer.data)
+            total += _nbytes(stream.sink.data) + _nbytes(stream.buffer.data) + _nbytes(stream.channel_bits)
             for store in (stream.prefill, stream.decode):
                 if store is not None:
                     total += sum(_nbytes(t) for t in store.fields.values())

@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from ..compress import ChunkSpec
+from ..compress.allocation import allocate_channel_bits
 from ..storage import ChunkStore, TokenStore
 from .layout import RowCounts, RowLayout, SlotPlan, StepPlan
 
@@ -45,6 +46,17 @@ class Stream:
         self.decode = ChunkStore(decode_spec, chunk_len, backend)
         self.chunk_len = chunk_len
         self.backend = backend
+        # keys with bits allocated per channel: each row's widths [B,H,d], fixed at its first compression
+        self.channel_bits: torch.Tensor | None = None
+        self.allocated_rows: list[bool] = []
+
+    @property
+    def allocates(self) -> bool:
+        return self.decode_spec.allocated
+
+    def needs_query_energy(self) -> bool:
+        """Some row's channel widths are still to be chosen (from the query energy seen until then)."""
+        return self.allocates and not all(self.allocated_rows or [False])
 
     # -- writing ---------------------------------------------------------------------------------------------
     def append(self, plan: StepPlan, x: torch.Tensor, sink_tokens: int) -> None:
@@ -56,9 +68,10 @@ class Stream:
         self.buffer.write(x, plan.buffer_cols)
 
     def flush(self, plan: StepPlan, prompt_capacity: int, batch: int, released_chunks: int = 0,
-              reserve_chunks: int = 0) -> torch.Tensor | None:
+              reserve_chunks: int = 0, query_energy: torch.Tensor | None = None) -> torch.Tensor | None:
         """Compress what leaves the buffer (one call per chunk length), keep the rest at the buffer's front.
-        A decode chunk goes to slot (chunk - released_chunks); reserve_chunks: decode slots to allocate at once.
+        A decode chunk goes to slot (chunk - released_chunks); reserve_chunks: decode slots to allocate at once;
+        query_energy [B,H,d]: what allocated key widths are chosen from (`allocation.query_pair_energy`).
         Returns a device bool, True when every compressed entry was finite (None: nothing compressed)."""
         flush = plan.flush
         data = self.buffer.data
@@ -68,17 +81,41 @@ class Stream:
                 self.prefill = ChunkStore(self.prefill_spec, prompt_capacity, self.backend)
             x = data[rows[0] : rows[0] + 1, :, :length] if len(rows) == 1 else data[rows, :, :length]
             finite.append(torch.isfinite(x).all())
-            self.prefill.compress_rows(x, rows, [0] * len(rows), batch, 1)
+            bits = self._channel_bits(rows, x, self.prefill_spec, batch, query_energy)
+            self.prefill.compress_rows(x, rows, [0] * len(rows), batch, 1, bits)
         if flush.decode_jobs:
             rows = [row for row, _, _ in flush.decode_jobs]
             x = torch.stack([data[row, :, start : start + self.chunk_len] for row, start, _ in flush.decode_jobs])
             finite.append(torch.isfinite(x).all())
             slots = [chunk - released_chunks for _, _, chunk in flush.decode_jobs]
-            self.decode.compress_rows(x, rows, slots, batch, reserve_chunks)
+            bits = self._channel_bits(rows, x, self.decode_spec, batch, query_energy)
+            self.decode.compress_rows(x, rows, slots, batch, reserve_chunks, bits)
         for row, start, length in flush.keep:
             self.buffer.keep_tail(row, start, length)
         self.buffer.shrink(plan.buffer_capacity_after)
         return torch.stack(finite).all() if finite else None
+
+    def _channel_bits(self, rows: list[int], x: torch.Tensor, spec: ChunkSpec, batch: int,
+                      query_energy: torch.Tensor | None) -> torch.Tensor | None:
+        """The widths [J,H,d] of these jobs' rows (allocated keys, else None): a row's are chosen when it first
+        compresses, from the query energy seen until then and the ranges of that chunk x [J,H,n,d]."""
+        if not self.allocates:
+            return None
+        if self.channel_bits is None:
+            self.channel_bits = torch.zeros(batch, x.shape[1], x.shape[3], dtype=torch.uint8, device=x.device)
+            self.allocated_rows = [False] * batch
+        new = [j for j, row in enumerate(rows) if not self.allocated_rows[row]]
+        if new:
+            new_rows = [rows[j] for j in new]
+            if query_energy is None or not bool((query_energy[new_rows].sum(dim=(1, 2)) > 0).all()):
+                raise RuntimeError("keys with bits allocated per channel (key_bit_allocation='query') are allocated "
+                                   "from the queries, and none were seen for some row: pass query= to "
+                                   "GearCache.store / store_and_read (the patched attention does)")
+            self.channel_bits[new_rows] = allocate_channel_bits(
+                query_energy[new_rows], x[new], spec.group_for(x.shape[2], x.shape[3]), spec.bits)
+            for row in new_rows:
+                self.allocated_rows[row] = True
+        return self.channel_bits[rows]
 
     # -- reading ---------------------------------------------------------------------------------------------
     def _segments(self, counts: RowCounts, released: Released, dtype: torch.dtype, sink_tokens: int,
@@ -222,3 +259,6 @@ class Stream:
         for store in (self.sink, self.buffer, self.prefill, self.decode):
             if store is not None:
                 store.select_rows(index)
+        if self.channel_bits is not None:
+            self.channel_bits = self.channel_bits.index_select(0, index)
+            self.allocated_rows = [self.allocated_rows[i] for i in index.tolist()]

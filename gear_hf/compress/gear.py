@@ -35,7 +35,7 @@ def side_dtype(model_dtype: torch.dtype) -> torch.dtype:
 class ChunkSpec:
     """How one stream (keys or values) of one chunk is compressed."""
 
-    bits: int
+    bits: float  # the code width; with allocated=True the mean over channels (a multiple of 1/8)
     axis: str  # "channel": groups run along tokens; "token": groups run along channels
     group: int  # group length; 0 = one group per whole vector (KCVT)
     outlier_ratio: float  # 0 = no sparse term
@@ -44,9 +44,16 @@ class ChunkSpec:
     rotate: bool = False  # Walsh–Hadamard rotation along head_dim before compressing
     factor_bits: int = 16  # 16: factors in the side dtype; 8: int8 + a 16-bit scale per column
     range_search: bool = False  # each group's range searched for the least squared error (quant.quantize)
+    allocated: bool = False  # widths per channel (compress's channel_bits, allocation.py), stored as bit planes
 
     def __post_init__(self) -> None:
-        quant.pack_unit(self.bits)  # raises on unsupported bits
+        if self.allocated:
+            if self.axis != "channel" or self.outlier_ratio or self.rotate:
+                raise ValueError("ChunkSpec.allocated (bits per channel) needs axis='channel', no outliers and no "
+                                 f"rotation; got axis={self.axis!r}, outlier_ratio={self.outlier_ratio}, "
+                                 f"rotate={self.rotate}")
+        else:
+            quant.pack_unit(self.bits)  # raises on unsupported bits
         if self.factor_bits not in FACTOR_BITS:
             raise ValueError(f"ChunkSpec.factor_bits={self.factor_bits!r}; allowed: 8 or 16")
 
@@ -64,7 +71,9 @@ class ChunkSpec:
 class CompressedChunk:
     """One compressed chunk, shapes for x [B,H,n,d] (P(m): bytes of m packed codes, quant.packed_length):
 
-    codes           uint8 packed: [B,H,P(n),d] (axis="channel") or [B,H,n,P(d)] (axis="token")
+    codes           uint8 packed: [B,H,P(n),d] (axis="channel") or [B,H,n,P(d)] (axis="token");
+                    widths per channel: [B,H,n/8,S] bit planes (quant.pack_planes, S = the widths' sum)
+    channel_bits    uint8 [B,H,1,d]: each channel's width (allocated specs), else [B,H,0,d]
     scale/minimum   [B,H,n/g,d] or [B,H,n,ceil(d/g)], side dtype
     sparse_values   [B,H,k,d] or [B,H,n,k], side dtype; sparse_index same shape (uint8/int16/int32)
     lowrank_a       [B,H,n,r];  lowrank_b [B,H,d,r]: side dtype, or int8 with factor_bits=8
@@ -73,6 +82,7 @@ class CompressedChunk:
     """
 
     codes: torch.Tensor
+    channel_bits: torch.Tensor
     scale: torch.Tensor
     minimum: torch.Tensor
     sparse_values: torch.Tensor
@@ -179,8 +189,9 @@ def _factor(t: torch.Tensor, scale: torch.Tensor, chunks: int) -> torch.Tensor:
 
 
 def compress(x: torch.Tensor, spec: ChunkSpec, valid: torch.Tensor | None = None,
-             quantize_pack=None) -> CompressedChunk:
+             quantize_pack=None, channel_bits: torch.Tensor | None = None) -> CompressedChunk:
     """Compress x [B,H,n,d]. valid [B,n] bool marks real tokens; padding takes no part in any statistic.
+    channel_bits: uint8 [B,H,d], each channel's width (1..8), for an allocated spec (allocation.py) and only then.
 
     quantize_pack: optional accelerated (x, bits, axis, group, exclude, stats_dtype) -> (packed codes, scale,
     minimum) that must equal quant.quantize + pack_codes bit for bit (gear_hf.kernels.quantize_pack on CUDA).
@@ -194,9 +205,13 @@ def compress(x: torch.Tensor, spec: ChunkSpec, valid: torch.Tensor | None = None
     if valid is not None:
         padding = ~valid[:, None, :, None]
         exclude = padding.expand(x.shape) if exclude is None else exclude | padding
+    if spec.allocated != (channel_bits is not None):
+        raise ValueError("channel_bits are given for a spec with bits allocated per channel (allocated=True), and "
+                         f"only then: allocated={spec.allocated}, channel_bits given: {channel_bits is not None}")
+    bits = spec.bits if channel_bits is None else channel_bits.unsqueeze(2)  # [B,H,1,d]
     packed = None
-    if quantize_pack is None or spec.range_search:  # the accelerated quantizer takes min/max
-        codes, scale, minimum = quant.quantize(work, spec.bits, spec.axis, group, exclude=exclude, stats_dtype=store,
+    if quantize_pack is None or spec.range_search or spec.allocated:  # the accelerated quantizer: min/max, one width
+        codes, scale, minimum = quant.quantize(work, bits, spec.axis, group, exclude=exclude, stats_dtype=store,
                                                range_search=spec.range_search)
     else:
         packed, scale, minimum = quantize_pack(work, spec.bits, spec.axis, group, exclude, store)
@@ -212,7 +227,9 @@ def compress(x: torch.Tensor, spec: ChunkSpec, valid: torch.Tensor | None = None
             spec.bits, model_dtype, store)
         sparse_values = torch.where(slot_used, sparse_values, torch.zeros_like(sparse_values))
         _set_entry_codes(codes, index, slot_used, entry_code, quantized_code, spec.pack_dim)
-    if packed is None or index.numel():  # outlier entries got their own codes: pack again
+    if spec.allocated:
+        packed = quant.pack_planes(codes, bits)
+    elif packed is None or index.numel():  # outlier entries got their own codes: pack again
         padded = _padded_to_unit(codes, spec.bits) if spec.axis == "token" else codes
         packed = quant.pack_codes(padded, spec.bits, spec.pack_dim)
     empty_scale = x.new_zeros(B, H, 0, spec.rank, dtype=store)
@@ -238,6 +255,7 @@ def compress(x: torch.Tensor, spec: ChunkSpec, valid: torch.Tensor | None = None
         lowrank_a, lowrank_b = x.new_zeros(B, H, n, 0, dtype=store), x.new_zeros(B, H, d, 0, dtype=store)
     return CompressedChunk(
         codes=packed,
+        channel_bits=bits if channel_bits is not None else x.new_zeros(B, H, 0, d, dtype=torch.uint8),
         scale=scale,
         minimum=minimum,
         sparse_values=sparse_values,
@@ -260,7 +278,10 @@ def decompress(chunk: CompressedChunk, spec: ChunkSpec, n: int, d: int, out_dtyp
     out: an optional [B,H,chunks*n,d] tensor (e.g. a slice of the attention's key buffer) written in place
     and returned; otherwise a new tensor in out_dtype.
     """
-    codes = quant.unpack_codes(chunk.codes, spec.bits, spec.pack_dim)[..., :d]
+    if spec.allocated:
+        codes = quant.unpack_planes(chunk.codes, chunk.channel_bits)
+    else:
+        codes = quant.unpack_codes(chunk.codes, spec.bits, spec.pack_dim)[..., :d]
     # float32 `out` is written directly, else accumulate in float32 and round once at the end
     direct = out is not None and out.dtype == torch.float32 and not spec.rotate
     x = quant.dequantize(codes, chunk.scale, chunk.minimum, spec.axis, spec.group_for(n, d), d, torch.float32,

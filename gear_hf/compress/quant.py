@@ -8,6 +8,7 @@ Codes are packed in units (`pack_unit`): along tokens for axis="channel" (a grou
 along channels for axis="token". 2/4/8 bits: 8/bits codes per byte, low bits first. 3 bits: 8 codes in 3
 bytes, a 2-bit plane (two bytes, as 2-bit packing) followed by a 1-bit plane (one byte: the high bit of code j
 at bit j).
+Codes of per-channel widths (`pack_planes`, keys with bits allocated per channel): bit planes of 8 tokens.
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ BITS = (2, 3, 4, 8)
 
 def levels(bits: int) -> int:
     return (1 << bits) - 1
+
+
+def top_code(bits) -> int | torch.Tensor:
+    """The highest code: an int for one width, a float32 tensor for per-channel widths (a uint8 tensor)."""
+    return levels(bits) if isinstance(bits, int) else (1 << bits.to(torch.int32)).sub_(1).float()
 
 
 def pack_unit(bits: int) -> tuple[int, int]:
@@ -114,6 +120,43 @@ def unpack_codes(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
 
+PLANE_TOKENS = 8  # per-channel widths are packed as bit planes of this many tokens (one byte per plane)
+MAX_CHANNEL_BITS = 8
+
+
+def _plane_mask(bits: torch.Tensor) -> torch.Tensor:
+    """[..., d, 8] bool: plane j of channel c is stored when j < bits[..., c]."""
+    return torch.arange(MAX_CHANNEL_BITS, device=bits.device) < bits.unsqueeze(-1)
+
+
+def pack_planes(codes: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """Codes [B,H,n,d] of per-channel widths bits [B,H,C,d] (C chunks of n/C tokens, widths 1..8 with the same
+    sum S over d for every (B, H, C)) -> [B,H,n/8,S] uint8.
+
+    Per 8 tokens, channel c takes bits[c] bytes (its planes, low first: bit t of plane j = bit j of token t's code),
+    channels in order: n*S/8 bytes hold exactly the codes' bits."""
+    B, H, n, d = codes.shape
+    C = bits.shape[2]
+    units = codes.view(B, H, C, n // C // PLANE_TOKENS, PLANE_TOKENS, d)  # [B,H,C,U,8 tokens,d]
+    token_bit = torch.arange(PLANE_TOKENS, dtype=torch.uint8, device=codes.device).view(-1, 1)
+    planes = torch.stack([((units >> j) & 1).mul_(1 << token_bit).sum(dim=4, dtype=torch.uint8)
+                          for j in range(MAX_CHANNEL_BITS)], dim=-1)  # [B,H,C,U,d,8 planes]
+    kept = planes[_plane_mask(bits)[:, :, :, None].expand(planes.shape)]
+    return kept.view(B, H, n // PLANE_TOKENS, -1)
+
+
+def unpack_planes(packed: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """Inverse of `pack_planes`: [B,H,n/8,S] with bits [B,H,C,d] -> uint8 codes [B,H,n,d]."""
+    B, H, units, _ = packed.shape
+    C, d = bits.shape[2], bits.shape[3]
+    mask = _plane_mask(bits)[:, :, :, None].expand(B, H, C, units // C, d, MAX_CHANNEL_BITS)
+    planes = packed.new_zeros(mask.shape).masked_scatter_(mask, packed)  # [B,H,C,U,d,8 planes]
+    weight = (1 << torch.arange(MAX_CHANNEL_BITS, dtype=torch.uint8, device=packed.device))
+    codes = torch.stack([((planes >> t) & 1).mul_(weight).sum(dim=-1, dtype=torch.uint8)
+                         for t in range(PLANE_TOKENS)], dim=4)  # [B,H,C,U,8 tokens,d]
+    return codes.view(B, H, units * PLANE_TOKENS, d)
+
+
 def _spread_bytes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Codes packed along the last dim -> uint8 codes [..., L * 8/bits], by spreading each byte's bit fields over
     the bytes of a wider integer (code j -> byte j, little-endian): a few whole-tensor integer ops, where
@@ -148,9 +191,9 @@ def _next_toward(t: torch.Tensor, direction: float) -> torch.Tensor:
     return torch.nextafter(t, torch.full_like(t, direction))
 
 
-def _stored_stats(lo: torch.Tensor, hi: torch.Tensor, top: int, stats_dtype: torch.dtype):
+def _stored_stats(lo: torch.Tensor, hi: torch.Tensor, top, stats_dtype: torch.dtype):
     """(minimum, scale) in stats_dtype for groups spanning [lo, hi] (float32), such that
-    minimum <= lo and minimum + top * scale >= hi in float32 (top: the highest code).
+    minimum <= lo and minimum + top * scale >= hi in float32 (top: the highest code, `top_code`).
 
     Why: rounded to nearest, a stored minimum above lo or a scale rounded down would clamp the group's
     extremes to code 0 / `top`, up to ~1 step away at 8 bits in bf16; with the range covered, every entry
@@ -161,18 +204,18 @@ def _stored_stats(lo: torch.Tensor, hi: torch.Tensor, top: int, stats_dtype: tor
     m = minimum.float()
     # divide by a tensor on hi's device: CUDA turns division by a Python scalar into a multiplication by its
     # reciprocal (not correctly rounded), the kernels divide with IEEE rounding (div_rn), as the CPU does
-    scale = ((hi - m) / hi.new_tensor(float(top))).to(stats_dtype)
+    scale = ((hi - m) / (top if isinstance(top, torch.Tensor) else hi.new_tensor(float(top)))).to(stats_dtype)
     short = m + top * scale.float() < hi  # two roundings, no FMA: the kernel checks the same way
     scale = torch.where(short, _next_toward(scale, float("inf")), scale)
     return minimum, scale
 
 
 def _group_error(xg: torch.Tensor, eg: torch.Tensor, member: int, minimum: torch.Tensor, scale: torch.Tensor,
-                 top: int) -> torch.Tensor:
+                 top) -> torch.Tensor:
     """Squared quantization error of each group (excluded entries not counted) with these stored stats."""
     m, s = minimum.float().unsqueeze(member), scale.float().unsqueeze(member)
     safe = torch.where(s > 0, s, torch.ones_like(s))
-    approx = torch.round((xg - m) / safe).clamp_(0, top) * s + m
+    approx = _clamp_codes(torch.round((xg - m) / safe), top, member) * s + m
     return (approx - xg).square_().masked_fill_(eg, 0.0).sum(dim=member)
 
 
@@ -183,7 +226,7 @@ RANGE_SEARCH_SHRINKS = (0.0, 0.03, 0.06, 0.1, 0.14, 0.19, 0.25, 0.32)
 
 
 def _searched_stats(xg: torch.Tensor, eg: torch.Tensor, member: int, lo: torch.Tensor, hi: torch.Tensor,
-                    top: int, stats_dtype: torch.dtype):
+                    top, stats_dtype: torch.dtype):
     """(minimum, scale) of the candidate range with the least squared error of each group: [lo, hi] with each
     end moved inward by a fraction of RANGE_SEARCH_SHRINKS (entries beyond a clipped end take the end code).
     Plain min/max is a candidate and wins ties, so no group's error exceeds min/max's (as stored)."""
@@ -203,9 +246,17 @@ def _searched_stats(xg: torch.Tensor, eg: torch.Tensor, member: int, lo: torch.T
     return best_min, best_scale
 
 
-def quantize(x: torch.Tensor, bits: int, axis: str, group: int, exclude: torch.Tensor | None = None,
+def _clamp_codes(codes: torch.Tensor, top, member: int) -> torch.Tensor:
+    """codes (grouped, float) clamped to [0, top] in place; a per-channel top [B,H,1,d] broadcasts over the groups."""
+    if isinstance(top, int):
+        return codes.clamp_(0, top)
+    return torch.minimum(codes.clamp_(min=0), top.unsqueeze(member), out=codes)
+
+
+def quantize(x: torch.Tensor, bits, axis: str, group: int, exclude: torch.Tensor | None = None,
              stats_dtype: torch.dtype | None = None, range_search: bool = False):
     """Quantize x [B,H,n,d]; entries where `exclude` is True take no part in min/max (outliers, padding).
+    bits: one width, or per-channel widths (uint8 [B,H,1,d], axis="channel" only: `pack_planes` stores them).
 
     Returns (codes uint8 unpacked [B,H,n,d], scale, minimum) with scale/minimum in `stats_dtype`
     (default x.dtype). Codes are computed against the *stored* scale and minimum, so dequantizing is exact
@@ -232,16 +283,19 @@ def quantize(x: torch.Tensor, bits: int, axis: str, group: int, exclude: torch.T
     empty = torch.isinf(lo)  # every entry excluded: the group carries nothing
     lo = torch.where(empty, torch.zeros_like(lo), lo)
     hi = torch.where(empty, torch.zeros_like(hi), hi)
+    if not isinstance(bits, int) and axis != "channel":
+        raise ValueError(f"per-channel bit widths need axis='channel', got axis={axis!r}")
+    top = top_code(bits)
     if range_search:
         eg = torch.zeros_like(xg, dtype=torch.bool) if eg is None else eg
-        minimum, scale = _searched_stats(xg, eg, member, lo, hi, levels(bits), stats_dtype)
+        minimum, scale = _searched_stats(xg, eg, member, lo, hi, top, stats_dtype)
     else:
-        minimum, scale = _stored_stats(lo, hi, levels(bits), stats_dtype)
+        minimum, scale = _stored_stats(lo, hi, top, stats_dtype)
     safe_scale = torch.where(scale.float() > 0, scale.float(), torch.ones_like(lo))
     codes = torch.sub(xg, minimum.float().unsqueeze(member), out=buffer)  # [B,H,n/g,g,d] / [B,H,n,G,g] float32
     # (xg promoted to float32 inside the subtraction: no float32 copy of x)
     codes = codes.div_(safe_scale.unsqueeze(member)).round_()
-    codes = codes.clamp_(0, levels(bits)).to(torch.uint8).reshape(*x.shape[:2], n, -1)
+    codes = _clamp_codes(codes, top, member).to(torch.uint8).reshape(*x.shape[:2], n, -1)
     return codes[..., :d], scale, minimum  # padded channels (a short last value group) are not codes
 
 

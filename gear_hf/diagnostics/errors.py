@@ -40,7 +40,8 @@ def layer_errors(captures: list[LayerCapture], config: GearConfig, decode_tokens
             k = cap.key[:, :, start:start + length]
             if not config.pre_rope:
                 k = apply_rotary(k, cap.cos[:, start:start + length], cap.sin[:, start:start + length])
-            cache.store_and_read(i, k, cap.value[:, :, start:start + length])
+            cache.store_and_read(i, k, cap.value[:, :, start:start + length],
+                                 query=cap.query[:, :, start:start + length])
     rows = []
     for i, cap in enumerate(captures):
         keys, values = cache.held(i, cap.value.dtype)  # what the cache holds after the last step (its flush done)
@@ -91,7 +92,8 @@ def head_errors(captures: list[LayerCapture], config: GearConfig, prompt_len: in
             k = cap.key[:, :, start:end]
             if not config.pre_rope:
                 k = apply_rotary(k, cap.cos[:, start:end], cap.sin[:, start:end])
-            keys, values = cache.store_and_read(i, k, cap.value[:, :, start:end])  # what attention gets
+            keys, values = cache.store_and_read(i, k, cap.value[:, :, start:end],  # what attention gets
+                                                query=cap.query[:, :, start:end])
             if config.pre_rope:
                 keys = apply_rotary(keys, cos, sin)
             if step == len(steps) - 1:

@@ -114,6 +114,9 @@ def _fused_storage_reason(config) -> str | None:
     """Storage options that the fused decode kernel does not read; the torch path does."""
     from .views import MAX_FUSED_RANK  # no triton import
 
+    if config.key_bit_allocation != "uniform":
+        return (f"key_bit_allocation={config.key_bit_allocation!r} (a width per key channel, stored as bit planes): "
+                "the fused kernel reads one width per stream")
     if config.uses_lowrank and max(config.rank_prefill, config.rank_decode) > MAX_FUSED_RANK:
         return (f"rank_prefill={config.rank_prefill}/rank_decode={config.rank_decode}: the fused kernel reads "
                 f"low-rank factors of rank <= {MAX_FUSED_RANK}")

@@ -1,0 +1,63 @@
+"""Key bits allocated per channel, where the queries make a key channel's quantization error costly.
+
+A key's quantization error e moves an attention logit by q·e. RoPE rotates each channel pair (i, i + d/2) by an
+angle that changes with the distance, so over positions a pair's share of the squared logit error averages to
+½|q_pair|²|e_pair|²: channel c costs its pair's query energy w_c times its own squared error. A b-bit uniform code
+over a group spanning r errs by ∝ (r / (2^b - 1))², so one more bit for channel c is worth
+w_c r_c² (1/(2^b - 1)² - 1/(2^(b+1) - 1)²); each head's budget of mean_bits·d bits goes to the largest such gains
+(greedy, which is optimal here: a channel's gains fall with every bit it gets). Every channel keeps 1 to 8 bits.
+
+Why: measured on SmolLM2 captures (T=1028, attention-output error averaged over the layers, keys per channel in
+groups of 128 tokens, values exact), 3 bits per channel allocated this way err by 0.114 where 3 bits everywhere err
+by 0.174 and 4 bits by 0.076; 3.5 bits allocated: 0.073. Query energy matters: the same budget spent by key ranges
+alone errs by 0.146 (3 bits) and 0.102 (3.5 bits).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .quant import MAX_CHANNEL_BITS
+
+MIN_CHANNEL_BITS = 1
+
+
+def query_pair_energy(query: torch.Tensor, kv_heads: int, valid: torch.Tensor) -> torch.Tensor:
+    """Per key channel, the summed squared query of its RoPE pair: query [B,Hq,q,d] (before or after RoPE: a pair's
+    energy is the same), valid [B,q] bool (real tokens) -> [B,Hkv,d] float64, summed over the valid tokens and over
+    the query heads that share each key head (each channel of a pair gets the pair's mean)."""
+    B, Hq, q, d = query.shape
+    energy = query.double().square().mul_(valid[:, None, :, None])  # [B,Hq,q,d]
+    energy = energy.sum(dim=2).view(B, kv_heads, Hq // kv_heads, d).sum(dim=2)  # [B,Hkv,d]
+    half = d // 2
+    pair = (energy[..., :half] + energy[..., half:]) / 2
+    return torch.cat([pair, pair], dim=-1)
+
+
+def allocate_channel_bits(weight: torch.Tensor, x: torch.Tensor, group: int, mean_bits: float) -> torch.Tensor:
+    """Bits for each key channel of each row and head: weight [B,H,d] (query energy, >= 0), x [B,H,n,d] the keys
+    whose group ranges set the errors (groups of `group` tokens) -> uint8 [B,H,d] in [1, 8], summing to
+    mean_bits·d over every row and head (which must be a whole number)."""
+    B, H, n, d = x.shape
+    total = mean_bits * d
+    if total != int(total) or not MIN_CHANNEL_BITS <= mean_bits <= MAX_CHANNEL_BITS:
+        raise ValueError(f"cannot allocate a mean of {mean_bits} bits over {d} channels: the mean must lie in "
+                         f"[{MIN_CHANNEL_BITS}, {MAX_CHANNEL_BITS}] and times {d} be a whole number of bits")
+    grouped = x.view(B, H, n // group, group, d).double()
+    spread = (grouped.amax(dim=3) - grouped.amin(dim=3)).square_().mean(dim=2)  # [B,H,d] mean squared group range
+    steps = torch.arange(MIN_CHANNEL_BITS, MAX_CHANNEL_BITS, dtype=torch.float64, device=x.device)  # b -> b+1
+    error_drop = (2.0 ** steps - 1).pow(-2) - (2.0 ** (steps + 1) - 1).pow(-2)  # [7]
+    gains = (weight.double() * spread).unsqueeze(-1) * error_drop  # [B,H,d,7]
+    extra = int(total) - MIN_CHANNEL_BITS * d
+    # stable: equal gains (e.g. a channel no query reads) are taken in channel order, so the choice is reproducible
+    order = gains.flatten(2).sort(dim=-1, descending=True, stable=True).indices[..., :extra]  # [B,H,extra]
+    chosen = torch.zeros(B, H, d * len(steps), dtype=torch.uint8, device=x.device).scatter_(-1, order, 1)
+    return chosen.view(B, H, d, len(steps)).sum(dim=-1, dtype=torch.uint8).add_(MIN_CHANNEL_BITS)
+
+
+def even_channel_bits(batch: int, heads: int, d: int, mean_bits: float, device=None) -> torch.Tensor:
+    """An allocation with the same total as `allocate_channel_bits` and no data (sizing probes): [B,H,d] uint8."""
+    total = int(mean_bits * d)
+    bits = torch.full((d,), total // d, dtype=torch.uint8, device=device)
+    bits[: total % d] += 1
+    return bits.expand(batch, heads, d).clone()
