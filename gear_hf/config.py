@@ -113,7 +113,7 @@ class GearConfig:
 
     # defaults: RECOMMENDED[DEFAULT_RECOMMENDED] (checked by tests/test_side_info.py); presets: PAPER_FIELDS
     method: str = "kivi"
-    key_bits: int = 4
+    key_bits: int | float = 4  # a float only as the mean of allocated widths (key_bit_allocation="query")
     value_bits: int = 2
     group_size: int = 128
     rank_prefill: int = 4
@@ -139,6 +139,8 @@ class GearConfig:
             _fail("method", self.method, " | ".join(METHODS))
         if self.key_bit_allocation not in KEY_BIT_ALLOCATIONS:
             _fail("key_bit_allocation", self.key_bit_allocation, " | ".join(KEY_BIT_ALLOCATIONS))
+        if isinstance(self.key_bits, float) and self.key_bits.is_integer():
+            object.__setattr__(self, "key_bits", int(self.key_bits))  # 4.0 is 4 (lm-eval may pass floats)
         for name in ("key_bits", "value_bits"):
             value = getattr(self, name)
             if name == "key_bits" and self.key_bit_allocation == "query":

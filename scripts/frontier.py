@@ -148,6 +148,12 @@ def grid(kind: str) -> dict:
                          **short_buffer)]
     for key_bits, value_bits in ((3, 2), (3, 3), (4, 3)):
         points += [point("kivi", key_bits, value_bits, rotation="values", range_search="values", **short_buffer)]
+    # round 8: the same without the value range search (compress-time cost: see README), values per token or
+    # per channel
+    for key_bits, value_bits in ((3.5, 3), (3.5, 2)):
+        points += [point("kivi", key_bits, value_bits, rotation="values", allocate=True, sink=4, key_group=128,
+                         prompt_group=256)]
+    points += [point("kivi", 3.5, 3, rotation="values", allocate=True, **short_buffer)]
     if kind == "quick":
         keep = {"kivi-2", "kivi-4", "gear-2", "gear-4", "kivi-k4v2", "kivi-k4v2-rv", "kivi-k3v2-rv", "kivi-3-rv",
                 "kivi-2-rv", "kivi-2-rv-gk128", "kivi-k3v2-rv-gk128", "gear-2-f8"}

@@ -239,6 +239,12 @@ STORAGE = [
     # the prompt chunk in longer token groups than the decode chunks (prompt_group_size)
     ("kivi", 3, dict(value_axis="channel", rotation="both", prompt_group_size=32, sink=4)),
     ("gear", 4, dict(prompt_group_size=64, factor_bits=8, dtype=torch.float16)),
+    # key widths allocated per channel (bit planes): halves with different bit totals, both runs, low rank, windows
+    ("kivi", 2, dict(key_bits=3.5, key_bit_allocation="query", rotation="values", sink=4, q_len=4)),
+    ("kivi", 3, dict(key_bits=2.5, key_bit_allocation="query", value_axis="channel", prompt_group_size=32,
+                     dtype=torch.bfloat16)),
+    ("gear-l", 4, dict(key_bits=3.125, key_bit_allocation="query", factor_bits=8, d=128, window=37,
+                       dtype=torch.float16)),
 ]
 
 

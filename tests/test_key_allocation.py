@@ -40,6 +40,22 @@ def test_bit_planes_round_trip_exactly(chunks):
     assert torch.equal(quant.unpack_planes(packed, bits), codes)
 
 
+def test_unused_chunk_slots_do_not_shift_the_others():
+    """A row with fewer decode chunks than another has zero widths in its unused slots: reading every slot at once
+    must still find each used chunk's planes where they are."""
+    B, C, per, d = 2, 3, 16, 8
+    bits = torch.stack([_widths(B, H, d, 3.0, seed=c) for c in range(C)], dim=2)  # [B,H,C,d]
+    codes = torch.minimum(torch.randint(0, 256, (B, H, C, per, d)), (1 << bits.long()[:, :, :, None]) - 1)
+    codes = codes.to(torch.uint8).view(B, H, C * per, d)
+    packed = quant.pack_planes(codes, bits)
+    bits[0, :, 1] = 0  # row 0 never filled chunk slot 1 (its bytes: leftovers)
+    packed.view(B, H, C, per // 8, -1)[0, :, 1] = 255
+    got = quant.unpack_planes(packed, bits).view(B, H, C, per, d)
+    want = codes.view(B, H, C, per, d)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0, :, [0, 2]], want[0, :, [0, 2]])
+    assert not got[0, :, 1].any()
+
+
 def _greedy_one_bit_at_a_time(weight, spread, mean):
     """An independent allocation: start every channel at 1 bit, give the next bit where it removes most error."""
     d = weight.numel()
@@ -206,6 +222,23 @@ def test_padded_batch_stores_what_the_row_stores_alone():
         assert torch.equal(b.decode.fields[name][0, :, : t.shape[2]], t[0]), name
 
 
+def test_rows_with_different_chunk_counts_read_as_alone():
+    """Row 1 flushes a decode chunk that row 0 does not have yet (row 0's slot keeps zero widths, before row 1's
+    chunk in storage order): the batch reads each row as that row alone."""
+    config = _config()
+    K, V, Q = _stream(54, 2)
+    mask = torch.ones(2, 54, dtype=torch.long)
+    mask[1, :4] = 0  # row 1: 32 prompt tokens + 4 buffered, so it flushes 4 steps before row 0
+    batch = _cache(config)
+    keys, values = _feed(batch, K, V, Q, 40, mask)
+    assert batch.decode_chunks == [0, 1]
+    for row, pad in ((0, 0), (1, 4)):
+        alone = _cache(config)
+        keys_alone, values_alone = _feed(alone, *(t[row:row + 1, :, pad:] for t in (K, V, Q)), 40 - pad)
+        torch.testing.assert_close(keys[row, :, pad:], keys_alone[0], rtol=0, atol=1e-6)
+        torch.testing.assert_close(values[row, :, pad:], values_alone[0], rtol=0, atol=1e-6)
+
+
 def test_rows_follow_a_reorder():
     config = _config()
     K, V, Q = _stream(40, 2)
@@ -241,9 +274,8 @@ def test_fractional_key_bits_need_the_allocation():
         gear_hf.GearConfig(key_bits=3.5)
 
 
-def test_the_fused_kernel_says_why_it_does_not_read_allocated_keys():
-    reason = fused_supported(_config(buffer_size=64, group_size=64), 64, 1)
-    assert reason is not None and "key_bit_allocation='query'" in reason
+def test_the_fused_kernel_reads_allocated_keys():  # (numerics: tests/test_kernels_decode.py under the interpreter)
+    assert fused_supported(_config(buffer_size=64, group_size=64), 64, 1) is None
 
 
 def test_generate_with_allocated_keys_on_a_padded_batch():
@@ -263,3 +295,13 @@ def test_generate_with_allocated_keys_on_a_padded_batch():
         assert (bits.long().sum(-1) == int(3.5 * bits.shape[-1])).all() and layer.query_energy is None
     assert torch.equal(batch[0][1, 5:], alone[0][0])
     torch.testing.assert_close(batch[1][1], alone[1][0], rtol=0, atol=1e-4)
+
+
+def test_lm_eval_args_take_a_mean_key_width():
+    from gear_hf.lm_eval.args import parse_gear_args
+
+    config = parse_gear_args({"preset": "kivi", "key_bits": "3.5", "value_bits": 3, "rotation": "values",
+                              "key_bit_allocation": "query"})
+    assert config.key_bits == 3.5 and config.key_bit_allocation == "query"
+    assert parse_gear_args({"preset": "kivi", "key_bits": 4.0}).key_bits == 4  # a whole float is the int
+    assert isinstance(parse_gear_args({"preset": "kivi", "key_bits": 4.0}).key_bits, int)

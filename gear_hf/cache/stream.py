@@ -240,7 +240,8 @@ class Stream:
             if store is None or not store.fields or not live:
                 return None
             fields = {name: store.fields[name] for name in ChunkRunView.FIELDS}
-            return ChunkRunView(**fields, spec=store.spec, chunk_len=store.chunk_len)
+            widths = store.fields["channel_bits"] if store.spec.allocated else None
+            return ChunkRunView(**fields, spec=store.spec, chunk_len=store.chunk_len, channel_bits=widths)
 
         return StreamView(buffer=self.buffer.data, sink=self.sink.data if sink_tokens else None,
                           prompt=run(self.prefill, prompt), decode=run(self.decode, decode_chunks > 0))

@@ -124,9 +124,16 @@ PLANE_TOKENS = 8  # per-channel widths are packed as bit planes of this many tok
 MAX_CHANNEL_BITS = 8
 
 
-def _plane_mask(bits: torch.Tensor) -> torch.Tensor:
-    """[..., d, 8] bool: plane j of channel c is stored when j < bits[..., c]."""
-    return torch.arange(MAX_CHANNEL_BITS, device=bits.device) < bits.unsqueeze(-1)
+def _plane_bytes(bits: torch.Tensor, row_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each (channel c, plane j) lives in an 8-token unit of `row_bytes` bytes, for widths bits [B,H,C,d]:
+    (byte index [B,H,C,1,d*8] long, kept [B,H,C,1,d*8] bool: j < bits[c]). Channel c's planes start at the sum of
+    the widths before it. Unused chunk slots (widths 0) keep nothing."""
+    widths = bits.long()
+    start = widths.cumsum(-1) - widths  # [B,H,C,d]
+    plane = torch.arange(MAX_CHANNEL_BITS, device=bits.device)
+    index = (start.unsqueeze(-1) + plane).flatten(-2).unsqueeze(3)  # [B,H,C,1,d*8]
+    kept = (plane < widths.unsqueeze(-1)).flatten(-2).unsqueeze(3)
+    return index.clamp_(max=max(row_bytes - 1, 0)), kept
 
 
 def pack_planes(codes: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
@@ -137,20 +144,25 @@ def pack_planes(codes: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     channels in order: n*S/8 bytes hold exactly the codes' bits."""
     B, H, n, d = codes.shape
     C = bits.shape[2]
+    row_bytes = int(bits[0, 0, 0].long().sum()) if bits.numel() else 0
     units = codes.view(B, H, C, n // C // PLANE_TOKENS, PLANE_TOKENS, d)  # [B,H,C,U,8 tokens,d]
     token_bit = torch.arange(PLANE_TOKENS, dtype=torch.uint8, device=codes.device).view(-1, 1)
     planes = torch.stack([((units >> j) & 1).mul_(1 << token_bit).sum(dim=4, dtype=torch.uint8)
-                          for j in range(MAX_CHANNEL_BITS)], dim=-1)  # [B,H,C,U,d,8 planes]
-    kept = planes[_plane_mask(bits)[:, :, :, None].expand(planes.shape)]
-    return kept.view(B, H, n // PLANE_TOKENS, -1)
+                          for j in range(MAX_CHANNEL_BITS)], dim=-1).flatten(-2)  # [B,H,C,U,d*8 planes]
+    index, kept = _plane_bytes(bits, row_bytes)
+    index = torch.where(kept, index, row_bytes).expand(planes.shape)  # dropped planes go to a spare last byte
+    out = planes.new_zeros(*planes.shape[:4], row_bytes + 1).scatter_(-1, index, planes)
+    return out[..., :row_bytes].reshape(B, H, n // PLANE_TOKENS, row_bytes)
 
 
 def unpack_planes(packed: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """Inverse of `pack_planes`: [B,H,n/8,S] with bits [B,H,C,d] -> uint8 codes [B,H,n,d]."""
-    B, H, units, _ = packed.shape
+    B, H, units, row_bytes = packed.shape
     C, d = bits.shape[2], bits.shape[3]
-    mask = _plane_mask(bits)[:, :, :, None].expand(B, H, C, units // C, d, MAX_CHANNEL_BITS)
-    planes = packed.new_zeros(mask.shape).masked_scatter_(mask, packed)  # [B,H,C,U,d,8 planes]
+    rows = packed.view(B, H, C, units // C, row_bytes)
+    index, kept = _plane_bytes(bits, row_bytes)
+    planes = rows.gather(-1, index.expand(B, H, C, units // C, -1)).mul_(kept)  # [B,H,C,U,d*8]
+    planes = planes.view(B, H, C, units // C, d, MAX_CHANNEL_BITS)
     weight = (1 << torch.arange(MAX_CHANNEL_BITS, dtype=torch.uint8, device=packed.device))
     codes = torch.stack([((planes >> t) & 1).mul_(weight).sum(dim=-1, dtype=torch.uint8)
                          for t in range(PLANE_TOKENS)], dim=4)  # [B,H,C,U,8 tokens,d]

@@ -103,7 +103,10 @@ def fused_supported(config, head_dim: int, query_len: int, *, rotary_dim: int | 
         block = config.buffer_size & -config.buffer_size  # largest power of two dividing n_b
         if block < 16:
             return f"buffer_size={config.buffer_size} is not a multiple of 16 (kernel tiles are 16 tokens at least)"
-        for bits, group in ((config.key_bits, config.key_group), (config.value_bits, config.value_group)):
+        streams = [(config.value_bits, config.value_group)]
+        if config.key_bit_allocation == "uniform":  # (allocated widths: 8-token bit planes, checked by the config)
+            streams.append((config.key_bits, config.key_group))
+        for bits, group in streams:
             unit = pack_unit(bits)[0]
             if group % unit and not config.coarse_groups:
                 return f"group size {group} is not a multiple of the {unit} codes of a {bits}-bit packing unit"
@@ -114,9 +117,6 @@ def _fused_storage_reason(config) -> str | None:
     """Storage options that the fused decode kernel does not read; the torch path does."""
     from .views import MAX_FUSED_RANK  # no triton import
 
-    if config.key_bit_allocation != "uniform":
-        return (f"key_bit_allocation={config.key_bit_allocation!r} (a width per key channel, stored as bit planes): "
-                "the fused kernel reads one width per stream")
     if config.uses_lowrank and max(config.rank_prefill, config.rank_decode) > MAX_FUSED_RANK:
         return (f"rank_prefill={config.rank_prefill}/rank_decode={config.rank_decode}: the fused kernel reads "
                 f"low-rank factors of rank <= {MAX_FUSED_RANK}")

@@ -212,11 +212,14 @@ def planned_launches(quick: bool = False):
         ("gear4 fp16 d64 G7 q4", dict(method="gear", bits=4, dtype=torch.float16, d=64, group=7, q=4, sink=0)),
         ("kivi2 fp32 d128 G1 q1", dict(method="kivi", bits=2, dtype=torch.float32, d=128, group=1, q=1, sink=0)),
         ("fp16 bf16 d128 G4 q1", dict(method="fp16", bits=4, dtype=torch.bfloat16, d=128, group=4, q=1, sink=0)),
+        ("kivi k3.5v3 allocated bf16 d128 G4 q1", dict(method="kivi", bits=3, dtype=torch.bfloat16, d=128, group=4, q=1,
+                                                      sink=4, key_bits=3.5, key_bit_allocation="query")),
     ]
     if quick:
         decode_cases = decode_cases[:1]
     for label, c in decode_cases:
-        cfg = GearConfig.preset(c["method"], bits=c["bits"], sink_tokens=c["sink"])
+        extra = {k: c[k] for k in ("key_bits", "key_bit_allocation") if k in c}
+        cfg = GearConfig.preset(c["method"], bits=c["bits"], sink_tokens=c["sink"], **extra)
         cache, _, _ = build_cache(cfg, batch=2, kv_heads=2, head_dim=c["d"], steps=[150, 70, c["q"]], dtype=c["dtype"])
         q = torch.zeros(2, 2 * c["group"], c["q"], c["d"], dtype=c["dtype"])
         plan = []

@@ -39,8 +39,8 @@ strides that grow with the storage) are not specialized on, so the kernel compil
 Operands of tl.dot are cast to the model dtype (fp16/bf16: tensor cores) or stay float32 (`ieee`); under the
 CPU interpreter bf16 is upcast to float32 (the interpreter computes bf16 dots wrong). Everything else is
 float32. Supported: keys axis="channel", values axis="token" (the defaults) or "channel" (read like keys; without
-value outliers), pre_rope=True, every bit width, rotation, int8 factors and group size, except key outliers of
-rotated keys; the other combinations use the torch path (see gear_hf.kernels.fused_supported).
+value outliers), pre_rope=True, every bit width (and key widths allocated per channel, read from their bit planes),
+rotation, int8 factors and group size, except key outliers of rotated keys; the other combinations use the torch path (see gear_hf.kernels.fused_supported).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..compress.quant import pack_unit
+from ..compress.quant import MAX_CHANNEL_BITS, PLANE_TOKENS, pack_unit
 from . import interpreting
 from .views import (MAX_FUSED_RANK, OUTLIER_TILE, ChunkRunView, DecodeLayout, StreamView, key_outlier_count,
                     prepare_derived)
@@ -176,18 +176,41 @@ def _load_rows(p, mask, C: tl.constexpr):
 
 
 @triton.jit
+def _plane_codes(codes_b, s_codes, widths_b, slot0, slot_end, ch0, BN: tl.constexpr, C: tl.constexpr):
+    """Codes of per-channel widths (quant.pack_planes: per 8 tokens, channel c's bit planes at byte offset
+    sum(widths[:c]), plane j holding bit j of the 8 tokens' codes) of channels [ch0, ch0 + C) (ch0: 0, or C for the
+    second half of a head) at store slots slot0 + arange(BN): int32 [BN, C]. widths_b: this chunk's widths [D]."""
+    c = tl.arange(0, C)
+    widths = tl.load(widths_b + ch0 + c).to(tl.int32)
+    before = tl.sum(tl.load(widths_b + c, mask=c < ch0, other=0).to(tl.int32), axis=0)  # the first half's bits
+    offset = before + tl.cumsum(widths, axis=0) - widths
+    units = slot0 // 8 + tl.arange(0, BN // 8)
+    row = codes_b + units[:, None] * s_codes + offset[None, :]
+    live = (units * 8 < slot_end)[:, None]
+    code = tl.zeros([BN // 8, C, 8], tl.int32)
+    for j in tl.static_range(8):
+        p = tl.load(row + j, mask=live & (j < widths)[None, :], other=0).to(tl.int32)
+        code += _join8(p & 1, (p >> 1) & 1, (p >> 2) & 1, (p >> 3) & 1, (p >> 4) & 1, (p >> 5) & 1, (p >> 6) & 1,
+                       (p >> 7) & 1) << j
+    return tl.reshape(tl.permute(code, (0, 2, 1)), [BN, C])
+
+
+@triton.jit
 def _per_channel_tile(codes_b, scale_b, min_b, s_codes, s_scale, slot, slot0, slot_end, tvalid, ch, ch0, a, bt,
-                      BITS: tl.constexpr, UNIT: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr,
-                      STATS_ROW: tl.constexpr, DT: tl.constexpr):
+                      widths_b, BITS: tl.constexpr, UNIT: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr,
+                      STATS_ROW: tl.constexpr, DT: tl.constexpr, PLANES: tl.constexpr):
     """A run stored per channel over token groups (axis="channel": keys, a half of head_dim at a time; values with
     value_axis="channel", all channels) at store slots `slot` [BN] (slot0 + arange, valid below slot_end) and
     channels `ch` [C] (from ch0): D̂ + A·Bᵀ in float32 [BN, C] (a: the block's `_lowrank_a`, bt: the chunk's
     `_lowrank_bt` of these channels; R=0: no low-rank term).
-    STATS_ROW: the block lies inside one quantization group (starting at slot0): one row of scale/minimum."""
+    STATS_ROW: the block lies inside one quantization group (starting at slot0): one row of scale/minimum.
+    PLANES: widths per channel (widths_b: the chunk's), stored as bit planes; s_codes: bytes per 8 tokens."""
     m2 = tvalid[:, None]
     BN: tl.constexpr = slot.shape[0]
     C: tl.constexpr = ch.shape[0]
-    if BITS != 3:  # 32-bit words of 4 channels' bytes (UNIT tokens each): [BN/UNIT, C/4, 4, UNIT] -> [BN, C]
+    if PLANES:
+        code = _plane_codes(codes_b, s_codes, widths_b, slot0, slot_end, ch0, BN, C)
+    elif BITS != 3:  # 32-bit words of 4 channels' bytes (UNIT tokens each): [BN/UNIT, C/4, 4, UNIT] -> [BN, C]
         units = slot0 // UNIT + tl.arange(0, BN // UNIT)
         rows = (codes_b + units[:, None] * s_codes).to(tl.pointer_type(tl.int32))
         w = tl.load(rows + (ch0 // 4 + tl.arange(0, C // 4))[None, :], mask=(units * UNIT < slot_end)[:, None],
@@ -372,22 +395,23 @@ def _unrotate_halves(x1, x2, had_ptr, D: tl.constexpr, DT: tl.constexpr):
 def _compressed_block(
     q1, q2, q_rows, t, slot, slot0, slot_end, tvalid, tok0, pos_b, freq_ptr, freq, q_scale, limit, mvalid,
     window, m_i, l_i, acc,
-    kc, ks, km, ka, s_kc, s_ks, s_ka, ow, ov, ot, n_tiles, seg, t_base,
+    kc, ks, km, ka, s_kc, s_ks, s_ka, ow, ov, ot, n_tiles, seg, t_base, kw,
     vc, vs, vm, vsv, vsi, va, s_vc, s_vs, s_vsp, s_va, kbt1, kbt2, vbt, had_ptr,
     D: tl.constexpr, HALF: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr, ROT_K: tl.constexpr,
     K_BITS: tl.constexpr, K_UNIT: tl.constexpr, K_GROUP: tl.constexpr, K_R: tl.constexpr, K_SPARSE: tl.constexpr,
-    K_STATS_ROW: tl.constexpr,
+    K_STATS_ROW: tl.constexpr, K_PLANES: tl.constexpr,
     V_BITS: tl.constexpr, V_UNIT: tl.constexpr, V_GROUP: tl.constexpr, V_R: tl.constexpr, V_K2: tl.constexpr,
     V_BY_CHANNEL: tl.constexpr, V_STATS_ROW: tl.constexpr,
 ):
-    """One block of compressed tokens; kbt1/kbt2/vbt: the chunk's `_lowrank_bt` (key halves, values).
+    """One block of compressed tokens; kbt1/kbt2/vbt: the chunk's `_lowrank_bt` (key halves, values); kw: the chunk's
+    key widths (K_PLANES: widths per channel, kc's rows are s_kc bytes per 8 tokens).
     V_BY_CHANNEL: values stored per channel over token groups (value_axis="channel", no outliers): read like keys."""
     h_offs = tl.arange(0, HALF)
     ka16 = _lowrank_a(ka, s_ka, slot, tvalid, K_R, DT) if K_R > 0 else 0  # shared by both halves
-    k1 = _per_channel_tile(kc, ks, km, s_kc, s_ks, slot, slot0, slot_end, tvalid, h_offs, 0, ka16, kbt1,
-                           K_BITS, K_UNIT, K_GROUP, K_R, K_STATS_ROW, DT)
+    k1 = _per_channel_tile(kc, ks, km, s_kc, s_ks, slot, slot0, slot_end, tvalid, h_offs, 0, ka16, kbt1, kw,
+                           K_BITS, K_UNIT, K_GROUP, K_R, K_STATS_ROW, DT, K_PLANES)
     k2 = _per_channel_tile(kc, ks, km, s_kc, s_ks, slot, slot0, slot_end, tvalid, h_offs + HALF, HALF, ka16, kbt2,
-                           K_BITS, K_UNIT, K_GROUP, K_R, K_STATS_ROW, DT)
+                           kw, K_BITS, K_UNIT, K_GROUP, K_R, K_STATS_ROW, DT, K_PLANES)
     if ROT_K:  # stored keys are k·H (Walsh–Hadamard): un-rotate before RoPE, k·H·H = k
         k1, k2 = _unrotate_halves(k1, k2, had_ptr, D, DT)
     pos = tl.load(pos_b + t, mask=tvalid, other=0)
@@ -397,8 +421,8 @@ def _compressed_block(
         s = _key_outlier_scores(s, q_rows, mvalid, ow, ov, ot, n_tiles, seg, tok0, t_base, pos_b, freq_ptr,
                                 q_scale, D, HALF, BN, OUTLIERS_PER_STEP, DT == tl.float32, FAST)
     if V_BY_CHANNEL:  # codes packed along tokens, a row of statistics per token group: the keys' layout
-        v = _per_channel_tile(vc, vs, vm, s_vc, s_vs, slot, slot0, slot_end, tvalid, tl.arange(0, D), 0, 0, 0,
-                              V_BITS, V_UNIT, V_GROUP, 0, V_STATS_ROW, DT)
+        v = _per_channel_tile(vc, vs, vm, s_vc, s_vs, slot, slot0, slot_end, tvalid, tl.arange(0, D), 0, 0, 0, 0,
+                              V_BITS, V_UNIT, V_GROUP, 0, V_STATS_ROW, DT, False)
     else:
         v = _value_tile(vc, vs, vm, vsv, vsi, s_vc, s_vs, s_vsp, slot, tvalid, D, V_BITS, V_UNIT, V_GROUP, V_K2,
                         s_vs)
@@ -447,7 +471,7 @@ _MAIN_DYNAMIC = ["sqb", "sqh", "sqq", "spos", "window", "s_sink_h", "s_buf_h",
                  "s_pvc", "s_pvs", "s_pvsp", "s_pva", "s_pvb",
                  "s_dkc", "s_dks", "s_dka", "s_dkb", "d_seg", "s_dow", "s_dot", "s_pow", "s_pot",
                  "s_dvc", "s_dvs", "s_dvsp", "s_dva", "s_dvb", "H_KV", "M_TILES", "NSPLIT",
-                 "s_pkas", "s_pvas", "s_dkas", "s_dvas"]
+                 "s_pkas", "s_pvas", "s_dkas", "s_dvas", "s_pkw", "s_dkw"]
 
 
 @triton.jit(do_not_specialize=_MAIN_DYNAMIC)
@@ -457,9 +481,11 @@ def _decode_attention_kernel(
     # prompt chunk: keys (codes, scale, min, A, B) + sorted outliers (where, value, tile offsets), values
     pkc, pks, pkm, pka, pkb, s_pkc, s_pks, s_pka, s_pkb, pow_, pov, pot, s_pow, s_pot, p_tiles, p_seg,
     pkas, pkbs, s_pkas,  # int8 factors: per-column scales of A and B (unused with 16-bit factors)
+    pkw, s_pkw,  # key widths per channel [B,H,chunks,D] (P_K_PLANES), else a placeholder
     pvc, pvs, pvm, pvsv, pvsi, pva, pvb, s_pvc, s_pvs, s_pvsp, s_pva, s_pvb, pvas, pvbs, s_pvas,
     # decode chunks
     dkc, dks, dkm, dka, dkb, s_dkc, s_dks, s_dka, s_dkb, dow, dov, dot_, s_dow, s_dot, d_seg, dkas, dkbs, s_dkas,
+    dkw, s_dkw,
     dvc, dvs, dvm, dvsv, dvsi, dva, dvb, s_dvc, s_dvs, s_dvsp, s_dva, s_dvb, dvas, dvbs, s_dvas,
     had_ptr,  # [D/2, D/2] Sylvester matrix in the dot dtype (rotated storage), else a placeholder
     acc_ptr, ml_ptr, H_KV, M_TILES, NSPLIT,
@@ -467,11 +493,13 @@ def _decode_attention_kernel(
     BN: tl.constexpr, NB: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr, HAS_SINK: tl.constexpr,
     ROT_K: tl.constexpr, ROT_V: tl.constexpr,
     P_K_BITS: tl.constexpr, P_K_UNIT: tl.constexpr, P_K_GROUP: tl.constexpr, P_K_R: tl.constexpr,
-    P_K_SPARSE: tl.constexpr, P_K_STATS_ROW: tl.constexpr, P_V_BITS: tl.constexpr, P_V_UNIT: tl.constexpr,
+    P_K_SPARSE: tl.constexpr, P_K_STATS_ROW: tl.constexpr, P_K_PLANES: tl.constexpr, P_K_ROW: tl.constexpr,
+    P_V_BITS: tl.constexpr, P_V_UNIT: tl.constexpr,
     P_V_GROUP: tl.constexpr, P_V_R: tl.constexpr, P_V_K2: tl.constexpr, P_V_CODES_W: tl.constexpr,
     P_V_STATS_W: tl.constexpr, P_V_BY_CHANNEL: tl.constexpr, P_V_STATS_ROW: tl.constexpr,
     D_K_BITS: tl.constexpr, D_K_UNIT: tl.constexpr, D_K_GROUP: tl.constexpr, D_K_R: tl.constexpr,
-    D_K_SPARSE: tl.constexpr, D_K_STATS_ROW: tl.constexpr, D_V_BITS: tl.constexpr, D_V_UNIT: tl.constexpr,
+    D_K_SPARSE: tl.constexpr, D_K_STATS_ROW: tl.constexpr, D_K_PLANES: tl.constexpr, D_K_ROW: tl.constexpr,
+    D_V_BITS: tl.constexpr, D_V_UNIT: tl.constexpr,
     D_V_GROUP: tl.constexpr, D_V_R: tl.constexpr, D_V_K2: tl.constexpr, D_V_CODES_W: tl.constexpr,
     D_V_STATS_W: tl.constexpr, D_V_BY_CHANNEL: tl.constexpr, D_V_STATS_ROW: tl.constexpr,
 ):
@@ -553,13 +581,13 @@ def _decode_attention_kernel(
             m_i, l_i, acc = _compressed_block(
                 q1, q2, q_rows, t, slot, slot0, p_len, tvalid, slot0, pos_b, freq_ptr, freq, q_scale, limit,
                 mvalid, window, m_i, l_i, acc,
-                pkc + bh64 * s_pkc, pks + bh64 * s_pks, pkm + bh64 * s_pks, pka + bh64 * s_pka, D, D, P_K_R,
-                pow_ + bh64 * s_pow, pov + bh64 * s_pow, pot + bh64 * s_pot, p_tiles, 0, s_len,
+                pkc + bh64 * s_pkc, pks + bh64 * s_pks, pkm + bh64 * s_pks, pka + bh64 * s_pka, P_K_ROW, D, P_K_R,
+                pow_ + bh64 * s_pow, pov + bh64 * s_pow, pot + bh64 * s_pot, p_tiles, 0, s_len, pkw + bh64 * s_pkw,
                 pvc + bh64 * s_pvc, pvs + bh64 * s_pvs, pvm + bh64 * s_pvs, pvsv + bh64 * s_pvsp,
                 pvsi + bh64 * s_pvsp, pva + bh64 * s_pva, P_V_CODES_W, P_V_STATS_W, P_V_K2, P_V_R,
                 pkbt1, pkbt2, pvbt, had_ptr,
                 D, HALF, BN, DT, FAST, ROT_K, P_K_BITS, P_K_UNIT, P_K_GROUP, P_K_R, P_K_SPARSE, P_K_STATS_ROW,
-                P_V_BITS, P_V_UNIT, P_V_GROUP, P_V_R, P_V_K2, P_V_BY_CHANNEL, P_V_STATS_ROW)
+                P_K_PLANES, P_V_BITS, P_V_UNIT, P_V_GROUP, P_V_R, P_V_K2, P_V_BY_CHANNEL, P_V_STATS_ROW)
 
     if D_K_BITS > 0:
         # chunk by chunk: each chunk's Bᵀ (keys: two halves, values) is loaded once for its NB/BN blocks
@@ -589,13 +617,13 @@ def _decode_attention_kernel(
                 m_i, l_i, acc = _compressed_block(
                     q1, q2, q_rows, t, slot, slot0, c_cnt * NB, tvalid, slot0 - chunk * NB, pos_b, freq_ptr,
                     freq, q_scale, limit, mvalid, window, m_i, l_i, acc,
-                    dkc + bh64 * s_dkc, dks + bh64 * s_dks, dkm + bh64 * s_dks, dka + bh64 * s_dka, D, D, D_K_R,
-                    dow + bh64 * s_dow, dov + bh64 * s_dow, dot_ + bh64 * s_dot + chunk * (NB // 16 + 1), NB // 16,
-                    chunk * d_seg, s_len + p_len + chunk * NB,
+                    dkc + bh64 * s_dkc, dks + bh64 * s_dks, dkm + bh64 * s_dks, dka + bh64 * s_dka, D_K_ROW, D,
+                    D_K_R, dow + bh64 * s_dow, dov + bh64 * s_dow, dot_ + bh64 * s_dot + chunk * (NB // 16 + 1),
+                    NB // 16, chunk * d_seg, s_len + p_len + chunk * NB, dkw + bh64 * s_dkw + chunk * D,
                     dvc + bh64 * s_dvc, dvs + bh64 * s_dvs, dvm + bh64 * s_dvs, dvsv + bh64 * s_dvsp,
                     dvsi + bh64 * s_dvsp, dva + bh64 * s_dva, D_V_CODES_W, D_V_STATS_W, D_V_K2, D_V_R,
                     dkbt1, dkbt2, dvbt, had_ptr, D, HALF, BN, DT, FAST, ROT_K, D_K_BITS, D_K_UNIT, D_K_GROUP,
-                    D_K_R, D_K_SPARSE, D_K_STATS_ROW, D_V_BITS, D_V_UNIT, D_V_GROUP, D_V_R, D_V_K2,
+                    D_K_R, D_K_SPARSE, D_K_STATS_ROW, D_K_PLANES, D_V_BITS, D_V_UNIT, D_V_GROUP, D_V_R, D_V_K2,
                     D_V_BY_CHANNEL, D_V_STATS_ROW)
 
     for blk in range(tl.maximum(lo, e3), hi):
@@ -680,7 +708,7 @@ def _rank(run: ChunkRunView, prefix: str) -> int:
     return r
 
 
-_NO_KEYS = {"BITS": 0, "UNIT": 1, "GROUP": 1, "R": 0, "SPARSE": False, "STATS_ROW": False}
+_NO_KEYS = {"BITS": 0, "UNIT": 1, "GROUP": 1, "R": 0, "SPARSE": False, "STATS_ROW": False, "PLANES": False, "ROW": 1}
 _NO_VALUES = {"BITS": 0, "UNIT": 1, "GROUP": 1, "R": 0, "K2": 0, "CODES_W": 1, "STATS_W": 1, "BY_CHANNEL": False,
               "STATS_ROW": False}
 
@@ -727,14 +755,17 @@ def _token_grouped_constexprs(run: ChunkRunView, head_dim: int, prefix: str, blo
     row of statistics per group (STATS_ROW: once per block when a group spans whole blocks)."""
     spec = run.spec
     group = spec.group_for(run.chunk_len, head_dim)
-    unit = pack_unit(spec.bits)[0]
+    unit = PLANE_TOKENS if spec.allocated else pack_unit(spec.bits)[0]
     if run.chunk_len % unit or group % unit:
         raise NotImplementedError(f"fused kernel: chunk of {run.chunk_len} tokens / group {group} does not align "
                                   f"with packing units of {unit} codes")
-    if spec.bits != 3:
+    if spec.bits != 3 and not spec.allocated:
         _check_words(run.codes, f"{prefix}.codes")
     _check_words(run.scale, f"{prefix}.scale"), _check_words(run.minimum, f"{prefix}.minimum")
-    return {"BITS": spec.bits, "UNIT": unit, "GROUP": group, "STATS_ROW": group % block_n == 0}
+    # widths per channel: BITS only marks the run present (the widths are read per chunk), ROW: bytes per 8 tokens
+    return {"BITS": MAX_CHANNEL_BITS if spec.allocated else spec.bits, "UNIT": unit, "GROUP": group,
+            "STATS_ROW": group % block_n == 0, "PLANES": spec.allocated,
+            "ROW": run.codes.shape[-1] if spec.allocated else head_dim}
 
 
 def _value_run_args(run: ChunkRunView | None, chunks_used: int, dummy: torch.Tensor, head_dim: int, prefix: str,
@@ -760,6 +791,14 @@ def _value_run_args(run: ChunkRunView | None, chunks_used: int, dummy: torch.Ten
                       "BY_CHANNEL": False, "STATS_ROW": False}
     strides = [f[n].stride(1) for n in ("codes", "scale", "sparse_values", "lowrank_a", "lowrank_b")]
     return [f[n] for n in names], strides, {f"{prefix}_{k}": v for k, v in constexprs.items()}
+
+
+def _key_widths_args(run: ChunkRunView | None, dummy: torch.Tensor, prefix: str) -> list:
+    """[widths per channel (uint8 [B,H,chunks,D]), their head stride] of an allocated key run, else placeholders."""
+    if run is None or not run.spec.allocated:
+        return [dummy, 0]
+    widths = _check(run.channel_bits, f"{prefix}.channel_bits")
+    return [widths, widths.stride(1)]
 
 
 def _factor_scale_args(run: ChunkRunView | None, dummy: torch.Tensor, prefix: str) -> list:
@@ -984,8 +1023,10 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
             keys.sink if has_sink else query, values.sink if has_sink else query,
             keys.sink.stride(1) if has_sink else 0, buf_k, buf_v, buf_k.stride(1),
             *pk_ptrs[:5], *pk_strides[:4], *pk_ptrs[5:], *pk_strides[4:], *pk_fs,
+            *_key_widths_args(keys.prompt if prompt_chunks else None, query, "P_K"),
             *pv_ptrs, *pv_strides, *pv_fs,
             *dk_ptrs[:5], *dk_strides[:4], *dk_ptrs[5:], dk_strides[4], dk_strides[5], dk_strides[7], *dk_fs,
+            *_key_widths_args(keys.decode if decode_chunks else None, query, "D_K"),
             *dv_ptrs, *dv_strides, *dv_fs,
             had, acc_ws, ml_ws, Hkv, m_tiles, nsplit),
             dict(G=G, QL=QL, D=D, HALF=HALF, BN=block_n, NB=NB, DT=dot_dt, FAST=fast, HAS_SINK=has_sink,

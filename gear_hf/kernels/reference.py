@@ -88,6 +88,7 @@ def build_cache(gear_config, *, batch: int, kv_heads: int, head_dim: int, steps:
 
     pad = pad or [0] * batch
     gen = torch.Generator(device="cpu").manual_seed(seed)
+    query_gen = torch.Generator(device="cpu").manual_seed(seed + 1)
     cache = GearCache(types.SimpleNamespace(num_hidden_layers=num_layers), gear_config)
     mask = torch.zeros(batch, 0, dtype=torch.long)
     scale = torch.ones(head_dim)
@@ -104,5 +105,10 @@ def build_cache(gear_config, *, batch: int, kv_heads: int, head_dim: int, steps:
         for layer in range(num_layers):
             k = (torch.randn(batch, kv_heads, q, head_dim, generator=gen) * scale).to(dtype).to(device)
             v = torch.randn(batch, kv_heads, q, head_dim, generator=gen).to(dtype).to(device)
-            cache.store_and_read(layer, k, v, pos.to(device))
+            query = None
+            if gear_config.key_bit_allocation == "query":  # (own generator: the keys/values stay as without it)
+                # one query per KV head, stronger on the large channels, for the key widths it allocates
+                query = (torch.randn(batch, kv_heads, q, head_dim, generator=query_gen) * scale.sqrt()).to(dtype)
+                query = query.to(device)
+            cache.store_and_read(layer, k, v, pos.to(device), query=query)
     return cache, k, v

@@ -42,6 +42,7 @@ class ChunkRunView:
     spec: object  # gear_hf.compress.ChunkSpec
     chunk_len: int
     derived: dict = field(default_factory=dict)  # prepare_derived(...) output, or {} (the kernel derives it)
+    channel_bits: torch.Tensor | None = None  # uint8 [B,H,capacity,d]: key widths per channel (spec.allocated)
 
     FIELDS = ("codes", "scale", "minimum", "sparse_values", "sparse_index", "lowrank_a", "lowrank_b",
               "lowrank_a_scale", "lowrank_b_scale")

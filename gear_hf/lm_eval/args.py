@@ -95,22 +95,29 @@ def _convert(key: str, value: Any) -> Any:
             except ValueError:
                 pass
         raise _bad(key, value, "an integer")
+    if kind == "int | float":  # key_bits: a whole number, or a mean such as 3.5 (allocated key widths)
+        number = _number(key, value)
+        return int(number) if number.is_integer() else number
     if kind == "float":
-        if isinstance(value, bool):
-            raise _bad(key, value, "a number")
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value.strip())
-            except ValueError:
-                pass
-        raise _bad(key, value, "a number")
+        return _number(key, value)
     if kind == "str":
         if isinstance(value, str):
             return value.strip()
         raise _bad(key, value, "a string")
     return value
+
+
+def _number(key: str, value: Any) -> float:
+    if isinstance(value, bool):
+        raise _bad(key, value, "a number")
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value.strip())
+        except ValueError:
+            pass
+    raise _bad(key, value, "a number")
 
 
 def _unknown(key: str) -> ModelArgsError:
