@@ -40,6 +40,16 @@ def test_bit_planes_round_trip_exactly(chunks):
     assert torch.equal(quant.unpack_planes(packed, bits), codes)
 
 
+def test_bit_plane_layout():
+    """The documented layout (the kernel reads it): per 8 tokens, channel c's planes at the sum of the widths before
+    it; bit t of plane j is bit j of token t's code."""
+    codes = torch.zeros(1, 1, 8, 2, dtype=torch.uint8)
+    codes[0, 0, 3, 0] = 0b101  # channel 0 (3 bits), token 3
+    codes[0, 0, 6, 1] = 0b10  # channel 1 (2 bits), token 6
+    packed = quant.pack_planes(codes, torch.tensor([[[[3, 2]]]], dtype=torch.uint8))
+    assert packed.flatten().tolist() == [1 << 3, 0, 1 << 3, 0, 1 << 6]
+
+
 def test_unused_chunk_slots_do_not_shift_the_others():
     """A row with fewer decode chunks than another has zero widths in its unused slots: reading every slot at once
     must still find each used chunk's planes where they are."""

@@ -136,6 +136,17 @@ def _plane_bytes(bits: torch.Tensor, row_bytes: int) -> tuple[torch.Tensor, torc
     return index.clamp_(max=max(row_bytes - 1, 0)), kept
 
 
+def _transpose_bits8(words: torch.Tensor) -> torch.Tensor:
+    """Each int64 of `words` as an 8x8 bit matrix (byte r = row r, bit c = column c) transposed: bit c of byte r
+    becomes bit r of byte c. Three masked swaps (Hacker's Delight 7-3); the masks drop what an arithmetic right
+    shift of a negative word brings in."""
+    x = words.clone()
+    for shift, mask in ((7, 0x00AA00AA00AA00AA), (14, 0x0000CCCC0000CCCC), (28, 0x00000000F0F0F0F0)):
+        t = (x ^ (x >> shift)) & mask
+        x ^= t ^ (t << shift)
+    return x
+
+
 def pack_planes(codes: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """Codes [B,H,n,d] of per-channel widths bits [B,H,C,d] (C chunks of n/C tokens, widths 1..8 with the same
     sum S over d for every (B, H, C)) -> [B,H,n/8,S] uint8.
@@ -146,9 +157,8 @@ def pack_planes(codes: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     C = bits.shape[2]
     row_bytes = int(bits[0, 0, 0].long().sum()) if bits.numel() else 0
     units = codes.view(B, H, C, n // C // PLANE_TOKENS, PLANE_TOKENS, d)  # [B,H,C,U,8 tokens,d]
-    token_bit = torch.arange(PLANE_TOKENS, dtype=torch.uint8, device=codes.device).view(-1, 1)
-    planes = torch.stack([((units >> j) & 1).mul_(1 << token_bit).sum(dim=4, dtype=torch.uint8)
-                          for j in range(MAX_CHANNEL_BITS)], dim=-1).flatten(-2)  # [B,H,C,U,d*8 planes]
+    words = units.transpose(-1, -2).contiguous().view(torch.int64)  # [B,H,C,U,d,1]: byte t = token t's code
+    planes = _transpose_bits8(words).view(torch.uint8).flatten(-2)  # [B,H,C,U,d*8]: byte j = plane j
     index, kept = _plane_bytes(bits, row_bytes)
     index = torch.where(kept, index, row_bytes).expand(planes.shape)  # dropped planes go to a spare last byte
     out = planes.new_zeros(*planes.shape[:4], row_bytes + 1).scatter_(-1, index, planes)
@@ -161,12 +171,9 @@ def unpack_planes(packed: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     C, d = bits.shape[2], bits.shape[3]
     rows = packed.view(B, H, C, units // C, row_bytes)
     index, kept = _plane_bytes(bits, row_bytes)
-    planes = rows.gather(-1, index.expand(B, H, C, units // C, -1)).mul_(kept)  # [B,H,C,U,d*8]
-    planes = planes.view(B, H, C, units // C, d, MAX_CHANNEL_BITS)
-    weight = (1 << torch.arange(MAX_CHANNEL_BITS, dtype=torch.uint8, device=packed.device))
-    codes = torch.stack([((planes >> t) & 1).mul_(weight).sum(dim=-1, dtype=torch.uint8)
-                         for t in range(PLANE_TOKENS)], dim=4)  # [B,H,C,U,8 tokens,d]
-    return codes.view(B, H, units * PLANE_TOKENS, d)
+    planes = rows.gather(-1, index.expand(B, H, C, units // C, -1)).mul_(kept)  # [B,H,C,U,d*8]: byte j = plane j
+    codes = _transpose_bits8(planes.view(torch.int64)).view(torch.uint8)  # [B,H,C,U,d*8]: byte t = token t's code
+    return codes.view(B, H, C, units // C, d, PLANE_TOKENS).transpose(-1, -2).reshape(B, H, units * PLANE_TOKENS, d)
 
 
 def _spread_bytes(packed: torch.Tensor, bits: int) -> torch.Tensor:
