@@ -44,25 +44,25 @@ PAPER_FIELDS: dict[str, Any] = dict(key_bits=4, value_bits=4, group_size=64, ran
 # What the measured frontier says to pick (scripts/frontier.py; SmolLM2-135M and Qwen2.5-0.5B in bf16, head_dim 64,
 # teacher-forced next-token KL over the last 128 tokens of three GSM8K texts, T=1028 = 4 sinks + 1024; README
 # "Accuracy per byte", results/frontier_texts.md): (name, bits/element held on d=64 heads at T=1028, fields over the
-# paper's with int8 low-rank factors), cheapest first. All keep 4 attention-sink tokens exact and group keys by 128
-# tokens (values by whole tokens up to head_dim 128). Each is the measured alternative with the lowest worst KL over
-# both models and the three texts (ratio to kivi-4's; to half of kivi-2's for "small"): at 2-bit values, values
-# rotated (Walsh–Hadamard) with their ranges searched, keys unrotated (rotating keys helps SmolLM2 and hurts Qwen at
-# 2-3 bits); with 4-bit keys, keys and values rotated with min/max ranges (also the lowest mean on both models, and
-# nothing to search at compress time).
-# "compact" stores values like keys (per channel over token groups, value_axis="channel"; rotated first, ranges
-# searched) and the prompt chunk in groups of 256 tokens (prompt_group_size): statistics of 1/8 + 1/8 bit per element
-# on the prompt instead of 1/4 (keys, groups of 128) + 1/2 (values per 64-channel head), with the same 128-token
-# buffer as "balanced": at 0.22 bit less, its KL is "balanced"'s on SmolLM2 and up to 2.1x it on Qwen (all three
-# texts: 0.017-0.035, under half of kivi-2's). 256-token groups everywhere would need a 256-token buffer, which keeps
-# more recent tokens exact while KL is measured and costs 1.7 bits at T=1k half full (README "Accuracy per byte").
-_SEARCHED_VALUES = dict(rotation="values", range_search="values", group_size=128, sink_tokens=4)
+# paper's with int8 low-rank factors), cheapest first. All keep 4 attention-sink tokens exact, group keys by 128
+# tokens and rotate the values (Walsh–Hadamard). All but "small" give each key channel its own width, chosen from the
+# prompt's queries (key_bit_allocation="query", keys unrotated: measured at the same bits, it cut KL 2-4x against
+# one width for every channel, e.g. k3v3 0.0271 -> 0.0073 on SmolLM2 and 0.0140 -> 0.0048 on Qwen, text 0).
+# "compact", "balanced" and "accurate-compact" store values like keys (per channel over token groups,
+# value_axis="channel", ranges searched) and the prompt chunk in groups of 256 tokens (prompt_group_size): statistics
+# of 1/8 + 1/8 bit per element on the prompt. "accurate" (the default) keeps values per token with min/max ranges:
+# 0.17 bit more than "accurate-compact" and below kivi-4's KL on all six model/text pairs (that one: five), with
+# nothing searched at compress time (the search costs ~50x a min/max quantization of the same chunk).
+_ALLOCATED = dict(method="kivi", key_bit_allocation="query", rotation="values", group_size=128, sink_tokens=4,
+                  prompt_group_size=256)
+_COMPACT = dict(_ALLOCATED, value_axis="channel", range_search="values")
 RECOMMENDED: tuple[tuple[str, float, dict[str, Any]], ...] = (
-    ("small", 2.43, dict(method="kivi", key_bits=2, value_bits=2, **_SEARCHED_VALUES)),
-    ("compact", 2.71, dict(method="kivi", key_bits=3, value_bits=2, rotation="both", range_search="values",
-                           group_size=128, prompt_group_size=256, value_axis="channel", sink_tokens=4)),
-    ("balanced", 2.93, dict(method="kivi", key_bits=3, value_bits=2, **_SEARCHED_VALUES)),
-    ("accurate", 3.43, dict(method="kivi", key_bits=4, value_bits=2, rotation="both", group_size=128, sink_tokens=4)),
+    ("small", 2.43, dict(method="kivi", key_bits=2, value_bits=2, rotation="values", range_search="values",
+                         group_size=128, sink_tokens=4)),
+    ("compact", 2.48, dict(_COMPACT, key_bits=2.5, value_bits=2)),
+    ("balanced", 2.73, dict(_COMPACT, key_bits=3, value_bits=2)),
+    ("accurate-compact", 3.47, dict(_COMPACT, key_bits=3.5, value_bits=3)),
+    ("accurate", 3.65, dict(_ALLOCATED, key_bits=3.5, value_bits=3)),
     ("kivi-4", 4.55, dict(method="kivi", key_bits=4, value_bits=4)),
     ("gear-4", 6.10, dict(method="gear", key_bits=4, value_bits=4, factor_bits=16)),
 )
@@ -113,8 +113,8 @@ class GearConfig:
 
     # defaults: RECOMMENDED[DEFAULT_RECOMMENDED] (checked by tests/test_side_info.py); presets: PAPER_FIELDS
     method: str = "kivi"
-    key_bits: int | float = 4  # a float only as the mean of allocated widths (key_bit_allocation="query")
-    value_bits: int = 2
+    key_bits: int | float = 3.5  # a float only as the mean of allocated widths (key_bit_allocation="query")
+    value_bits: int = 3
     group_size: int = 128
     rank_prefill: int = 4
     rank_decode: int = 2
@@ -128,11 +128,11 @@ class GearConfig:
     backend: str = "auto"
     key_group_size: int | None = None
     value_group_size: int | None = None
-    rotation: str = "both"
+    rotation: str = "values"
     factor_bits: int = 8  # int8 factors moved gear-2's attention-output error by < 0.1% (README)
     range_search: str = "none"
-    prompt_group_size: int | None = None
-    key_bit_allocation: str = "uniform"
+    prompt_group_size: int | None = 256
+    key_bit_allocation: str = "query"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -151,13 +151,6 @@ class GearConfig:
             elif isinstance(value, bool) or value not in BITS:
                 _fail(name, value, "2, 3, 4 or 8" + (" (or, with key_bit_allocation='query', a mean such as 3.5)"
                                                      if name == "key_bits" else ""))
-        if self.key_bit_allocation == "query" and self.compresses:
-            for field, value, bad, allowed in (
-                    ("key_axis", self.key_axis, self.key_axis != "channel", "'channel'"),
-                    ("method", self.method, self.uses_outliers, "a method without outliers (kivi, kcvt, gear-l)"),
-                    ("rotation", self.rotation, self.rotation in ("keys", "both"), "'none' or 'values'")):
-                if bad:
-                    _fail(field, value, f"{allowed} with key_bit_allocation='query' (widths per key channel)")
         for name, low in (("group_size", 1), ("rank_prefill", 0), ("rank_decode", 0), ("power_iters", 1),
                           ("sink_tokens", 0), ("buffer_size", 1)):
             value = getattr(self, name)
@@ -185,6 +178,14 @@ class GearConfig:
                 _fail(name, getattr(self, name), " | ".join(AXES))
         if self.backend not in BACKENDS:
             _fail("backend", self.backend, " | ".join(BACKENDS))
+        if self.key_bit_allocation == "query" and self.compresses:
+            for field, value, bad, allowed in (
+                    ("key_axis", self.key_axis, self.key_axis != "channel", "'channel'"),
+                    ("method", self.method, self.uses_outliers, "a method without outliers (kivi, kcvt, gear-l)"),
+                    ("rotation", self.rotation, self.rotation in ("keys", "both"), "'none' or 'values'")):
+                if bad:
+                    _fail(field, value, f"{allowed} with key_bit_allocation='query' (widths per key channel; "
+                                        "key_bit_allocation='uniform' for one width)")
         if not isinstance(self.pre_rope, bool):
             _fail("pre_rope", self.pre_rope, "True or False")
         if self.uses_lowrank and max(self.rank_prefill, self.rank_decode) == 0:
@@ -197,12 +198,14 @@ class GearConfig:
         for prefix, axis, group, bits in (("key", self.key_axis, self.key_group, self.key_bits),
                                           ("value", self.value_axis, self.value_group, self.value_bits)):
             unit = _code_unit(vars(self), prefix)
+            planes = prefix == "key" and self.key_bit_allocation == "query"
+            packing = (f"stored as bit planes of {unit} tokens" if planes
+                       else f"{unit} codes of {bits} bits fill whole bytes")
             if axis == "channel" and self.compresses and not self.coarse_groups:
                 for name, group in ((self._group_field(prefix), group),
                                     ("prompt_group_size", self.prompt_group_size or group)):
                     if group % unit:
-                        _fail(name, group, f"a multiple of {unit} ({prefix}s are grouped along tokens and "
-                                           f"{unit} codes of {bits} bits fill whole bytes)")
+                        _fail(name, group, f"a multiple of {unit} ({prefix}s are grouped along tokens and {packing})")
         if self.buffer_size % self.chunk_granule:
             if self.buffer_size == _DEFAULT_BUFFER:  # blame what the user wrote, not a default
                 for prefix, axis, group in (("key", self.key_axis, self.key_group),

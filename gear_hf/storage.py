@@ -85,9 +85,9 @@ class _Backend:
 # Fields of a CompressedChunk, in storage order.
 FIELDS = ("codes", "channel_bits", "scale", "minimum", "sparse_values", "sparse_index", "lowrank_a", "lowrank_b",
           "lowrank_a_scale", "lowrank_b_scale")
-COMPONENT_OF = {"codes": "codes", "channel_bits": "scales", "scale": "scales", "minimum": "scales", "sparse_values": "sparse_values",
-                "sparse_index": "sparse_indices", "lowrank_a": "lowrank", "lowrank_b": "lowrank",
-                "lowrank_a_scale": "lowrank", "lowrank_b_scale": "lowrank"}
+COMPONENT_OF = {"codes": "codes", "channel_bits": "scales", "scale": "scales", "minimum": "scales",
+                "sparse_values": "sparse_values", "sparse_index": "sparse_indices", "lowrank_a": "lowrank",
+                "lowrank_b": "lowrank", "lowrank_a_scale": "lowrank", "lowrank_b_scale": "lowrank"}
 
 
 class ChunkStore:

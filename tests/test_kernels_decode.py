@@ -257,16 +257,17 @@ def test_fused_reads_issue9_storage(method, bits, kw):
     _check(out, ref, dtype)
 
 
-RECOMMENDED_CASES = [("default", 64, torch.float32, [290, 100, 1]), ("default", 128, torch.bfloat16, [290, 100, 1]),
+RECOMMENDED_CASES = [("default", 64, torch.float32, [300, 170, 1]), ("default", 128, torch.bfloat16, [300, 170, 1]),
                      ("compact", 64, torch.bfloat16, [300, 170, 1])]
 
 
 @pytest.mark.parametrize("name,d,dtype,steps", RECOMMENDED_CASES,
                          ids=[f"{n}-d{d}-{str(t)[6:]}" for n, d, t, _ in RECOMMENDED_CASES])
 def test_recommended_configs_run_fused(name, d, dtype, steps):
-    """GearConfig() itself (kivi, 4-bit keys, 2-bit values, rotation of both, groups of 128, 4 sinks) and the
-    "compact" recommendation (values per channel, the prompt in 256-token groups, ranges searched): the fused kernel
-    covers them and equals the oracle (prompt chunk, a decode chunk, buffer, sinks, a padded row)."""
+    """GearConfig() itself (kivi, key widths allocated by the queries, mean 3.5 bits; 3-bit values rotated; groups
+    of 128, the prompt in 256-token groups, 4 sinks) and the "compact" recommendation (values per channel, ranges
+    searched): the fused kernel covers them and equals the oracle (prompt chunk, a decode chunk, buffer, sinks, a
+    padded row)."""
     from gear_hf.kernels import fused_supported
     from gear_hf.kernels.decode import cache_decode_attention
 

@@ -96,7 +96,7 @@ def test_fused_real_sizes(T, batch, q_len, bits):
 
 
 @pytest.mark.parametrize("label,config", [
-    ("GearConfig()", GearConfig()),  # the recommended default: kivi k4v2, rotated keys and values, key groups of 128, 4 sinks
+    ("GearConfig()", GearConfig()),  # the recommended default: kivi, keys allocated by the queries, 3-bit values
     ("gear-3 int8 factors, rotated values", GearConfig.preset("gear", bits=3, factor_bits=8, rotation="values")),
     ("gear-l-2 k32/v64 groups, rotated", GearConfig.preset("gear-l", bits=2, key_group_size=32, value_group_size=64,
                                                             rotation="both", factor_bits=8)),

@@ -153,7 +153,7 @@ def test_a_wider_channel_errs_less():
 
 def _config(**overrides):
     fields = dict(method="kivi", key_bits=3.5, value_bits=2, key_bit_allocation="query", rotation="values",
-                  group_size=8, buffer_size=16, sink_tokens=0, backend="torch")
+                  group_size=8, buffer_size=16, sink_tokens=0, backend="torch", prompt_group_size=None)
     fields.update(overrides)
     return gear_hf.GearConfig(**fields)
 
@@ -281,7 +281,7 @@ def test_config_errors_name_the_field(field, value, match):
 
 def test_fractional_key_bits_need_the_allocation():
     with pytest.raises(ValueError, match=r"key_bits=3.5 is invalid; allowed: 2, 3, 4 or 8 \(or, with "):
-        gear_hf.GearConfig(key_bits=3.5)
+        gear_hf.GearConfig(key_bits=3.5, key_bit_allocation="uniform")
 
 
 def test_the_fused_kernel_reads_allocated_keys():  # (numerics: tests/test_kernels_decode.py under the interpreter)

@@ -69,7 +69,7 @@ def test_pretrained_stays_a_string():
 @pytest.mark.parametrize("args, match", [
     ({"preset": "gearx"}, r"preset='gearx' is invalid \(did you mean 'gear'.*METHOD one of fp16 \| kivi"),
     ({"preset": "gear2"}, r"preset='gear2' is invalid \(did you mean 'gear-2', i.e. preset='gear', bits=2\)"),
-    ({"bits": 5}, r"key_bits=5 is invalid; allowed: 2, 3, 4 or 8"),
+    ({"bits": 5}, r"value_bits=5 is invalid; allowed: 2, 3, 4 or 8"),  # (5: a valid mean key width)
     ({"bits": "two"}, r"bits='two' is invalid; allowed: an integer"),
     ({"bits": True}, r"bits=True is invalid; allowed: an integer"),
     ({"outlier_ratio": "abc"}, r"outlier_ratio='abc' is invalid; allowed: a number"),

@@ -169,6 +169,7 @@ def test_rotated_pre_rope_keys_come_back_in_the_original_basis():
     """With rotation on, the cache hands the attention keys (before RoPE) and values in the original basis,
     over prompt chunk, decode chunks and buffer (RoPE is then applied to them by the attention)."""
     config = gear_hf.GearConfig(method="kivi", key_bits=8, value_bits=8, group_size=16, buffer_size=16,
+                                key_bit_allocation="uniform", prompt_group_size=None,
                                 rotation="both", sink_tokens=0)
     cache = GearCache(types.SimpleNamespace(num_hidden_layers=1), config)
     k, v = _x(n=70), _x(n=70, seed=1)
@@ -182,6 +183,7 @@ def test_rotated_pre_rope_keys_come_back_in_the_original_basis():
 
 def test_separate_key_and_value_group_sizes():
     config = gear_hf.GearConfig(method="kivi", key_bits=3, value_bits=2, key_group_size=32, value_group_size=64,
+                                key_bit_allocation="uniform", prompt_group_size=None,
                                 buffer_size=32, sink_tokens=0)
     assert (config.key_group, config.value_group, config.chunk_granule) == (32, 64, 32)
     cache = GearCache(types.SimpleNamespace(num_hidden_layers=1), config)
@@ -222,9 +224,13 @@ def test_recommended_follows_the_measured_frontier():
         config = gear_hf.GearConfig.recommended(name=name)
         assert all(getattr(config, k) == v for k, v in fields.items())
     assert gear_hf.GearConfig.recommended(3.0) == gear_hf.GearConfig.recommended(name="balanced")
-    compact = gear_hf.GearConfig.recommended(2.75)  # values per channel; the prompt chunk alone in 256-token groups
+    compact = gear_hf.GearConfig.recommended(2.5)  # values per channel; the prompt chunk alone in 256-token groups
     assert (compact.value_axis, compact.key_group, compact.value_group, compact.prompt_group_size,
-            compact.buffer_size) == ("channel", 128, 128, 256, 128)
+            compact.buffer_size, compact.key_bits, compact.key_bit_allocation) == \
+        ("channel", 128, 128, 256, 128, 2.5, "query")
+    default = gear_hf.GearConfig()  # keys allocated by the queries, values per token, nothing searched
+    assert (default.key_bits, default.value_bits, default.value_axis, default.range_search, default.rotation) == \
+        (3.5, 3, "token", "none", "values")
     with pytest.raises(ValueError, match="bits_per_element=1.5"):
         gear_hf.GearConfig.recommended(1.5)
     with pytest.raises(ValueError, match="tiny"):
@@ -241,6 +247,7 @@ def test_range_search_reaches_the_streams_it_names(which):
     from gear_hf.cache.layer import stream_specs
 
     config = gear_hf.GearConfig(method="kivi", key_bits=2, value_bits=2, group_size=32, buffer_size=32,
+                                key_bit_allocation="uniform", prompt_group_size=None,
                                 sink_tokens=0, rotation="none", range_search=which)
     for stream in ("key", "value"):
         expected = which in ("both", stream + "s")

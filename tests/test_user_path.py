@@ -158,8 +158,12 @@ def test_triton_backend_without_cuda_fails_at_enable(monkeypatch):
 # -- GearConfig: errors at construction, naming what the user wrote ------------------------------------------------
 
 @pytest.mark.parametrize("kwargs,field,allowed", [
-    (dict(group_size=7, buffer_size=7, key_bits=4), "group_size=7", "multiple of 2 (keys are grouped along tokens and 2 codes of 4 bits"),
-    (dict(group_size=6, key_bits=2, buffer_size=12), "group_size=6", "multiple of 4 (keys are grouped along tokens and 4 codes of 2 bits"),
+    (dict(group_size=7, buffer_size=7, key_bits=4, key_bit_allocation="uniform"), "group_size=7",
+     "multiple of 2 (keys are grouped along tokens and 2 codes of 4 bits"),
+    (dict(group_size=6, key_bits=2, buffer_size=12, key_bit_allocation="uniform"), "group_size=6",
+     "multiple of 4 (keys are grouped along tokens and 4 codes of 2 bits"),
+    (dict(group_size=12, buffer_size=12), "group_size=12", "multiple of 8 (keys are grouped along tokens and stored "
+                                                         "as bit planes of 8 tokens"),
     (dict(group_size=48), "group_size=48", "divisor of buffer_size=128 (the default)"),
     (dict(value_axis="channel", value_group_size=256), "value_group_size=256", "divisor of buffer_size=128"),
     (dict(key_group_size=384, value_axis="channel", value_group_size=64), "key_group_size=384", "multiple of 384"),
@@ -176,7 +180,9 @@ def test_packing_constraint_follows_the_packing_unit():
 
     for bits in (2, 3, 4, 8):
         good = pack_unit(bits)[0] * 3
-        gear_hf.GearConfig(key_bits=bits, value_bits=bits, group_size=good, buffer_size=good)
+        gear_hf.GearConfig(key_bits=bits, value_bits=bits, group_size=good, buffer_size=good,
+                           key_bit_allocation="uniform")
+    gear_hf.GearConfig(group_size=24, buffer_size=24, prompt_group_size=None)  # allocated keys: 8-token bit planes
     gear_hf.GearConfig(method="fp16", group_size=7, buffer_size=7)  # fp16 packs nothing
 
 

@@ -1,8 +1,8 @@
 """What a GearCache holds between steps, in bytes: by tokens (held) and by spare capacity (reserved).
 
 Everything the cache keeps is counted: codes, scales/minimums (and allocated key widths), low-rank factors, outlier
-values and indices, the full-precision sink and buffer, and the position bookkeeping. Per-step temporaries are not kept and not
-counted. Bits per element are given as stored, and as they would be with every floating tensor in 16 bits
+values and indices, the full-precision sink and buffer, and the position bookkeeping. Per-step temporaries are not
+kept and not counted. Bits per element are given as stored, and as they would be with every floating tensor in 16 bits
 (an fp32 model's buffer is fp32: the 16-bit figure is the one to compare with an fp16/bf16 model).
 """
 

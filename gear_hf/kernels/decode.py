@@ -40,7 +40,8 @@ Operands of tl.dot are cast to the model dtype (fp16/bf16: tensor cores) or stay
 CPU interpreter bf16 is upcast to float32 (the interpreter computes bf16 dots wrong). Everything else is
 float32. Supported: keys axis="channel", values axis="token" (the defaults) or "channel" (read like keys; without
 value outliers), pre_rope=True, every bit width (and key widths allocated per channel, read from their bit planes),
-rotation, int8 factors and group size, except key outliers of rotated keys; the other combinations use the torch path (see gear_hf.kernels.fused_supported).
+rotation, int8 factors and group size, except key outliers of rotated keys; the other combinations use the torch
+path (see gear_hf.kernels.fused_supported).
 """
 
 from __future__ import annotations
@@ -745,7 +746,9 @@ def _key_run_args(run: ChunkRunView | None, chunks_used: int, dummy: torch.Tenso
     ptrs = [f["codes"], f["scale"], f["minimum"], f["lowrank_a"], f["lowrank_b"], where, value, tile]
     strides = [f["codes"].stride(1), f["scale"].stride(1), f["lowrank_a"].stride(1), f["lowrank_b"].stride(1),
                where.stride(1) if k2 else 0, tile.stride(1) if k2 else 0, tiles, k2 * head_dim]
-    constexprs = {**grouped, "R": _rank(run, prefix), "SPARSE": k2 > 0}
+    # PLANES: widths per channel, codes in bit planes of ROW bytes per 8 tokens (else ROW = head_dim bytes per row)
+    constexprs = {**grouped, "R": _rank(run, prefix), "SPARSE": k2 > 0, "PLANES": spec.allocated,
+                  "ROW": run.codes.shape[-1] if spec.allocated else head_dim}
     return ptrs, strides, {f"{prefix}_{k}": v for k, v in constexprs.items()}
 
 
@@ -762,10 +765,9 @@ def _token_grouped_constexprs(run: ChunkRunView, head_dim: int, prefix: str, blo
     if spec.bits != 3 and not spec.allocated:
         _check_words(run.codes, f"{prefix}.codes")
     _check_words(run.scale, f"{prefix}.scale"), _check_words(run.minimum, f"{prefix}.minimum")
-    # widths per channel: BITS only marks the run present (the widths are read per chunk), ROW: bytes per 8 tokens
+    # widths per channel (keys only): BITS only marks the run present (the widths are read per chunk)
     return {"BITS": MAX_CHANNEL_BITS if spec.allocated else spec.bits, "UNIT": unit, "GROUP": group,
-            "STATS_ROW": group % block_n == 0, "PLANES": spec.allocated,
-            "ROW": run.codes.shape[-1] if spec.allocated else head_dim}
+            "STATS_ROW": group % block_n == 0}
 
 
 def _value_run_args(run: ChunkRunView | None, chunks_used: int, dummy: torch.Tensor, head_dim: int, prefix: str,
