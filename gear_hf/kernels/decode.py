@@ -188,11 +188,18 @@ def _plane_codes(codes_b, s_codes, widths_b, slot0, slot_end, ch0, BN: tl.conste
     units = slot0 // 8 + tl.arange(0, BN // 8)
     row = codes_b + units[:, None] * s_codes + offset[None, :]
     live = (units * 8 < slot_end)[:, None]
-    code = tl.zeros([BN // 8, C, 8], tl.int32)
+    word = tl.zeros([BN // 8, C], tl.int64)  # byte j = plane j (absent planes: 0)
     for j in tl.static_range(8):
-        p = tl.load(row + j, mask=live & (j < widths)[None, :], other=0).to(tl.int32)
-        code += _join8(p & 1, (p >> 1) & 1, (p >> 2) & 1, (p >> 3) & 1, (p >> 4) & 1, (p >> 5) & 1, (p >> 6) & 1,
-                       (p >> 7) & 1) << j
+        word |= tl.load(row + j, mask=live & (j < widths)[None, :], other=0).to(tl.int64) << (8 * j)
+    # the 8x8 bit matrix transposed (quant._transpose_bits8): byte t = token t's code
+    t = (word ^ (word >> 7)) & 0x00AA00AA00AA00AA
+    word = word ^ t ^ (t << 7)
+    t = (word ^ (word >> 14)) & 0x0000CCCC0000CCCC
+    word = word ^ t ^ (t << 14)
+    t = (word ^ (word >> 28)) & 0x00000000F0F0F0F0
+    word = word ^ t ^ (t << 28)
+    code = _join8(word & 255, (word >> 8) & 255, (word >> 16) & 255, (word >> 24) & 255, (word >> 32) & 255,
+                  (word >> 40) & 255, (word >> 48) & 255, (word >> 56) & 255).to(tl.int32)  # [BN/8, C, 8]
     return tl.reshape(tl.permute(code, (0, 2, 1)), [BN, C])
 
 
