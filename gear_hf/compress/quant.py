@@ -92,6 +92,8 @@ def unpack_codes(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     if unit == 1:
         return packed
     dim = dim % packed.ndim
+    if bits == 3 and dim == packed.ndim - 1 and _LITTLE_ENDIAN:  # along the last dim (values per token)
+        return _unpack_3bit_last(packed)
     if bits == 3:
         units = packed.shape[dim] // 3
         grouped = packed.reshape(*packed.shape[:dim], units, 3, *packed.shape[dim + 1:])
@@ -174,6 +176,16 @@ def unpack_planes(packed: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     planes = rows.gather(-1, index.expand(B, H, C, units // C, -1)).mul_(kept)  # [B,H,C,U,d*8]: byte j = plane j
     codes = _transpose_bits8(planes.view(torch.int64)).view(torch.uint8)  # [B,H,C,U,d*8]: byte t = token t's code
     return codes.view(B, H, C, units // C, d, PLANE_TOKENS).transpose(-1, -2).reshape(B, H, units * PLANE_TOKENS, d)
+
+
+def _unpack_3bit_last(packed: torch.Tensor) -> torch.Tensor:
+    """3-bit units packed along the last dim [..., 3U] -> uint8 codes [..., 8U]: each unit's 2-bit plane spread a code
+    per byte (`_spread_bytes`), its 1-bit plane shifted out bit by bit; a few whole-tensor ops instead of field loops
+    over a short last dim (the reference path reads every value this way each step)."""
+    units = packed.view(*packed.shape[:-1], -1, 3)  # [..., U, 3]
+    low = _spread_bytes(units[..., :2], 2)  # [..., U, 8]: codes' low 2 bits
+    high = units[..., 2:].bitwise_right_shift(torch.arange(8, dtype=torch.uint8, device=packed.device))
+    return low.bitwise_or_(high.bitwise_and_(1).bitwise_left_shift_(2)).view(*packed.shape[:-1], -1)
 
 
 def _spread_bytes(packed: torch.Tensor, bits: int) -> torch.Tensor:
