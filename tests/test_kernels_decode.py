@@ -264,7 +264,7 @@ RECOMMENDED_CASES = [("default", 64, torch.float32, [300, 170, 1]), ("default", 
 @pytest.mark.parametrize("name,d,dtype,steps", RECOMMENDED_CASES,
                          ids=[f"{n}-d{d}-{str(t)[6:]}" for n, d, t, _ in RECOMMENDED_CASES])
 def test_recommended_configs_run_fused(name, d, dtype, steps):
-    """GearConfig() itself (kivi, key widths allocated by the queries, mean 3.5 bits; 3-bit values rotated; groups
+    """GearConfig() itself (kivi, key widths allocated by the queries, mean 3.125 bits; 3-bit values rotated; groups
     of 128, the prompt in 256-token groups, 4 sinks) and the "compact" recommendation (values per channel, ranges
     searched): the fused kernel covers them and equals the oracle (prompt chunk, a decode chunk, buffer, sinks, a
     padded row)."""

@@ -131,12 +131,12 @@ def test_generate_llama3_fused_equals_torch():
 
 
 def test_generate_default_config_fused_equals_torch():
-    """GearConfig()'s storage (kivi, key widths allocated by the queries with a mean of 3.5 bits, 3-bit values
+    """GearConfig()'s storage (kivi, key widths allocated by the queries with a mean of 3.125 bits, 3-bit values
     rotated, 4 sinks, the prompt in longer groups) at small groups: every decode step takes the fused path and
     generation equals the torch reference path."""
     default = GearConfig()
     assert (default.method, default.key_bits, default.value_bits, default.rotation, default.key_bit_allocation) == \
-        ("kivi", 3.5, 3, "values", "query")
+        ("kivi", 3.125, 3, "values", "query")
     _compare("llama3", 9, cfg=default.replace(group_size=16, buffer_size=16, prompt_group_size=32))
 
 

@@ -230,7 +230,7 @@ def test_recommended_follows_the_measured_frontier():
         ("channel", 128, 128, 256, 128, 2.5, "query")
     default = gear_hf.GearConfig()  # keys allocated by the queries, values per token, nothing searched
     assert (default.key_bits, default.value_bits, default.value_axis, default.range_search, default.rotation) == \
-        (3.5, 3, "token", "none", "values")
+        (3.125, 3, "token", "none", "values")
     with pytest.raises(ValueError, match="bits_per_element=1.5"):
         gear_hf.GearConfig.recommended(1.5)
     with pytest.raises(ValueError, match="tiny"):
