@@ -9,6 +9,7 @@ from transformers import LlamaConfig
 import gear_hf
 from gear_hf.cache import GearCache, _stream_specs
 from gear_hf.compress import compress, decompress
+from memory_count import tensors_reachable as _tensors_reachable
 
 H, D = 2, 32
 
@@ -102,26 +103,6 @@ def test_sink_tokens_stay_exact():
     keys, values = _feed(cache, K, V, 37)
     assert torch.equal(keys[:, :, :4], K[:, :, :4]) and torch.equal(values[:, :, :4], V[:, :, :4])
     assert cache.sink_len == [4] and cache.prefill_len == [32]
-
-
-def _tensors_reachable(obj, seen=None):
-    """Independent count: every tensor reachable from the cache's attributes (storage-deduplicated)."""
-    seen = {} if seen is None else seen
-    stack, visited = [obj], set()
-    while stack:
-        o = stack.pop()
-        if id(o) in visited:
-            continue
-        visited.add(id(o))
-        if isinstance(o, torch.Tensor):
-            seen[o.untyped_storage().data_ptr()] = o.untyped_storage().nbytes()
-        elif isinstance(o, dict):
-            stack.extend(o.values())
-        elif isinstance(o, (list, tuple)):
-            stack.extend(o)
-        elif hasattr(o, "__dict__") and not isinstance(o, type) and type(o).__module__.startswith("gear_hf"):
-            stack.extend(vars(o).values())
-    return sum(seen.values())
 
 
 @pytest.mark.parametrize("method", ["fp16", "kivi", "gear"])

@@ -207,8 +207,9 @@ def test_decode_chunks_take_the_rows_widths_and_memory_is_counted():
     for chunk in range(2):
         assert torch.equal(fields["channel_bits"][:, :, chunk], stream.channel_bits)
     report = cache.memory_report()
-    from tests.test_cache import _tensors_reachable  # the independent count of every tensor held
-    assert report["total_bytes"] == _tensors_reachable(cache)
+    from memory_count import tensors_reachable  # the independent count of every tensor held
+
+    assert report["total_bytes"] == tensors_reachable(cache)
     # keys' codes: 3.5 bits per element exactly; values' codes: 2 bits
     tokens = 2 * (32 + 2 * 16)
     assert report["codes"] == tokens * H * D * (3.5 + 2) / 8
