@@ -83,8 +83,9 @@ class GearConfig:
                    width of a key channel: a multiple of 1/8 in [1, 8] (e.g. 3.5)
     key_bit_allocation: "uniform" (every key channel key_bits wide) or "query" (beyond GEAR: each row's key
                    channels get 1-8 bits, chosen when the row's first chunk is compressed, where the queries seen
-                   so far times the key ranges make an error cost most; compress/allocation.py; the torch path
-                   reads them). Needs key_axis="channel", no outliers, keys not rotated.
+                   so far times the key ranges make an error cost most; compress/allocation.py; stored as bit
+                   planes, which the torch path and the fused kernel read). Needs key_axis="channel", no outliers,
+                   keys not rotated.
     group_size:    g, tokens per key group (per channel) and channels per value group (per token): the shorthand
                    for both of the next two
     key_group_size / value_group_size: the key group (tokens) / value group (channels) when they differ;
