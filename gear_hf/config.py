@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .compress.quant import PLANE_TOKENS, pack_unit  # codes are packed in whole units: groups hold whole units
+from .compress.quant import PLANE_TOKENS, codes_per_unit  # codes are packed in whole units: groups hold them
 
 
 METHODS = ("fp16", "kivi", "kcvt", "outlier", "gear-l", "gear")
@@ -349,9 +349,7 @@ def _token_granule(fields: dict[str, Any], key_group: int, value_group: int) -> 
 
 def _code_unit(fields: dict[str, Any], prefix: str) -> int:
     """Codes of stream `prefix` ("key"/"value") per packing unit along tokens: widths per channel take bit planes."""
-    if prefix == "key" and fields["key_bit_allocation"] == "query":
-        return PLANE_TOKENS
-    return pack_unit(fields[f"{prefix}_bits"])[0]
+    return codes_per_unit(fields[f"{prefix}_bits"], prefix == "key" and fields["key_bit_allocation"] == "query")
 _BITS_RE = re.compile(r"(?:(\d+)|k(\d+)v(\d+))")
 
 

@@ -198,7 +198,7 @@ class ChunkStore:
 
         if kernels.resolve_backend(_Backend(self.backend), x.device) != "triton":
             return None
-        if self.spec.allocated or not kernels.quantize_pack_supports(self.spec, x.shape[2], x.shape[3]):
+        if not kernels.quantize_pack_supports(self.spec, x.shape[2], x.shape[3]):
             return None  # e.g. a group the packing kernel cannot split into bytes: the torch engine handles it
         return kernels.quantize_pack
 

@@ -36,6 +36,12 @@ def pack_unit(bits: int) -> tuple[int, int]:
     return (8, 3) if bits == 3 else (8 // bits, 1)
 
 
+def codes_per_unit(bits, allocated: bool = False) -> int:
+    """Codes of one packing unit along the packed dim: `pack_unit`'s, or the 8 tokens of a bit-plane unit when the
+    widths are allocated per channel (`pack_planes`)."""
+    return PLANE_TOKENS if allocated else pack_unit(bits)[0]
+
+
 def packed_length(length: int, bits: int) -> int:
     """Bytes holding `length` codes (a multiple of the unit's code count)."""
     codes, nbytes = pack_unit(bits)

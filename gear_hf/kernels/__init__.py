@@ -95,7 +95,7 @@ def fused_supported(config, head_dim: int, query_len: int, *, rotary_dim: int | 
     if query_len > MAX_FUSED_QUERY:
         return f"{query_len} new tokens in one step (a prompt): the fused kernel is a decode kernel"
     if config.compresses:
-        from ..compress.quant import pack_unit
+        from ..compress.quant import codes_per_unit
 
         reason = _fused_storage_reason(config)
         if reason:
@@ -103,11 +103,9 @@ def fused_supported(config, head_dim: int, query_len: int, *, rotary_dim: int | 
         block = config.buffer_size & -config.buffer_size  # largest power of two dividing n_b
         if block < 16:
             return f"buffer_size={config.buffer_size} is not a multiple of 16 (kernel tiles are 16 tokens at least)"
-        streams = [(config.value_bits, config.value_group)]
-        if config.key_bit_allocation == "uniform":  # (allocated widths: 8-token bit planes, checked by the config)
-            streams.append((config.key_bits, config.key_group))
-        for bits, group in streams:
-            unit = pack_unit(bits)[0]
+        for bits, group, allocated in ((config.key_bits, config.key_group, config.key_bit_allocation == "query"),
+                                       (config.value_bits, config.value_group, False)):
+            unit = codes_per_unit(bits, allocated)
             if group % unit and not config.coarse_groups:
                 return f"group size {group} is not a multiple of the {unit} codes of a {bits}-bit packing unit"
     return None
@@ -127,10 +125,11 @@ def _fused_storage_reason(config) -> str | None:
 
 
 def quantize_pack_supports(spec, n: int, d: int) -> bool:
-    """Whether `quantize_pack` covers this ChunkSpec for a chunk x [B,H,n,d] (else the torch engine quantizes)."""
+    """Whether `quantize_pack` covers this ChunkSpec for a chunk x [B,H,n,d] (else the torch engine quantizes): one
+    width per stream (not widths allocated per channel), groups of whole packing units."""
     from ..compress.quant import pack_unit
 
-    return spec.group_for(n, d) % pack_unit(spec.bits)[0] == 0
+    return not spec.allocated and spec.group_for(n, d) % pack_unit(spec.bits)[0] == 0
 
 
 def use_fused(config, query, *, training: bool = False, output_attentions: bool = False,

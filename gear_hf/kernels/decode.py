@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..compress.quant import MAX_CHANNEL_BITS, PLANE_TOKENS, pack_unit
+from ..compress.quant import MAX_CHANNEL_BITS, codes_per_unit, pack_unit
 from . import interpreting
 from .views import (MAX_FUSED_RANK, OUTLIER_TILE, ChunkRunView, DecodeLayout, StreamView, key_outlier_count,
                     prepare_derived)
@@ -765,7 +765,7 @@ def _token_grouped_constexprs(run: ChunkRunView, head_dim: int, prefix: str, blo
     row of statistics per group (STATS_ROW: once per block when a group spans whole blocks)."""
     spec = run.spec
     group = spec.group_for(run.chunk_len, head_dim)
-    unit = PLANE_TOKENS if spec.allocated else pack_unit(spec.bits)[0]
+    unit = codes_per_unit(spec.bits, spec.allocated)
     if run.chunk_len % unit or group % unit:
         raise NotImplementedError(f"fused kernel: chunk of {run.chunk_len} tokens / group {group} does not align "
                                   f"with packing units of {unit} codes")
