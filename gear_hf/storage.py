@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import torch
 
+from . import kernels  # light: triton and numba are imported only when a kernel is fetched
 from .compress import ChunkSpec, CompressedChunk, compress, decompress
 from .compress.allocation import even_channel_bits
 
@@ -194,8 +195,6 @@ class ChunkStore:
 
     def _quantize_pack(self, x: torch.Tensor):
         """The Triton quantize+pack kernel when the backend resolves to triton for x's device, else None."""
-        from . import kernels  # light: triton itself is imported only when the kernel is fetched
-
         if kernels.resolve_backend(_Backend(self.backend), x.device) != "triton":
             return None
         if not kernels.quantize_pack_supports(self.spec, x.shape[2], x.shape[3]):
@@ -211,6 +210,13 @@ class ChunkStore:
         if run is None:  # views, kept while the fields are the same tensors (every decode step reads them)
             run = self._runs[chunks] = CompressedChunk(**{name: t[:, :, : chunks * self.extent[name]]
                                                           for name, t in self.fields.items()})
+        cpu = kernels.cpu_kernels(_Backend(self.backend), run.codes.device)
+        if cpu is not None:
+            if out is None and out_dtype == torch.float32:
+                B, H = run.codes.shape[:2]
+                out = torch.empty(B, H, chunks * self.chunk_len, self.head_dim)
+            if cpu.decompress_supported(self.spec, self.head_dim, out):
+                return cpu.decompress_into(run, self.spec, self.chunk_len, self.head_dim, chunks, out)
         return decompress(run, self.spec, self.chunk_len, self.head_dim, out_dtype, chunks=chunks, out=out)
 
     def nbytes_by_component(self) -> dict[str, int]:

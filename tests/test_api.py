@@ -81,7 +81,7 @@ def test_unsupported_model_lists_supported_types():
     ("group_size", 0, ">= 1"), ("buffer_size", 48, "multiple of 128"), ("key_group_size", 0, ">= 1"),
     ("rotation", "random", "none | keys | values | both"), ("factor_bits", 4, "16 or 8"),
     ("outlier_ratio", 1.5, "[0, 1)"), ("key_axis", "head", "channel | token"), ("rank_prefill", -1, ">= 0"),
-    ("pre_rope", "yes", "True or False"), ("backend", "cuda", "auto | torch | triton"),
+    ("pre_rope", "yes", "True or False"), ("backend", "cuda", "auto | torch | triton | numba"),
 ])
 def test_bad_config_names_field_value_and_allowed(field, value, allowed):
     with pytest.raises(ValueError) as err:

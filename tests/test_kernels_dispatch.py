@@ -37,7 +37,8 @@ def test_import_gear_hf_does_not_import_triton():
 
 def test_resolve_backend(monkeypatch):
     monkeypatch.delenv("GEAR_HF_BACKEND", raising=False)
-    assert resolve_backend(GearConfig(), torch.device("cpu")) == "torch"
+    monkeypatch.setattr("gear_hf.kernels.numba_available", lambda: False)
+    assert resolve_backend(GearConfig(), torch.device("cpu")) == "torch"  # (numba: tests/test_cpu_kernels.py)
     assert resolve_backend(GearConfig(backend="torch"), torch.device("cuda")) == "torch"
     assert resolve_backend(GearConfig(backend="triton"), torch.device("cpu")) == "triton"
     monkeypatch.setenv("GEAR_HF_BACKEND", "triton")

@@ -77,7 +77,7 @@ def test_pretrained_stays_a_string():
     ({"buffer_size": 100}, r"buffer_size=100 is invalid; allowed: a positive multiple of 128 \(the groups along"),
     ({"key_axis": "row"}, r"key_axis='row' is invalid; allowed: channel \| token"),
     ({"bits": 2, "key_bits": 4}, r"give bits, or key_bits/value_bits, not both"),
-    ({"gear_backend": "cuda"}, r"gear_backend='cuda' is invalid; allowed: auto \| torch \| triton"),
+    ({"gear_backend": "cuda"}, r"gear_backend='cuda' is invalid; allowed: auto \| torch \| triton \| numba"),
 ])
 def test_bad_values_name_key_value_and_allowed(args, match):
     with pytest.raises(ModelArgsError, match=match):

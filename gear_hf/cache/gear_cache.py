@@ -14,6 +14,7 @@ from collections import Counter
 import torch
 from transformers.cache_utils import Cache
 
+from .. import kernels  # light: triton and numba are imported only when a kernel is fetched
 from ..config import GearConfig
 from ..rope import RotaryMemo, apply_rotary
 from .layer import GearLayer
@@ -169,10 +170,20 @@ class GearCache(Cache):
             rotary = lambda: self._rotary.get(layout.steps, "slots", rotary_emb, values,  # noqa: E731
                                               lambda: layout.slot_positions(slots))
         if self.gear_config.pre_rope:
-            B, H, T, d = keys.shape
-            keys = apply_rotary(keys, *rotary(), out=workspace.get("rotated keys", keys.shape, dtype, keys.device),
-                                scratch=workspace.get("rotary scratch", (B, H, T, d // 2), dtype, keys.device))
+            keys = self._rotated(keys, *rotary())
         return keys, values, attention_mask
+
+    def _rotated(self, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """keys [B,H,T,d] rotated into the step's workspace (HF's apply_rotary_pos_emb bit for bit): one pass of
+        the CPU kernel where it applies, else `apply_rotary`."""
+        B, H, T, d = keys.shape
+        workspace = self._workspace
+        out = workspace.get("rotated keys", keys.shape, keys.dtype, keys.device)
+        cpu = kernels.cpu_kernels(self.gear_config, keys.device)
+        if cpu is not None and cpu.rotate_supported(keys, cos, out):
+            return cpu.rotate_into(keys, cos, sin, out)
+        return apply_rotary(keys, cos, sin, out=out,
+                            scratch=workspace.get("rotary scratch", (B, H, T, d // 2), keys.dtype, keys.device))
 
     def _slot_plan(self, layer: GearLayer, attention_mask: torch.Tensor | None) -> SlotPlan | None:
         """The slot layout when this step of this layer can attend in it, else None (the padded layout): a
@@ -209,7 +220,6 @@ class GearCache(Cache):
         layer = self.layers[layer_idx]
         self._finite += layer.flush(self.layout, self.layout.plan)
         if layer_idx == len(self.layers) - 1:  # the step ends: drop its temporaries, check what it compressed
-            self._rotary.clear()
             self._workspace.clear()
             self._slot_mask_memo = None
             self.layout.end_step()

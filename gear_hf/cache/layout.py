@@ -66,6 +66,8 @@ class StepPlan:
     attend: RowCounts  # what this step's attention sees: the buffer holds the step's own tokens
     sink_cols: torch.Tensor  # [B, q] long: destination in the sink store, or its scratch column
     buffer_cols: torch.Tensor  # [B, q] long: destination in the buffer, or its scratch column
+    buffer_run: int | None  # every row writes its q tokens to buffer columns [buffer_run, +q) (a plain copy), else None
+    sink_idle: bool  # no row writes to the sink this step (every token goes to the buffer)
     buffer_capacity: int  # tokens the buffer holds during the step (its scratch column is this index)
     buffer_capacity_after: int  # after the flush (a prompt step's large buffer is given back)
     flush: FlushPlan
@@ -183,9 +185,12 @@ class RowLayout:
             wanted = math.ceil(max(self.expected_length - base, 0) / self.chunk_len)
         else:
             wanted = 4
+        run = list(range(buffer_cols[0][0], buffer_cols[0][0] + q)) if buffer_cols[0][0] >= 0 else None
         plan = StepPlan(
             step=self.steps, query_len=q, rect_before=rect_before, attend=attend,
             sink_cols=torch.tensor(sink_cols, device=device, dtype=torch.long), buffer_cols=buffer_cols_t,
+            buffer_run=run[0] if run is not None and all(cols == run for cols in buffer_cols) else None,
+            sink_idle=all(col == cfg.sink_tokens for cols in sink_cols for col in cols),
             buffer_capacity=buffer_capacity, buffer_capacity_after=self.buffer_capacity, flush=flush,
             decode_reserve=max(wanted, max(after.chunks, default=0)),
         )

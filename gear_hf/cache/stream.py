@@ -63,9 +63,13 @@ class Stream:
         """This step's tokens x [B,H,q,d] into the sink and the buffer, as planned."""
         if sink_tokens:
             self.sink.reserve(x, sink_tokens)
-            self.sink.write(x, plan.sink_cols)
+            if not plan.sink_idle:
+                self.sink.write(x, plan.sink_cols)
         self.buffer.reserve(x, plan.buffer_capacity)
-        self.buffer.write(x, plan.buffer_cols)
+        if plan.buffer_run is not None:  # every row's tokens to the same columns: a plain copy, no index
+            self.buffer.data[:, :, plan.buffer_run : plan.buffer_run + x.shape[2]].copy_(x)
+        else:
+            self.buffer.write(x, plan.buffer_cols)
 
     def flush(self, plan: StepPlan, prompt_capacity: int, batch: int, released_chunks: int = 0,
               reserve_chunks: int = 0, query_energy: torch.Tensor | None = None) -> torch.Tensor | None:

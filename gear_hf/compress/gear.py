@@ -188,6 +188,19 @@ def _factor(t: torch.Tensor, scale: torch.Tensor, chunks: int) -> torch.Tensor:
     return f
 
 
+def add_lowrank(x: torch.Tensor, chunk: CompressedChunk, n: int, d: int, chunks: int = 1) -> torch.Tensor:
+    """x [B,H,C*n,d] float32 += each chunk's A Bᵀ, in place (nothing when the chunk has no low-rank term)."""
+    if chunk.lowrank_a.shape[-1]:
+        B, H = x.shape[0], x.shape[1]
+        a = _factor(chunk.lowrank_a, chunk.lowrank_a_scale, chunks)  # [B*H,C,n,r]
+        b = _factor(chunk.lowrank_b, chunk.lowrank_b_scale, chunks)  # [B*H,C,d,r]
+        if chunks == 1:  # accumulate inside the matmul: no [n, d] temporary
+            x.view(B * H, n, d).baddbmm_(a[:, 0], b[:, 0].transpose(-1, -2))
+        else:  # each chunk's own A Bᵀ
+            x.view(B * H, chunks, n, d).add_(a @ b.transpose(-1, -2))
+    return x
+
+
 def compress(x: torch.Tensor, spec: ChunkSpec, valid: torch.Tensor | None = None,
              quantize_pack=None, channel_bits: torch.Tensor | None = None) -> CompressedChunk:
     """Compress x [B,H,n,d]. valid [B,n] bool marks real tokens; padding takes no part in any statistic.
@@ -293,14 +306,7 @@ def decompress(chunk: CompressedChunk, spec: ChunkSpec, n: int, d: int, out_dtyp
             offsets = torch.arange(chunks, device=index.device).repeat_interleave(per_chunk) * n
             index = index + offsets.view(1, 1, -1, 1)
         x = outliers.scatter_add_entries(x, index, chunk.sparse_values, spec.axis)
-    if chunk.lowrank_a.shape[-1]:
-        B, H, r = x.shape[0], x.shape[1], chunk.lowrank_a.shape[-1]
-        a = _factor(chunk.lowrank_a, chunk.lowrank_a_scale, chunks)  # [B*H,C,n,r]
-        b = _factor(chunk.lowrank_b, chunk.lowrank_b_scale, chunks)  # [B*H,C,d,r]
-        if chunks == 1:  # accumulate inside the matmul: no [n, d] temporary
-            x.view(B * H, n, d).baddbmm_(a[:, 0], b[:, 0].transpose(-1, -2))
-        else:  # each chunk's own A Bᵀ
-            x.view(B * H, chunks, n, d).add_(a @ b.transpose(-1, -2))
+    add_lowrank(x, chunk, n, d, chunks)
     if spec.rotate:
         x = rotate(x)  # H is its own inverse
     if out is None:

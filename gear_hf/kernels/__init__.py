@@ -1,7 +1,7 @@
-"""Triton kernels for GEAR storage (optional accelerator; the torch code in `gear_hf.compress` and the
-reconstruct-then-attend path in `gear_hf.attention` stay the default and the oracle).
+"""Kernels for GEAR storage: Triton on GPUs, numba on CPUs (optional accelerators; the torch code in
+`gear_hf.compress` and the reconstruct-then-attend path in `gear_hf.attention` stay the oracle).
 
-Nothing here imports triton at import time: `import gear_hf` (and `import gear_hf.kernels`) stay light.
+Nothing here imports triton or numba at import time: `import gear_hf` (and `import gear_hf.kernels`) stay light.
 The kernel modules are imported on first use:
 
 * `gear_hf.kernels.quant`  - quantize + pack kernels writing exactly the `ChunkStore` layout
@@ -9,14 +9,16 @@ The kernel modules are imported on first use:
 * `gear_hf.kernels.decode` - the fused decode attention over a `GearCache` layer (`cache_decode_attention`),
   and its low-level launcher (`decode_attention`);
 * `gear_hf.kernels.reference` - the float32 torch oracle and a cache builder (tests, benchmark; no triton);
-* `gear_hf.kernels.compile_check` - compiles the kernels for sm_90/sm_80 with ptxas on a machine without a GPU.
+* `gear_hf.kernels.compile_check` - compiles the kernels for sm_90/sm_80 with ptxas on a machine without a GPU;
+* `gear_hf.kernels.cpu` - numba loops for the CPU reference path: a chunk run decompressed, keys rotated (bit for
+  bit the torch functions, one pass each).
 
 Triton without a GPU: every launch fails unless TRITON_INTERPRET=1 is set *before* the kernel modules are
 imported (triton decides at decoration time); the tests do that.
 
-Backend choice (`resolve_backend`): GearConfig.backend "torch" / "triton" force a path; "auto" (the default)
-is overridden by the environment variable GEAR_HF_BACKEND (auto|torch|triton), and otherwise picks triton
-for CUDA tensors when triton imports, else torch.
+Backend choice (`resolve_backend`): GearConfig.backend "torch" / "triton" / "numba" force a path; "auto" (the
+default) is overridden by the environment variable GEAR_HF_BACKEND (auto|torch|triton|numba), and otherwise
+picks triton for CUDA tensors when triton imports, numba for CPU tensors when numba imports, else torch.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ import importlib
 import importlib.util
 import os
 
-__all__ = ["triton_available", "interpreting", "resolve_backend", "fused_supported", "use_fused",
+from ..config import BACKENDS
+
+__all__ = ["triton_available", "numba_available", "interpreting", "resolve_backend", "cpu_kernels", "fused_supported", "use_fused",
            "quantize_pack_supports",
            "quantize_pack", "decode_attention", "cache_decode_attention"]
 
@@ -49,27 +53,56 @@ def triton_available() -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=None)
+def numba_available() -> bool:
+    """True when `import numba` works (the CPU read kernels' compiler)."""
+    if importlib.util.find_spec("numba") is None:
+        return False
+    try:
+        importlib.import_module("numba")
+    except Exception:  # e.g. a numba too old for the installed numpy counts as absent
+        return False
+    return True
+
+
 def interpreting() -> bool:
     """True when triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 def resolve_backend(config, device=None) -> str:
-    """'torch' or 'triton' for a GearConfig and the device the tensors live on.
+    """'torch', 'triton' or 'numba' for a GearConfig and the device the tensors live on.
 
-    "torch"/"triton" in the config are forced; "auto" first looks at GEAR_HF_BACKEND, then picks triton for CUDA
-    tensors when triton imports. A forced "triton" without CUDA needs TRITON_INTERPRET=1 (checked at launch).
+    "torch"/"triton"/"numba" in the config are forced; "auto" first looks at GEAR_HF_BACKEND, then picks triton
+    for CUDA tensors when triton imports, numba (the CPU read kernels, `gear_hf.kernels.cpu`) for CPU tensors when
+    numba imports, else torch. A forced "triton" without CUDA needs TRITON_INTERPRET=1 (checked at launch); a
+    forced "numba" needs numba and CPU tensors.
     """
     choice = getattr(config, "backend", "auto")
     if choice == "auto":
         env = os.environ.get("GEAR_HF_BACKEND", "auto").strip().lower() or "auto"
-        if env not in ("auto", "torch", "triton"):
-            raise ValueError(f"GEAR_HF_BACKEND={env!r} is invalid; allowed: auto | torch | triton")
+        if env not in BACKENDS:
+            raise ValueError(f"GEAR_HF_BACKEND={env!r} is invalid; allowed: {' | '.join(BACKENDS)}")
         choice = env
+    is_cuda = getattr(device, "type", device) == "cuda"
+    if choice == "numba" and is_cuda:
+        raise ValueError("GEAR backend 'numba' runs the CPU read kernels and the tensors are on CUDA; use "
+                         "backend='auto' (Triton on CUDA) or 'torch'")
     if choice != "auto":
         return choice
-    is_cuda = getattr(device, "type", device) == "cuda"
-    return "triton" if is_cuda and triton_available() else "torch"
+    if is_cuda:
+        return "triton" if triton_available() else "torch"
+    return "numba" if numba_available() else "torch"
+
+
+def cpu_kernels(config, device):
+    """`gear_hf.kernels.cpu` when the config's backend resolves to numba for `device`, else None."""
+    if resolve_backend(config, device) != "numba":
+        return None
+    if not numba_available():  # forced (gear_hf.enable refuses that up front; a bare GearCache gets here)
+        raise ValueError("GEAR backend 'numba' was forced but numba is not installed (pip install 'gear-hf[cpu]'); "
+                         "use backend='auto' or 'torch'")
+    return importlib.import_module(".cpu", __name__)
 
 
 def fused_supported(config, head_dim: int, query_len: int, *, rotary_dim: int | None = None,

@@ -3,7 +3,7 @@ validate them, and reject unknown keys with a message naming the key and what is
 
 GEAR keys: `preset` (alias `method`), `recommended` (a `GearConfig.recommended` name), `bits` (sets key_bits and
 value_bits) and every `GearConfig` field.
-A GearConfig field whose name HFLM also uses is spelled `gear_<field>`: `gear_backend=torch|triton|auto`
+A GearConfig field whose name HFLM also uses is spelled `gear_<field>`: `gear_backend=torch|triton|numba|auto`
 (`backend=` stays lm-eval's causal/seq2seq switch).
 lm-eval's CLI has already turned "2" into 2 and "false" into False; the Python API may pass strings.
 Both are accepted; anything else is an error naming the key, the value and the allowed values.

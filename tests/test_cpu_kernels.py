@@ -1,0 +1,175 @@
+"""The numba CPU read kernels (`gear_hf.kernels.cpu`) against the torch oracle, bit for bit.
+
+The kernels decompress a run of chunks and rotate keys; `gear_hf.compress.decompress` and
+`gear_hf.rope.apply_rotary` are what they must equal, exactly (same float32 operations in the same order). Shapes
+are odd on purpose: 2 rows, 3 heads, runs written into the middle of a wider workspace, short value groups.
+End to end, generation with backend="numba" must give the same tokens and logits as backend="torch".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+
+numba = pytest.importorskip("numba")
+
+import gear_hf  # noqa: E402
+from gear_hf.compress import ChunkSpec, CompressedChunk, compress, decompress  # noqa: E402
+from gear_hf.config import GearConfig  # noqa: E402
+from gear_hf.kernels import cpu, cpu_kernels, resolve_backend  # noqa: E402
+from gear_hf.rope import RotaryMemo, apply_rotary  # noqa: E402
+
+
+def _run(x: torch.Tensor, spec: ChunkSpec, n: int) -> CompressedChunk:
+    """Chunks of n tokens of x compressed one by one and laid one after the other, as `ChunkStore` keeps them."""
+    chunks = [compress(x[:, :, i : i + n], spec) for i in range(0, x.shape[2], n)]
+    return CompressedChunk(**{f.name: torch.cat([getattr(c, f.name) for c in chunks], dim=2)
+                              for f in dataclasses.fields(CompressedChunk)})
+
+
+SPECS = [
+    ChunkSpec(bits, axis, group, ratio, rank, factor_bits=factor_bits)
+    for bits, axis in itertools.product((2, 3, 4, 8), ("channel", "token"))
+    for group, ratio, rank, factor_bits in ((16, 0.0, 0, 8), (8, 0.05, 2, 8), (32, 0.02, 3, 16))
+]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.bits}b-{s.axis}-g{s.group}-o{s.outlier_ratio}-r{s.rank}")
+def test_decompress_into_equals_decompress(spec):
+    torch.manual_seed(0)
+    B, H, n, chunks, d = 2, 3, 32, 3, 64
+    x = torch.randn(B, H, n * chunks, d) * 2 + torch.linspace(-1, 3, d)  # channels of different ranges
+    x[:, :, 5, 7] = 40.0  # an outlier
+    run = _run(x, spec, n)
+    expected = decompress(run, spec, n, d, torch.float32, chunks=chunks)
+    workspace = torch.full((B, H, 5 + n * chunks + 4, d), float("nan"))
+    out = workspace[:, :, 5 : 5 + n * chunks]
+    assert cpu.decompress_supported(spec, d, out)
+    cpu.decompress_into(run, spec, n, d, chunks, out)
+    assert torch.equal(out, expected)
+    assert workspace[:, :, :5].isnan().all() and workspace[:, :, 5 + n * chunks:].isnan().all()  # nothing else written
+
+
+def test_decompress_of_store_views_and_bf16_side():
+    """A run read through views of wider store fields (capacity beyond the live chunks), bf16 statistics."""
+    torch.manual_seed(1)
+    spec = ChunkSpec(2, "channel", 16, 0.02, 2, factor_bits=8)
+    x = torch.randn(2, 3, 64, 64)
+    run = _run(x, spec, 16)
+    wide = CompressedChunk(**{f.name: torch.cat([getattr(run, f.name)] * 2, dim=2)[:, :, : getattr(run, f.name).shape[2]]
+                              for f in dataclasses.fields(CompressedChunk)})
+    assert not wide.codes.is_contiguous() and run.scale.dtype == torch.bfloat16
+    out = torch.empty(2, 3, 64, 64)
+    assert torch.equal(cpu.decompress_into(wide, spec, 16, 64, 4, out), decompress(run, spec, 16, 64, torch.float32, 4))
+
+
+def test_decompress_supported_declines():
+    d = 64
+    out = torch.empty(1, 2, 16, d)
+    assert cpu.decompress_supported(ChunkSpec(2, "channel", 16, 0.0, 0), d, out)
+    assert not cpu.decompress_supported(ChunkSpec(2, "channel", 16, 0.0, 0, rotate=True), d, out)
+    assert not cpu.decompress_supported(ChunkSpec(2.5, "channel", 16, 0.0, 0, allocated=True), d, out)
+    assert not cpu.decompress_supported(ChunkSpec(2, "channel", 16, 0.0, 0), d, out.bfloat16())
+    assert not cpu.decompress_supported(ChunkSpec(2, "token", 48, 0.0, 0), d, out)  # 48 does not split 64
+    assert not cpu.decompress_supported(ChunkSpec(2, "token", 20, 0.0, 0), 60, torch.empty(1, 2, 16, 60))  # d % 8
+    assert not cpu.decompress_supported(ChunkSpec(2, "channel", 16, 0.0, 0), d, out.transpose(2, 3))
+    assert not cpu.decompress_supported(ChunkSpec(2, "channel", 16, 0.0, 0), d, None)
+
+
+@pytest.mark.parametrize("batch_cos", [1, 2])
+def test_rotate_into_equals_apply_rotary(batch_cos):
+    torch.manual_seed(2)
+    x = torch.randn(2, 3, 40, 64)
+    cos, sin = torch.randn(batch_cos, 1, 37, 64), torch.randn(batch_cos, 1, 37, 64)
+    keys = x[:, :, 3:40]  # a slice of a wider buffer
+    expected = apply_rotary(keys, cos, sin)
+    workspace = torch.empty(2, 3, 50, 64)
+    assert cpu.rotate_supported(keys, cos, workspace[:, :, 2:39])
+    assert torch.equal(cpu.rotate_into(keys, cos, sin, workspace[:, :, 2:39]), expected)
+    inplace = keys.clone()
+    assert torch.equal(cpu.rotate_into(inplace, cos, sin, inplace), expected)
+    assert not cpu.rotate_supported(keys, cos[..., :32], workspace[:, :, 2:39])  # partial rotary: torch
+
+
+def test_rows_views():
+    base = torch.arange(2 * 3 * 50 * 8, dtype=torch.float32).view(2, 3, 50, 8)
+    for view in (base[:, :, 5:20], base[:1, :, 0:9], base[:, 1:2, 7:9], base[1:, :, 45:],
+                 base.view(6, 1, 50, 8)[1:, :, 3:5]):
+        whole, at = cpu._rows(view)
+        assert torch.equal(torch.from_numpy(whole)[:, :, at : at + view.shape[2]], view)
+    assert cpu._rows(base.transpose(2, 3)[:, :, :4]) is None
+    assert cpu._rows(base[..., ::2]) is None
+    assert cpu._rows(base[:, ::2, 5:9]) is None  # heads skipped
+
+
+def test_backend_choice(monkeypatch):
+    monkeypatch.delenv("GEAR_HF_BACKEND", raising=False)
+    assert resolve_backend(GearConfig(), torch.device("cpu")) == "numba"  # numba is installed here
+    assert cpu_kernels(GearConfig(), torch.device("cpu")) is cpu
+    assert cpu_kernels(GearConfig(backend="torch"), torch.device("cpu")) is None
+    monkeypatch.setenv("GEAR_HF_BACKEND", "torch")
+    assert cpu_kernels(GearConfig(), torch.device("cpu")) is None
+    monkeypatch.setenv("GEAR_HF_BACKEND", "numba")
+    with pytest.raises(ValueError, match="'numba' runs the CPU read kernels"):
+        resolve_backend(GearConfig(), torch.device("cuda"))
+
+
+def test_rotary_memo_extends_exactly():
+    """Across steps the memo computes only new columns; the result equals computing every column."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rotary = LlamaRotaryEmbedding(LlamaConfig(hidden_size=128, num_attention_heads=2, max_position_embeddings=4096))
+    like = torch.zeros(1)
+    memo = RotaryMemo()
+    positions = torch.arange(1000)[None].repeat(2, 1)
+    memo.get(0, 0, rotary, like, lambda: positions)
+    for step, length in ((1, 1001), (2, 1003)):
+        now = torch.arange(length)[None].repeat(2, 1)
+        cos, sin = memo.get(step, 0, rotary, like, lambda: now)
+        full_cos, full_sin = rotary(like, now)
+        assert torch.equal(cos[:, 0], full_cos) and torch.equal(sin[:, 0], full_sin)
+    moved = torch.arange(5, 1008)[None].repeat(2, 1)  # not an extension: computed afresh
+    assert torch.equal(memo.get(3, 0, rotary, like, lambda: moved)[0][:, 0], rotary(like, moved)[0])
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=128, hidden_size=192, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=1024, pad_token_id=0)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.mark.parametrize("preset", ["kivi-2", "gear-2", "gear-l-k4v2", "fp16"])
+def test_generation_numba_equals_torch(preset):
+    """A left-padded batch (rows flush on different steps: the slot layout), decode chunks flushed on the way:
+    the numba backend gives the torch backend's tokens and logits exactly."""
+    model = _tiny_llama()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 128, (3, 45), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :9], mask[2, :20] = 0, 0
+    ids[mask == 0] = 0
+    outs = []
+    for backend in ("torch", "numba"):
+        config = GearConfig.preset(preset, group_size=16, buffer_size=16, backend=backend)
+        with gear_hf.enabled(model, config):
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, min_new_tokens=20,
+                                 do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+        outs.append((out.sequences, torch.stack(out.scores, 1)))
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert torch.equal(outs[0][1], outs[1][1])
+
+
+def test_forced_numba_without_numba_fails_at_enable(monkeypatch):
+    monkeypatch.setattr("gear_hf.kernels.numba_available", lambda: False)
+    with pytest.raises(ValueError, match=r"'numba' was forced but numba is not installed \(pip install 'gear-hf\[cpu\]'\)"):
+        gear_hf.enable(_tiny_llama(), GearConfig(backend="numba"))
