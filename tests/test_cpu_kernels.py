@@ -75,8 +75,19 @@ def test_decompress_supported_declines():
     assert not cpu.decompress_supported(ChunkSpec(2, "channel", 16, 0.0, 0), d, out.bfloat16())
     assert not cpu.decompress_supported(ChunkSpec(2, "token", 48, 0.0, 0), d, out)  # 48 does not split 64
     assert not cpu.decompress_supported(ChunkSpec(2, "token", 20, 0.0, 0), 60, torch.empty(1, 2, 16, 60))  # d % 8
-    assert not cpu.decompress_supported(ChunkSpec(2, "channel", 16, 0.0, 0), d, out.transpose(2, 3))
     assert not cpu.decompress_supported(ChunkSpec(2, "channel", 16, 0.0, 0), d, None)
+
+
+def test_outputs_numba_cannot_view():
+    """An output that is no row range of a contiguous tensor (here a transposed one) is written through a temporary."""
+    torch.manual_seed(3)
+    spec = ChunkSpec(3, "token", 16, 0.05, 2, factor_bits=8)
+    run = _run(torch.randn(2, 3, 32, 64), spec, 32)
+    out = torch.empty(2, 3, 64, 32).transpose(2, 3)
+    assert cpu._rows(out) is None and cpu.decompress_supported(spec, 64, out)
+    assert torch.equal(cpu.decompress_into(run, spec, 32, 64, 1, out), decompress(run, spec, 32, 64, torch.float32))
+    x, cos, sin = torch.randn(2, 3, 32, 64), torch.randn(1, 1, 32, 64), torch.randn(1, 1, 32, 64)
+    assert torch.equal(cpu.rotate_into(x, cos, sin, torch.empty(2, 3, 64, 32).transpose(2, 3)), apply_rotary(x, cos, sin))
 
 
 @pytest.mark.parametrize("batch_cos", [1, 2])
@@ -92,6 +103,7 @@ def test_rotate_into_equals_apply_rotary(batch_cos):
     inplace = keys.clone()
     assert torch.equal(cpu.rotate_into(inplace, cos, sin, inplace), expected)
     assert not cpu.rotate_supported(keys, cos[..., :32], workspace[:, :, 2:39])  # partial rotary: torch
+    assert not cpu.rotate_supported(keys.bfloat16(), cos, workspace[:, :, 2:39])
 
 
 def test_rows_views():

@@ -102,7 +102,12 @@ def cpu_kernels(config, device):
     if not numba_available():  # forced (gear_hf.enable refuses that up front; a bare GearCache gets here)
         raise ValueError("GEAR backend 'numba' was forced but numba is not installed (pip install 'gear-hf[cpu]'); "
                          "use backend='auto' or 'torch'")
-    return importlib.import_module(".cpu", __name__)
+    return _cpu_module()
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_module():
+    return importlib.import_module(".cpu", __name__)  # (asked a few times per layer and step: looked up once)
 
 
 def fused_supported(config, head_dim: int, query_len: int, *, rotary_dim: int | None = None,

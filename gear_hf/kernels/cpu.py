@@ -176,11 +176,20 @@ def _rows(t: torch.Tensor):
     return torch.as_strided(t, whole, contiguous, start).numpy(), at
 
 
+def _target(out: torch.Tensor):
+    """(tensor to write, its `_rows`): out itself, or a temporary to copy into out after when numba cannot view it."""
+    rows = _rows(out)
+    if rows is None:
+        out = torch.empty(out.shape)
+        rows = _rows(out)
+    return (out, *rows)
+
+
 def decompress_supported(spec: ChunkSpec, head_dim: int, out: torch.Tensor | None) -> bool:
     """True when `decompress_into` covers this spec and output (else the torch `decompress` runs)."""
     if spec.allocated or spec.rotate or spec.bits not in (2, 3, 4, 8):
         return False
-    if out is None or out.dtype != torch.float32 or out.device.type != "cpu" or _rows(out) is None:
+    if out is None or out.dtype != torch.float32 or out.device.type != "cpu":
         return False
     if spec.axis == "token":  # groups split the channels, and each token's codes fill whole bytes of 8
         group = spec.group or head_dim
@@ -198,7 +207,7 @@ def decompress_into(chunk: CompressedChunk, spec: ChunkSpec, n: int, d: int, chu
     scale, minimum = chunk.scale.float().numpy(), chunk.minimum.float().numpy()
     codes, code_at = _rows(chunk.codes) or (chunk.codes.contiguous().numpy(), 0)
     codes = codes[:, :, code_at:]
-    whole, at = _rows(out)
+    target, whole, at = _target(out)
     if spec.axis == "channel":
         _channel_axis(codes, bits, group, scale, minimum, N, whole, at)
     else:
@@ -206,18 +215,19 @@ def decompress_into(chunk: CompressedChunk, spec: ChunkSpec, n: int, d: int, chu
     if chunk.sparse_index.numel():
         _add_outliers(chunk.sparse_values.float().numpy(), chunk.sparse_index.contiguous().numpy(),
                       spec.axis == "channel", n, N, whole, at)
-    return add_lowrank(out, chunk, n, d, chunks)
+    add_lowrank(target, chunk, n, d, chunks)
+    return out if target is out else out.copy_(target)
 
 
 def rotate_supported(x: torch.Tensor, cos: torch.Tensor, out: torch.Tensor) -> bool:
     """True when `rotate_into` covers these tensors (float32 on CPU, every channel rotated, cos [B|1,1,T,d])."""
-    return (x.dtype == cos.dtype == out.dtype == torch.float32 and x.device.type == "cpu"
-            and cos.shape[-1] == x.shape[-1] and cos.ndim == 4 and cos.shape[1] == 1 and cos.is_contiguous()
-            and _rows(x) is not None and _rows(out) is not None)
+    return (x.dtype == cos.dtype == out.dtype == torch.float32 and x.device.type == "cpu" and x.ndim == 4
+            and cos.shape[-1] == x.shape[-1] and cos.ndim == 4 and cos.shape[1] == 1)
 
 
 def rotate_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """`gear_hf.rope.apply_rotary(x, cos, sin, out=out)`, bit for bit, in one pass (`rotate_supported`)."""
-    (xs, x_at), (outs, out_at) = _rows(x), _rows(out)
-    _rotate(xs, x_at, cos.numpy(), sin.contiguous().numpy(), x.shape[2], outs, out_at)
-    return out
+    source = _rows(x) or (x.contiguous().numpy(), 0)
+    target, whole, at = _target(out)
+    _rotate(*source, cos.contiguous().numpy(), sin.contiguous().numpy(), x.shape[2], whole, at)
+    return out if target is out else out.copy_(target)
