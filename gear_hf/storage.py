@@ -15,6 +15,7 @@ import torch
 from . import kernels  # light: triton and numba are imported only when a kernel is fetched
 from .compress import ChunkSpec, CompressedChunk, compress, decompress
 from .compress.allocation import even_channel_bits
+from .rope import apply_rotary
 
 GROWTH = 1.5
 
@@ -74,13 +75,6 @@ class TokenStore:
     def select_rows(self, index: torch.Tensor) -> None:
         if self.data is not None:
             self.data = self.data.index_select(0, index)
-
-
-class _Backend:
-    """The one field of a GearConfig that `kernels.resolve_backend` reads."""
-
-    def __init__(self, backend: str) -> None:
-        self.backend = backend
 
 
 # Fields of a CompressedChunk, in storage order.
@@ -195,29 +189,35 @@ class ChunkStore:
 
     def _quantize_pack(self, x: torch.Tensor):
         """The Triton quantize+pack kernel when the backend resolves to triton for x's device, else None."""
-        if kernels.resolve_backend(_Backend(self.backend), x.device) != "triton":
+        if kernels.resolve_backend(kernels.Backend(self.backend), x.device) != "triton":
             return None
         if not kernels.quantize_pack_supports(self.spec, x.shape[2], x.shape[3]):
             return None  # e.g. a group the packing kernel cannot split into bytes: the torch engine handles it
         return kernels.quantize_pack
 
-    def reconstruct(self, chunks: int, out_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    def reconstruct(self, chunks: int, out_dtype: torch.dtype, out: torch.Tensor | None = None,
+                    rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """The first `chunks` chunks of every row, decompressed: [B, H, chunks*chunk_len, d] (into `out` if given).
-        Chunks lie one after the other along each field's dim 2, so they decompress in one call, in place."""
+        Chunks lie one after the other along each field's dim 2, so they decompress in one call, in place.
+        rotary: (cos, sin) [B|1,1,chunks*chunk_len,d] to return them rotated (keys before RoPE: `apply_rotary`'s
+        result; the CPU kernels rotate while they decompress)."""
         if chunks == 0 or not self.fields:
             return torch.empty(0)
         run = self._runs.get(chunks)
         if run is None:  # views, kept while the fields are the same tensors (every decode step reads them)
             run = self._runs[chunks] = CompressedChunk(**{name: t[:, :, : chunks * self.extent[name]]
                                                           for name, t in self.fields.items()})
-        cpu = kernels.cpu_kernels(_Backend(self.backend), run.codes.device)
+        cpu = kernels.cpu_kernels(kernels.Backend(self.backend), run.codes.device)
         if cpu is not None:
             if out is None and out_dtype == torch.float32:
                 B, H = run.codes.shape[:2]
                 out = torch.empty(B, H, chunks * self.chunk_len, self.head_dim)
             if cpu.decompress_supported(self.spec, self.head_dim, out):
-                return cpu.decompress_into(run, self.spec, self.chunk_len, self.head_dim, chunks, out)
-        return decompress(run, self.spec, self.chunk_len, self.head_dim, out_dtype, chunks=chunks, out=out)
+                return cpu.decompress_into(run, self.spec, self.chunk_len, self.head_dim, chunks, out, rotary)
+        if rotary is None:
+            return decompress(run, self.spec, self.chunk_len, self.head_dim, out_dtype, chunks=chunks, out=out)
+        x = decompress(run, self.spec, self.chunk_len, self.head_dim, out_dtype, chunks=chunks)
+        return apply_rotary(x, *rotary, out=out)
 
     def nbytes_by_component(self) -> dict[str, int]:
         out: dict[str, int] = {}

@@ -53,6 +53,21 @@ def test_decompress_into_equals_decompress(spec):
     assert workspace[:, :, :5].isnan().all() and workspace[:, :, 5 + n * chunks:].isnan().all()  # nothing else written
 
 
+@pytest.mark.parametrize("spec", [SPECS[0], SPECS[1], SPECS[3], SPECS[10]],
+                         ids=lambda s: f"{s.bits}b-{s.axis}-o{s.outlier_ratio}-r{s.rank}")
+def test_decompress_into_rotated_equals_rotated_decompress(spec):
+    """With rotary= the run comes back rotated (keys read for the attention): fused into the dequantization when
+    nothing is added after the codes, else rotated after; cos/sin are a column slice of a wider batch table."""
+    torch.manual_seed(4)
+    B, n, chunks, d = 2, 32, 2, 64
+    run = _run(torch.randn(B, 3, n * chunks, d), spec, n)
+    cos, sin = torch.randn(B, 1, 100, d), torch.randn(B, 1, 100, d)
+    rotary = (cos[:, :, 7 : 7 + n * chunks], sin[:, :, 7 : 7 + n * chunks])
+    expected = apply_rotary(decompress(run, spec, n, d, torch.float32, chunks=chunks), *rotary)
+    out = torch.empty(B, 3, 80, d)[:, :, 3 : 3 + n * chunks]
+    assert torch.equal(cpu.decompress_into(run, spec, n, d, chunks, out, rotary), expected)
+
+
 def test_decompress_of_store_views_and_bf16_side():
     """A run read through views of wider store fields (capacity beyond the live chunks), bf16 statistics."""
     torch.manual_seed(1)

@@ -16,7 +16,7 @@ from transformers.cache_utils import Cache
 
 from .. import kernels  # light: triton and numba are imported only when a kernel is fetched
 from ..config import GearConfig
-from ..rope import RotaryMemo, apply_rotary
+from ..rope import RotaryMemo
 from .layer import GearLayer
 from .layout import RowLayout, SlotPlan
 from .memory import memory_report, summary
@@ -129,14 +129,16 @@ class GearCache(Cache):
         the earlier signature.)"""
         return self._read_padded(layer_idx, self.model_dtype if key_states is None else key_states.dtype)
 
-    def _read_padded(self, layer_idx: int, dtype: torch.dtype, workspace_like: torch.Tensor | None = None):
-        """`read` itself; workspace_like: a [B,H,q,d] tensor of the step, to build into the step's workspace."""
+    def _read_padded(self, layer_idx: int, dtype: torch.dtype, workspace_like: torch.Tensor | None = None,
+                     streams: tuple[int, ...] = (0, 1)):
+        """`read` itself; workspace_like: a [B,H,q,d] tensor of the step, to build into the step's workspace;
+        streams: which to read (0 keys, 1 values)."""
         layer, layout = self.layers[layer_idx], self.layout
         start = layer.visible_start(layout.plan.rect_before)
         out = (None, None)
         if workspace_like is not None:
             out = self._key_value_workspace(workspace_like, layout.rect_length - start, dtype)
-        return layer.read(layout, layout.plan.attend, start, dtype, self.gear_config.sink_tokens, out)
+        return layer.read(layout, layout.plan.attend, start, dtype, self.gear_config.sink_tokens, out, streams)
 
     def _key_value_workspace(self, like: torch.Tensor, length: int, dtype: torch.dtype):
         """The step's (keys, values) workspace tensors [B,H,length,d], for states like [B,H,q,d]."""
@@ -155,35 +157,53 @@ class GearCache(Cache):
         the caller). The tensors returned live in a per-step workspace that the next layer overwrites: use them
         before that. A subclass that overrides `read` gets its reads, in the padded layout."""
         layer, layout = self.layers[layer_idx], self.layout
-        dtype, workspace = key_states.dtype, self._workspace
+        dtype = key_states.dtype
         slots = None if padded_layout else self._slot_plan(layer, attention_mask)
+        # keys rotated as they are read (the CPU kernels: no pass of their own), else rotated after the read
+        rotate_in_read = self.gear_config.pre_rope and type(self).read is GearCache.read \
+            and kernels.cpu_kernels(self.gear_config, key_states.device) is not None
         if slots is None:
+            keys = self._read_rotated(layer_idx, key_states, rotary_emb) if rotate_in_read else None
+            if keys is not None:
+                return keys, self._read_padded(layer_idx, dtype, workspace_like=key_states, streams=(1,))[0], \
+                    attention_mask
             if type(self).read is GearCache.read:
                 keys, values = self._read_padded(layer_idx, dtype, workspace_like=key_states)
             else:
                 keys, values = self.read(layer_idx, key_states, value_states)
             rotary = lambda: self.rotary_for_read(layer_idx, rotary_emb, values)  # noqa: E731
         else:
-            keys, values = (stream.read_slots(slots, out) for stream, out in
-                            zip(layer.streams, self._key_value_workspace(key_states, slots.local.shape[1], dtype)))
-            attention_mask = self._slot_mask(slots, attention_mask)
-            rotary = lambda: self._rotary.get(layout.steps, "slots", rotary_emb, values,  # noqa: E731
+            rotary = lambda: self._rotary.get(layout.steps, "slots", rotary_emb, key_states,  # noqa: E731
                                               lambda: layout.slot_positions(slots))
+            key_out, value_out = self._key_value_workspace(key_states, slots.local.shape[1], dtype)
+            keys = layer.key_stream.read_slots(slots, key_out, rotary() if rotate_in_read else None)
+            values = layer.value_stream.read_slots(slots, value_out)
+            attention_mask = self._slot_mask(slots, attention_mask)
+            if rotate_in_read:
+                return keys, values, attention_mask
         if self.gear_config.pre_rope:
             keys = self._rotated(keys, *rotary())
         return keys, values, attention_mask
 
+    def _read_rotated(self, layer_idx: int, key_states: torch.Tensor, rotary_emb) -> torch.Tensor | None:
+        """The padded layout's keys, rotated as they are read into the step's workspace (`Stream.read_rotated`),
+        or None when the layout needs the plain read."""
+        layer, layout = self.layers[layer_idx], self.layout
+        start = layer.visible_start(layout.plan.rect_before)
+        B, H, _, d = key_states.shape
+        out = self._workspace.get("rotated keys", (B, H, layout.rect_length - start, d), key_states.dtype,
+                                  key_states.device)
+        return layer.key_stream.read_rotated(layout, layout.plan.attend, layer.released, start, key_states.dtype,
+                                             self.gear_config.sink_tokens,
+                                             out, self.rotary_for_read(layer_idx, rotary_emb, key_states))
+
     def _rotated(self, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """keys [B,H,T,d] rotated into the step's workspace (HF's apply_rotary_pos_emb bit for bit): one pass of
-        the CPU kernel where it applies, else `apply_rotary`."""
+        """keys [B,H,T,d] rotated into the step's workspace (HF's apply_rotary_pos_emb bit for bit)."""
         B, H, T, d = keys.shape
         workspace = self._workspace
-        out = workspace.get("rotated keys", keys.shape, keys.dtype, keys.device)
-        cpu = kernels.cpu_kernels(self.gear_config, keys.device)
-        if cpu is not None and cpu.rotate_supported(keys, cos, out):
-            return cpu.rotate_into(keys, cos, sin, out)
-        return apply_rotary(keys, cos, sin, out=out,
-                            scratch=workspace.get("rotary scratch", (B, H, T, d // 2), keys.dtype, keys.device))
+        return kernels.rotate(self.gear_config, keys, cos, sin, workspace.get("rotated keys", keys.shape, keys.dtype,
+                                                                              keys.device),
+                              scratch=workspace.get("rotary scratch", (B, H, T, d // 2), keys.dtype, keys.device))
 
     def _slot_plan(self, layer: GearLayer, attention_mask: torch.Tensor | None) -> SlotPlan | None:
         """The slot layout when this step of this layer can attend in it, else None (the padded layout): a

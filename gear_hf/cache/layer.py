@@ -67,11 +67,12 @@ class GearLayer(CacheLayerMixin):
         self.steps += 1
         self.seen_length = plan.rect_before + plan.query_len
 
-    def read(self, layout: RowLayout, counts, start: int, dtype: torch.dtype, sink_tokens: int, out=(None, None)):
-        """(keys before RoPE, values) in HF's padded layout from column `start`; out: optional tensors to build
-        them in (see `Stream.read`)."""
-        return tuple(stream.read(layout, counts, self.released, start, dtype, sink_tokens, into)
-                     for stream, into in zip(self.streams, out))
+    def read(self, layout: RowLayout, counts, start: int, dtype: torch.dtype, sink_tokens: int, out=(None, None),
+             streams: tuple[int, ...] = (0, 1)):
+        """(keys before RoPE, values) in HF's padded layout from column `start` (streams: which, 0 keys 1 values);
+        out: optional tensors to build them in (see `Stream.read`)."""
+        return tuple(self.streams[i].read(layout, counts, self.released, start, dtype, sink_tokens, out[i])
+                     for i in streams)
 
     def flush(self, layout: RowLayout, plan: StepPlan) -> list[torch.Tensor]:
         """Compress what leaves the buffers, then release what left every row's window. Returns device bools

@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from .. import kernels  # light: triton and numba are imported only when a kernel is fetched
 from ..compress import ChunkSpec
 from ..compress.allocation import allocate_channel_bits
 from ..storage import ChunkStore, TokenStore
@@ -32,7 +33,8 @@ class Released:
 class _Segment:
     """One segment of every row: row b's tokens are at [0, length[b]) of what `take` gives ([B, H, n, d])."""
 
-    take: Callable[..., torch.Tensor]  # (dtype, out=None) -> [B,H,n,d]; a store reconstructs into `out`
+    take: Callable[..., torch.Tensor]  # (dtype, out=None, rotary=None) -> [B,H,n,d]; a store reconstructs into
+    # `out`; rotary (cos, sin) [B|1,1,n,d]: rotated (keys before RoPE)
     local_start: tuple[int, ...]  # per row: row-local index of the segment's first token
     length: tuple[int, ...]
 
@@ -133,10 +135,16 @@ class Stream:
             return any(n and st + n > lo for st, n, lo in zip(starts, lengths, first_local))
 
         def tokens(store: TokenStore):
-            return lambda dtype, out=None: store.data if out is None else out.copy_(store.data[:, :, : out.shape[2]])
+            def take(dtype, out=None, rotary=None):
+                if out is None:
+                    return store.data
+                if rotary is None:
+                    return out.copy_(store.data[:, :, : out.shape[2]])
+                return kernels.rotate(kernels.Backend(self.backend), store.data[:, :, : out.shape[2]], *rotary, out)
+            return take
 
         def chunks(store: ChunkStore, count: int):
-            return lambda dtype, out=None: store.reconstruct(count, dtype, out=out)
+            return lambda dtype, out=None, rotary=None: store.reconstruct(count, dtype, out=out, rotary=rotary)
 
         zeros = (0,) * len(s)
         if sink_tokens and needed(zeros, s):
@@ -150,6 +158,25 @@ class Stream:
             out.append(_Segment(chunks(self.decode, live), starts, lengths))
         starts = tuple(a + b + n * nb for a, b, n in zip(s, p, c))
         out.append(_Segment(tokens(self.buffer), starts, f))
+        return out
+
+    def read_rotated(self, layout: RowLayout, counts: RowCounts, released: Released, start: int,
+                     dtype: torch.dtype, sink_tokens: int, out: torch.Tensor, rotary) -> torch.Tensor | None:
+        """`read` into out [B,H,T-start,d], every segment written rotated by rotary (cos, sin) [B|1,1,T-start,d]
+        (keys before RoPE: the attention's keys with no pass of their own), when the layout lets segments land
+        straight in their columns; else None (read, then rotate)."""
+        B = self.buffer.data.shape[0]
+        if not layout.uniform(counts):
+            return None
+        segments = self._segments(counts, released, dtype, sink_tokens, [start] * B)
+        if segments[0].local_start[0] != start:
+            return None
+        cos, sin = rotary
+        at = 0
+        for seg in segments:  # every row fills each segment exactly: reconstruct straight into place
+            n = seg.length[0]
+            seg.take(dtype, out=out[:, :, at : at + n], rotary=(cos[:, :, at : at + n], sin[:, :, at : at + n]))
+            at += n
         return out
 
     def read(self, layout: RowLayout, counts: RowCounts, released: Released, start: int, dtype: torch.dtype,
@@ -198,32 +225,47 @@ class Stream:
                     out[b, :, at : at + hi - lo] = data[b, :, lo - seg.local_start[b] : hi - seg.local_start[b]]
         return out
 
-    def read_slots(self, slots: SlotPlan, out: torch.Tensor) -> torch.Tensor:
+    def read_slots(self, slots: SlotPlan, out: torch.Tensor, rotary=None) -> torch.Tensor:
         """This layer's tokens in the slot layout (`SlotPlan`) into out [B,H,T_slot,d] (keys before RoPE): each
         store reconstructs for every row at once, straight into its columns; each row's buffer follows its own
         decode chunks. Holes hold finite leftovers (zeros of a short prompt chunk, unused chunk slots, old buffer
-        tokens) that the remapped mask hides."""
+        tokens) that the remapped mask hides. rotary: (cos, sin) [B,1,T_slot,d] to write every segment rotated
+        (see `read_rotated`)."""
+        def cols(lo: int, hi: int, row: int | None = None):
+            if rotary is None:
+                return None
+            rows = slice(None) if row is None else slice(row, row + 1)
+            return tuple(t[rows, :, lo:hi] for t in rotary)
+
+        def tokens(source: torch.Tensor, into: torch.Tensor, rotation):
+            if rotation is None:
+                return into.copy_(source)
+            return kernels.rotate(kernels.Backend(self.backend), source, *rotation, into)
+
         at = 0
         if slots.sink:
-            out[:, :, : slots.sink].copy_(self.sink.data[:, :, : slots.sink])
+            tokens(self.sink.data[:, :, : slots.sink], out[:, :, : slots.sink], cols(0, slots.sink))
             at = slots.sink
         if slots.prompt:
-            self.prefill.reconstruct(1, out.dtype, out=out[:, :, at : at + slots.prompt])
+            self.prefill.reconstruct(1, out.dtype, out=out[:, :, at : at + slots.prompt],
+                                     rotary=cols(at, at + slots.prompt))
             at += slots.prompt
         chunk_width = slots.chunks * self.chunk_len
         if slots.chunks:  # before the buffers: a row with fewer chunks has its buffer over the others' last chunks
-            self.decode.reconstruct(slots.chunks, out.dtype, out=out[:, :, at : at + chunk_width])
+            self.decode.reconstruct(slots.chunks, out.dtype, out=out[:, :, at : at + chunk_width],
+                                    rotary=cols(at, at + chunk_width))
         # past the chunks only buffers are written, each as long as its row's: the rest of the tail is a hole that
         # must be finite (the masked weight 0 times NaN would poison the row), and `out` is an uninitialised
-        # workspace
+        # workspace (zeros rotate to zeros)
         out[:, :, at + chunk_width : at + slots.tail].zero_()
         buffer = self.buffer.data
         if len(set(slots.buffer_at)) == 1:  # rows that flushed alike: one copy (shorter rows' extra columns: holes)
             start, n = at + slots.buffer_at[0], max(slots.buffer)
-            out[:, :, start : start + n].copy_(buffer[:, :, :n])
+            tokens(buffer[:, :, :n], out[:, :, start : start + n], cols(start, start + n))
         else:
             for row, (offset, n) in enumerate(zip(slots.buffer_at, slots.buffer)):
-                out[row, :, at + offset : at + offset + n].copy_(buffer[row, :, :n])
+                lo = at + offset
+                tokens(buffer[row : row + 1, :, :n], out[row : row + 1, :, lo : lo + n], cols(lo, lo + n, row))
         return out
 
     @staticmethod

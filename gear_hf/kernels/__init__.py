@@ -27,10 +27,14 @@ import functools
 import importlib
 import importlib.util
 import os
+from dataclasses import dataclass
+
+import torch
 
 from ..config import BACKENDS
+from ..rope import apply_rotary
 
-__all__ = ["triton_available", "numba_available", "interpreting", "resolve_backend", "cpu_kernels", "fused_supported", "use_fused",
+__all__ = ["triton_available", "numba_available", "interpreting", "resolve_backend", "cpu_kernels", "rotate", "fused_supported", "use_fused",
            "quantize_pack_supports",
            "quantize_pack", "decode_attention", "cache_decode_attention"]
 
@@ -103,6 +107,23 @@ def cpu_kernels(config, device):
         raise ValueError("GEAR backend 'numba' was forced but numba is not installed (pip install 'gear-hf[cpu]'); "
                          "use backend='auto' or 'torch'")
     return _cpu_module()
+
+
+@dataclass(frozen=True)
+class Backend:
+    """The one field of a GearConfig that `resolve_backend` reads (for stores that keep only that)."""
+
+    backend: str
+
+
+def rotate(config, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor,
+           scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """`apply_rotary(x, cos, sin, out=out)` (keys before RoPE, at read): in one pass of the CPU kernel where it
+    applies. scratch: `apply_rotary`'s, for the torch path."""
+    cpu = cpu_kernels(config, x.device)
+    if cpu is not None and cpu.rotate_supported(x, cos, out):
+        return cpu.rotate_into(x, cos, sin, out)
+    return apply_rotary(x, cos, sin, out=out, scratch=scratch)
 
 
 @functools.lru_cache(maxsize=None)

@@ -31,11 +31,15 @@ _F32 = np.float32
 
 
 @numba.njit(cache=True, nogil=True)
-def _channel_axis(codes, bits, group, scale, minimum, N, out, at):
+def _channel_axis(codes, bits, group, scale, minimum, N, out, at, cos, sin, cos_at):
     """Keys-style codes packed along tokens: codes [B,H,>=P(N),d] -> out[:, :, at:at+N] = code*scale + minimum,
-    with scale/minimum [B,H,N/group,d] float32 (groups run along tokens)."""
+    with scale/minimum [B,H,N/group,d] float32 (groups run along tokens). cos/sin [B|1,1,>=cos_at+N,d] (or an
+    empty dim 2 for none): each row then rotated as `_rotate` does, while it is in cache (the keys' RoPE without a
+    pass of its own)."""
     B, H, _, d = out.shape
+    half = d // 2
     for b in range(B):
+        cb = b if cos.shape[0] > 1 else 0
         for h in range(H):
             for t in range(N):
                 g = t // group
@@ -51,6 +55,12 @@ def _channel_axis(codes, bits, group, scale, minimum, N, out, at):
                     for c in range(d):
                         code = (codes[b, h, row, c] >> shift) & mask
                         out[b, h, at + t, c] = _F32(code) * scale[b, h, g, c] + minimum[b, h, g, c]
+                if cos.shape[2]:
+                    for i in range(half):
+                        x1, x2 = out[b, h, at + t, i], out[b, h, at + t, i + half]
+                        ct = cos_at + t
+                        out[b, h, at + t, i] = x1 * cos[cb, 0, ct, i] - x2 * sin[cb, 0, ct, i]
+                        out[b, h, at + t, i + half] = x2 * cos[cb, 0, ct, i + half] + x1 * sin[cb, 0, ct, i + half]
 
 
 @numba.njit(cache=True, nogil=True)
@@ -130,20 +140,20 @@ def _add_outliers(values, index, channel_axis, n, N, out, at):
 
 
 @numba.njit(cache=True, nogil=True)
-def _rotate(x, x_at, cos, sin, T, out, out_at):
+def _rotate(x, x_at, cos, sin, cos_at, T, out, out_at):
     """out[:, :, out_at:+T] = x[:, :, x_at:+T]*cos + rotate_half(..)*sin per half (x1*c1 - x2*s1, x2*c2 + x1*s2), as
-    `apply_rotary`; cos/sin [B|1,1,T,d]. out may be x itself (each pair is read before it is written)."""
+    `apply_rotary`; cos/sin [B|1,1,>=cos_at+T,d]. (Not in place: LLVM vectorizes distinct arrays.)"""
     B, H, _, d = x.shape
     half = d // 2
     for b in range(B):
         cb = b if cos.shape[0] > 1 else 0
         for h in range(H):
             for t in range(T):
-                xt, ot = x_at + t, out_at + t
+                xt, ot, ct = x_at + t, out_at + t, cos_at + t
                 for i in range(half):
                     x1, x2 = x[b, h, xt, i], x[b, h, xt, i + half]
-                    out[b, h, ot, i] = x1 * cos[cb, 0, t, i] - x2 * sin[cb, 0, t, i]
-                    out[b, h, ot, i + half] = x2 * cos[cb, 0, t, i + half] + x1 * sin[cb, 0, t, i + half]
+                    out[b, h, ot, i] = x1 * cos[cb, 0, ct, i] - x2 * sin[cb, 0, ct, i]
+                    out[b, h, ot, i + half] = x2 * cos[cb, 0, ct, i + half] + x1 * sin[cb, 0, ct, i + half]
 
 
 # -- torch-facing entry points --------------------------------------------------------------------------------
@@ -185,6 +195,11 @@ def _target(out: torch.Tensor):
     return (out, *rows)
 
 
+def _readable(t: torch.Tensor):
+    """(array, first row) to read t through: `_rows` (a slice viewed whole, no copy), else a contiguous copy."""
+    return _rows(t) or (t.contiguous().numpy(), 0)
+
+
 def decompress_supported(spec: ChunkSpec, head_dim: int, out: torch.Tensor | None) -> bool:
     """True when `decompress_into` covers this spec and output (else the torch `decompress` runs)."""
     if spec.allocated or spec.rotate or spec.bits not in (2, 3, 4, 8):
@@ -198,25 +213,35 @@ def decompress_supported(spec: ChunkSpec, head_dim: int, out: torch.Tensor | Non
 
 
 def decompress_into(chunk: CompressedChunk, spec: ChunkSpec, n: int, d: int, chunks: int,
-                    out: torch.Tensor) -> torch.Tensor:
+                    out: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`gear_hf.compress.decompress` of `chunks` consecutive chunks of n tokens into out [B,H,chunks*n,d] float32,
     bit for bit (`decompress_supported` says when it applies): codes and outliers here, the low-rank term by the
     same torch matmul (a numba loop summing the rank terms was no faster). The 16-bit stats and outliers are cast
-    to float32 first (1/group of the codes' size)."""
+    to float32 first (1/group of the codes' size). rotary: (cos, sin) [B|1,1,chunks*n,d] to return the tokens
+    rotated (`rotate_into`'s result), in the same pass when nothing is added after the codes."""
     bits, group, N = int(spec.bits), spec.group_for(n, d), chunks * n
     scale, minimum = chunk.scale.float().numpy(), chunk.minimum.float().numpy()
-    codes, code_at = _rows(chunk.codes) or (chunk.codes.contiguous().numpy(), 0)
+    codes, code_at = _readable(chunk.codes)
     codes = codes[:, :, code_at:]
-    target, whole, at = _target(out)
+    fused = rotary is not None and spec.axis == "channel" and not chunk.sparse_index.numel() \
+        and not chunk.lowrank_a.shape[-1]
+    target, whole, at = _target(out if rotary is None or fused else torch.empty(out.shape))
     if spec.axis == "channel":
-        _channel_axis(codes, bits, group, scale, minimum, N, whole, at)
+        (cos, cos_at), (sin, sin_at) = (_readable(t) for t in rotary) if fused else ((_NO_ROTATION, 0),) * 2
+        assert cos_at == sin_at, "cos and sin tables of one layout"
+        _channel_axis(codes, bits, group, scale, minimum, N, whole, at, cos, sin, cos_at)
     else:
         _token_axis(codes, bits, scale, minimum, N, whole.reshape(*whole.shape[:3], d // group, group), at)
     if chunk.sparse_index.numel():
         _add_outliers(chunk.sparse_values.float().numpy(), chunk.sparse_index.contiguous().numpy(),
                       spec.axis == "channel", n, N, whole, at)
     add_lowrank(target, chunk, n, d, chunks)
+    if rotary is not None and not fused:  # terms added after the codes: rotate the sum, into out
+        return rotate_into(target, *rotary, out)
     return out if target is out else out.copy_(target)
+
+
+_NO_ROTATION = np.zeros((1, 1, 0, 1), dtype=np.float32)
 
 
 def rotate_supported(x: torch.Tensor, cos: torch.Tensor, out: torch.Tensor) -> bool:
@@ -227,7 +252,9 @@ def rotate_supported(x: torch.Tensor, cos: torch.Tensor, out: torch.Tensor) -> b
 
 def rotate_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """`gear_hf.rope.apply_rotary(x, cos, sin, out=out)`, bit for bit, in one pass (`rotate_supported`)."""
-    source = _rows(x) or (x.contiguous().numpy(), 0)
+    source = _readable(x)
     target, whole, at = _target(out)
-    _rotate(*source, cos.contiguous().numpy(), sin.contiguous().numpy(), x.shape[2], whole, at)
+    (cos, cos_at), (sin, sin_at) = _readable(cos), _readable(sin)
+    assert cos_at == sin_at, "cos and sin tables of one layout"
+    _rotate(*source, cos, sin, cos_at, x.shape[2], whole, at)
     return out if target is out else out.copy_(target)
