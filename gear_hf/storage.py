@@ -196,11 +196,13 @@ class ChunkStore:
         return kernels.quantize_pack
 
     def reconstruct(self, chunks: int, out_dtype: torch.dtype, out: torch.Tensor | None = None,
-                    rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                    rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    scratch: torch.Tensor | None = None) -> torch.Tensor:
         """The first `chunks` chunks of every row, decompressed: [B, H, chunks*chunk_len, d] (into `out` if given).
         Chunks lie one after the other along each field's dim 2, so they decompress in one call, in place.
         rotary: (cos, sin) [B|1,1,chunks*chunk_len,d] to return them rotated (keys before RoPE: `apply_rotary`'s
-        result; the CPU kernels rotate while they decompress)."""
+        result; the CPU kernels rotate as they write); scratch: a tensor like out that the torch path decompresses
+        into before rotating (else a temporary)."""
         if chunks == 0 or not self.fields:
             return torch.empty(0)
         run = self._runs.get(chunks)
@@ -216,7 +218,7 @@ class ChunkStore:
                 return cpu.decompress_into(run, self.spec, self.chunk_len, self.head_dim, chunks, out, rotary)
         if rotary is None:
             return decompress(run, self.spec, self.chunk_len, self.head_dim, out_dtype, chunks=chunks, out=out)
-        x = decompress(run, self.spec, self.chunk_len, self.head_dim, out_dtype, chunks=chunks)
+        x = decompress(run, self.spec, self.chunk_len, self.head_dim, out_dtype, chunks=chunks, out=scratch)
         return apply_rotary(x, *rotary, out=out)
 
     def nbytes_by_component(self) -> dict[str, int]:

@@ -30,6 +30,14 @@ def _run(x: torch.Tensor, spec: ChunkSpec, n: int) -> CompressedChunk:
                               for f in dataclasses.fields(CompressedChunk)})
 
 
+def _assert_matches(got: torch.Tensor, expected: torch.Tensor, spec: ChunkSpec) -> None:
+    """Bit for bit, except the low-rank term's float32 rounding (its rank terms are summed in another order)."""
+    if spec.rank:
+        torch.testing.assert_close(got, expected, rtol=0, atol=4 * torch.finfo(torch.float32).eps * expected.abs().max())
+    else:
+        assert torch.equal(got, expected)
+
+
 SPECS = [
     ChunkSpec(bits, axis, group, ratio, rank, factor_bits=factor_bits)
     for bits, axis in itertools.product((2, 3, 4, 8), ("channel", "token"))
@@ -49,7 +57,7 @@ def test_decompress_into_equals_decompress(spec):
     out = workspace[:, :, 5 : 5 + n * chunks]
     assert cpu.decompress_supported(spec, d, out)
     cpu.decompress_into(run, spec, n, d, chunks, out)
-    assert torch.equal(out, expected)
+    _assert_matches(out, expected, spec)
     assert workspace[:, :, :5].isnan().all() and workspace[:, :, 5 + n * chunks:].isnan().all()  # nothing else written
 
 
@@ -65,7 +73,7 @@ def test_decompress_into_rotated_equals_rotated_decompress(spec):
     rotary = (cos[:, :, 7 : 7 + n * chunks], sin[:, :, 7 : 7 + n * chunks])
     expected = apply_rotary(decompress(run, spec, n, d, torch.float32, chunks=chunks), *rotary)
     out = torch.empty(B, 3, 80, d)[:, :, 3 : 3 + n * chunks]
-    assert torch.equal(cpu.decompress_into(run, spec, n, d, chunks, out, rotary), expected)
+    _assert_matches(cpu.decompress_into(run, spec, n, d, chunks, out, rotary), expected, spec)
 
 
 def test_decompress_of_store_views_and_bf16_side():
@@ -78,7 +86,8 @@ def test_decompress_of_store_views_and_bf16_side():
                               for f in dataclasses.fields(CompressedChunk)})
     assert not wide.codes.is_contiguous() and run.scale.dtype == torch.bfloat16
     out = torch.empty(2, 3, 64, 64)
-    assert torch.equal(cpu.decompress_into(wide, spec, 16, 64, 4, out), decompress(run, spec, 16, 64, torch.float32, 4))
+    _assert_matches(cpu.decompress_into(wide, spec, 16, 64, 4, out), decompress(run, spec, 16, 64, torch.float32, 4),
+                    spec)
 
 
 def test_decompress_supported_declines():
@@ -100,7 +109,7 @@ def test_outputs_numba_cannot_view():
     run = _run(torch.randn(2, 3, 32, 64), spec, 32)
     out = torch.empty(2, 3, 64, 32).transpose(2, 3)
     assert cpu._rows(out) is None and cpu.decompress_supported(spec, 64, out)
-    assert torch.equal(cpu.decompress_into(run, spec, 32, 64, 1, out), decompress(run, spec, 32, 64, torch.float32))
+    _assert_matches(cpu.decompress_into(run, spec, 32, 64, 1, out), decompress(run, spec, 32, 64, torch.float32), spec)
     x, cos, sin = torch.randn(2, 3, 32, 64), torch.randn(1, 1, 32, 64), torch.randn(1, 1, 32, 64)
     assert torch.equal(cpu.rotate_into(x, cos, sin, torch.empty(2, 3, 64, 32).transpose(2, 3)), apply_rotary(x, cos, sin))
 
@@ -175,10 +184,11 @@ def _tiny_llama():
     return model
 
 
-@pytest.mark.parametrize("preset", ["kivi-2", "gear-2", "gear-l-k4v2", "fp16"])
+@pytest.mark.parametrize("preset", ["kivi-2", "outlier-4", "gear-2", "gear-l-k4v2", "fp16"])
 def test_generation_numba_equals_torch(preset):
     """A left-padded batch (rows flush on different steps: the slot layout), decode chunks flushed on the way:
-    the numba backend gives the torch backend's tokens and logits exactly."""
+    the numba backend gives the torch backend's tokens, and its logits exactly (to float32 rounding with a
+    low-rank term: observed < 1e-6)."""
     model = _tiny_llama()
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 128, (3, 45), generator=g)
@@ -193,7 +203,10 @@ def test_generation_numba_equals_torch(preset):
                                  do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
         outs.append((out.sequences, torch.stack(out.scores, 1)))
     assert torch.equal(outs[0][0], outs[1][0])
-    assert torch.equal(outs[0][1], outs[1][1])
+    if GearConfig.preset(preset).uses_lowrank:
+        assert (outs[0][1] - outs[1][1]).abs().max().item() < 1e-4
+    else:
+        assert torch.equal(outs[0][1], outs[1][1])
 
 
 def test_forced_numba_without_numba_fails_at_enable(monkeypatch):

@@ -176,7 +176,11 @@ class GearCache(Cache):
             rotary = lambda: self._rotary.get(layout.steps, "slots", rotary_emb, key_states,  # noqa: E731
                                               lambda: layout.slot_positions(slots))
             key_out, value_out = self._key_value_workspace(key_states, slots.local.shape[1], dtype)
-            keys = layer.key_stream.read_slots(slots, key_out, rotary() if rotate_in_read else None)
+            if rotate_in_read:
+                scratch, key_out = key_out, self._workspace.get("rotated keys", key_out.shape, dtype, key_out.device)
+                keys = layer.key_stream.read_slots(slots, key_out, rotary(), scratch)
+            else:
+                keys = layer.key_stream.read_slots(slots, key_out)
             values = layer.value_stream.read_slots(slots, value_out)
             attention_mask = self._slot_mask(slots, attention_mask)
             if rotate_in_read:
@@ -190,12 +194,11 @@ class GearCache(Cache):
         or None when the layout needs the plain read."""
         layer, layout = self.layers[layer_idx], self.layout
         start = layer.visible_start(layout.plan.rect_before)
-        B, H, _, d = key_states.shape
-        out = self._workspace.get("rotated keys", (B, H, layout.rect_length - start, d), key_states.dtype,
-                                  key_states.device)
+        scratch, _ = self._key_value_workspace(key_states, layout.rect_length - start, key_states.dtype)
+        out = self._workspace.get("rotated keys", scratch.shape, key_states.dtype, key_states.device)
         return layer.key_stream.read_rotated(layout, layout.plan.attend, layer.released, start, key_states.dtype,
-                                             self.gear_config.sink_tokens,
-                                             out, self.rotary_for_read(layer_idx, rotary_emb, key_states))
+                                             self.gear_config.sink_tokens, out,
+                                             self.rotary_for_read(layer_idx, rotary_emb, key_states), scratch)
 
     def _rotated(self, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """keys [B,H,T,d] rotated into the step's workspace (HF's apply_rotary_pos_emb bit for bit)."""

@@ -33,8 +33,8 @@ class Released:
 class _Segment:
     """One segment of every row: row b's tokens are at [0, length[b]) of what `take` gives ([B, H, n, d])."""
 
-    take: Callable[..., torch.Tensor]  # (dtype, out=None, rotary=None) -> [B,H,n,d]; a store reconstructs into
-    # `out`; rotary (cos, sin) [B|1,1,n,d]: rotated (keys before RoPE)
+    take: Callable[..., torch.Tensor]  # (dtype, out=None, rotary=None, scratch=None) -> [B,H,n,d]; a store
+    # reconstructs into `out`; rotary (cos, sin) [B|1,1,n,d]: rotated (keys before RoPE), through scratch (like out)
     local_start: tuple[int, ...]  # per row: row-local index of the segment's first token
     length: tuple[int, ...]
 
@@ -135,7 +135,7 @@ class Stream:
             return any(n and st + n > lo for st, n, lo in zip(starts, lengths, first_local))
 
         def tokens(store: TokenStore):
-            def take(dtype, out=None, rotary=None):
+            def take(dtype, out=None, rotary=None, scratch=None):
                 if out is None:
                     return store.data
                 if rotary is None:
@@ -144,7 +144,8 @@ class Stream:
             return take
 
         def chunks(store: ChunkStore, count: int):
-            return lambda dtype, out=None, rotary=None: store.reconstruct(count, dtype, out=out, rotary=rotary)
+            return lambda dtype, out=None, rotary=None, scratch=None: store.reconstruct(count, dtype, out, rotary,
+                                                                                       scratch)
 
         zeros = (0,) * len(s)
         if sink_tokens and needed(zeros, s):
@@ -161,10 +162,12 @@ class Stream:
         return out
 
     def read_rotated(self, layout: RowLayout, counts: RowCounts, released: Released, start: int,
-                     dtype: torch.dtype, sink_tokens: int, out: torch.Tensor, rotary) -> torch.Tensor | None:
+                     dtype: torch.dtype, sink_tokens: int, out: torch.Tensor, rotary,
+                     scratch: torch.Tensor) -> torch.Tensor | None:
         """`read` into out [B,H,T-start,d], every segment written rotated by rotary (cos, sin) [B|1,1,T-start,d]
-        (keys before RoPE: the attention's keys with no pass of their own), when the layout lets segments land
-        straight in their columns; else None (read, then rotate)."""
+        (keys before RoPE: the attention's keys with no pass of their own where the kernels can), when the layout
+        lets segments land straight in their columns; else None (read, then rotate). scratch: like out, for
+        segments decompressed before they are rotated."""
         B = self.buffer.data.shape[0]
         if not layout.uniform(counts):
             return None
@@ -175,7 +178,8 @@ class Stream:
         at = 0
         for seg in segments:  # every row fills each segment exactly: reconstruct straight into place
             n = seg.length[0]
-            seg.take(dtype, out=out[:, :, at : at + n], rotary=(cos[:, :, at : at + n], sin[:, :, at : at + n]))
+            seg.take(dtype, out[:, :, at : at + n], (cos[:, :, at : at + n], sin[:, :, at : at + n]),
+                     scratch[:, :, at : at + n])
             at += n
         return out
 
@@ -225,17 +229,21 @@ class Stream:
                     out[b, :, at : at + hi - lo] = data[b, :, lo - seg.local_start[b] : hi - seg.local_start[b]]
         return out
 
-    def read_slots(self, slots: SlotPlan, out: torch.Tensor, rotary=None) -> torch.Tensor:
+    def read_slots(self, slots: SlotPlan, out: torch.Tensor, rotary=None,
+                   scratch: torch.Tensor | None = None) -> torch.Tensor:
         """This layer's tokens in the slot layout (`SlotPlan`) into out [B,H,T_slot,d] (keys before RoPE): each
         store reconstructs for every row at once, straight into its columns; each row's buffer follows its own
         decode chunks. Holes hold finite leftovers (zeros of a short prompt chunk, unused chunk slots, old buffer
-        tokens) that the remapped mask hides. rotary: (cos, sin) [B,1,T_slot,d] to write every segment rotated
-        (see `read_rotated`)."""
+        tokens) that the remapped mask hides. rotary: (cos, sin) [B,1,T_slot,d] to write every segment rotated,
+        scratch: like out (see `read_rotated`)."""
         def cols(lo: int, hi: int, row: int | None = None):
             if rotary is None:
                 return None
             rows = slice(None) if row is None else slice(row, row + 1)
             return tuple(t[rows, :, lo:hi] for t in rotary)
+
+        def scratch_cols(lo: int, hi: int):
+            return None if scratch is None else scratch[:, :, lo:hi]
 
         def tokens(source: torch.Tensor, into: torch.Tensor, rotation):
             if rotation is None:
@@ -247,13 +255,13 @@ class Stream:
             tokens(self.sink.data[:, :, : slots.sink], out[:, :, : slots.sink], cols(0, slots.sink))
             at = slots.sink
         if slots.prompt:
-            self.prefill.reconstruct(1, out.dtype, out=out[:, :, at : at + slots.prompt],
-                                     rotary=cols(at, at + slots.prompt))
+            self.prefill.reconstruct(1, out.dtype, out[:, :, at : at + slots.prompt], cols(at, at + slots.prompt),
+                                     scratch_cols(at, at + slots.prompt))
             at += slots.prompt
         chunk_width = slots.chunks * self.chunk_len
         if slots.chunks:  # before the buffers: a row with fewer chunks has its buffer over the others' last chunks
-            self.decode.reconstruct(slots.chunks, out.dtype, out=out[:, :, at : at + chunk_width],
-                                    rotary=cols(at, at + chunk_width))
+            self.decode.reconstruct(slots.chunks, out.dtype, out[:, :, at : at + chunk_width],
+                                    cols(at, at + chunk_width), scratch_cols(at, at + chunk_width))
         # past the chunks only buffers are written, each as long as its row's: the rest of the tail is a hole that
         # must be finite (the masked weight 0 times NaN would poison the row), and `out` is an uninitialised
         # workspace (zeros rotate to zeros)

@@ -21,122 +21,182 @@ import numpy as np
 import torch
 
 from ..compress import ChunkSpec, CompressedChunk
-from ..compress.gear import add_lowrank
 
 _F32 = np.float32
 
 
-# Arrays come in whole (C-contiguous, so LLVM knows the unit stride and vectorizes) with the first row along
-# dim 2 that a call covers: `out, at` is rows [at, at + N) of out (a slice of the attention's workspace).
+# A run is decompressed one (row, head) plane [N, d] at a time: the quantized backbone into a scratch plane, the
+# low-rank and outlier terms added to it while it is in cache, then the plane written out once (rotated, for keys
+# read by the attention). Each stage is its own loop nest (a call or extra code inside a loop stopped LLVM from
+# vectorizing it). `out, at`: rows [at, at+N) of out, whole and C-contiguous (LLVM then knows the unit stride).
 
 
 @numba.njit(cache=True, nogil=True)
-def _channel_axis(codes, bits, group, scale, minimum, N, out, at, cos, sin, cos_at):
-    """Keys-style codes packed along tokens: codes [B,H,>=P(N),d] -> out[:, :, at:at+N] = code*scale + minimum,
-    with scale/minimum [B,H,N/group,d] float32 (groups run along tokens). cos/sin [B|1,1,>=cos_at+N,d] (or an
-    empty dim 2 for none): each row then rotated as `_rotate` does, while it is in cache (the keys' RoPE without a
-    pass of its own)."""
-    B, H, _, d = out.shape
-    half = d // 2
-    for b in range(B):
-        cb = b if cos.shape[0] > 1 else 0
-        for h in range(H):
-            for t in range(N):
-                g = t // group
-                if bits == 3:  # units of 8 tokens in 3 bytes: two 2-bit planes (tokens 0-3, 4-7), one high-bit plane
-                    unit, j = t // 8, t % 8
-                    low_row, low_shift, high_row = unit * 3 + j // 4, 2 * (j % 4), unit * 3 + 2
-                    for c in range(d):
-                        code = ((codes[b, h, low_row, c] >> low_shift) & 3) | (((codes[b, h, high_row, c] >> j) & 1) << 2)
-                        out[b, h, at + t, c] = _F32(code) * scale[b, h, g, c] + minimum[b, h, g, c]
-                else:
-                    per = 8 // bits
-                    row, shift, mask = t // per, bits * (t % per), (1 << bits) - 1
-                    for c in range(d):
-                        code = (codes[b, h, row, c] >> shift) & mask
-                        out[b, h, at + t, c] = _F32(code) * scale[b, h, g, c] + minimum[b, h, g, c]
-                if cos.shape[2]:
-                    for i in range(half):
-                        x1, x2 = out[b, h, at + t, i], out[b, h, at + t, i + half]
-                        ct = cos_at + t
-                        out[b, h, at + t, i] = x1 * cos[cb, 0, ct, i] - x2 * sin[cb, 0, ct, i]
-                        out[b, h, at + t, i + half] = x2 * cos[cb, 0, ct, i + half] + x1 * sin[cb, 0, ct, i + half]
+def _dequant_channel(codes, bits, group, scale, minimum, b, h, N, plane, rotate_rows, cos, sin, cos_at):
+    """Keys-style codes packed along tokens, codes [B,H,>=P(N),d] -> plane [N,d] = code*scale + minimum, with
+    scale/minimum [B,H,N/group,d] float32 (groups run along tokens). rotate_rows: each row then rotated in place
+    by cos/sin as `_write` does, while it is in cache (keys with nothing to add: no pass of their own)."""
+    d = plane.shape[1]
+    half, cb = d // 2, b if cos.shape[0] > 1 else 0
+    for t in range(N):
+        g = t // group
+        if bits == 3:  # units of 8 tokens in 3 bytes: two 2-bit planes (tokens 0-3, 4-7), one high-bit plane
+            unit, j = t // 8, t % 8
+            low_row, low_shift, high_row = unit * 3 + j // 4, 2 * (j % 4), unit * 3 + 2
+            for c in range(d):
+                code = ((codes[b, h, low_row, c] >> low_shift) & 3) | (((codes[b, h, high_row, c] >> j) & 1) << 2)
+                plane[t, c] = _F32(code) * scale[b, h, g, c] + minimum[b, h, g, c]
+        else:
+            per = 8 // bits
+            row, shift, mask = t // per, bits * (t % per), (1 << bits) - 1
+            for c in range(d):
+                code = (codes[b, h, row, c] >> shift) & mask
+                plane[t, c] = _F32(code) * scale[b, h, g, c] + minimum[b, h, g, c]
+        if rotate_rows:
+            ct = cos_at + t
+            for i in range(half):
+                x1, x2 = plane[t, i], plane[t, i + half]
+                plane[t, i] = x1 * cos[cb, 0, ct, i] - x2 * sin[cb, 0, ct, i]
+                plane[t, i + half] = x2 * cos[cb, 0, ct, i + half] + x1 * sin[cb, 0, ct, i + half]
 
 
 @numba.njit(cache=True, nogil=True)
-def _spread_codes(codes, bits, out):
-    """Codes packed along channels [B,H,N,P] -> one code per byte, out uint8 [B,H,N,W] contiguous (W: P's codes
-    rounded up to 8): each byte's (or 3-bit unit's) fields spread over the bytes of a wider integer (little-
-    endian). Lane-independent integer ops over whole rows vectorize; a per-code shift and mask does not."""
-    B, H, N, P = out.shape[0], out.shape[1], out.shape[2], codes.shape[3]
+def _spread_codes(codes, bits, b, h, N, out):
+    """Codes packed along channels, codes [B,H,>=N,P] -> one code per byte, out uint8 [N, W] (W: P's codes rounded
+    up to 8): each byte's (or 3-bit unit's) fields spread over the bytes of a wider integer (little-endian).
+    Lane-independent integer ops over whole rows vectorize; a per-code shift and mask does not."""
+    P = codes.shape[3]
     if bits == 8:
-        out[:, :, :, :P] = codes[:, :, :N]
+        for t in range(N):
+            for p in range(P):
+                out[t, p] = codes[b, h, t, p]
     elif bits == 4:
         out16 = out.view(np.uint16)
-        for b in range(B):
-            for h in range(H):
-                for t in range(N):
-                    for p in range(P):
-                        x = np.uint16(codes[b, h, t, p])
-                        out16[b, h, t, p] = (x | (x << 4)) & 0x0F0F
+        for t in range(N):
+            for p in range(P):
+                x = np.uint16(codes[b, h, t, p])
+                out16[t, p] = (x | (x << 4)) & 0x0F0F
     elif bits == 2:
         out32 = out.view(np.uint32)
-        for b in range(B):
-            for h in range(H):
-                for t in range(N):
-                    for p in range(P):
-                        x = (np.uint32(codes[b, h, t, p]) * np.uint32(0x1001)) & np.uint32(0x000F000F)
-                        out32[b, h, t, p] = (x * np.uint32(0x41)) & np.uint32(0x03030303)
+        for t in range(N):
+            for p in range(P):
+                x = (np.uint32(codes[b, h, t, p]) * np.uint32(0x1001)) & np.uint32(0x000F000F)
+                out32[t, p] = (x * np.uint32(0x41)) & np.uint32(0x03030303)
     else:  # 3 bits: units of 8 codes in 3 bytes (2-bit planes of codes 0-3 and 4-7, then the high bits)
         out64 = out.view(np.uint64)
-        for b in range(B):
-            for h in range(H):
-                for t in range(N):
-                    for u in range(P // 3):
-                        lo0 = (np.uint64(codes[b, h, t, 3 * u]) * np.uint64(0x1001)) & np.uint64(0x000F000F)
-                        lo1 = (np.uint64(codes[b, h, t, 3 * u + 1]) * np.uint64(0x1001)) & np.uint64(0x000F000F)
-                        lo0 = (lo0 * np.uint64(0x41)) & np.uint64(0x03030303)
-                        lo1 = (lo1 * np.uint64(0x41)) & np.uint64(0x03030303)
-                        hi = np.uint64(codes[b, h, t, 3 * u + 2])
-                        hi = (hi | (hi << np.uint64(28))) & np.uint64(0x0000000F0000000F)
-                        hi = (hi | (hi << np.uint64(14))) & np.uint64(0x0003000300030003)
-                        hi = (hi | (hi << np.uint64(7))) & np.uint64(0x0101010101010101)
-                        out64[b, h, t, u] = lo0 | (lo1 << np.uint64(32)) | (hi << np.uint64(2))
+        for t in range(N):
+            for u in range(P // 3):
+                lo0 = (np.uint64(codes[b, h, t, 3 * u]) * np.uint64(0x1001)) & np.uint64(0x000F000F)
+                lo1 = (np.uint64(codes[b, h, t, 3 * u + 1]) * np.uint64(0x1001)) & np.uint64(0x000F000F)
+                lo0 = (lo0 * np.uint64(0x41)) & np.uint64(0x03030303)
+                lo1 = (lo1 * np.uint64(0x41)) & np.uint64(0x03030303)
+                hi = np.uint64(codes[b, h, t, 3 * u + 2])
+                hi = (hi | (hi << np.uint64(28))) & np.uint64(0x0000000F0000000F)
+                hi = (hi | (hi << np.uint64(14))) & np.uint64(0x0003000300030003)
+                hi = (hi | (hi << np.uint64(7))) & np.uint64(0x0101010101010101)
+                out64[t, u] = lo0 | (lo1 << np.uint64(32)) | (hi << np.uint64(2))
 
 
 @numba.njit(cache=True, nogil=True)
-def _token_axis(codes, bits, scale, minimum, N, out, at):
-    """Values-style codes packed along channels: codes [B,H,>=N,P(d)] -> out[:, :, at:at+N] with out [B,H,T,G,g]
-    (the d channels as G groups of g) = code*scale + minimum, scale/minimum [B,H,N,G] float32. (Inner loops start at 0: LLVM vectorizes them; an offset start did not.)"""
-    B, H, _, G, g = out.shape
-    spread = np.empty((B, H, N, G, (codes.shape[3] * 8 // bits + 7) // 8 * 8 // G), dtype=np.uint8)
-    _spread_codes(codes, bits, spread.reshape(B, H, N, -1))
-    for b in range(B):
-        for h in range(H):
-            for t in range(N):
-                for k in range(G):
-                    s, m = scale[b, h, t, k], minimum[b, h, t, k]
-                    for c in range(g):
-                        out[b, h, at + t, k, c] = _F32(spread[b, h, t, k, c]) * s + m
+def _dequant_token(spread, scale, minimum, b, h, N, plane):
+    """Values-style: spread codes [N, G, >=g] (`_spread_codes`) -> plane [N, G, g] (the d channels as G groups of
+    g) = code*scale + minimum, scale/minimum [B,H,N,G] float32. (Inner loops start at 0: LLVM vectorizes them; an
+    offset start did not.)"""
+    G, g = plane.shape[1], plane.shape[2]
+    for t in range(N):
+        for k in range(G):
+            s, m = scale[b, h, t, k], minimum[b, h, t, k]
+            for c in range(g):
+                plane[t, k, c] = _F32(spread[t, k, c]) * s + m
 
 
 @numba.njit(cache=True, nogil=True)
-def _add_outliers(values, index, channel_axis, n, N, out, at):
-    """out[:, :, at:at+N] += S: values/index [B,H,C*k,d] (channel axis: token index within its chunk of n) or
+def _add_lowrank(a, a_scale, b_raw, b_scale, b, h, n, N, plane, bt, w):
+    """plane [N,d] += A Bᵀ of each chunk of n tokens, factors as stored (`CompressedChunk`): a [B,H,N,r], b
+    [B,H,C*d,r] (int8, or float32 cast from 16 bits) with per-chunk column scales [B,H,C,r] float32 (ones for
+    16-bit factors), scaled as `compress.gear._factor` does. Four rank terms per pass over a row, summed pairwise
+    (vectorized along d): float32 rounding differs from the matmul's. bt [R,d], w [R]: scratch, R = r rounded up to
+    4 (zero past r)."""
+    d, r = plane.shape[1], a.shape[3]
+    for chunk in range(N // n):
+        for k in range(r):
+            s = b_scale[b, h, chunk, k]
+            for c in range(d):
+                bt[k, c] = _F32(b_raw[b, h, chunk * d + c, k]) * s
+        for t in range(chunk * n, chunk * n + n):
+            for k in range(r):
+                w[k] = _F32(a[b, h, t, k]) * a_scale[b, h, chunk, k]
+            for k0 in range(0, bt.shape[0], 4):
+                w0, w1, w2, w3 = w[k0], w[k0 + 1], w[k0 + 2], w[k0 + 3]
+                for c in range(d):
+                    plane[t, c] += (w0 * bt[k0, c] + w1 * bt[k0 + 1, c]) + (w2 * bt[k0 + 2, c] + w3 * bt[k0 + 3, c])
+
+
+@numba.njit(cache=True, nogil=True)
+def _add_outliers(values, index, channel_axis, b, h, n, N, plane):
+    """plane [N,d] += S: values/index [B,H,C*k,d] (channel axis: token index within its chunk of n) or
     [B,H,N,k] (token axis: channel index). Unused slots hold value 0, adding nothing."""
-    B, H, E, K = values.shape
+    E, K = values.shape[2], values.shape[3]
+    if channel_axis:
+        per_chunk = E // (N // n)
+        for e in range(E):
+            first = (e // per_chunk) * n
+            for c in range(K):
+                plane[first + index[b, h, e, c], c] += values[b, h, e, c]
+    else:
+        for t in range(E):
+            for k in range(K):
+                plane[t, index[b, h, t, k]] += values[b, h, t, k]
+
+
+@numba.njit(cache=True, nogil=True)
+def _write(plane, b, h, N, out, at, cos, sin, cos_at):
+    """out[b, h, at:at+N] = plane [N,d], rotated by cos/sin [B|1,1,>=cos_at+N,d] as `_rotate` does (an empty dim
+    2: as is)."""
+    d = plane.shape[1]
+    if cos.shape[2] == 0:
+        for t in range(N):
+            for c in range(d):
+                out[b, h, at + t, c] = plane[t, c]
+        return
+    half, cb = d // 2, b if cos.shape[0] > 1 else 0
+    for t in range(N):
+        ct = cos_at + t
+        for i in range(half):
+            x1, x2 = plane[t, i], plane[t, i + half]
+            out[b, h, at + t, i] = x1 * cos[cb, 0, ct, i] - x2 * sin[cb, 0, ct, i]
+            out[b, h, at + t, i + half] = x2 * cos[cb, 0, ct, i + half] + x1 * sin[cb, 0, ct, i + half]
+
+
+@numba.njit(cache=True, nogil=True)
+def _decompress(codes, bits, group, channel_axis, scale, minimum, a, a_scale, b_raw, b_scale, values, index, n, N,
+                out, at, cos, sin, cos_at):
+    """A run of N = C*n tokens (the arrays of `decompress_into`) into out[:, :, at:at+N], plane by plane."""
+    B, H, _, d = out.shape
+    plane = np.empty((N, d), dtype=np.float32)  # one (row, head) at a time, while terms are added
+    spread = np.empty((0 if channel_axis else N, d), dtype=np.uint8)  # (token axis: d % 8 == 0, so codes fill d)
+    bt = np.zeros(((a.shape[3] + 3) // 4 * 4, d), dtype=np.float32)
+    w = np.zeros(bt.shape[0], dtype=np.float32)
+    # nothing to add to the codes (and keys rotated row by row as they are written): straight into out, no plane
+    rotate = cos.shape[2] > 0
+    direct = a.shape[3] == 0 and values.shape[2] == 0 and (channel_axis or not rotate)
     for b in range(B):
         for h in range(H):
+            target = out[b, h, at : at + N] if direct else plane
             if channel_axis:
-                per_chunk = E // (N // n)
-                for e in range(E):
-                    first = at + (e // per_chunk) * n
-                    for c in range(K):
-                        out[b, h, first + index[b, h, e, c], c] += values[b, h, e, c]
+                _dequant_channel(codes, bits, group, scale, minimum, b, h, N, target, direct and rotate, cos, sin,
+                                 cos_at)
             else:
-                for t in range(E):
-                    for k in range(K):
-                        out[b, h, at + t, index[b, h, t, k]] += values[b, h, t, k]
+                _spread_codes(codes, bits, b, h, N, spread)
+                G = d // group
+                _dequant_token(spread.reshape(N, G, group), scale, minimum, b, h, N, target.reshape(N, G, group))
+            if direct:
+                continue
+            if a.shape[3]:
+                _add_lowrank(a, a_scale, b_raw, b_scale, b, h, n, N, plane, bt, w)
+            if values.shape[2]:
+                _add_outliers(values, index, channel_axis, b, h, n, N, plane)
+            _write(plane, b, h, N, out, at, cos, sin, cos_at)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -212,33 +272,42 @@ def decompress_supported(spec: ChunkSpec, head_dim: int, out: torch.Tensor | Non
     return True
 
 
-def decompress_into(chunk: CompressedChunk, spec: ChunkSpec, n: int, d: int, chunks: int,
-                    out: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """`gear_hf.compress.decompress` of `chunks` consecutive chunks of n tokens into out [B,H,chunks*n,d] float32,
-    bit for bit (`decompress_supported` says when it applies): codes and outliers here, the low-rank term by the
-    same torch matmul (a numba loop summing the rank terms was no faster). The 16-bit stats and outliers are cast
-    to float32 first (1/group of the codes' size). rotary: (cos, sin) [B|1,1,chunks*n,d] to return the tokens
-    rotated (`rotate_into`'s result), in the same pass when nothing is added after the codes."""
-    bits, group, N = int(spec.bits), spec.group_for(n, d), chunks * n
-    scale, minimum = chunk.scale.float().numpy(), chunk.minimum.float().numpy()
+def decompress_into(chunk: CompressedChunk, spec: ChunkSpec, n: int, d: int, chunks: int, out: torch.Tensor,
+                    rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """`gear_hf.compress.decompress` of `chunks` consecutive chunks of n tokens into out [B,H,chunks*n,d] float32
+    (`decompress_supported` says when it applies): bit for bit without a low-rank term, else to float32 rounding
+    (the rank terms summed in another order than the matmul's). rotary: (cos, sin) [B|1,1,chunks*n,d] to return
+    the tokens rotated (`rotate_into`'s result: keys read by the attention), in the same pass. The 16-bit side
+    fields are cast to float32 first (1/group of the codes' size)."""
     codes, code_at = _readable(chunk.codes)
-    codes = codes[:, :, code_at:]
-    fused = rotary is not None and spec.axis == "channel" and not chunk.sparse_index.numel() \
-        and not chunk.lowrank_a.shape[-1]
-    target, whole, at = _target(out if rotary is None or fused else torch.empty(out.shape))
-    if spec.axis == "channel":
-        (cos, cos_at), (sin, sin_at) = (_readable(t) for t in rotary) if fused else ((_NO_ROTATION, 0),) * 2
-        assert cos_at == sin_at, "cos and sin tables of one layout"
-        _channel_axis(codes, bits, group, scale, minimum, N, whole, at, cos, sin, cos_at)
-    else:
-        _token_axis(codes, bits, scale, minimum, N, whole.reshape(*whole.shape[:3], d // group, group), at)
-    if chunk.sparse_index.numel():
-        _add_outliers(chunk.sparse_values.float().numpy(), chunk.sparse_index.contiguous().numpy(),
-                      spec.axis == "channel", n, N, whole, at)
-    add_lowrank(target, chunk, n, d, chunks)
-    if rotary is not None and not fused:  # terms added after the codes: rotate the sum, into out
-        return rotate_into(target, *rotary, out)
+    factors = _factors(chunk, chunks) if chunk.lowrank_a.shape[-1] else _NO_FACTORS
+    outliers = (chunk.sparse_values.float().contiguous().numpy(), chunk.sparse_index.contiguous().numpy()) \
+        if chunk.sparse_index.numel() else _NO_OUTLIERS
+    (cos, cos_at), (sin, sin_at) = (_readable(t) for t in rotary) if rotary else ((_NO_ROTATION, 0),) * 2
+    assert cos_at == sin_at, "cos and sin tables of one layout"
+    target, whole, at = _target(out)
+    _decompress(codes[:, :, code_at:], int(spec.bits), spec.group_for(n, d), spec.axis == "channel",
+                chunk.scale.float().numpy(), chunk.minimum.float().numpy(), *factors, *outliers, n, chunks * n, whole,
+                at, cos, sin, cos_at)
     return out if target is out else out.copy_(target)
+
+
+def _factors(chunk: CompressedChunk, chunks: int) -> tuple:
+    """(a, a_scale, b, b_scale) as `_add_lowrank` reads them: int8 factors as stored with their per-chunk column
+    scales, 16-bit factors cast to float32 with scales of one."""
+    a, b = chunk.lowrank_a, chunk.lowrank_b
+    if a.dtype == torch.int8:
+        a_scale, b_scale = chunk.lowrank_a_scale.float(), chunk.lowrank_b_scale.float()
+    else:
+        a, b = a.float(), b.float()
+        a_scale = b_scale = torch.ones(a.shape[0], a.shape[1], chunks, a.shape[3])
+    return tuple(t.contiguous().numpy() for t in (a, a_scale, b, b_scale))
+
+
+# no low-rank term / no outliers: empty arrays of the kernel's types (rank 0, no entries)
+_NO_FACTORS = (np.zeros((0, 0, 0, 0), dtype=np.int8), np.zeros((0, 0, 0, 0), dtype=np.float32),
+               np.zeros((0, 0, 0, 0), dtype=np.int8), np.zeros((0, 0, 0, 0), dtype=np.float32))
+_NO_OUTLIERS = (np.zeros((0, 0, 0, 0), dtype=np.float32), np.zeros((0, 0, 0, 0), dtype=np.uint8))
 
 
 _NO_ROTATION = np.zeros((1, 1, 0, 1), dtype=np.float32)
