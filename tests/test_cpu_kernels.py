@@ -21,6 +21,7 @@ from gear_hf.compress import ChunkSpec, CompressedChunk, compress, decompress  #
 from gear_hf.config import GearConfig  # noqa: E402
 from gear_hf.kernels import cpu, cpu_kernels, resolve_backend  # noqa: E402
 from gear_hf.rope import RotaryMemo, apply_rotary  # noqa: E402
+from reference_match import assert_matches_oracle  # noqa: E402
 
 
 def _run(x: torch.Tensor, spec: ChunkSpec, n: int) -> CompressedChunk:
@@ -28,14 +29,6 @@ def _run(x: torch.Tensor, spec: ChunkSpec, n: int) -> CompressedChunk:
     chunks = [compress(x[:, :, i : i + n], spec) for i in range(0, x.shape[2], n)]
     return CompressedChunk(**{f.name: torch.cat([getattr(c, f.name) for c in chunks], dim=2)
                               for f in dataclasses.fields(CompressedChunk)})
-
-
-def _assert_matches(got: torch.Tensor, expected: torch.Tensor, spec: ChunkSpec) -> None:
-    """Bit for bit, except the low-rank term's float32 rounding (its rank terms are summed in another order)."""
-    if spec.rank:
-        torch.testing.assert_close(got, expected, rtol=0, atol=4 * torch.finfo(torch.float32).eps * expected.abs().max())
-    else:
-        assert torch.equal(got, expected)
 
 
 SPECS = [
@@ -57,7 +50,7 @@ def test_decompress_into_equals_decompress(spec):
     out = workspace[:, :, 5 : 5 + n * chunks]
     assert cpu.decompress_supported(spec, d, out)
     cpu.decompress_into(run, spec, n, d, chunks, out)
-    _assert_matches(out, expected, spec)
+    assert_matches_oracle(out, expected, bool(spec.rank))
     assert workspace[:, :, :5].isnan().all() and workspace[:, :, 5 + n * chunks:].isnan().all()  # nothing else written
 
 
@@ -73,7 +66,7 @@ def test_decompress_into_rotated_equals_rotated_decompress(spec):
     rotary = (cos[:, :, 7 : 7 + n * chunks], sin[:, :, 7 : 7 + n * chunks])
     expected = apply_rotary(decompress(run, spec, n, d, torch.float32, chunks=chunks), *rotary)
     out = torch.empty(B, 3, 80, d)[:, :, 3 : 3 + n * chunks]
-    _assert_matches(cpu.decompress_into(run, spec, n, d, chunks, out, rotary), expected, spec)
+    assert_matches_oracle(cpu.decompress_into(run, spec, n, d, chunks, out, rotary), expected, bool(spec.rank))
 
 
 def test_decompress_of_store_views_and_bf16_side():
@@ -86,8 +79,8 @@ def test_decompress_of_store_views_and_bf16_side():
                               for f in dataclasses.fields(CompressedChunk)})
     assert not wide.codes.is_contiguous() and run.scale.dtype == torch.bfloat16
     out = torch.empty(2, 3, 64, 64)
-    _assert_matches(cpu.decompress_into(wide, spec, 16, 64, 4, out), decompress(run, spec, 16, 64, torch.float32, 4),
-                    spec)
+    assert_matches_oracle(cpu.decompress_into(wide, spec, 16, 64, 4, out),
+                          decompress(run, spec, 16, 64, torch.float32, 4), low_rank=True)
 
 
 def test_decompress_supported_declines():
@@ -109,7 +102,8 @@ def test_outputs_numba_cannot_view():
     run = _run(torch.randn(2, 3, 32, 64), spec, 32)
     out = torch.empty(2, 3, 64, 32).transpose(2, 3)
     assert cpu._rows(out) is None and cpu.decompress_supported(spec, 64, out)
-    _assert_matches(cpu.decompress_into(run, spec, 32, 64, 1, out), decompress(run, spec, 32, 64, torch.float32), spec)
+    assert_matches_oracle(cpu.decompress_into(run, spec, 32, 64, 1, out), decompress(run, spec, 32, 64, torch.float32),
+                          low_rank=True)
     x, cos, sin = torch.randn(2, 3, 32, 64), torch.randn(1, 1, 32, 64), torch.randn(1, 1, 32, 64)
     assert torch.equal(cpu.rotate_into(x, cos, sin, torch.empty(2, 3, 64, 32).transpose(2, 3)), apply_rotary(x, cos, sin))
 
