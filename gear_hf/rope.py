@@ -64,7 +64,8 @@ class RotaryMemo:
     by every layer that reads the same columns with the same rotary module (Gemma 3 has two: local and
     global). Across steps only the new columns are computed: when a step's positions extend the previous
     step's, the previous cos/sin are kept and the new columns' appended (the rotary module maps each position on
-    its own, so this is what computing them all gives, as stock decoding computes only the new token's)."""
+    its own, so this is what computing them all gives, as stock decoding computes only the new token's). Entries
+    live for two steps at most."""
 
     def __init__(self) -> None:
         self._entries: dict = {}  # (columns, rotary, dtype, device) -> (step, positions [B,T], (cos, sin))
@@ -77,6 +78,8 @@ class RotaryMemo:
         entry = self._entries.get(key)
         if entry is not None and entry[0] == step:
             return entry[2]
+        # entries older than the previous step are not extended any more (a sliding layer's start column moves)
+        self._entries = {k: e for k, e in self._entries.items() if e[0] >= step - 1}
         now = positions()
         if entry is not None and _extends(now, entry[1]):
             done = entry[1].shape[1]

@@ -31,6 +31,14 @@ DEFAULT_METHODS = ("dynamic", "hf-quanto-int2", "hf-quanto-int4", "fp16", "kivi-
 QUICK_METHODS = ("dynamic", "hf-quanto-int2", "fp16", "kivi-2", "gear-2")
 
 
+def _cpu_reads() -> str:
+    from gear_hf import GearConfig
+    from gear_hf.kernels import resolve_backend
+
+    backend = resolve_backend(GearConfig(), "cpu")
+    return "numba CPU kernels (backend 'numba')" if backend == "numba" else f"{backend} backend"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", default=os.environ.get("GEAR_BENCH_QUICK") == "1")
@@ -64,7 +72,8 @@ def main(argv=None) -> int:
         prompts = [p.prompt for p in benchlib.gsm8k_prompts(max(batches))]
         for batch in batches:
             ids = benchlib.fixed_length_batch(tokenizer, prompts, args.T, batch)
-            benchlib.run_generate(model, ids[:1, -64:], "dynamic", 2)  # warm-up (allocator, lazy init)
+            for method in methods:  # warm-up: allocator, lazy init, JIT kernels (numba loads or compiles them once)
+                benchlib.run_generate(model, ids[:1, -256:], method, 4)
             for rep in range(args.repeats):
                 order = methods[rep % len(methods):] + methods[: rep % len(methods)]
                 for method in order:
@@ -114,7 +123,7 @@ def main(argv=None) -> int:
             f"{args.repeats} interleaved repeats; ratio = median of per-repeat ratios to DynamicCache; fast steps = "
             f"batch / 20th percentile of a run's step durations (robust to bursts of load from other processes). HF QuantizedCache: "
             f"quanto backend, defaults (per-token axes, post-RoPE), q_group_size=64, residual_length={args.hf_residual}. "
-            "gear_hf: reference path (no Triton on CPU)."]
+            f"gear_hf: reference path (no Triton on CPU), its reads by the {_cpu_reads()}."]
     if skipped:
         body.append(f"Not measured (backend not installed): {', '.join(skipped)}.")
     body.append(benchlib.markdown_table(rows, [

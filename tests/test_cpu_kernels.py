@@ -164,6 +164,9 @@ def test_rotary_memo_extends_exactly():
         assert torch.equal(cos[:, 0], full_cos) and torch.equal(sin[:, 0], full_sin)
     moved = torch.arange(5, 1008)[None].repeat(2, 1)  # not an extension: computed afresh
     assert torch.equal(memo.get(3, 0, rotary, like, lambda: moved)[0][:, 0], rotary(like, moved)[0])
+    for step in range(4, 10):  # a sliding layer's start column moves every step: old entries are dropped
+        memo.get(step, step, rotary, like, lambda: moved)
+    assert len(memo._entries) <= 2
 
 
 def _tiny_llama():

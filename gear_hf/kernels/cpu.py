@@ -1,4 +1,4 @@
-"""CPU read kernels (numba): a chunk run decompressed, and keys rotated, in one pass each.
+"""CPU read kernels (numba): a chunk run decompressed (and keys rotated) in one pass.
 
 The reference path reconstructs the whole compressed history every decode step. In eager torch that is a
 dozen whole-history passes per layer (unpack, cast, scale, shift, outliers, low-rank, RoPE), each at memory
@@ -6,8 +6,8 @@ speed, and on a 2-core machine they cost more than the model's attention itself.
 codes once and write each float once.
 
 They compute what `gear_hf.compress.decompress` and `gear_hf.rope.apply_rotary` compute (those stay the oracle):
-the dequantization and RoPE bit for bit (same float32 operations in the same order, no contraction into
-fused multiply-adds), the outlier and low-rank terms to float32 rounding (a matmul's summation order is BLAS's).
+bit for bit (same float32 operations in the same order, no contraction into fused multiply-adds) except where a
+low-rank term is added: that is summed in another order than the matmul's, so equal to float32 rounding.
 What they cover (`decompress_supported`): uniform widths 2/3/4/8, either axis, outliers, low-rank, no
 Hadamard rotation, no per-channel widths, float32 output; anything else takes the torch path.
 
