@@ -9,6 +9,7 @@ def assert_matches_oracle(got: torch.Tensor, expected: torch.Tensor, low_rank: b
     """Bit for bit, except that with a low-rank term its float32 rounding may differ (the numba kernels sum the
     rank terms in another order than the matmul): then within a few ulps of the largest entry."""
     if low_rank:
-        torch.testing.assert_close(got, expected, rtol=0, atol=4 * torch.finfo(torch.float32).eps * expected.abs().max())
+        tolerance = 4 * torch.finfo(torch.float32).eps * expected.abs().max()
+        torch.testing.assert_close(got, expected, rtol=0, atol=tolerance)
     else:
         assert torch.equal(got, expected)

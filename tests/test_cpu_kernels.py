@@ -75,8 +75,8 @@ def test_decompress_of_store_views_and_bf16_side():
     spec = ChunkSpec(2, "channel", 16, 0.02, 2, factor_bits=8)
     x = torch.randn(2, 3, 64, 64)
     run = _run(x, spec, 16)
-    wide = CompressedChunk(**{f.name: torch.cat([getattr(run, f.name)] * 2, dim=2)[:, :, : getattr(run, f.name).shape[2]]
-                              for f in dataclasses.fields(CompressedChunk)})
+    fields = {f.name: getattr(run, f.name) for f in dataclasses.fields(CompressedChunk)}
+    wide = CompressedChunk(**{name: torch.cat([t, t], dim=2)[:, :, : t.shape[2]] for name, t in fields.items()})
     assert not wide.codes.is_contiguous() and run.scale.dtype == torch.bfloat16
     out = torch.empty(2, 3, 64, 64)
     assert_matches_oracle(cpu.decompress_into(wide, spec, 16, 64, 4, out),
@@ -105,7 +105,8 @@ def test_outputs_numba_cannot_view():
     assert_matches_oracle(cpu.decompress_into(run, spec, 32, 64, 1, out), decompress(run, spec, 32, 64, torch.float32),
                           low_rank=True)
     x, cos, sin = torch.randn(2, 3, 32, 64), torch.randn(1, 1, 32, 64), torch.randn(1, 1, 32, 64)
-    assert torch.equal(cpu.rotate_into(x, cos, sin, torch.empty(2, 3, 64, 32).transpose(2, 3)), apply_rotary(x, cos, sin))
+    transposed = torch.empty(2, 3, 64, 32).transpose(2, 3)
+    assert torch.equal(cpu.rotate_into(x, cos, sin, transposed), apply_rotary(x, cos, sin))
 
 
 @pytest.mark.parametrize("batch_cos", [1, 2])
@@ -208,5 +209,6 @@ def test_generation_numba_equals_torch(preset):
 
 def test_forced_numba_without_numba_fails_at_enable(monkeypatch):
     monkeypatch.setattr("gear_hf.kernels.numba_available", lambda: False)
-    with pytest.raises(ValueError, match=r"'numba' was forced but numba is not installed \(pip install 'gear-hf\[cpu\]'\)"):
+    message = r"'numba' was forced but numba is not installed \(pip install 'gear-hf\[cpu\]'\)"
+    with pytest.raises(ValueError, match=message):
         gear_hf.enable(_tiny_llama(), GearConfig(backend="numba"))

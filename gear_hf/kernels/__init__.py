@@ -34,7 +34,8 @@ import torch
 from ..config import BACKENDS
 from ..rope import apply_rotary
 
-__all__ = ["triton_available", "numba_available", "interpreting", "resolve_backend", "cpu_kernels", "rotate", "fused_supported", "use_fused",
+__all__ = ["triton_available", "numba_available", "interpreting", "resolve_backend", "cpu_kernels", "rotate",
+           "fused_supported", "use_fused",
            "quantize_pack_supports",
            "quantize_pack", "decode_attention", "cache_decode_attention"]
 
@@ -44,29 +45,30 @@ _LAZY = {"quantize_pack": "quant", "decode_attention": "decode", "cache_decode_a
 MAX_FUSED_QUERY = 16
 
 
-@functools.lru_cache(maxsize=None)
-def triton_available() -> bool:
-    """True when `import triton` works (checked once, in a way that does not leave triton half-imported)."""
-    if importlib.util.find_spec("triton") is None:
+def _importable(*modules: str) -> bool:
+    """True when every module imports (checked without leaving the first half-imported when it is absent). A broken
+    install (a CPU-only triton wheel without its backend, a numba too old for the installed numpy) counts as
+    absent."""
+    if importlib.util.find_spec(modules[0]) is None:
         return False
     try:
-        importlib.import_module("triton")
-        importlib.import_module("triton.language")
-    except Exception:  # a broken install (e.g. a CPU-only wheel without its backend) counts as absent
+        for module in modules:
+            importlib.import_module(module)
+    except Exception:
         return False
     return True
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    """True when `import triton` works (checked once)."""
+    return _importable("triton", "triton.language")
 
 
 @functools.lru_cache(maxsize=None)
 def numba_available() -> bool:
-    """True when `import numba` works (the CPU read kernels' compiler)."""
-    if importlib.util.find_spec("numba") is None:
-        return False
-    try:
-        importlib.import_module("numba")
-    except Exception:  # e.g. a numba too old for the installed numpy counts as absent
-        return False
-    return True
+    """True when `import numba` works (the CPU read kernels' compiler; checked once)."""
+    return _importable("numba")
 
 
 def interpreting() -> bool:

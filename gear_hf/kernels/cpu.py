@@ -111,25 +111,28 @@ def _dequant_token(spread, scale, minimum, b, h, N, plane):
 
 
 @numba.njit(cache=True, nogil=True)
-def _add_lowrank(a, a_scale, b_raw, b_scale, b, h, n, N, plane, bt, w):
+def _add_lowrank(a, a_scale, b_raw, b_scale, b, h, n, N, plane, bt, weights):
     """plane [N,d] += A Bᵀ of each chunk of n tokens, factors as stored (`CompressedChunk`): a [B,H,N,r], b
     [B,H,C*d,r] (int8, or float32 cast from 16 bits) with per-chunk column scales [B,H,C,r] float32 (ones for
     16-bit factors), scaled as `compress.gear._factor` does. Four rank terms per pass over a row, summed pairwise
-    (vectorized along d): float32 rounding differs from the matmul's. bt [R,d], w [R]: scratch, R = r rounded up to
-    4 (zero past r)."""
-    d, r = plane.shape[1], a.shape[3]
+    (vectorized along d): float32 rounding differs from the matmul's. Scratch: bt [R,d] (the chunk's Bᵀ) and
+    weights [n,R] (its A), R = r rounded up to 4, zero past r."""
+    d, r, terms = plane.shape[1], a.shape[3], bt.shape[0]
     for chunk in range(N // n):
         for k in range(r):
             s = b_scale[b, h, chunk, k]
             for c in range(d):
                 bt[k, c] = _F32(b_raw[b, h, chunk * d + c, k]) * s
-        for t in range(chunk * n, chunk * n + n):
+        for t in range(n):
             for k in range(r):
-                w[k] = _F32(a[b, h, t, k]) * a_scale[b, h, chunk, k]
-            for k0 in range(0, bt.shape[0], 4):
-                w0, w1, w2, w3 = w[k0], w[k0 + 1], w[k0 + 2], w[k0 + 3]
+                weights[t, k] = _F32(a[b, h, chunk * n + t, k]) * a_scale[b, h, chunk, k]
+        for k0 in range(0, terms, 4):
+            b0, b1, b2, b3 = bt[k0], bt[k0 + 1], bt[k0 + 2], bt[k0 + 3]
+            for t in range(n):
+                w0, w1, w2, w3 = weights[t, k0], weights[t, k0 + 1], weights[t, k0 + 2], weights[t, k0 + 3]
+                row = plane[chunk * n + t]
                 for c in range(d):
-                    plane[t, c] += (w0 * bt[k0, c] + w1 * bt[k0 + 1, c]) + (w2 * bt[k0 + 2, c] + w3 * bt[k0 + 3, c])
+                    row[c] += (w0 * b0[c] + w1 * b1[c]) + (w2 * b2[c] + w3 * b3[c])
 
 
 @numba.njit(cache=True, nogil=True)
@@ -176,7 +179,7 @@ def _decompress(codes, bits, group, channel_axis, scale, minimum, a, a_scale, b_
     plane = np.empty((N, d), dtype=np.float32)  # one (row, head) at a time, while terms are added
     spread = np.empty((0 if channel_axis else N, d), dtype=np.uint8)  # (token axis: d % 8 == 0, so codes fill d)
     bt = np.zeros(((a.shape[3] + 3) // 4 * 4, d), dtype=np.float32)
-    w = np.zeros(bt.shape[0], dtype=np.float32)
+    weights = np.zeros((n if a.shape[3] else 0, bt.shape[0]), dtype=np.float32)
     # nothing to add to the codes (and keys rotated row by row as they are written): straight into out, no plane
     rotate = cos.shape[2] > 0
     direct = a.shape[3] == 0 and values.shape[2] == 0 and (channel_axis or not rotate)
@@ -193,7 +196,7 @@ def _decompress(codes, bits, group, channel_axis, scale, minimum, a, a_scale, b_
             if direct:
                 continue
             if a.shape[3]:
-                _add_lowrank(a, a_scale, b_raw, b_scale, b, h, n, N, plane, bt, w)
+                _add_lowrank(a, a_scale, b_raw, b_scale, b, h, n, N, plane, bt, weights)
             if values.shape[2]:
                 _add_outliers(values, index, channel_axis, b, h, n, N, plane)
             _write(plane, b, h, N, out, at, cos, sin, cos_at)
@@ -219,8 +222,9 @@ def _rotate(x, x_at, cos, sin, cos_at, T, out, out_at):
 # -- torch-facing entry points --------------------------------------------------------------------------------
 def _rows(t: torch.Tensor):
     """(a C-contiguous numpy array over the tensor t lies in, t's first row along dim 2) when t [B,H,N,...] is rows
-    [at, at+N) of a C-contiguous [B,H,T,...] tensor (a slice of a workspace or a store field), else None. numba compiles C-contiguous arrays with unit strides, which is what lets loops vectorize.
-    (Plain stride arithmetic: this runs a few times per layer and step.)"""
+    [at, at+N) of a C-contiguous [B,H,T,...] tensor (a slice of a workspace or a store field), else None. numba
+    compiles C-contiguous arrays with unit strides, which is what lets loops vectorize. (Plain stride arithmetic:
+    this runs a few times per layer and step.)"""
     if t.is_contiguous():
         return t.numpy(), 0
     shape, stride = t.shape, t.stride()
@@ -304,12 +308,10 @@ def _factors(chunk: CompressedChunk, chunks: int) -> tuple:
     return tuple(t.contiguous().numpy() for t in (a, a_scale, b, b_scale))
 
 
-# no low-rank term / no outliers: empty arrays of the kernel's types (rank 0, no entries)
+# no low-rank term / no outliers / no rotation: empty arrays of the kernel's types (rank 0, no entries, no rows)
 _NO_FACTORS = (np.zeros((0, 0, 0, 0), dtype=np.int8), np.zeros((0, 0, 0, 0), dtype=np.float32),
                np.zeros((0, 0, 0, 0), dtype=np.int8), np.zeros((0, 0, 0, 0), dtype=np.float32))
 _NO_OUTLIERS = (np.zeros((0, 0, 0, 0), dtype=np.float32), np.zeros((0, 0, 0, 0), dtype=np.uint8))
-
-
 _NO_ROTATION = np.zeros((1, 1, 0, 1), dtype=np.float32)
 
 
