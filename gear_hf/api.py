@@ -56,12 +56,11 @@ def _check_rope(rotary: torch.nn.Module, config: GearConfig) -> None:
 
 def _check_backend(config: GearConfig) -> None:
     """A forced Triton or numba backend that cannot run here fails now, not inside the first generate."""
-    from .kernels import interpreting, numba_available, resolve_backend, triton_available  # no triton import
+    from .kernels import NUMBA_MISSING, interpreting, numba_available, resolve_backend, triton_available  # light
 
     choice = resolve_backend(config, "cpu")  # on a CPU device only a forced choice says triton
     if choice == "numba" and not numba_available():  # (auto picks numba only when it imports)
-        raise ValueError("GEAR backend 'numba' was forced but numba is not installed (pip install 'gear-hf[cpu]'); "
-                         "use backend='auto' or 'torch'")
+        raise ValueError(NUMBA_MISSING)
     if choice != "triton":
         return
     source = ("GearConfig.backend='triton'" if config.backend == "triton"

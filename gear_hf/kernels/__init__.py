@@ -10,8 +10,8 @@ The kernel modules are imported on first use:
   and its low-level launcher (`decode_attention`);
 * `gear_hf.kernels.reference` - the float32 torch oracle and a cache builder (tests, benchmark; no triton);
 * `gear_hf.kernels.compile_check` - compiles the kernels for sm_90/sm_80 with ptxas on a machine without a GPU;
-* `gear_hf.kernels.cpu` - numba loops for the CPU reference path: a chunk run decompressed, keys rotated (bit for
-  bit the torch functions, one pass each).
+* `gear_hf.kernels.cpu` - numba loops for the CPU reference path: a chunk run decompressed and keys rotated in one
+  pass (bit for bit the torch functions without a low-rank term, to float32 rounding with one).
 
 Triton without a GPU: every launch fails unless TRITON_INTERPRET=1 is set *before* the kernel modules are
 imported (triton decides at decoration time); the tests do that.
@@ -40,6 +40,9 @@ __all__ = ["triton_available", "numba_available", "interpreting", "resolve_backe
            "quantize_pack", "decode_attention", "cache_decode_attention"]
 
 _LAZY = {"quantize_pack": "quant", "decode_attention": "decode", "cache_decode_attention": "decode"}
+
+NUMBA_MISSING = ("GEAR backend 'numba' was forced but numba is not installed (pip install 'gear-hf[cpu]'); use "
+                 "backend='auto' or 'torch'")
 
 # The fused kernel is a decode kernel: steps with more new tokens per row (the prompt) use the torch path.
 MAX_FUSED_QUERY = 16
@@ -106,8 +109,7 @@ def cpu_kernels(config, device):
     if resolve_backend(config, device) != "numba":
         return None
     if not numba_available():  # forced (gear_hf.enable refuses that up front; a bare GearCache gets here)
-        raise ValueError("GEAR backend 'numba' was forced but numba is not installed (pip install 'gear-hf[cpu]'); "
-                         "use backend='auto' or 'torch'")
+        raise ValueError(NUMBA_MISSING)
     return _cpu_module()
 
 
