@@ -91,9 +91,6 @@ class RotaryMemo:
         self._entries[key] = (step, now, cos_sin)
         return cos_sin
 
-    def clear(self) -> None:
-        self._entries.clear()
-
 
 def _extends(positions: torch.Tensor, before: torch.Tensor) -> bool:
     """positions [B,T] starts with `before` [B,T0] (T0 <= T): the previous step's columns, unchanged."""
