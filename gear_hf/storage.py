@@ -139,9 +139,14 @@ class ChunkStore:
         `chunks[j]` of row `rows[j]`. Chunks of one length compress exactly as each would alone (every statistic
         is per batch row), so batching changes no bit; callers group jobs by length. channel_bits [J,H,d]: the
         jobs' key widths (an allocated spec)."""
-        compressed = compress(x, self.spec, quantize_pack=self._quantize_pack(x), channel_bits=channel_bits)
+        compressed = compress(x, self.spec, quantize_pack=self._quantize_pack(x), channel_bits=channel_bits,
+                              backbone=self._backbone(x))
         full = x.shape[2] == self.chunk_len
-        self.reserve(compressed, batch, max(max(chunks) + 1, reserve_chunks), example_is_full=full)
+        capacity = max(max(chunks) + 1, reserve_chunks)
+        if not self.fields and full and capacity == 1 and rows == list(range(batch)):
+            self._adopt(compressed)  # the whole store, as compressed (a prompt chunk of every row at once)
+            return
+        self.reserve(compressed, batch, capacity, example_is_full=full)
         row_index = torch.tensor(rows, device=x.device)
         for name in FIELDS:
             src = getattr(compressed, name)  # [J, H, e, ...]: a short chunk may fill less (extent, rank)
@@ -153,6 +158,20 @@ class ChunkStore:
             for j, (row, chunk) in enumerate(zip(rows, chunks)):
                 target = self.fields[name][row, :, chunk * e : chunk * e + src.shape[2]]
                 target[tuple(slice(0, n) for n in src.shape[1:])] = src[j]
+
+    def _adopt(self, chunk: CompressedChunk) -> None:
+        """Take a compressed chunk of every row as the store's one chunk: its tensors become the fields (those
+        that own their memory exactly; others are copied), with no zero-filled allocation and no copy."""
+        for name in FIELDS:
+            t = getattr(chunk, name)
+            owns = t.is_contiguous() and t.storage_offset() == 0 \
+                and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+            self.fields[name] = t if owns else t.clone(memory_format=torch.contiguous_format)
+            self.extent[name] = t.shape[2]
+        self._runs.clear()
+        self.capacity = 1
+        self.head_dim = chunk.lowrank_b.shape[2]
+        self.dtype = chunk.scale.dtype
 
     def discard_leading(self, count: int, live: int) -> None:
         """Drop the first `count` chunks of every row, moving the next `live` ones to the front (a sliding
@@ -194,6 +213,13 @@ class ChunkStore:
         if not kernels.quantize_pack_supports(self.spec, x.shape[2], x.shape[3]):
             return None  # e.g. a group the packing kernel cannot split into bytes: the torch engine handles it
         return kernels.quantize_pack
+
+    def _backbone(self, x: torch.Tensor):
+        """The numba compression kernel when the backend resolves to numba for x's device and covers the spec."""
+        cpu = kernels.cpu_kernels(kernels.Backend(self.backend), x.device)
+        if cpu is None or not cpu.compress_supported(self.spec, x):
+            return None
+        return cpu.compress_backbone
 
     def reconstruct(self, chunks: int, out_dtype: torch.dtype, out: torch.Tensor | None = None,
                     rotary: tuple[torch.Tensor, torch.Tensor] | None = None,

@@ -101,7 +101,7 @@ def test_outputs_numba_cannot_view():
     spec = ChunkSpec(3, "token", 16, 0.05, 2, factor_bits=8)
     run = _run(torch.randn(2, 3, 32, 64), spec, 32)
     out = torch.empty(2, 3, 64, 32).transpose(2, 3)
-    assert cpu._rows(out) is None and cpu.decompress_supported(spec, 64, out)
+    assert cpu.arrays.rows(out) is None and cpu.decompress_supported(spec, 64, out)
     assert_matches_oracle(cpu.decompress_into(run, spec, 32, 64, 1, out), decompress(run, spec, 32, 64, torch.float32),
                           low_rank=True)
     x, cos, sin = torch.randn(2, 3, 32, 64), torch.randn(1, 1, 32, 64), torch.randn(1, 1, 32, 64)
@@ -129,11 +129,11 @@ def test_rows_views():
     base = torch.arange(2 * 3 * 50 * 8, dtype=torch.float32).view(2, 3, 50, 8)
     for view in (base[:, :, 5:20], base[:1, :, 0:9], base[:, 1:2, 7:9], base[1:, :, 45:],
                  base.view(6, 1, 50, 8)[1:, :, 3:5]):
-        whole, at = cpu._rows(view)
+        whole, at = cpu.arrays.rows(view)
         assert torch.equal(torch.from_numpy(whole)[:, :, at : at + view.shape[2]], view)
-    assert cpu._rows(base.transpose(2, 3)[:, :, :4]) is None
-    assert cpu._rows(base[..., ::2]) is None
-    assert cpu._rows(base[:, ::2, 5:9]) is None  # heads skipped
+    assert cpu.arrays.rows(base.transpose(2, 3)[:, :, :4]) is None
+    assert cpu.arrays.rows(base[..., ::2]) is None
+    assert cpu.arrays.rows(base[:, ::2, 5:9]) is None  # heads skipped
 
 
 def test_backend_choice(monkeypatch):

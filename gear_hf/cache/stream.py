@@ -86,13 +86,13 @@ class Stream:
             if self.prefill is None:
                 self.prefill = ChunkStore(self.prefill_spec, prompt_capacity, self.backend)
             x = data[rows[0] : rows[0] + 1, :, :length] if len(rows) == 1 else data[rows, :, :length]
-            finite.append(torch.isfinite(x).all())
+            finite.append(kernels.all_finite(kernels.Backend(self.backend), x))
             bits = self._channel_bits(rows, x, self.prefill_spec, batch, query_energy)
             self.prefill.compress_rows(x, rows, [0] * len(rows), batch, 1, bits)
         if flush.decode_jobs:
             rows = [row for row, _, _ in flush.decode_jobs]
             x = torch.stack([data[row, :, start : start + self.chunk_len] for row, start, _ in flush.decode_jobs])
-            finite.append(torch.isfinite(x).all())
+            finite.append(kernels.all_finite(kernels.Backend(self.backend), x))
             slots = [chunk - released_chunks for _, _, chunk in flush.decode_jobs]
             bits = self._channel_bits(rows, x, self.decode_spec, batch, query_energy)
             self.decode.compress_rows(x, rows, slots, batch, reserve_chunks, bits)

@@ -201,14 +201,72 @@ def add_lowrank(x: torch.Tensor, chunk: CompressedChunk, n: int, d: int, chunks:
     return x
 
 
+@dataclass
+class Backbone:
+    """What a chunk stores before its low-rank term (D̂ and S), and the residual that term is fitted to."""
+
+    codes: torch.Tensor  # packed as CompressedChunk.codes
+    channel_bits: torch.Tensor
+    scale: torch.Tensor
+    minimum: torch.Tensor
+    sparse_values: torch.Tensor  # side dtype, 0 at unused slots
+    sparse_index: torch.Tensor  # int64, select_outliers' layout
+    residual: torch.Tensor | None  # [B,H,n,d] float32: (rotated) X - D̂ - S, when the spec has a low-rank term
+
+
 def compress(x: torch.Tensor, spec: ChunkSpec, valid: torch.Tensor | None = None,
-             quantize_pack=None, channel_bits: torch.Tensor | None = None) -> CompressedChunk:
+             quantize_pack=None, channel_bits: torch.Tensor | None = None, backbone=None) -> CompressedChunk:
     """Compress x [B,H,n,d]. valid [B,n] bool marks real tokens; padding takes no part in any statistic.
     channel_bits: uint8 [B,H,d], each channel's width (1..8), for an allocated spec (allocation.py) and only then.
 
     quantize_pack: optional accelerated (x, bits, axis, group, exclude, stats_dtype) -> (packed codes, scale,
     minimum) that must equal quant.quantize + pack_codes bit for bit (gear_hf.kernels.quantize_pack on CUDA).
+    backbone: optional accelerated (x, spec) -> Backbone that must equal `compute_backbone` bit for bit, for
+    chunks it covers without valid or channel_bits (gear_hf.kernels.cpu_compress on the CPU).
     """
+    B, H, n, d = x.shape
+    store = side_dtype(x.dtype)
+    if backbone is not None and valid is None and channel_bits is None:
+        part = backbone(x, spec)
+    else:
+        part = compute_backbone(x, spec, valid, quantize_pack, channel_bits)
+    empty_scale = x.new_zeros(B, H, 0, spec.rank, dtype=store)
+    a_scale = b_scale = empty_scale
+    if spec.rank:
+        residual = part.residual
+        lowrank_a, lowrank_b = lowrank.lowrank_fit(residual, spec.rank, spec.power_iters, valid,
+                                                   out_dtype=torch.float32)
+        if spec.factor_bits == 8:
+            lowrank_a, a_scale = _quantize_factor(lowrank_a, store)
+            # refit B to the quantized A (least squares: B = Rᵀ A (AᵀA)⁻¹), then quantize it
+            a = lowrank_a.float() * a_scale.float()
+            # non-finite input is refused by the cache once per step (no sync here): keep pinv from raising first
+            gram = torch.nan_to_num(a.transpose(-1, -2) @ a)  # [B,H,r,r]
+            eye = torch.eye(gram.shape[-1], device=x.device)
+            refit = residual.transpose(-1, -2) @ a @ torch.linalg.pinv(gram + 1e-12 * eye)  # [B,H,d,r]
+            lowrank_b, b_scale = _quantize_factor(refit, store)
+        else:
+            lowrank_a, lowrank_b = (lowrank.to_finite(f, store) for f in (lowrank_a, lowrank_b))
+    else:
+        lowrank_a, lowrank_b = x.new_zeros(B, H, n, 0, dtype=store), x.new_zeros(B, H, d, 0, dtype=store)
+    return CompressedChunk(
+        codes=part.codes,
+        channel_bits=part.channel_bits,
+        scale=part.scale,
+        minimum=part.minimum,
+        sparse_values=part.sparse_values,
+        sparse_index=part.sparse_index.to(outliers.index_dtype(n if spec.axis == "channel" else d)),
+        lowrank_a=lowrank_a,
+        lowrank_b=lowrank_b,
+        lowrank_a_scale=a_scale,
+        lowrank_b_scale=b_scale,
+    )
+
+
+def compute_backbone(x: torch.Tensor, spec: ChunkSpec, valid: torch.Tensor | None = None,
+                     quantize_pack=None, channel_bits: torch.Tensor | None = None) -> Backbone:
+    """D̂ and S of x [B,H,n,d] (outliers chosen, the rest quantized, outliers made exact), and, for a spec with a
+    low-rank term, the residual (`compress` documents the arguments)."""
     B, H, n, d = x.shape
     store = side_dtype(x.dtype)
     group = spec.group_for(n, d)
@@ -245,39 +303,14 @@ def compress(x: torch.Tensor, spec: ChunkSpec, valid: torch.Tensor | None = None
     elif packed is None or index.numel():  # outlier entries got their own codes: pack again
         padded = _padded_to_unit(codes, spec.bits) if spec.axis == "token" else codes
         packed = quant.pack_codes(padded, spec.bits, spec.pack_dim)
-    empty_scale = x.new_zeros(B, H, 0, spec.rank, dtype=store)
-    a_scale = b_scale = empty_scale
+    residual = None
     if spec.rank:
         approx = quant.dequantize(codes, scale, minimum, spec.axis, group, d, torch.float32)  # [B,H,n,d]
         outliers.scatter_add_entries(approx, index, sparse_values, spec.axis)  # D̂ + S, in place
         residual = torch.sub(work, approx, out=approx)  # [B,H,n,d] float32 (work promoted), in approx's memory
-        lowrank_a, lowrank_b = lowrank.lowrank_fit(residual, spec.rank, spec.power_iters, valid,
-                                                   out_dtype=torch.float32)
-        if spec.factor_bits == 8:
-            lowrank_a, a_scale = _quantize_factor(lowrank_a, store)
-            # refit B to the quantized A (least squares: B = Rᵀ A (AᵀA)⁻¹), then quantize it
-            a = lowrank_a.float() * a_scale.float()
-            # non-finite input is refused by the cache once per step (no sync here): keep pinv from raising first
-            gram = torch.nan_to_num(a.transpose(-1, -2) @ a)  # [B,H,r,r]
-            eye = torch.eye(gram.shape[-1], device=x.device)
-            refit = residual.transpose(-1, -2) @ a @ torch.linalg.pinv(gram + 1e-12 * eye)  # [B,H,d,r]
-            lowrank_b, b_scale = _quantize_factor(refit, store)
-        else:
-            lowrank_a, lowrank_b = (lowrank.to_finite(f, store) for f in (lowrank_a, lowrank_b))
-    else:
-        lowrank_a, lowrank_b = x.new_zeros(B, H, n, 0, dtype=store), x.new_zeros(B, H, d, 0, dtype=store)
-    return CompressedChunk(
-        codes=packed,
-        channel_bits=bits if channel_bits is not None else x.new_zeros(B, H, 0, d, dtype=torch.uint8),
-        scale=scale,
-        minimum=minimum,
-        sparse_values=sparse_values,
-        sparse_index=index.to(outliers.index_dtype(n if spec.axis == "channel" else d)),
-        lowrank_a=lowrank_a,
-        lowrank_b=lowrank_b,
-        lowrank_a_scale=a_scale,
-        lowrank_b_scale=b_scale,
-    )
+    return Backbone(codes=packed,
+                    channel_bits=bits if channel_bits is not None else x.new_zeros(B, H, 0, d, dtype=torch.uint8),
+                    scale=scale, minimum=minimum, sparse_values=sparse_values, sparse_index=index, residual=residual)
 
 
 def decompress(chunk: CompressedChunk, spec: ChunkSpec, n: int, d: int, out_dtype: torch.dtype,

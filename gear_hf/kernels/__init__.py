@@ -11,7 +11,8 @@ The kernel modules are imported on first use:
 * `gear_hf.kernels.reference` - the float32 torch oracle and a cache builder (tests, benchmark; no triton);
 * `gear_hf.kernels.compile_check` - compiles the kernels for sm_90/sm_80 with ptxas on a machine without a GPU;
 * `gear_hf.kernels.cpu` - numba loops for the CPU reference path: a chunk run decompressed and keys rotated in one
-  pass (bit for bit the torch functions without a low-rank term, to float32 rounding with one).
+  pass (bit for bit the torch functions without a low-rank term, to float32 rounding with one); a chunk's outliers,
+  codes and residual compressed in one pass per plane (bit for bit `compress.gear.compute_backbone`).
 
 Triton without a GPU: every launch fails unless TRITON_INTERPRET=1 is set *before* the kernel modules are
 imported (triton decides at decoration time); the tests do that.
@@ -35,7 +36,7 @@ from ..config import BACKENDS
 from ..rope import apply_rotary
 
 __all__ = ["triton_available", "numba_available", "interpreting", "resolve_backend", "cpu_kernels", "rotate",
-           "fused_supported", "use_fused",
+           "all_finite", "fused_supported", "use_fused",
            "quantize_pack_supports",
            "quantize_pack", "decode_attention", "cache_decode_attention"]
 
@@ -128,6 +129,14 @@ def rotate(config, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: t
     if cpu is not None and cpu.rotate_supported(x, cos, out):
         return cpu.rotate_into(x, cos, sin, out)
     return apply_rotary(x, cos, sin, out=out, scratch=scratch)
+
+
+def all_finite(config, x: torch.Tensor) -> torch.Tensor:
+    """torch.isfinite(x).all() (a 0-dim bool on x's device): one integer pass of the CPU kernel where it applies
+    (what a cache compresses is checked once per step; torch's check of a bf16 tensor is several times slower)."""
+    cpu = cpu_kernels(config, x.device)
+    flag = cpu.all_finite(x) if cpu is not None else None
+    return torch.isfinite(x).all() if flag is None else flag
 
 
 @functools.lru_cache(maxsize=None)

@@ -9,10 +9,7 @@ They compute what `gear_hf.compress.decompress` and `gear_hf.rope.apply_rotary` 
 bit for bit (same float32 operations in the same order, no contraction into fused multiply-adds) except where a
 low-rank term is added: that is summed in another order than the matmul's, so equal to float32 rounding.
 What they cover (`decompress_supported`): uniform widths 2/3/4/8, either axis, outliers, low-rank, no
-Hadamard rotation, no per-channel widths, float32 output; anything else takes the torch path.
-
-numba is imported on first use only (`import gear_hf` stays light); compiled loops are cached on disk.
-"""
+Hadamard rotation, no per-channel widths, float32 output; anything else takes the torch path."""
 
 from __future__ import annotations
 
@@ -20,7 +17,8 @@ import numba
 import numpy as np
 import torch
 
-from ..compress import ChunkSpec, CompressedChunk
+from ...compress import ChunkSpec, CompressedChunk
+from . import arrays
 
 _F32 = np.float32
 
@@ -220,50 +218,6 @@ def _rotate(x, x_at, cos, sin, cos_at, T, out, out_at):
 
 
 # -- torch-facing entry points --------------------------------------------------------------------------------
-def _rows(t: torch.Tensor):
-    """(a C-contiguous numpy array over the tensor t lies in, t's first row along dim 2) when t [B,H,N,...] is rows
-    [at, at+N) of a C-contiguous [B,H,T,...] tensor (a slice of a workspace or a store field), else None. numba
-    compiles C-contiguous arrays with unit strides, which is what lets loops vectorize. (Plain stride arithmetic:
-    this runs a few times per layer and step.)"""
-    if t.is_contiguous():
-        return t.numpy(), 0
-    shape, stride = t.shape, t.stride()
-    inner = 1
-    for size, step in zip(reversed(shape[3:]), reversed(stride[3:])):
-        if step != inner and size > 1:
-            return None
-        inner *= size
-    B, H, N = shape[:3]
-    if stride[2] != inner:
-        return None
-    T = (stride[1] if H > 1 else stride[0]) // inner  # (B = H = 1: contiguous, returned above)
-    offset = t.storage_offset()
-    at = (offset // inner) % T if T else 0
-    start = offset - at * inner  # where the [B,H,T,...] tensor t lies in begins
-    if (H > 1 and stride[1] != T * inner) or (B > 1 and stride[0] != H * T * inner) or offset % inner \
-            or at + N > T or (start + B * H * T * inner) * t.element_size() > t.untyped_storage().nbytes():
-        return None
-    whole = (B, H, T, *shape[3:])
-    contiguous = [inner * T * H, inner * T, inner]
-    for size in shape[3:]:
-        contiguous.append(contiguous[-1] // size)
-    return torch.as_strided(t, whole, contiguous, start).numpy(), at
-
-
-def _target(out: torch.Tensor):
-    """(tensor to write, its `_rows`): out itself, or a temporary to copy into out after when numba cannot view it."""
-    rows = _rows(out)
-    if rows is None:
-        out = torch.empty(out.shape)
-        rows = _rows(out)
-    return (out, *rows)
-
-
-def _readable(t: torch.Tensor):
-    """(array, first row) to read t through: `_rows` (a slice viewed whole, no copy), else a contiguous copy."""
-    return _rows(t) or (t.contiguous().numpy(), 0)
-
-
 def decompress_supported(spec: ChunkSpec, head_dim: int, out: torch.Tensor | None) -> bool:
     """True when `decompress_into` covers this spec and output (else the torch `decompress` runs)."""
     if spec.allocated or spec.rotate or spec.bits not in (2, 3, 4, 8):
@@ -283,17 +237,17 @@ def decompress_into(chunk: CompressedChunk, spec: ChunkSpec, n: int, d: int, chu
     (the rank terms summed in another order than the matmul's). rotary: (cos, sin) [B|1,1,chunks*n,d] to return
     the tokens rotated (`rotate_into`'s result: keys read by the attention), in the same pass. The 16-bit side
     fields are cast to float32 first (1/group of the codes' size)."""
-    codes, code_at = _readable(chunk.codes)
+    codes, code_at = arrays.readable(chunk.codes)
     factors = _factors(chunk, chunks) if chunk.lowrank_a.shape[-1] else _NO_FACTORS
     outliers = (chunk.sparse_values.float().contiguous().numpy(), chunk.sparse_index.contiguous().numpy()) \
         if chunk.sparse_index.numel() else _NO_OUTLIERS
-    (cos, cos_at), (sin, sin_at) = (_readable(t) for t in rotary) if rotary else ((_NO_ROTATION, 0),) * 2
+    (cos, cos_at), (sin, sin_at) = (arrays.readable(t) for t in rotary) if rotary else ((_NO_ROTATION, 0),) * 2
     assert cos_at == sin_at, "cos and sin tables of one layout"
-    target, whole, at = _target(out)
+    written, whole, at = arrays.target(out)
     _decompress(codes[:, :, code_at:], int(spec.bits), spec.group_for(n, d), spec.axis == "channel",
                 chunk.scale.float().numpy(), chunk.minimum.float().numpy(), *factors, *outliers, n, chunks * n, whole,
                 at, cos, sin, cos_at)
-    return out if target is out else out.copy_(target)
+    return out if written is out else out.copy_(written)
 
 
 def _factors(chunk: CompressedChunk, chunks: int) -> tuple:
@@ -323,9 +277,9 @@ def rotate_supported(x: torch.Tensor, cos: torch.Tensor, out: torch.Tensor) -> b
 
 def rotate_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """`gear_hf.rope.apply_rotary(x, cos, sin, out=out)`, bit for bit, in one pass (`rotate_supported`)."""
-    source = _readable(x)
-    target, whole, at = _target(out)
-    (cos, cos_at), (sin, sin_at) = _readable(cos), _readable(sin)
+    source = arrays.readable(x)
+    written, whole, at = arrays.target(out)
+    (cos, cos_at), (sin, sin_at) = arrays.readable(cos), arrays.readable(sin)
     assert cos_at == sin_at, "cos and sin tables of one layout"
     _rotate(*source, cos, sin, cos_at, x.shape[2], whole, at)
-    return out if target is out else out.copy_(target)
+    return out if written is out else out.copy_(written)

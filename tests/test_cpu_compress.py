@@ -1,0 +1,114 @@
+"""The numba compression kernel (`gear_hf.kernels.cpu.compress`) against the torch oracle, bit for bit.
+
+`compute_backbone` (outlier choice, group statistics, codes, exact outliers, packing, residual) is what
+`compress_backbone` must equal exactly. Inputs are chosen to break a careless port: ties (small integers), signed
+zeros, constant groups, values near the 16-bit range, vectors exactly 2k long, groups that do not split d.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+
+numba = pytest.importorskip("numba")
+
+from gear_hf.compress import ChunkSpec, compress  # noqa: E402
+from gear_hf.compress.gear import compute_backbone  # noqa: E402
+from gear_hf.kernels import Backend, all_finite  # noqa: E402
+from gear_hf.kernels.cpu import compress_backbone, compress_supported  # noqa: E402
+from gear_hf.storage import ChunkStore  # noqa: E402
+
+
+def _inputs(kind: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(len(kind))
+    if kind == "gaussian":  # channels of different ranges, a few large entries
+        x = torch.randn(shape, generator=g) * (1 + 3 * torch.rand(shape[-1], generator=g))
+        x[..., 3, 1] = 50.0
+    elif kind == "ties":  # few distinct values: every ranking decided by position
+        x = torch.randint(-3, 3, shape, generator=g).float() * 0.5
+    elif kind == "signed_zeros":  # -0.0 and +0.0 rank equal; one huge entry
+        x = torch.where(torch.rand(shape, generator=g) < 0.5, 0.0, -0.0)
+        x[..., 1, 1] = 1e30
+    else:  # "wide": heavy tails up to the edge of bf16's range
+        x = torch.randn(shape, generator=g) ** 3 * 1e4
+        x[..., 0, :] = 1e38
+    return x.to(dtype)
+
+
+def _assert_same(expected, got):
+    for field in dataclasses.fields(expected):
+        a, b = getattr(expected, field.name), getattr(got, field.name)
+        if a is None:
+            assert b is None, field.name
+            continue
+        assert a.shape == b.shape and a.dtype == b.dtype, (field.name, a.shape, b.shape, a.dtype, b.dtype)
+        # values, not bits: a group of signed zeros may store its minimum as -0.0 or +0.0 (torch's amin picks
+        # either), which decodes to the same values
+        assert torch.equal(a, b), (field.name, (a != b).sum().item())
+
+
+CASES = [
+    (bits, axis, n, d, ratio, rank, group)
+    for bits, axis in itertools.product((2, 3, 4, 8), ("channel", "token"))
+    for n, d, ratio, rank, group in ((64, 64, 0.02, 2, 16), (128, 24, 0.1, 0, 0), (32, 20, 0.5, 3, 8),
+                                     (256, 64, 0.02, 4, 64), (16, 64, 0.0, 2, 0))
+    if not (axis == "channel" and group and n % group)
+]
+
+
+@pytest.mark.parametrize("bits,axis,n,d,ratio,rank,group", CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_compress_backbone_equals_compute_backbone(bits, axis, n, d, ratio, rank, group, dtype):
+    spec = ChunkSpec(bits, axis, group, ratio, rank)
+    for kind in ("gaussian", "ties", "signed_zeros", "wide"):
+        x = _inputs(kind, (2, 3, n, d), dtype)
+        assert compress_supported(spec, x)
+        _assert_same(compute_backbone(x, spec), compress_backbone(x, spec))
+
+
+def test_compress_with_the_kernel_equals_compress():
+    """Whole chunks: the low-rank fit runs on the kernel's residual, so every stored field is the same."""
+    spec = ChunkSpec(2, "channel", 32, 0.02, 4, factor_bits=8)
+    x = _inputs("gaussian", (2, 3, 128, 64), torch.bfloat16)[:, :, 16:80]  # a slice of a wider buffer
+    _assert_same(compress(x, spec), compress(x, spec, backbone=compress_backbone))
+
+
+def test_compress_supported_declines():
+    x = torch.zeros(1, 2, 64, 64, dtype=torch.bfloat16)
+    assert compress_supported(ChunkSpec(2, "channel", 16, 0.02, 2), x)
+    assert not compress_supported(ChunkSpec(2, "channel", 16, 0.02, 2), x.half())  # fp16 side information
+    assert not compress_supported(ChunkSpec(2, "channel", 16, 0.0, 0, rotate=True), x)
+    assert not compress_supported(ChunkSpec(2, "channel", 16, 0.0, 0, range_search=True), x)
+    assert not compress_supported(ChunkSpec(2.5, "channel", 16, 0.0, 0, allocated=True), x)
+    assert not compress_supported(ChunkSpec(2, "channel", 48, 0.0, 0), x)  # 48 does not split 64 tokens
+    assert not compress_supported(ChunkSpec(3, "channel", 0, 0.0, 0), x[:, :, :60])  # 3-bit units of 8 tokens
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_all_finite(dtype):
+    buffer = torch.randn(2, 3, 40, 64).to(dtype)
+    x = buffer[:, :, 5:30]
+    assert bool(all_finite(Backend("numba"), x)) and bool(all_finite(Backend("torch"), x))
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        y = buffer.clone()
+        y[1, 2, 29, 63] = bad
+        assert not bool(all_finite(Backend("numba"), y[:, :, 5:30]))
+        assert bool(all_finite(Backend("numba"), y[:, :, 5:29]))  # outside the slice: not looked at
+
+
+def test_prompt_store_adopts_the_compressed_chunk():
+    """A prompt chunk of every row at once becomes the store as it is: the same fields as copying it in."""
+    spec = ChunkSpec(2, "token", 64, 0.02, 2, factor_bits=8)
+    x = torch.randn(2, 3, 64, 64, dtype=torch.bfloat16)
+    adopted, copied = ChunkStore(spec, 64, "numba"), ChunkStore(spec, 64, "numba")
+    adopted.compress_rows(x, [0, 1], [0, 0], batch=2, reserve_chunks=1)
+    copied.compress_rows(x[:1], [0], [0], batch=2, reserve_chunks=1)
+    copied.compress_rows(x[1:], [1], [0], batch=2, reserve_chunks=1)
+    assert adopted.fields.keys() == copied.fields.keys() and adopted.capacity == copied.capacity == 1
+    for name, t in adopted.fields.items():
+        assert torch.equal(t, copied.fields[name]), name
+    assert adopted.extent == copied.extent
+    assert torch.equal(adopted.reconstruct(1, torch.float32), copied.reconstruct(1, torch.float32))
