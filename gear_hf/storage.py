@@ -139,8 +139,9 @@ class ChunkStore:
         `chunks[j]` of row `rows[j]`. Chunks of one length compress exactly as each would alone (every statistic
         is per batch row), so batching changes no bit; callers group jobs by length. channel_bits [J,H,d]: the
         jobs' key widths (an allocated spec)."""
+        backbone, factors = self._cpu_steps(x)
         compressed = compress(x, self.spec, quantize_pack=self._quantize_pack(x), channel_bits=channel_bits,
-                              backbone=self._backbone(x))
+                              backbone=backbone, factors=factors)
         full = x.shape[2] == self.chunk_len
         capacity = max(max(chunks) + 1, reserve_chunks)
         if not self.fields and full and capacity == 1 and rows == list(range(batch)):
@@ -214,12 +215,13 @@ class ChunkStore:
             return None  # e.g. a group the packing kernel cannot split into bytes: the torch engine handles it
         return kernels.quantize_pack
 
-    def _backbone(self, x: torch.Tensor):
-        """The numba compression kernel when the backend resolves to numba for x's device and covers the spec."""
+    def _cpu_steps(self, x: torch.Tensor):
+        """(backbone, factors) for `compress`: the numba kernels when the backend resolves to numba for x's device
+        and they cover the spec, else (None, None)."""
         cpu = kernels.cpu_kernels(kernels.Backend(self.backend), x.device)
         if cpu is None or not cpu.compress_supported(self.spec, x):
-            return None
-        return cpu.compress_backbone
+            return None, None
+        return cpu.compress_backbone, cpu.fit_factors
 
     def reconstruct(self, chunks: int, out_dtype: torch.dtype, out: torch.Tensor | None = None,
                     rotary: tuple[torch.Tensor, torch.Tensor] | None = None,

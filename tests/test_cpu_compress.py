@@ -1,7 +1,8 @@
-"""The numba compression kernel (`gear_hf.kernels.cpu.compress`) against the torch oracle, bit for bit.
+"""The numba compression kernels (`gear_hf.kernels.cpu.compress`, `.lowrank`) against the torch oracle.
 
 `compute_backbone` (outlier choice, group statistics, codes, exact outliers, packing, residual) is what
-`compress_backbone` must equal exactly. Inputs are chosen to break a careless port: ties (small integers), signed
+`compress_backbone` must equal exactly; `gear.fit_factors` is what `cpu.fit_factors` must equal to float32
+rounding. Inputs are chosen to break a careless port: ties (small integers), signed
 zeros, constant groups, values near the 16-bit range, vectors exactly 2k long, groups that do not split d.
 """
 
@@ -16,8 +17,8 @@ import torch
 numba = pytest.importorskip("numba")
 
 from gear_hf.compress import ChunkSpec, compress  # noqa: E402
-from gear_hf.compress.gear import compute_backbone  # noqa: E402
-from gear_hf.kernels import Backend, all_finite  # noqa: E402
+from gear_hf.compress.gear import compute_backbone, fit_factors  # noqa: E402
+from gear_hf.kernels import Backend, all_finite, cpu  # noqa: E402
 from gear_hf.kernels.cpu import compress_backbone, compress_supported  # noqa: E402
 from gear_hf.storage import ChunkStore  # noqa: E402
 
@@ -112,3 +113,36 @@ def test_prompt_store_adopts_the_compressed_chunk():
         assert torch.equal(t, copied.fields[name]), name
     assert adopted.extent == copied.extent
     assert torch.equal(adopted.reconstruct(1, torch.float32), copied.reconstruct(1, torch.float32))
+
+
+def _product(a, b, a_scale, b_scale):
+    """A Bᵀ of stored factors (dequantized)."""
+    a, b = a.float(), b.float()
+    if a_scale.shape[2]:
+        a, b = a * a_scale.float(), b * b_scale.float()
+    return a @ b.transpose(-1, -2)
+
+
+@pytest.mark.parametrize("factor_bits", [8, 16])
+@pytest.mark.parametrize("n,d,rank", [(256, 64, 4), (64, 64, 2), (16, 20, 3), (2, 64, 4)])
+def test_fit_factors_equals_torch_fit(n, d, rank, factor_bits):
+    """Same shapes and dtypes as `gear.fit_factors`; the same A Bᵀ to float32 rounding (a column may come out with
+    the other sign; an int8 code at a rounding boundary may differ by one)."""
+    torch.manual_seed(n + d + rank)
+    spec = ChunkSpec(2, "channel", 0, 0.0, rank, factor_bits=factor_bits)
+    residual = torch.randn(2, 3, n, d) * 0.1 + torch.randn(2, 3, n, 1) @ torch.randn(2, 3, 1, d)
+    expected, got = fit_factors(residual, spec, torch.bfloat16), cpu.fit_factors(residual, spec, torch.bfloat16)
+    for e, g in zip(expected, got):
+        assert e.shape == g.shape and e.dtype == g.dtype
+    p_expected, p_got = _product(*expected), _product(*got)
+    assert (p_got - p_expected).norm() <= 1e-2 * p_expected.norm()
+    fit_error = (residual - p_expected).norm()
+    assert abs((residual - p_got).norm() - fit_error) <= 1e-3 * residual.norm()
+
+
+def test_fit_factors_of_zeros_and_a_fp16_side_dtype():
+    spec = ChunkSpec(2, "channel", 0, 0.0, 2, factor_bits=8)
+    a, b, a_scale, b_scale = cpu.fit_factors(torch.zeros(1, 2, 64, 64), spec, torch.bfloat16)
+    assert not _product(a, b, a_scale, b_scale).any() and torch.isfinite(a_scale.float()).all()
+    with pytest.raises(ValueError, match="bf16"):
+        cpu.fit_factors(torch.zeros(1, 2, 64, 64), spec, torch.float16)

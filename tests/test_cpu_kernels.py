@@ -186,7 +186,7 @@ def _tiny_llama():
 def test_generation_numba_equals_torch(preset):
     """A left-padded batch (rows flush on different steps: the slot layout), decode chunks flushed on the way:
     the numba backend gives the torch backend's tokens, and its logits exactly (to float32 rounding with a
-    low-rank term: observed < 1e-6)."""
+    low-rank term, which numba fits and sums in another order: observed < 1e-5)."""
     model = _tiny_llama()
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 128, (3, 45), generator=g)

@@ -16,6 +16,7 @@ This is the reference implementation (the oracle for the kernels); the cache sto
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -215,40 +216,30 @@ class Backbone:
 
 
 def compress(x: torch.Tensor, spec: ChunkSpec, valid: torch.Tensor | None = None,
-             quantize_pack=None, channel_bits: torch.Tensor | None = None, backbone=None) -> CompressedChunk:
+             quantize_pack=None, channel_bits: torch.Tensor | None = None, backbone=None,
+             factors=None) -> CompressedChunk:
     """Compress x [B,H,n,d]. valid [B,n] bool marks real tokens; padding takes no part in any statistic.
     channel_bits: uint8 [B,H,d], each channel's width (1..8), for an allocated spec (allocation.py) and only then.
 
-    quantize_pack: optional accelerated (x, bits, axis, group, exclude, stats_dtype) -> (packed codes, scale,
-    minimum) that must equal quant.quantize + pack_codes bit for bit (gear_hf.kernels.quantize_pack on CUDA).
-    backbone: optional accelerated (x, spec) -> Backbone that must equal `compute_backbone` bit for bit, for
-    chunks it covers without valid or channel_bits (gear_hf.kernels.cpu_compress on the CPU).
+    Accelerated steps (each used only without valid and channel_bits; the caller checks that they cover the spec):
+    quantize_pack: (x, bits, axis, group, exclude, stats_dtype) -> (packed codes, scale, minimum), equal to
+    quant.quantize + pack_codes bit for bit (gear_hf.kernels.quantize_pack on CUDA).
+    backbone: (x, spec) -> Backbone, equal to `compute_backbone` bit for bit (gear_hf.kernels.cpu on the CPU).
+    factors: (residual, spec, store) -> what `fit_factors` returns, equal to float32 rounding.
     """
     B, H, n, d = x.shape
     store = side_dtype(x.dtype)
-    if backbone is not None and valid is None and channel_bits is None:
+    plain = valid is None and channel_bits is None
+    if backbone is not None and plain:
         part = backbone(x, spec)
     else:
         part = compute_backbone(x, spec, valid, quantize_pack, channel_bits)
-    empty_scale = x.new_zeros(B, H, 0, spec.rank, dtype=store)
-    a_scale = b_scale = empty_scale
     if spec.rank:
-        residual = part.residual
-        lowrank_a, lowrank_b = lowrank.lowrank_fit(residual, spec.rank, spec.power_iters, valid,
-                                                   out_dtype=torch.float32)
-        if spec.factor_bits == 8:
-            lowrank_a, a_scale = _quantize_factor(lowrank_a, store)
-            # refit B to the quantized A (least squares: B = Rᵀ A (AᵀA)⁻¹), then quantize it
-            a = lowrank_a.float() * a_scale.float()
-            # non-finite input is refused by the cache once per step (no sync here): keep pinv from raising first
-            gram = torch.nan_to_num(a.transpose(-1, -2) @ a)  # [B,H,r,r]
-            eye = torch.eye(gram.shape[-1], device=x.device)
-            refit = residual.transpose(-1, -2) @ a @ torch.linalg.pinv(gram + 1e-12 * eye)  # [B,H,d,r]
-            lowrank_b, b_scale = _quantize_factor(refit, store)
-        else:
-            lowrank_a, lowrank_b = (lowrank.to_finite(f, store) for f in (lowrank_a, lowrank_b))
+        fit = factors if factors is not None and plain else functools.partial(fit_factors, valid=valid)
+        lowrank_a, lowrank_b, a_scale, b_scale = fit(part.residual, spec, store)
     else:
         lowrank_a, lowrank_b = x.new_zeros(B, H, n, 0, dtype=store), x.new_zeros(B, H, d, 0, dtype=store)
+        a_scale = b_scale = x.new_zeros(B, H, 0, 0, dtype=store)
     return CompressedChunk(
         codes=part.codes,
         channel_bits=part.channel_bits,
@@ -261,6 +252,27 @@ def compress(x: torch.Tensor, spec: ChunkSpec, valid: torch.Tensor | None = None
         lowrank_a_scale=a_scale,
         lowrank_b_scale=b_scale,
     )
+
+
+def fit_factors(residual: torch.Tensor, spec: ChunkSpec, store: torch.dtype, valid: torch.Tensor | None = None):
+    """The stored low-rank factors of a residual R [B,H,n,d] float32 (`CompressedChunk`'s lowrank_* fields):
+    (A [B,H,n,r], B [B,H,d,r], A's scales, B's scales). 16-bit factors: in the side dtype `store`, no scales
+    ([B,H,0,rank]); 8-bit: int8 with a per-column scale [B,H,1,r], B refitted to the quantized A (least squares)
+    before it is quantized itself."""
+    B, H = residual.shape[:2]
+    lowrank_a, lowrank_b = lowrank.lowrank_fit(residual, spec.rank, spec.power_iters, valid, out_dtype=torch.float32)
+    if spec.factor_bits == 16:
+        empty_scale = residual.new_zeros(B, H, 0, spec.rank, dtype=store)
+        return (*(lowrank.to_finite(f, store) for f in (lowrank_a, lowrank_b)), empty_scale, empty_scale)
+    lowrank_a, a_scale = _quantize_factor(lowrank_a, store)
+    # refit B to the quantized A (least squares: B = Rᵀ A (AᵀA)⁻¹), then quantize it
+    a = lowrank_a.float() * a_scale.float()
+    # non-finite input is refused by the cache once per step (no sync here): keep pinv from raising first
+    gram = torch.nan_to_num(a.transpose(-1, -2) @ a)  # [B,H,r,r]
+    eye = torch.eye(gram.shape[-1], device=residual.device)
+    refit = residual.transpose(-1, -2) @ a @ torch.linalg.pinv(gram + 1e-12 * eye)  # [B,H,d,r]
+    lowrank_b, b_scale = _quantize_factor(refit, store)
+    return lowrank_a, lowrank_b, a_scale, b_scale
 
 
 def compute_backbone(x: torch.Tensor, spec: ChunkSpec, valid: torch.Tensor | None = None,

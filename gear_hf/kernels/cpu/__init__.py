@@ -3,14 +3,16 @@
 * `read` - a chunk run decompressed, and keys rotated, in one pass (`decompress_into`, `rotate_into`)
 * `compress` - a chunk's outliers, quantized backbone and residual (`compress_backbone`), and the finiteness check
   of what is compressed (`all_finite`)
+* `lowrank` - the low-rank factors fitted to that residual (`fit_factors`)
 * `arrays` - torch tensors as the numpy arrays the loops read
 
 Each entry point has a `*_supported` check (or returns None) for what it covers; the torch code is the oracle they
-equal. numba is imported on first use only (`import gear_hf` stays light); compiled loops are cached on disk.
+equal (bit for bit, except where a low-rank term is summed or fitted: to float32 rounding). numba is imported on first use only (`import gear_hf` stays light); compiled loops are cached on disk.
 """
 
 from .compress import all_finite, compress_backbone, compress_supported
+from .lowrank import fit_factors
 from .read import decompress_into, decompress_supported, rotate_into, rotate_supported
 
 __all__ = ["all_finite", "compress_backbone", "compress_supported", "decompress_into", "decompress_supported",
-           "rotate_into", "rotate_supported"]
+           "fit_factors", "rotate_into", "rotate_supported"]

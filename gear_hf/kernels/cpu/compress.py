@@ -463,24 +463,23 @@ def _pack(codes, bits, channel_axis, out):
         for t in range(n):
             for c in range(d):
                 out[t, c] = codes[t, c]
-    elif channel_axis and bits != 3:
+    elif channel_axis and bits != 3:  # (channels innermost: the loops vectorize)
         per = 8 // bits
         for r in range(n // per):
             for c in range(d):
-                byte = np.uint8(0)
-                for j in range(per):
-                    byte |= np.uint8(codes[r * per + j, c] << (bits * j))
-                out[r, c] = byte
+                out[r, c] = codes[r * per, c]
+            for j in range(1, per):
+                for c in range(d):
+                    out[r, c] |= np.uint8(codes[r * per + j, c] << (bits * j))
     elif channel_axis:  # 3 bits: 8 tokens in 3 bytes (2-bit planes of tokens 0-3 and 4-7, then the high bits)
         for u in range(n // 8):
             for c in range(d):
-                low0, low1, high = np.uint8(0), np.uint8(0), np.uint8(0)
-                for j in range(4):
-                    low0 |= np.uint8((codes[8 * u + j, c] & 3) << (2 * j))
-                    low1 |= np.uint8((codes[8 * u + 4 + j, c] & 3) << (2 * j))
-                for j in range(8):
-                    high |= np.uint8((codes[8 * u + j, c] >> 2) << j)
-                out[3 * u, c], out[3 * u + 1, c], out[3 * u + 2, c] = low0, low1, high
+                out[3 * u, c], out[3 * u + 1, c], out[3 * u + 2, c] = 0, 0, 0
+            for j in range(8):
+                for c in range(d):
+                    code = codes[8 * u + j, c]
+                    out[3 * u + j // 4, c] |= np.uint8((code & 3) << (2 * (j % 4)))
+                    out[3 * u + 2, c] |= np.uint8((code >> 2) << j)
     elif bits != 3:  # along channels: byte p holds codes p*per .. p*per+per-1 (zeros past d)
         per = 8 // bits
         for t in range(n):
@@ -548,7 +547,8 @@ def _approx(codes, channel_axis, group, scale, minimum, sparse, t, c, s, v):
 
 # -- torch-facing entry points --------------------------------------------------------------------------------
 def compress_supported(spec: ChunkSpec, x: torch.Tensor) -> bool:
-    """True when `compress_backbone` covers this spec and chunk x [B,H,n,d] (else `compute_backbone` runs)."""
+    """True when `compress_backbone` and `lowrank.fit_factors` cover this spec and chunk x [B,H,n,d] (else
+    `compute_backbone` and `gear.fit_factors` run)."""
     if spec.allocated or spec.rotate or spec.range_search or spec.bits not in quant.BITS:
         return False
     if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32) or x.ndim != 4:
