@@ -104,6 +104,7 @@ class ChunkStore:
         self.dtype: torch.dtype | None = None
         self._chunk_nbytes: dict = {}  # (n, itemsize cap) -> bytes by component (accounting memo)
         self._runs: dict[int, CompressedChunk] = {}  # chunks -> views of the first `chunks` of every field
+        self._prepared: dict[int, object] = {}  # chunks -> the CPU kernels' arrays of that run (`cpu.prepare`)
 
     def _allocate(self, example: CompressedChunk, batch: int, chunks: int, example_is_full: bool) -> None:
         # The extents of a full chunk: the example's when it is one (a prompt step compresses its longest rows
@@ -117,10 +118,16 @@ class ChunkStore:
             t = getattr(full, name)
             self.extent[name] = t.shape[2]
             self.fields[name] = t.new_zeros(batch, t.shape[1], chunks * t.shape[2], *t.shape[3:])
-        self._runs.clear()
+        self._fields_changed()
         self.capacity = chunks
         self.head_dim = d
         self.dtype = example.scale.dtype  # the side dtype (compress.side_dtype): probes compress like it
+
+    def _fields_changed(self) -> None:
+        """Forget what was derived from the fields (run views, the CPU kernels' arrays): they were replaced or
+        written."""
+        self._runs.clear()
+        self._prepared.clear()
 
     def reserve(self, example: CompressedChunk, batch: int, chunks: int, example_is_full: bool = False) -> None:
         """Room for `chunks` chunks per row; example: a compressed chunk (example_is_full: of chunk_len tokens)."""
@@ -131,7 +138,7 @@ class ChunkStore:
             for name, t in self.fields.items():
                 self.fields[name] = _grown(t, new_capacity * self.extent[name])
             self.capacity = new_capacity
-            self._runs.clear()
+            self._fields_changed()
 
     def compress_rows(self, x: torch.Tensor, rows: list[int], chunks: list[int], batch: int,
                       reserve_chunks: int, channel_bits: torch.Tensor | None = None) -> None:
@@ -148,6 +155,7 @@ class ChunkStore:
             self._adopt(compressed)  # the whole store, as compressed (a prompt chunk of every row at once)
             return
         self.reserve(compressed, batch, capacity, example_is_full=full)
+        self._prepared.clear()  # (the run views stay valid: the same tensors, written in place)
         row_index = torch.tensor(rows, device=x.device)
         for name in FIELDS:
             src = getattr(compressed, name)  # [J, H, e, ...]: a short chunk may fill less (extent, rank)
@@ -169,7 +177,7 @@ class ChunkStore:
                 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
             self.fields[name] = t if owns else t.clone(memory_format=torch.contiguous_format)
             self.extent[name] = t.shape[2]
-        self._runs.clear()
+        self._fields_changed()
         self.capacity = 1
         self.head_dim = chunk.lowrank_b.shape[2]
         self.dtype = chunk.scale.dtype
@@ -182,6 +190,7 @@ class ChunkStore:
         for name, t in self.fields.items():
             e = self.extent[name]
             t[:, :, : live * e] = t[:, :, count * e : (count + live) * e].clone()
+        self._prepared.clear()
 
     def chunk_nbytes(self, n: int, itemsize_cap: int | None = None) -> dict[str, int]:
         """Bytes, by component, that one row's chunk of n tokens occupies (for accounting; memoised per n).
@@ -243,7 +252,11 @@ class ChunkStore:
                 B, H = run.codes.shape[:2]
                 out = torch.empty(B, H, chunks * self.chunk_len, self.head_dim)
             if cpu.decompress_supported(self.spec, self.head_dim, out):
-                return cpu.decompress_into(run, self.spec, self.chunk_len, self.head_dim, chunks, out, rotary)
+                prepared = self._prepared.get(chunks)
+                if prepared is None:
+                    prepared = self._prepared[chunks] = cpu.prepare(run, self.spec, self.chunk_len, self.head_dim,
+                                                                    chunks)
+                return cpu.decompress_run(prepared, out, rotary)
         if rotary is None:
             return decompress(run, self.spec, self.chunk_len, self.head_dim, out_dtype, chunks=chunks, out=out)
         x = decompress(run, self.spec, self.chunk_len, self.head_dim, out_dtype, chunks=chunks, out=scratch)
@@ -258,4 +271,4 @@ class ChunkStore:
     def select_rows(self, index: torch.Tensor) -> None:
         for name, t in self.fields.items():
             self.fields[name] = t.index_select(0, index)
-        self._runs.clear()
+        self._fields_changed()

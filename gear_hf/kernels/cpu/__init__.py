@@ -1,6 +1,7 @@
 """CPU kernels (numba) for the reference path: what `gear_hf.kernels.cpu_kernels` returns.
 
-* `read` - a chunk run decompressed, and keys rotated, in one pass (`decompress_into`, `rotate_into`)
+* `read` - a chunk run decompressed, and keys rotated, in one pass (`decompress_into`, or `prepare` once and
+  `decompress_run` every step; `rotate_into`)
 * `compress` - a chunk's outliers, quantized backbone and residual (`compress_backbone`), and the finiteness check
   of what is compressed (`all_finite`)
 * `lowrank` - the low-rank factors fitted to that residual (`fit_factors`)
@@ -12,7 +13,7 @@ equal (bit for bit, except where a low-rank term is summed or fitted: to float32
 
 from .compress import all_finite, compress_backbone, compress_supported
 from .lowrank import fit_factors
-from .read import decompress_into, decompress_supported, rotate_into, rotate_supported
+from .read import Run, decompress_into, decompress_run, decompress_supported, prepare, rotate_into, rotate_supported
 
-__all__ = ["all_finite", "compress_backbone", "compress_supported", "decompress_into", "decompress_supported",
-           "fit_factors", "rotate_into", "rotate_supported"]
+__all__ = ["Run", "all_finite", "compress_backbone", "compress_supported", "decompress_into", "decompress_run",
+           "decompress_supported", "fit_factors", "prepare", "rotate_into", "rotate_supported"]

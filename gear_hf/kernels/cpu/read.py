@@ -13,6 +13,8 @@ Hadamard rotation, no per-channel widths, float32 output; anything else takes th
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numba
 import numpy as np
 import torch
@@ -24,8 +26,8 @@ _F32 = np.float32
 
 
 # A run is decompressed one (row, head) plane [N, d] at a time: the quantized backbone into a scratch plane, the
-# low-rank and outlier terms added to it while it is in cache, then the plane written out once (rotated, for keys
-# read by the attention). Each stage is its own loop nest (a call or extra code inside a loop stopped LLVM from
+# outlier and low-rank terms added to it while it is in cache, then the plane written out once (rotated, for keys
+# read by the attention); with nothing to rotate after, all of it straight onto out's rows. Each stage is its own loop nest (a call or extra code inside a loop stopped LLVM from
 # vectorizing it). `out, at`: rows [at, at+N) of out, whole and C-contiguous (LLVM then knows the unit stride).
 
 
@@ -174,16 +176,17 @@ def _decompress(codes, bits, group, channel_axis, scale, minimum, a, a_scale, b_
                 out, at, cos, sin, cos_at):
     """A run of N = C*n tokens (the arrays of `decompress_into`) into out[:, :, at:at+N], plane by plane."""
     B, H, _, d = out.shape
-    plane = np.empty((N, d), dtype=np.float32)  # one (row, head) at a time, while terms are added
+    plane = np.empty((N, d), dtype=np.float32)  # one (row, head) at a time, while terms are added before rotating
     spread = np.empty((0 if channel_axis else N, d), dtype=np.uint8)  # (token axis: d % 8 == 0, so codes fill d)
     bt = np.zeros(((a.shape[3] + 3) // 4 * 4, d), dtype=np.float32)
     weights = np.zeros((n if a.shape[3] else 0, bt.shape[0]), dtype=np.float32)
     # nothing to add to the codes (and keys rotated row by row as they are written): straight into out, no plane
     rotate = cos.shape[2] > 0
     direct = a.shape[3] == 0 and values.shape[2] == 0 and (channel_axis or not rotate)
+    in_place = direct or not rotate  # nothing to rotate once the terms are added: they are added on out's rows
     for b in range(B):
         for h in range(H):
-            target = out[b, h, at : at + N] if direct else plane
+            target = out[b, h, at : at + N] if in_place else plane
             if channel_axis:
                 _dequant_channel(codes, bits, group, scale, minimum, b, h, N, target, direct and rotate, cos, sin,
                                  cos_at)
@@ -193,11 +196,12 @@ def _decompress(codes, bits, group, channel_axis, scale, minimum, a, a_scale, b_
                 _dequant_token(spread.reshape(N, G, group), scale, minimum, b, h, N, target.reshape(N, G, group))
             if direct:
                 continue
+            if values.shape[2]:  # (D̂ + S) + A Bᵀ, in the oracle's order
+                _add_outliers(values, index, channel_axis, b, h, n, N, target)
             if a.shape[3]:
-                _add_lowrank(a, a_scale, b_raw, b_scale, b, h, n, N, plane, bt, weights)
-            if values.shape[2]:
-                _add_outliers(values, index, channel_axis, b, h, n, N, plane)
-            _write(plane, b, h, N, out, at, cos, sin, cos_at)
+                _add_lowrank(a, a_scale, b_raw, b_scale, b, h, n, N, target, bt, weights)
+            if not in_place:
+                _write(plane, b, h, N, out, at, cos, sin, cos_at)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -230,24 +234,52 @@ def decompress_supported(spec: ChunkSpec, head_dim: int, out: torch.Tensor | Non
     return True
 
 
+@dataclass(frozen=True)
+class Run:
+    """A chunk run's arrays as `_decompress` reads them (`prepare`): valid while the fields it came from hold the
+    same values (`ChunkStore` keeps one per run length until it writes), so a decode step only views its output."""
+
+    codes: np.ndarray
+    bits: int
+    group: int
+    channel_axis: bool
+    scale: np.ndarray  # float32 (the 16-bit side fields cast once: 1/group of the codes' size)
+    minimum: np.ndarray
+    factors: tuple  # `_factors`, or _NO_FACTORS
+    outliers: tuple  # (values float32, index), or _NO_OUTLIERS
+    n: int  # tokens per chunk
+    tokens: int  # chunks * n
+
+
+def prepare(chunk: CompressedChunk, spec: ChunkSpec, n: int, d: int, chunks: int) -> Run:
+    """The arrays `decompress_run` reads for `chunks` consecutive chunks of n tokens (`decompress_supported`)."""
+    codes, code_at = arrays.readable(chunk.codes)
+    outliers = (chunk.sparse_values.float().contiguous().numpy(), chunk.sparse_index.contiguous().numpy()) \
+        if chunk.sparse_index.numel() else _NO_OUTLIERS
+    return Run(codes=codes[:, :, code_at:], bits=int(spec.bits), group=spec.group_for(n, d),
+               channel_axis=spec.axis == "channel", scale=chunk.scale.float().numpy(),
+               minimum=chunk.minimum.float().numpy(),
+               factors=_factors(chunk, chunks) if chunk.lowrank_a.shape[-1] else _NO_FACTORS, outliers=outliers,
+               n=n, tokens=chunks * n)
+
+
+def decompress_run(run: Run, out: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """The prepared run into out [B,H,tokens,d] float32 (`decompress_into`); returns out."""
+    (cos, cos_at), (sin, sin_at) = (arrays.readable(t) for t in rotary) if rotary else ((_NO_ROTATION, 0),) * 2
+    assert cos_at == sin_at, "cos and sin tables of one layout"
+    written, whole, at = arrays.target(out)
+    _decompress(run.codes, run.bits, run.group, run.channel_axis, run.scale, run.minimum, *run.factors,
+                *run.outliers, run.n, run.tokens, whole, at, cos, sin, cos_at)
+    return out if written is out else out.copy_(written)
+
+
 def decompress_into(chunk: CompressedChunk, spec: ChunkSpec, n: int, d: int, chunks: int, out: torch.Tensor,
                     rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`gear_hf.compress.decompress` of `chunks` consecutive chunks of n tokens into out [B,H,chunks*n,d] float32
     (`decompress_supported` says when it applies): bit for bit without a low-rank term, else to float32 rounding
     (the rank terms summed in another order than the matmul's). rotary: (cos, sin) [B|1,1,chunks*n,d] to return
-    the tokens rotated (`rotate_into`'s result: keys read by the attention), in the same pass. The 16-bit side
-    fields are cast to float32 first (1/group of the codes' size)."""
-    codes, code_at = arrays.readable(chunk.codes)
-    factors = _factors(chunk, chunks) if chunk.lowrank_a.shape[-1] else _NO_FACTORS
-    outliers = (chunk.sparse_values.float().contiguous().numpy(), chunk.sparse_index.contiguous().numpy()) \
-        if chunk.sparse_index.numel() else _NO_OUTLIERS
-    (cos, cos_at), (sin, sin_at) = (arrays.readable(t) for t in rotary) if rotary else ((_NO_ROTATION, 0),) * 2
-    assert cos_at == sin_at, "cos and sin tables of one layout"
-    written, whole, at = arrays.target(out)
-    _decompress(codes[:, :, code_at:], int(spec.bits), spec.group_for(n, d), spec.axis == "channel",
-                chunk.scale.float().numpy(), chunk.minimum.float().numpy(), *factors, *outliers, n, chunks * n, whole,
-                at, cos, sin, cos_at)
-    return out if written is out else out.copy_(written)
+    the tokens rotated (`rotate_into`'s result: keys read by the attention), in the same pass."""
+    return decompress_run(prepare(chunk, spec, n, d, chunks), out, rotary)
 
 
 def _factors(chunk: CompressedChunk, chunks: int) -> tuple:
