@@ -104,7 +104,9 @@ class ChunkStore:
         self.dtype: torch.dtype | None = None
         self._chunk_nbytes: dict = {}  # (n, itemsize cap) -> bytes by component (accounting memo)
         self._runs: dict[int, CompressedChunk] = {}  # chunks -> views of the first `chunks` of every field
-        self._prepared: dict[int, object] = {}  # chunks -> the CPU kernels' arrays of that run (`cpu.prepare`)
+        # chunks -> (the fields' version counters, the CPU kernels' arrays of that run, `cpu.prepare`): in-place
+        # writes to a field (ours, or anyone's) bump its counter, so arrays cast from stale values are never read
+        self._prepared: dict[int, tuple] = {}
 
     def _allocate(self, example: CompressedChunk, batch: int, chunks: int, example_is_full: bool) -> None:
         # The extents of a full chunk: the example's when it is one (a prompt step compresses its longest rows
@@ -124,8 +126,7 @@ class ChunkStore:
         self.dtype = example.scale.dtype  # the side dtype (compress.side_dtype): probes compress like it
 
     def _fields_changed(self) -> None:
-        """Forget what was derived from the fields (run views, the CPU kernels' arrays): they were replaced or
-        written."""
+        """Forget what was derived from the fields (run views, the CPU kernels' arrays): they were replaced."""
         self._runs.clear()
         self._prepared.clear()
 
@@ -155,7 +156,6 @@ class ChunkStore:
             self._adopt(compressed)  # the whole store, as compressed (a prompt chunk of every row at once)
             return
         self.reserve(compressed, batch, capacity, example_is_full=full)
-        self._prepared.clear()  # (the run views stay valid: the same tensors, written in place)
         row_index = torch.tensor(rows, device=x.device)
         for name in FIELDS:
             src = getattr(compressed, name)  # [J, H, e, ...]: a short chunk may fill less (extent, rank)
@@ -190,7 +190,6 @@ class ChunkStore:
         for name, t in self.fields.items():
             e = self.extent[name]
             t[:, :, : live * e] = t[:, :, count * e : (count + live) * e].clone()
-        self._prepared.clear()
 
     def chunk_nbytes(self, n: int, itemsize_cap: int | None = None) -> dict[str, int]:
         """Bytes, by component, that one row's chunk of n tokens occupies (for accounting; memoised per n).
@@ -252,11 +251,12 @@ class ChunkStore:
                 B, H = run.codes.shape[:2]
                 out = torch.empty(B, H, chunks * self.chunk_len, self.head_dim)
             if cpu.decompress_supported(self.spec, self.head_dim, out):
+                versions = tuple(t._version for t in self.fields.values())
                 prepared = self._prepared.get(chunks)
-                if prepared is None:
-                    prepared = self._prepared[chunks] = cpu.prepare(run, self.spec, self.chunk_len, self.head_dim,
-                                                                    chunks)
-                return cpu.decompress_run(prepared, out, rotary)
+                if prepared is None or prepared[0] != versions:
+                    prepared = self._prepared[chunks] = (versions, cpu.prepare(run, self.spec, self.chunk_len,
+                                                                               self.head_dim, chunks))
+                return cpu.decompress_run(prepared[1], out, rotary)
         if rotary is None:
             return decompress(run, self.spec, self.chunk_len, self.head_dim, out_dtype, chunks=chunks, out=out)
         x = decompress(run, self.spec, self.chunk_len, self.head_dim, out_dtype, chunks=chunks, out=scratch)

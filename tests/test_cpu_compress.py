@@ -146,3 +146,19 @@ def test_fit_factors_of_zeros_and_a_fp16_side_dtype():
     assert not _product(a, b, a_scale, b_scale).any() and torch.isfinite(a_scale.float()).all()
     with pytest.raises(ValueError, match="bf16"):
         cpu.fit_factors(torch.zeros(1, 2, 64, 64), spec, torch.float16)
+
+
+def test_reads_see_fields_written_in_place():
+    """The store's prepared kernel arrays (side fields cast once) follow in-place writes to its fields."""
+    spec = ChunkSpec(2, "channel", 16, 0.05, 2, factor_bits=8)
+    store = ChunkStore(spec, 64, "numba")
+    store.compress_rows(torch.randn(1, 2, 64, 64), [0], [0], batch=1, reserve_chunks=1)
+    before = store.reconstruct(1, torch.float32, torch.empty(1, 2, 64, 64)).clone()
+    store.fields["sparse_values"].zero_()
+    store.fields["minimum"].add_(1)
+    after = store.reconstruct(1, torch.float32, torch.empty(1, 2, 64, 64))
+    expected = ChunkStore(spec, 64, "torch")
+    expected.fields, expected.extent, expected.capacity = store.fields, store.extent, 1
+    expected.head_dim, expected.dtype = 64, store.dtype
+    torch.testing.assert_close(after, expected.reconstruct(1, torch.float32), rtol=0, atol=1e-5)
+    assert not torch.equal(after, before)

@@ -190,15 +190,15 @@ class GearCache(Cache):
         return keys, values, attention_mask
 
     def _read_rotated(self, layer_idx: int, key_states: torch.Tensor, rotary_emb) -> torch.Tensor | None:
-        """The padded layout's keys, rotated as they are read into the step's workspace (`Stream.read_rotated`),
-        or None when the layout needs the plain read."""
+        """The padded layout's keys, rotated as they are read into the step's workspace (`Stream.read` with
+        rotary), or None when the layout needs the plain read."""
         layer, layout = self.layers[layer_idx], self.layout
         start = layer.visible_start(layout.plan.rect_before)
         scratch, _ = self._key_value_workspace(key_states, layout.rect_length - start, key_states.dtype)
         out = self._workspace.get("rotated keys", scratch.shape, key_states.dtype, key_states.device)
-        return layer.key_stream.read_rotated(layout, layout.plan.attend, layer.released, start, key_states.dtype,
-                                             self.gear_config.sink_tokens, out,
-                                             self.rotary_for_read(layer_idx, rotary_emb, key_states), scratch)
+        return layer.key_stream.read(layout, layout.plan.attend, layer.released, start, key_states.dtype,
+                                     self.gear_config.sink_tokens, out,
+                                     self.rotary_for_read(layer_idx, rotary_emb, key_states), scratch)
 
     def _rotated(self, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """keys [B,H,T,d] rotated into the step's workspace (HF's apply_rotary_pos_emb bit for bit)."""

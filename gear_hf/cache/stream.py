@@ -161,48 +161,37 @@ class Stream:
         out.append(_Segment(tokens(self.buffer), starts, f))
         return out
 
-    def read_rotated(self, layout: RowLayout, counts: RowCounts, released: Released, start: int,
-                     dtype: torch.dtype, sink_tokens: int, out: torch.Tensor, rotary,
-                     scratch: torch.Tensor) -> torch.Tensor | None:
-        """`read` into out [B,H,T-start,d], every segment written rotated by rotary (cos, sin) [B|1,1,T-start,d]
-        (keys before RoPE: the attention's keys with no pass of their own where the kernels can), when the layout
-        lets segments land straight in their columns; else None (read, then rotate). scratch: like out, for
-        segments decompressed before they are rotated."""
-        B = self.buffer.data.shape[0]
-        if not layout.uniform(counts):
-            return None
-        segments = self._segments(counts, released, dtype, sink_tokens, [start] * B)
-        if segments[0].local_start[0] != start:
-            return None
-        cos, sin = rotary
-        at = 0
-        for seg in segments:  # every row fills each segment exactly: reconstruct straight into place
-            n = seg.length[0]
-            seg.take(dtype, out[:, :, at : at + n], (cos[:, :, at : at + n], sin[:, :, at : at + n]),
-                     scratch[:, :, at : at + n])
-            at += n
-        return out
-
     def read(self, layout: RowLayout, counts: RowCounts, released: Released, start: int, dtype: torch.dtype,
-             sink_tokens: int, out: torch.Tensor | None = None) -> torch.Tensor:
+             sink_tokens: int, out: torch.Tensor | None = None, rotary=None,
+             scratch: torch.Tensor | None = None) -> torch.Tensor | None:
         """This layer's tokens in HF's padded layout from column `start` to the end: [B,H,T-start,d] (keys
         before RoPE). Padding columns hold zeros (finite; the mask hides them). out: an optional [B,H,T-start,d]
-        tensor of `dtype` to build the result in (a buffer-only read returns a view of the buffer instead)."""
+        tensor of `dtype` to build the result in (a buffer-only read returns a view of the buffer instead).
+        rotary: (cos, sin) [B|1,1,T-start,d] to return the tokens rotated into out (keys for the attention, with no
+        pass of their own where the kernels can; scratch: like out, for segments decompressed before they are
+        rotated) when the layout lets every segment land straight in its columns; else None (read, then rotate)."""
         T = layout.rect_length
         B, H, _, d = self.buffer.data.shape
         if layout.uniform(counts):  # padded layout == row-local: the segments, end to end, are the columns
             segments = self._segments(counts, released, dtype, sink_tokens, [start] * B)
             first = segments[0].local_start[0]
+            if rotary is not None and first != start:
+                return None
             if first <= start:  # (held() of a sliding layer that released: the general path below)
-                if len(segments) == 1:  # the buffer alone (fp16 preset, prompt step): a view, as DynamicCache's
+                if len(segments) == 1 and rotary is None:  # the buffer alone (fp16 preset, prompt step): a view
                     return self.buffer.data[:, :, start - first : T - first]
                 full = out if out is not None and first == start else \
                     self.buffer.data.new_empty(B, H, T - first, d, dtype=dtype)
                 at = 0
                 for seg in segments:  # every row fills each segment exactly: reconstruct straight into place
-                    seg.take(dtype, out=full[:, :, at : at + seg.length[0]])
-                    at += seg.length[0]
+                    n = seg.length[0]
+                    columns = (slice(None), slice(None), slice(at, at + n))
+                    seg.take(dtype, full[columns], None if rotary is None else tuple(t[columns] for t in rotary),
+                             None if scratch is None else scratch[columns])
+                    at += n
                 return full[:, :, start - first:]
+        if rotary is not None:
+            return None
         first_local = layout.tokens_before(start)
         if released.prompt:  # nothing before the live chunks is held any more (the sink is outside the window too)
             nb = self.chunk_len
@@ -235,7 +224,7 @@ class Stream:
         store reconstructs for every row at once, straight into its columns; each row's buffer follows its own
         decode chunks. Holes hold finite leftovers (zeros of a short prompt chunk, unused chunk slots, old buffer
         tokens) that the remapped mask hides. rotary: (cos, sin) [B,1,T_slot,d] to write every segment rotated,
-        scratch: like out (see `read_rotated`)."""
+        scratch: like out (see `read`)."""
         def cols(lo: int, hi: int, row: int | None = None):
             if rotary is None:
                 return None
