@@ -69,6 +69,53 @@ def test_decompress_into_rotated_equals_rotated_decompress(spec):
     assert_matches_oracle(cpu.decompress_into(run, spec, n, d, chunks, out, rotary), expected, bool(spec.rank))
 
 
+@pytest.mark.parametrize("d", [64, 96, 20])
+@pytest.mark.parametrize("spec", [ChunkSpec(3, "token", 128, 0.0, 0, rotate=True),  # GearConfig()'s values
+                                  ChunkSpec(2, "token", 4, 0.05, 2, rotate=True, factor_bits=8),
+                                  ChunkSpec(4, "channel", 16, 0.02, 2, rotate=True)],
+                         ids=lambda s: f"{s.bits}b-{s.axis}-o{s.outlier_ratio}-r{s.rank}")
+def test_decompress_into_undoes_the_rotation(spec, d):
+    """Hadamard-rotated streams (blocks of 64, 32 and 4 for d = 64, 96, 20; a value group longer than d is one
+    group): butterflies instead of the matmul, so to float32 rounding; keys rotated by RoPE after, as decompress
+    then apply_rotary do."""
+    if spec.axis == "token" and d % 8:
+        pytest.skip("value codes of d % 8 != 0 take the torch path")
+    torch.manual_seed(d)
+    B, n, chunks = 2, 32, 2
+    run = _run(torch.randn(B, 3, n * chunks, d) * torch.linspace(0.5, 4, d), spec, n)
+    expected = decompress(run, spec, n, d, torch.float32, chunks=chunks)
+    out = torch.empty(B, 3, n * chunks + 3, d)[:, :, 3:]
+    assert cpu.decompress_supported(spec, d, out)
+    assert_matches_oracle(cpu.decompress_into(run, spec, n, d, chunks, out), expected, low_rank=True)
+    cos, sin = torch.randn(1, 1, n * chunks, d), torch.randn(1, 1, n * chunks, d)
+    assert_matches_oracle(cpu.decompress_into(run, spec, n, d, chunks, out, (cos, sin)),
+                          apply_rotary(expected, cos, sin), low_rank=True)
+
+
+@pytest.mark.parametrize("rank", [0, 2])
+def test_decompress_into_reads_widths_per_channel(rank):
+    """Keys with a width per channel (bit planes, GearConfig()'s keys): each chunk its own widths (1 to 8 bits,
+    the same total), bit for bit without a low-rank term; keys rotated by RoPE as they are written."""
+    torch.manual_seed(5)
+    B, H, n, chunks, d = 2, 3, 32, 3, 64
+    spec = ChunkSpec(3.125, "channel", 16, 0.0, rank, allocated=True)
+    x = torch.randn(B, H, n * chunks, d) * torch.linspace(0.5, 4, d)
+    parts = []
+    for i in range(chunks):
+        widths = torch.tensor([1, 2, 3, 4, 5, 8, 2, 1] * (d // 8), dtype=torch.uint8)  # shuffled per (row, head)
+        widths = torch.stack([widths[torch.randperm(d)] for _ in range(B * H)]).view(B, H, d)
+        parts.append(compress(x[:, :, i * n : (i + 1) * n], spec, channel_bits=widths))
+    run = CompressedChunk(**{f.name: torch.cat([getattr(c, f.name) for c in parts], dim=2)
+                             for f in dataclasses.fields(CompressedChunk)})
+    expected = decompress(run, spec, n, d, torch.float32, chunks=chunks)
+    out = torch.empty(B, H, n * chunks + 5, d)[:, :, 5:]
+    assert cpu.decompress_supported(spec, d, out)
+    assert_matches_oracle(cpu.decompress_into(run, spec, n, d, chunks, out), expected, bool(rank))
+    cos, sin = torch.randn(1, 1, n * chunks, d), torch.randn(1, 1, n * chunks, d)
+    assert_matches_oracle(cpu.decompress_into(run, spec, n, d, chunks, out, (cos, sin)),
+                          apply_rotary(expected, cos, sin), bool(rank))
+
+
 def test_decompress_of_store_views_and_bf16_side():
     """A run read through views of wider store fields (capacity beyond the live chunks), bf16 statistics."""
     torch.manual_seed(1)
@@ -87,8 +134,8 @@ def test_decompress_supported_declines():
     d = 64
     out = torch.empty(1, 2, 16, d)
     assert cpu.decompress_supported(ChunkSpec(2, "channel", 16, 0.0, 0), d, out)
-    assert not cpu.decompress_supported(ChunkSpec(2, "channel", 16, 0.0, 0, rotate=True), d, out)
-    assert not cpu.decompress_supported(ChunkSpec(2.5, "channel", 16, 0.0, 0, allocated=True), d, out)
+    assert cpu.decompress_supported(ChunkSpec(2, "channel", 16, 0.0, 0, rotate=True), d, out)
+    assert cpu.decompress_supported(ChunkSpec(2.5, "channel", 16, 0.0, 0, allocated=True), d, out)
     assert not cpu.decompress_supported(ChunkSpec(2, "channel", 16, 0.0, 0), d, out.bfloat16())
     assert not cpu.decompress_supported(ChunkSpec(2, "token", 48, 0.0, 0), d, out)  # 48 does not split 64
     assert not cpu.decompress_supported(ChunkSpec(2, "token", 20, 0.0, 0), 60, torch.empty(1, 2, 16, 60))  # d % 8

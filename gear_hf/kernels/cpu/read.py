@@ -8,8 +8,9 @@ codes once and write each float once.
 They compute what `gear_hf.compress.decompress` and `gear_hf.rope.apply_rotary` compute (those stay the oracle):
 bit for bit (same float32 operations in the same order, no contraction into fused multiply-adds) except where a
 low-rank term is added: that is summed in another order than the matmul's, so equal to float32 rounding.
-What they cover (`decompress_supported`): uniform widths 2/3/4/8, either axis, outliers, low-rank, no
-Hadamard rotation, no per-channel widths, float32 output; anything else takes the torch path."""
+What they cover (`decompress_supported`): uniform widths 2/3/4/8, either axis, outliers, low-rank, Hadamard
+rotation (undone by butterflies: to float32 rounding), widths per channel (bit planes), float32 output; anything
+else takes the torch path."""
 
 from __future__ import annotations
 
@@ -172,9 +173,66 @@ def _write(plane, b, h, N, out, at, cos, sin, cos_at):
 
 
 @numba.njit(cache=True, nogil=True)
+def _dequant_planes(codes, widths, group, scale, minimum, b, h, n, N, plane, tile):
+    """Keys with a width per channel (`quant.pack_planes`): codes [B,H,>=N/8,S], per 8 tokens channel c's planes
+    (bit t of plane j = bit j of token t's code) at bytes [start_c, start_c + widths[c]) with start_c the sum of
+    the widths before it, widths [B,H,C,d] per chunk of n tokens -> plane [N,d] = code*scale + minimum. A channel's
+    planes, as the bytes of one word, become its 8 codes by an 8x8 bit transpose (`quant._transpose_bits8`); the
+    codes of 8 tokens go through tile [8, d] so that rows are written whole."""
+    d = plane.shape[1]
+    for chunk in range(N // n):
+        for u in range(chunk * n // 8, (chunk + 1) * n // 8):
+            start = 0
+            for c in range(d):
+                width = widths[b, h, chunk, c]
+                word = np.uint64(0)
+                for j in range(width):
+                    word |= np.uint64(codes[b, h, u, start + j]) << np.uint64(8 * j)
+                start += width
+                for shift, mask in ((7, 0x00AA00AA00AA00AA), (14, 0x0000CCCC0000CCCC), (28, 0x00000000F0F0F0F0)):
+                    swap = (word ^ (word >> np.uint64(shift))) & np.uint64(mask)
+                    word ^= swap ^ (swap << np.uint64(shift))
+                for t in range(8):
+                    tile[t, c] = (word >> np.uint64(8 * t)) & np.uint64(0xFF)
+            for t in range(8):
+                token = 8 * u + t
+                g = token // group
+                for c in range(d):
+                    plane[token, c] = _F32(tile[t, c]) * scale[b, h, g, c] + minimum[b, h, g, c]
+
+
+@numba.njit(cache=True, nogil=True)
+def _hadamard_rows(x, N, tile):
+    """Rows of x [N, d] times the block-diagonal normalized Sylvester matrix (blocks of b = d's largest power-of-two
+    divisor), as `compress.rotation.rotate`: butterflies on tiles of rows held transposed in tile [d, L] (a tile's
+    L tokens along the vector lanes), then the scale. Summed in another order than the matmul: equal to float32
+    rounding."""
+    d, L = x.shape[1], tile.shape[1]
+    b = d & -d
+    scale = _F32(1.0 / np.sqrt(b))  # (the matrix entries: 1/sqrt(b) rounded to float32)
+    for t0 in range(0, N, L):
+        m = min(L, N - t0)
+        for j in range(m):  # (rows read whole; the tile is in L1)
+            for c in range(d):
+                tile[c, j] = x[t0 + j, c]
+        s = 1
+        while s < b:  # (2s divides b, and b divides d: every pair lies inside one block)
+            for base in range(0, d, 2 * s):
+                for k in range(base, base + s):
+                    for j in range(L):
+                        p, q = tile[k, j], tile[k + s, j]
+                        tile[k, j], tile[k + s, j] = p + q, p - q
+            s *= 2
+        for j in range(m):
+            for c in range(d):
+                x[t0 + j, c] = tile[c, j] * scale
+
+
+@numba.njit(cache=True, nogil=True)
 def _decompress(codes, bits, group, channel_axis, scale, minimum, a, a_scale, b_raw, b_scale, values, index, n, N,
-                out, at, cos, sin, cos_at):
-    """A run of N = C*n tokens (the arrays of `decompress_into`) into out[:, :, at:at+N], plane by plane."""
+                hadamard, widths, out, at, cos, sin, cos_at):
+    """A run of N = C*n tokens (the arrays of `decompress_into`) into out[:, :, at:at+N], plane by plane; widths
+    [B,H,C,d]: codes of a width per channel (`_dequant_planes`), else [B,H,0,d]."""
     B, H, _, d = out.shape
     plane = np.empty((N, d), dtype=np.float32)  # one (row, head) at a time, while terms are added before rotating
     spread = np.empty((0 if channel_axis else N, d), dtype=np.uint8)  # (token axis: d % 8 == 0, so codes fill d)
@@ -182,12 +240,18 @@ def _decompress(codes, bits, group, channel_axis, scale, minimum, a, a_scale, b_
     weights = np.zeros((n if a.shape[3] else 0, bt.shape[0]), dtype=np.float32)
     # nothing to add to the codes (and keys rotated row by row as they are written): straight into out, no plane
     rotate = cos.shape[2] > 0
-    direct = a.shape[3] == 0 and values.shape[2] == 0 and (channel_axis or not rotate)
+    allocated = widths.shape[2] > 0
+    direct = a.shape[3] == 0 and values.shape[2] == 0 and not hadamard and not allocated \
+        and (channel_axis or not rotate)
+    tile = np.empty((d, 64 if hadamard else 0), dtype=np.float32)
+    code_tile = np.empty((8 if allocated else 0, d), dtype=np.uint8)
     in_place = direct or not rotate  # nothing to rotate once the terms are added: they are added on out's rows
     for b in range(B):
         for h in range(H):
             target = out[b, h, at : at + N] if in_place else plane
-            if channel_axis:
+            if allocated:
+                _dequant_planes(codes, widths, group, scale, minimum, b, h, n, N, target, code_tile)
+            elif channel_axis:
                 _dequant_channel(codes, bits, group, scale, minimum, b, h, N, target, direct and rotate, cos, sin,
                                  cos_at)
             else:
@@ -200,6 +264,8 @@ def _decompress(codes, bits, group, channel_axis, scale, minimum, a, a_scale, b_
                 _add_outliers(values, index, channel_axis, b, h, n, N, target)
             if a.shape[3]:
                 _add_lowrank(a, a_scale, b_raw, b_scale, b, h, n, N, target, bt, weights)
+            if hadamard:  # undone before RoPE, as decompress then apply_rotary do
+                _hadamard_rows(target, N, tile)
             if not in_place:
                 _write(plane, b, h, N, out, at, cos, sin, cos_at)
 
@@ -224,12 +290,12 @@ def _rotate(x, x_at, cos, sin, cos_at, T, out, out_at):
 # -- torch-facing entry points --------------------------------------------------------------------------------
 def decompress_supported(spec: ChunkSpec, head_dim: int, out: torch.Tensor | None) -> bool:
     """True when `decompress_into` covers this spec and output (else the torch `decompress` runs)."""
-    if spec.allocated or spec.rotate or spec.bits not in (2, 3, 4, 8):
+    if not spec.allocated and spec.bits not in (2, 3, 4, 8):
         return False
     if out is None or out.dtype != torch.float32 or out.device.type != "cpu":
         return False
-    if spec.axis == "token":  # groups split the channels, and each token's codes fill whole bytes of 8
-        group = spec.group or head_dim
+    if spec.axis == "token":  # groups split the channels (or one covers them all), codes fill whole bytes of 8
+        group = min(spec.group or head_dim, head_dim)
         return head_dim % group == 0 and head_dim % 8 == 0
     return True
 
@@ -249,6 +315,8 @@ class Run:
     outliers: tuple  # (values float32, index), or _NO_OUTLIERS
     n: int  # tokens per chunk
     tokens: int  # chunks * n
+    hadamard: bool  # the spec rotates: undo the Walsh-Hadamard rotation
+    widths: np.ndarray  # uint8 [B,H,C,d]: each chunk's width per channel (allocated specs), else [B,H,0,d]
 
 
 def prepare(chunk: CompressedChunk, spec: ChunkSpec, n: int, d: int, chunks: int) -> Run:
@@ -256,11 +324,12 @@ def prepare(chunk: CompressedChunk, spec: ChunkSpec, n: int, d: int, chunks: int
     codes, code_at = arrays.readable(chunk.codes)
     outliers = (chunk.sparse_values.float().contiguous().numpy(), chunk.sparse_index.contiguous().numpy()) \
         if chunk.sparse_index.numel() else _NO_OUTLIERS
-    return Run(codes=codes[:, :, code_at:], bits=int(spec.bits), group=spec.group_for(n, d),
+    group = spec.group_for(n, d) if spec.axis == "channel" else min(spec.group_for(n, d), d)  # (> d: one group)
+    return Run(codes=codes[:, :, code_at:], bits=0 if spec.allocated else int(spec.bits), group=group,
                channel_axis=spec.axis == "channel", scale=chunk.scale.float().numpy(),
                minimum=chunk.minimum.float().numpy(),
                factors=_factors(chunk, chunks) if chunk.lowrank_a.shape[-1] else _NO_FACTORS, outliers=outliers,
-               n=n, tokens=chunks * n)
+               n=n, tokens=chunks * n, hadamard=spec.rotate, widths=chunk.channel_bits.contiguous().numpy())
 
 
 def decompress_run(run: Run, out: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None):
@@ -269,7 +338,7 @@ def decompress_run(run: Run, out: torch.Tensor, rotary: tuple[torch.Tensor, torc
     assert cos_at == sin_at, "cos and sin tables of one layout"
     written, whole, at = arrays.target(out)
     _decompress(run.codes, run.bits, run.group, run.channel_axis, run.scale, run.minimum, *run.factors,
-                *run.outliers, run.n, run.tokens, whole, at, cos, sin, cos_at)
+                *run.outliers, run.n, run.tokens, run.hadamard, run.widths, whole, at, cos, sin, cos_at)
     return out if written is out else out.copy_(written)
 
 
