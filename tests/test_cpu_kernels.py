@@ -229,7 +229,7 @@ def _tiny_llama():
     return model
 
 
-@pytest.mark.parametrize("preset", ["kivi-2", "outlier-4", "gear-2", "gear-l-k4v2", "fp16"])
+@pytest.mark.parametrize("preset", ["kivi-2", "outlier-4", "gear-2", "gear-l-k4v2", "fp16", "default"])
 def test_generation_numba_equals_torch(preset):
     """A left-padded batch (rows flush on different steps: the slot layout), decode chunks flushed on the way:
     the numba backend gives the torch backend's tokens, and its logits exactly (to float32 rounding with a
@@ -242,13 +242,14 @@ def test_generation_numba_equals_torch(preset):
     ids[mask == 0] = 0
     outs = []
     for backend in ("torch", "numba"):
-        config = GearConfig.preset(preset, group_size=16, buffer_size=16, backend=backend)
+        config = GearConfig(group_size=16, buffer_size=16, prompt_group_size=32, backend=backend) \
+            if preset == "default" else GearConfig.preset(preset, group_size=16, buffer_size=16, backend=backend)
         with gear_hf.enabled(model, config):
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, min_new_tokens=20,
                                  do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
         outs.append((out.sequences, torch.stack(out.scores, 1)))
     assert torch.equal(outs[0][0], outs[1][0])
-    if GearConfig.preset(preset).uses_lowrank:
+    if preset == "default" or GearConfig.preset(preset).uses_lowrank:  # (default: Hadamard-rotated values)
         assert (outs[0][1] - outs[1][1]).abs().max().item() < 1e-4
     else:
         assert torch.equal(outs[0][1], outs[1][1])
