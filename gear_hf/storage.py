@@ -247,10 +247,10 @@ class ChunkStore:
                                                           for name, t in self.fields.items()})
         cpu = kernels.cpu_kernels(kernels.Backend(self.backend), run.codes.device)
         if cpu is not None:
-            if out is None and out_dtype == torch.float32:
+            if out is None and out_dtype in (torch.float32, torch.bfloat16):
                 B, H = run.codes.shape[:2]
-                out = torch.empty(B, H, chunks * self.chunk_len, self.head_dim)
-            if cpu.decompress_supported(self.spec, self.head_dim, out):
+                out = torch.empty(B, H, chunks * self.chunk_len, self.head_dim, dtype=out_dtype)
+            if cpu.decompress_supported(self.spec, self.head_dim, out, rotary):
                 versions = tuple(t._version for t in self.fields.values())
                 prepared = self._prepared.get(chunks)
                 if prepared is None or prepared[0] != versions:

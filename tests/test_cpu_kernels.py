@@ -116,6 +116,30 @@ def test_decompress_into_reads_widths_per_channel(rank):
                           apply_rotary(expected, cos, sin), bool(rank))
 
 
+@pytest.mark.parametrize("spec", [SPECS[0], SPECS[4], SPECS[9], SPECS[13],
+                                  ChunkSpec(3, "token", 128, 0.0, 0, rotate=True)],
+                         ids=lambda s: f"{s.bits}b-{s.axis}-o{s.outlier_ratio}-r{s.rank}-rot{int(s.rotate)}")
+def test_decompress_into_bf16(spec):
+    """A bf16 output (bf16 models): the run assembled in float32 and rounded once, as decompress into a bf16 tensor;
+    keys then rotated by bf16 cos/sin with a rounding per operation, as apply_rotary on bf16 tensors."""
+    torch.manual_seed(6)
+    B, n, chunks, d = 2, 32, 2, 64
+    run = _run(torch.randn(B, 3, n * chunks, d).bfloat16(), spec, n)
+    expected = decompress(run, spec, n, d, torch.bfloat16, chunks=chunks)
+    out = torch.empty(B, 3, n * chunks + 2, d, dtype=torch.bfloat16)[:, :, 2:]
+    cos, sin = (torch.randn(1, 1, n * chunks, d).bfloat16() for _ in range(2))
+    assert cpu.decompress_supported(spec, d, out, (cos, sin))
+    assert not cpu.decompress_supported(spec, d, out, (cos.float(), sin.float()))  # wider cos: the torch path
+    exact = not (spec.rank or spec.rotate)
+    got = cpu.decompress_into(run, spec, n, d, chunks, out)
+    assert got.dtype == torch.bfloat16 and (torch.equal(got, expected) if exact else
+                                             (got.float() - expected.float()).abs().max() <= 0.01 * expected.abs().max())
+    rotated = cpu.decompress_into(run, spec, n, d, chunks, out, (cos, sin))
+    reference = apply_rotary(expected, cos, sin)
+    assert torch.equal(rotated, reference) if exact else \
+        (rotated.float() - reference.float()).abs().max() <= 0.02 * reference.abs().max().float()
+
+
 def test_decompress_of_store_views_and_bf16_side():
     """A run read through views of wider store fields (capacity beyond the live chunks), bf16 statistics."""
     torch.manual_seed(1)
@@ -136,7 +160,7 @@ def test_decompress_supported_declines():
     assert cpu.decompress_supported(ChunkSpec(2, "channel", 16, 0.0, 0), d, out)
     assert cpu.decompress_supported(ChunkSpec(2, "channel", 16, 0.0, 0, rotate=True), d, out)
     assert cpu.decompress_supported(ChunkSpec(2.5, "channel", 16, 0.0, 0, allocated=True), d, out)
-    assert not cpu.decompress_supported(ChunkSpec(2, "channel", 16, 0.0, 0), d, out.bfloat16())
+    assert not cpu.decompress_supported(ChunkSpec(2, "channel", 16, 0.0, 0), d, out.half())
     assert not cpu.decompress_supported(ChunkSpec(2, "token", 48, 0.0, 0), d, out)  # 48 does not split 64
     assert not cpu.decompress_supported(ChunkSpec(2, "token", 20, 0.0, 0), 60, torch.empty(1, 2, 16, 60))  # d % 8
     assert not cpu.decompress_supported(ChunkSpec(2, "channel", 16, 0.0, 0), d, None)
@@ -252,6 +276,29 @@ def test_generation_numba_equals_torch(preset):
     if preset == "default" or GearConfig.preset(preset).uses_lowrank:  # (default: Hadamard-rotated values)
         assert (outs[0][1] - outs[1][1]).abs().max().item() < 1e-4
     else:
+        assert torch.equal(outs[0][1], outs[1][1])
+
+
+@pytest.mark.parametrize("preset", ["kivi-2", "gear-2", "default"])
+def test_generation_numba_equals_torch_bf16(preset):
+    """A bf16 model: the same tokens from both backends; the same logits without a low-rank term or rotation
+    (the reads round as torch rounds bf16 tensors)."""
+    model = _tiny_llama().to(torch.bfloat16)
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, 128, (2, 40), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    ids[mask == 0] = 0
+    outs = []
+    for backend in ("torch", "numba"):
+        config = GearConfig(group_size=16, buffer_size=16, prompt_group_size=32, backend=backend) \
+            if preset == "default" else GearConfig.preset(preset, group_size=16, buffer_size=16, backend=backend)
+        with gear_hf.enabled(model, config):
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, min_new_tokens=12,
+                                 do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+        outs.append((out.sequences, torch.stack(out.scores, 1).float()))
+    assert torch.equal(outs[0][0], outs[1][0])
+    if preset == "kivi-2":
         assert torch.equal(outs[0][1], outs[1][1])
 
 

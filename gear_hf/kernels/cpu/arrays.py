@@ -39,7 +39,7 @@ def target(out: torch.Tensor):
     """(tensor to write, its `rows`): out itself, or a temporary to copy into out after when numba cannot view it."""
     whole = rows(out)
     if whole is None:
-        out = torch.empty(out.shape)
+        out = torch.empty(out.shape, dtype=out.dtype)
         whole = rows(out)
     return (out, *whole)
 

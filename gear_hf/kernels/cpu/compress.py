@@ -23,42 +23,11 @@ import torch
 from ...compress import ChunkSpec, outliers, quant
 from ...compress.gear import Backbone, side_dtype
 from . import arrays
+from .bf16 import bf16_step as _bf16_next, bf16_value as _f32, round_bf16 as _bf16
 
 _F32 = np.float32
-_U32 = np.uint32
 _FLT_MAX = _F32(np.finfo(np.float32).max)
 _INF = _F32(np.inf)
-
-
-# -- bf16 as torch rounds it ----------------------------------------------------------------------------------
-@numba.njit(inline="always")
-def _bf16(v):
-    """float32 -> bf16 bits, rounded to nearest even (NaN -> 0x7FC0), as torch converts."""
-    if v != v:
-        return np.uint16(0x7FC0)
-    u = _F32(v).view(_U32)
-    return np.uint16((u + ((u >> _U32(16)) & _U32(1)) + _U32(0x7FFF)) >> _U32(16))
-
-
-@numba.njit(inline="always")
-def _f32(bits):
-    """bf16 bits -> float32 (exact)."""
-    return _U32(_U32(bits) << _U32(16)).view(_F32)
-
-
-@numba.njit(inline="always")
-def _bf16_next(bits, up):
-    """The bf16 neighbour one ulp toward +inf (up) or -inf, as torch.nextafter: zero steps to the smallest
-    subnormal of that sign, an infinity toward itself stays."""
-    magnitude = bits & 0x7FFF
-    if magnitude > 0x7F80:  # NaN
-        return np.uint16(bits)
-    if magnitude == 0:
-        return np.uint16(0x0001 if up else 0x8001)
-    away = up == (bits < 0x8000)  # moving away from zero
-    if away:
-        return np.uint16(bits if magnitude == 0x7F80 else bits + 1)
-    return np.uint16(bits - 1)
 
 
 @numba.njit(inline="always")

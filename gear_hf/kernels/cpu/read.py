@@ -9,8 +9,9 @@ They compute what `gear_hf.compress.decompress` and `gear_hf.rope.apply_rotary` 
 bit for bit (same float32 operations in the same order, no contraction into fused multiply-adds) except where a
 low-rank term is added: that is summed in another order than the matmul's, so equal to float32 rounding.
 What they cover (`decompress_supported`): uniform widths 2/3/4/8, either axis, outliers, low-rank, Hadamard
-rotation (undone by butterflies: to float32 rounding), widths per channel (bit planes), float32 output; anything
-else takes the torch path."""
+rotation (undone by butterflies: to float32 rounding), widths per channel (bit planes), float32 or bf16 output
+(bf16: rounded as torch rounds a bf16 tensor, RoPE with a rounding per operation); anything else takes the torch
+path."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import torch
 
 from ...compress import ChunkSpec, CompressedChunk
 from . import arrays
+from .bf16 import bf16_value as _f32, round_bf16 as _bf16
 
 _F32 = np.float32
 
@@ -228,46 +230,98 @@ def _hadamard_rows(x, N, tile):
                 x[t0 + j, c] = tile[c, j] * scale
 
 
+@numba.njit(inline="always")
+def _scratch(a, channel_axis, hadamard, widths, n, N, d):
+    """The per-plane scratch of `_assemble`: (plane [N,d], spread codes, low-rank bt and weights, Hadamard tile,
+    bit-plane code tile); empty where the run does not need one."""
+    bt = np.zeros(((a.shape[3] + 3) // 4 * 4, d), dtype=np.float32)
+    return (np.empty((N, d), dtype=np.float32),  # one (row, head) at a time, while terms are added before rotating
+            np.empty((0 if channel_axis else N, d), dtype=np.uint8),  # (token axis: d % 8 == 0: codes fill d)
+            bt, np.zeros((n if a.shape[3] else 0, bt.shape[0]), dtype=np.float32),
+            np.empty((d, 64 if hadamard else 0), dtype=np.float32),
+            np.empty((8 if widths.shape[2] else 0, d), dtype=np.uint8))
+
+
+@numba.njit(inline="always")
+def _assemble(codes, bits, group, channel_axis, scale, minimum, a, a_scale, b_raw, b_scale, values, index, n, N,
+              hadamard, widths, b, h, target, rotate_rows, cos, sin, cos_at, spread, bt, weights, tile, code_tile):
+    """Plane (b, h) of the run into target [N,d] float32: the codes dequantized (rotate_rows: keys with nothing
+    to add, rotated as they are written), then the outlier and low-rank terms and the Hadamard rotation undone."""
+    d = target.shape[1]
+    if widths.shape[2]:
+        _dequant_planes(codes, widths, group, scale, minimum, b, h, n, N, target, code_tile)
+    elif channel_axis:
+        _dequant_channel(codes, bits, group, scale, minimum, b, h, N, target, rotate_rows, cos, sin, cos_at)
+    else:
+        _spread_codes(codes, bits, b, h, N, spread)
+        G = d // group
+        _dequant_token(spread.reshape(N, G, group), scale, minimum, b, h, N, target.reshape(N, G, group))
+    if values.shape[2]:  # (D̂ + S) + A Bᵀ, in the oracle's order
+        _add_outliers(values, index, channel_axis, b, h, n, N, target)
+    if a.shape[3]:
+        _add_lowrank(a, a_scale, b_raw, b_scale, b, h, n, N, target, bt, weights)
+    if hadamard:  # undone before RoPE, as decompress then apply_rotary do
+        _hadamard_rows(target, N, tile)
+
+
 @numba.njit(cache=True, nogil=True)
 def _decompress(codes, bits, group, channel_axis, scale, minimum, a, a_scale, b_raw, b_scale, values, index, n, N,
                 hadamard, widths, out, at, cos, sin, cos_at):
-    """A run of N = C*n tokens (the arrays of `decompress_into`) into out[:, :, at:at+N], plane by plane; widths
-    [B,H,C,d]: codes of a width per channel (`_dequant_planes`), else [B,H,0,d]."""
+    """A run of N = C*n tokens (the arrays of `decompress_into`) into out[:, :, at:at+N] float32, plane by plane;
+    widths [B,H,C,d]: codes of a width per channel (`_dequant_planes`), else [B,H,0,d]."""
     B, H, _, d = out.shape
-    plane = np.empty((N, d), dtype=np.float32)  # one (row, head) at a time, while terms are added before rotating
-    spread = np.empty((0 if channel_axis else N, d), dtype=np.uint8)  # (token axis: d % 8 == 0, so codes fill d)
-    bt = np.zeros(((a.shape[3] + 3) // 4 * 4, d), dtype=np.float32)
-    weights = np.zeros((n if a.shape[3] else 0, bt.shape[0]), dtype=np.float32)
+    plane, spread, bt, weights, tile, code_tile = _scratch(a, channel_axis, hadamard, widths, n, N, d)
     # nothing to add to the codes (and keys rotated row by row as they are written): straight into out, no plane
     rotate = cos.shape[2] > 0
-    allocated = widths.shape[2] > 0
-    direct = a.shape[3] == 0 and values.shape[2] == 0 and not hadamard and not allocated \
+    direct = a.shape[3] == 0 and values.shape[2] == 0 and not hadamard and widths.shape[2] == 0 \
         and (channel_axis or not rotate)
-    tile = np.empty((d, 64 if hadamard else 0), dtype=np.float32)
-    code_tile = np.empty((8 if allocated else 0, d), dtype=np.uint8)
     in_place = direct or not rotate  # nothing to rotate once the terms are added: they are added on out's rows
     for b in range(B):
         for h in range(H):
             target = out[b, h, at : at + N] if in_place else plane
-            if allocated:
-                _dequant_planes(codes, widths, group, scale, minimum, b, h, n, N, target, code_tile)
-            elif channel_axis:
-                _dequant_channel(codes, bits, group, scale, minimum, b, h, N, target, direct and rotate, cos, sin,
-                                 cos_at)
-            else:
-                _spread_codes(codes, bits, b, h, N, spread)
-                G = d // group
-                _dequant_token(spread.reshape(N, G, group), scale, minimum, b, h, N, target.reshape(N, G, group))
-            if direct:
-                continue
-            if values.shape[2]:  # (D̂ + S) + A Bᵀ, in the oracle's order
-                _add_outliers(values, index, channel_axis, b, h, n, N, target)
-            if a.shape[3]:
-                _add_lowrank(a, a_scale, b_raw, b_scale, b, h, n, N, target, bt, weights)
-            if hadamard:  # undone before RoPE, as decompress then apply_rotary do
-                _hadamard_rows(target, N, tile)
+            _assemble(codes, bits, group, channel_axis, scale, minimum, a, a_scale, b_raw, b_scale, values, index, n,
+                      N, hadamard, widths, b, h, target, direct and rotate, cos, sin, cos_at, spread, bt, weights,
+                      tile, code_tile)
             if not in_place:
                 _write(plane, b, h, N, out, at, cos, sin, cos_at)
+
+
+@numba.njit(cache=True, nogil=True)
+def _decompress_bf16(codes, bits, group, channel_axis, scale, minimum, a, a_scale, b_raw, b_scale, values, index, n,
+                     N, hadamard, widths, out, at, cos, sin, cos_at):
+    """`_decompress` into out [B,H,>=at+N,d] of bf16 bits (int16), with cos/sin in bf16 bits: each plane assembled in
+    float32 and rounded once as it is written (what decompress into a bf16 tensor does), keys then rotated with
+    a rounding after every operation, as `apply_rotary` on bf16 tensors does (`_write_bf16`)."""
+    B, H, _, d = out.shape
+    plane, spread, bt, weights, tile, code_tile = _scratch(a, channel_axis, hadamard, widths, n, N, d)
+    for b in range(B):
+        for h in range(H):
+            _assemble(codes, bits, group, channel_axis, scale, minimum, a, a_scale, b_raw, b_scale, values, index, n,
+                      N, hadamard, widths, b, h, plane, False, cos, sin, cos_at, spread, bt, weights, tile, code_tile)
+            _write_bf16(plane, b, h, N, out, at, cos, sin, cos_at)
+
+
+@numba.njit(cache=True, nogil=True)
+def _write_bf16(plane, b, h, N, out, at, cos, sin, cos_at):
+    """out[b, h, at:at+N] = plane [N,d] in bf16 bits (rounded to nearest even), rotated by cos/sin [B|1,1,..,d] bf16
+    bits (an empty dim 2: as is) as `apply_rotary` computes on bf16 tensors: rne(rne(x1*c1) - rne(x2*s1)) and
+    rne(rne(x2*c2) + rne(x1*s2)), x1/x2 the halves of the plane rounded first."""
+    d = plane.shape[1]
+    if cos.shape[2] == 0:
+        for t in range(N):
+            for c in range(d):
+                out[b, h, at + t, c] = _bf16(plane[t, c])
+        return
+    half, cb = d // 2, b if cos.shape[0] > 1 else 0
+    for t in range(N):
+        ct = cos_at + t
+        for i in range(half):
+            j = i + half
+            x1, x2 = _f32(_bf16(plane[t, i])), _f32(_bf16(plane[t, j]))
+            c1, s1, c2, s2 = _f32(cos[cb, 0, ct, i]), _f32(sin[cb, 0, ct, i]), _f32(cos[cb, 0, ct, j]), \
+                _f32(sin[cb, 0, ct, j])
+            out[b, h, at + t, i] = _bf16(_f32(_bf16(x1 * c1)) - _f32(_bf16(x2 * s1)))
+            out[b, h, at + t, j] = _bf16(_f32(_bf16(x2 * c2)) + _f32(_bf16(x1 * s2)))
 
 
 @numba.njit(cache=True, nogil=True)
@@ -288,11 +342,15 @@ def _rotate(x, x_at, cos, sin, cos_at, T, out, out_at):
 
 
 # -- torch-facing entry points --------------------------------------------------------------------------------
-def decompress_supported(spec: ChunkSpec, head_dim: int, out: torch.Tensor | None) -> bool:
-    """True when `decompress_into` covers this spec and output (else the torch `decompress` runs)."""
+def decompress_supported(spec: ChunkSpec, head_dim: int, out: torch.Tensor | None, rotary=None) -> bool:
+    """True when `decompress_into` covers this spec and output (else the torch `decompress` runs): float32 out, or
+    bf16 out with bf16 cos/sin over every channel (rotary: the (cos, sin) it would rotate by, if any)."""
     if not spec.allocated and spec.bits not in (2, 3, 4, 8):
         return False
-    if out is None or out.dtype != torch.float32 or out.device.type != "cpu":
+    if out is None or out.dtype not in (torch.float32, torch.bfloat16) or out.device.type != "cpu":
+        return False
+    if out.dtype == torch.bfloat16 and rotary is not None and (rotary[0].dtype != torch.bfloat16
+                                                                 or rotary[0].shape[-1] != head_dim):
         return False
     if spec.axis == "token":  # groups split the channels (or one covers them all), codes fill whole bytes of 8
         group = min(spec.group or head_dim, head_dim)
@@ -333,19 +391,26 @@ def prepare(chunk: CompressedChunk, spec: ChunkSpec, n: int, d: int, chunks: int
 
 
 def decompress_run(run: Run, out: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None):
-    """The prepared run into out [B,H,tokens,d] float32 (`decompress_into`); returns out."""
-    (cos, cos_at), (sin, sin_at) = (arrays.readable(t) for t in rotary) if rotary else ((_NO_ROTATION, 0),) * 2
+    """The prepared run into out [B,H,tokens,d] float32 or bf16 (`decompress_into`); returns out."""
+    bf16 = out.dtype == torch.bfloat16  # (numpy has no bf16: its bits, as int16)
+    bits = (lambda t: t.view(torch.int16)) if bf16 else (lambda t: t)
+    no_rotation = _NO_ROTATION_BF16 if bf16 else _NO_ROTATION
+    (cos, cos_at), (sin, sin_at) = (arrays.readable(bits(t)) for t in rotary) if rotary else ((no_rotation, 0),) * 2
     assert cos_at == sin_at, "cos and sin tables of one layout"
-    written, whole, at = arrays.target(out)
-    _decompress(run.codes, run.bits, run.group, run.channel_axis, run.scale, run.minimum, *run.factors,
-                *run.outliers, run.n, run.tokens, run.hadamard, run.widths, whole, at, cos, sin, cos_at)
-    return out if written is out else out.copy_(written)
+    view = bits(out)
+    written, whole, at = arrays.target(view)
+    (_decompress_bf16 if bf16 else _decompress)(
+        run.codes, run.bits, run.group, run.channel_axis, run.scale, run.minimum, *run.factors, *run.outliers, run.n,
+        run.tokens, run.hadamard, run.widths, whole, at, cos, sin, cos_at)
+    if written is not view:
+        view.copy_(written)
+    return out
 
 
 def decompress_into(chunk: CompressedChunk, spec: ChunkSpec, n: int, d: int, chunks: int, out: torch.Tensor,
                     rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`gear_hf.compress.decompress` of `chunks` consecutive chunks of n tokens into out [B,H,chunks*n,d] float32
-    (`decompress_supported` says when it applies): bit for bit without a low-rank term, else to float32 rounding
+    or bf16 (`decompress_supported` says when it applies): bit for bit without a low-rank term, else to float32 rounding
     (the rank terms summed in another order than the matmul's). rotary: (cos, sin) [B|1,1,chunks*n,d] to return
     the tokens rotated (`rotate_into`'s result: keys read by the attention), in the same pass."""
     return decompress_run(prepare(chunk, spec, n, d, chunks), out, rotary)
@@ -368,6 +433,7 @@ _NO_FACTORS = (np.zeros((0, 0, 0, 0), dtype=np.int8), np.zeros((0, 0, 0, 0), dty
                np.zeros((0, 0, 0, 0), dtype=np.int8), np.zeros((0, 0, 0, 0), dtype=np.float32))
 _NO_OUTLIERS = (np.zeros((0, 0, 0, 0), dtype=np.float32), np.zeros((0, 0, 0, 0), dtype=np.uint8))
 _NO_ROTATION = np.zeros((1, 1, 0, 1), dtype=np.float32)
+_NO_ROTATION_BF16 = np.zeros((1, 1, 0, 1), dtype=np.int16)
 
 
 def rotate_supported(x: torch.Tensor, cos: torch.Tensor, out: torch.Tensor) -> bool:
