@@ -60,6 +60,18 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("axis,group,ratio", [("token", 128, 0.0), ("token", 16, 0.05), ("channel", 16, 0.02)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_compress_backbone_of_a_rotating_spec(axis, group, ratio, dtype):
+    """Hadamard-rotated chunks (GearConfig()'s values): rotated as the oracle rotates them, then the same kernel,
+    with the outliers exact in float32 (the rotated entries are float32 sums)."""
+    spec = ChunkSpec(3, axis, group, ratio, 2, rotate=True)
+    for kind in ("gaussian", "ties"):
+        x = _inputs(kind, (2, 3, 64, 64), dtype)
+        assert compress_supported(spec, x)
+        _assert_same(compute_backbone(x, spec), compress_backbone(x, spec))
+
+
 @pytest.mark.parametrize("bits,axis,n,d,ratio,rank,group", CASES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_compress_backbone_equals_compute_backbone(bits, axis, n, d, ratio, rank, group, dtype):
@@ -68,6 +80,25 @@ def test_compress_backbone_equals_compute_backbone(bits, axis, n, d, ratio, rank
         x = _inputs(kind, (2, 3, n, d), dtype)
         assert compress_supported(spec, x)
         _assert_same(compute_backbone(x, spec), compress_backbone(x, spec))
+
+
+@pytest.mark.parametrize("rank", [0, 2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_compress_backbone_of_widths_per_channel(rank, dtype):
+    """Keys with a width per channel (GearConfig()'s keys, `quant.pack_planes`): each (row, head) its own widths
+    of 1 to 8 bits with the same total; a chunk given no widths, or widths for a uniform spec, is refused."""
+    spec = ChunkSpec(3.25, "channel", 16, 0.0, rank, allocated=True)
+    base = torch.tensor([1, 2, 3, 4, 5, 8, 2, 1] * 8, dtype=torch.uint8)
+    widths = torch.stack([base[torch.randperm(64, generator=torch.Generator().manual_seed(i))]
+                          for i in range(6)]).view(2, 3, 64)
+    for kind in ("gaussian", "ties", "wide"):
+        x = _inputs(kind, (2, 3, 64, 64), dtype)
+        assert compress_supported(spec, x)
+        _assert_same(compute_backbone(x, spec, channel_bits=widths), compress_backbone(x, spec, widths))
+    with pytest.raises(ValueError, match="channel_bits"):
+        compress_backbone(x, spec)
+    with pytest.raises(ValueError, match="channel_bits"):
+        compress_backbone(x, ChunkSpec(2, "channel", 16, 0.0, 0), widths)
 
 
 def test_compress_with_the_kernel_equals_compress():
@@ -81,9 +112,10 @@ def test_compress_supported_declines():
     x = torch.zeros(1, 2, 64, 64, dtype=torch.bfloat16)
     assert compress_supported(ChunkSpec(2, "channel", 16, 0.02, 2), x)
     assert not compress_supported(ChunkSpec(2, "channel", 16, 0.02, 2), x.half())  # fp16 side information
-    assert not compress_supported(ChunkSpec(2, "channel", 16, 0.0, 0, rotate=True), x)
+    assert compress_supported(ChunkSpec(2, "channel", 16, 0.0, 0, rotate=True), x)
     assert not compress_supported(ChunkSpec(2, "channel", 16, 0.0, 0, range_search=True), x)
-    assert not compress_supported(ChunkSpec(2.5, "channel", 16, 0.0, 0, allocated=True), x)
+    assert compress_supported(ChunkSpec(2.5, "channel", 16, 0.0, 0, allocated=True), x)
+    assert not compress_supported(ChunkSpec(2.5, "channel", 4, 0.0, 0, allocated=True), x[:, :, :60])  # planes of 8
     assert not compress_supported(ChunkSpec(2, "channel", 48, 0.0, 0), x)  # 48 does not split 64 tokens
     assert not compress_supported(ChunkSpec(3, "channel", 0, 0.0, 0), x[:, :, :60])  # 3-bit units of 8 tokens
 

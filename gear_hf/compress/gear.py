@@ -221,21 +221,21 @@ def compress(x: torch.Tensor, spec: ChunkSpec, valid: torch.Tensor | None = None
     """Compress x [B,H,n,d]. valid [B,n] bool marks real tokens; padding takes no part in any statistic.
     channel_bits: uint8 [B,H,d], each channel's width (1..8), for an allocated spec (allocation.py) and only then.
 
-    Accelerated steps (each used only without valid and channel_bits; the caller checks that they cover the spec):
+    Accelerated steps (used only without valid; the caller checks that they cover the spec):
     quantize_pack: (x, bits, axis, group, exclude, stats_dtype) -> (packed codes, scale, minimum), equal to
-    quant.quantize + pack_codes bit for bit (gear_hf.kernels.quantize_pack on CUDA).
-    backbone: (x, spec) -> Backbone, equal to `compute_backbone` bit for bit (gear_hf.kernels.cpu on the CPU).
+    quant.quantize + pack_codes bit for bit (gear_hf.kernels.quantize_pack on CUDA; not for allocated widths).
+    backbone: (x, spec, channel_bits) -> Backbone, equal to `compute_backbone` bit for bit (gear_hf.kernels.cpu on
+    the CPU).
     factors: (residual, spec, store) -> what `fit_factors` returns, equal to float32 rounding.
     """
     B, H, n, d = x.shape
     store = side_dtype(x.dtype)
-    plain = valid is None and channel_bits is None
-    if backbone is not None and plain:
-        part = backbone(x, spec)
+    if backbone is not None and valid is None:
+        part = backbone(x, spec, channel_bits)
     else:
         part = compute_backbone(x, spec, valid, quantize_pack, channel_bits)
     if spec.rank:
-        fit = factors if factors is not None and plain else functools.partial(fit_factors, valid=valid)
+        fit = factors if factors is not None and valid is None else functools.partial(fit_factors, valid=valid)
         lowrank_a, lowrank_b, a_scale, b_scale = fit(part.residual, spec, store)
     else:
         lowrank_a, lowrank_b = x.new_zeros(B, H, n, 0, dtype=store), x.new_zeros(B, H, d, 0, dtype=store)
@@ -275,6 +275,13 @@ def fit_factors(residual: torch.Tensor, spec: ChunkSpec, store: torch.dtype, val
     return lowrank_a, lowrank_b, a_scale, b_scale
 
 
+def check_channel_bits(spec: ChunkSpec, channel_bits: torch.Tensor | None) -> None:
+    """channel_bits come with a spec whose widths are allocated per channel, and only with one."""
+    if spec.allocated != (channel_bits is not None):
+        raise ValueError("channel_bits are given for a spec with bits allocated per channel (allocated=True), and "
+                         f"only then: allocated={spec.allocated}, channel_bits given: {channel_bits is not None}")
+
+
 def compute_backbone(x: torch.Tensor, spec: ChunkSpec, valid: torch.Tensor | None = None,
                      quantize_pack=None, channel_bits: torch.Tensor | None = None) -> Backbone:
     """D̂ and S of x [B,H,n,d] (outliers chosen, the rest quantized, outliers made exact), and, for a spec with a
@@ -288,9 +295,7 @@ def compute_backbone(x: torch.Tensor, spec: ChunkSpec, valid: torch.Tensor | Non
     if valid is not None:
         padding = ~valid[:, None, :, None]
         exclude = padding.expand(x.shape) if exclude is None else exclude | padding
-    if spec.allocated != (channel_bits is not None):
-        raise ValueError("channel_bits are given for a spec with bits allocated per channel (allocated=True), and "
-                         f"only then: allocated={spec.allocated}, channel_bits given: {channel_bits is not None}")
+    check_channel_bits(spec, channel_bits)
     bits = spec.bits if channel_bits is None else channel_bits.unsqueeze(2)  # [B,H,1,d]
     packed = None
     if quantize_pack is None or spec.range_search or spec.allocated:  # the accelerated quantizer: min/max, one width

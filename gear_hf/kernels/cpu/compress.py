@@ -10,7 +10,8 @@ term is fitted to. The torch path spends most of a prefill's compression in a fe
 Exactness: the same float32 operations in the same order (no fused multiply-adds), 16-bit values rounded to
 nearest even as torch converts them, ties ranked by position as `select_outliers` ranks them. Covered
 (`compress_supported`): bf16 and float32 models (side information in bf16), uniform widths 2/3/4/8, either axis,
-no padding mask, no Hadamard rotation, no range search; anything else takes the torch path. Non-finite input gives
+no padding mask, Hadamard rotation (the chunk rotated first, as the oracle does), no range search; anything else
+takes the torch path. Non-finite input gives
 unspecified outputs (the cache refuses it once per step), never a crash.
 """
 
@@ -21,7 +22,8 @@ import numpy as np
 import torch
 
 from ...compress import ChunkSpec, outliers, quant
-from ...compress.gear import Backbone, side_dtype
+from ...compress.gear import Backbone, check_channel_bits, side_dtype
+from ...compress.rotation import rotate
 from . import arrays
 from .bf16 import bf16_step as _bf16_next, bf16_value as _f32, round_bf16 as _bf16
 
@@ -259,8 +261,9 @@ def _safe(scale_bits):
 
 
 @numba.njit(inline="always")
-def _quantize_channel(plane, excluded, group, top, scale, minimum, codes):
-    """Groups of `group` tokens per channel: stats [n/group, d] (bf16 bits), codes [n, d]."""
+def _quantize_channel(plane, excluded, group, tops, scale, minimum, codes):
+    """Groups of `group` tokens per channel: stats [n/group, d] (bf16 bits), codes [n, d]; tops [d]: each
+    channel's highest code (its width's, for widths per channel)."""
     n, d = plane.shape
     lo, hi = np.empty(d, _F32), np.empty(d, _F32)
     m, safe = np.empty(d, _F32), np.empty(d, _F32)
@@ -273,11 +276,11 @@ def _quantize_channel(plane, excluded, group, top, scale, minimum, codes):
                 lo[c] = min(lo[c], _INF if excluded[t, c] else v)
                 hi[c] = max(hi[c], -_INF if excluded[t, c] else v)
         for c in range(d):
-            minimum[g, c], scale[g, c] = _stats(lo[c], hi[c], top)
+            minimum[g, c], scale[g, c] = _stats(lo[c], hi[c], tops[c])
             m[c], safe[c] = _f32(minimum[g, c]), _safe(scale[g, c])
         for t in range(g * group, (g + 1) * group):
             for c in range(d):
-                codes[t, c] = _code(plane[t, c], m[c], safe[c], top)
+                codes[t, c] = _code(plane[t, c], m[c], safe[c], tops[c])
 
 
 @numba.njit(inline="always")
@@ -379,13 +382,15 @@ def _choose(plane, channel_axis, k, vectors, top_v, top_i, bottom_v, bottom_i, t
 
 # -- one chunk ------------------------------------------------------------------------------------------------
 @numba.njit(cache=True, nogil=True)
-def _compress(x, bits, channel_axis, group, k, model_bf16, packed, scale, minimum, sparse, index, residual):
+def _compress(x, bits, widths, channel_axis, group, k, model_bf16, packed, scale, minimum, sparse, index, residual):
     """x [B,H,n,d] float32 -> packed codes [B,H,P(n),d] / [B,H,n,P(d')], scale/minimum (bf16 bits) [B,H,n/g,d] /
     [B,H,n,G], sparse (bf16 bits) and index (int64) [B,H,k,d] / [B,H,n,k] (0 at unused slots), and, when residual
-    has rows, residual [B,H,n,d] = X - D̂ - S in float32."""
+    has rows, residual [B,H,n,d] = X - D̂ - S in float32. widths [B,H,d] uint8: a width per channel (keys; codes
+    packed as bit planes [B,H,n/8,S], `_pack_planes`), or [0,0,0]: `bits` for all."""
     B, H, n, d = x.shape
     V, L = (d, n) if channel_axis else (n, d)
     top = (1 << bits) - 1
+    tops = np.full(d, top, np.int64)
     codes = np.empty((n, d), np.uint8)
     excluded = np.zeros((n, d), np.bool_)
     lanes = 3 * k + 2 <= _MAX_LANE_SLOTS
@@ -410,15 +415,21 @@ def _compress(x, bits, channel_axis, group, k, model_bf16, packed, scale, minimu
                                 excluded[slot_index[v, s], v] = True
                             else:
                                 excluded[v, slot_index[v, s]] = True
+            if widths.shape[0]:
+                for c in range(d):
+                    tops[c] = (1 << np.int64(widths[b, h, c])) - 1
             if channel_axis:
-                _quantize_channel(plane, excluded, group, top, scale[b, h], minimum[b, h], codes)
+                _quantize_channel(plane, excluded, group, tops, scale[b, h], minimum[b, h], codes)
             else:
                 _quantize_token(plane, excluded, group, top, scale[b, h], minimum[b, h], codes)
             if k:
                 _exact_entries(plane, codes, channel_axis, group, k, top, model_bf16, scale[b, h], minimum[b, h],
                                slot_index, slot_used, sparse[b, h], index[b, h])
                 excluded[:] = False
-            _pack(codes, bits, channel_axis, packed[b, h])
+            if widths.shape[0]:
+                _pack_planes(codes, widths[b, h], packed[b, h])
+            else:
+                _pack(codes, bits, channel_axis, packed[b, h])
             if residual.shape[2]:
                 _residual(plane, codes, channel_axis, group, scale[b, h], minimum[b, h], k, slot_index, slot_used,
                           sparse[b, h], residual[b, h])
@@ -474,6 +485,26 @@ def _pack(codes, bits, channel_axis, out):
 
 
 @numba.njit(inline="always")
+def _pack_planes(codes, widths, out):
+    """quant.pack_planes of codes [n, d] with widths [d]: per 8 tokens, channel c's planes (bit t of plane j = bit
+    j of token t's code) at bytes [start_c, start_c + widths[c]) of out [n/8, S], start_c the widths before c. The
+    8 codes of a channel, as the bytes of one word, become its planes by an 8x8 bit transpose."""
+    n, d = codes.shape
+    for u in range(n // 8):
+        start = 0
+        for c in range(d):
+            word = np.uint64(0)
+            for t in range(8):
+                word |= np.uint64(codes[8 * u + t, c]) << np.uint64(8 * t)
+            for shift, mask in ((7, 0x00AA00AA00AA00AA), (14, 0x0000CCCC0000CCCC), (28, 0x00000000F0F0F0F0)):
+                swap = (word ^ (word >> np.uint64(shift))) & np.uint64(mask)
+                word ^= swap ^ (swap << np.uint64(shift))
+            for j in range(widths[c]):
+                out[u, start + j] = (word >> np.uint64(8 * j)) & np.uint64(0xFF)
+            start += widths[c]
+
+
+@numba.njit(inline="always")
 def _residual(plane, codes, channel_axis, group, scale, minimum, k, slot_index, slot_used, sparse, out):
     """out [n, d] = X - (D̂ + S): D̂ = code*scale + minimum, S added at the used slots (as scatter_add adds every
     slot, an unused one adding 0 at index 0)."""
@@ -518,40 +549,55 @@ def _approx(codes, channel_axis, group, scale, minimum, sparse, t, c, s, v):
 def compress_supported(spec: ChunkSpec, x: torch.Tensor) -> bool:
     """True when `compress_backbone` and `lowrank.fit_factors` cover this spec and chunk x [B,H,n,d] (else
     `compute_backbone` and `gear.fit_factors` run)."""
-    if spec.allocated or spec.rotate or spec.range_search or spec.bits not in quant.BITS:
+    if spec.range_search or (not spec.allocated and spec.bits not in quant.BITS):
         return False
     if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32) or x.ndim != 4:
         return False
     n, d = x.shape[2], x.shape[3]
     group = spec.group_for(n, d)
     if spec.axis == "channel":  # whole groups and whole packing units along tokens (else the torch path raises)
-        return group > 0 and n % group == 0 and n % quant.pack_unit(int(spec.bits))[0] == 0
+        return group > 0 and n % group == 0 and n % quant.codes_per_unit(spec.bits, spec.allocated) == 0
     return group > 0
 
 
-def compress_backbone(x: torch.Tensor, spec: ChunkSpec) -> Backbone:
-    """`gear_hf.compress.gear.compute_backbone(x, spec)`, bit for bit, for what `compress_supported` covers."""
+def compress_backbone(x: torch.Tensor, spec: ChunkSpec, channel_bits: torch.Tensor | None = None) -> Backbone:
+    """`gear_hf.compress.gear.compute_backbone(x, spec, channel_bits=channel_bits)`, bit for bit, for what
+    `compress_supported` covers. channel_bits [B,H,d] uint8: the widths of an allocated spec (and only then)."""
+    check_channel_bits(spec, channel_bits)
     B, H, n, d = x.shape
-    bits, channel_axis = int(spec.bits), spec.axis == "channel"
+    channel_axis = spec.axis == "channel"
+    bits = 0 if spec.allocated else int(spec.bits)
     group = spec.group_for(n, d)
     k = outliers.outliers_per_vector(n if channel_axis else d, spec.outlier_ratio)
     side = side_dtype(x.dtype)  # bf16 for both covered dtypes
-    if channel_axis:
+    if spec.allocated:  # bit planes: per 8 tokens, the widths' sum in bytes (the same for every row and head)
+        widths = channel_bits.to(torch.uint8).contiguous()
+        packed = torch.empty(B, H, n // quant.PLANE_TOKENS, int(widths[0, 0].sum()) if widths.numel() else 0,
+                             dtype=torch.uint8)
+        stats_shape, slots_shape = (B, H, n // group, d), (B, H, k, d)
+    elif channel_axis:
+        widths = _UNIFORM
         packed = torch.empty(B, H, quant.packed_length(n, bits), d, dtype=torch.uint8)
         stats_shape, slots_shape = (B, H, n // group, d), (B, H, k, d)
     else:
+        widths = _UNIFORM
         unit = quant.pack_unit(bits)[0]
         packed = torch.empty(B, H, n, quant.packed_length(-(-d // unit) * unit, bits), dtype=torch.uint8)
         stats_shape, slots_shape = (B, H, n, -(-d // group)), (B, H, n, k)
     scale, minimum = torch.empty(stats_shape, dtype=side), torch.empty(stats_shape, dtype=side)
     sparse, index = torch.empty(slots_shape, dtype=side), torch.empty(slots_shape, dtype=torch.long)
     residual = torch.empty(B, H, n, d) if spec.rank else torch.empty(B, H, 0, 0)
-    _compress(x.float().contiguous().numpy(), bits, channel_axis, group, k, x.dtype == torch.bfloat16,
-              packed.numpy(), *(t.view(torch.int16).numpy() for t in (scale, minimum, sparse)), index.numpy(),
-              residual.numpy())
-    return Backbone(codes=packed, channel_bits=torch.zeros(B, H, 0, d, dtype=torch.uint8), scale=scale,
-                    minimum=minimum, sparse_values=sparse, sparse_index=index,
-                    residual=residual if spec.rank else None)
+    # a rotating spec compresses the rotated chunk (rotated as the oracle rotates it), whose entries are float32 sums
+    work = rotate(x) if spec.rotate else x.float()
+    _compress(work.contiguous().numpy(), bits, widths if isinstance(widths, np.ndarray) else widths.numpy(),
+              channel_axis, group, k, x.dtype == torch.bfloat16 and not spec.rotate, packed.numpy(),
+              *(t.view(torch.int16).numpy() for t in (scale, minimum, sparse)), index.numpy(), residual.numpy())
+    stored_bits = channel_bits.unsqueeze(2) if spec.allocated else torch.zeros(B, H, 0, d, dtype=torch.uint8)
+    return Backbone(codes=packed, channel_bits=stored_bits, scale=scale, minimum=minimum, sparse_values=sparse,
+                    sparse_index=index, residual=residual if spec.rank else None)
+
+
+_UNIFORM = np.zeros((0, 0, 0), dtype=np.uint8)  # no widths per channel
 
 
 # the exponent bits of a float dtype (all set: inf or NaN), and the integer dtype its bits are read as
