@@ -109,7 +109,7 @@ class GearConfig:
                    (beyond GEAR; same stored format)
     Side information (scales, minimums, outlier values, factors) is stored in 16 bits whatever the model
     dtype: bf16 for fp32/bf16 models, fp16 for fp16 models.
-    backend:       "auto" (Triton kernels on CUDA tensors, numba read kernels on CPU tensors, when installed;
+    backend:       "auto" (Triton kernels on CUDA tensors, numba CPU kernels on CPU tensors, when installed;
                    else torch), "torch", "triton" or "numba" (forced); GEAR_HF_BACKEND overrides "auto"
     """
 

@@ -215,7 +215,7 @@ def test_backend_choice(monkeypatch):
     monkeypatch.setenv("GEAR_HF_BACKEND", "torch")
     assert cpu_kernels(GearConfig(), torch.device("cpu")) is None
     monkeypatch.setenv("GEAR_HF_BACKEND", "numba")
-    with pytest.raises(ValueError, match="'numba' runs the CPU read kernels"):
+    with pytest.raises(ValueError, match="'numba' runs the CPU kernels"):
         resolve_backend(GearConfig(), torch.device("cuda"))
 
 

@@ -71,7 +71,7 @@ def triton_available() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def numba_available() -> bool:
-    """True when `import numba` works (the CPU read kernels' compiler; checked once)."""
+    """True when `import numba` works (the CPU kernels' compiler; checked once)."""
     return _importable("numba")
 
 
@@ -84,7 +84,7 @@ def resolve_backend(config, device=None) -> str:
     """'torch', 'triton' or 'numba' for a GearConfig and the device the tensors live on.
 
     "torch"/"triton"/"numba" in the config are forced; "auto" first looks at GEAR_HF_BACKEND, then picks triton
-    for CUDA tensors when triton imports, numba (the CPU read kernels, `gear_hf.kernels.cpu`) for CPU tensors when
+    for CUDA tensors when triton imports, numba (the CPU kernels, `gear_hf.kernels.cpu`) for CPU tensors when
     numba imports, else torch. A forced "triton" without CUDA needs TRITON_INTERPRET=1 (checked at launch); a
     forced "numba" needs numba and CPU tensors.
     """
@@ -96,7 +96,7 @@ def resolve_backend(config, device=None) -> str:
         choice = env
     is_cuda = getattr(device, "type", device) == "cuda"
     if choice == "numba" and is_cuda:
-        raise ValueError("GEAR backend 'numba' runs the CPU read kernels and the tensors are on CUDA; use "
+        raise ValueError("GEAR backend 'numba' runs the CPU kernels and the tensors are on CUDA; use "
                          "backend='auto' (Triton on CUDA) or 'torch'")
     if choice != "auto":
         return choice
