@@ -253,53 +253,54 @@ def _tiny_llama():
     return model
 
 
-@pytest.mark.parametrize("preset", ["kivi-2", "outlier-4", "gear-2", "gear-l-k4v2", "fp16", "default"])
-def test_generation_numba_equals_torch(preset):
-    """A left-padded batch (rows flush on different steps: the slot layout), decode chunks flushed on the way:
-    the numba backend gives the torch backend's tokens, and its logits exactly (to float32 rounding with a
-    low-rank term, which numba fits and sums in another order: observed < 1e-5)."""
-    model = _tiny_llama()
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, 128, (3, 45), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, :9], mask[2, :20] = 0, 0
-    ids[mask == 0] = 0
+def _generate_both(model, ids: torch.Tensor, mask: torch.Tensor, preset: str, new_tokens: int) -> list[tuple]:
+    """(tokens, float32 scores) of greedy generation with the torch backend, then the numba one ("default":
+    GearConfig()'s storage, shrunk to the tiny prompts)."""
     outs = []
     for backend in ("torch", "numba"):
         config = GearConfig(group_size=16, buffer_size=16, prompt_group_size=32, backend=backend) \
             if preset == "default" else GearConfig.preset(preset, group_size=16, buffer_size=16, backend=backend)
         with gear_hf.enabled(model, config):
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, min_new_tokens=20,
-                                 do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
-        outs.append((out.sequences, torch.stack(out.scores, 1)))
-    assert torch.equal(outs[0][0], outs[1][0])
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, output_scores=True,
+                                 return_dict_in_generate=True)
+        outs.append((out.sequences, torch.stack(out.scores, 1).float()))
+    return outs
+
+
+def _left_padded(batch: int, length: int, pads: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate(pads):
+        mask[row, :pad] = 0
+    ids[mask == 0] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("preset", ["kivi-2", "outlier-4", "gear-2", "gear-l-k4v2", "fp16", "default"])
+def test_generation_numba_equals_torch(preset):
+    """A left-padded batch (rows flush on different steps: the slot layout), decode chunks flushed on the way:
+    the numba backend gives the torch backend's tokens, and its logits exactly (to float32 rounding with a
+    low-rank term, which numba fits and sums in another order, or a rotation: observed < 1e-5)."""
+    ids, mask = _left_padded(3, 45, [0, 9, 20], seed=1)
+    (tokens, scores), (numba_tokens, numba_scores) = _generate_both(_tiny_llama(), ids, mask, preset, 20)
+    assert torch.equal(tokens, numba_tokens)
     if preset == "default" or GearConfig.preset(preset).uses_lowrank:  # (default: Hadamard-rotated values)
-        assert (outs[0][1] - outs[1][1]).abs().max().item() < 1e-4
+        assert (scores - numba_scores).abs().max().item() < 1e-4
     else:
-        assert torch.equal(outs[0][1], outs[1][1])
+        assert torch.equal(scores, numba_scores)
 
 
 @pytest.mark.parametrize("preset", ["kivi-2", "gear-2", "default"])
 def test_generation_numba_equals_torch_bf16(preset):
     """A bf16 model: the same tokens from both backends; the same logits without a low-rank term or rotation
     (the reads round as torch rounds bf16 tensors)."""
-    model = _tiny_llama().to(torch.bfloat16)
-    g = torch.Generator().manual_seed(2)
-    ids = torch.randint(3, 128, (2, 40), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, :7] = 0
-    ids[mask == 0] = 0
-    outs = []
-    for backend in ("torch", "numba"):
-        config = GearConfig(group_size=16, buffer_size=16, prompt_group_size=32, backend=backend) \
-            if preset == "default" else GearConfig.preset(preset, group_size=16, buffer_size=16, backend=backend)
-        with gear_hf.enabled(model, config):
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, min_new_tokens=12,
-                                 do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
-        outs.append((out.sequences, torch.stack(out.scores, 1).float()))
-    assert torch.equal(outs[0][0], outs[1][0])
+    ids, mask = _left_padded(2, 40, [0, 7], seed=2)
+    (tokens, scores), (numba_tokens, numba_scores) = _generate_both(_tiny_llama().to(torch.bfloat16), ids, mask,
+                                                                    preset, 12)
+    assert torch.equal(tokens, numba_tokens)
     if preset == "kivi-2":
-        assert torch.equal(outs[0][1], outs[1][1])
+        assert torch.equal(scores, numba_scores)
 
 
 def test_forced_numba_without_numba_fails_at_enable(monkeypatch):

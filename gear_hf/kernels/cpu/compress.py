@@ -2,17 +2,17 @@
 
 What `gear_hf.compress.gear.compress` computes before the low-rank fit, bit for bit: the outlier choice
 (`outliers.select_outliers`), the group statistics and codes (`quant.quantize`), the outliers' exact codes and
-values (`gear.exact_outliers`), the packed codes (`quant.pack_codes`) and the residual R = X - D̂ - S the low-rank
-term is fitted to. The torch path spends most of a prefill's compression in a few hundred small whole-chunk ops
-(ranking keys, masks, gathers, casts); here each plane is read a few times while it is in cache. The low-rank fit
-(a few large matmuls and QRs) stays in torch.
+values (`gear.exact_outliers`), the packed codes (`quant.pack_codes`, or `pack_planes` for widths per channel) and
+the residual R = X - D̂ - S the low-rank term is fitted to (`lowrank.py` fits it). The torch path spends most of a
+prefill's compression in a few hundred small whole-chunk ops (ranking keys, masks, gathers, casts); here each plane
+is read a few times while it is in cache.
 
 Exactness: the same float32 operations in the same order (no fused multiply-adds), 16-bit values rounded to
 nearest even as torch converts them, ties ranked by position as `select_outliers` ranks them. Covered
-(`compress_supported`): bf16 and float32 models (side information in bf16), uniform widths 2/3/4/8, either axis,
-no padding mask, Hadamard rotation (the chunk rotated first, as the oracle does), no range search; anything else
-takes the torch path. Non-finite input gives
-unspecified outputs (the cache refuses it once per step), never a crash.
+(`compress_supported`): bf16 and float32 models (side information in bf16), widths 2/3/4/8 or one per channel
+(keys), either axis, Hadamard rotation (the chunk rotated first, as the oracle does), no padding mask, no range
+search; anything else takes the torch path. Non-finite input gives unspecified outputs (the cache refuses it once
+per step), never a crash.
 """
 
 from __future__ import annotations
