@@ -165,6 +165,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     finally:
         if wants_help:
             print(gear_help())
+    sharding.close_process_group()
     summary = run_summary(model.LAST_MODEL_INFO)
     if summary:
         print(summary)

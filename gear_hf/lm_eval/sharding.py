@@ -44,6 +44,17 @@ def prepare_process_group() -> None:
         log.info("gear_hf: %d processes without CUDA: using a CPU (gloo) process group", launched_world_size())
 
 
+def close_process_group() -> None:
+    """After a finished run, every rank: wait for the others, then tear down the process group a multi-process run
+    built. (A rank that exits with its gloo group still up can abort in gloo's threads: "terminate called without
+    an active exception", seen once on rank 1 of a 2-process CPU run.)"""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def shard_across_processes(lm) -> None:
     """Give an HFLM the rank / world size of accelerate when HFLM itself did not shard."""
     accelerator = getattr(lm, "accelerator", None)
