@@ -164,6 +164,8 @@ def test_decompress_supported_declines():
     assert not cpu.decompress_supported(ChunkSpec(2, "token", 48, 0.0, 0), d, out)  # 48 does not split 64
     assert not cpu.decompress_supported(ChunkSpec(2, "token", 20, 0.0, 0), 60, torch.empty(1, 2, 16, 60))  # d % 8
     assert not cpu.decompress_supported(ChunkSpec(2, "channel", 16, 0.0, 0), d, None)
+    partial = (torch.ones(1, 1, 16, d // 2), torch.zeros(1, 1, 16, d // 2))  # Phi-3's partial rotary: torch path
+    assert not cpu.decompress_supported(ChunkSpec(2, "channel", 16, 0.0, 0), d, out, partial)
 
 
 def test_outputs_numba_cannot_view():

@@ -344,14 +344,13 @@ def _rotate(x, x_at, cos, sin, cos_at, T, out, out_at):
 # -- torch-facing entry points --------------------------------------------------------------------------------
 def decompress_supported(spec: ChunkSpec, head_dim: int, out: torch.Tensor | None, rotary=None) -> bool:
     """True when `decompress_into` covers this spec and output (else the torch `decompress` runs): float32 out, or
-    bf16 out with bf16 cos/sin over every channel (rotary: the (cos, sin) it would rotate by, if any)."""
+    bf16 out; rotary (the (cos, sin) it would rotate by, if any) over every channel, in out's dtype."""
     if not spec.allocated and spec.bits not in (2, 3, 4, 8):
         return False
     if out is None or out.dtype not in (torch.float32, torch.bfloat16) or out.device.type != "cpu":
         return False
-    if out.dtype == torch.bfloat16 and rotary is not None and (rotary[0].dtype != torch.bfloat16
-                                                                 or rotary[0].shape[-1] != head_dim):
-        return False
+    if rotary is not None and (rotary[0].dtype != out.dtype or rotary[0].shape[-1] != head_dim):
+        return False  # (partial rotary, or cos/sin wider than the keys: the torch path)
     if spec.axis == "token":  # groups split the channels (or one covers them all), codes fill whole bytes of 8
         group = min(spec.group or head_dim, head_dim)
         return head_dim % group == 0 and head_dim % 8 == 0
