@@ -485,6 +485,16 @@ def _pack(codes, bits, channel_axis, out):
 
 
 @numba.njit(inline="always")
+def transpose_bits8(word):
+    """A uint64 as an 8x8 bit matrix (byte r = row r) transposed: bit c of byte r becomes bit r of byte c, as
+    `quant._transpose_bits8` (three masked swaps). Codes of 8 tokens <-> their bit planes."""
+    for shift, mask in ((7, 0x00AA00AA00AA00AA), (14, 0x0000CCCC0000CCCC), (28, 0x00000000F0F0F0F0)):
+        swap = (word ^ (word >> np.uint64(shift))) & np.uint64(mask)
+        word ^= swap ^ (swap << np.uint64(shift))
+    return word
+
+
+@numba.njit(inline="always")
 def _pack_planes(codes, widths, out):
     """quant.pack_planes of codes [n, d] with widths [d]: per 8 tokens, channel c's planes (bit t of plane j = bit
     j of token t's code) at bytes [start_c, start_c + widths[c]) of out [n/8, S], start_c the widths before c. The
@@ -496,9 +506,7 @@ def _pack_planes(codes, widths, out):
             word = np.uint64(0)
             for t in range(8):
                 word |= np.uint64(codes[8 * u + t, c]) << np.uint64(8 * t)
-            for shift, mask in ((7, 0x00AA00AA00AA00AA), (14, 0x0000CCCC0000CCCC), (28, 0x00000000F0F0F0F0)):
-                swap = (word ^ (word >> np.uint64(shift))) & np.uint64(mask)
-                word ^= swap ^ (swap << np.uint64(shift))
+            word = transpose_bits8(word)
             for j in range(widths[c]):
                 out[u, start + j] = (word >> np.uint64(8 * j)) & np.uint64(0xFF)
             start += widths[c]

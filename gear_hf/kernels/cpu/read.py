@@ -24,6 +24,7 @@ import torch
 from ...compress import ChunkSpec, CompressedChunk
 from . import arrays
 from .bf16 import bf16_value as _f32, round_bf16 as _bf16
+from .compress import transpose_bits8
 
 _F32 = np.float32
 
@@ -179,7 +180,7 @@ def _dequant_planes(codes, widths, group, scale, minimum, b, h, n, N, plane, til
     """Keys with a width per channel (`quant.pack_planes`): codes [B,H,>=N/8,S], per 8 tokens channel c's planes
     (bit t of plane j = bit j of token t's code) at bytes [start_c, start_c + widths[c]) with start_c the sum of
     the widths before it, widths [B,H,C,d] per chunk of n tokens -> plane [N,d] = code*scale + minimum. A channel's
-    planes, as the bytes of one word, become its 8 codes by an 8x8 bit transpose (`quant._transpose_bits8`); the
+    planes, as the bytes of one word, become its 8 codes by an 8x8 bit transpose (`transpose_bits8`); the
     codes of 8 tokens go through tile [8, d] so that rows are written whole."""
     d = plane.shape[1]
     for chunk in range(N // n):
@@ -191,9 +192,7 @@ def _dequant_planes(codes, widths, group, scale, minimum, b, h, n, N, plane, til
                 for j in range(width):
                     word |= np.uint64(codes[b, h, u, start + j]) << np.uint64(8 * j)
                 start += width
-                for shift, mask in ((7, 0x00AA00AA00AA00AA), (14, 0x0000CCCC0000CCCC), (28, 0x00000000F0F0F0F0)):
-                    swap = (word ^ (word >> np.uint64(shift))) & np.uint64(mask)
-                    word ^= swap ^ (swap << np.uint64(shift))
+                word = transpose_bits8(word)
                 for t in range(8):
                     tile[t, c] = (word >> np.uint64(8 * t)) & np.uint64(0xFF)
             for t in range(8):
