@@ -42,19 +42,21 @@ def _dequant_channel(codes, bits, group, scale, minimum, b, h, N, plane, rotate_
     by cos/sin as `_write` does, while it is in cache (keys with nothing to add: no pass of their own)."""
     d = plane.shape[1]
     half, cb = d // 2, b if cos.shape[0] > 1 else 0
-    for t in range(N):
+    per, mask = 8 // bits if bits != 3 else 1, np.int32((1 << bits) - 1)
+    for t in range(N):  # (int32 code arithmetic: int64 lanes vectorize worse, and convert to float32 slowly)
         g = t // group
         if bits == 3:  # units of 8 tokens in 3 bytes: two 2-bit planes (tokens 0-3, 4-7), one high-bit plane
             unit, j = t // 8, t % 8
-            low_row, low_shift, high_row = unit * 3 + j // 4, 2 * (j % 4), unit * 3 + 2
+            low_row, high_row = unit * 3 + j // 4, unit * 3 + 2
+            low_shift, high_shift = np.int32(2 * (j % 4)), np.int32(j)
             for c in range(d):
-                code = ((codes[b, h, low_row, c] >> low_shift) & 3) | (((codes[b, h, high_row, c] >> j) & 1) << 2)
+                code = ((np.int32(codes[b, h, low_row, c]) >> low_shift) & np.int32(3)) | \
+                    (((np.int32(codes[b, h, high_row, c]) >> high_shift) & np.int32(1)) << np.int32(2))
                 plane[t, c] = _F32(code) * scale[b, h, g, c] + minimum[b, h, g, c]
         else:
-            per = 8 // bits
-            row, shift, mask = t // per, bits * (t % per), (1 << bits) - 1
+            row, shift = t // per, np.int32(bits * (t % per))
             for c in range(d):
-                code = (codes[b, h, row, c] >> shift) & mask
+                code = (np.int32(codes[b, h, row, c]) >> shift) & mask
                 plane[t, c] = _F32(code) * scale[b, h, g, c] + minimum[b, h, g, c]
         if rotate_rows:
             ct = cos_at + t
