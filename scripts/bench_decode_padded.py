@@ -11,7 +11,9 @@ would carry the noise of two prefills on a busy machine). --clock cpu (default) 
 time (time.thread_time: with one torch thread all the work runs there), which waiting for a core on a shared
 machine does not inflate; --clock wall stamps wall time. Every method runs --repeats times in one process, the
 methods interleaved (DynamicCache first), and the minimum is kept; the ratio is DynamicCache's ms/step over the
-method's (higher is better, 1.0 = as fast). Prints a table and the load average.
+method's (higher is better, 1.0 = as fast), and the padded batch's ms/step over the unpadded one's of the same
+size (the padded rows are longer, so DynamicCache's own figure is the baseline). Writes <out>/decode-padded.md
+(<out>: --out, default out/, untracked) and prints it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import sys
 import time
 
 import torch
+
+import benchlib
 
 
 def main(argv=None) -> int:
@@ -34,7 +38,10 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--methods", default="kivi-2,gear-2")
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
-    args, _ = parser.parse_known_args(argv)  # `make bench` passes every benchmark the same options
+    benchlib.add_out_argument(parser, "decode-padded.md")
+    args = benchlib.parse_bench_args(parser, argv, "bench_decode_padded")
+    if args.T <= 37 * 3:
+        parser.error(f"--T {args.T}: the padded batch pads its last row by 111 tokens; give --T > 111")
     torch.set_grad_enabled(False)
     config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                          num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
@@ -66,14 +73,15 @@ def main(argv=None) -> int:
         if method == "dynamic":
             generate()
         else:
-            with gear_hf.enabled(model, gear_hf.GearConfig.preset(method)):
+            with gear_hf.enabled(model, configs[method]):
                 generate()
         return (stamp.times[-1] - stamp.times[0]) * 1000 / args.new  # the decode steps after the prompt's token
 
-    print(f"SmolLM2 shapes, random weights, fp32, T={args.T}, {args.new} new tokens, min of {args.repeats}, "
-          f"{torch.get_num_threads()} thread(s), {args.clock} time, load average {os.getloadavg()[0]:.2f} at the start")
-    print("| batch | " + " | ".join(f"{m} ms/step (x DynamicCache)" for m in methods) + " |")
-    print("|---|" + "--:|" * len(methods))
+    configs = {m: benchlib.gear_config(m) for m in methods[1:]}  # (a bad name exits here, with the reason)
+    cond = benchlib.Conditions(extra={"model": "SmolLM2-135M shapes, random weights", "dtype": "float32", "T": args.T,
+                                      "new_tokens": args.new, "repeats": args.repeats, "clock": args.clock})
+    benchlib.print_conditions(cond)
+    best = {}
     for batch, padded in ((1, False), (4, False), (4, True)):
         ids = torch.randint(3, 49000, (batch, args.T))
         mask = torch.ones_like(ids)
@@ -81,10 +89,21 @@ def main(argv=None) -> int:
             for row in range(batch):
                 mask[row, : row * 37] = 0
         runs = [{m: decode_ms(ids, mask, m) for m in methods} for _ in range(args.repeats)]  # methods interleaved
-        best = {m: min(run[m] for run in runs) for m in methods}
-        cells = [f"{best[m]:.1f} ({best['dynamic'] / best[m]:.2f}x)" for m in methods]
-        print(f"| {batch}{' padded' if padded else ''} | " + " | ".join(cells) + " |", flush=True)
-    print(f"load average {os.getloadavg()[0]:.2f} at the end")
+        best[batch, padded] = {m: min(run[m] for run in runs) for m in methods}
+        print(f"batch {batch}{' padded' if padded else ''}: "
+              + ", ".join(f"{m} {ms:.1f} ms/step" for m, ms in best[batch, padded].items()), flush=True)
+    rows = ["| batch | " + " | ".join(f"{m} ms/step (x DynamicCache)" for m in methods) + " |",
+            "|---|" + "--:|" * len(methods)]
+    for (batch, padded), ms in best.items():
+        rows.append(f"| {batch}{' padded' if padded else ''} | "
+                    + " | ".join(f"{ms[m]:.1f} ({ms['dynamic'] / ms[m]:.2f}x)" for m in methods) + " |")
+    rows.append("| 4 padded / 4 | " + " | ".join(f"{best[4, True][m] / best[4, False][m] - 1:+.1%}" for m in methods)
+                + " |")
+    body = (f"T={args.T} prompt tokens (the padded batch: row r with 37*r of them padding), {args.new} new tokens, "
+            f"greedy; {args.clock} time; minimum of {args.repeats} interleaved runs.\n\n" + "\n".join(rows))
+    out = benchlib.Path(args.out) / "decode-padded.md"
+    benchlib.write_summary(out, "Decode ms/step, padded and unpadded batches", cond.finish(), body)
+    print(out.read_text())
     return 0
 
 
