@@ -160,8 +160,8 @@ def _add_outliers(values, index, channel_axis, b, h, n, N, plane):
 
 @numba.njit(cache=True, nogil=True)
 def _write(plane, b, h, N, out, at, cos, sin, cos_at):
-    """out[b, h, at:at+N] = plane [N,d], rotated by cos/sin [B|1,1,>=cos_at+N,d] as `_rotate` does (an empty dim
-    2: as is)."""
+    """out[b, h, at:at+N] = plane [N,d], rotated by cos/sin [B|1,1,>=cos_at+N,d] as `apply_rotary` rotates, per half
+    x1*c1 - x2*s1 and x2*c2 + x1*s2, bit for bit (an empty dim 2: as is)."""
     d = plane.shape[1]
     if cos.shape[2] == 0:
         for t in range(N):
@@ -327,19 +327,11 @@ def _write_bf16(plane, b, h, N, out, at, cos, sin, cos_at):
 
 @numba.njit(cache=True, nogil=True)
 def _rotate(x, x_at, cos, sin, cos_at, T, out, out_at):
-    """out[:, :, out_at:+T] = x[:, :, x_at:+T]*cos + rotate_half(..)*sin per half (x1*c1 - x2*s1, x2*c2 + x1*s2), as
-    `apply_rotary`; cos/sin [B|1,1,>=cos_at+T,d]. (Not in place: LLVM vectorizes distinct arrays.)"""
-    B, H, _, d = x.shape
-    half = d // 2
-    for b in range(B):
-        cb = b if cos.shape[0] > 1 else 0
-        for h in range(H):
-            for t in range(T):
-                xt, ot, ct = x_at + t, out_at + t, cos_at + t
-                for i in range(half):
-                    x1, x2 = x[b, h, xt, i], x[b, h, xt, i + half]
-                    out[b, h, ot, i] = x1 * cos[cb, 0, ct, i] - x2 * sin[cb, 0, ct, i]
-                    out[b, h, ot, i + half] = x2 * cos[cb, 0, ct, i + half] + x1 * sin[cb, 0, ct, i + half]
+    """out[:, :, out_at:+T] = x[:, :, x_at:+T] rotated as `_write` rotates (`apply_rotary`); cos/sin
+    [B|1,1,>=cos_at+T,d]. (Not in place: LLVM vectorizes distinct arrays.)"""
+    for b in range(x.shape[0]):
+        for h in range(x.shape[1]):
+            _write(x[b, h, x_at : x_at + T], b, h, T, out, out_at, cos, sin, cos_at)
 
 
 # -- torch-facing entry points --------------------------------------------------------------------------------
