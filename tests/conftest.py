@@ -10,6 +10,8 @@
   See tests/realweights.py for when they skip and when they fail instead.
 * Step workspaces (gear_hf.cache.workspace) start filled with NaN: they are uninitialised memory in use, so a
   read of a column nothing wrote fails every time here instead of now and then.
+* ``reference_path``: decode steps take the reconstruct-then-attend path even where a fused kernel applies (on
+  CPU the numba kernel serves every decode step it covers), for tests of that path itself.
 * Hypothesis: no deadline (a 2-core CI machine is slow and noisy); derandomized when ``CI`` is set.
 """
 
@@ -74,6 +76,12 @@ def _disable_gear_left_enabled():
     for model in loaded:
         if is_enabled(model):
             disable(model)
+
+
+@pytest.fixture
+def reference_path(monkeypatch):
+    """Every step of gear_hf's attention takes the reference path (reconstruct, rotate, the model's attention)."""
+    monkeypatch.setattr("gear_hf.attention.use_fused", lambda *args, **kwargs: False)
 
 
 @pytest.fixture(scope="session")

@@ -314,7 +314,7 @@ def test_gradients_on_get_a_clear_error():
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("method", ["kivi", "gear"])
-def test_slot_layout_attends_like_the_padded_layout(attn, method, monkeypatch):
+def test_slot_layout_attends_like_the_padded_layout(attn, method, monkeypatch, reference_path):
     """Decode steps of a left-padded batch (rows that flush on different steps) attend in the slot layout: each
     segment reconstructed for all rows at once, the model's mask remapped. Same tokens and scores (to rounding:
     the columns are ordered differently) as attending in HF's padded layout, which it replaces on those steps;

@@ -255,8 +255,8 @@ def _tiny_llama():
 
 
 def _generate_both(model, ids: torch.Tensor, mask: torch.Tensor, preset: str, new_tokens: int) -> list[tuple]:
-    """(tokens, float32 scores) of greedy generation with the torch backend, then the numba one ("default":
-    GearConfig()'s storage, shrunk to the tiny prompts)."""
+    """(tokens, float32 scores, decode steps per path) of greedy generation with the torch backend, then the numba
+    one ("default": GearConfig()'s storage, shrunk to the tiny prompts)."""
     outs = []
     for backend in ("torch", "numba"):
         config = GearConfig(group_size=16, buffer_size=16, prompt_group_size=32, backend=backend) \
@@ -265,7 +265,8 @@ def _generate_both(model, ids: torch.Tensor, mask: torch.Tensor, preset: str, ne
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
                                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, output_scores=True,
                                  return_dict_in_generate=True)
-        outs.append((out.sequences, torch.stack(out.scores, 1).float()))
+            paths = dict(gear_hf.last_cache(model).step_paths)
+        outs.append((out.sequences, torch.stack(out.scores, 1).float(), paths))
     return outs
 
 
@@ -278,13 +279,17 @@ def _left_padded(batch: int, length: int, pads: list[int], seed: int) -> tuple[t
     return ids, mask
 
 
-@pytest.mark.parametrize("preset", ["kivi-2", "outlier-4", "gear-2", "gear-l-k4v2", "fp16", "default"])
-def test_generation_numba_equals_torch(preset):
-    """A left-padded batch (rows flush on different steps: the slot layout), decode chunks flushed on the way:
-    the numba backend gives the torch backend's tokens, and its logits exactly (to float32 rounding with a
-    low-rank term, which numba fits and sums in another order, or a rotation: observed < 1e-5)."""
+PRESETS = ["kivi-2", "outlier-4", "gear-2", "gear-l-k4v2", "fp16", "default"]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_generation_numba_reads_equal_torch(preset, reference_path):
+    """A left-padded batch (rows flush on different steps: the slot layout), decode chunks flushed on the way: the
+    reference path with the numba read kernels gives the torch backend's tokens, and its logits exactly (to float32
+    rounding with a low-rank term, which numba fits and sums in another order, or a rotation: observed < 1e-5)."""
     ids, mask = _left_padded(3, 45, [0, 9, 20], seed=1)
-    (tokens, scores), (numba_tokens, numba_scores) = _generate_both(_tiny_llama(), ids, mask, preset, 20)
+    (tokens, scores, _), (numba_tokens, numba_scores, paths) = _generate_both(_tiny_llama(), ids, mask, preset, 20)
+    assert paths.get("fused", 0) == 0
     assert torch.equal(tokens, numba_tokens)
     if preset == "default" or GearConfig.preset(preset).uses_lowrank:  # (default: Hadamard-rotated values)
         assert (scores - numba_scores).abs().max().item() < 1e-4
@@ -292,16 +297,45 @@ def test_generation_numba_equals_torch(preset):
         assert torch.equal(scores, numba_scores)
 
 
+@pytest.mark.parametrize("preset", PRESETS)
+def test_generation_fused_cpu_attention_matches_torch(preset):
+    """The numba backend's decode steps take the fused CPU attention (every one of them; fp16, which compresses
+    nothing, keeps the reference path: stock attention bit for bit): the torch backend's tokens, its logits to
+    float32 rounding (observed < 1e-5)."""
+    ids, mask = _left_padded(3, 45, [0, 9, 20], seed=1)
+    (tokens, scores, _), (numba_tokens, numba_scores, paths) = _generate_both(_tiny_llama(), ids, mask, preset, 20)
+    layer_steps = 19 * 2  # decode steps x layers
+    assert paths == ({"reference": layer_steps} if preset == "fp16" else {"fused": layer_steps})
+    assert torch.equal(tokens, numba_tokens)
+    assert (scores - numba_scores).abs().max().item() < 1e-4
+
+
 @pytest.mark.parametrize("preset", ["kivi-2", "gear-2", "default"])
-def test_generation_numba_equals_torch_bf16(preset):
-    """A bf16 model: the same tokens from both backends; the same logits without a low-rank term or rotation
-    (the reads round as torch rounds bf16 tensors)."""
+def test_generation_numba_reads_equal_torch_bf16(preset, reference_path):
+    """A bf16 model through the read kernels: the torch backend's tokens, and its logits exactly without a low-rank
+    term or rotation (the reads round as torch rounds bf16 tensors)."""
     ids, mask = _left_padded(2, 40, [0, 7], seed=2)
-    (tokens, scores), (numba_tokens, numba_scores) = _generate_both(_tiny_llama().to(torch.bfloat16), ids, mask,
-                                                                    preset, 12)
+    (tokens, scores, _), (numba_tokens, numba_scores, _) = _generate_both(_tiny_llama().to(torch.bfloat16), ids, mask,
+                                                                          preset, 12)
     assert torch.equal(tokens, numba_tokens)
     if preset == "kivi-2":
         assert torch.equal(scores, numba_scores)
+
+
+@pytest.mark.parametrize("preset", ["kivi-2", "gear-2", "default"])
+def test_generation_fused_cpu_attention_bf16(preset):
+    """A bf16 model through the fused CPU attention (float32 inside, where the reference path attends in bf16):
+    every step's logits within bf16 rounding of the torch backend's for as long as both generated the same tokens
+    (observed: one bf16 step, 0.004 at logits ~1; this random model's near ties then let the tokens part after a
+    few steps)."""
+    ids, mask = _left_padded(2, 40, [0, 7], seed=2)
+    (tokens, scores, _), (fused_tokens, fused_scores, paths) = _generate_both(_tiny_llama().to(torch.bfloat16), ids,
+                                                                              mask, preset, 12)
+    assert paths == {"fused": 11 * 2}
+    parted = (tokens != fused_tokens).any(0)[ids.shape[1]:].nonzero()
+    same_prefix = int(parted[0]) + 1 if parted.numel() else 12  # (the step that parts still had the same inputs)
+    assert same_prefix >= 2
+    assert (scores - fused_scores)[:, :same_prefix].abs().max() <= 2e-2 * scores.abs().max()
 
 
 def test_forced_numba_without_numba_fails_at_enable(monkeypatch):

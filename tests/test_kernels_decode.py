@@ -1,4 +1,5 @@
-"""Fused GEAR decode attention vs the float32 torch oracle.
+"""Fused GEAR decode attention vs the float32 torch oracle: the Triton kernel and the numba CPU kernel
+(`gear_hf.kernels.cpu.attend`), which take the same views and compute the same thing.
 
 The oracle (gear_hf.kernels.reference) reconstructs each row's tokens with the torch engine
 (ChunkStore.reconstruct -> compress.decompress, float32), rotates keys at their stored positions and runs a
@@ -10,7 +11,8 @@ are rounded to fp16 for the dots; bf16 is upcast to fp32 in the interpreter) and
     (observed: fp32 ~1e-6; fp16 4e-4..1e-3; bf16 3e-3..6e-3, i.e. about one output rounding, 2^-11 / 2^-8,
     with margin for the fp16 score rounding on keys that have large outlier channels)
 
-Without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set before gear_hf.kernels.decode
+(The CPU kernel computes in float32 whatever the dtype: its error is the output rounding.)
+Without CUDA the Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1, set before gear_hf.kernels.decode
 is imported); with CUDA the same tests run compiled on the GPU. Shapes are small (tens to ~150 tokens per row,
 never multiples of the group or buffer) to keep the interpreted suite fast; `slow` marks the bigger sweeps.
 """
@@ -27,8 +29,6 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-pytest.importorskip("triton")
-
 from gear_hf.config import GearConfig  # noqa: E402
 from gear_hf.kernels.reference import build_cache, reference_decode_attention  # noqa: E402
 
@@ -36,10 +36,25 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 
 
-def _attend(cache, q, inv_freq, **kw):
-    from gear_hf.kernels.decode import cache_decode_attention
+@pytest.fixture(params=["triton", "numba"])
+def impl(request):
+    """Which kernel a test runs: the Triton one (compiled on CUDA, else interpreted) or the numba CPU one."""
+    if request.param == "numba" and DEVICE != "cpu":
+        pytest.skip("the numba kernel reads CPU tensors")
+    pytest.importorskip(request.param)
+    return request.param
 
-    return cache_decode_attention(cache, 0, q, scaling=q.shape[-1] ** -0.5, inv_freq=inv_freq, **kw)
+
+def _attend(cache, q, inv_freq, impl="triton", **kw):
+    """The kernel's attention over layer 0 of the cache (the cache's views, as `GearCache.fused_attention` passes
+    them)."""
+    if impl == "numba":
+        from gear_hf.kernels.cpu import decode_attention
+    else:
+        pytest.importorskip("triton")
+        from gear_hf.kernels.decode import decode_attention
+    keys, values, layout = cache.kernel_views(0, q.shape[2], q.device)
+    return decode_attention(q, keys, values, layout, scaling=q.shape[-1] ** -0.5, inv_freq=inv_freq, **kw)
 
 
 def _inv_freq(d, theta=10000.0):
@@ -48,8 +63,9 @@ def _inv_freq(d, theta=10000.0):
 
 def _case(method="gear", bits=4, *, d=64, kv_heads=2, group=4, batch=3, q_len=1, dtype=torch.float32, steps=None,
           pad=None, sink=0, window=None, offset=0, attention_scaling=1.0, theta=10000.0, num_splits=None,
-          seed=0, **cfg_overrides):
-    """Build a cache (group size 16, buffer 32, 10% outliers so the sparse term matters), attend, compare."""
+          seed=0, impl="triton", **cfg_overrides):
+    """Build a cache (group size 16, buffer 32, 10% outliers so the sparse term matters), attend with `impl`,
+    compare."""
     overrides = dict(group_size=16, buffer_size=32, sink_tokens=sink)
     if method in ("gear", "outlier"):
         overrides["outlier_ratio"] = 0.1
@@ -63,7 +79,8 @@ def _case(method="gear", bits=4, *, d=64, kv_heads=2, group=4, batch=3, q_len=1,
     q = torch.randn(batch, kv_heads * group, steps[-1], d, generator=g).to(dtype).to(DEVICE)
     inv_freq = _inv_freq(d, theta)
     kw = dict(attention_scaling=attention_scaling, sliding_window=window)
-    out = _attend(cache, q, inv_freq, num_splits=num_splits, **kw)
+    tuning = {"num_splits": num_splits} if impl == "triton" else {}
+    out = _attend(cache, q, inv_freq, impl, **tuning, **kw)
     ref = reference_decode_attention(cache, 0, q, scaling=d ** -0.5, inv_freq=inv_freq, **kw)
     return cache, q, out, ref
 
@@ -98,29 +115,31 @@ FAST = [
 
 @pytest.mark.parametrize("method,bits,d,kv_heads,group,batch,q_len,dtype", FAST,
                          ids=[f"{m}{b}-d{d}-kv{h}-g{g}-b{B}-q{q}-{str(t)[6:]}" for m, b, d, h, g, B, q, t in FAST])
-def test_fused_matches_oracle(method, bits, d, kv_heads, group, batch, q_len, dtype):
-    _, _, out, ref = _case(method, bits, d=d, kv_heads=kv_heads, group=group, batch=batch, q_len=q_len, dtype=dtype)
+def test_fused_matches_oracle(method, bits, d, kv_heads, group, batch, q_len, dtype, impl):
+    _, _, out, ref = _case(method, bits, d=d, kv_heads=kv_heads, group=group, batch=batch, q_len=q_len, dtype=dtype,
+                          impl=impl)
     _check(out, ref, dtype)
 
 
-def test_sink_sliding_window_and_far_positions():
+def test_sink_sliding_window_and_far_positions(impl):
     """Attention sinks, a sliding window shorter than the history, positions ~30k (large RoPE angles),
     llama3-like theta and a yarn-like attention_scaling."""
-    _, _, out, ref = _case(sink=4, window=37, offset=30000, theta=500000.0, attention_scaling=1.15, q_len=4)
+    _, _, out, ref = _case(sink=4, window=37, offset=30000, theta=500000.0, attention_scaling=1.15, q_len=4,
+                          impl=impl)
     _check(out, ref, torch.float32)
 
 
-def test_query_tokens_inside_a_fresh_chunk_and_empty_buffer():
+def test_query_tokens_inside_a_fresh_chunk_and_empty_buffer(impl):
     """The step's own tokens were just compressed (buffer left empty), a prompt that is exactly chunked."""
-    cache, _, out, ref = _case(steps=[64, 28, 4], pad=[0, 0, 16], q_len=4)
+    cache, _, out, ref = _case(steps=[64, 28, 4], pad=[0, 0, 16], q_len=4, impl=impl)
     assert 0 in cache.buffer_len and min(cache.decode_chunks) >= 1
     _check(out, ref, torch.float32)
 
 
-def test_prompt_only_and_buffer_only_rows():
+def test_prompt_only_and_buffer_only_rows(impl):
     """A first decode step right after the prompt (no decode chunk yet), and a prompt shorter than a group
     for one row (that row has no prompt chunk: everything in its buffer)."""
-    _, _, out, ref = _case(steps=[45, 1], pad=[0, 30, 10])
+    _, _, out, ref = _case(steps=[45, 1], pad=[0, 30, 10], impl=impl)
     _check(out, ref, torch.float32)
 
 
@@ -130,10 +149,10 @@ def test_split_count_does_not_change_the_result(num_splits):
     _check(out, ref, torch.float32)
 
 
-def test_every_term_is_exercised():
+def test_every_term_is_exercised(impl):
     """Zeroing any GEAR term in storage changes the oracle far beyond the tolerance, and the kernel follows:
     the comparison above is not blind to the sparse, low-rank or quantized parts."""
-    cache, q, out, ref = _case(q_len=1)
+    cache, q, out, ref = _case(q_len=1, impl=impl)
     _check(out, ref, torch.float32)
     layer = cache.layers[0]
     inv_freq = _inv_freq(q.shape[-1])
@@ -144,18 +163,18 @@ def test_every_term_is_exercised():
         for store, _ in saved:
             store.fields[name].zero_()
         new_ref = reference_decode_attention(cache, 0, q, scaling=q.shape[-1] ** -0.5, inv_freq=inv_freq)
-        new_out = _attend(cache, q, inv_freq)
+        new_out = _attend(cache, q, inv_freq, impl)
         assert _rel(new_ref, ref) > 100 * TOL[torch.float32], name
         _check(new_out, new_ref, torch.float32)
         for store, t in saved:
             store.fields[name].copy_(t)
 
 
-def test_writes_every_output_element():
+def test_writes_every_output_element(impl):
     """Poison the output first: every element must be overwritten (padded query rows included)."""
-    cache, q, out, ref = _case(q_len=4)
+    cache, q, out, ref = _case(q_len=4, impl=impl)
     poisoned = torch.full_like(out, float("nan"))
-    got = _attend(cache, q, _inv_freq(q.shape[-1]), out=poisoned)
+    got = _attend(cache, q, _inv_freq(q.shape[-1]), impl, out=poisoned)
     assert got.data_ptr() == poisoned.data_ptr()
     assert torch.isfinite(poisoned).all()
     _check(poisoned, ref, torch.float32)
@@ -165,11 +184,12 @@ def test_writes_every_output_element():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("d,kv_heads,group", [(64, 2, 1), (64, 1, 4), (128, 2, 7)])
 @pytest.mark.parametrize("batch,q_len,bits", [(1, 1, 2), (3, 4, 4)])
-def test_fused_sweep(dtype, d, kv_heads, group, batch, q_len, bits):
+def test_fused_sweep(dtype, d, kv_heads, group, batch, q_len, bits, impl):
     """The matrix of the issue: head_dim 64/128 x GQA 1/4/7 x (batch 1, q_len 1 | batch 3, q_len 4) x
     fp32/fp16/bf16, 2-bit with sinks and 4-bit without."""
     _, _, out, ref = _case("gear", bits, d=d, kv_heads=kv_heads, group=group, batch=batch, q_len=q_len,
-                           dtype=dtype, steps=[101, 77, q_len], pad=[0, 13, 60][:batch], sink=2 if bits == 2 else 0)
+                           dtype=dtype, steps=[101, 77, q_len], pad=[0, 13, 60][:batch], sink=2 if bits == 2 else 0,
+                           impl=impl)
     _check(out, ref, dtype)
 
 
@@ -250,10 +270,10 @@ STORAGE = [
 
 @pytest.mark.parametrize("method,bits,kw", STORAGE, ids=[f"{m}{b}-" + "-".join(f"{k}={v}" for k, v in kw.items())
                                                          for m, b, kw in STORAGE])
-def test_fused_reads_issue9_storage(method, bits, kw):
+def test_fused_reads_issue9_storage(method, bits, kw, impl):
     kw = dict(kw)
     dtype = kw.pop("dtype", torch.float32)
-    _, _, out, ref = _case(method, bits, dtype=dtype, **kw)
+    _, _, out, ref = _case(method, bits, dtype=dtype, impl=impl, **kw)
     _check(out, ref, dtype)
 
 
@@ -263,27 +283,30 @@ RECOMMENDED_CASES = [("default", 64, torch.float32, [300, 170, 1]), ("default", 
 
 @pytest.mark.parametrize("name,d,dtype,steps", RECOMMENDED_CASES,
                          ids=[f"{n}-d{d}-{str(t)[6:]}" for n, d, t, _ in RECOMMENDED_CASES])
-def test_recommended_configs_run_fused(name, d, dtype, steps):
+def test_recommended_configs_run_fused(name, d, dtype, steps, impl):
     """GearConfig() itself (kivi, key widths allocated by the queries, mean 3.125 bits; 3-bit values rotated; groups
     of 128, the prompt in 256-token groups, 4 sinks) and the "compact" recommendation (values per channel, ranges
     searched): the fused kernel covers them and equals the oracle (prompt chunk, a decode chunk, buffer, sinks, a
     padded row)."""
     from gear_hf.kernels import fused_supported
-    from gear_hf.kernels.decode import cache_decode_attention
 
     cfg = GearConfig() if name == "default" else GearConfig.recommended(name=name)
-    assert fused_supported(cfg, d, 1) is None
+    if impl == "triton":
+        assert fused_supported(cfg, d, 1) is None
+    else:
+        from gear_hf.kernels.cpu import attend_supported
+
+        assert attend_supported(cfg, d, dtype) is None
     cache, _, _ = build_cache(cfg, batch=2, kv_heads=2, head_dim=d, steps=steps, pad=[0, 37], dtype=dtype,
                               device=DEVICE)
     assert min(cache.decode_chunks) == 1 and min(cache.prefill_len) > 0
     q = torch.randn(2, 8, 1, d, generator=torch.Generator().manual_seed(3)).to(dtype).to(DEVICE)
-    kw = dict(scaling=d ** -0.5, inv_freq=_inv_freq(d))
-    out = cache_decode_attention(cache, 0, q, **kw)
-    ref = reference_decode_attention(cache, 0, q, **kw)
+    out = _attend(cache, q, _inv_freq(d), impl)
+    ref = reference_decode_attention(cache, 0, q, scaling=d ** -0.5, inv_freq=_inv_freq(d))
     _check(out, ref, dtype)
     # the rotation is really undone by the kernel: the same codes read as unrotated are far off
     for stream in cache.layers[0].streams:
         for store in (stream.prefill, stream.decode):
             store.spec = dataclasses.replace(store.spec, rotate=False)
-    wrong = cache_decode_attention(cache, 0, q, **kw)
+    wrong = _attend(cache, q, _inv_freq(d), impl)
     assert _rel(wrong, ref) > 0.2

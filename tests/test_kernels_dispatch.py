@@ -1,8 +1,8 @@
 """Backend dispatch of the fused decode path, lazy triton import, and end-to-end generation through it.
 
-End to end: a tiny random-weight model generates greedily with backend="torch" (reconstruct + sdpa) and with
-backend="triton" forced (the fused kernel; interpreted on CPU). In float32 the tokens must be identical and the
-per-step logits agree to 1e-4 (observed ~2e-7).
+End to end: a tiny random-weight model generates greedily with backend="torch" (reconstruct + sdpa) and with a
+fused kernel: backend="triton" forced (interpreted on CPU) and backend="numba" (the CPU kernel, on CPU). In float32
+the tokens must be identical and the per-step logits agree to 1e-4 (observed ~2e-7).
 """
 
 from __future__ import annotations
@@ -55,7 +55,14 @@ def test_use_fused(monkeypatch):
     monkeypatch.delenv("GEAR_HF_BACKEND", raising=False)
     q1 = torch.zeros(1, 4, 1, 64)
     prompt = torch.zeros(1, 4, MAX_FUSED_QUERY + 1, 64)
-    assert not use_fused(GearConfig(), q1)  # auto on CPU: torch
+    assert not use_fused(GearConfig(backend="torch"), q1)
+    # auto on CPU: the numba CPU kernel, for what compresses (fp16 keeps stock attention bit for bit)
+    from gear_hf.kernels import numba_available
+
+    assert use_fused(GearConfig(), q1) == numba_available()
+    assert not use_fused(GearConfig.preset("fp16"), q1)
+    assert not use_fused(GearConfig(), prompt)
+    assert not use_fused(GearConfig(), q1, softcap=30.0) and not use_fused(GearConfig(), q1, rotary_dim=32)
     forced = GearConfig.preset("gear", bits=4, backend="triton")  # storage the fused kernel reads
     assert use_fused(forced, q1)
     assert not use_fused(forced, prompt)  # prompts keep the reference path
@@ -111,12 +118,22 @@ def _generate(model, config, new_tokens):
     return out.sequences, torch.stack(out.scores, 1), cache
 
 
-def _compare(arch, new_tokens, group_size=16, cfg=None):
+@pytest.fixture(params=["triton", "numba"])
+def fused(request):
+    """The backend whose fused kernel a generation test runs: triton (compiled on CUDA, else interpreted) or numba
+    (the CPU kernel)."""
+    if request.param == "numba" and DEVICE != "cpu":
+        pytest.skip("the numba kernel reads CPU tensors")
+    pytest.importorskip(request.param)
+    return request.param
+
+
+def _compare(arch, new_tokens, group_size=16, cfg=None, backend="triton"):
     model = _tiny(arch)
     cfg = cfg or GearConfig.preset("gear", bits=4, group_size=group_size, buffer_size=16)
     seq_t, logits_t, cache_t = _generate(model, cfg.replace(backend="torch"), new_tokens)
     assert cache_t.step_paths["fused"] == 0
-    seq_k, logits_k, cache_k = _generate(model, cfg.replace(backend="triton"), new_tokens)
+    seq_k, logits_k, cache_k = _generate(model, cfg.replace(backend=backend), new_tokens)
     # attend-then-compress: the fused kernel serves every decode step of both layers (padded rows flush on
     # different steps), the prompt step alone takes the reference path
     assert cache_k.step_paths == {"fused": 2 * (new_tokens - 1)}
@@ -126,36 +143,36 @@ def _compare(arch, new_tokens, group_size=16, cfg=None):
     return cache_k
 
 
-def test_generate_llama3_fused_equals_torch():
+def test_generate_llama3_fused_equals_torch(fused):
     """GQA, llama3 RoPE scaling, a left-padded batch, a decode chunk flushed during generation."""
-    _compare("llama3", 9)
+    _compare("llama3", 9, backend=fused)
 
 
-def test_generate_default_config_fused_equals_torch():
+def test_generate_default_config_fused_equals_torch(fused):
     """GearConfig()'s storage (kivi, key widths allocated by the queries with a mean of 3.125 bits, 3-bit values
     rotated, 4 sinks, the prompt in longer groups) at small groups: every decode step takes the fused path and
     generation equals the torch reference path."""
     default = GearConfig()
     assert (default.method, default.key_bits, default.value_bits, default.rotation, default.key_bit_allocation) == \
         ("kivi", 3.125, 3, "values", "query")
-    _compare("llama3", 9, cfg=default.replace(group_size=16, buffer_size=16, prompt_group_size=32))
+    _compare("llama3", 9, cfg=default.replace(group_size=16, buffer_size=16, prompt_group_size=32), backend=fused)
 
 
-def test_generate_gear_l_int8_factors_separate_groups_fused_equals_torch():
+def test_generate_gear_l_int8_factors_separate_groups_fused_equals_torch(fused):
     cfg = GearConfig.preset("gear-l", bits=2, factor_bits=8, key_group_size=16, value_group_size=8, buffer_size=16,
                             rotation="both")
-    _compare("qwen2", 9, cfg=cfg)
+    _compare("qwen2", 9, cfg=cfg, backend=fused)
 
 
-def test_sliding_layer_releases_chunks_and_fused_still_equals_torch():
+def test_sliding_layer_releases_chunks_and_fused_still_equals_torch(fused):
     """Mistral with a window shorter than the sequence: the prompt chunk and leading decode chunks leave every
     row's window and are released; the kernel reads [sink | live chunks | buffer] with remapped indices."""
-    cache = _compare("mistral", 40, group_size=8)
+    cache = _compare("mistral", 40, group_size=8, backend=fused)
     assert all(layer.released.prompt and layer.released.chunks > 0 for layer in cache.layers)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["mistral", "qwen2"])
-def test_generate_fused_equals_torch(arch):
+def test_generate_fused_equals_torch(arch, fused):
     """mistral: sliding window 24 < sequence length; qwen2: q/k/v bias."""
-    _compare(arch, 12)
+    _compare(arch, 12, backend=fused)

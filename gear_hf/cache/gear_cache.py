@@ -285,10 +285,14 @@ class GearCache(Cache):
     def fused_attention(self, layer_idx: int, query: torch.Tensor, *, scaling: float, inv_freq: torch.Tensor,
                         attention_scaling: float = 1.0) -> torch.Tensor:
         """After `store`, attend `query` [B,Hq,q,d] (already rotated) straight from the compressed storage and the
-        buffer (this step's own tokens included) with the fused Triton kernel: nothing is reconstructed. Keys are
-        rotated in the kernel from the stored positions with `inv_freq`/`attention_scaling` (the rotary
-        module's). Returns [B, q, Hq, d] (HF's attention-function layout)."""
-        from ..kernels.decode import decode_attention  # imports triton: only on this path
+        buffer (this step's own tokens included) with the fused kernel (Triton on CUDA, numba on CPU): nothing is
+        written back. Keys are rotated in the kernel from the stored positions with `inv_freq`/`attention_scaling`
+        (the rotary module's). Returns [B, q, Hq, d] (HF's attention-function layout)."""
+        cpu = kernels.cpu_kernels(self.gear_config, query.device)
+        if cpu is not None:
+            decode_attention = cpu.decode_attention
+        else:
+            from ..kernels.decode import decode_attention  # imports triton: only on this path
 
         layer = self.layers[layer_idx]
         keys, values, layout = self.kernel_views(layer_idx, query.shape[2], query.device)

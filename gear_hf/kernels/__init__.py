@@ -10,8 +10,8 @@ The kernel modules are imported on first use:
   and its low-level launcher (`decode_attention`);
 * `gear_hf.kernels.reference` - the float32 torch oracle and a cache builder (tests, benchmark; no triton);
 * `gear_hf.kernels.compile_check` - compiles the kernels for sm_90/sm_80 with ptxas on a machine without a GPU;
-* `gear_hf.kernels.cpu` - numba loops for the CPU reference path: a chunk run decompressed and keys rotated in one
-  pass (bit for bit the torch functions without a low-rank term or rotation, to float32 rounding with one; float32
+* `gear_hf.kernels.cpu` - numba loops for CPUs: the fused decode attention (`cpu.decode_attention`), and for the
+  reference path: a chunk run decompressed and keys rotated in one pass (bit for bit the torch functions without a low-rank term or rotation, to float32 rounding with one; float32
   or bf16 outputs); a chunk's outliers, codes and residual compressed in one pass per plane (bit for bit
   `compress.gear.compute_backbone`), its low-rank factors fitted per plane (to float32 rounding).
 
@@ -209,13 +209,16 @@ def use_fused(config, query, *, training: bool = False, output_attentions: bool 
               rotary_dim: int | None = None, softcap: float | None = None) -> bool:
     """Whether the shared attention forward should take the fused path for this step.
 
-    auto: only on CUDA with triton, only for supported steps. Forced "triton": every supported step; an
-    unsupported *configuration* raises (a prompt step, which the kernel does not cover, still uses torch).
+    auto: on CUDA with triton, on CPU with numba (`cpu.attend_supported`: the CPU kernel reads every storage the
+    read kernels do), only for supported steps. Forced "triton": every supported step; an unsupported
+    *configuration* raises (a prompt step, which the kernel does not cover, still uses torch).
     """
-    if resolve_backend(config, query.device) != "triton":
+    backend = resolve_backend(config, query.device)
+    if backend not in ("triton", "numba") or training or output_attentions:
         return False
-    if training or output_attentions:
-        return False
+    if backend == "numba":
+        return (query.shape[-2] <= MAX_FUSED_QUERY and not softcap and rotary_dim in (None, query.shape[-1])
+                and cpu_kernels(config, query.device).attend_supported(config, query.shape[-1], query.dtype) is None)
     reason = fused_supported(config, query.shape[-1], query.shape[-2], rotary_dim=rotary_dim, softcap=softcap)
     if reason is None:
         return True

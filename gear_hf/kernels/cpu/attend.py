@@ -1,0 +1,342 @@
+"""Fused decode attention on the CPU (numba): attend straight from GEAR storage, one (row, KV head) at a time.
+
+What `gear_hf.kernels.decode.decode_attention` (Triton) computes, from the same inputs (`views`: the storage
+tensors and the row layout, no cache object), for CPU tensors; `gear_hf.kernels.reference` is the oracle of both.
+Why: the reference path writes every key (rotated) and value of the history into a [B,H,T,d] workspace at every
+step and then runs the model's attention function over it (HF's sdpa first repeats K and V for every query head
+of a group), so a decode step moved the history through memory several times. Here, per (row, KV head):
+
+* the row's keys [sink | prompt chunk | decode chunks | buffer] are assembled into a scratch plane that stays in
+  cache, by the read kernels' stages (`read._assemble`: codes, outliers, low-rank, Hadamard rotation undone);
+  each key row is rotated at its position as its scores are taken (cos/sin from the positions and inv_freq, as
+  the rotary module computes them, once per step for every layer), never written rotated;
+* the softmax is exact (two passes over the scores, float32);
+* the values are assembled without their low-rank term, which enters as (P·A)·Bᵀ (two small products, never A·Bᵀ);
+  rotated values are attended in the rotated basis and the output rows are un-rotated once (P·V·H·H = P·V).
+
+Numerics: float32 throughout (bf16 queries and storage read exactly into float32; the output rounded once to the
+query's dtype); sums in another order than the oracle's: equal to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+import numba
+import numpy as np
+import torch
+
+from ...compress import ChunkSpec, CompressedChunk
+from ...rope import rope_tables
+from .read import _NO_FACTORS, _assemble, _hadamard_rows, _scratch, decompress_supported, prepare
+
+_F32 = np.float32
+# numba: reductions over channels need reassociation to vectorize; no finite-math flags (masked scores are -inf)
+_FAST = {"reassoc", "contract"}
+
+
+@numba.njit(inline="always")
+def _assemble_run(run, factors, hadamard, b, h, target, scratch):
+    """Every token of a prepared run (`_run_args`) for plane (b, h) into target [N, d]; factors/hadamard replace
+    the run's own (values: without their low-rank term and rotation, added and undone after the attention)."""
+    codes, bits, group, channel_axis, scale, minimum, values, index, n, N, widths = run
+    a, a_scale, b_raw, b_scale = factors
+    spread, bt, weights, tile, code_tile = scratch
+    _assemble(codes, bits, group, channel_axis, scale, minimum, a, a_scale, b_raw, b_scale, values, index, n, N,
+              hadamard, widths, b, h, target, False, _NO_ROTATION, _NO_ROTATION, 0, spread, bt, weights, tile,
+              code_tile)
+
+
+_NO_ROTATION = np.zeros((1, 1, 0, 1), dtype=np.float32)
+
+
+@numba.njit(inline="always")
+def _run_scratch(run, factors, hadamard, d):
+    codes, bits, group, channel_axis, scale, minimum, values, index, n, N, widths = run
+    _, spread, bt, weights, tile, code_tile = _scratch(factors[0], channel_axis, hadamard, widths, n, N if N else 0,
+                                                       d)
+    return spread, bt, weights, tile, code_tile
+
+
+@numba.njit(inline="always")
+def _plane(sink, buf, b, h, s, p, c, f, nb, prompt, prompt_factors, decode, decode_factors, hadamard, plane,
+           prompt_scratch, decode_scratch):
+    """Rows [0, s+p+c*nb+f) of plane: the row's tokens of one stream in row-local order. The prompt chunk and the
+    decode chunks are decompressed whole (as many chunks as the longest row holds) and then overwritten from the
+    row's next segment on: what lies past a row's own tokens is never attended."""
+    for t in range(s):
+        for k in range(plane.shape[1]):
+            plane[t, k] = sink[b, h, t, k]
+    if p > 0:
+        _assemble_run(prompt, prompt_factors, hadamard, b, h, plane[s : s + prompt[9]], prompt_scratch)
+    if c > 0:
+        _assemble_run(decode, decode_factors, hadamard, b, h, plane[s + p : s + p + decode[9]], decode_scratch)
+    first = s + p + c * nb
+    for t in range(f):
+        for k in range(plane.shape[1]):
+            plane[first + t, k] = buf[b, h, t, k]
+
+
+@numba.njit(inline="always")
+def _add_value_lowrank(acc, probs, factors, b, h, chunk, n, first, tokens, d, pa):
+    """acc [M, d] += (P·A)·Bᵀ for one chunk of a value run: probs [M, >=first+tokens], the chunk's tokens at
+    columns [first, first+tokens) of probs and at rows [chunk*n, chunk*n+tokens) of A; factors as stored
+    (scaled as `compress.gear._factor` scales them, as `read._add_lowrank` reads them). pa: scratch [M, >=r]."""
+    a, a_scale, b_raw, b_scale = factors
+    r = a.shape[3]
+    M = acc.shape[0]
+    pa[:, :r] = 0.0
+    for t in range(tokens):
+        for k in range(r):
+            w = _F32(a[b, h, chunk * n + t, k])
+            for m in range(M):
+                pa[m, k] += probs[m, first + t] * w
+    for k in range(r):
+        sa, sb = a_scale[b, h, chunk, k], b_scale[b, h, chunk, k]
+        for m in range(M):
+            weight = pa[m, k] * sa
+            for ch in range(d):
+                acc[m, ch] += weight * (_F32(b_raw[b, h, chunk * d + ch, k]) * sb)
+
+
+@numba.njit(inline="always")
+def _softmax_row(row, low, high, L, exponents):
+    """row[:L] (scores) -> exp(row - max) over [low, high), 0 elsewhere, in place; returns 1 / their sum (0 when
+    the range is empty: a query that sees nothing gets zeros). e^x as 2^n * 2^f, n = round(x log2 e), 2^f by its
+    Taylor polynomial of degree 7 (|f| <= 1/2: relative error < 1e-7, about an ulp), 2^n built in the exponent
+    bits: loops LLVM vectorizes (libm's expf is a call per element)."""
+    top = -np.inf
+    for t in range(low, high):
+        top = max(top, row[t])
+    for t in range(low, high):
+        y = max((row[t] - top) * _F32(1.4426950408889634), _F32(-127.0))  # (below 2^-126: flushed to 0)
+        n = np.floor(y + _F32(0.5))
+        f = (y - n) * _F32(0.6931471805599453)
+        poly = _F32(1.0) + f * (_F32(1.0) + f * (_F32(0.5) + f * (_F32(1.0 / 6) + f * (_F32(1.0 / 24) + f * (
+            _F32(1.0 / 120) + f * (_F32(1.0 / 720) + f * _F32(1.0 / 5040)))))))
+        exponents[t] = (np.int32(n) + np.int32(127)) << np.int32(23)
+        row[t] = poly
+    total = _F32(0.0)
+    powers = exponents.view(np.float32)
+    for t in range(low, high):
+        row[t] *= powers[t]
+        total += row[t]
+    for t in range(0, low):
+        row[t] = 0.0
+    for t in range(high, L):
+        row[t] = 0.0
+    return _F32(1.0) / total if total > 0.0 else _F32(0.0)
+
+
+@numba.njit(inline="always")
+def _weighted_rows(acc, probs, vals, first, last):
+    """acc [M, d] += probs[:, first:last] · vals[first:last], vectorized along d, four value rows per pass over acc
+    (a pass per row spent its time loading and storing acc: 1.7x slower at d=64)."""
+    t = first
+    while t + 4 <= last:
+        for m in range(acc.shape[0]):
+            w0, w1, w2, w3 = probs[m, t], probs[m, t + 1], probs[m, t + 2], probs[m, t + 3]
+            for k in range(acc.shape[1]):
+                acc[m, k] += (w0 * vals[t, k] + w1 * vals[t + 1, k]) + (w2 * vals[t + 2, k] + w3 * vals[t + 3, k])
+        t += 4
+    for u in range(t, last):
+        for m in range(acc.shape[0]):
+            w = probs[m, u]
+            for k in range(acc.shape[1]):
+                acc[m, k] += w * vals[u, k]
+
+
+@numba.njit(cache=True, nogil=True, fastmath=_FAST)
+def _attend(q, limits, rows, cos, sin, window, nb, sink_k, sink_v, buf_k, buf_v,
+            pk, pk_factors, pv, pv_factors, dk, dk_factors, dv, dv_factors, rotated_keys, rotated_values, out):
+    """q [B,Hq,QL,d] float32 (softmax scale and rotary attention_scaling folded in); limits [B,QL] (row-local index
+    of each query token, -1: sees nothing); rows [B,4] (sink, prompt, decode chunks, buffer); cos/sin [B,>=L,d/2]
+    at the row-local tokens' positions; sink/buffer keys and values [B,H,>=len,d] float32; runs as `_run_args`
+    gives them; out [B,QL,Hq,d] float32."""
+    B, Hq, QL, d = q.shape
+    H = buf_k.shape[1]
+    G = Hq // H
+    M = G * QL
+    half = d // 2
+    cap = sink_k.shape[2] + pk[9] + dk[9] + buf_k.shape[2]
+    keys = np.empty((cap, d), dtype=np.float32)
+    vals = np.empty((cap, d), dtype=np.float32)
+    scores = np.empty((M, cap), dtype=np.float32)
+    krow = np.empty(d, dtype=np.float32)
+    qrows = np.empty((M, d), dtype=np.float32)
+    acc = np.empty((M, d), dtype=np.float32)
+    plain = np.empty((M, d), dtype=np.float32)  # rotated values: the sink's and buffer's (unrotated) share
+    norm = np.empty(M, dtype=np.float32)
+    exponents = np.empty(cap, dtype=np.int32)
+    pa = np.empty((M, max(pv_factors[0].shape[3], dv_factors[0].shape[3], 1)), dtype=np.float32)
+    pk_s = _run_scratch(pk, pk_factors, rotated_keys, d)
+    dk_s = _run_scratch(dk, dk_factors, rotated_keys, d)
+    pv_s = _run_scratch(pv, _NO_FACTORS, False, d)
+    dv_s = _run_scratch(dv, _NO_FACTORS, False, d)
+    tile = np.empty((d, 64), dtype=np.float32)
+    for b in range(B):
+        s, p, c, f = rows[b, 0], rows[b, 1], rows[b, 2], rows[b, 3]
+        L = s + p + c * nb + f
+        for h in range(H):
+            for m in range(M):  # query row m: head h*G + m // QL, token m % QL
+                for k in range(d):
+                    qrows[m, k] = q[b, h * G + m // QL, m % QL, k]
+            _plane(sink_k, buf_k, b, h, s, p, c, f, nb, pk, pk_factors, dk, dk_factors, rotated_keys, keys, pk_s,
+                   dk_s)
+            for t in range(L):  # key t rotated at its position (HF's rotate_half RoPE), then its scores
+                for i in range(half):
+                    x1, x2, ct, st = keys[t, i], keys[t, i + half], cos[b, t, i], sin[b, t, i]
+                    krow[i] = x1 * ct - x2 * st
+                    krow[i + half] = x2 * ct + x1 * st
+                for m in range(M):
+                    dot = _F32(0.0)
+                    for k in range(d):
+                        dot += qrows[m, k] * krow[k]
+                    scores[m, t] = dot
+            for m in range(M):  # softmax over the tokens query row m sees (causal, sliding window)
+                limit = limits[b, m % QL]
+                low = max(0, limit - window + 1) if window > 0 else 0
+                high = min(limit + 1, L)
+                norm[m] = _softmax_row(scores[m], low, high, L, exponents)
+            _plane(sink_v, buf_v, b, h, s, p, c, f, nb, pv, _NO_FACTORS, dv, _NO_FACTORS, False, vals, pv_s, dv_s)
+            acc[:] = 0.0
+            plain[:] = 0.0
+            compressed = s + p + c * nb
+            if rotated_values:  # the sink and buffer values are not rotated: their share is added after un-rotating
+                _weighted_rows(plain, scores, vals, 0, s)
+                _weighted_rows(plain, scores, vals, compressed, L)
+                _weighted_rows(acc, scores, vals, s, compressed)
+            else:
+                _weighted_rows(acc, scores, vals, 0, L)
+            if p > 0 and pv_factors[0].shape[3]:
+                _add_value_lowrank(acc, scores, pv_factors, b, h, 0, pv[8], s, p, d, pa)
+            if dv_factors[0].shape[3]:
+                for chunk in range(c):
+                    _add_value_lowrank(acc, scores, dv_factors, b, h, chunk, nb, s + p + chunk * nb, nb, d, pa)
+            if rotated_values:
+                _hadamard_rows(acc, M, tile)  # (P·V·H)·H = P·V
+            for m in range(M):
+                for k in range(d):
+                    out[b, m % QL, h * G + m // QL, k] = (acc[m, k] + plain[m, k]) * norm[m]
+
+
+# -- torch-facing entry points ----------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=64)  # (asked once per layer and step; GearConfig is frozen)
+def supported(config, head_dim: int, query_dtype: torch.dtype) -> str | None:
+    """None when `decode_attention` covers a cache of this GearConfig (storage the read kernels decompress, keys
+    before RoPE, a float32, bf16 or fp16 model), else why not. Configurations that compress nothing (fp16) keep the
+    reference path: it is stock attention bit for bit."""
+    if not config.compresses:
+        return "nothing is compressed (the reference path is stock attention bit for bit)"
+    if not config.pre_rope:
+        return "pre_rope=False (keys stored after RoPE) is only implemented by the torch path"
+    if query_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"query dtype {query_dtype} (the CPU kernel reads float32, bf16 and fp16 models)"
+    if head_dim % 2:
+        return f"head_dim={head_dim} is odd (RoPE rotates halves)"
+    probe = torch.empty(0, dtype=torch.float32)
+    from ...cache.layer import stream_specs
+
+    for stream in ("key", "value"):
+        for spec in stream_specs(config, stream):
+            if not decompress_supported(spec, head_dim, probe):
+                return f"{stream} storage {spec} is not read by the CPU kernels"
+    return None
+
+
+def _run_args(view, chunks: int, head_dim: int, values: bool):
+    """(run tuple, factors, rotated) of a ChunkRunView's first `chunks` chunks as `_attend` reads them; an empty run
+    when there is none. Prepared once per state of the storage (`read.prepare`, memoised on the fields' version
+    counters): a decode step only reads."""
+    if view is None or chunks == 0:
+        return _EMPTY_RUN, _NO_FACTORS, False
+    prepared = _prepared(view, chunks, head_dim)
+    run = (prepared.codes, prepared.bits, prepared.group, prepared.channel_axis, prepared.scale, prepared.minimum,
+           *prepared.outliers, prepared.n, prepared.tokens, prepared.widths)
+    return run, prepared.factors, prepared.hadamard
+
+
+_EMPTY_RUN = (np.zeros((0, 0, 0, 0), dtype=np.uint8), 2, 1, True, np.zeros((0, 0, 0, 0), dtype=np.float32),
+              np.zeros((0, 0, 0, 0), dtype=np.float32), np.zeros((0, 0, 0, 0), dtype=np.float32),
+              np.zeros((0, 0, 0, 0), dtype=np.uint8), 1, 0, np.zeros((0, 0, 0, 0), dtype=np.uint8))
+# Runs prepared for `_attend`, per storage tensor (by identity, dropped with it) while its fields are unchanged.
+_PREPARED: dict[int, tuple] = {}
+
+
+def _prepared(view, chunks: int, head_dim: int):
+    tensor = view.codes
+    fields = [getattr(view, name) for name in view.FIELDS] + ([view.channel_bits] if view.channel_bits is not None
+                                                                 else [])
+    key = (tuple(t._version for t in fields), tuple(id(t) for t in fields), chunks, view.spec, view.chunk_len)
+    hit = _PREPARED.get(id(tensor))
+    if hit is not None and hit[0]() is tensor and hit[1] == key:
+        return hit[2]
+    parts = {name: getattr(view, name)[:, :, : chunks * view.extent(name)] for name in view.FIELDS}
+    B, H = tensor.shape[:2]
+    widths = view.channel_bits[:, :, :chunks] if view.channel_bits is not None else \
+        torch.zeros(B, H, 0, head_dim, dtype=torch.uint8)
+    run = prepare(CompressedChunk(**parts, channel_bits=widths), view.spec, view.chunk_len, head_dim, chunks)
+    ident = id(tensor)
+    _PREPARED[ident] = (weakref.ref(tensor, lambda _: _PREPARED.pop(ident, None)), key, run)
+    return run
+
+
+_TABLES: list = []  # [(positions, inv_freq, cos, sin)]: the last step's tables, shared by its layers
+
+
+def _rope_halves(positions: torch.Tensor, inv_freq: torch.Tensor):
+    """cos/sin [B, T, d/2] float32 at the row-local positions, as the rotary module computes them (`rope_tables`:
+    its two halves are equal), once per positions tensor (the layout gives every layer of a step the same one)."""
+    if _TABLES and _TABLES[0][0] is positions and _TABLES[0][1] is inv_freq and \
+            _TABLES[0][4] == (positions._version, inv_freq._version):
+        return _TABLES[0][2], _TABLES[0][3]
+    half = inv_freq.numel()
+    cos, sin = rope_tables(positions, inv_freq)
+    cos, sin = cos[..., :half].contiguous().numpy(), sin[..., :half].contiguous().numpy()
+    _TABLES[:] = [(positions, inv_freq, cos, sin, (positions._version, inv_freq._version))]
+    return cos, sin
+
+
+def _float32(t: torch.Tensor | None, like: torch.Tensor) -> np.ndarray:
+    if t is None:
+        return np.zeros((like.shape[0], like.shape[1], 0, like.shape[3]), dtype=np.float32)
+    return (t if t.dtype == torch.float32 else t.float()).contiguous().numpy()
+
+
+def decode_attention(query: torch.Tensor, keys, values, layout, *, scaling: float, inv_freq: torch.Tensor,
+                     attention_scaling: float = 1.0, sliding_window: int | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of `query` [B,Hq,q,d] (already rotated) over one layer's storage (`views.StreamView` keys/values,
+    `views.DecodeLayout`), CPU tensors. Returns out [B, q, Hq, d] in query's dtype (HF's attention-function
+    layout), as `gear_hf.kernels.decode.decode_attention` does."""
+    B, Hq, QL, D = query.shape
+    Hkv = keys.buffer.shape[1]
+    if Hq % Hkv:
+        raise ValueError(f"{Hq} query heads do not split into {Hkv} KV heads")
+    if inv_freq.numel() != D // 2:
+        raise ValueError(f"inv_freq has {inv_freq.numel()} entries, expected head_dim/2 = {D // 2}")
+    if (keys.prompt is None) != (values.prompt is None) or (keys.decode is None) != (values.decode is None):
+        raise ValueError("keys and values disagree on which chunk runs exist")
+    prompt_chunks = 1 if keys.prompt is not None and layout.max_prompt > 0 else 0
+    decode_chunks = layout.max_decode_chunks if keys.decode is not None else 0
+    pk, pk_factors, rot_k = _run_args(keys.prompt, prompt_chunks, D, False)
+    dk, dk_factors, rot_dk = _run_args(keys.decode, decode_chunks, D, False)
+    pv, pv_factors, rot_v = _run_args(values.prompt, prompt_chunks, D, True)
+    dv, dv_factors, rot_dv = _run_args(values.decode, decode_chunks, D, True)
+    if (prompt_chunks and decode_chunks) and (rot_k != rot_dk or rot_v != rot_dv):
+        raise ValueError("the prompt and decode chunks disagree on whether they are rotated")
+    cos, sin = _rope_halves(layout.positions, inv_freq.float() if inv_freq.dtype != torch.float32 else inv_freq)
+    q = (query.float() * (scaling * attention_scaling)).contiguous().numpy()
+    result = np.empty((B, QL, Hq, D), dtype=np.float32)
+    sink_k, sink_v = (keys.sink, values.sink) if layout.max_sink > 0 else (None, None)
+    _attend(q, layout.limits.numpy(), layout.rows.numpy(), cos, sin, int(sliding_window or 0), layout.buffer_size,
+            _float32(sink_k, keys.buffer), _float32(sink_v, values.buffer), _float32(keys.buffer, keys.buffer),
+            _float32(values.buffer, values.buffer), pk, pk_factors, pv, pv_factors, dk, dk_factors, dv, dv_factors,
+            rot_k or rot_dk, rot_v or rot_dv, result)
+    result = torch.from_numpy(result)
+    if out is None:
+        return result.to(query.dtype)
+    if tuple(out.shape) != (B, QL, Hq, D):
+        raise ValueError(f"out must be [B, q, Hq, d] = {(B, QL, Hq, D)}, got {tuple(out.shape)}")
+    return out.copy_(result)
