@@ -12,9 +12,10 @@ decode steps only (prefill excluded: the step clock starts when the first logits
 the load changes within seconds, so a second estimate uses each run's fast steps: batch / (20th percentile
 of the step durations), the speed when the process was not starved; its ratios are the steadier ones. Peak RSS: resident
 memory sampled every 2 ms during `generate`, reported as the increase over the RSS before the call (the
-weights are already resident) and as the absolute peak. gear_hf runs the reference path here (CPU: no Triton
-kernels): it reconstructs the whole compressed history at every step, so it is expected to be slower than
-DynamicCache; the numbers say by how much. Writes <out>/decode.csv and <out>/decode.md (<out>: --out, default out/, untracked).
+weights are already resident) and as the absolute peak. gear_hf decodes with the numba CPU kernels when they are
+installed (`gear-hf[cpu]`): decode steps take the fused CPU attention, which reads the compressed storage directly
+(`gear_hf.kernels.cpu.attend`); without numba, the torch reference path, which reconstructs the whole compressed
+history at every step. Writes <out>/decode.csv and <out>/decode.md (<out>: --out, default out/, untracked).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def _cpu_reads() -> str:
     from gear_hf.kernels import resolve_backend
 
     backend = resolve_backend(GearConfig(), "cpu")
-    return "numba CPU kernels (backend 'numba')" if backend == "numba" else f"{backend} backend"
+    return ("numba CPU kernels (backend 'numba'): decode steps by the fused CPU attention, the prompt step by the "
+            "reference path" if backend == "numba" else f"{backend} backend: the reference path")
 
 
 def main(argv=None) -> int:
@@ -123,7 +125,7 @@ def main(argv=None) -> int:
             f"{args.repeats} interleaved repeats; ratio = median of per-repeat ratios to DynamicCache; fast steps = "
             f"batch / 20th percentile of a run's step durations (robust to bursts of load from other processes). HF QuantizedCache: "
             f"quanto backend, defaults (per-token axes, post-RoPE), q_group_size=64, residual_length={args.hf_residual}. "
-            f"gear_hf: reference path (no Triton on CPU), its reads by the {_cpu_reads()}."]
+            f"gear_hf: {_cpu_reads()}."]
     if skipped:
         body.append(f"Not measured (backend not installed): {', '.join(skipped)}.")
     body.append(benchlib.markdown_table(rows, [

@@ -6,8 +6,9 @@ window of 16 where the architecture has one, so sliding layers really drop token
   in tests/test_stock_equivalence.py, parametrized over these too;
 * `disable` restores the stock forwards and outputs;
 * gear-4 keeps teacher-forced top-1 agreement >= 0.9 with stock (the cache really compresses: group 8, buffer 16);
-* the fused decode kernel (Triton interpreter on CPU) gives the reference path's tokens where it applies, and
-  refuses with the reason where it does not (Gemma 2 soft-capping, Phi-3 partial rotary);
+* the fused decode kernels (Triton, interpreted on CPU; the numba CPU kernel) give the reference path's tokens
+  where they apply, and the Triton one refuses with the reason where it does not (Gemma 2 soft-capping, Phi-3
+  partial rotary: `auto` takes the reference path there, on CUDA and on CPU);
 * what is not supported refuses at enable (longrope).
 """
 
@@ -64,10 +65,10 @@ def test_gear4_teacher_forced_agreement(arch):
 
 # -- the fused decode kernel where it applies ------------------------------------------------------------------
 
-def _generate(model, config, steps=12):
+def _generate(model, config, steps=12, device=DEVICE):
     ids, mask = prompts(2, length=33)
     with gear_hf.enabled(model, config):
-        return greedy(model, ids.to(DEVICE), mask.to(DEVICE), steps)
+        return greedy(model, ids.to(device), mask.to(device), steps)
 
 
 def _count_fused(monkeypatch) -> dict:
@@ -88,17 +89,24 @@ FUSED_ARCHS = ("qwen3", "qwen3_moe", "mixtral", "gemma3_text", "gemma3", "olmo2"
 INTERPRETED_FUSED_ARCHS = ("qwen3", "gemma3_text", "granite")
 
 
-@pytest.mark.parametrize("arch", FUSED_ARCHS if DEVICE == "cuda" else INTERPRETED_FUSED_ARCHS)
-def test_fused_kernel_matches_reference(arch, monkeypatch):
+# The numba CPU kernel (fast on CPU): every fused-capable type.
+FUSED_CASES = [("triton", arch) for arch in (FUSED_ARCHS if DEVICE == "cuda" else INTERPRETED_FUSED_ARCHS)] + \
+    [("numba", arch) for arch in FUSED_ARCHS]
+
+
+@pytest.mark.parametrize("backend, arch", FUSED_CASES)
+def test_fused_kernel_matches_reference(backend, arch, monkeypatch):
     """qwen3: q/k norms and one sliding layer; gemma3_text: a local and a global RoPE table (linear-scaled) and
-    query_pre_attn_scalar; granite: attention_multiplier. head_dim 32 (the kernel needs a power of two >= 32)."""
-    pytest.importorskip("triton")
+    query_pre_attn_scalar; granite: attention_multiplier. head_dim 32 (the Triton kernel needs a power of two
+    >= 32)."""
+    pytest.importorskip(backend)
     calls = _count_fused(monkeypatch)
-    model = tiny_model(arch, head_dim=32).to(DEVICE)
+    device = DEVICE if backend == "triton" else "cpu"
+    model = tiny_model(arch, head_dim=32).to(device)
     config = gear_hf.GearConfig.preset("gear", bits=4, group_size=16, buffer_size=16)
-    tokens_ref, logits_ref = _generate(model, config.replace(backend="torch"))
+    tokens_ref, logits_ref = _generate(model, config.replace(backend="torch"), device=device)
     assert calls["fused"] == 0
-    tokens_fused, logits_fused = _generate(model, config.replace(backend="triton"))
+    tokens_fused, logits_fused = _generate(model, config.replace(backend=backend), device=device)
     assert calls["fused"] > 0
     assert torch.equal(tokens_ref, tokens_fused)
     assert (logits_ref - logits_fused).abs().max().item() < 1e-4
