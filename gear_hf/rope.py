@@ -47,9 +47,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: tor
     return rotated if rotated is out else out.copy_(rotated)
 
 
+def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """The float32 angles [..., d/2] of integer positions, positions x inv_freq as HF's rotary modules form them."""
+    return positions.float()[..., None] * inv_freq.float()
+
+
 def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float = 1.0):
     """cos/sin [..., d] in float32 for integer positions, as HF's rotary modules compute them."""
-    ang = positions.float()[..., None] * inv_freq.float()
+    ang = rope_angles(positions, inv_freq)
     emb = torch.cat([ang, ang], dim=-1)
     return emb.cos() * attention_scaling, emb.sin() * attention_scaling
 

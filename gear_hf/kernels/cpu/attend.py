@@ -27,9 +27,9 @@ import numba
 import numpy as np
 import torch
 
-from ...compress import ChunkSpec, CompressedChunk
-from ...rope import rope_tables
-from .read import _NO_FACTORS, _assemble, _hadamard_rows, _scratch, decompress_supported, prepare
+from ...compress import CompressedChunk
+from ...rope import rope_angles
+from .read import _NO_FACTORS, _NO_ROTATION, _assemble, _hadamard_rows, _scratch, decompress_supported, prepare
 
 _F32 = np.float32
 # numba: reductions over channels need reassociation to vectorize; no finite-math flags (masked scores are -inf)
@@ -48,14 +48,11 @@ def _assemble_run(run, factors, hadamard, b, h, target, scratch):
               code_tile)
 
 
-_NO_ROTATION = np.zeros((1, 1, 0, 1), dtype=np.float32)
-
-
 @numba.njit(inline="always")
 def _run_scratch(run, factors, hadamard, d):
+    """`read._scratch` of a run (its plane unused: `_attend` assembles into its own)."""
     codes, bits, group, channel_axis, scale, minimum, values, index, n, N, widths = run
-    _, spread, bt, weights, tile, code_tile = _scratch(factors[0], channel_axis, hadamard, widths, n, N if N else 0,
-                                                       d)
+    _, spread, bt, weights, tile, code_tile = _scratch(factors[0], channel_axis, hadamard, widths, n, N, d)
     return spread, bt, weights, tile, code_tile
 
 
@@ -64,7 +61,7 @@ def _plane(sink, buf, b, h, s, p, c, f, nb, prompt, prompt_factors, decode, deco
            prompt_scratch, decode_scratch):
     """Rows [0, s+p+c*nb+f) of plane: the row's tokens of one stream in row-local order. The prompt chunk and the
     decode chunks are decompressed whole (as many chunks as the longest row holds) and then overwritten from the
-    row's next segment on: what lies past a row's own tokens is never attended."""
+    row's next segment on: what lies past a row's own tokens is never attended. (run[9]: a run's tokens.)"""
     for t in range(s):
         for k in range(plane.shape[1]):
             plane[t, k] = sink[b, h, t, k]
@@ -245,9 +242,10 @@ def supported(config, head_dim: int, query_dtype: torch.dtype) -> str | None:
     return None
 
 
-def _run_args(view, chunks: int, head_dim: int, values: bool):
-    """(run tuple, factors, rotated) of a ChunkRunView's first `chunks` chunks as `_attend` reads them; an empty run
-    when there is none. Prepared once per state of the storage (`read.prepare`, memoised on the fields' version
+def _run_args(view, chunks: int, head_dim: int):
+    """(run, factors, rotated) of a ChunkRunView's first `chunks` chunks as `_attend` reads them, run = (codes, bits,
+    group, channel_axis, scale, minimum, outlier values, outlier index, n, tokens, widths); an empty run when there is
+    none. Prepared once per state of the storage (`read.prepare`, memoised on the fields' version
     counters): a decode step only reads."""
     if view is None or chunks == 0:
         return _EMPTY_RUN, _NO_FACTORS, False
@@ -282,19 +280,18 @@ def _prepared(view, chunks: int, head_dim: int):
     return run
 
 
-_TABLES: list = []  # [(positions, inv_freq, cos, sin)]: the last step's tables, shared by its layers
+_TABLES: list = []  # [(positions, inv_freq, their versions, cos, sin)]: the last step's, shared by its layers
 
 
 def _rope_halves(positions: torch.Tensor, inv_freq: torch.Tensor):
-    """cos/sin [B, T, d/2] float32 at the row-local positions, as the rotary module computes them (`rope_tables`:
-    its two halves are equal), once per positions tensor (the layout gives every layer of a step the same one)."""
-    if _TABLES and _TABLES[0][0] is positions and _TABLES[0][1] is inv_freq and \
-            _TABLES[0][4] == (positions._version, inv_freq._version):
-        return _TABLES[0][2], _TABLES[0][3]
-    half = inv_freq.numel()
-    cos, sin = rope_tables(positions, inv_freq)
-    cos, sin = cos[..., :half].contiguous().numpy(), sin[..., :half].contiguous().numpy()
-    _TABLES[:] = [(positions, inv_freq, cos, sin, (positions._version, inv_freq._version))]
+    """cos/sin [B, T, d/2] float32 at the row-local positions, as the rotary module computes them (one half of
+    `rope_tables`' equal halves), once per positions tensor (the layout gives every layer of a step the same one)."""
+    versions = (positions._version, inv_freq._version)
+    if _TABLES and _TABLES[0][0] is positions and _TABLES[0][1] is inv_freq and _TABLES[0][2] == versions:
+        return _TABLES[0][3], _TABLES[0][4]
+    angles = rope_angles(positions, inv_freq)
+    cos, sin = angles.cos().numpy(), angles.sin().numpy()
+    _TABLES[:] = [(positions, inv_freq, versions, cos, sin)]
     return cos, sin
 
 
@@ -320,13 +317,13 @@ def decode_attention(query: torch.Tensor, keys, values, layout, *, scaling: floa
         raise ValueError("keys and values disagree on which chunk runs exist")
     prompt_chunks = 1 if keys.prompt is not None and layout.max_prompt > 0 else 0
     decode_chunks = layout.max_decode_chunks if keys.decode is not None else 0
-    pk, pk_factors, rot_k = _run_args(keys.prompt, prompt_chunks, D, False)
-    dk, dk_factors, rot_dk = _run_args(keys.decode, decode_chunks, D, False)
-    pv, pv_factors, rot_v = _run_args(values.prompt, prompt_chunks, D, True)
-    dv, dv_factors, rot_dv = _run_args(values.decode, decode_chunks, D, True)
+    pk, pk_factors, rot_k = _run_args(keys.prompt, prompt_chunks, D)
+    dk, dk_factors, rot_dk = _run_args(keys.decode, decode_chunks, D)
+    pv, pv_factors, rot_v = _run_args(values.prompt, prompt_chunks, D)
+    dv, dv_factors, rot_dv = _run_args(values.decode, decode_chunks, D)
     if (prompt_chunks and decode_chunks) and (rot_k != rot_dk or rot_v != rot_dv):
         raise ValueError("the prompt and decode chunks disagree on whether they are rotated")
-    cos, sin = _rope_halves(layout.positions, inv_freq.float() if inv_freq.dtype != torch.float32 else inv_freq)
+    cos, sin = _rope_halves(layout.positions, inv_freq)
     q = (query.float() * (scaling * attention_scaling)).contiguous().numpy()
     result = np.empty((B, QL, Hq, D), dtype=np.float32)
     sink_k, sink_v = (keys.sink, values.sink) if layout.max_sink > 0 else (None, None)
