@@ -12,8 +12,9 @@ time (time.thread_time: with one torch thread all the work runs there), which wa
 machine does not inflate; --clock wall stamps wall time. Every method runs --repeats times in one process, the
 methods interleaved (DynamicCache first), and the minimum is kept; the ratio is DynamicCache's ms/step over the
 method's (higher is better, 1.0 = as fast), and the padded batch's ms/step over the unpadded one's of the same
-size (the padded rows are longer, so DynamicCache's own figure is the baseline). Writes <out>/decode-padded.md
-(<out>: --out, default out/, untracked) and prints it.
+size (the padded rows are longer, so DynamicCache's own figure is the baseline), and the share of decode
+layer-steps each method's attention took on the fused path (every batch; `GearCache.step_paths`). Writes
+<out>/decode-padded.md (<out>: --out, default out/, untracked) and prints it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import argparse
 import os
 import sys
 import time
+from collections import Counter
 
 import torch
 
@@ -75,9 +77,11 @@ def main(argv=None) -> int:
         else:
             with gear_hf.enabled(model, configs[method]):
                 generate()
+                paths[method].update(gear_hf.last_cache(model).step_paths)  # decode layer-steps per attention path
         return (stamp.times[-1] - stamp.times[0]) * 1000 / args.new  # the decode steps after the prompt's token
 
     configs = {m: benchlib.gear_config(m) for m in methods[1:]}  # (a bad name exits here, with the reason)
+    paths = {m: Counter() for m in methods[1:]}
     cond = benchlib.Conditions(extra={"model": "SmolLM2-135M shapes, random weights", "dtype": "float32", "T": args.T,
                                       "new_tokens": args.new, "repeats": args.repeats, "clock": args.clock})
     benchlib.print_conditions(cond)
@@ -99,6 +103,8 @@ def main(argv=None) -> int:
                     + " | ".join(f"{ms[m]:.1f} ({ms['dynamic'] / ms[m]:.2f}x)" for m in methods) + " |")
     rows.append("| 4 padded / 4 | " + " | ".join(f"{best[4, True][m] / best[4, False][m] - 1:+.1%}" for m in methods)
                 + " |")
+    rows.append("| fused share of decode layer-steps | – | " + " | ".join(
+        f"{paths[m]['fused'] / max(1, sum(paths[m].values())):.0%}" for m in methods[1:]) + " |")
     body = (f"T={args.T} prompt tokens (the padded batch: row r with 37*r of them padding), {args.new} new tokens, "
             f"greedy; {args.clock} time; minimum of {args.repeats} interleaved runs.\n\n" + "\n".join(rows))
     out = benchlib.Path(args.out) / "decode-padded.md"

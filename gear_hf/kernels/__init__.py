@@ -10,10 +10,11 @@ The kernel modules are imported on first use:
   and its low-level launcher (`decode_attention`);
 * `gear_hf.kernels.reference` - the float32 torch oracle and a cache builder (tests, benchmark; no triton);
 * `gear_hf.kernels.compile_check` - compiles the kernels for sm_90/sm_80 with ptxas on a machine without a GPU;
-* `gear_hf.kernels.cpu` - numba loops for CPUs: the fused decode attention (`cpu.decode_attention`), and for the
-  reference path: a chunk run decompressed and keys rotated in one pass (bit for bit the torch functions without a low-rank term or rotation, to float32 rounding with one; float32
-  or bf16 outputs); a chunk's outliers, codes and residual compressed in one pass per plane (bit for bit
-  `compress.gear.compute_backbone`), its low-rank factors fitted per plane (to float32 rounding).
+* `gear_hf.kernels.cpu` - numba loops for CPUs: the fused decode attention (`cpu.decode_attention`); for the
+  reference path a chunk run decompressed and keys rotated in one pass (bit for bit the torch functions without a
+  low-rank term or rotation, to float32 rounding with one; float32 or bf16 outputs); a chunk's outliers, codes
+  and residual compressed in one pass per plane (bit for bit `compress.gear.compute_backbone`), its low-rank
+  factors fitted per plane (to float32 rounding).
 
 Triton without a GPU: every launch fails unless TRITON_INTERPRET=1 is set *before* the kernel modules are
 imported (triton decides at decoration time); the tests do that.

@@ -11,8 +11,8 @@ of a group), so a decode step moved the history through memory several times. He
   each key row is rotated at its position as its scores are taken (cos/sin from the positions and inv_freq, as
   the rotary module computes them, once per step for every layer), never written rotated;
 * the softmax is exact (two passes over the scores, float32);
-* the values are assembled without their low-rank term, which enters as (P·A)·Bᵀ (two small products, never A·Bᵀ);
-  rotated values are attended in the rotated basis and the output rows are un-rotated once (P·V·H·H = P·V).
+* the values are assembled without their low-rank term, which enters as (P·A)·Bᵀ (two small products, never
+  A·Bᵀ); rotated values are attended in the rotated basis and the output rows are un-rotated once (P·V·H·H = P·V).
 
 Numerics: float32 throughout (bf16 queries and storage read exactly into float32; the output rounded once to the
 query's dtype); sums in another order than the oracle's: equal to float32 rounding.
