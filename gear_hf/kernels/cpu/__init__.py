@@ -13,11 +13,11 @@ Each entry point has a `*_supported` check (or returns None) for what it covers;
 equal (bit for bit, except where a low-rank term is summed or fitted: to float32 rounding). numba is imported on first use only (`import gear_hf` stays light); compiled loops are cached on disk.
 """
 
-from .attend import decode_attention
-from .attend import supported as attend_supported
+from .attend import decode_attention, supported as attend_supported
 from .compress import all_finite, compress_backbone, compress_supported
 from .lowrank import fit_factors
 from .read import Run, decompress_into, decompress_run, decompress_supported, prepare, rotate_into, rotate_supported
 
-__all__ = ["Run", "all_finite", "attend_supported", "decode_attention", "compress_backbone", "compress_supported", "decompress_into", "decompress_run",
-           "decompress_supported", "fit_factors", "prepare", "rotate_into", "rotate_supported"]
+__all__ = ["Run", "all_finite", "attend_supported", "compress_backbone", "compress_supported", "decode_attention",
+           "decompress_into", "decompress_run", "decompress_supported", "fit_factors", "prepare", "rotate_into",
+           "rotate_supported"]
