@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+import numpy as np
 import pytest
 import torch
 
@@ -151,6 +152,29 @@ def test_decompress_of_store_views_and_bf16_side():
     out = torch.empty(2, 3, 64, 64)
     assert_matches_oracle(cpu.decompress_into(wide, spec, 16, 64, 4, out),
                           decompress(run, spec, 16, 64, torch.float32, 4), low_rank=True)
+
+
+@pytest.mark.parametrize("axis", ["channel", "token"])
+def test_prepared_runs_read_the_storage_in_place(axis):
+    """A prepared run (what a decode step reads every step) holds no second copy of the storage: codes, bf16
+    statistics (as their bits), outliers and int8 factors are views of the store's fields."""
+    torch.manual_seed(2)
+    spec = ChunkSpec(2, axis, 16, 0.05, 2, factor_bits=8)
+    run = _run(torch.randn(2, 3, 64, 64), spec, 16)
+    fields = {f.name: getattr(run, f.name) for f in dataclasses.fields(CompressedChunk)}
+    stores = {name: torch.cat([t, t], dim=2) for name, t in fields.items()}  # capacity beyond the live chunks
+    live = CompressedChunk(**{name: t[:, :, : fields[name].shape[2]] for name, t in stores.items()})
+    prepared = cpu.prepare(live, spec, 16, 64, 4)
+    held = {"codes": prepared.codes, "scale": prepared.scale, "minimum": prepared.minimum,
+            "sparse_values": prepared.outliers[0], "sparse_index": prepared.outliers[1],
+            "lowrank_a": prepared.factors[0], "lowrank_b": prepared.factors[2]}
+    for name, array in held.items():
+        store = stores[name]
+        store = store.view(torch.int16) if store.dtype == torch.bfloat16 else store
+        assert np.shares_memory(array, store.numpy()), name
+    out = torch.empty(2, 3, 64, 64)
+    assert_matches_oracle(cpu.decompress_run(prepared, out), decompress(run, spec, 16, 64, torch.float32, 4),
+                          low_rank=True)
 
 
 def test_decompress_supported_declines():

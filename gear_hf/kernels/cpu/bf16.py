@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from numba.core import types
+from numba.extending import overload
 
 
 @numba.njit(inline="always")
@@ -34,3 +36,15 @@ def bf16_step(bits, up):
     if away:
         return np.uint16(bits if magnitude == 0x7F80 else bits + 1)
     return np.uint16(bits - 1)
+
+
+def side_value(x):
+    """A side-information element as float32: bf16 bits (int16: the fields read in place) or a number."""
+    raise NotImplementedError("numba only: called from the CPU kernels")
+
+
+@overload(side_value, inline="always")
+def _side_value(x):
+    if isinstance(x, types.Integer) and x.bitwidth == 16:
+        return lambda x: bf16_value(x)
+    return lambda x: np.float32(x)

@@ -23,7 +23,7 @@ import torch
 
 from ...compress import ChunkSpec, CompressedChunk
 from . import arrays
-from .bf16 import bf16_value as _f32, round_bf16 as _bf16
+from .bf16 import bf16_value as _f32, round_bf16 as _bf16, side_value as _side
 from .compress import transpose_bits8
 
 _F32 = np.float32
@@ -38,7 +38,7 @@ _F32 = np.float32
 @numba.njit(cache=True, nogil=True)
 def _dequant_channel(codes, bits, group, scale, minimum, b, h, N, plane, rotate_rows, cos, sin, cos_at):
     """Keys-style codes packed along tokens, codes [B,H,>=P(N),d] -> plane [N,d] = code*scale + minimum, with
-    scale/minimum [B,H,N/group,d] float32 (groups run along tokens). rotate_rows: each row then rotated in place
+    scale/minimum [B,H,>=N/group,d] (`_side_array`; groups run along tokens). rotate_rows: each row then rotated in place
     by cos/sin as `_write` does, while it is in cache (keys with nothing to add: no pass of their own)."""
     d = plane.shape[1]
     half, cb = d // 2, b if cos.shape[0] > 1 else 0
@@ -52,12 +52,12 @@ def _dequant_channel(codes, bits, group, scale, minimum, b, h, N, plane, rotate_
             for c in range(d):
                 code = ((np.int32(codes[b, h, low_row, c]) >> low_shift) & np.int32(3)) | \
                     (((np.int32(codes[b, h, high_row, c]) >> high_shift) & np.int32(1)) << np.int32(2))
-                plane[t, c] = _F32(code) * scale[b, h, g, c] + minimum[b, h, g, c]
+                plane[t, c] = _F32(code) * _side(scale[b, h, g, c]) + _side(minimum[b, h, g, c])
         else:
             row, shift = t // per, np.int32(bits * (t % per))
             for c in range(d):
                 code = (np.int32(codes[b, h, row, c]) >> shift) & mask
-                plane[t, c] = _F32(code) * scale[b, h, g, c] + minimum[b, h, g, c]
+                plane[t, c] = _F32(code) * _side(scale[b, h, g, c]) + _side(minimum[b, h, g, c])
         if rotate_rows:
             ct = cos_at + t
             for i in range(half):
@@ -111,7 +111,7 @@ def _dequant_token(spread, scale, minimum, b, h, N, plane):
     G, g = plane.shape[1], plane.shape[2]
     for t in range(N):
         for k in range(G):
-            s, m = scale[b, h, t, k], minimum[b, h, t, k]
+            s, m = _side(scale[b, h, t, k]), _side(minimum[b, h, t, k])
             for c in range(g):
                 plane[t, k, c] = _F32(spread[t, k, c]) * s + m
 
@@ -151,11 +151,11 @@ def _add_outliers(values, index, channel_axis, b, h, n, N, plane):
         for e in range(E):
             first = (e // per_chunk) * n
             for c in range(K):
-                plane[first + index[b, h, e, c], c] += values[b, h, e, c]
+                plane[first + index[b, h, e, c], c] += _side(values[b, h, e, c])
     else:
-        for t in range(E):
+        for t in range(N):
             for k in range(K):
-                plane[t, index[b, h, t, k]] += values[b, h, t, k]
+                plane[t, index[b, h, t, k]] += _side(values[b, h, t, k])
 
 
 @numba.njit(cache=True, nogil=True)
@@ -201,7 +201,7 @@ def _dequant_planes(codes, widths, group, scale, minimum, b, h, n, N, plane, til
                 token = 8 * u + t
                 g = token // group
                 for c in range(d):
-                    plane[token, c] = _F32(tile[t, c]) * scale[b, h, g, c] + minimum[b, h, g, c]
+                    plane[token, c] = _F32(tile[t, c]) * _side(scale[b, h, g, c]) + _side(minimum[b, h, g, c])
 
 
 @numba.njit(cache=True, nogil=True)
@@ -359,10 +359,10 @@ class Run:
     bits: int
     group: int
     channel_axis: bool
-    scale: np.ndarray  # float32 (the 16-bit side fields cast once: 1/group of the codes' size)
+    scale: np.ndarray  # bf16 bits (int16) in place, or float32 (`_side_array`)
     minimum: np.ndarray
     factors: tuple  # `_factors`, or _NO_FACTORS
-    outliers: tuple  # (values float32, index), or _NO_OUTLIERS
+    outliers: tuple  # (values as scale, index), or _NO_OUTLIERS
     n: int  # tokens per chunk
     tokens: int  # chunks * n
     hadamard: bool  # the spec rotates: undo the Walsh-Hadamard rotation
@@ -370,16 +370,33 @@ class Run:
 
 
 def prepare(chunk: CompressedChunk, spec: ChunkSpec, n: int, d: int, chunks: int) -> Run:
-    """The arrays `decompress_run` reads for `chunks` consecutive chunks of n tokens (`decompress_supported`)."""
-    codes, code_at = arrays.readable(chunk.codes)
-    outliers = (chunk.sparse_values.float().contiguous().numpy(), chunk.sparse_index.contiguous().numpy()) \
+    """The arrays `decompress_run` reads for `chunks` consecutive chunks of n tokens (`decompress_supported`): views of
+    the stored fields where numba can read them in place (bf16 side information as its bits), so a prepared run
+    holds no second copy of the storage."""
+    outliers = (_side_array(chunk.sparse_values, whole=False), _stored(chunk.sparse_index, whole=False)) \
         if chunk.sparse_index.numel() else _NO_OUTLIERS
     group = spec.group_for(n, d) if spec.axis == "channel" else min(spec.group_for(n, d), d)  # (> d: one group)
-    return Run(codes=codes[:, :, code_at:], bits=0 if spec.allocated else int(spec.bits), group=group,
-               channel_axis=spec.axis == "channel", scale=chunk.scale.float().numpy(),
-               minimum=chunk.minimum.float().numpy(),
+    return Run(codes=_stored(chunk.codes), bits=0 if spec.allocated else int(spec.bits), group=group,
+               channel_axis=spec.axis == "channel", scale=_side_array(chunk.scale),
+               minimum=_side_array(chunk.minimum),
                factors=_factors(chunk, chunks) if chunk.lowrank_a.shape[-1] else _NO_FACTORS, outliers=outliers,
                n=n, tokens=chunks * n, hadamard=spec.rotate, widths=chunk.channel_bits.contiguous().numpy())
+
+
+def _stored(t: torch.Tensor, whole: bool = True) -> np.ndarray:
+    """t [B,H,m,...] (rows of a stored field) as an array without a copy where numba can read it in place: from t's
+    first row to the end of the field (whole: a run starts at the field's first row, so this is the field itself,
+    C-contiguous), or exactly t's rows (entries counted from the array's extent)."""
+    array, at = arrays.readable(t)
+    return array[:, :, at:] if whole else array[:, :, at : at + t.shape[2]]
+
+
+def _side_array(t: torch.Tensor, whole: bool = True) -> np.ndarray:
+    """A side-information field as the kernels read it (`bf16.side_value`): bf16 as its bits, in place; fp16 (fp16
+    models) cast to float32."""
+    if t.dtype == torch.bfloat16:
+        return _stored(t.view(torch.int16), whole)
+    return t.float().contiguous().numpy()
 
 
 def decompress_run(run: Run, out: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None):
@@ -412,12 +429,11 @@ def _factors(chunk: CompressedChunk, chunks: int) -> tuple:
     """(a, a_scale, b, b_scale) as `_add_lowrank` reads them: int8 factors as stored with their per-chunk column
     scales, 16-bit factors cast to float32 with scales of one."""
     a, b = chunk.lowrank_a, chunk.lowrank_b
-    if a.dtype == torch.int8:
-        a_scale, b_scale = chunk.lowrank_a_scale.float(), chunk.lowrank_b_scale.float()
-    else:
-        a, b = a.float(), b.float()
-        a_scale = b_scale = torch.ones(a.shape[0], a.shape[1], chunks, a.shape[3])
-    return tuple(t.contiguous().numpy() for t in (a, a_scale, b, b_scale))
+    if a.dtype == torch.int8:  # (the factors in place; their scales, [B,H,C,r], cast)
+        a_scale, b_scale = chunk.lowrank_a_scale.float().numpy(), chunk.lowrank_b_scale.float().numpy()
+        return _stored(a), a_scale, _stored(b), b_scale
+    ones = np.ones((a.shape[0], a.shape[1], chunks, a.shape[3]), dtype=np.float32)
+    return a.float().contiguous().numpy(), ones, b.float().contiguous().numpy(), ones
 
 
 # no low-rank term / no outliers / no rotation: empty arrays of the kernel's types (rank 0, no entries, no rows)
