@@ -104,9 +104,6 @@ class ChunkStore:
         self.dtype: torch.dtype | None = None
         self._chunk_nbytes: dict = {}  # (n, itemsize cap) -> bytes by component (accounting memo)
         self._runs: dict[int, CompressedChunk] = {}  # chunks -> views of the first `chunks` of every field
-        # chunks -> (the fields' version counters, the CPU kernels' arrays of that run, `cpu.prepare`): in-place
-        # writes to a field (ours, or anyone's) bump its counter, so arrays cast from stale values are never read
-        self._prepared: dict[int, tuple] = {}
 
     def _allocate(self, example: CompressedChunk, batch: int, chunks: int, example_is_full: bool) -> None:
         # The extents of a full chunk: the example's when it is one (a prompt step compresses its longest rows
@@ -126,9 +123,9 @@ class ChunkStore:
         self.dtype = example.scale.dtype  # the side dtype (compress.side_dtype): probes compress like it
 
     def _fields_changed(self) -> None:
-        """Forget what was derived from the fields (run views, the CPU kernels' arrays): they were replaced."""
+        """Forget the run views: the fields were replaced. (The CPU kernels' prepared runs follow the tensors
+        themselves: `cpu.prepared`.)"""
         self._runs.clear()
-        self._prepared.clear()
 
     def reserve(self, example: CompressedChunk, batch: int, chunks: int, example_is_full: bool = False) -> None:
         """Room for `chunks` chunks per row; example: a compressed chunk (example_is_full: of chunk_len tokens)."""
@@ -251,12 +248,8 @@ class ChunkStore:
                 B, H = run.codes.shape[:2]
                 out = torch.empty(B, H, chunks * self.chunk_len, self.head_dim, dtype=out_dtype)
             if cpu.decompress_supported(self.spec, self.head_dim, out, rotary):
-                versions = tuple(t._version for t in self.fields.values())
-                prepared = self._prepared.get(chunks)
-                if prepared is None or prepared[0] != versions:
-                    prepared = self._prepared[chunks] = (versions, cpu.prepare(run, self.spec, self.chunk_len,
-                                                                               self.head_dim, chunks))
-                return cpu.decompress_run(prepared[1], out, rotary)
+                prepared = cpu.prepared(self.fields, self.spec, self.chunk_len, self.head_dim, chunks)
+                return cpu.decompress_run(prepared, out, rotary)
         if rotary is None:
             return decompress(run, self.spec, self.chunk_len, self.head_dim, out_dtype, chunks=chunks, out=out)
         x = decompress(run, self.spec, self.chunk_len, self.head_dim, out_dtype, chunks=chunks, out=scratch)

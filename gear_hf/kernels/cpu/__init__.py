@@ -1,7 +1,7 @@
-"""CPU kernels (numba) for the reference path: what `gear_hf.kernels.cpu_kernels` returns.
+"""CPU kernels (numba), for the fused decode attention and the reference path: what `gear_hf.kernels.cpu_kernels` returns.
 
-* `read` - a chunk run decompressed, and keys rotated, in one pass (`decompress_into`, or `prepare` once and
-  `decompress_run` every step; `rotate_into`)
+* `read` - a chunk run decompressed, and keys rotated, in one pass (`decompress_into`, or `prepared` (memoised per
+  state of the storage) and `decompress_run` every step; `rotate_into`)
 * `compress` - a chunk's outliers, quantized backbone and residual (`compress_backbone`), and the finiteness check
   of what is compressed (`all_finite`)
 * `lowrank` - the low-rank factors fitted to that residual (`fit_factors`)
@@ -10,14 +10,16 @@
 * `arrays` - torch tensors as the numpy arrays the loops read
 
 Each entry point has a `*_supported` check (or returns None) for what it covers; the torch code is the oracle they
-equal (bit for bit, except where a low-rank term is summed or fitted: to float32 rounding). numba is imported on first use only (`import gear_hf` stays light); compiled loops are cached on disk.
+equal (bit for bit, except where a low-rank term is summed or fitted: to float32 rounding). numba is imported on
+first use only (`import gear_hf` stays light); compiled loops are cached on disk.
 """
 
 from .attend import decode_attention, supported as attend_supported
 from .compress import all_finite, compress_backbone, compress_supported
 from .lowrank import fit_factors
-from .read import Run, decompress_into, decompress_run, decompress_supported, prepare, rotate_into, rotate_supported
+from .read import (Run, decompress_into, decompress_run, decompress_supported, prepare, prepared, rotate_into,
+                   rotate_supported)
 
 __all__ = ["Run", "all_finite", "attend_supported", "compress_backbone", "compress_supported", "decode_attention",
-           "decompress_into", "decompress_run", "decompress_supported", "fit_factors", "prepare", "rotate_into",
-           "rotate_supported"]
+           "decompress_into", "decompress_run", "decompress_supported", "fit_factors", "prepare", "prepared",
+           "rotate_into", "rotate_supported"]

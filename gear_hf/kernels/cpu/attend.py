@@ -21,15 +21,13 @@ query's dtype); sums in another order than the oracle's: equal to float32 roundi
 from __future__ import annotations
 
 import functools
-import weakref
 
 import numba
 import numpy as np
 import torch
 
-from ...compress import CompressedChunk
 from ...rope import rope_angles
-from .read import _NO_FACTORS, _NO_ROTATION, _assemble, _hadamard_rows, _scratch, decompress_supported, prepare
+from .read import _NO_FACTORS, _NO_ROTATION, _assemble, _hadamard_rows, _scratch, decompress_supported, prepared
 
 _F32 = np.float32
 # numba: reductions over channels need reassociation to vectorize; no finite-math flags (masked scores are -inf)
@@ -245,39 +243,19 @@ def supported(config, head_dim: int, query_dtype: torch.dtype) -> str | None:
 def _run_args(view, chunks: int, head_dim: int):
     """(run, factors, rotated) of a ChunkRunView's first `chunks` chunks as `_attend` reads them, run = (codes, bits,
     group, channel_axis, scale, minimum, outlier values, outlier index, n, tokens, widths); an empty run when there is
-    none. Prepared once per state of the storage (`read.prepare`, memoised on the fields' version
-    counters): a decode step only reads."""
+    none. Prepared once per state of the storage (`read.prepared`): a decode step only reads."""
     if view is None or chunks == 0:
         return _EMPTY_RUN, _NO_FACTORS, False
-    prepared = _prepared(view, chunks, head_dim)
-    run = (prepared.codes, prepared.bits, prepared.group, prepared.channel_axis, prepared.scale, prepared.minimum,
-           *prepared.outliers, prepared.n, prepared.tokens, prepared.widths)
-    return run, prepared.factors, prepared.hadamard
+    fields = {name: getattr(view, name) for name in view.FIELDS}
+    prepared_run = prepared({**fields, "channel_bits": view.channel_bits}, view.spec, view.chunk_len, head_dim, chunks)
+    run = (prepared_run.codes, prepared_run.bits, prepared_run.group, prepared_run.channel_axis, prepared_run.scale,
+           prepared_run.minimum, *prepared_run.outliers, prepared_run.n, prepared_run.tokens, prepared_run.widths)
+    return run, prepared_run.factors, prepared_run.hadamard
 
 
 _EMPTY_RUN = (np.zeros((0, 0, 0, 0), dtype=np.uint8), 2, 1, True, np.zeros((0, 0, 0, 0), dtype=np.float32),
               np.zeros((0, 0, 0, 0), dtype=np.float32), np.zeros((0, 0, 0, 0), dtype=np.float32),
               np.zeros((0, 0, 0, 0), dtype=np.uint8), 1, 0, np.zeros((0, 0, 0, 0), dtype=np.uint8))
-# Runs prepared for `_attend`, per storage tensor (by identity, dropped with it) while its fields are unchanged.
-_PREPARED: dict[int, tuple] = {}
-
-
-def _prepared(view, chunks: int, head_dim: int):
-    tensor = view.codes
-    fields = [getattr(view, name) for name in view.FIELDS] + ([view.channel_bits] if view.channel_bits is not None
-                                                                 else [])
-    key = (tuple(t._version for t in fields), tuple(id(t) for t in fields), chunks, view.spec, view.chunk_len)
-    hit = _PREPARED.get(id(tensor))
-    if hit is not None and hit[0]() is tensor and hit[1] == key:
-        return hit[2]
-    parts = {name: getattr(view, name)[:, :, : chunks * view.extent(name)] for name in view.FIELDS}
-    B, H = tensor.shape[:2]
-    widths = view.channel_bits[:, :, :chunks] if view.channel_bits is not None else \
-        torch.zeros(B, H, 0, head_dim, dtype=torch.uint8)
-    run = prepare(CompressedChunk(**parts, channel_bits=widths), view.spec, view.chunk_len, head_dim, chunks)
-    ident = id(tensor)
-    _PREPARED[ident] = (weakref.ref(tensor, lambda _: _PREPARED.pop(ident, None)), key, run)
-    return run
 
 
 _TABLES: list = []  # [(positions, inv_freq, their versions, cos, sin)]: the last step's, shared by its layers

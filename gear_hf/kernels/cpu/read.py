@@ -15,6 +15,8 @@ path."""
 
 from __future__ import annotations
 
+import dataclasses
+import weakref
 from dataclasses import dataclass
 
 import numba
@@ -30,16 +32,17 @@ _F32 = np.float32
 
 
 # A run is decompressed one (row, head) plane [N, d] at a time: the quantized backbone into a scratch plane, the
-# outlier and low-rank terms added to it while it is in cache, then the plane written out once (rotated, for keys
-# read by the attention); with nothing to rotate after, all of it straight onto out's rows. Each stage is its own loop nest (a call or extra code inside a loop stopped LLVM from
-# vectorizing it). `out, at`: rows [at, at+N) of out, whole and C-contiguous (LLVM then knows the unit stride).
+# outlier and low-rank terms added to it while it is in cache, then the plane written out once (rotated, for keys read
+# by the attention); with nothing to rotate after, all of it straight onto out's rows. Each stage is its own loop nest
+# (a call or extra code inside a loop stopped LLVM from vectorizing it). `out, at`: rows [at, at+N) of out, whole and
+# C-contiguous (LLVM then knows the unit stride).
 
 
 @numba.njit(cache=True, nogil=True)
 def _dequant_channel(codes, bits, group, scale, minimum, b, h, N, plane, rotate_rows, cos, sin, cos_at):
     """Keys-style codes packed along tokens, codes [B,H,>=P(N),d] -> plane [N,d] = code*scale + minimum, with
-    scale/minimum [B,H,>=N/group,d] (`_side_array`; groups run along tokens). rotate_rows: each row then rotated in place
-    by cos/sin as `_write` does, while it is in cache (keys with nothing to add: no pass of their own)."""
+    scale/minimum [B,H,>=N/group,d] (`_side_array`; groups run along tokens). rotate_rows: each row then rotated in
+    place by cos/sin as `_write` does, while it is in cache (keys with nothing to add: no pass of their own)."""
     d = plane.shape[1]
     half, cb = d // 2, b if cos.shape[0] > 1 else 0
     per, mask = 8 // bits if bits != 3 else 1, np.int32((1 << bits) - 1)
@@ -381,6 +384,37 @@ def prepare(chunk: CompressedChunk, spec: ChunkSpec, n: int, d: int, chunks: int
                minimum=_side_array(chunk.minimum),
                factors=_factors(chunk, chunks) if chunk.lowrank_a.shape[-1] else _NO_FACTORS, outliers=outliers,
                n=n, tokens=chunks * n, hadamard=spec.rotate, widths=chunk.channel_bits.contiguous().numpy())
+
+
+# Prepared runs per store (by the identity of its codes tensor, dropped with it): {chunks: (key, Run)}.
+_PREPARED: dict[int, tuple] = {}
+
+
+def prepared(fields: dict, spec: ChunkSpec, n: int, d: int, chunks: int) -> Run:
+    """`prepare` of the first `chunks` chunks of a store's fields (`ChunkStore.fields`: every `CompressedChunk`
+    field, [B,H,capacity*extent,...]; channel_bits may be absent or None for a spec without widths per channel),
+    memoised while those tensors are the same and unwritten (their in-place version counters): what the reference
+    path and the fused CPU attention read at every step, derived once per state of the storage."""
+    tensors = [fields[f.name] for f in dataclasses.fields(CompressedChunk) if fields.get(f.name) is not None]
+    key = (spec, n, d, tuple(id(t) for t in tensors), tuple(t._version for t in tensors))
+    anchor = fields["codes"]
+    entry = _PREPARED.get(id(anchor))
+    if entry is None or entry[0]() is not anchor:
+        ident = id(anchor)
+        entry = _PREPARED[ident] = (weakref.ref(anchor, lambda _: _PREPARED.pop(ident, None)), {})
+    hit = entry[1].get(chunks)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    capacity = fields["lowrank_a"].shape[2] // n
+    B, H = anchor.shape[:2]
+    widths = fields.get("channel_bits")
+    parts = {f.name: fields[f.name][:, :, : chunks * (fields[f.name].shape[2] // capacity)]
+             for f in dataclasses.fields(CompressedChunk) if f.name != "channel_bits"}
+    parts["channel_bits"] = widths[:, :, :chunks] if widths is not None and widths.shape[2] else \
+        torch.zeros(B, H, 0, d, dtype=torch.uint8)
+    run = prepare(CompressedChunk(**parts), spec, n, d, chunks)
+    entry[1][chunks] = (key, run)
+    return run
 
 
 def _stored(t: torch.Tensor, whole: bool = True) -> np.ndarray:
