@@ -49,13 +49,29 @@ def test_kernels_compile_all_configurations():
 
 
 def test_sass_report_counts_the_main_loop():
-    """`--sass-report`: compiles the decode kernel for sm_90 at Llama-3-8B shapes and ends with the figure line;
-    the step has no fenced atomics and no spills (the per-token figure itself is reported, not asserted)."""
+    """`--sass-report --breakdown`: compiles the decode kernel for sm_90 at Llama-3-8B shapes and ends with the
+    figure line; the step has no fenced atomics and no spills (the per-token figure itself is reported, not
+    asserted); every instruction of each main loop is attributed to a kernel function through the line table; and
+    compiling without any one of GEAR's terms (both outlier terms, both low-rank terms) shortens gear2's loop."""
     import re
 
-    out = _run("--sass-report").stdout
+    out = _run("--sass-report", "--breakdown").stdout
     last = out.strip().splitlines()[-1]
     assert re.fullmatch(r"instructions/token/kv-head: \d+", last), last
     for bits in (2, 4):
         line = next(x for x in out.splitlines() if x.startswith(f"gear{bits}: main loop"))
         assert "spill ops 0," in line and "fenced atomics 0 " in line and "stack 0B" in line, line
+    breakdowns = [x for x in out.splitlines() if "main loop by source" in x]
+    assert len(breakdowns) == 6, out
+    for line in breakdowns:
+        total, parts = re.search(r"\((\d+) instructions\): (.*)$", line).groups()
+        counts = {name: int(n) for name, n in (part.rsplit(" ", 1) for part in parts.split(", "))}
+        assert sum(counts.values()) == int(total), line
+        assert "?" not in counts and "_softmax_step" in counts and "_per_channel_tile" in counts, line
+    gear2 = breakdowns[-1]  # the cases print in order, gear2 last: its low-rank and both outlier terms are there
+    assert all(name in gear2 for name in ("_value_tile", "_key_outlier_scores", "_lowrank_a", "_lowrank_bt")), gear2
+    terms = [x for x in out.splitlines() if "each term costs" in x][-1]
+    saved = {name: int(n) for name, n in (part.rsplit(" ", 1) for part in terms.split(": ", 1)[1].split(", "))}
+    assert set(saved) == {"value outliers", "key outliers", "key low-rank", "value low-rank", "all four"}, terms
+    assert all(n > 0 for n in saved.values()) and saved["all four"] > max(
+        n for name, n in saved.items() if name != "all four"), terms

@@ -9,6 +9,7 @@ registers and stack (local memory) per thread from the cubin.
     python -m gear_hf.kernels.compile_check                # sm_90 (H100/H200) and sm_80 (A100)
     python -m gear_hf.kernels.compile_check --arch 90 --quick
     python -m gear_hf.kernels.compile_check --sass-report  # main decode loop, SASS per token per KV head
+    python -m gear_hf.kernels.compile_check --sass-report --breakdown  # ... and where the loop's SASS goes
 
 --sass-report compiles the main decode kernel for sm_90 at Llama-3-8B shapes (32 query heads, 8 KV heads,
 head_dim 128, bf16, q_len 1: GEAR 4, 3 and 2 bits with the paper's groups, buffer and ranks, and GearConfig() —
@@ -19,6 +20,10 @@ branch), the SASS instructions of the loop body; per token and KV head that is b
 tokens (a static count: every instruction of the body once, both sides of a branch included, an inner loop
 once). It also counts local-memory spills (LDL/STL), fenced atomics (MEMBAR / ATOM / RED) in every kernel of
 the step, and registers. The last line printed is `instructions/token/kv-head: N` for 2-bit GEAR.
+--breakdown adds, per case, the main loop's instructions attributed to the kernel's functions (`_value_tile`,
+`_rope`, ...) through the line table triton embeds (nvdisasm -g), and for every case with them what each GEAR term
+costs: the main loop compiled again without the value outliers, the key outliers, the keys' or the values'
+low-rank term, and without all four (the quantized backbone alone). What a change to the kernel should aim at.
 
 Must run without TRITON_INTERPRET=1 (it sets nothing itself; `tests/test_kernels_compile.py` runs it in a
 subprocess). Exit status 1 when a kernel fails to compile.
@@ -86,16 +91,10 @@ def _compile(kernel, args, kwargs, arch: int):
 
 
 def _resource_usage(cubin: bytes) -> str:
-    import triton
-
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    tool = str(tool) if tool.exists() else shutil.which("cuobjdump")
-    if not tool:
+    try:
+        out = _run_on_cubin(cubin, _nvidia_tool("cuobjdump"), "-res-usage")
+    except (RuntimeError, subprocess.CalledProcessError):
         return "?"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
     for line in out.splitlines():
         if "REG:" in line:
             fields = dict(x.split(":", 1) for x in line.split() if ":" in x)
@@ -107,22 +106,79 @@ def compile_launch(kernel, args, kwargs, arch: int) -> str:
     return _resource_usage(_compile(kernel, args, kwargs, arch).asm["cubin"])
 
 
+def _nvidia_tool(name: str) -> str:
+    """Path of a CUDA binary utility: the one in triton's nvidia backend, else on PATH."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+    found = str(tool) if tool.exists() else shutil.which(name)
+    if not found:
+        raise RuntimeError(f"{name} not found (neither in triton's nvidia backend nor on PATH)")
+    return found
+
+
+def _run_on_cubin(cubin: bytes, *command: str) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([*command, f.name], capture_output=True, text=True, check=True).stdout
+
+
+_INSTRUCTION = r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?);"
+
+
 def _disassemble(cubin: bytes) -> list[tuple[int, str]]:
     """[(address, instruction text)] of a cubin's SASS (cuobjdump of the triton wheel, else on PATH)."""
     import re
 
-    import triton
-
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    tool = str(tool) if tool.exists() else shutil.which("cuobjdump")
-    if not tool:
-        raise RuntimeError("cuobjdump not found (neither in triton's nvidia backend nor on PATH)")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        out = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    pattern = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?);")
+    out = _run_on_cubin(cubin, _nvidia_tool("cuobjdump"), "-sass")
+    pattern = re.compile(_INSTRUCTION)
     return [(int(m.group(1), 16), m.group(2).strip()) for m in map(pattern.match, out.splitlines()) if m]
+
+
+def sass_sources(cubin: bytes) -> dict[int, tuple[str, int]]:
+    """{address: (source file, line)} of every instruction that triton's line table (nvdisasm -g) places; for an
+    inlined function, the line inside it."""
+    import re
+
+    out = _run_on_cubin(cubin, _nvidia_tool("nvdisasm"), "-g", "-c")
+    marker, pattern = re.compile(r'//## File "([^"]+)", line (\d+)'), re.compile(_INSTRUCTION)
+    where, sources = None, {}
+    for text in out.splitlines():
+        m = marker.search(text)
+        if m:
+            where = (m.group(1), int(m.group(2)))
+        elif (m := pattern.match(text)) and where is not None:
+            sources[int(m.group(1), 16)] = where
+    return sources
+
+
+def _function_spans(path: str) -> list[tuple[int, int, str]]:
+    """(first line, last line, name) of the top-level functions of a Python source file."""
+    import ast
+
+    tree = ast.parse(Path(path).read_text())
+    return [(node.lineno, node.end_lineno, node.name) for node in tree.body if isinstance(node, ast.FunctionDef)]
+
+
+def loop_by_function(cubin: bytes, sass: list[tuple[int, str]], start: int, end: int) -> dict[str, int]:
+    """The instructions of the loop [start, end], counted per function of gear_hf.kernels.decode they come from
+    (other files: by file name; no line info: '?'), most first."""
+    from . import decode
+
+    spans = _function_spans(decode.__file__)
+    sources = sass_sources(cubin)
+    counts: dict[str, int] = {}
+    for addr, _ in sass:
+        if not start <= addr <= end:
+            continue
+        path, line = sources.get(addr, ("?", 0))
+        if Path(path).resolve() == Path(decode.__file__).resolve():
+            name = next((n for first, last, n in spans if first <= line <= last), f"decode.py:{line}")
+        else:
+            name = Path(path).name
+        counts[name] = counts.get(name, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
 def sass_loops(sass: list[tuple[int, str]]) -> list[tuple[int, int, int]]:
@@ -145,9 +201,31 @@ def _kernel_counts(sass: list[tuple[int, str]]) -> dict:
             "atomics": sum(op.split(".")[0] in ("ATOM", "ATOMG", "ATOMS", "RED", "REDG") for op in ops)}
 
 
-def sass_report(arch: int = 90) -> int:
+# GEAR's terms as the decode kernel's compile-time switches (prompt and decode chunks): removed one at a time
+_TERMS = {"value outliers": {"P_V_K2": 0, "D_V_K2": 0}, "key outliers": {"P_K_SPARSE": False, "D_K_SPARSE": False},
+          "key low-rank": {"P_K_R": 0, "D_K_R": 0}, "value low-rank": {"P_V_R": 0, "D_V_R": 0}}
+
+
+def _main_loop(kernel, args, kwargs, arch: int) -> int:
+    """SASS instructions of the largest loop of a compiled launch."""
+    sass = _disassemble(_compile(kernel, args, kwargs, arch).asm["cubin"])
+    return max((n for _, _, n in sass_loops(sass)), default=0)
+
+
+def _term_costs(kernel, args, kwargs, arch: int, main: int) -> str:
+    """'term -N, ...': main-loop instructions saved by compiling without each GEAR term the launch has."""
+    present = {name: off for name, off in _TERMS.items() if any(kwargs.get(k) for k in off)}
+    if not present:
+        return ""
+    present["all four"] = {k: v for off in present.values() for k, v in off.items()}
+    return ", ".join(f"{name} {main - _main_loop(kernel, args, {**kwargs, **off}, arch)}"
+                     for name, off in present.items())
+
+
+def sass_report(arch: int = 90, breakdown: bool = False) -> int:
     """Print the main-loop SASS figures of the decode kernel at Llama-3-8B shapes; the last line is
-    `instructions/token/kv-head: N` for 2-bit GEAR. Returns the exit status."""
+    `instructions/token/kv-head: N` for 2-bit GEAR. breakdown: also the main loop's instructions per source
+    function and per GEAR term. Returns the exit status."""
     from ..config import GearConfig
     from .decode import cache_decode_attention
     from .reference import build_cache
@@ -186,6 +264,14 @@ def sass_report(arch: int = 90) -> int:
                       f"KV head ({warps} warps, {block}-token blocks)")
             main = loops[0][2] * warps / block if loops else float("nan")
             main_usage = usage
+            if breakdown and loops:
+                start, end, n = loops[0]
+                parts = ", ".join(f"{name} {count}" for name, count in
+                                  loop_by_function(compiled.asm["cubin"], sass, start, end).items())
+                print(f"    main loop by source ({n} instructions): {parts}")
+                terms = _term_costs(kernel, kargs, kwargs, arch, n)
+                if terms:
+                    print(f"    main loop instructions each term costs (compiled without it): {terms}")
         print(f"{label}: main loop {main:.0f} instructions/token/kv-head, {main_usage}, spill ops "
               f"{totals['spill_ops']}, fenced atomics {totals['fences']} (atomics {totals['atomics']}) in the step's "
               f"{len(plan)} launches")
@@ -245,12 +331,17 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="one decode and two quantize configurations")
     parser.add_argument("--sass-report", action="store_true",
                         help="main decode loop SASS count at Llama-3-8B shapes (sm_90 unless --arch says otherwise)")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="with --sass-report: the main loop's instructions per kernel function (nvdisasm -g) "
+                             "and per GEAR term")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("compile_check: unset TRITON_INTERPRET (the interpreter replaces the compiler)", file=sys.stderr)
         return 2
+    if args.breakdown and not args.sass_report:
+        parser.error("--breakdown goes with --sass-report")
     if args.sass_report:
-        return sass_report(args.arch[0] if args.arch != [90, 80] else 90)
+        return sass_report(args.arch[0] if args.arch != [90, 80] else 90, breakdown=args.breakdown)
     failures = 0
     seen = set()
     for label, kernel, kargs, kwargs in planned_launches(args.quick):
