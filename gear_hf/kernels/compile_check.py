@@ -213,7 +213,7 @@ def _main_loop(kernel, args, kwargs, arch: int) -> int:
 
 
 def _term_costs(kernel, args, kwargs, arch: int, main: int) -> str:
-    """'term -N, ...': main-loop instructions saved by compiling without each GEAR term the launch has."""
+    """'term N, ...': the main-loop instructions saved by compiling without each GEAR term the launch has."""
     present = {name: off for name, off in _TERMS.items() if any(kwargs.get(k) for k in off)}
     if not present:
         return ""
