@@ -265,6 +265,8 @@ STORAGE = [
                      dtype=torch.bfloat16)),
     ("gear-l", 4, dict(key_bits=3.125, key_bit_allocation="query", factor_bits=8, d=128, window=37,
                        dtype=torch.float16)),
+    # widths of 6 to 8 bits: planes 4-7 (the kernel transposes the planes as two 32-bit halves)
+    ("kivi", 4, dict(key_bits=6.5, key_bit_allocation="query", sink=4)),
 ]
 
 

@@ -188,18 +188,27 @@ def _plane_codes(codes_b, s_codes, widths_b, slot0, slot_end, ch0, BN: tl.conste
     units = slot0 // 8 + tl.arange(0, BN // 8)
     row = codes_b + units[:, None] * s_codes + offset[None, :]
     live = (units * 8 < slot_end)[:, None]
-    word = tl.zeros([BN // 8, C], tl.int64)  # byte j = plane j (absent planes: 0)
-    for j in tl.static_range(8):
-        word |= tl.load(row + j, mask=live & (j < widths)[None, :], other=0).to(tl.int64) << (8 * j)
-    # the 8x8 bit matrix transposed (quant._transpose_bits8): byte t = token t's code
-    t = (word ^ (word >> 7)) & 0x00AA00AA00AA00AA
-    word = word ^ t ^ (t << 7)
-    t = (word ^ (word >> 14)) & 0x0000CCCC0000CCCC
-    word = word ^ t ^ (t << 14)
-    t = (word ^ (word >> 28)) & 0x00000000F0F0F0F0
-    word = word ^ t ^ (t << 28)
-    code = _join8(word & 255, (word >> 8) & 255, (word >> 16) & 255, (word >> 24) & 255, (word >> 32) & 255,
-                  (word >> 40) & 255, (word >> 48) & 255, (word >> 56) & 255).to(tl.int32)  # [BN/8, C, 8]
+    # the 8 planes as two 32-bit words (byte j of lo: plane j, of hi: plane 4 + j; absent planes: 0)
+    lo = tl.zeros([BN // 8, C], tl.int32)
+    hi = tl.zeros([BN // 8, C], tl.int32)
+    for j in tl.static_range(4):
+        lo |= tl.load(row + j, mask=live & (j < widths)[None, :], other=0).to(tl.int32) << (8 * j)
+        hi |= tl.load(row + 4 + j, mask=live & (4 + j < widths)[None, :], other=0).to(tl.int32) << (8 * j)
+    # the 8x8 bit matrix transposed (quant._transpose_bits8 on the 64-bit word lo | hi << 32, in 32-bit halves):
+    # then byte t of lo | hi << 32 is token t's code. The masks drop what the arithmetic right shifts bring in.
+    t = (lo ^ (lo >> 7)) & 0x00AA00AA
+    lo = lo ^ t ^ (t << 7)
+    t = (hi ^ (hi >> 7)) & 0x00AA00AA
+    hi = hi ^ t ^ (t << 7)
+    t = (lo ^ (lo >> 14)) & 0x0000CCCC
+    lo = lo ^ t ^ (t << 14)
+    t = (hi ^ (hi >> 14)) & 0x0000CCCC
+    hi = hi ^ t ^ (t << 14)
+    lo_nibbles = lo & 0x0F0F0F0F  # the 28-bit step of the 64-bit word: low nibbles of hi <-> high nibbles of lo
+    hi_nibbles = hi & 0x0F0F0F0F
+    lo, hi = lo_nibbles | (hi_nibbles << 4), (hi ^ hi_nibbles) | ((lo >> 4) & 0x0F0F0F0F)
+    code = _join8(lo & 255, (lo >> 8) & 255, (lo >> 16) & 255, (lo >> 24) & 255, hi & 255, (hi >> 8) & 255,
+                  (hi >> 16) & 255, (hi >> 24) & 255)  # [BN/8, C, 8]
     return tl.reshape(tl.permute(code, (0, 2, 1)), [BN, C])
 
 
