@@ -177,6 +177,13 @@ def _load_rows(p, mask, C: tl.constexpr):
 
 
 @triton.jit
+def _swap_bits(x, SHIFT: tl.constexpr, MASK: tl.constexpr):
+    """x with its bits under MASK swapped with the bits SHIFT places above them (a step of a bit-matrix transpose)."""
+    t = (x ^ (x >> SHIFT)) & MASK
+    return x ^ t ^ (t << SHIFT)
+
+
+@triton.jit
 def _plane_codes(codes_b, s_codes, widths_b, slot0, slot_end, ch0, BN: tl.constexpr, C: tl.constexpr):
     """Codes of per-channel widths (quant.pack_planes: per 8 tokens, channel c's bit planes at byte offset
     sum(widths[:c]), plane j holding bit j of the 8 tokens' codes) of channels [ch0, ch0 + C) (ch0: 0, or C for the
@@ -196,14 +203,8 @@ def _plane_codes(codes_b, s_codes, widths_b, slot0, slot_end, ch0, BN: tl.conste
         hi |= tl.load(row + 4 + j, mask=live & (4 + j < widths)[None, :], other=0).to(tl.int32) << (8 * j)
     # the 8x8 bit matrix transposed (quant._transpose_bits8 on the 64-bit word lo | hi << 32, in 32-bit halves):
     # then byte t of lo | hi << 32 is token t's code. The masks drop what the arithmetic right shifts bring in.
-    t = (lo ^ (lo >> 7)) & 0x00AA00AA
-    lo = lo ^ t ^ (t << 7)
-    t = (hi ^ (hi >> 7)) & 0x00AA00AA
-    hi = hi ^ t ^ (t << 7)
-    t = (lo ^ (lo >> 14)) & 0x0000CCCC
-    lo = lo ^ t ^ (t << 14)
-    t = (hi ^ (hi >> 14)) & 0x0000CCCC
-    hi = hi ^ t ^ (t << 14)
+    lo = _swap_bits(_swap_bits(lo, 7, 0x00AA00AA), 14, 0x0000CCCC)
+    hi = _swap_bits(_swap_bits(hi, 7, 0x00AA00AA), 14, 0x0000CCCC)
     lo_nibbles = lo & 0x0F0F0F0F  # the 28-bit step of the 64-bit word: low nibbles of hi <-> high nibbles of lo
     hi_nibbles = hi & 0x0F0F0F0F
     lo, hi = lo_nibbles | (hi_nibbles << 4), (hi ^ hi_nibbles) | ((lo >> 4) & 0x0F0F0F0F)
