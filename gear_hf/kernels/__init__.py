@@ -162,12 +162,9 @@ def fused_supported(config, head_dim: int, query_len: int, *, rotary_dim: int | 
                 "outliers per token only")
     if head_dim < 32 or head_dim & (head_dim - 1):
         return f"head_dim={head_dim}: the fused kernel needs a power of two >= 32"
-    if rotary_dim is not None and rotary_dim != head_dim:
-        return f"partial rotary ({rotary_dim} of {head_dim} channels rotated): the fused kernel rotates whole heads"
-    if softcap:
-        return f"attention logit soft-capping (softcap={softcap}): the fused kernel does not cap logits"
-    if query_len > MAX_FUSED_QUERY:
-        return f"{query_len} new tokens in one step (a prompt): the fused kernel is a decode kernel"
+    reason = _step_reason(head_dim, query_len, rotary_dim, softcap)
+    if reason:
+        return reason
     if config.compresses:
         from ..compress.quant import codes_per_unit
 
@@ -182,6 +179,18 @@ def fused_supported(config, head_dim: int, query_len: int, *, rotary_dim: int | 
             unit = codes_per_unit(bits, allocated)
             if group % unit and not config.coarse_groups:
                 return f"group size {group} is not a multiple of the {unit} codes of a {bits}-bit packing unit"
+    return None
+
+
+def _step_reason(head_dim: int, query_len: int, rotary_dim: int | None, softcap: float | None) -> str | None:
+    """What in the step itself keeps both fused kernels (Triton and CPU) off it, whatever the storage; None if
+    nothing does."""
+    if rotary_dim is not None and rotary_dim != head_dim:
+        return f"partial rotary ({rotary_dim} of {head_dim} channels rotated): the fused kernel rotates whole heads"
+    if softcap:
+        return f"attention logit soft-capping (softcap={softcap}): the fused kernel does not cap logits"
+    if query_len > MAX_FUSED_QUERY:
+        return f"{query_len} new tokens in one step (a prompt): the fused kernel is a decode kernel"
     return None
 
 
@@ -218,7 +227,7 @@ def use_fused(config, query, *, training: bool = False, output_attentions: bool 
     if backend not in ("triton", "numba") or training or output_attentions:
         return False
     if backend == "numba":
-        return (query.shape[-2] <= MAX_FUSED_QUERY and not softcap and rotary_dim in (None, query.shape[-1])
+        return (_step_reason(query.shape[-1], query.shape[-2], rotary_dim, softcap) is None
                 and cpu_kernels(config, query.device).attend_supported(config, query.shape[-1], query.dtype) is None)
     reason = fused_supported(config, query.shape[-1], query.shape[-2], rotary_dim=rotary_dim, softcap=softcap)
     if reason is None:
