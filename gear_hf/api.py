@@ -54,32 +54,22 @@ def _check_rope(rotary: torch.nn.Module, config: GearConfig) -> None:
             "(or use GearConfig(pre_rope=False))")
 
 
-def _check_backend(config: GearConfig) -> None:
-    """A forced Triton or numba backend that cannot run here fails now, not inside the first generate."""
-    from .kernels import NUMBA_MISSING, interpreting, numba_available, resolve_backend, triton_available  # light
+def _check_backend(model, config: GearConfig) -> None:
+    """A forced backend that cannot serve this model's format here fails now, not inside the first generate."""
+    from .backends import resolve
+    from .cache.gear_cache import _model_properties
 
-    choice = resolve_backend(config, "cpu")  # on a CPU device only a forced choice says triton
-    if choice == "numba" and not numba_available():  # (auto picks numba only when it imports)
-        raise ValueError(NUMBA_MISSING)
-    if choice != "triton":
-        return
-    source = ("GearConfig.backend='triton'" if config.backend == "triton"
-              else "GEAR_HF_BACKEND=triton (GearConfig.backend='auto')")
-    if not triton_available():
-        raise ValueError(f"{source}: triton is not installed (pip install 'gear-hf[triton]'), or use "
-                         "backend='auto' / 'torch'")
-    if not torch.cuda.is_available() and not interpreting():
-        raise ValueError(f"{source} needs a CUDA device, and none is available; use backend='auto' (Triton on "
-                         "CUDA, torch otherwise) or 'torch' (TRITON_INTERPRET=1, set before gear_hf.kernels is "
-                         "imported, runs the kernels in Triton's CPU interpreter, for tests)")
+    properties = _model_properties(model)
+    if properties is not None:
+        resolve(config, *properties)
 
 
-def _check_config(rotaries: list, config: GearConfig) -> None:
+def _check_config(model, rotaries: list, config: GearConfig) -> None:
     if not isinstance(config, GearConfig):
         raise TypeError(f"config must be a gear_hf.GearConfig, got {type(config).__name__}")
     for rotary in rotaries:
         _check_rope(rotary, config)
-    _check_backend(config)
+    _check_backend(model, config)
 
 
 def _expected_length(model, args, kwargs) -> int | None:
@@ -164,7 +154,7 @@ def _gear_generate(model, *args, **kwargs):
             kwargs["generation_config"] = gen_config = copy.deepcopy(gen_config)
             gen_config.cache_implementation = gen_config.cache_config = None
         config = _config_from_cache_config(cache_config, state.config)
-        _check_config(state.rotaries, config)
+        _check_config(model, state.rotaries, config)
     if getattr(model_gen_config, "cache_implementation", None) == GEAR_CACHE_IMPLEMENTATION:
         # set on the model's own generation config, which transformers merges into every call: hide it for the call
         saved = model_gen_config.cache_implementation, model_gen_config.cache_config
@@ -210,7 +200,7 @@ def enable(model: torch.nn.Module, config: GearConfig | None = None) -> torch.nn
     config = GearConfig() if config is None else config
     state = getattr(model, "_gear_hf_state", None)
     if state is not None:
-        _check_config(state.rotaries, config)
+        _check_config(model, state.rotaries, config)
         state.config = config
         return model
 
@@ -219,7 +209,7 @@ def enable(model: torch.nn.Module, config: GearConfig | None = None) -> torch.nn
     expected = model.config.get_text_config(decoder=True).num_hidden_layers
     usable = [m for m in modules if spec.is_patchable(m)]
     rotaries = [spec.rotary_for(model, m) for m in usable]  # per layer: Gemma 3 has local and global RoPE
-    _check_config(rotaries, config)
+    _check_config(model, rotaries, config)
     if not usable:
         raise NotImplementedError(f"{type(model).__name__}: found no {spec.attention_class} module to patch")
     if len(usable) != expected:

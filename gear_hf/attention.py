@@ -19,7 +19,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .cache import GearCache
 from .hf_compat import pop_cache
-from .kernels import MAX_FUSED_QUERY, use_fused  # no triton import: kernels load lazily
+from .kernels import MAX_FUSED_QUERY  # no triton import: kernels load lazily
 from .rope import apply_rotary
 
 
@@ -60,9 +60,8 @@ def gear_attention_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
     # joins the buffer: the step sees itself exactly (the query: for keys whose bits are allocated by it)
     cache.store(module.layer_idx, key, value, position_ids, query)
     quirks = patch.attention_kwargs(module)  # e.g. sliding_window, softcap
-    if use_fused(cache.gear_config, query, training=module.training,
-                 output_attentions=bool(kwargs.get("output_attentions")),
-                 rotary_dim=2 * patch.rotary_emb.inv_freq.numel(), softcap=quirks.get("softcap")):
+    if cache.use_fused(query, training=module.training, output_attentions=bool(kwargs.get("output_attentions")),
+                       rotary_dim=2 * patch.rotary_emb.inv_freq.numel(), softcap=quirks.get("softcap")):
         rotary = patch.rotary_emb
         output = cache.fused_attention(module.layer_idx, query, scaling=module.scaling, inv_freq=rotary.inv_freq,
                                        attention_scaling=getattr(rotary, "attention_scaling", 1.0))

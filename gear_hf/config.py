@@ -13,21 +13,15 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .compress.quant import PLANE_TOKENS, codes_per_unit  # codes are packed in whole units: groups hold them
+from .backends import BACKEND_NAMES as BACKENDS
+from .compress.quant import BITS, PLANE_TOKENS, codes_per_unit  # codes are packed in whole units: groups hold them
+from .compress.spec import FACTOR_BITS
+from .compress.terms import METHOD_TERMS, registered_terms
 
-
-METHODS = ("fp16", "kivi", "kcvt", "outlier", "gear-l", "gear")
-BITS = (2, 3, 4, 8)
+METHODS = tuple(METHOD_TERMS)
 ROTATIONS = ("none", "keys", "values", "both")
-FACTOR_BITS = (16, 8)
 AXES = ("channel", "token")
 KEY_BIT_ALLOCATIONS = ("uniform", "query")
-BACKENDS = ("auto", "torch", "triton", "numba")
-
-# Which correction terms each method adds to the quantized backbone.
-_USES_QUANT = {"fp16": False, "kivi": True, "kcvt": True, "outlier": True, "gear-l": True, "gear": True}
-_USES_OUTLIERS = {"fp16": False, "kivi": False, "kcvt": False, "outlier": True, "gear-l": False, "gear": True}
-_USES_LOWRANK = {"fp16": False, "kivi": False, "kcvt": False, "outlier": False, "gear-l": True, "gear": True}
 
 
 # The paper's settings (GEAR, Kang et al. 2024): `preset` starts from these, whatever GearConfig()'s defaults.
@@ -135,6 +129,7 @@ class GearConfig:
     range_search: str = "none"
     prompt_group_size: int | None = 256
     key_bit_allocation: str = "query"
+    extra_terms: tuple[str, ...] = ()  # registered terms beyond GEAR's (gear_hf.compress.terms), both streams
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -167,6 +162,7 @@ class GearConfig:
             _fail("rotation", self.rotation, " | ".join(ROTATIONS))
         if isinstance(self.factor_bits, bool) or self.factor_bits not in FACTOR_BITS:
             _fail("factor_bits", self.factor_bits, "16 or 8")
+        self._check_extra_terms()
         if self.range_search not in ROTATIONS:
             _fail("range_search", self.range_search, " | ".join(ROTATIONS))
         if self.prompt_group_size is not None and self.coarse_groups:
@@ -194,6 +190,16 @@ class GearConfig:
             _fail("rank_prefill", self.rank_prefill, f"> 0 for method {self.method!r} (or rank_decode > 0)")
         if self.uses_outliers and self.outlier_ratio == 0:
             _fail("outlier_ratio", self.outlier_ratio, f"> 0 for method {self.method!r}")
+
+    def _check_extra_terms(self) -> None:
+        if isinstance(self.extra_terms, (list, str)):
+            object.__setattr__(self, "extra_terms", (self.extra_terms,) if isinstance(self.extra_terms, str)
+                               else tuple(self.extra_terms))
+        extra = [t.name for t in registered_terms() if not t.builtin]
+        for name in self.extra_terms:
+            if name not in extra:
+                _fail("extra_terms", self.extra_terms, f"names of registered extra terms ({extra or 'none'}; "
+                                                       "gear_hf.compress.terms.register_term)")
 
     def _check_token_groups(self) -> None:
         """Groups that run along tokens hold whole packing units, and the buffer holds whole groups."""
@@ -252,15 +258,15 @@ class GearConfig:
     # What the method computes -------------------------------------------------------------------------------
     @property
     def compresses(self) -> bool:
-        return _USES_QUANT[self.method]
+        return "backbone" in METHOD_TERMS[self.method]
 
     @property
     def uses_outliers(self) -> bool:
-        return _USES_OUTLIERS[self.method]
+        return "outliers" in METHOD_TERMS[self.method]
 
     @property
     def uses_lowrank(self) -> bool:
-        return _USES_LOWRANK[self.method]
+        return "lowrank" in METHOD_TERMS[self.method]
 
     @property
     def coarse_groups(self) -> bool:
@@ -342,7 +348,7 @@ def _token_granule(fields: dict[str, Any], key_group: int, value_group: int) -> 
     granule = 1
     for prefix, group in (("key", key_group), ("value", value_group)):
         if fields[f"{prefix}_axis"] == "channel":
-            unit = _code_unit(fields, prefix) if _USES_QUANT[fields["method"]] else 1
+            unit = _code_unit(fields, prefix) if "backbone" in METHOD_TERMS[fields["method"]] else 1
             granule = math.lcm(granule, group, unit)
     return granule
 

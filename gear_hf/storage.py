@@ -8,14 +8,11 @@ they are the same for every layer and live once in the cache (`gear_hf.cache`).
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import torch
 
-from . import kernels  # light: triton and numba are imported only when a kernel is fetched
-from .compress import ChunkSpec, CompressedChunk, compress, decompress
-from .compress.allocation import even_channel_bits
-from .rope import apply_rotary
+from .compress import ChunkSpec, CompressedChunk
+from .compress.terms import chunk_fields
 
 GROWTH = 1.5
 
@@ -77,66 +74,69 @@ class TokenStore:
             self.data = self.data.index_select(0, index)
 
 
-# Fields of a CompressedChunk, in storage order.
-FIELDS = ("codes", "channel_bits", "scale", "minimum", "sparse_values", "sparse_index", "lowrank_a", "lowrank_b",
-          "lowrank_a_scale", "lowrank_b_scale")
-COMPONENT_OF = {"codes": "codes", "channel_bits": "scales", "scale": "scales", "minimum": "scales",
-                "sparse_values": "sparse_values", "sparse_index": "sparse_indices", "lowrank_a": "lowrank",
-                "lowrank_b": "lowrank", "lowrank_a_scale": "lowrank", "lowrank_b_scale": "lowrank"}
-
-
 class ChunkStore:
     """Compressed chunks of `chunk_len` tokens, chunk c of row b at slots [c*e, (c+1)*e) of each field's dim 2,
     where e is that field's extent for one chunk (tokens/cpb for codes, groups for scales, d for lowrank_b...).
+    The fields and their extents are what the spec's terms declare (`gear_hf.compress.terms`).
 
     A row may fill a chunk only partly (the prompt chunk of a shorter row): the rest of it stays zero and
     reconstructs to zeros, which the attention mask hides.
+
+    Derived state the backends read every step (prepared runs, sorted outliers) lives in `derived`, is brought up
+    to date after each write (`Backend.prepare`), counted by `derived_nbytes`, and dies with the store. `version`
+    counts writes; `first_changed` is the first chunk slot written since the backends last prepared.
     """
 
-    def __init__(self, spec: ChunkSpec, chunk_len: int, backend: str = "auto") -> None:
+    def __init__(self, spec: ChunkSpec, chunk_len: int, plan=None) -> None:
         self.spec = spec
         self.chunk_len = chunk_len
-        self.backend = backend  # GearConfig.backend: "triton" (resolved) quantizes with the Triton kernel
+        self.plan = plan  # gear_hf.backends.BackendPlan: who compresses and reconstructs (set before a write)
         self.fields: dict[str, torch.Tensor] = {}
         self.extent: dict[str, int] = {}
+        self.component: dict[str, str] = {}
         self.capacity = 0  # chunks
         self.head_dim = 0
-        self.dtype: torch.dtype | None = None
-        self._chunk_nbytes: dict = {}  # (n, itemsize cap) -> bytes by component (accounting memo)
-        self._runs: dict[int, CompressedChunk] = {}  # chunks -> views of the first `chunks` of every field
+        self.dtype: torch.dtype | None = None  # the side dtype
+        self.version = 0
+        self.first_changed = 0
+        self.derived: dict = {}
 
-    def _allocate(self, example: CompressedChunk, batch: int, chunks: int, example_is_full: bool) -> None:
-        # The extents of a full chunk: the example's when it is one (a prompt step compresses its longest rows
-        # first), else from compressing zeros of the full length once (one cheap iteration).
-        H, d = example.lowrank_b.shape[1], example.lowrank_b.shape[2]
-        full = example
-        if not example_is_full:
-            # zeros in the side dtype: the same field dtypes as the model dtype they came from (compress.side_dtype)
-            full = self._probe(example.scale.new_zeros(1, H, self.chunk_len, d))
-        for name in FIELDS:
-            t = getattr(full, name)
-            self.extent[name] = t.shape[2]
-            self.fields[name] = t.new_zeros(batch, t.shape[1], chunks * t.shape[2], *t.shape[3:])
-        self._fields_changed()
+    def declared(self, n: int, d: int | None = None, side: torch.dtype | None = None):
+        """The fields one chunk of n tokens stores (the spec's terms' declarations)."""
+        return chunk_fields(self.spec, n, d or self.head_dim, side or self.dtype)
+
+    def _allocate(self, example: CompressedChunk, batch: int, chunks: int) -> None:
+        H, d = example.codes.shape[1], example.lowrank_b.shape[2]
+        side = example.scale.dtype
+        for f in chunk_fields(self.spec, self.chunk_len, d, side):
+            self.extent[f.name] = f.shape[0]
+            self.component[f.name] = f.component
+            self.fields[f.name] = torch.zeros(batch, H, chunks * f.shape[0], *f.shape[1:], dtype=f.dtype,
+                                              device=example.codes.device)
         self.capacity = chunks
         self.head_dim = d
-        self.dtype = example.scale.dtype  # the side dtype (compress.side_dtype): probes compress like it
+        self.dtype = side
+        self._changed(0)
 
-    def _fields_changed(self) -> None:
-        """Forget the run views: the fields were replaced. (The CPU kernels' prepared runs follow the tensors
-        themselves: `cpu.prepared`.)"""
-        self._runs.clear()
+    def _changed(self, first_chunk: int) -> None:
+        """The fields changed from chunk slot `first_chunk` on (or were replaced): the backends' derived state
+        follows (`Backend.prepare`)."""
+        self.version += 1
+        self.first_changed = min(self.first_changed, first_chunk)
+        for backend in self.plan.accelerators if self.plan is not None else ():
+            backend.prepare(self)
+        self.first_changed = self.capacity  # (nothing pending)
 
-    def reserve(self, example: CompressedChunk, batch: int, chunks: int, example_is_full: bool = False) -> None:
-        """Room for `chunks` chunks per row; example: a compressed chunk (example_is_full: of chunk_len tokens)."""
+    def reserve(self, example: CompressedChunk, batch: int, chunks: int) -> None:
+        """Room for `chunks` chunks per row; example: a compressed chunk (for shapes and dtypes)."""
         if not self.fields:
-            self._allocate(example, batch, chunks, example_is_full)
+            self._allocate(example, batch, chunks)
         elif chunks > self.capacity:
             new_capacity = grown_capacity(self.capacity, chunks)
             for name, t in self.fields.items():
                 self.fields[name] = _grown(t, new_capacity * self.extent[name])
-            self.capacity = new_capacity
-            self._fields_changed()
+            old, self.capacity = self.capacity, new_capacity
+            self._changed(old)  # (the chunks held moved, unchanged: derived state of them stays valid)
 
     def compress_rows(self, x: torch.Tensor, rows: list[int], chunks: list[int], batch: int,
                       reserve_chunks: int, channel_bits: torch.Tensor | None = None) -> None:
@@ -144,17 +144,15 @@ class ChunkStore:
         `chunks[j]` of row `rows[j]`. Chunks of one length compress exactly as each would alone (every statistic
         is per batch row), so batching changes no bit; callers group jobs by length. channel_bits [J,H,d]: the
         jobs' key widths (an allocated spec)."""
-        backbone, factors = self._cpu_steps(x)
-        compressed = compress(x, self.spec, quantize_pack=self._quantize_pack(x), channel_bits=channel_bits,
-                              backbone=backbone, factors=factors)
+        compressed = self.plan.compress.compress(self.spec, x, channel_bits)
         full = x.shape[2] == self.chunk_len
         capacity = max(max(chunks) + 1, reserve_chunks)
         if not self.fields and full and capacity == 1 and rows == list(range(batch)):
             self._adopt(compressed)  # the whole store, as compressed (a prompt chunk of every row at once)
             return
-        self.reserve(compressed, batch, capacity, example_is_full=full)
+        self.reserve(compressed, batch, capacity)
         row_index = torch.tensor(rows, device=x.device)
-        for name in FIELDS:
+        for name in self.fields:
             src = getattr(compressed, name)  # [J, H, e, ...]: a short chunk may fill less (extent, rank)
             e = self.extent[name]
             if full and src.shape[2] == e:  # one indexed copy for every job: field as [B, H, chunks, e, ...]
@@ -164,20 +162,23 @@ class ChunkStore:
             for j, (row, chunk) in enumerate(zip(rows, chunks)):
                 target = self.fields[name][row, :, chunk * e : chunk * e + src.shape[2]]
                 target[tuple(slice(0, n) for n in src.shape[1:])] = src[j]
+        self._changed(min(chunks))
 
     def _adopt(self, chunk: CompressedChunk) -> None:
         """Take a compressed chunk of every row as the store's one chunk: its tensors become the fields (those
         that own their memory exactly; others are copied), with no zero-filled allocation and no copy."""
-        for name in FIELDS:
-            t = getattr(chunk, name)
+        d, side = chunk.lowrank_b.shape[2], chunk.scale.dtype
+        for f in chunk_fields(self.spec, self.chunk_len, d, side):
+            t = getattr(chunk, f.name)
             owns = t.is_contiguous() and t.storage_offset() == 0 \
                 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
-            self.fields[name] = t if owns else t.clone(memory_format=torch.contiguous_format)
-            self.extent[name] = t.shape[2]
-        self._fields_changed()
+            self.fields[f.name] = t if owns else t.clone(memory_format=torch.contiguous_format)
+            self.extent[f.name] = t.shape[2]
+            self.component[f.name] = f.component
         self.capacity = 1
-        self.head_dim = chunk.lowrank_b.shape[2]
-        self.dtype = chunk.scale.dtype
+        self.head_dim = d
+        self.dtype = side
+        self._changed(0)
 
     def discard_leading(self, count: int, live: int) -> None:
         """Drop the first `count` chunks of every row, moving the next `live` ones to the front (a sliding
@@ -187,46 +188,20 @@ class ChunkStore:
         for name, t in self.fields.items():
             e = self.extent[name]
             t[:, :, : live * e] = t[:, :, count * e : (count + live) * e].clone()
+        self._changed(0)
 
     def chunk_nbytes(self, n: int, itemsize_cap: int | None = None) -> dict[str, int]:
-        """Bytes, by component, that one row's chunk of n tokens occupies (for accounting; memoised per n).
+        """Bytes, by component, that one row's chunk of n tokens occupies (for accounting, from the declarations).
         itemsize_cap: count floating fields at most this many bytes per element (the 16-bit view)."""
-        key = (n, itemsize_cap)
-        memo = self._chunk_nbytes
-        if key not in memo:
-            H, d = self.fields["lowrank_b"].shape[1], self.head_dim
-            probe = self._probe(torch.zeros(1, H, n, d, dtype=self.dtype, device=self.fields["codes"].device))
-            out: dict[str, int] = {}
-            for name in FIELDS:
-                t = getattr(probe, name)
-                size = t.element_size()
-                if itemsize_cap and t.is_floating_point():
-                    size = min(size, itemsize_cap)
-                out[COMPONENT_OF[name]] = out.get(COMPONENT_OF[name], 0) + t.numel() * size
-            memo[key] = out
-        return memo[key]
+        H = self.fields["codes"].shape[1]
+        out: dict[str, int] = {}
+        for f in self.declared(n):
+            out[f.component] = out.get(f.component, 0) + H * f.nbytes(itemsize_cap)
+        return out
 
-    def _probe(self, zeros: torch.Tensor) -> CompressedChunk:
-        """Zeros [1,H,n,d] compressed (one cheap iteration): the shapes and dtypes a chunk of n tokens stores."""
-        _, H, _, d = zeros.shape
-        bits = even_channel_bits(1, H, d, self.spec.bits, zeros.device) if self.spec.allocated else None
-        return compress(zeros, replace(self.spec, power_iters=1), channel_bits=bits)
-
-    def _quantize_pack(self, x: torch.Tensor):
-        """The Triton quantize+pack kernel when the backend resolves to triton for x's device, else None."""
-        if kernels.resolve_backend(kernels.Backend(self.backend), x.device) != "triton":
-            return None
-        if not kernels.quantize_pack_supports(self.spec, x.shape[2], x.shape[3]):
-            return None  # e.g. a group the packing kernel cannot split into bytes: the torch engine handles it
-        return kernels.quantize_pack
-
-    def _cpu_steps(self, x: torch.Tensor):
-        """(backbone, factors) for `compress`: the numba kernels when the backend resolves to numba for x's device
-        and they cover the spec, else (None, None)."""
-        cpu = kernels.cpu_kernels(kernels.Backend(self.backend), x.device)
-        if cpu is None or not cpu.compress_supported(self.spec, x):
-            return None, None
-        return cpu.compress_backbone, cpu.fit_factors
+    def run(self, chunks: int) -> CompressedChunk:
+        """Views of the first `chunks` chunks of every field (what a read decompresses)."""
+        return CompressedChunk({name: t[:, :, : chunks * self.extent[name]] for name, t in self.fields.items()})
 
     def reconstruct(self, chunks: int, out_dtype: torch.dtype, out: torch.Tensor | None = None,
                     rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -238,30 +213,21 @@ class ChunkStore:
         into before rotating (else a temporary)."""
         if chunks == 0 or not self.fields:
             return torch.empty(0)
-        run = self._runs.get(chunks)
-        if run is None:  # views, kept while the fields are the same tensors (every decode step reads them)
-            run = self._runs[chunks] = CompressedChunk(**{name: t[:, :, : chunks * self.extent[name]]
-                                                          for name, t in self.fields.items()})
-        cpu = kernels.cpu_kernels(kernels.Backend(self.backend), run.codes.device)
-        if cpu is not None:
-            if out is None and out_dtype in (torch.float32, torch.bfloat16):
-                B, H = run.codes.shape[:2]
-                out = torch.empty(B, H, chunks * self.chunk_len, self.head_dim, dtype=out_dtype)
-            if cpu.decompress_supported(self.spec, self.head_dim, out, rotary):
-                prepared = cpu.prepared(self.fields, self.spec, self.chunk_len, self.head_dim, chunks)
-                return cpu.decompress_run(prepared, out, rotary)
-        if rotary is None:
-            return decompress(run, self.spec, self.chunk_len, self.head_dim, out_dtype, chunks=chunks, out=out)
-        x = decompress(run, self.spec, self.chunk_len, self.head_dim, out_dtype, chunks=chunks, out=scratch)
-        return apply_rotary(x, *rotary, out=out)
+        return self.plan.reconstruct.reconstruct(self, chunks, out_dtype, out, rotary, scratch)
 
     def nbytes_by_component(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for name, t in self.fields.items():
-            out[COMPONENT_OF[name]] = out.get(COMPONENT_OF[name], 0) + t.numel() * t.element_size()
+            out[self.component[name]] = out.get(self.component[name], 0) + t.numel() * t.element_size()
         return out
+
+    def derived_nbytes(self) -> int:
+        """Bytes the backends' derived state of this store owns (beyond views of the fields)."""
+        backends = self.plan.accelerators if self.plan is not None else ()
+        return sum(getattr(b, "derived_nbytes", lambda store: 0)(self) for b in backends)
 
     def select_rows(self, index: torch.Tensor) -> None:
         for name, t in self.fields.items():
             self.fields[name] = t.index_select(0, index)
-        self._fields_changed()
+        self.derived.clear()  # (rows moved: derived again from the start)
+        self._changed(0)

@@ -34,9 +34,12 @@ QUICK_METHODS = ("dynamic", "hf-quanto-int2", "fp16", "kivi-2", "gear-2")
 
 def _cpu_reads() -> str:
     from gear_hf import GearConfig
-    from gear_hf.kernels import resolve_backend
+    import torch
 
-    backend = resolve_backend(GearConfig(), "cpu")
+    from gear_hf.backends import resolve
+
+    backend = resolve(GearConfig(), 64, torch.float32, "cpu").attend
+    backend = "torch" if backend is None else backend.name
     return ("numba CPU kernels (backend 'numba'): decode steps by the fused CPU attention, the prompt step by the "
             "reference path" if backend == "numba" else f"{backend} backend: the reference path")
 

@@ -81,7 +81,7 @@ def _disable_gear_left_enabled():
 @pytest.fixture
 def reference_path(monkeypatch):
     """Every step of gear_hf's attention takes the reference path (reconstruct, rotate, the model's attention)."""
-    monkeypatch.setattr("gear_hf.attention.use_fused", lambda *args, **kwargs: False)
+    monkeypatch.setattr("gear_hf.cache.GearCache.use_fused", lambda *args, **kwargs: False)
 
 
 @pytest.fixture(scope="session")

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
 def tensors_reachable(obj, seen=None):
-    """Independent count: every tensor reachable from the cache's attributes (storage-deduplicated)."""
+    """Independent count: every tensor reachable from the cache's attributes (storage-deduplicated), and every numpy
+    array the kernels keep that is not a view of one of those storages (prepared copies)."""
     seen = {} if seen is None else seen
+    arrays = {}
     stack, visited = [obj], set()
     while stack:
         o = stack.pop()
@@ -16,10 +19,15 @@ def tensors_reachable(obj, seen=None):
         visited.add(id(o))
         if isinstance(o, torch.Tensor):
             seen[o.untyped_storage().data_ptr()] = o.untyped_storage().nbytes()
+        elif isinstance(o, np.ndarray):
+            if o.nbytes:
+                arrays[o.__array_interface__["data"][0]] = o.nbytes
         elif isinstance(o, dict):
             stack.extend(o.values())
         elif isinstance(o, (list, tuple)):
             stack.extend(o)
         elif hasattr(o, "__dict__") and not isinstance(o, type) and type(o).__module__.startswith("gear_hf"):
             stack.extend(vars(o).values())
-    return sum(seen.values())
+    spans = [(start, start + n) for start, n in seen.items()]
+    owned = sum(n for at, n in arrays.items() if not any(lo <= at < hi for lo, hi in spans))
+    return sum(seen.values()) + owned

@@ -321,7 +321,7 @@ def test_range_search_keeps_the_stored_format_and_lowers_the_error(axis):
     plain_spec = ChunkSpec(2, axis, 32, 0.02, 2, rotate=True)
     search_spec = ChunkSpec(2, axis, 32, 0.02, 2, rotate=True, range_search=True)
     plain, searched = compress(x, plain_spec), compress(x, search_spec)
-    for name in vars(plain):
+    for name in plain.fields:
         a, b = getattr(plain, name), getattr(searched, name)
         assert a.shape == b.shape and a.dtype == b.dtype, name
     def err(chunk, spec):
@@ -334,7 +334,7 @@ def test_range_search_keeps_the_stored_format_and_lowers_the_error(axis):
 def test_exact_outliers_searching_only_the_misses_changes_nothing(model_dtype):
     """On the CPU only the entries whose first pair (quantized code, nearest S) misses are searched further: the
     same codes and S as searching every entry (the way other devices take)."""
-    from gear_hf.compress import gear
+    from gear_hf.compress.terms import sparse as gear
 
     g = torch.Generator().manual_seed(7)
     target = (torch.randn(4000, generator=g) * 3).to(model_dtype).float()

@@ -16,9 +16,10 @@ import torch
 
 numba = pytest.importorskip("numba")
 
-from gear_hf.compress import ChunkSpec, compress  # noqa: E402
+from gear_hf.compress import ChunkSpec, CompressedChunk, compress  # noqa: E402
 from gear_hf.compress.gear import compute_backbone, fit_factors  # noqa: E402
-from gear_hf.kernels import Backend, all_finite, cpu  # noqa: E402
+from gear_hf.backends import get_backend, plan_of  # noqa: E402
+from gear_hf.kernels import cpu  # noqa: E402
 from gear_hf.kernels.cpu import compress_backbone, compress_supported  # noqa: E402
 from gear_hf.storage import ChunkStore  # noqa: E402
 
@@ -40,15 +41,19 @@ def _inputs(kind: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _assert_same(expected, got):
-    for field in dataclasses.fields(expected):
-        a, b = getattr(expected, field.name), getattr(got, field.name)
+    """Every field of a Backbone (a dataclass) or a CompressedChunk (named fields) the same."""
+    names = list(expected.fields) if isinstance(expected, CompressedChunk) else \
+        [f.name for f in dataclasses.fields(expected)]
+    assert names == (list(got.fields) if isinstance(got, CompressedChunk) else names)
+    for name in names:
+        a, b = getattr(expected, name), getattr(got, name)
         if a is None:
-            assert b is None, field.name
+            assert b is None, name
             continue
-        assert a.shape == b.shape and a.dtype == b.dtype, (field.name, a.shape, b.shape, a.dtype, b.dtype)
+        assert a.shape == b.shape and a.dtype == b.dtype, (name, a.shape, b.shape, a.dtype, b.dtype)
         # values, not bits: a group of signed zeros may store its minimum as -0.0 or +0.0 (torch's amin picks
         # either), which decodes to the same values
-        assert torch.equal(a, b), (field.name, (a != b).sum().item())
+        assert torch.equal(a, b), (name, (a != b).sum().item())
 
 
 CASES = [
@@ -124,19 +129,19 @@ def test_compress_supported_declines():
 def test_all_finite(dtype):
     buffer = torch.randn(2, 3, 40, 64).to(dtype)
     x = buffer[:, :, 5:30]
-    assert bool(all_finite(Backend("numba"), x)) and bool(all_finite(Backend("torch"), x))
+    assert bool(get_backend("numba").all_finite(x)) and bool(get_backend("torch").all_finite(x))
     for bad in (float("inf"), float("-inf"), float("nan")):
         y = buffer.clone()
         y[1, 2, 29, 63] = bad
-        assert not bool(all_finite(Backend("numba"), y[:, :, 5:30]))
-        assert bool(all_finite(Backend("numba"), y[:, :, 5:29]))  # outside the slice: not looked at
+        assert not bool(get_backend("numba").all_finite(y[:, :, 5:30]))
+        assert bool(get_backend("numba").all_finite(y[:, :, 5:29]))  # outside the slice: not looked at
 
 
 def test_prompt_store_adopts_the_compressed_chunk():
     """A prompt chunk of every row at once becomes the store as it is: the same fields as copying it in."""
     spec = ChunkSpec(2, "token", 64, 0.02, 2, factor_bits=8)
     x = torch.randn(2, 3, 64, 64, dtype=torch.bfloat16)
-    adopted, copied = ChunkStore(spec, 64, "numba"), ChunkStore(spec, 64, "numba")
+    adopted, copied = ChunkStore(spec, 64, plan_of("numba")), ChunkStore(spec, 64, plan_of("numba"))
     adopted.compress_rows(x, [0, 1], [0, 0], batch=2, reserve_chunks=1)
     copied.compress_rows(x[:1], [0], [0], batch=2, reserve_chunks=1)
     copied.compress_rows(x[1:], [1], [0], batch=2, reserve_chunks=1)
@@ -183,13 +188,13 @@ def test_fit_factors_of_zeros_and_a_fp16_side_dtype():
 def test_reads_see_fields_written_in_place():
     """The store's prepared kernel arrays (side fields cast once) follow in-place writes to its fields."""
     spec = ChunkSpec(2, "channel", 16, 0.05, 2, factor_bits=8)
-    store = ChunkStore(spec, 64, "numba")
+    store = ChunkStore(spec, 64, plan_of("numba"))
     store.compress_rows(torch.randn(1, 2, 64, 64), [0], [0], batch=1, reserve_chunks=1)
     before = store.reconstruct(1, torch.float32, torch.empty(1, 2, 64, 64)).clone()
     store.fields["sparse_values"].zero_()
     store.fields["minimum"].add_(1)
     after = store.reconstruct(1, torch.float32, torch.empty(1, 2, 64, 64))
-    expected = ChunkStore(spec, 64, "torch")
+    expected = ChunkStore(spec, 64, plan_of("torch"))
     expected.fields, expected.extent, expected.capacity = store.fields, store.extent, 1
     expected.head_dim, expected.dtype = 64, store.dtype
     torch.testing.assert_close(after, expected.reconstruct(1, torch.float32), rtol=0, atol=1e-5)

@@ -8,7 +8,7 @@ End to end, generation with backend="numba" must give the same tokens and logits
 
 from __future__ import annotations
 
-import dataclasses
+import dataclasses  # noqa: F401
 import itertools
 
 import numpy as np
@@ -19,8 +19,10 @@ numba = pytest.importorskip("numba")
 
 import gear_hf  # noqa: E402
 from gear_hf.compress import ChunkSpec, CompressedChunk, compress, decompress  # noqa: E402
+from gear_hf.compress.terms import BUILTIN_FIELDS  # noqa: E402
 from gear_hf.config import GearConfig  # noqa: E402
-from gear_hf.kernels import cpu, cpu_kernels, resolve_backend  # noqa: E402
+from gear_hf.backends import resolve  # noqa: E402
+from gear_hf.kernels import cpu  # noqa: E402
 from gear_hf.rope import RotaryMemo, apply_rotary  # noqa: E402
 from reference_match import assert_matches_oracle  # noqa: E402
 
@@ -28,8 +30,8 @@ from reference_match import assert_matches_oracle  # noqa: E402
 def _run(x: torch.Tensor, spec: ChunkSpec, n: int) -> CompressedChunk:
     """Chunks of n tokens of x compressed one by one and laid one after the other, as `ChunkStore` keeps them."""
     chunks = [compress(x[:, :, i : i + n], spec) for i in range(0, x.shape[2], n)]
-    return CompressedChunk(**{f.name: torch.cat([getattr(c, f.name) for c in chunks], dim=2)
-                              for f in dataclasses.fields(CompressedChunk)})
+    return CompressedChunk(**{f: torch.cat([getattr(c, f) for c in chunks], dim=2)
+                              for f in BUILTIN_FIELDS})
 
 
 SPECS = [
@@ -105,8 +107,8 @@ def test_decompress_into_reads_widths_per_channel(rank):
         widths = torch.tensor([1, 2, 3, 4, 5, 8, 2, 1] * (d // 8), dtype=torch.uint8)  # shuffled per (row, head)
         widths = torch.stack([widths[torch.randperm(d)] for _ in range(B * H)]).view(B, H, d)
         parts.append(compress(x[:, :, i * n : (i + 1) * n], spec, channel_bits=widths))
-    run = CompressedChunk(**{f.name: torch.cat([getattr(c, f.name) for c in parts], dim=2)
-                             for f in dataclasses.fields(CompressedChunk)})
+    run = CompressedChunk(**{f: torch.cat([getattr(c, f) for c in parts], dim=2)
+                             for f in BUILTIN_FIELDS})
     expected = decompress(run, spec, n, d, torch.float32, chunks=chunks)
     out = torch.empty(B, H, n * chunks + 5, d)[:, :, 5:]
     assert cpu.decompress_supported(spec, d, out)
@@ -146,7 +148,7 @@ def test_decompress_of_store_views_and_bf16_side():
     spec = ChunkSpec(2, "channel", 16, 0.02, 2, factor_bits=8)
     x = torch.randn(2, 3, 64, 64)
     run = _run(x, spec, 16)
-    fields = {f.name: getattr(run, f.name) for f in dataclasses.fields(CompressedChunk)}
+    fields = {f: getattr(run, f) for f in BUILTIN_FIELDS}
     wide = CompressedChunk(**{name: torch.cat([t, t], dim=2)[:, :, : t.shape[2]] for name, t in fields.items()})
     assert not wide.codes.is_contiguous() and run.scale.dtype == torch.bfloat16
     out = torch.empty(2, 3, 64, 64)
@@ -161,7 +163,7 @@ def test_prepared_runs_read_the_storage_in_place(axis):
     torch.manual_seed(2)
     spec = ChunkSpec(2, axis, 16, 0.05, 2, factor_bits=8)
     run = _run(torch.randn(2, 3, 64, 64), spec, 16)
-    fields = {f.name: getattr(run, f.name) for f in dataclasses.fields(CompressedChunk)}
+    fields = {f: getattr(run, f) for f in BUILTIN_FIELDS}
     stores = {name: torch.cat([t, t], dim=2) for name, t in fields.items()}  # capacity beyond the live chunks
     live = CompressedChunk(**{name: t[:, :, : fields[name].shape[2]] for name, t in stores.items()})
     prepared = cpu.prepare(live, spec, 16, 64, 4)
@@ -234,14 +236,23 @@ def test_rows_views():
 
 def test_backend_choice(monkeypatch):
     monkeypatch.delenv("GEAR_HF_BACKEND", raising=False)
-    assert resolve_backend(GearConfig(), torch.device("cpu")) == "numba"  # numba is installed here
-    assert cpu_kernels(GearConfig(), torch.device("cpu")) is cpu
-    assert cpu_kernels(GearConfig(backend="torch"), torch.device("cpu")) is None
+    cpu_device = torch.device("cpu")
+    numba_everywhere = {"compress": "numba", "reconstruct": "numba", "attend": "numba"}
+    assert resolve(GearConfig(), 64, torch.bfloat16, cpu_device).names() == numba_everywhere  # numba installed
+    torch_only = {"compress": "torch", "reconstruct": "torch", "attend": "reference"}
+    assert resolve(GearConfig(backend="torch"), 64, torch.bfloat16, cpu_device).names() == torch_only
+    # auto per operation: range search is compressed by torch, read and attended by numba (and says why)
+    plan = resolve(GearConfig.recommended(name="compact"), 64, torch.bfloat16, cpu_device)
+    assert plan.names() == {**numba_everywhere, "compress": "torch"}
+    assert any("range_search" in reason for name, reason in plan.skipped["compress"] if name == "numba")
+    with pytest.raises(ValueError, match="'numba' cannot run here: its compress .*range_search"):
+        resolve(GearConfig.recommended(name="compact", backend="numba"), 64, torch.bfloat16, cpu_device)
     monkeypatch.setenv("GEAR_HF_BACKEND", "torch")
-    assert cpu_kernels(GearConfig(), torch.device("cpu")) is None
+    assert resolve(GearConfig(), 64, torch.bfloat16, cpu_device).names() == torch_only
     monkeypatch.setenv("GEAR_HF_BACKEND", "numba")
-    with pytest.raises(ValueError, match="'numba' runs the CPU kernels"):
-        resolve_backend(GearConfig(), torch.device("cuda"))
+    with pytest.raises(ValueError, match="'numba' cannot run here: it runs the CPU kernels and the tensors are on "
+                                         "cuda"):
+        resolve(GearConfig(), 64, torch.bfloat16, torch.device("cuda"))
 
 
 def test_rotary_memo_extends_exactly():
@@ -363,7 +374,7 @@ def test_generation_fused_cpu_attention_bf16(preset):
 
 
 def test_forced_numba_without_numba_fails_at_enable(monkeypatch):
-    monkeypatch.setattr("gear_hf.kernels.numba_available", lambda: False)
-    message = r"'numba' was forced but numba is not installed \(pip install 'gear-hf\[cpu\]'\)"
+    monkeypatch.setattr("gear_hf.backends.numba_backend.import_problem", lambda *m: "numba is not installed")
+    message = r"'numba' cannot run here: numba is not installed \(pip install 'gear-hf\[cpu\]'\)"
     with pytest.raises(ValueError, match=message):
         gear_hf.enable(_tiny_llama(), GearConfig(backend="numba"))

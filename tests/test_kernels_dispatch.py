@@ -20,7 +20,9 @@ import pytest  # noqa: E402
 
 import gear_hf  # noqa: E402
 from gear_hf.config import GearConfig  # noqa: E402
-from gear_hf.kernels import MAX_FUSED_QUERY, fused_supported, resolve_backend, use_fused  # noqa: E402
+from gear_hf.backends import resolve  # noqa: E402
+from gear_hf.cache import GearCache  # noqa: E402
+from gear_hf.kernels import MAX_FUSED_QUERY, fused_supported  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -35,46 +37,93 @@ def test_import_gear_hf_does_not_import_triton():
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=os.path.dirname(os.path.dirname(__file__)))
 
 
-def test_resolve_backend(monkeypatch):
+def _names(config, device="cpu", head_dim=64, dtype=torch.float32):
+    return resolve(config, head_dim, dtype, torch.device(device)).names()
+
+
+def test_resolve(monkeypatch):
     monkeypatch.delenv("GEAR_HF_BACKEND", raising=False)
-    monkeypatch.setattr("gear_hf.kernels.numba_available", lambda: False)
-    assert resolve_backend(GearConfig(), torch.device("cpu")) == "torch"  # (numba: tests/test_cpu_kernels.py)
-    assert resolve_backend(GearConfig(backend="torch"), torch.device("cuda")) == "torch"
-    assert resolve_backend(GearConfig(backend="triton"), torch.device("cpu")) == "triton"
+    monkeypatch.setattr("gear_hf.backends.numba_backend.import_problem", lambda *m: "numba is not installed")
+    torch_only = {"compress": "torch", "reconstruct": "torch", "attend": "reference"}
+    assert _names(GearConfig()) == torch_only  # (numba: tests/test_cpu_kernels.py)
+    assert _names(GearConfig(backend="torch"), "cuda") == torch_only
+    triton = {"compress": "triton", "reconstruct": "torch", "attend": "triton"}
+    assert _names(GearConfig(backend="triton")) == triton  # (TRITON_INTERPRET=1 here)
     monkeypatch.setenv("GEAR_HF_BACKEND", "triton")
-    assert resolve_backend(GearConfig(), torch.device("cpu")) == "triton"  # env overrides auto...
-    assert resolve_backend(GearConfig(backend="torch"), torch.device("cpu")) == "torch"  # ...not a forced choice
+    assert _names(GearConfig()) == triton  # env overrides auto...
+    assert _names(GearConfig(backend="torch")) == torch_only  # ...not a forced choice
     monkeypatch.setenv("GEAR_HF_BACKEND", "torch")
-    assert resolve_backend(GearConfig(), torch.device("cuda")) == "torch"
+    assert _names(GearConfig(), "cuda") == torch_only
     monkeypatch.setenv("GEAR_HF_BACKEND", "cuda")
     with pytest.raises(ValueError, match="GEAR_HF_BACKEND"):
-        resolve_backend(GearConfig(), torch.device("cpu"))
+        _names(GearConfig())
+
+
+def test_forced_backend_that_cannot_serve_the_format_raises(monkeypatch):
+    """A forced backend raises, naming why, when it cannot serve the format; auto passes it over and says why."""
+    monkeypatch.delenv("GEAR_HF_BACKEND", raising=False)
+    for backend in ("triton", "numba"):
+        with pytest.raises(ValueError, match=f"backend {backend!r} cannot run here: its attend .*pre_rope"):
+            _names(GearConfig(backend=backend, pre_rope=False))
+    plan = resolve(GearConfig(pre_rope=False), 64, torch.float32, torch.device("cpu"))
+    assert plan.attend is None and any("pre_rope" in reason for _, reason in plan.skipped["attend"])
+    # nothing compressed: every backend may be asked for, none has anything to do
+    assert _names(GearConfig.preset("fp16", backend="numba")) == {"compress": "torch", "reconstruct": "torch",
+                                                                   "attend": "reference"}
+
+
+def test_broken_accelerator_is_reported_not_swallowed(monkeypatch):
+    import gear_hf.backends as backends
+
+    monkeypatch.delenv("GEAR_HF_BACKEND", raising=False)
+    broken = "numba is installed but failed to import (ImportError: numpy too new)"
+    monkeypatch.setattr("gear_hf.backends.numba_backend.import_problem", lambda *m: broken)
+    monkeypatch.setattr(backends, "_WARNED", set())
+    with pytest.warns(RuntimeWarning, match="numba backend is installed but unusable.*numpy too new"):
+        plan = resolve(GearConfig(), 64, torch.float32, torch.device("cpu"))
+    assert plan.attend is None
+    with pytest.raises(ValueError, match="numpy too new"):
+        _names(GearConfig(backend="numba"))
+
+
+def _step_cache(config):
+    """A GearCache of a tiny model after a prompt step (its backends resolved)."""
+    model = _tiny("qwen2")
+    cache = GearCache(model, config)
+    k = torch.zeros(1, 2, 3, 32)
+    cache.store(0, k, k)
+    return cache
 
 
 def test_use_fused(monkeypatch):
     monkeypatch.delenv("GEAR_HF_BACKEND", raising=False)
-    q1 = torch.zeros(1, 4, 1, 64)
-    prompt = torch.zeros(1, 4, MAX_FUSED_QUERY + 1, 64)
-    assert not use_fused(GearConfig(backend="torch"), q1)
+    q1 = torch.zeros(1, 4, 1, 32)
+    prompt = torch.zeros(1, 4, MAX_FUSED_QUERY + 1, 32)
+    assert not _step_cache(GearConfig(backend="torch")).use_fused(q1)
     # auto on CPU: the numba CPU kernel, for what compresses (fp16 keeps stock attention bit for bit)
-    from gear_hf.kernels import numba_available
+    from gear_hf.backends import import_problem
 
-    assert use_fused(GearConfig(), q1) == numba_available()
-    assert not use_fused(GearConfig.preset("fp16"), q1)
-    assert not use_fused(GearConfig(), prompt)
-    assert not use_fused(GearConfig(), q1, softcap=30.0) and not use_fused(GearConfig(), q1, rotary_dim=32)
-    forced = GearConfig.preset("gear", bits=4, backend="triton")  # storage the fused kernel reads
-    assert use_fused(forced, q1)
-    assert not use_fused(forced, prompt)  # prompts keep the reference path
-    assert not use_fused(forced, q1, training=True)
-    with pytest.raises(NotImplementedError, match="pre_rope"):
-        use_fused(forced.replace(pre_rope=False), q1)
-    with pytest.raises(NotImplementedError, match="value_axis='channel' with value outliers"):
-        use_fused(forced.replace(value_axis="channel"), q1)
-    with pytest.raises(NotImplementedError, match="key_axis='token'"):
-        use_fused(forced.replace(key_axis="token"), q1)
-    assert use_fused(GearConfig.preset("gear-l", bits=4, backend="triton", value_axis="channel"), q1)
-    assert not use_fused(GearConfig(pre_rope=False), q1)  # auto: silently the torch path
+    numba_available = import_problem("numba") is None
+    auto = _step_cache(GearConfig(group_size=16, buffer_size=16, prompt_group_size=32))
+    assert auto.use_fused(q1) == numba_available
+    assert not _step_cache(GearConfig.preset("fp16")).use_fused(q1)
+    assert not auto.use_fused(prompt)
+    assert not auto.use_fused(q1, softcap=30.0) and not auto.use_fused(q1, rotary_dim=16)
+    forced = _step_cache(GearConfig.preset("gear", bits=4, group_size=16, buffer_size=16, backend="triton"))
+    assert forced.use_fused(q1)
+    assert not forced.use_fused(prompt)  # prompts keep the reference path
+    assert not forced.use_fused(q1, training=True)
+    with pytest.raises(NotImplementedError, match="partial rotary"):
+        forced.use_fused(q1, rotary_dim=16)
+    for change, message in ((dict(pre_rope=False), "pre_rope"),
+                            (dict(value_axis="channel"), "value_axis='channel' with value outliers"),
+                            (dict(key_axis="token"), "key_axis='token'")):
+        with pytest.raises(ValueError, match=message):
+            _step_cache(GearConfig.preset("gear", bits=4, group_size=16, buffer_size=16, backend="triton",
+                                          **change))
+    assert _step_cache(GearConfig.preset("gear-l", bits=4, group_size=16, buffer_size=16, backend="triton",
+                                         value_axis="channel")).use_fused(q1)
+    assert not _step_cache(GearConfig(pre_rope=False)).use_fused(q1)  # auto: the reference path
     assert fused_supported(GearConfig(), 96, 1) is not None  # head_dim not a power of two
     assert fused_supported(GearConfig(group_size=8, buffer_size=8), 64, 1) is not None  # tiles < 16 tokens
     assert fused_supported(GearConfig.preset("fp16"), 64, 1) is None

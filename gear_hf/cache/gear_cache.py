@@ -14,10 +14,12 @@ from collections import Counter
 import torch
 from transformers.cache_utils import Cache
 
-from .. import kernels  # light: triton and numba are imported only when a kernel is fetched
+from .. import backends  # light: triton and numba are imported only when a kernel runs
 from ..config import GearConfig
+from ..kernels import MAX_FUSED_QUERY
 from ..rope import RotaryMemo
 from .layer import GearLayer
+from .kernel_state import KernelState
 from .layout import RowLayout, SlotPlan
 from .memory import memory_report, summary
 from .workspace import StepWorkspace
@@ -32,6 +34,17 @@ def _sliding_windows(config) -> list[int | None]:
     if layer_types is None:
         return [window] * config.num_hidden_layers
     return [window if kind == "sliding_attention" else None for kind in layer_types]
+
+
+def _model_properties(model_or_config):
+    """(head_dim, dtype, device) of a model's KV heads when a model (with parameters) is given, else None."""
+    parameter = next(iter(model_or_config.parameters()), None) if isinstance(model_or_config, torch.nn.Module) \
+        else None
+    if parameter is None:
+        return None
+    config = _text_config(model_or_config)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return head_dim, parameter.dtype, parameter.device
 
 
 def _text_config(model_or_config):
@@ -76,6 +89,11 @@ class GearCache(Cache):
         self._slot_mask_memo: tuple | None = None  # (slot plan, model's mask, remapped mask) of the current step
         self._pending_mask: torch.Tensor | None = None
         self._finite: list[torch.Tensor] = []  # this step's "all compressed entries finite" flags
+        self.kernel_state = KernelState()  # what the fused kernels share across layers (counted by the report)
+        self.plan: backends.BackendPlan | None = None  # who compresses, reconstructs, attends: set at first store
+        properties = _model_properties(model_or_config)
+        if properties is not None:  # a forced backend that cannot serve this model says so now
+            backends.resolve(gear_config, *properties)
 
     # -- inputs from the model-level hook ------------------------------------------------------------------
     def observe_attention_mask(self, attention_mask: torch.Tensor | None) -> None:
@@ -103,10 +121,39 @@ class GearCache(Cache):
                                "must be updated once per forward step, in order")
         if key_states.shape[0] != layout.batch:
             raise ValueError(f"batch size changed from {layout.batch} to {key_states.shape[0]} in one GearCache")
+        if self.plan is None:
+            self._bind(key_states)
         layer.append(layout.plan, key_states, value_states, self.gear_config.sink_tokens, query)
-        if self.shape is None:
-            self.shape, self.model_dtype = (key_states.shape[1], key_states.shape[3]), key_states.dtype
         return layer
+
+    def _bind(self, key_states: torch.Tensor) -> None:
+        """The first tensors fix the format's head_dim and dtype, and the device: resolve the backends once."""
+        self.shape, self.model_dtype = (key_states.shape[1], key_states.shape[3]), key_states.dtype
+        self.plan = backends.resolve(self.gear_config, key_states.shape[3], key_states.dtype, key_states.device)
+        for layer in self.layers:
+            layer.bind(self.plan)
+
+    @property
+    def backend_names(self) -> dict[str, str]:
+        """Which backend runs each operation ({"compress": "numba", "reconstruct": "numba", "attend": "numba" |
+        "reference"}); empty before the first step."""
+        return {} if self.plan is None else self.plan.names()
+
+    def use_fused(self, query: torch.Tensor, *, training: bool = False, output_attentions: bool = False,
+                  rotary_dim: int | None = None, softcap: float | None = None) -> bool:
+        """Whether this step of the attention takes the fused kernel (after `store`): the plan has one, and the
+        step is one it takes. A forced backend raises on a model-level reason (partial rotary, soft-capping);
+        prompt steps always take the reference path."""
+        attend = self.plan.attend if self.plan is not None else None
+        if attend is None or training or output_attentions:
+            return False
+        reason = attend.step_reason(query.shape[-1], query.shape[-2], rotary_dim, softcap)
+        if reason is None:
+            return True
+        if self.plan.forced == attend.name and query.shape[-2] <= MAX_FUSED_QUERY:
+            raise NotImplementedError(f"GEAR backend {attend.name!r} was forced but {reason}; use backend='auto' "
+                                      "or 'torch'")
+        return False
 
     def _plan_step(self, key_states: torch.Tensor, position_ids: torch.Tensor | None) -> None:
         self._check_finite()  # a previous step whose last layer was not patched
@@ -161,7 +208,7 @@ class GearCache(Cache):
         slots = None if padded_layout else self._slot_plan(layer, attention_mask)
         # keys rotated as they are read (the CPU kernels: no pass of their own), else rotated after the read
         rotate_in_read = self.gear_config.pre_rope and type(self).read is GearCache.read \
-            and kernels.cpu_kernels(self.gear_config, key_states.device) is not None
+            and self.plan.reconstruct.rotates_in_read
         if slots is None:
             keys = self._read_rotated(layer_idx, key_states, rotary_emb) if rotate_in_read else None
             if keys is not None:
@@ -204,9 +251,10 @@ class GearCache(Cache):
         """keys [B,H,T,d] rotated into the step's workspace (HF's apply_rotary_pos_emb bit for bit)."""
         B, H, T, d = keys.shape
         workspace = self._workspace
-        return kernels.rotate(self.gear_config, keys, cos, sin, workspace.get("rotated keys", keys.shape, keys.dtype,
-                                                                              keys.device),
-                              scratch=workspace.get("rotary scratch", (B, H, T, d // 2), keys.dtype, keys.device))
+        return self.plan.reconstruct.rotate(keys, cos, sin,
+                                            workspace.get("rotated keys", keys.shape, keys.dtype, keys.device),
+                                            scratch=workspace.get("rotary scratch", (B, H, T, d // 2), keys.dtype,
+                                                                  keys.device))
 
     def _slot_plan(self, layer: GearLayer, attention_mask: torch.Tensor | None) -> SlotPlan | None:
         """The slot layout when this step of this layer can attend in it, else None (the padded layout): a
@@ -288,16 +336,12 @@ class GearCache(Cache):
         buffer (this step's own tokens included) with the fused kernel (Triton on CUDA, numba on CPU): nothing is
         written back. Keys are rotated in the kernel from the stored positions with `inv_freq`/`attention_scaling`
         (the rotary module's). Returns [B, q, Hq, d] (HF's attention-function layout)."""
-        cpu = kernels.cpu_kernels(self.gear_config, query.device)
-        if cpu is not None:
-            decode_attention = cpu.decode_attention
-        else:
-            from ..kernels.decode import decode_attention  # imports triton: only on this path
-
         layer = self.layers[layer_idx]
         keys, values, layout = self.kernel_views(layer_idx, query.shape[2], query.device)
-        return decode_attention(query, keys, values, layout, scaling=scaling, inv_freq=inv_freq,
-                                attention_scaling=attention_scaling, sliding_window=layer.sliding_window)
+        self.kernel_state.step = self.layout.steps
+        return self.plan.attend.attend(query, keys, values, layout, scaling=scaling, inv_freq=inv_freq,
+                                       attention_scaling=attention_scaling, sliding_window=layer.sliding_window,
+                                       shared=self.kernel_state)
 
     def kernel_views(self, layer_idx: int, query_len: int, device):
         """(keys StreamView, values StreamView, DecodeLayout) of a layer for the fused kernel: during a step

@@ -5,26 +5,11 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from ..compress import ChunkSpec
 from ..compress.allocation import query_pair_energy
 from ..config import GearConfig
+from ..format import layer_formats, stream_specs  # noqa: F401  (stream_specs: earlier import path)
 from .layout import RowLayout, StepPlan
 from .stream import Released, Stream
-
-
-def stream_specs(cfg: GearConfig, stream: str) -> tuple[ChunkSpec, ChunkSpec]:
-    """(prompt chunk spec, decode chunk spec) for stream "key" or "value"."""
-    bits, axis = (cfg.key_bits, cfg.key_axis) if stream == "key" else (cfg.value_bits, cfg.value_axis)
-    decode_group = cfg.key_group if stream == "key" else cfg.value_group
-    groups = (0, 0) if cfg.coarse_groups else (cfg.prompt_group(stream), decode_group)
-    ratio = cfg.outlier_ratio if cfg.uses_outliers else 0.0
-    ranks = (cfg.rank_prefill, cfg.rank_decode) if cfg.uses_lowrank else (0, 0)
-    rotate = cfg.rotation in ("both", stream + "s")
-    range_search = cfg.range_search in ("both", stream + "s")
-    allocated = stream == "key" and cfg.key_bit_allocation == "query"
-    return tuple(ChunkSpec(bits, axis, group, ratio, rank, cfg.power_iters, rotate, cfg.factor_bits,
-                           range_search, allocated)
-                 for group, rank in zip(groups, ranks))
 
 
 class GearLayer(CacheLayerMixin):
@@ -46,12 +31,17 @@ class GearLayer(CacheLayerMixin):
         self.flushed_step = 0  # layout steps completed by this layer (== steps once the step's flush ran)
         self.query_energy: torch.Tensor | None = None  # [B,Hkv,d] float64, while key widths are to be allocated
         nb = config.buffer_size
-        self.key_stream = Stream(*stream_specs(config, "key"), nb, config.backend)
-        self.value_stream = Stream(*stream_specs(config, "value"), nb, config.backend)
+        self.formats = layer_formats(config)  # (keys', values') StreamFormat
+        self.key_stream, self.value_stream = (Stream(fmt.prompt, fmt.decode, nb, fmt.stream)
+                                             for fmt in self.formats)
 
     @property
     def streams(self) -> tuple[Stream, Stream]:
         return self.key_stream, self.value_stream
+
+    def bind(self, plan) -> None:
+        for stream in self.streams:
+            stream.bind(plan)
 
     # -- a step --------------------------------------------------------------------------------------------
     def append(self, plan: StepPlan, key_states: torch.Tensor, value_states: torch.Tensor, sink_tokens: int,

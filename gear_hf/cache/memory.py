@@ -37,15 +37,27 @@ def _held_by_component(cache, cap: int | None) -> dict[str, int]:
                 for p in counts.prompt:
                     if p:
                         for name, n in stream.prefill.chunk_nbytes(p, cap).items():
-                            out[name] += n
+                            out[name] = out.get(name, 0) + n  # (an extra term may add a component)
             live = sum(max(c - layer.released.chunks, 0) for c in counts.chunks)
             if live and stream.decode.fields:
                 for name, n in stream.decode.chunk_nbytes(nb, cap).items():
-                    out[name] += live * n
+                    out[name] = out.get(name, 0) + live * n
             out["scales"] += _nbytes(stream.channel_bits)  # each row's allocated key widths (for its next chunks)
     if layout.positions is not None:
         out["positions"] = 4 * (sum(counts.held(nb)) + layout.batch * layout.rect_length)
     return out
+
+
+def derived_bytes(cache) -> int:
+    """What the kernels derived from the storage and keep (prepared runs, sorted outliers: each store's), and what
+    they share across layers (workspaces, rotary and rotation tables: the cache's `kernel_state`)."""
+    total = cache.kernel_state.nbytes()
+    for layer in cache.layers:
+        for stream in layer.streams:
+            for store in (stream.prefill, stream.decode):
+                if store is not None:
+                    total += store.derived_nbytes()
+    return total
 
 
 def allocated_bytes(cache) -> int:
@@ -81,6 +93,7 @@ def memory_report(cache) -> dict:
     held_16 = _held_by_component(cache, 2)
     held_bytes, held_bytes_16 = sum(held.values()), sum(held_16.values())
     allocated = allocated_bytes(cache)
+    derived = derived_bytes(cache)
     elements = _elements(cache)
     dtype = cache.model_dtype
     dtype_bits = torch.finfo(dtype).bits if dtype is not None else 16
@@ -90,7 +103,8 @@ def memory_report(cache) -> dict:
         **held,
         "held_bytes": held_bytes,
         "reserved_bytes": allocated - held_bytes,
-        "total_bytes": allocated,
+        "derived_bytes": derived,  # kernels' prepared state and shared workspaces
+        "total_bytes": allocated + derived,
         "held_bytes_16bit": held_bytes_16,
         "tokens": sum(cache.layout.counts.held(cache.layout.chunk_len)),
         "elements": elements,
@@ -102,6 +116,7 @@ def memory_report(cache) -> dict:
         "vs_model_dtype": held_bytes / (elements * dtype_bits / 8) if elements else 0.0,
         "vs_16bit": held_bytes_16 / (elements * 2) if elements else 0.0,
         "method": cache.gear_config.describe(),
+        "backends": cache.backend_names,
     }
 
 
@@ -111,4 +126,5 @@ def summary(report: dict) -> str:
     return (f"{report['method']}: {report['tokens']} tokens/layer, {report['bits_per_element']:.2f} bits/element "
             f"held ({report['bits_per_element_16bit']:.2f} with 16-bit floats) = "
             f"{100 * report['vs_model_dtype']:.1f}% of {report['model_dtype']} KV, "
-            f"{report['held_bytes'] / mib:.2f} MiB held + {report['reserved_bytes'] / mib:.2f} MiB reserved")
+            f"{report['held_bytes'] / mib:.2f} MiB held + {report['reserved_bytes'] / mib:.2f} MiB reserved"
+            + (f" + {report['derived_bytes'] / mib:.2f} MiB kernel state" if report.get("derived_bytes") else ""))

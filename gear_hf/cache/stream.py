@@ -8,12 +8,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from .. import kernels  # light: triton and numba are imported only when a kernel is fetched
 from ..compress import ChunkSpec
 from ..compress.allocation import allocate_channel_bits
 from ..storage import ChunkStore, TokenStore
@@ -40,17 +40,25 @@ class _Segment:
 
 
 class Stream:
-    def __init__(self, prefill_spec: ChunkSpec, decode_spec: ChunkSpec, chunk_len: int, backend: str) -> None:
+    def __init__(self, prefill_spec: ChunkSpec, decode_spec: ChunkSpec, chunk_len: int, kind: str) -> None:
+        self.kind = kind  # "key" or "value"
         self.prefill_spec, self.decode_spec = prefill_spec, decode_spec
         self.sink = TokenStore()
         self.buffer = TokenStore()
         self.prefill: ChunkStore | None = None
-        self.decode = ChunkStore(decode_spec, chunk_len, backend)
+        self.decode = ChunkStore(decode_spec, chunk_len)
         self.chunk_len = chunk_len
-        self.backend = backend
+        self.plan = None  # gear_hf.backends.BackendPlan, set by `bind` when the cache first sees its tensors
         # keys with bits allocated per channel: each row's widths [B,H,d], fixed at its first compression
         self.channel_bits: torch.Tensor | None = None
         self.allocated_rows: list[bool] = []
+
+    def bind(self, plan) -> None:
+        """Use these backends from now on (the cache's plan, resolved once for its format and device)."""
+        self.plan = plan
+        for store in (self.prefill, self.decode):
+            if store is not None:
+                store.plan = plan
 
     @property
     def allocates(self) -> bool:
@@ -84,15 +92,15 @@ class Stream:
         finite = []
         for rows, length in flush.prompt_groups:
             if self.prefill is None:
-                self.prefill = ChunkStore(self.prefill_spec, prompt_capacity, self.backend)
+                self.prefill = ChunkStore(self.prefill_spec, prompt_capacity, self.plan)
             x = data[rows[0] : rows[0] + 1, :, :length] if len(rows) == 1 else data[rows, :, :length]
-            finite.append(kernels.all_finite(kernels.Backend(self.backend), x))
+            finite.append(self.plan.compress.all_finite(x))
             bits = self._channel_bits(rows, x, self.prefill_spec, batch, query_energy)
             self.prefill.compress_rows(x, rows, [0] * len(rows), batch, 1, bits)
         if flush.decode_jobs:
             rows = [row for row, _, _ in flush.decode_jobs]
             x = torch.stack([data[row, :, start : start + self.chunk_len] for row, start, _ in flush.decode_jobs])
-            finite.append(kernels.all_finite(kernels.Backend(self.backend), x))
+            finite.append(self.plan.compress.all_finite(x))
             slots = [chunk - released_chunks for _, _, chunk in flush.decode_jobs]
             bits = self._channel_bits(rows, x, self.decode_spec, batch, query_energy)
             self.decode.compress_rows(x, rows, slots, batch, reserve_chunks, bits)
@@ -140,7 +148,7 @@ class Stream:
                     return store.data
                 if rotary is None:
                     return out.copy_(store.data[:, :, : out.shape[2]])
-                return kernels.rotate(kernels.Backend(self.backend), store.data[:, :, : out.shape[2]], *rotary, out)
+                return self.plan.reconstruct.rotate(store.data[:, :, : out.shape[2]], *rotary, out)
             return take
 
         def chunks(store: ChunkStore, count: int):
@@ -237,7 +245,7 @@ class Stream:
         def tokens(source: torch.Tensor, into: torch.Tensor, rotation):
             if rotation is None:
                 return into.copy_(source)
-            return kernels.rotate(kernels.Backend(self.backend), source, *rotation, into)
+            return self.plan.reconstruct.rotate(source, *rotation, into)
 
         at = 0
         if slots.sink:
@@ -279,15 +287,18 @@ class Stream:
         storage tensors, nothing copied. prompt: the prompt chunk is live; decode_chunks: live decode chunks."""
         from ..kernels.views import ChunkRunView, StreamView  # no triton import
 
-        def run(store: ChunkStore | None, live: bool):
-            if store is None or not store.fields or not live:
+        def run(store: ChunkStore | None, chunks: int):
+            if store is None or not store.fields or not chunks:
                 return None
             fields = {name: store.fields[name] for name in ChunkRunView.FIELDS}
             widths = store.fields["channel_bits"] if store.spec.allocated else None
-            return ChunkRunView(**fields, spec=store.spec, chunk_len=store.chunk_len, channel_bits=widths)
+            view = ChunkRunView(**fields, spec=store.spec, chunk_len=store.chunk_len, channel_bits=widths)
+            # what the attending backend derives from the store once per write (the store owns it)
+            derived = self.plan.attend.view_derived(store, view, chunks, self.kind) if self.plan.attend else {}
+            return dataclasses.replace(view, derived=derived) if derived else view
 
         return StreamView(buffer=self.buffer.data, sink=self.sink.data if sink_tokens else None,
-                          prompt=run(self.prefill, prompt), decode=run(self.decode, decode_chunks > 0))
+                          prompt=run(self.prefill, 1 if prompt else 0), decode=run(self.decode, decode_chunks))
 
     # -- sliding windows ---------------------------------------------------------------------------------------
     def release(self, before: Released, after: Released, counts: RowCounts) -> None:

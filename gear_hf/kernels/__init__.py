@@ -19,131 +19,28 @@ The kernel modules are imported on first use:
 Triton without a GPU: every launch fails unless TRITON_INTERPRET=1 is set *before* the kernel modules are
 imported (triton decides at decoration time); the tests do that.
 
-Backend choice (`resolve_backend`): GearConfig.backend "torch" / "triton" / "numba" force a path; "auto" (the
-default) is overridden by the environment variable GEAR_HF_BACKEND (auto|torch|triton|numba), and otherwise
-picks triton for CUDA tensors when triton imports, numba for CPU tensors when numba imports, else torch.
+Which of them runs is the backends' business (`gear_hf.backends`); this module only says what the kernels
+cover (`fused_supported`, `step_reason`, `quantize_pack_supports`). Kernels take tensors and views, never cache
+objects.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
-import importlib.util
 import os
-from dataclasses import dataclass
 
-import torch
+__all__ = ["interpreting", "fused_supported", "step_reason", "quantize_pack_supports", "MAX_FUSED_QUERY",
+           "quantize_pack", "decode_attention"]
 
-from ..config import BACKENDS
-from ..rope import apply_rotary
-
-__all__ = ["triton_available", "numba_available", "interpreting", "resolve_backend", "cpu_kernels", "rotate",
-           "all_finite", "fused_supported", "use_fused",
-           "quantize_pack_supports",
-           "quantize_pack", "decode_attention", "cache_decode_attention"]
-
-_LAZY = {"quantize_pack": "quant", "decode_attention": "decode", "cache_decode_attention": "decode"}
-
-NUMBA_MISSING = ("GEAR backend 'numba' was forced but numba is not installed (pip install 'gear-hf[cpu]'); use "
-                 "backend='auto' or 'torch'")
+_LAZY = {"quantize_pack": "quant", "decode_attention": "decode"}
 
 # The fused kernel is a decode kernel: steps with more new tokens per row (the prompt) use the torch path.
 MAX_FUSED_QUERY = 16
 
 
-def _importable(*modules: str) -> bool:
-    """True when every module imports (checked without leaving the first half-imported when it is absent). A broken
-    install (a CPU-only triton wheel without its backend, a numba too old for the installed numpy) counts as
-    absent."""
-    if importlib.util.find_spec(modules[0]) is None:
-        return False
-    try:
-        for module in modules:
-            importlib.import_module(module)
-    except Exception:
-        return False
-    return True
-
-
-@functools.lru_cache(maxsize=None)
-def triton_available() -> bool:
-    """True when `import triton` works (checked once)."""
-    return _importable("triton", "triton.language")
-
-
-@functools.lru_cache(maxsize=None)
-def numba_available() -> bool:
-    """True when `import numba` works (the CPU kernels' compiler; checked once)."""
-    return _importable("numba")
-
-
 def interpreting() -> bool:
     """True when triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
-
-
-def resolve_backend(config, device=None) -> str:
-    """'torch', 'triton' or 'numba' for a GearConfig and the device the tensors live on.
-
-    "torch"/"triton"/"numba" in the config are forced; "auto" first looks at GEAR_HF_BACKEND, then picks triton
-    for CUDA tensors when triton imports, numba (the CPU kernels, `gear_hf.kernels.cpu`) for CPU tensors when
-    numba imports, else torch. A forced "triton" without CUDA needs TRITON_INTERPRET=1 (checked at launch); a
-    forced "numba" needs numba and CPU tensors.
-    """
-    choice = getattr(config, "backend", "auto")
-    if choice == "auto":
-        env = os.environ.get("GEAR_HF_BACKEND", "auto").strip().lower() or "auto"
-        if env not in BACKENDS:
-            raise ValueError(f"GEAR_HF_BACKEND={env!r} is invalid; allowed: {' | '.join(BACKENDS)}")
-        choice = env
-    is_cuda = getattr(device, "type", device) == "cuda"
-    if choice == "numba" and is_cuda:
-        raise ValueError("GEAR backend 'numba' runs the CPU kernels and the tensors are on CUDA; use "
-                         "backend='auto' (Triton on CUDA) or 'torch'")
-    if choice != "auto":
-        return choice
-    if is_cuda:
-        return "triton" if triton_available() else "torch"
-    return "numba" if numba_available() else "torch"
-
-
-def cpu_kernels(config, device):
-    """`gear_hf.kernels.cpu` when the config's backend resolves to numba for `device`, else None."""
-    if resolve_backend(config, device) != "numba":
-        return None
-    if not numba_available():  # forced (gear_hf.enable refuses that up front; a bare GearCache gets here)
-        raise ValueError(NUMBA_MISSING)
-    return _cpu_module()
-
-
-@dataclass(frozen=True)
-class Backend:
-    """The one field of a GearConfig that `resolve_backend` reads (for stores that keep only that)."""
-
-    backend: str
-
-
-def rotate(config, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor,
-           scratch: torch.Tensor | None = None) -> torch.Tensor:
-    """`apply_rotary(x, cos, sin, out=out)` (keys before RoPE, at read): in one pass of the CPU kernel where it
-    applies. scratch: `apply_rotary`'s, for the torch path."""
-    cpu = cpu_kernels(config, x.device)
-    if cpu is not None and cpu.rotate_supported(x, cos, out):
-        return cpu.rotate_into(x, cos, sin, out)
-    return apply_rotary(x, cos, sin, out=out, scratch=scratch)
-
-
-def all_finite(config, x: torch.Tensor) -> torch.Tensor:
-    """torch.isfinite(x).all() (a 0-dim bool on x's device): one integer pass of the CPU kernel where it applies
-    (what a cache compresses is checked once per step; torch's check of a bf16 tensor is several times slower)."""
-    cpu = cpu_kernels(config, x.device)
-    flag = cpu.all_finite(x) if cpu is not None else None
-    return torch.isfinite(x).all() if flag is None else flag
-
-
-@functools.lru_cache(maxsize=None)
-def _cpu_module():
-    return importlib.import_module(".cpu", __name__)  # (asked a few times per layer and step: looked up once)
 
 
 def fused_supported(config, head_dim: int, query_len: int, *, rotary_dim: int | None = None,
@@ -162,7 +59,7 @@ def fused_supported(config, head_dim: int, query_len: int, *, rotary_dim: int | 
                 "outliers per token only")
     if head_dim < 32 or head_dim & (head_dim - 1):
         return f"head_dim={head_dim}: the fused kernel needs a power of two >= 32"
-    reason = _step_reason(head_dim, query_len, rotary_dim, softcap)
+    reason = step_reason(head_dim, query_len, rotary_dim, softcap)
     if reason:
         return reason
     if config.compresses:
@@ -182,7 +79,7 @@ def fused_supported(config, head_dim: int, query_len: int, *, rotary_dim: int | 
     return None
 
 
-def _step_reason(head_dim: int, query_len: int, rotary_dim: int | None, softcap: float | None) -> str | None:
+def step_reason(head_dim: int, query_len: int, rotary_dim: int | None, softcap: float | None) -> str | None:
     """What in the step itself keeps both fused kernels (Triton and CPU) off it, whatever the storage; None if
     nothing does."""
     if rotary_dim is not None and rotary_dim != head_dim:
@@ -213,30 +110,6 @@ def quantize_pack_supports(spec, n: int, d: int) -> bool:
     from ..compress.quant import pack_unit
 
     return not spec.allocated and spec.group_for(n, d) % pack_unit(spec.bits)[0] == 0
-
-
-def use_fused(config, query, *, training: bool = False, output_attentions: bool = False,
-              rotary_dim: int | None = None, softcap: float | None = None) -> bool:
-    """Whether the shared attention forward should take the fused path for this step.
-
-    auto: on CUDA with triton, on CPU with numba (`cpu.attend_supported`: the CPU kernel reads every storage the
-    read kernels do), only for supported steps. Forced "triton": every supported step; an unsupported
-    *configuration* raises (a prompt step, which the kernel does not cover, still uses torch).
-    """
-    backend = resolve_backend(config, query.device)
-    if backend not in ("triton", "numba") or training or output_attentions:
-        return False
-    if backend == "numba":
-        return (_step_reason(query.shape[-1], query.shape[-2], rotary_dim, softcap) is None
-                and cpu_kernels(config, query.device).attend_supported(config, query.shape[-1], query.dtype) is None)
-    reason = fused_supported(config, query.shape[-1], query.shape[-2], rotary_dim=rotary_dim, softcap=softcap)
-    if reason is None:
-        return True
-    forced = config.backend == "triton" or (config.backend == "auto" and
-                                            os.environ.get("GEAR_HF_BACKEND", "").strip().lower() == "triton")
-    if forced and query.shape[-2] <= MAX_FUSED_QUERY:
-        raise NotImplementedError(f"GEAR backend 'triton' was forced but {reason}; use backend='auto' or 'torch'")
-    return False
 
 
 def __getattr__(name):

@@ -231,7 +231,7 @@ def supported(config, head_dim: int, query_dtype: torch.dtype) -> str | None:
     if head_dim % 2:
         return f"head_dim={head_dim} is odd (RoPE rotates halves)"
     probe = torch.empty(0, dtype=torch.float32)
-    from ...cache.layer import stream_specs
+    from ...format import stream_specs
 
     for stream in ("key", "value"):
         for spec in stream_specs(config, stream):
@@ -246,8 +246,11 @@ def _run_args(view, chunks: int, head_dim: int):
     none. Prepared once per state of the storage (`read.prepared`): a decode step only reads."""
     if view is None or chunks == 0:
         return _EMPTY_RUN, _NO_FACTORS, False
-    fields = {name: getattr(view, name) for name in view.FIELDS}
-    prepared_run = prepared({**fields, "channel_bits": view.channel_bits}, view.spec, view.chunk_len, head_dim, chunks)
+    prepared_run = view.derived.get("numba_run")  # prepared once per write by the store's owner (numba backend)
+    if prepared_run is None:  # a view built by hand (tests, benchmarks): prepared for this call
+        fields = {name: getattr(view, name) for name in view.FIELDS}
+        prepared_run = prepared({**fields, "channel_bits": view.channel_bits}, view.spec, view.chunk_len, head_dim,
+                                chunks)
     run = (prepared_run.codes, prepared_run.bits, prepared_run.group, prepared_run.channel_axis, prepared_run.scale,
            prepared_run.minimum, *prepared_run.outliers, prepared_run.n, prepared_run.tokens, prepared_run.widths)
     return run, prepared_run.factors, prepared_run.hadamard
@@ -258,19 +261,11 @@ _EMPTY_RUN = (np.zeros((0, 0, 0, 0), dtype=np.uint8), 2, 1, True, np.zeros((0, 0
               np.zeros((0, 0, 0, 0), dtype=np.uint8), 1, 0, np.zeros((0, 0, 0, 0), dtype=np.uint8))
 
 
-_TABLES: list = []  # [(positions, inv_freq, their versions, cos, sin)]: the last step's, shared by its layers
-
-
 def _rope_halves(positions: torch.Tensor, inv_freq: torch.Tensor):
     """cos/sin [B, T, d/2] float32 at the row-local positions, as the rotary module computes them (one half of
-    `rope_tables`' equal halves), once per positions tensor (the layout gives every layer of a step the same one)."""
-    versions = (positions._version, inv_freq._version)
-    if _TABLES and _TABLES[0][0] is positions and _TABLES[0][1] is inv_freq and _TABLES[0][2] == versions:
-        return _TABLES[0][3], _TABLES[0][4]
+    `rope_tables`' equal halves)."""
     angles = rope_angles(positions, inv_freq)
-    cos, sin = angles.cos().numpy(), angles.sin().numpy()
-    _TABLES[:] = [(positions, inv_freq, versions, cos, sin)]
-    return cos, sin
+    return angles.cos().numpy(), angles.sin().numpy()
 
 
 def _float32(t: torch.Tensor | None, like: torch.Tensor) -> np.ndarray:
@@ -281,10 +276,11 @@ def _float32(t: torch.Tensor | None, like: torch.Tensor) -> np.ndarray:
 
 def decode_attention(query: torch.Tensor, keys, values, layout, *, scaling: float, inv_freq: torch.Tensor,
                      attention_scaling: float = 1.0, sliding_window: int | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, rope_tables=None) -> torch.Tensor:
     """Attention of `query` [B,Hq,q,d] (already rotated) over one layer's storage (`views.StreamView` keys/values,
     `views.DecodeLayout`), CPU tensors. Returns out [B, q, Hq, d] in query's dtype (HF's attention-function
-    layout), as `gear_hf.kernels.decode.decode_attention` does."""
+    layout), as `gear_hf.kernels.decode.decode_attention` does. rope_tables: (cos, sin) of the half angles at
+    layout.positions, when the caller shares them across layers (`gear_hf.cache.kernel_state`), else computed."""
     B, Hq, QL, D = query.shape
     Hkv = keys.buffer.shape[1]
     if Hq % Hkv:
@@ -301,7 +297,7 @@ def decode_attention(query: torch.Tensor, keys, values, layout, *, scaling: floa
     dv, dv_factors, rot_dv = _run_args(values.decode, decode_chunks, D)
     if (prompt_chunks and decode_chunks) and (rot_k != rot_dk or rot_v != rot_dv):
         raise ValueError("the prompt and decode chunks disagree on whether they are rotated")
-    cos, sin = _rope_halves(layout.positions, inv_freq)
+    cos, sin = rope_tables if rope_tables is not None else _rope_halves(layout.positions, inv_freq)
     q = (query.float() * (scaling * attention_scaling)).contiguous().numpy()
     result = np.empty((B, QL, Hq, D), dtype=np.float32)
     sink_k, sink_v = (keys.sink, values.sink) if layout.max_sink > 0 else (None, None)

@@ -15,8 +15,6 @@ path."""
 
 from __future__ import annotations
 
-import dataclasses
-import weakref
 from dataclasses import dataclass
 
 import numba
@@ -24,6 +22,7 @@ import numpy as np
 import torch
 
 from ...compress import ChunkSpec, CompressedChunk
+from ...compress.terms import BUILTIN_FIELDS
 from . import arrays
 from .bf16 import bf16_value as _f32, round_bf16 as _bf16, side_value as _side
 from .compress import transpose_bits8
@@ -386,35 +385,20 @@ def prepare(chunk: CompressedChunk, spec: ChunkSpec, n: int, d: int, chunks: int
                n=n, tokens=chunks * n, hadamard=spec.rotate, widths=chunk.channel_bits.contiguous().numpy())
 
 
-# Prepared runs per store (by the identity of its codes tensor, dropped with it): {chunks: (key, Run)}.
-_PREPARED: dict[int, tuple] = {}
-
-
 def prepared(fields: dict, spec: ChunkSpec, n: int, d: int, chunks: int) -> Run:
     """`prepare` of the first `chunks` chunks of a store's fields (`ChunkStore.fields`: every `CompressedChunk`
-    field, [B,H,capacity*extent,...]; channel_bits may be absent or None for a spec without widths per channel),
-    memoised while those tensors are the same and unwritten (their in-place version counters): what the reference
-    path and the fused CPU attention read at every step, derived once per state of the storage."""
-    tensors = [fields[f.name] for f in dataclasses.fields(CompressedChunk) if fields.get(f.name) is not None]
-    key = (spec, n, d, tuple(id(t) for t in tensors), tuple(t._version for t in tensors))
+    field, [B,H,capacity*extent,...]; channel_bits may be absent or None for a spec without widths per channel).
+    Not memoised: the owner of the fields keeps the result while they are unwritten (the numba backend keeps it in
+    the store's derived state)."""
     anchor = fields["codes"]
-    entry = _PREPARED.get(id(anchor))
-    if entry is None or entry[0]() is not anchor:
-        ident = id(anchor)
-        entry = _PREPARED[ident] = (weakref.ref(anchor, lambda _: _PREPARED.pop(ident, None)), {})
-    hit = entry[1].get(chunks)
-    if hit is not None and hit[0] == key:
-        return hit[1]
     capacity = fields["lowrank_a"].shape[2] // n
     B, H = anchor.shape[:2]
     widths = fields.get("channel_bits")
-    parts = {f.name: fields[f.name][:, :, : chunks * (fields[f.name].shape[2] // capacity)]
-             for f in dataclasses.fields(CompressedChunk) if f.name != "channel_bits"}
+    parts = {name: fields[name][:, :, : chunks * (fields[name].shape[2] // capacity)]
+             for name in BUILTIN_FIELDS if name != "channel_bits"}
     parts["channel_bits"] = widths[:, :, :chunks] if widths is not None and widths.shape[2] else \
         torch.zeros(B, H, 0, d, dtype=torch.uint8)
-    run = prepare(CompressedChunk(**parts), spec, n, d, chunks)
-    entry[1][chunks] = (key, run)
-    return run
+    return prepare(CompressedChunk(**parts), spec, n, d, chunks)
 
 
 def _stored(t: torch.Tensor, whole: bool = True) -> np.ndarray:

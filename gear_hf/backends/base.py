@@ -1,0 +1,111 @@
+"""The `Backend` protocol and the `BackendPlan` a cache resolves once: who compresses, reconstructs and attends.
+
+Operations (`OPS`):
+    compress     a chunk of keys or values into its stored fields (and the finiteness check of what it compresses)
+    reconstruct  a run of stored chunks back to [B,H,T,d] (and keys rotated at their positions)
+    attend       the fused decode attention straight from storage (else the reference path: reconstruct, then
+                 the model's own attention function)
+
+A backend says for a configuration, head_dim, model dtype and device whether it serves an operation, and why not
+(`supports`). Derived state a backend reads every step (prepared runs, sorted outliers) belongs to the store that
+owns the data (`ChunkStore.derived`), built by `prepare` after a write, counted by the memory report.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass, field
+
+import torch
+
+OPS = ("compress", "reconstruct", "attend")
+
+
+def import_problem(*modules: str) -> str | None:
+    """None when every module imports; else why not: "not installed", or the error an installed one raised (a
+    broken install is reported, never mistaken for an absent one)."""
+    if importlib.util.find_spec(modules[0]) is None:
+        return f"{modules[0]} is not installed"
+    try:
+        for module in modules:
+            importlib.import_module(module)
+    except Exception as error:  # noqa: BLE001 (any failure of an installed package is reported as it is)
+        return f"{modules[0]} is installed but failed to import ({type(error).__name__}: {error})"
+    return None
+
+
+class Backend:
+    """One way of running GEAR's operations. Subclasses set `name`, `ops` (the operations they implement; the
+    others are the torch backend's) and override what they implement."""
+
+    name = ""
+    ops: tuple[str, ...] = ()
+    install_hint = ""  # how to get it when it is missing
+    rotates_in_read = False  # reconstructs keys already rotated (no separate rotation pass)
+
+    def unavailable(self, device: torch.device, forced: bool = False) -> str | None:
+        """None when the backend can run on `device` here (forced: the user asked for it by name); else why not."""
+        return None
+
+    def supports(self, op: str, config, head_dim: int, dtype: torch.dtype) -> str | None:
+        """None when `op` serves caches of this GearConfig, head_dim and model dtype; else why not."""
+        return None if op in self.ops else f"backend {self.name!r} does not implement {op!r}"
+
+    # compress
+    def compress(self, spec, x: torch.Tensor, channel_bits: torch.Tensor | None):
+        raise NotImplementedError
+
+    def all_finite(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.isfinite(x).all()
+
+    # reconstruct
+    def reconstruct(self, store, chunks: int, out_dtype: torch.dtype, out=None, rotary=None, scratch=None):
+        raise NotImplementedError
+
+    def rotate(self, x, cos, sin, out, scratch=None):
+        raise NotImplementedError
+
+    # attend
+    def step_reason(self, head_dim: int, query_len: int, rotary_dim: int | None, softcap) -> str | None:
+        """Why the fused kernel cannot take this step (whatever the storage), or None."""
+        return None
+
+    def attend(self, query, keys, values, layout, *, scaling, inv_freq, attention_scaling, sliding_window, shared):
+        raise NotImplementedError
+
+    # derived state
+    def view_derived(self, store, view, chunks: int, stream: str) -> dict:
+        """What `attend` reads of the store's first `chunks` chunks beyond its fields (`ChunkRunView.derived`);
+        stream: "key" or "value"."""
+        return {}
+
+    def prepare(self, store) -> None:
+        """Bring the store's derived state for this backend up to date after a write (`store.derived`)."""
+
+
+@dataclass(frozen=True)
+class BackendPlan:
+    """The backend of each operation for one cache (resolved once: `gear_hf.backends.resolve`). attend=None: the
+    reference path (reconstruct, then the model's attention function). skipped: for each operation, the backends
+    passed over and why."""
+
+    compress: Backend
+    reconstruct: Backend
+    attend: Backend | None
+    forced: str | None = None  # the backend the user forced, None under auto
+    skipped: dict = field(default_factory=dict, compare=False)
+
+    def names(self) -> dict[str, str]:
+        """{"compress": "numba", "reconstruct": "numba", "attend": "numba" | "reference"}."""
+        return {"compress": self.compress.name, "reconstruct": self.reconstruct.name,
+                "attend": self.attend.name if self.attend is not None else "reference"}
+
+    @property
+    def accelerators(self) -> tuple[Backend, ...]:
+        """The distinct backends in the plan (whose `prepare` runs after a write)."""
+        seen: list[Backend] = []
+        for backend in (self.compress, self.reconstruct, self.attend):
+            if backend is not None and backend not in seen:
+                seen.append(backend)
+        return tuple(seen)

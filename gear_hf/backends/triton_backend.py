@@ -1,0 +1,128 @@
+"""The Triton backend: the fused decode attention on CUDA (`gear_hf.kernels.decode`) and the quantize + pack
+kernel (`gear_hf.kernels.quant`) inside compression; reconstruction (prompt steps) is the torch oracle's.
+
+Without a GPU the kernels run only in Triton's interpreter (TRITON_INTERPRET=1 set before they are imported: tests).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..compress import compress
+from .base import Backend, import_problem
+
+
+class TritonBackend(Backend):
+    name = "triton"
+    ops = ("compress", "attend")
+    install_hint = "pip install 'gear-hf[triton]'"
+
+    def unavailable(self, device, forced=False):
+        from ..kernels import interpreting
+
+        if getattr(device, "type", device) != "cuda" and not (forced and interpreting()):  # (before importing it)
+            problem = import_problem("triton", "triton.language") if forced else None
+            return problem or ("it needs CUDA tensors (forced, with TRITON_INTERPRET=1 set before gear_hf.kernels is "
+                               "imported, it runs the kernels in Triton's CPU interpreter, for tests)")
+        return import_problem("triton", "triton.language")
+
+    def supports(self, op, config, head_dim, dtype):
+        if op == "compress":  # the quantizer serves the chunks it covers (one width, min/max); the oracle the rest
+            return None
+        if op == "attend":
+            from ..kernels import fused_supported
+
+            if config.extra_terms:
+                return f"the fused kernel does not implement the term(s) {list(config.extra_terms)}"
+            return fused_supported(config, head_dim, 1)
+        return super().supports(op, config, head_dim, dtype)
+
+    def compress(self, spec, x, channel_bits):
+        from .. import kernels
+
+        n, d = x.shape[2], x.shape[3]
+        quantize_pack = kernels.quantize_pack if kernels.quantize_pack_supports(spec, n, d) else None
+        return compress(x, spec, quantize_pack=quantize_pack, channel_bits=channel_bits)
+
+    def step_reason(self, head_dim, query_len, rotary_dim, softcap):
+        from ..kernels import step_reason
+
+        return step_reason(head_dim, query_len, rotary_dim, softcap)
+
+    def attend(self, query, keys, values, layout, *, scaling, inv_freq, attention_scaling, sliding_window, shared):
+        from ..kernels.decode import decode_attention  # imports triton: only on this path
+
+        return decode_attention(query, keys, values, layout, scaling=scaling, inv_freq=inv_freq,
+                                attention_scaling=attention_scaling, sliding_window=sliding_window,
+                                workspace=shared.workspace, tables=shared.tables)
+
+    # derived state: key outliers sorted by token per chunk (`kernels.views.prepare_derived`), computed for each
+    # chunk once, after it is written, into tensors the store owns
+    def prepare(self, store):
+        state = store.derived.get(self.name)
+        if state is not None and state["version"] != store.version:
+            state["valid_chunks"] = min(state["valid_chunks"], store.first_changed)
+            state["version"] = store.version
+
+    def view_derived(self, store, view, chunks_used: int, stream: str) -> dict:
+        from ..kernels.views import key_outlier_count, prepare_derived
+
+        if stream != "key" or chunks_used <= 0 or key_outlier_count(view) == 0:
+            return {}
+        state = store.derived.get(self.name)
+        if state is None or state["capacity"] < chunks_used:
+            state = self._allocate(store, view, max(chunks_used, store.capacity), state)
+        done = state["valid_chunks"]
+        if done < chunks_used:
+            one = prepare_derived(_chunks_of(view, done, chunks_used), chunks_used - done)
+            per = {name: t.shape[-1] // (chunks_used - done) for name, t in one.items() if name != "key_outlier_tile"}
+            for name, t in one.items():
+                target = state["tensors"][name]
+                if name == "key_outlier_tile":
+                    target[:, :, done:chunks_used] = t
+                else:
+                    target[:, :, done * per[name] : chunks_used * per[name]] = t
+            state["valid_chunks"] = chunks_used
+        tensors = state["tensors"]
+        return {name: (t[:, :, :chunks_used] if name == "key_outlier_tile" else
+                       t[:, :, : chunks_used * (t.shape[-1] // state["capacity"])])
+                for name, t in tensors.items()}
+
+    def _allocate(self, store, view, capacity: int, old):
+        from ..kernels.views import prepare_derived
+
+        probe = prepare_derived(_chunks_of(view, 0, 1), 1)  # one chunk: the shapes per chunk
+        tensors = {}
+        for name, t in probe.items():
+            shape = (*t.shape[:2], capacity * t.shape[-1]) if name != "key_outlier_tile" else \
+                (*t.shape[:2], capacity, t.shape[-1])
+            tensors[name] = torch.zeros(shape, dtype=t.dtype, device=t.device)
+        state = {"tensors": tensors, "capacity": capacity, "valid_chunks": 0, "version": store.version}
+        if old is not None:  # keep what was derived (a store that grew kept its chunks)
+            done = old["valid_chunks"]
+            for name, t in old["tensors"].items():
+                if name == "key_outlier_tile":
+                    tensors[name][:, :, :done] = t[:, :, :done]
+                else:
+                    per = t.shape[-1] // old["capacity"]
+                    tensors[name][:, :, : done * per] = t[:, :, : done * per]
+            state["valid_chunks"] = done
+        store.derived[self.name] = state
+        return state
+
+    @staticmethod
+    def derived_nbytes(store) -> int:
+        state = store.derived.get(TritonBackend.name)
+        return 0 if state is None else sum(t.numel() * t.element_size() for t in state["tensors"].values())
+
+
+def _chunks_of(view, first: int, last: int):
+    """The ChunkRunView restricted to chunks [first, last) (its fields sliced along dim 2: chunks are independent)."""
+    import dataclasses
+
+    fields = {}
+    for name in view.FIELDS:
+        t = getattr(view, name)
+        e = view.extent(name)
+        fields[name] = t[:, :, first * e : last * e]
+    return dataclasses.replace(view, **fields, derived={})

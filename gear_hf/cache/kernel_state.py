@@ -1,0 +1,56 @@
+"""`KernelState`: what the fused kernels need beyond one store's data, owned by the cache and counted by its report.
+
+    rope_halves  cos/sin of the half angles at the step's row-local positions (CPU kernel), computed once per step
+                 and shared by its layers
+    workspace    the split-KV partial results of the Triton kernel: one buffer shared by every layer, sized to the
+                 largest step so far
+    tables       small constant tables (the Walsh–Hadamard matrix the Triton kernel un-rotates values with)
+
+Per-store derived state (prepared runs, sorted outliers) lives with the store instead (`ChunkStore.derived`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..rope import rope_angles
+
+
+class KernelState:
+    def __init__(self) -> None:
+        self._rope: tuple | None = None  # (step, positions, inv_freq, cos, sin)
+        self._workspaces: dict[tuple, torch.Tensor] = {}
+        self._tables: dict[tuple, torch.Tensor] = {}
+        self.step = -1  # the cache's step counter, set before each step's first attention
+
+    def rope_halves(self, positions: torch.Tensor, inv_freq: torch.Tensor):
+        """cos/sin [B, T, d/2] float32 numpy arrays at `positions` (as the rotary module computes them), once per
+        step and rotary module (the layout gives every layer of a step the same positions)."""
+        memo = self._rope
+        if memo is not None and memo[0] == self.step and memo[1] is positions and memo[2] is inv_freq:
+            return memo[3], memo[4]
+        angles = rope_angles(positions, inv_freq)
+        cos, sin = angles.cos().numpy(), angles.sin().numpy()
+        self._rope = (self.step, positions, inv_freq, cos, sin)
+        return cos, sin
+
+    def workspace(self, device: torch.device, numel: int) -> torch.Tensor:
+        """A float32 buffer of at least `numel` elements on `device` (contents undefined), shared by the layers that
+        launch on the same stream (one after the other); grown to the largest step, never shrunk."""
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+        key = (str(device), stream)
+        ws = self._workspaces.get(key)
+        if ws is None or ws.numel() < numel:
+            ws = self._workspaces[key] = torch.empty(numel, dtype=torch.float32, device=device)
+        return ws
+
+    def tables(self, key: tuple, build) -> torch.Tensor:
+        """The table `build()` makes for `key`, built once."""
+        if key not in self._tables:
+            self._tables[key] = build()
+        return self._tables[key]
+
+    def nbytes(self) -> int:
+        tensors = list(self._workspaces.values()) + list(self._tables.values())
+        rope = 0 if self._rope is None else self._rope[3].nbytes + self._rope[4].nbytes
+        return sum(t.numel() * t.element_size() for t in tensors) + rope

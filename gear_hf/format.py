@@ -1,0 +1,61 @@
+"""`StreamFormat`: what one stream (a layer's keys or its values) stores, built once from a `GearConfig`.
+
+A stream stores one prompt chunk per row and decode chunks of `buffer_size` tokens; each has a `ChunkSpec`, whose
+terms (`gear_hf.compress.terms`: backbone, outliers, low-rank, rotation, and any registered extra term) declare
+the fields the storage allocates, the memory report counts and the kernels read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .compress import ChunkSpec, side_dtype
+from .compress.terms import Field, active_terms, chunk_fields
+
+
+@dataclass(frozen=True)
+class StreamFormat:
+    stream: str  # "key" or "value"
+    prompt: ChunkSpec  # the prompt chunk (rank_prefill, prompt groups)
+    decode: ChunkSpec  # each decode chunk (rank_decode)
+    chunk_len: int  # tokens per decode chunk (buffer_size)
+
+    @property
+    def specs(self) -> tuple[ChunkSpec, ChunkSpec]:
+        return self.prompt, self.decode
+
+    @property
+    def terms(self) -> tuple[str, ...]:
+        """The terms that store something in some chunk, e.g. ('backbone', 'lowrank')."""
+        names = active_terms(self.prompt) + active_terms(self.decode)
+        return tuple(dict.fromkeys(names))
+
+    def fields(self, spec: ChunkSpec, n: int, head_dim: int, model_dtype: torch.dtype) -> tuple[Field, ...]:
+        """The fields one chunk of n tokens of `spec` (self.prompt or self.decode) stores."""
+        return chunk_fields(spec, n, head_dim, side_dtype(model_dtype))
+
+
+def stream_specs(cfg, stream: str) -> tuple[ChunkSpec, ChunkSpec]:
+    """(prompt chunk spec, decode chunk spec) of a GearConfig for stream "key" or "value"."""
+    bits, axis = (cfg.key_bits, cfg.key_axis) if stream == "key" else (cfg.value_bits, cfg.value_axis)
+    decode_group = cfg.key_group if stream == "key" else cfg.value_group
+    groups = (0, 0) if cfg.coarse_groups else (cfg.prompt_group(stream), decode_group)
+    ratio = cfg.outlier_ratio if cfg.uses_outliers else 0.0
+    ranks = (cfg.rank_prefill, cfg.rank_decode) if cfg.uses_lowrank else (0, 0)
+    rotate = cfg.rotation in ("both", stream + "s")
+    range_search = cfg.range_search in ("both", stream + "s")
+    allocated = stream == "key" and cfg.key_bit_allocation == "query"
+    return tuple(ChunkSpec(bits, axis, group, ratio, rank, cfg.power_iters, rotate, cfg.factor_bits,
+                           range_search, allocated, tuple(cfg.extra_terms))
+                 for group, rank in zip(groups, ranks))
+
+
+def stream_format(cfg, stream: str) -> StreamFormat:
+    return StreamFormat(stream, *stream_specs(cfg, stream), cfg.buffer_size)
+
+
+def layer_formats(cfg) -> tuple[StreamFormat, StreamFormat]:
+    """(keys' format, values' format) of a GearConfig."""
+    return stream_format(cfg, "key"), stream_format(cfg, "value")
