@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from ...rope import rope_angles
-from .read import _NO_FACTORS, _NO_ROTATION, _assemble, _hadamard_rows, _scratch, decompress_supported, prepared
+from .dequant import _assemble, _hadamard_rows, _scratch
+from .read import _NO_FACTORS, _NO_ROTATION, decompress_supported, prepared
 
 _F32 = np.float32
 # numba: reductions over channels need reassociation to vectorize; no finite-math flags (masked scores are -inf)
