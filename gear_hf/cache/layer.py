@@ -5,26 +5,11 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from ..compress import ChunkSpec
 from ..compress.allocation import query_pair_energy
+from ..compress.gear import stream_specs  # (re-exported: gear_hf.cache.stream_specs)
 from ..config import GearConfig
 from .layout import RowLayout, StepPlan
 from .stream import Released, Stream
-
-
-def stream_specs(cfg: GearConfig, stream: str) -> tuple[ChunkSpec, ChunkSpec]:
-    """(prompt chunk spec, decode chunk spec) for stream "key" or "value"."""
-    bits, axis = (cfg.key_bits, cfg.key_axis) if stream == "key" else (cfg.value_bits, cfg.value_axis)
-    decode_group = cfg.key_group if stream == "key" else cfg.value_group
-    groups = (0, 0) if cfg.coarse_groups else (cfg.prompt_group(stream), decode_group)
-    ratio = cfg.outlier_ratio if cfg.uses_outliers else 0.0
-    ranks = (cfg.rank_prefill, cfg.rank_decode) if cfg.uses_lowrank else (0, 0)
-    rotate = cfg.rotation in ("both", stream + "s")
-    range_search = cfg.range_search in ("both", stream + "s")
-    allocated = stream == "key" and cfg.key_bit_allocation == "query"
-    return tuple(ChunkSpec(bits, axis, group, ratio, rank, cfg.power_iters, rotate, cfg.factor_bits,
-                           range_search, allocated)
-                 for group, rank in zip(groups, ranks))
 
 
 class GearLayer(CacheLayerMixin):

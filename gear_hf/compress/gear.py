@@ -68,6 +68,21 @@ class ChunkSpec:
         return -2 if self.axis == "channel" else -1
 
 
+def stream_specs(cfg, stream: str) -> tuple[ChunkSpec, ChunkSpec]:
+    """(prompt chunk spec, decode chunk spec) for stream "key" or "value" of a GearConfig `cfg`."""
+    bits, axis = (cfg.key_bits, cfg.key_axis) if stream == "key" else (cfg.value_bits, cfg.value_axis)
+    decode_group = cfg.key_group if stream == "key" else cfg.value_group
+    groups = (0, 0) if cfg.coarse_groups else (cfg.prompt_group(stream), decode_group)
+    ratio = cfg.outlier_ratio if cfg.uses_outliers else 0.0
+    ranks = (cfg.rank_prefill, cfg.rank_decode) if cfg.uses_lowrank else (0, 0)
+    rotate = cfg.rotation in ("both", stream + "s")
+    range_search = cfg.range_search in ("both", stream + "s")
+    allocated = stream == "key" and cfg.key_bit_allocation == "query"
+    return tuple(ChunkSpec(bits, axis, group, ratio, rank, cfg.power_iters, rotate, cfg.factor_bits,
+                           range_search, allocated)
+                 for group, rank in zip(groups, ranks))
+
+
 @dataclass
 class CompressedChunk:
     """One compressed chunk, shapes for x [B,H,n,d] (P(m): bytes of m packed codes, quant.packed_length):

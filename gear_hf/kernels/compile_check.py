@@ -233,8 +233,7 @@ def sass_report(arch: int = 90, breakdown: bool = False) -> int:
     `instructions/token/kv-head: N` for 2-bit GEAR. breakdown: also the main loop's instructions per source
     function and per GEAR term. Returns the exit status."""
     from ..config import GearConfig
-    from .decode import cache_decode_attention
-    from .reference import build_cache
+    from ..cache.fused import build_cache, cache_decode_attention
 
     figure = None
     # the presets store int8 low-rank factors; gear2-f16 keeps the paper's 16-bit ones (the figure before int8)
@@ -289,9 +288,8 @@ def sass_report(arch: int = 90, breakdown: bool = False) -> int:
 def planned_launches(quick: bool = False):
     """(label, kernel, args, kwargs) for representative configurations, planned on CPU tensors."""
     from ..config import GearConfig
-    from .decode import cache_decode_attention
+    from ..cache.fused import build_cache, cache_decode_attention
     from .quant import quantize_pack
-    from .reference import build_cache
 
     launches = []
 
