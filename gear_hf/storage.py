@@ -101,6 +101,13 @@ class ChunkStore:
         self.first_changed = 0
         self.derived: dict = {}
 
+    def __getstate__(self) -> dict:
+        """A copy (copy.deepcopy, pickle) starts without derived state: it would view the original's fields."""
+        state = dict(self.__dict__)
+        state["derived"] = {}
+        state["version"] = self.version + 1
+        return state
+
     def declared(self, n: int, d: int | None = None, side: torch.dtype | None = None):
         """The fields one chunk of n tokens stores (the spec's terms' declarations)."""
         return chunk_fields(self.spec, n, d or self.head_dim, side or self.dtype)

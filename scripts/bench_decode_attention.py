@@ -24,7 +24,7 @@ without Python launch overhead, when capture works; `graph_vs_sdpa` = graph time
 bytes the method must read (`bytes`: used compressed storage + positions for GEAR, dense K/V for SDPA; the
 reference path reads at least the compressed bytes and writes+reads a dense copy: `bytes` is that lower bound),
 achieved bandwidth = bytes / time, and the fused output's relative error against the float32 oracle
-(gear_hf.kernels.reference) where that is cheap.
+(gear_hf.cache.fused) where that is cheap.
 
 Results go to OUT (default $OUT or ./bench_out): bench_decode_attention.json and .csv, written after every
 row so a timeout keeps what was measured. Without CUDA the script says so and exits 0 (`make bench` runs it).
@@ -100,10 +100,10 @@ def _inv_freq():
 
 def _build(T: int, batch: int, bits: int, dtype, device, method: str = "gear", pad: list[int] | None = None):
     """A one-layer GearCache holding T tokens per row (prompt chunk + decode chunks + buffer; row b has pad[b]
-    fewer, left-padded), after one decode step (gear_hf.kernels.reference.build_cache: keys with a few large
+    fewer, left-padded), after one decode step (gear_hf.cache.fused.build_cache: keys with a few large
     channels, like real keys)."""
     from gear_hf.config import GearConfig
-    from gear_hf.kernels.reference import build_cache
+    from gear_hf.cache.fused import build_cache
 
     if method in _RECOMMENDED_ROWS:
         cfg = GearConfig() if method == "default" else GearConfig.recommended(name=method)
@@ -278,7 +278,7 @@ def _fused_fn(cache, q, inv_freq, **tuning):
 
 def _time_fused(cache, q, inv_freq, args, record, T, batch, label, sdpa_ms, comp_bytes, check=True, pad=None,
                 **tuning):
-    from gear_hf.kernels.reference import reference_decode_attention
+    from gear_hf.cache.fused import reference_decode_attention
 
     try:
         fused = _fused_fn(cache, q, inv_freq, **tuning)

@@ -1,7 +1,7 @@
 """Fused GEAR decode attention vs the float32 torch oracle: the Triton kernel and the numba CPU kernel
 (`gear_hf.kernels.cpu.attend`), which take the same views and compute the same thing.
 
-The oracle (gear_hf.kernels.reference) reconstructs each row's tokens with the torch engine
+The oracle (gear_hf.cache.fused) reconstructs each row's tokens with the torch engine
 (ChunkStore.reconstruct -> compress.decompress, float32), rotates keys at their stored positions and runs a
 causal (+ sliding window) softmax in float32. The kernel reads the same stored tensors, so the only
 differences are float32 summation order, the dtype of tl.dot operands (fp16: rotated keys and probabilities
@@ -30,7 +30,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from gear_hf.config import GearConfig  # noqa: E402
-from gear_hf.kernels.reference import build_cache, reference_decode_attention  # noqa: E402
+from gear_hf.cache.fused import build_cache, reference_decode_attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}

@@ -31,7 +31,7 @@ def test_import_gear_hf_does_not_import_triton():
     code = ("import sys, gear_hf, gear_hf.kernels, gear_hf.config, gear_hf.compress\n"
             "assert 'triton' not in sys.modules, 'triton imported'\n"
             # transformers itself imports triton when it is installed; our kernel modules must not load
-            "import gear_hf.api, gear_hf.attention, gear_hf.cache, gear_hf.kernels.reference\n"
+            "import gear_hf.api, gear_hf.attention, gear_hf.cache, gear_hf.cache.fused\n"
             "assert 'gear_hf.kernels.decode' not in sys.modules and 'gear_hf.kernels.quant' not in sys.modules\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=os.path.dirname(os.path.dirname(__file__)))

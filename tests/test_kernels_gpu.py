@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.gpu,
 pytest.importorskip("triton")
 
 from gear_hf.config import GearConfig  # noqa: E402
-from gear_hf.kernels.reference import build_cache, reference_decode_attention  # noqa: E402
+from gear_hf.cache.fused import build_cache, reference_decode_attention  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 
@@ -82,7 +82,7 @@ def _case(T, batch, q_len, bits, dtype=torch.bfloat16, method="gear", **cfg):
 
 
 def _run(cache, q, out=None):
-    from gear_hf.kernels.decode import cache_decode_attention
+    from gear_hf.cache.fused import cache_decode_attention
 
     return cache_decode_attention(cache, 0, q, scaling=D ** -0.5, inv_freq=_inv_freq_llama3(), out=out)
 
@@ -125,7 +125,7 @@ def test_fused_writes_every_element_gpu():
 def test_fused_fp16_and_split_invariance_gpu():
     cache, q = _case(4096, 2, 1, 4, dtype=torch.float16)
     outs = [_run(cache, q) for _ in range(1)]
-    from gear_hf.kernels.decode import cache_decode_attention
+    from gear_hf.cache.fused import cache_decode_attention
 
     for splits in (1, 7, 64):
         outs.append(cache_decode_attention(cache, 0, q, scaling=D ** -0.5, inv_freq=_inv_freq_llama3(),

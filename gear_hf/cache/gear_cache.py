@@ -16,9 +16,9 @@ from transformers.cache_utils import Cache
 
 from .. import backends  # light: triton and numba are imported only when a kernel runs
 from ..config import GearConfig
-from ..kernels import MAX_FUSED_QUERY
 from ..rope import RotaryMemo
 from .layer import GearLayer
+from .fused_path import FusedPath
 from .kernel_state import KernelState
 from .layout import RowLayout, SlotPlan
 from .memory import memory_report, summary
@@ -56,7 +56,7 @@ def _text_config(model_or_config):
     return config
 
 
-class GearCache(Cache):
+class GearCache(FusedPath, Cache):
     """A GEAR-compressed KV cache.
 
     GearCache(model) or GearCache(config=model.config) (transformers' convention); gear_config: defaults to
@@ -132,28 +132,6 @@ class GearCache(Cache):
         self.plan = backends.resolve(self.gear_config, key_states.shape[3], key_states.dtype, key_states.device)
         for layer in self.layers:
             layer.bind(self.plan)
-
-    @property
-    def backend_names(self) -> dict[str, str]:
-        """Which backend runs each operation ({"compress": "numba", "reconstruct": "numba", "attend": "numba" |
-        "reference"}); empty before the first step."""
-        return {} if self.plan is None else self.plan.names()
-
-    def use_fused(self, query: torch.Tensor, *, training: bool = False, output_attentions: bool = False,
-                  rotary_dim: int | None = None, softcap: float | None = None) -> bool:
-        """Whether this step of the attention takes the fused kernel (after `store`): the plan has one, and the
-        step is one it takes. A forced backend raises on a model-level reason (partial rotary, soft-capping);
-        prompt steps always take the reference path."""
-        attend = self.plan.attend if self.plan is not None else None
-        if attend is None or training or output_attentions:
-            return False
-        reason = attend.step_reason(query.shape[-1], query.shape[-2], rotary_dim, softcap)
-        if reason is None:
-            return True
-        if self.plan.forced == attend.name and query.shape[-2] <= MAX_FUSED_QUERY:
-            raise NotImplementedError(f"GEAR backend {attend.name!r} was forced but {reason}; use backend='auto' "
-                                      "or 'torch'")
-        return False
 
     def _plan_step(self, key_states: torch.Tensor, position_ids: torch.Tensor | None) -> None:
         self._check_finite()  # a previous step whose last layer was not patched
@@ -328,37 +306,6 @@ class GearCache(Cache):
         per (visible start, rotary module) and shared by the layers."""
         start = self.layers[layer_idx].visible_start(self.layout.plan.rect_before)
         return self._rotary.get(self.layout.steps, start, rotary_emb, like, lambda: self.layout.read_positions(start))
-
-    # -- fused Triton decode attention (gear_hf.kernels); read + attention stays the default and the oracle --
-    def fused_attention(self, layer_idx: int, query: torch.Tensor, *, scaling: float, inv_freq: torch.Tensor,
-                        attention_scaling: float = 1.0) -> torch.Tensor:
-        """After `store`, attend `query` [B,Hq,q,d] (already rotated) straight from the compressed storage and the
-        buffer (this step's own tokens included) with the fused kernel (Triton on CUDA, numba on CPU): nothing is
-        written back. Keys are rotated in the kernel from the stored positions with `inv_freq`/`attention_scaling`
-        (the rotary module's). Returns [B, q, Hq, d] (HF's attention-function layout)."""
-        layer = self.layers[layer_idx]
-        keys, values, layout = self.kernel_views(layer_idx, query.shape[2], query.device)
-        self.kernel_state.step = self.layout.steps
-        return self.plan.attend.attend(query, keys, values, layout, scaling=scaling, inv_freq=inv_freq,
-                                       attention_scaling=attention_scaling, sliding_window=layer.sliding_window,
-                                       shared=self.kernel_state)
-
-    def kernel_views(self, layer_idx: int, query_len: int, device):
-        """(keys StreamView, values StreamView, DecodeLayout) of a layer for the fused kernel: during a step
-        (stored, not yet compressed) what the step attends to, between steps what the layer holds."""
-        from ..kernels.views import DecodeLayout  # no triton import
-
-        layer, layout = self.layers[layer_idx], self.layout
-        in_step = layer.flushed_step != layout.steps
-        counts = layout.plan.attend if in_step else layout.counts
-        inputs = layout.kernel_inputs(counts, layer.released, query_len, device)
-        sink, prompt, chunks, buffer = (max(column, default=0) for column in zip(*inputs["row_lengths"]))
-        kernel_layout = DecodeLayout(rows=inputs["rows"], limits=inputs["limits"], positions=inputs["positions"],
-                                     max_sink=sink, max_prompt=prompt, max_decode_chunks=chunks, max_buffer=buffer,
-                                     buffer_size=self.gear_config.buffer_size)
-        keys, values = (stream.kernel_view(self.gear_config.sink_tokens, prompt > 0, chunks)
-                        for stream in layer.streams)
-        return keys, values, kernel_layout
 
     # -- the layout as earlier callers (tests, kernels' adapter, scripts) read it ----------------------------
     steps = property(lambda self: self.layout.steps)

@@ -162,23 +162,27 @@ def _function_spans(path: str) -> list[tuple[int, int, str]]:
 
 
 def loop_by_function(cubin: bytes, sass: list[tuple[int, str]], start: int, end: int) -> dict[str, int]:
-    """The instructions of the loop [start, end], counted per function of gear_hf.kernels.decode they come from
-    (other files: by file name; no line info: '?'), most first."""
-    from . import decode
+    """The instructions of the loop [start, end], counted per function of the kernel's modules
+    (gear_hf.kernels.triton) they come from (other files: by file name; no line info: '?'), most first."""
+    from . import triton as kernel_package
 
-    spans = _function_spans(decode.__file__)
+    package = Path(kernel_package.__file__).parent
     sources = sass_sources(cubin)
     # by the package-relative path: a cubin from triton's cache names the checkout that first compiled the same source
-    ours = Path(decode.__file__).parts[-3:]
+    ours = package.parts[-3:]  # ("gear_hf", "kernels", "triton")
+    spans: dict[str, list] = {}  # per file of the package: its functions' line spans
     counts: dict[str, int] = {}
     for addr, _ in sass:
         if not start <= addr <= end:
             continue
         path, line = sources.get(addr, ("?", 0))
-        if Path(path).parts[-3:] == ours:
-            name = next((n for first, last, n in spans if first <= line <= last), f"decode.py:{line}")
+        file = Path(path).name
+        if Path(path).parts[-4:-1] == ours and (package / file).is_file():
+            if file not in spans:
+                spans[file] = _function_spans(str(package / file))
+            name = next((n for first, last, n in spans[file] if first <= line <= last), f"{file}:{line}")
         else:
-            name = Path(path).name
+            name = file
         counts[name] = counts.get(name, 0) + 1
     return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
@@ -229,8 +233,7 @@ def sass_report(arch: int = 90, breakdown: bool = False) -> int:
     `instructions/token/kv-head: N` for 2-bit GEAR. breakdown: also the main loop's instructions per source
     function and per GEAR term. Returns the exit status."""
     from ..config import GearConfig
-    from .decode import cache_decode_attention
-    from .reference import build_cache
+    from ..cache.fused import build_cache, cache_decode_attention
 
     figure = None
     # the presets store int8 low-rank factors; gear2-f16 keeps the paper's 16-bit ones (the figure before int8)
@@ -285,9 +288,8 @@ def sass_report(arch: int = 90, breakdown: bool = False) -> int:
 def planned_launches(quick: bool = False):
     """(label, kernel, args, kwargs) for representative configurations, planned on CPU tensors."""
     from ..config import GearConfig
-    from .decode import cache_decode_attention
+    from ..cache.fused import build_cache, cache_decode_attention
     from .quant import quantize_pack
-    from .reference import build_cache
 
     launches = []
 

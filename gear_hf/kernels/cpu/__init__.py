@@ -1,9 +1,9 @@
 """CPU kernels (numba), for the fused decode attention and the reference path: what `gear_hf.kernels.cpu_kernels` returns.
 
 * `read` - a chunk run decompressed, and keys rotated, in one pass (`decompress_into`, or `prepared` (memoised per
-  state of the storage) and `decompress_run` every step; `rotate_into`)
+  state of the storage) and `decompress_run` every step; `rotate_into`); its loops are in `dequant`
 * `compress` - a chunk's outliers, quantized backbone and residual (`compress_backbone`), and the finiteness check
-  of what is compressed (`all_finite`)
+  of what is compressed (`all_finite`); its stages are in `outlier_select`, `quantize` and `pack`
 * `lowrank` - the low-rank factors fitted to that residual (`fit_factors`)
 * `attend` - the fused decode attention over a layer's storage (`decode_attention`, what the Triton kernel computes;
   `attend_supported` says which caches it reads)

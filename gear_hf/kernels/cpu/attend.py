@@ -1,7 +1,8 @@
 """Fused decode attention on the CPU (numba): attend straight from GEAR storage, one (row, KV head) at a time.
 
 What `gear_hf.kernels.decode.decode_attention` (Triton) computes, from the same inputs (`views`: the storage
-tensors and the row layout, no cache object), for CPU tensors; `gear_hf.kernels.reference` is the oracle of both.
+tensors and the row layout, no cache object), for CPU tensors; `gear_hf.cache.fused.reference_decode_attention` is
+the oracle of both.
 Why: the reference path writes every key (rotated) and value of the history into a [B,H,T,d] workspace at every
 step and then runs the model's attention function over it (HF's sdpa first repeats K and V for every query head
 of a group), so a decode step moved the history through memory several times. Here, per (row, KV head):
@@ -26,8 +27,10 @@ import numba
 import numpy as np
 import torch
 
+from ...format import stream_specs
 from ...rope import rope_angles
-from .read import _NO_FACTORS, _NO_ROTATION, _assemble, _hadamard_rows, _scratch, decompress_supported, prepared
+from .dequant import _assemble, _hadamard_rows, _scratch
+from .read import _NO_FACTORS, _NO_ROTATION, decompress_supported, prepared
 
 _F32 = np.float32
 # numba: reductions over channels need reassociation to vectorize; no finite-math flags (masked scores are -inf)
@@ -231,8 +234,6 @@ def supported(config, head_dim: int, query_dtype: torch.dtype) -> str | None:
     if head_dim % 2:
         return f"head_dim={head_dim} is odd (RoPE rotates halves)"
     probe = torch.empty(0, dtype=torch.float32)
-    from ...format import stream_specs
-
     for stream in ("key", "value"):
         for spec in stream_specs(config, stream):
             if not decompress_supported(spec, head_dim, probe):

@@ -1,10 +1,14 @@
-"""Pure-torch oracle and fixtures for the kernels (no triton import): used by the tests and the benchmark.
+"""The cache-facing side of the fused decode kernels: what takes a GearCache layer, builds its views and calls a
+kernel that takes only tensors (`gear_hf.kernels`, which imports nothing from `gear_hf.cache`), and the pure-torch
+oracle and fixtures the kernels are checked against (tests, benchmarks, compile_check; no triton import).
 
-`reference_decode_attention` computes, in float32, what the fused decode kernel must produce: every row's
-tokens in row-local order, reconstructed by the torch engine (`ChunkStore.reconstruct`, i.e.
-`gear_hf.compress.decompress`), rotated at their stored positions, and attended with a causal (and optional
-sliding-window) softmax. `build_cache` fills a `GearCache` with random keys/values through its public entry
-point (`store_and_read`), with left padding and several steps.
+* `cache_decode_attention` - the Triton decode attention over one layer (`GearCache.kernel_views`);
+* `reference_decode_attention` computes, in float32, what the fused decode kernels must produce: every row's
+  tokens in row-local order (`row_local_tokens`), reconstructed by the torch engine (`ChunkStore.reconstruct`, i.e.
+  `gear_hf.compress.decompress`), rotated at their stored positions, and attended with a causal (and optional
+  sliding-window) softmax;
+* `build_cache` fills a `GearCache` with random keys/values through its public entry point (`store_and_read`),
+  with left padding and several steps.
 """
 
 from __future__ import annotations
@@ -14,6 +18,21 @@ import types
 import torch
 
 from ..rope import rope_tables, rotate_half
+
+
+def cache_decode_attention(cache, layer_idx: int, query: torch.Tensor, *, scaling: float,
+                           inv_freq: torch.Tensor, attention_scaling: float = 1.0,
+                           sliding_window: int | None = None, out: torch.Tensor | None = None,
+                           **tuning) -> torch.Tensor:
+    """Fused attention of `query` [B,Hq,q,d] over layer `layer_idx` of a GearCache (`GearCache.kernel_views`:
+    during a step what it attends to, between steps what the layer holds). Returns [B, q, Hq, d]."""
+    from ..kernels.decode import decode_attention  # imports triton: only on this path
+
+    keys, values, layout = cache.kernel_views(layer_idx, query.shape[2], query.device)
+    shared = cache.kernel_state  # the cache's workspace and tables, as its own fused steps use them
+    return decode_attention(query, keys, values, layout, scaling=scaling, inv_freq=inv_freq,
+                            attention_scaling=attention_scaling, sliding_window=sliding_window, out=out,
+                            workspace=shared.workspace, tables=shared.tables, **tuning)
 
 
 def row_local_tokens(cache, layer_idx: int, dtype=torch.float32):
@@ -84,7 +103,7 @@ def build_cache(gear_config, *, batch: int, kv_heads: int, head_dim: int, steps:
 
     Keys get a few large fixed channels (like real keys) so the per-channel quantization and the outliers
     matter. Returns (cache, last_step_keys, last_step_values)."""
-    from ..cache import GearCache
+    from .gear_cache import GearCache
 
     pad = pad or [0] * batch
     gen = torch.Generator(device="cpu").manual_seed(seed)

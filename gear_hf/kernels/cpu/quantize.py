@@ -1,0 +1,172 @@
+"""CPU compression kernel, quantization (numba): a plane's group statistics and codes (`quant.quantize`,
+`quant._stored_stats`), the outliers' exact codes and values (`gear.exact_outliers`) and the residual R = X - D̂ - S
+the low-rank term is fitted to, bit for bit (the same float32 operations in the same order). Used by
+`compress._compress`."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from .bf16 import bf16_step as _bf16_next, bf16_value as _f32, round_bf16 as _bf16
+
+_F32 = np.float32
+_INF = _F32(np.inf)
+
+
+@numba.njit(inline="always")
+def _in_model(v, model_bf16):
+    """v rounded to the model dtype (bf16 or float32) and back to float32."""
+    return _f32(_bf16(v)) if model_bf16 else v
+
+
+# -- quantization (quant.quantize, quant._stored_stats) -------------------------------------------------------
+@numba.njit(inline="always")
+def _stats(lo, hi, top):
+    """(minimum, scale) bf16 bits for a group spanning [lo, hi], as `quant._stored_stats`; an empty group (lo
+    infinite) is [0, 0]."""
+    if lo == _INF or lo == -_INF:
+        lo, hi = _F32(0.0), _F32(0.0)
+    minimum = _bf16(lo)
+    if _f32(minimum) > lo:
+        minimum = _bf16_next(minimum, False)
+    m = _f32(minimum)
+    scale = _bf16((hi - m) / _F32(top))
+    if m + _F32(top) * _f32(scale) < hi:
+        scale = _bf16_next(scale, True)
+    return minimum, scale
+
+
+@numba.njit(inline="always")
+def _code(v, m, safe, top):
+    c = np.rint((v - m) / safe)
+    return np.uint8(min(max(c, _F32(0.0)), _F32(top)))
+
+
+@numba.njit(inline="always")
+def _safe(scale_bits):
+    s = _f32(scale_bits)
+    return s if s > 0 else _F32(1.0)
+
+
+@numba.njit(inline="always")
+def _quantize_channel(plane, excluded, group, tops, scale, minimum, codes):
+    """Groups of `group` tokens per channel: stats [n/group, d] (bf16 bits), codes [n, d]; tops [d]: each
+    channel's highest code (its width's, for widths per channel)."""
+    n, d = plane.shape
+    lo, hi = np.empty(d, _F32), np.empty(d, _F32)
+    m, safe = np.empty(d, _F32), np.empty(d, _F32)
+    for g in range(n // group):
+        lo[:] = _INF
+        hi[:] = -_INF
+        for t in range(g * group, (g + 1) * group):
+            for c in range(d):  # (selects, not branches: the loop vectorizes)
+                v = plane[t, c]
+                lo[c] = min(lo[c], _INF if excluded[t, c] else v)
+                hi[c] = max(hi[c], -_INF if excluded[t, c] else v)
+        for c in range(d):
+            minimum[g, c], scale[g, c] = _stats(lo[c], hi[c], tops[c])
+            m[c], safe[c] = _f32(minimum[g, c]), _safe(scale[g, c])
+        for t in range(g * group, (g + 1) * group):
+            for c in range(d):
+                codes[t, c] = _code(plane[t, c], m[c], safe[c], tops[c])
+
+
+@numba.njit(inline="always")
+def _quantize_token(plane, excluded, group, top, scale, minimum, codes):
+    """Groups of `group` channels per token (the last one shorter when group does not split d): stats [n, G]."""
+    n, d = plane.shape
+    G = scale.shape[1]
+    for t in range(n):
+        for k in range(G):
+            lo, hi = _INF, -_INF
+            for c in range(k * group, min(d, (k + 1) * group)):
+                v = plane[t, c]
+                lo = min(lo, _INF if excluded[t, c] else v)
+                hi = max(hi, -_INF if excluded[t, c] else v)
+            minimum[t, k], scale[t, k] = _stats(lo, hi, top)
+            m, safe = _f32(minimum[t, k]), _safe(scale[t, k])
+            for c in range(k * group, min(d, (k + 1) * group)):
+                codes[t, c] = _code(plane[t, c], m, safe, top)
+
+
+# -- an outlier's code and value (gear.exact_outliers) --------------------------------------------------------
+_CODE_STEPS = (0, 1, -1, 2, -2)
+_ULP_STEPS = (0, 1, -1, 2, -2)
+
+
+@numba.njit(inline="always")
+def _exact(target, code, scale, minimum, top, model_bf16):
+    """(code, S bf16 bits) such that code*scale + minimum + S, in float32, rounds to target in the model dtype:
+    the first hit of the code steps x ulp steps, else the entry's code and the nearest S."""
+    first_code, first_s = code, _bf16(target - (_F32(code) * scale + minimum))
+    for code_step in _CODE_STEPS:
+        c = min(max(np.int64(code) + code_step, 0), top)
+        base = _F32(c) * scale + minimum
+        nearest = _bf16(target - base)
+        for ulps in _ULP_STEPS:
+            s = nearest
+            for _ in range(abs(ulps)):
+                s = _bf16_next(s, ulps > 0)
+            if _in_model(base + _f32(s), model_bf16) == target:
+                return np.uint8(c), s
+    return first_code, first_s
+
+
+@numba.njit(inline="always")
+def _exact_entries(plane, codes, channel_axis, group, k, top, model_bf16, scale, minimum, slot_index, slot_used,
+                   sparse, index):
+    """The chosen slots' index and S (0 at unused slots), and the entries' codes (`_exact`)."""
+    for v in range(slot_index.shape[0]):
+        for s in range(k):
+            position = slot_index[v, s]
+            t, c = (position, v) if channel_axis else (v, position)
+            at = (s, v) if channel_axis else (v, s)
+            index[at] = position
+            if slot_used[v, s]:
+                g = (t // group, c) if channel_axis else (t, c // group)
+                codes[t, c], sparse[at] = _exact(plane[t, c], codes[t, c], _f32(scale[g]), _f32(minimum[g]), top,
+                                                 model_bf16)
+            else:
+                sparse[at] = 0
+
+
+@numba.njit(inline="always")
+def _residual(plane, codes, channel_axis, group, scale, minimum, k, slot_index, slot_used, sparse, out):
+    """out [n, d] = X - (D̂ + S): D̂ = code*scale + minimum, S added at the used slots (as scatter_add adds every
+    slot, an unused one adding 0 at index 0)."""
+    n, d = plane.shape
+    if channel_axis:
+        for t in range(n):
+            g = t // group
+            for c in range(d):
+                out[t, c] = plane[t, c] - (_F32(codes[t, c]) * _f32(scale[g, c]) + _f32(minimum[g, c]))
+    else:
+        for t in range(n):
+            for g in range(scale.shape[1]):
+                s, m = _f32(scale[t, g]), _f32(minimum[t, g])
+                for c in range(g * group, min(d, (g + 1) * group)):
+                    out[t, c] = plane[t, c] - (_F32(codes[t, c]) * s + m)
+    for v in range(d if channel_axis else n):
+        unused = False
+        for s in range(k):
+            if not slot_used[v, s]:
+                unused = True
+                continue
+            t, c = (slot_index[v, s], v) if channel_axis else (v, slot_index[v, s])
+            out[t, c] = plane[t, c] - _approx(codes, channel_axis, group, scale, minimum, sparse, t, c, s, v)
+        if unused:  # unused slots (index 0) add 0 to entry 0 after its own S, if it has one
+            t, c = (0, v) if channel_axis else (v, 0)
+            approx = _F32(codes[t, c]) * _f32(scale[(0, c) if channel_axis else (t, 0)]) \
+                + _f32(minimum[(0, c) if channel_axis else (t, 0)])
+            for s in range(k):
+                if slot_used[v, s] and slot_index[v, s] == 0:
+                    approx = _approx(codes, channel_axis, group, scale, minimum, sparse, t, c, s, v)
+            out[t, c] = plane[t, c] - (approx + _F32(0.0))
+
+
+@numba.njit(inline="always")
+def _approx(codes, channel_axis, group, scale, minimum, sparse, t, c, s, v):
+    """D̂ + S at outlier entry (t, c) of slot s of vector v."""
+    g = (t // group, c) if channel_axis else (t, c // group)
+    return _F32(codes[t, c]) * _f32(scale[g]) + _f32(minimum[g]) + _f32(sparse[(s, v) if channel_axis else (v, s)])

@@ -1,0 +1,116 @@
+"""Unpacking of GEAR's packed codes and 16-bit rows in registers (the layouts of gear_hf.compress.quant): 32-bit
+words of 2/4/8-bit codes, 3-bit units of 3 bytes, bit planes of widths allocated per channel."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _join4(c0, c1, c2, c3):
+    """Four [R, C] tiles -> [R, C, 4], tile j at index j of the last axis."""
+    return tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), [c0.shape[0], c0.shape[1], 4])
+
+
+@triton.jit
+def _join8(c0, c1, c2, c3, c4, c5, c6, c7):
+    """Eight [R, C] tiles -> [R, C, 8], tile j at index j of the last axis."""
+    even = tl.reshape(tl.join(tl.join(c0, c4), tl.join(c2, c6)), [c0.shape[0], c0.shape[1], 4])
+    odd = tl.reshape(tl.join(tl.join(c1, c5), tl.join(c3, c7)), [c0.shape[0], c0.shape[1], 4])
+    return tl.reshape(tl.join(even, odd), [c0.shape[0], c0.shape[1], 8])
+
+
+@triton.jit
+def _join16(c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15):
+    """Sixteen [R, C] tiles -> [R, C, 16], tile j at index j of the last axis."""
+    even = _join8(c0, c2, c4, c6, c8, c10, c12, c14)
+    odd = _join8(c1, c3, c5, c7, c9, c11, c13, c15)
+    return tl.reshape(tl.join(even, odd), [c0.shape[0], c0.shape[1], 16])
+
+
+@triton.jit
+def _unpack_words(w, BITS: tl.constexpr):
+    """Codes of 32-bit little-endian words w [R, C] of 2/4/8-bit codes (code j at bits BITS*j, the byte order
+    of gear_hf.compress.quant's packing read four bytes at a time): int32 [R, C, 32 // BITS] in code order."""
+    if BITS == 8:
+        return _join4(w & 255, (w >> 8) & 255, (w >> 16) & 255, (w >> 24) & 255)
+    elif BITS == 4:
+        return _join8(w & 15, (w >> 4) & 15, (w >> 8) & 15, (w >> 12) & 15, (w >> 16) & 15, (w >> 20) & 15,
+                      (w >> 24) & 15, (w >> 28) & 15)
+    else:
+        tl.static_assert(BITS == 2, "words of 2, 4 or 8-bit codes")
+        return _join16(w & 3, (w >> 2) & 3, (w >> 4) & 3, (w >> 6) & 3, (w >> 8) & 3, (w >> 10) & 3,
+                       (w >> 12) & 3, (w >> 14) & 3, (w >> 16) & 3, (w >> 18) & 3, (w >> 20) & 3, (w >> 22) & 3,
+                       (w >> 24) & 3, (w >> 26) & 3, (w >> 28) & 3, (w >> 30) & 3)
+
+
+@triton.jit
+def _unpack_3bit_units(p, step, mask):
+    """3-bit codes of the packing units whose first byte `p` [R, C] points at (a unit's bytes `step` apart):
+    int32 [R, C, 8] in code order. A unit is 8 codes in 3 bytes, a 2-bit plane of two bytes then a 1-bit plane
+    (the layout of gear_hf.compress.quant); units do not align with 32-bit words, so each byte is loaded once
+    and unpacked with shifts and masks in registers."""
+    b0 = tl.load(p, mask=mask, other=0).to(tl.int32)
+    b1 = tl.load(p + step, mask=mask, other=0).to(tl.int32)
+    hi = tl.load(p + 2 * step, mask=mask, other=0).to(tl.int32) << 2  # bit j of the plane -> bit j + 2
+    return _join8(b0 & 3 | hi & 4, (b0 >> 2) & 3 | (hi >> 1) & 4, (b0 >> 4) & 3 | (hi >> 2) & 4,
+                  (b0 >> 6) | (hi >> 3) & 4, b1 & 3 | (hi >> 4) & 4, (b1 >> 2) & 3 | (hi >> 5) & 4,
+                  (b1 >> 4) & 3 | (hi >> 6) & 4, (b1 >> 6) | (hi >> 7) & 4)
+
+
+@triton.jit
+def _load_rows(p, mask, C: tl.constexpr):
+    """float32 [R, C] of the 16-bit (bf16/fp16) or float32 elements p [R] + arange(C) (rows 4-byte aligned). 16-bit
+    rows are read as 32-bit words and split in registers: wide loads whatever layout the consumer wants (a plain
+    16-bit load takes the consumer's layout, often one element per load)."""
+    ty: tl.constexpr = p.dtype.element_ty
+    if ty == tl.float32:
+        x = tl.load(p[:, None] + tl.arange(0, C)[None, :], mask=mask, other=0.0)
+    else:
+        w = tl.load(p.to(tl.pointer_type(tl.int32))[:, None] + tl.arange(0, C // 2)[None, :], mask=mask, other=0)
+        if ty == tl.bfloat16:  # a bf16 is the top half of the float32 with the same value
+            lo = (w << 16).to(tl.float32, bitcast=True)
+            hi = (w & -65536).to(tl.float32, bitcast=True)
+        else:
+            lo = (w & 65535).to(tl.int16).to(ty, bitcast=True).to(tl.float32)
+            hi = (w >> 16).to(tl.int16).to(ty, bitcast=True).to(tl.float32)
+        x = tl.reshape(tl.join(lo, hi), [w.shape[0], C])
+    return x
+
+
+@triton.jit
+def _swap_bits(x, SHIFT: tl.constexpr, MASK: tl.constexpr):
+    """x with its bits under MASK swapped with the bits SHIFT places above them (a step of a bit-matrix transpose)."""
+    t = (x ^ (x >> SHIFT)) & MASK
+    return x ^ t ^ (t << SHIFT)
+
+
+@triton.jit
+def _plane_codes(codes_b, s_codes, widths_b, slot0, slot_end, ch0, BN: tl.constexpr, C: tl.constexpr):
+    """Codes of per-channel widths (quant.pack_planes: per 8 tokens, channel c's bit planes at byte offset
+    sum(widths[:c]), plane j holding bit j of the 8 tokens' codes) of channels [ch0, ch0 + C) (ch0: 0, or C for the
+    second half of a head) at store slots slot0 + arange(BN): int32 [BN, C]. widths_b: this chunk's widths [D]."""
+    c = tl.arange(0, C)
+    widths = tl.load(widths_b + ch0 + c).to(tl.int32)
+    before = tl.sum(tl.load(widths_b + c, mask=c < ch0, other=0).to(tl.int32), axis=0)  # the first half's bits
+    offset = before + tl.cumsum(widths, axis=0) - widths
+    units = slot0 // 8 + tl.arange(0, BN // 8)
+    row = codes_b + units[:, None] * s_codes + offset[None, :]
+    live = (units * 8 < slot_end)[:, None]
+    # the 8 planes as two 32-bit words (byte j of lo: plane j, of hi: plane 4 + j; absent planes: 0)
+    lo = tl.zeros([BN // 8, C], tl.int32)
+    hi = tl.zeros([BN // 8, C], tl.int32)
+    for j in tl.static_range(4):
+        lo |= tl.load(row + j, mask=live & (j < widths)[None, :], other=0).to(tl.int32) << (8 * j)
+        hi |= tl.load(row + 4 + j, mask=live & (4 + j < widths)[None, :], other=0).to(tl.int32) << (8 * j)
+    # the 8x8 bit matrix transposed (quant._transpose_bits8 on the 64-bit word lo | hi << 32, in 32-bit halves):
+    # then byte t of lo | hi << 32 is token t's code. The masks drop what the arithmetic right shifts bring in.
+    lo = _swap_bits(_swap_bits(lo, 7, 0x00AA00AA), 14, 0x0000CCCC)
+    hi = _swap_bits(_swap_bits(hi, 7, 0x00AA00AA), 14, 0x0000CCCC)
+    lo_nibbles = lo & 0x0F0F0F0F  # the 28-bit step of the 64-bit word: low nibbles of hi <-> high nibbles of lo
+    hi_nibbles = hi & 0x0F0F0F0F
+    lo, hi = lo_nibbles | (hi_nibbles << 4), (hi ^ hi_nibbles) | ((lo >> 4) & 0x0F0F0F0F)
+    code = _join8(lo & 255, (lo >> 8) & 255, (lo >> 16) & 255, (lo >> 24) & 255, hi & 255, (hi >> 8) & 255,
+                  (hi >> 16) & 255, (hi >> 24) & 255)  # [BN/8, C, 8]
+    return tl.reshape(tl.permute(code, (0, 2, 1)), [BN, C])

@@ -1,0 +1,92 @@
+"""Layering of the package, read from the source with `ast` (nothing is imported):
+
+* nothing under gear_hf/kernels imports gear_hf.cache: kernels take tensors and views, and what takes a GearCache
+  layer lives in gear_hf.cache.fused (the import circle cache -> storage -> kernels -> cache is gone);
+* no file of gear_hf is longer than MAX_LINES.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "gear_hf"
+KERNELS = PACKAGE / "kernels"
+MAX_LINES = 450
+# Command-line tools under kernels/ that sit above both kernels and cache: compile_check builds caches to plan the
+# real launches (`python -m gear_hf.kernels.compile_check`). No module of the package may import them
+# (test_tools_stay_out_of_the_import_graph), so they add no edge to the library's import graph.
+TOOLS = {KERNELS / "compile_check.py"}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Absolute names of the modules a file of the package imports anywhere in it."""
+    return modules_imported_by(path.read_text(), _module_name(path), path.name == "__init__.py")
+
+
+def modules_imported_by(source: str, module: str, is_package: bool = False) -> set[str]:
+    """Absolute names of the modules `source` (module `module`) imports anywhere in it: relative imports resolved
+    against its package; `from a import b` counts as a and a.b; string arguments of importlib.import_module and
+    __import__ too."""
+    package = module.split(".") if is_package else module.split(".")[:-1]
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module
+            names.add(name)
+            names.update(f"{name}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if called in ("import_module", "__import__") and isinstance(node.args[0].value, str):
+                names.add(node.args[0].value)
+    return names
+
+
+def _imports_cache(names: set[str]) -> list[str]:
+    return sorted(n for n in names if n == "gear_hf.cache" or n.startswith("gear_hf.cache."))
+
+
+def test_the_checker_sees_every_form_of_import():
+    """Relative, absolute, from-package and importlib forms of an import of the cache are all seen, inside
+    functions too; imports of other modules are not taken for it."""
+    cases = {"from ...cache import GearCache": True, "from ...cache.layer import x": True,
+             "import gear_hf.cache.fused": True, "from gear_hf import cache": True, "from ... import cache": True,
+             "importlib.import_module('gear_hf.cache')": True, "from ...compress import gear": False,
+             "from .. import views": False, "import gear_hf.cached": False}
+    for code, expected in cases.items():
+        names = modules_imported_by(f"def f():\n    {code}\n", "gear_hf.kernels.cpu.probe")
+        assert bool(_imports_cache(names)) == expected, (code, sorted(names))
+    assert _imports_cache(modules_imported_by("from ..cache import x\n", "gear_hf.kernels", is_package=True))
+
+
+def test_kernels_do_not_import_the_cache():
+    offenders = {str(path.relative_to(ROOT)): found for path in sorted(KERNELS.rglob("*.py")) if path not in TOOLS
+                 if (found := _imports_cache(imported_modules(path)))}
+    assert not offenders, f"gear_hf/kernels must not import gear_hf.cache (move the glue to gear_hf/cache/fused.py): " \
+                          f"{offenders}"
+
+
+def test_tools_stay_out_of_the_import_graph():
+    tools = {_module_name(path) for path in TOOLS}
+    offenders = {str(path.relative_to(ROOT)): sorted(imported_modules(path) & tools)
+                 for path in sorted(PACKAGE.rglob("*.py")) if imported_modules(path) & tools}
+    assert not offenders, f"command-line tools imported by package modules: {offenders}"
+
+
+def test_no_file_longer_than_max_lines():
+    lengths = {str(path.relative_to(ROOT)): len(path.read_text().splitlines()) for path in PACKAGE.rglob("*.py")}
+    offenders = {name: n for name, n in sorted(lengths.items()) if n > MAX_LINES}
+    assert not offenders, f"files over {MAX_LINES} lines (split them by responsibility): {offenders}"
