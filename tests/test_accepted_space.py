@@ -8,20 +8,25 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
-
-import gear_hf  # noqa: E402
-from gear_hf import GearConfig  # noqa: E402
+import gear_hf
+from gear_hf import GearConfig
 
 HEAD_DIMS = (16, 20, 24, 32, 40, 48, 64, 72, 80, 96, 112, 128, 160, 256)
 GQA = ((4, 4), (4, 1), (7, 1), (6, 2))  # (query heads, KV heads): ratios 1, 4, 7, 3
 
 
 def _model(arch: str, head_dim: int, heads: tuple[int, int], dtype: torch.dtype):
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, \
-        Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     q_heads, kv_heads = heads
     common = dict(vocab_size=64, hidden_size=q_heads * head_dim, head_dim=head_dim, intermediate_size=32,

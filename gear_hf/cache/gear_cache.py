@@ -17,9 +17,9 @@ from transformers.cache_utils import Cache
 from .. import backends  # light: triton and numba are imported only when a kernel runs
 from ..config import GearConfig
 from ..rope import RotaryMemo
-from .layer import GearLayer
 from .fused_path import FusedPath
 from .kernel_state import KernelState
+from .layer import GearLayer
 from .layout import RowLayout, SlotPlan
 from .memory import memory_report, summary
 from .workspace import StepWorkspace
