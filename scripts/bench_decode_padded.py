@@ -85,6 +85,12 @@ def main(argv=None) -> int:
     cond = benchlib.Conditions(extra={"model": "SmolLM2-135M shapes, random weights", "dtype": "float32", "T": args.T,
                                       "new_tokens": args.new, "repeats": args.repeats, "clock": args.clock})
     benchlib.print_conditions(cond)
+    warm = torch.randint(3, 49000, (1, args.T))
+    warmups = {}
+    for m in methods:  # untimed, so that no timed run includes kernel compilation (numba / Triton, first use)
+        warmups[m] = benchlib.warm_up(model, warm, m)
+    gear_hf.disable(model)  # (warm_up leaves the last method enabled; decode_ms enables each one itself)
+    print("warm-up: " + ", ".join(f"{m} {s:.1f}s" for m, s in warmups.items()), flush=True)
     best = {}
     for batch, padded in ((1, False), (4, False), (4, True)):
         ids = torch.randint(3, 49000, (batch, args.T))
@@ -106,7 +112,9 @@ def main(argv=None) -> int:
     rows.append("| fused share of decode layer-steps | – | " + " | ".join(
         f"{paths[m]['fused'] / max(1, sum(paths[m].values())):.0%}" for m in methods[1:]) + " |")
     body = (f"T={args.T} prompt tokens (the padded batch: row r with 37*r of them padding), {args.new} new tokens, "
-            f"greedy; {args.clock} time; minimum of {args.repeats} interleaved runs.\n\n" + "\n".join(rows))
+            f"greedy; {args.clock} time; minimum of {args.repeats} interleaved runs, after one untimed warm-up generate "
+            f"per method (seconds, kernel compilation included: "
+            + ", ".join(f"{m} {s:.1f}" for m, s in warmups.items()) + ").\n\n" + "\n".join(rows))
     out = benchlib.Path(args.out) / "decode-padded.md"
     benchlib.write_summary(out, "Decode ms/step, padded and unpadded batches", cond.finish(), body)
     print(out.read_text())

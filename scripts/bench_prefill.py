@@ -114,7 +114,8 @@ def main(argv=None) -> int:
             ids = all_ids[:, :T]
             if ids.shape[1] < T:
                 raise SystemExit(f"text too short for T={T}")
-            prefill(model, ids[:, :128], "gear-2")  # warm-up
+            for method in methods:  # untimed warm-up of each method's kernels (numba compiles on first use)
+                prefill(model, ids[:, :512], method)
             for rep in range(args.repeats):
                 order = ["dynamic", *methods]
                 order = order[rep % len(order):] + order[: rep % len(order)]

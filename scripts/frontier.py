@@ -148,7 +148,7 @@ def grid(kind: str) -> dict:
                          **short_buffer)]
     for key_bits, value_bits in ((3, 2), (3, 3), (4, 3)):
         points += [point("kivi", key_bits, value_bits, rotation="values", range_search="values", **short_buffer)]
-    # round 8: the same without the value range search (compress-time cost: see README), values per token or
+    # round 8: the same without the value range search (compress-time cost: see docs/results.md), values per token or
     # per channel
     for key_bits, value_bits in ((3.5, 3), (3.5, 2), (3.125, 3)):
         points += [point("kivi", key_bits, value_bits, rotation="values", allocate=True, sink=4, key_group=128,

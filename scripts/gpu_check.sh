@@ -10,8 +10,9 @@
 #      attention vs the float32 oracle at T up to 32k with Llama-3-8B head shapes in bf16, poisoned output,
 #      two GPUs (skipped with one), end-to-end generate through the fused path;
 #   3. the decode-attention benchmark (scripts/bench_decode_attention.py), eager and CUDA-graph timings:
-#      fused GEAR 2/4-bit, GEAR-L 2-bit, GearConfig() (kivi k4v2, rotated) and recommended "compact" (k3v2,
-#      values per channel) vs fp16 SDPA at T = 8k/1k, batch 8 and 1; a padded batch of 8 rows
+#      fused GEAR 2/4-bit, GEAR-L 2-bit, GearConfig() (kivi: keys 3.125 bits per channel on average, widths
+#      allocated from the queries as bit planes; 3-bit values per token, rotated; config.py RECOMMENDED "accurate")
+#      and recommended "compact" (keys 2.5 bits allocated, 2-bit values per channel, ranges searched) vs fp16 SDPA at T = 8k/1k, batch 8 and 1; a padded batch of 8 rows
 #      of 8 lengths vs masked fp16 SDPA; num_warps 4/8 x num_stages 1/2/3; and the share of decode layer-steps
 #      on the fused path in greedy generation of a padded batch of 8 rows -> $OUT/bench_decode_attention.*;
 #   4. with the time left, the CPU-interpreted kernel suites compiled for the GPU (extra coverage).

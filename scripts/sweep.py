@@ -170,6 +170,7 @@ def run_cell(lm, task_manager, args, cell: Cell, task: str, sig: dict, out: Path
         "n_total": sum(v for k, v in n.items()) if task not in n else n[task],
         "kv_bits_per_element": stats.kv_bits_per_element, "tokens_per_second": stats.tokens_per_second,
         "new_tokens": stats.new_tokens, "generate_seconds": stats.seconds, "wall_seconds": wall,
+        "warmup_seconds": stats.warmup_seconds,  # the untimed warm-up generate (kernel compilation), not in tokens/s
         "finished": _dt.datetime.now().isoformat(timespec="seconds"), "git_commit": git_commit(), "signature": sig,
     }
     record_path, samples_path = cell_paths(out, cell, task)

@@ -48,7 +48,7 @@ def test_fp16_preset_reproduces_stock_greedy(gemma3):
 
 def test_gear4_teacher_forced_fidelity(gemma3):
     """Teacher forced on stock's greedy continuation of a 1-shot GSM8K prompt (compressed at prefill: the
-    prompt is several groups long). Over 1024 tokens (> the window) see scripts/bench_kl.py (README)."""
+    prompt is several groups long). Over 1024 tokens (> the window) see scripts/bench_kl.py (docs/design.md)."""
     from gear_hf.diagnostics import teacher_forced_agreement
 
     model, tokenizer = gemma3

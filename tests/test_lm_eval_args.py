@@ -8,7 +8,7 @@ pytest.importorskip("lm_eval")
 
 from gear_hf import GearConfig  # noqa: E402
 from gear_hf.lm_eval import cli, sharding  # noqa: E402
-from gear_hf.lm_eval.args import ModelArgsError, gear_keys, parse_gear_args, split_model_args  # noqa: E402
+from gear_hf.lm_eval.args import ModelArgsError, config_name, gear_keys, parse_gear_args, split_model_args  # noqa: E402
 
 
 def test_every_gearconfig_field_is_a_key():
@@ -55,6 +55,19 @@ def test_recommended_names():
         parse_gear_args({"recommended": "small", "preset": "gear-2"})
 
 
+@pytest.mark.parametrize("args, name", [
+    ({"recommended": "compact"}, "recommended=compact"),
+    ({"recommended": " compact ", "buffer_size": 256}, "recommended=compact"),
+    ({}, "default"),
+    ({"buffer_size": 256}, "default"),
+    ({"preset": "gear-2"}, None),  # named by GearConfig.describe()
+    ({"method": "kivi", "bits": 4}, None),
+])
+def test_config_name_is_how_the_args_named_it(args, name):
+    """Issue 27.6: recorded as gear_name in the results (recommended=compact was only kivi-k2.5v2-query-allocated)."""
+    assert config_name({"pretrained": "/m", **args}) == name
+
+
 def test_preset_names_with_bits():
     """Issue 11.5: the names the README, demo and sweep print are accepted as model_args."""
     assert parse_gear_args({"preset": "gear-2"}) == GearConfig.preset("gear", bits=2)
@@ -69,7 +82,8 @@ def test_pretrained_stays_a_string():
 @pytest.mark.parametrize("args, match", [
     ({"preset": "gearx"}, r"preset='gearx' is invalid \(did you mean 'gear'.*METHOD one of fp16 \| kivi"),
     ({"preset": "gear2"}, r"preset='gear2' is invalid \(did you mean 'gear-2', i.e. preset='gear', bits=2\)"),
-    ({"bits": 5}, r"value_bits=5 is invalid; allowed: 2, 3, 4 or 8"),  # (5: a valid mean key width)
+    ({"bits": 5}, r"^gear_hf --model_args: bits=5 is invalid; allowed: 2, 3, 4, 8 \(sets key_bits and value_bits\)$"),
+    ({"preset": "gear", "bits": 5}, r"^gear_hf --model_args: bits=5 is invalid; allowed: 2, 3, 4, 8 "),
     ({"bits": "two"}, r"bits='two' is invalid; allowed: an integer"),
     ({"bits": True}, r"bits=True is invalid; allowed: an integer"),
     ({"outlier_ratio": "abc"}, r"outlier_ratio='abc' is invalid; allowed: a number"),
@@ -110,7 +124,7 @@ def test_model_rejects_bad_args_before_loading():
     """Errors come before any weights load (the path does not even exist)."""
     from gear_hf.lm_eval.model import GearHFLM
 
-    with pytest.raises(ModelArgsError, match="key_bits=5"):
+    with pytest.raises(ModelArgsError, match=" bits=5 is invalid"):
         GearHFLM(pretrained="/does/not/exist", preset="gear", bits=5)
     with pytest.raises(ModelArgsError, match="unknown key 'rank'"):
         GearHFLM(pretrained="/does/not/exist", rank=4)

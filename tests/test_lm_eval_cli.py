@@ -89,14 +89,49 @@ def test_every_task_end_to_end(tiny_model, data_dir, tmp_path):
     stats = config["gear_stats"]
     assert stats["sequences"] == 58 and stats["new_tokens"] > 0 and stats["tokens_per_second"] > 0
     assert stats["kv_reports"] == stats["calls"] and stats["kv_bits_per_element"] is not None
+    assert stats["warmup_seconds"] > 0 and config["gear_config"]["gear_config_version"] == 1
 
 
 @pytest.mark.slow
 def test_bad_model_args_fail_clearly(tiny_model, data_dir):
     proc = run_cli(["--model", "gear_hf", "--model_args", f"pretrained={tiny_model},preset=gear,bits=5",
                     "--tasks", "gsm8k_cot_gear", "--limit", "1"], env={DATA_DIR_ENV: str(data_dir)})
-    assert proc.returncode != 0
-    assert "key_bits=5 is invalid; allowed: 2, 3, 4 or 8" in proc.stderr
+    assert proc.returncode == 2  # a usage error, as argparse reports one (issue 27.6)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == "gear-lm-eval: error: gear_hf --model_args: bits=5 is invalid; allowed: 2, 3, 4, 8 (sets key_bits " \
+                   "and value_bits)"
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("warmup", [True, False])
+def test_recommended_is_recorded_by_name_and_the_warm_up_apart(tiny_model, warmup):
+    """Issue 27.3 / 27.6: recommended=compact is named in the results; tokens/s is timed after an untimed warm-up
+    generate, whose seconds are reported apart (gear_warmup=false: no warm-up)."""
+    from lm_eval.api.instance import Instance
+
+    from gear_hf import GearConfig
+    from gear_hf.lm_eval.cli import run_summary
+    from gear_hf.lm_eval.model import GearHFLM
+
+    lm = GearHFLM(pretrained=str(tiny_model), recommended="compact", gear_warmup=warmup, dtype="float32",
+                  device="cpu", batch_size=1)
+    gen = [Instance(request_type="generate_until", doc={}, arguments=("Q: 3 boxes of 4 pens.\nA:", {
+        "until": ["\n\n"], "max_gen_toks": 4, "do_sample": False}), idx=0)]
+    lm.generate_until(gen, disable_tqdm=True)
+    info = lm.get_model_info()
+    config = GearConfig.recommended(name="compact")
+    assert info["gear_name"] == info["gear_stats"]["gear_name"] == "recommended=compact"
+    assert info["gear_method"] == config.describe() and GearConfig.from_dict(info["gear_config"]) == config
+    stats = info["gear_stats"]
+    assert stats["calls"] == 1 and stats["new_tokens"] <= 4  # the warm-up is in neither the calls nor the tokens
+    line = run_summary(info)
+    assert line.startswith(f"gear_hf: recommended=compact ({config.describe()}) | KV bits/elem ")
+    if warmup:
+        assert stats["warmup_seconds"] > 0 and stats["warmup_tokens"] == config.buffer_size + 1
+        assert f"after a {stats['warmup_seconds']:.1f} s warm-up, kernel compilation excluded" in line
+    else:
+        assert stats["warmup_seconds"] is None and "warm-up" not in line
 
 
 @pytest.mark.slow

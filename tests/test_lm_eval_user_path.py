@@ -88,7 +88,8 @@ def test_help_has_a_gear_hf_section():
     proc = _run([str(BIN / "gear-lm-eval"), "--help"], timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     section = proc.stdout[proc.stdout.index("gear_hf (this wrapper"):]
-    for needle in ("preset", "gear-2", "gsm8k_cot_gear", "GEAR_HF_DATA_DIR", "--multi_gpu", "KV"):
+    for needle in ("preset", "gear-2", "gsm8k_cot_gear", "GEAR_HF_DATA_DIR", "--multi_gpu", "KV",
+                   "recommended (a measured frontier pick: small | compact | balanced | accurate", "gear_warmup"):
         assert needle in section, needle
 
 
@@ -129,21 +130,22 @@ def test_accelerate_launch_without_multi_gpu_stops_with_what_to_run(tiny):
 @pytest.mark.slow
 @pytest.mark.realweights
 def test_demo_as_in_the_readme(tmp_path):
-    """Issue 11.9: `make demo` (here with a short run): 8-shot GSM8K from ../shared/data, float32, the table with
-    KV bits/elem and tokens/s from the caches' reports."""
+    """Issue 11.9 / 27.4: `make demo` (here with a short run): SmolLM2 on the built-in 4-shot problems, float32, the
+    baseline labelled by its dtype, the default first after it, tokens/s after a warm-up shown apart."""
     import realweights
 
     realweights.require("smollm2")
-    _data_dir()
     make_line = [a for a in readme_command("make demo DEMO_ARGS=")]
     demo_args = shlex.split(make_line[2].split("=", 1)[1])
     rows = tmp_path / "rows.json"
-    proc = _run([sys.executable, "-m", "gear_hf.demo", *demo_args, "--methods", "fp16,gear-2", "--json", str(rows)],
-                timeout=600)
+    proc = _run([sys.executable, "-m", "gear_hf.demo", *demo_args, "--methods", "default,gear-2", "--json", str(rows)],
+                timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "(llama, float32), prompts: GSM8K test, 8-shot CoT" in proc.stdout
-    assert "method | KV bits/elem | tokens/s" in proc.stdout
+    assert "(llama, float32), prompts: built-in 4-shot CoT problems" in proc.stdout
+    assert "method | config | KV bits/elem | tokens/s | warm-up s" in proc.stdout
     assert "Pass `dtype=torch.float32`" not in proc.stderr  # transformers' advice when the demo ran bf16
-    data = {r["method"]: r for r in json.loads(rows.read_text())}
-    assert data["gear-2"]["bits_per_element"] < data["fp16"]["bits_per_element"]
-    assert data["fp16"]["prompt_tokens"] > 1000  # 8 worked GSM8K exemplars + the question
+    data = json.loads(rows.read_text())
+    assert [r["method"] for r in data] == ["float32 (uncompressed)", "default (GearConfig())", "gear-2"]
+    base, default, gear2 = data
+    assert base["bits_per_element"] == 32 and max(gear2["bits_per_element"], default["bits_per_element"]) < 32
+    assert all(r["warmup_seconds"] > 0 for r in data) and base["prompt_tokens"] > 300  # 4 worked exemplars

@@ -90,6 +90,29 @@ def test_cache_implementation_gear_with_cache_config():
         greedy(model, ids, mask, 2, cache_implementation="gear", cache_config={"rank": 3})
 
 
+def test_cache_implementation_gear_on_a_model_not_enabled_says_to_enable():
+    """Issue 27.6: transformers has no hook for cache names (GenerationConfig.validate checks a fixed tuple, 5.17
+    and 5.24); gear_hf wraps that check to add the hint, and nothing else changes."""
+    model = tiny_model("llama2")
+    ids, mask = prompts(1)
+    with pytest.raises(ValueError, match=r"Invalid `cache_implementation` \(gear\).*call gear_hf.enable\(model\)"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, cache_implementation="gear")
+    with pytest.raises(ValueError, match=r"Invalid `cache_implementation` \(no-such-cache\)") as info:
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, cache_implementation="no-such-cache")
+    assert "gear_hf" not in str(info.value)
+
+
+@pytest.mark.parametrize("how", ["positional", "input_ids"])
+def test_an_empty_prompt_is_a_clear_error(how):
+    """Issue 27.6: 0 prompt tokens failed inside the q/k/v projection ("cannot reshape tensor of 0 elements")."""
+    model = _enabled_model()
+    ids = torch.zeros(2, 0, dtype=torch.long)
+    call = (ids,) if how == "positional" else ()
+    kwargs = {} if how == "positional" else {"input_ids": ids}
+    with pytest.raises(ValueError, match=r"empty prompt \(input_ids of shape \[2, 0\]: 0 tokens per row\)"):
+        model.generate(*call, max_new_tokens=2, **kwargs)
+
+
 def test_deepcopy_generates_with_the_copy():
     model = _enabled_model()
     ids, mask = prompts(1)
@@ -136,7 +159,7 @@ def test_partial_model_is_refused_and_strict_is_gone():
 def test_triton_backend_without_cuda_fails_at_enable(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.delenv("GEAR_HF_BACKEND", raising=False)
-    model = tiny_model("llama2")
+    model = tiny_model("llama2", head_dim=32)  # (the fused kernel reads heads of 32 channels or more)
     gear_hf.enable(model, gear_hf.GearConfig())  # "auto" picks torch here: nothing to refuse
     gear_hf.disable(model)
     from gear_hf.backends import import_problem

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from ..compress.allocation import allocated_mean_bits
+
 COMPONENTS = ("codes", "scales", "lowrank", "sparse_values", "sparse_indices", "buffer", "positions")
 
 
@@ -117,7 +119,19 @@ def memory_report(cache) -> dict:
         "vs_16bit": held_bytes_16 / (elements * 2) if elements else 0.0,
         "method": cache.gear_config.describe(),
         "backends": cache.backend_names,
+        "key_bits_allocated": _key_bits_allocated(cache),
+        "key_bits": cache.gear_config.key_bits if cache.gear_config.compresses else None,
+        "head_dim": cache.shape[1] if cache.shape is not None else None,
     }
+
+
+def _key_bits_allocated(cache) -> float | None:
+    """The mean key width a head really gets with key_bit_allocation="query" (key_bits·head_dim rounded down to
+    whole bits: compress/allocation.py), else None."""
+    config = cache.gear_config
+    if config.key_bit_allocation != "query" or not config.compresses or cache.shape is None:
+        return None
+    return allocated_mean_bits(config.key_bits, cache.shape[1])
 
 
 def summary(report: dict) -> str:
@@ -127,4 +141,15 @@ def summary(report: dict) -> str:
             f"held ({report['bits_per_element_16bit']:.2f} with 16-bit floats) = "
             f"{100 * report['vs_model_dtype']:.1f}% of {report['model_dtype']} KV, "
             f"{report['held_bytes'] / mib:.2f} MiB held + {report['reserved_bytes'] / mib:.2f} MiB reserved"
-            + (f" + {report['derived_bytes'] / mib:.2f} MiB kernel state" if report.get("derived_bytes") else ""))
+            + (f" + {report['derived_bytes'] / mib:.2f} MiB kernel state" if report.get("derived_bytes") else "")
+            + _allocation_note(report))
+
+
+def _allocation_note(report: dict) -> str:
+    """Where a head's key bits could not be the asked mean exactly (key_bits·head_dim not whole), say so."""
+    allocated, asked = report.get("key_bits_allocated"), report.get("key_bits")
+    if allocated is None or asked is None or abs(allocated - asked) < 1e-12:
+        return ""
+    d = report["head_dim"]
+    return (f"; keys allocated {allocated:.4g} bits/channel on average (key_bits={asked} times head_dim {d} is not "
+            f"whole: rounded down to {round(allocated * d)} bits per head)")

@@ -16,7 +16,7 @@ import difflib
 import inspect
 from typing import Any
 
-from gear_hf.config import GearConfig
+from gear_hf.config import BITS, GearConfig
 
 _GEAR_FIELDS = {f.name: f for f in dataclasses.fields(GearConfig)}
 # GEAR keys that are not GearConfig fields.
@@ -35,6 +35,21 @@ _LM_EVAL_ADDED = frozenset({"batch_size", "max_batch_size", "device"})
 
 class ModelArgsError(ValueError):
     """A bad `--model_args` entry of the gear_hf model."""
+
+
+# Not a GearConfig key: whether the model runs an untimed warm-up generate before timing (model.py).
+WARMUP_KEY = "gear_warmup"
+
+
+def convert_flag(key: str, value: Any) -> bool:
+    """true/false from the CLI (already a bool) or the Python API ("false", 0, ...); else a ModelArgsError."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+        return value.strip().lower() in ("true", "1", "yes", "on")
+    raise _bad(key, value, "true or false")
 
 
 def _hflm_params() -> set[str]:
@@ -61,6 +76,11 @@ def hf_keys() -> list[str]:
     return sorted(_hflm_params() | FROM_PRETRAINED_KEYS | _LM_EVAL_ADDED)
 
 
+def other_keys() -> list[str]:
+    """Keys that are neither GEAR config keys nor HFLM's: gear_warmup."""
+    return [WARMUP_KEY]
+
+
 def _type_name(key: str) -> str:
     if key in _GEAR_EXTRA:
         return _GEAR_EXTRA[key]
@@ -75,13 +95,7 @@ def _bad(key: str, value: Any, allowed: str) -> ModelArgsError:
 def _convert(key: str, value: Any) -> Any:
     kind = _type_name(key)
     if kind == "bool":
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, int) and value in (0, 1):
-            return bool(value)
-        if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
-            return value.strip().lower() in ("true", "1", "yes", "on")
-        raise _bad(key, value, "true or false")
+        return convert_flag(key, value)
     if kind == "int":
         if isinstance(value, bool):
             raise _bad(key, value, "an integer")
@@ -121,11 +135,11 @@ def _number(key: str, value: Any) -> float:
 
 
 def _unknown(key: str) -> ModelArgsError:
-    known = gear_keys() + hf_keys()
+    known = gear_keys() + other_keys() + hf_keys()
     close = difflib.get_close_matches(key, known, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return ModelArgsError(
-        f"gear_hf --model_args: unknown key {key!r}{hint}. GEAR keys: {', '.join(gear_keys())}. "
+        f"gear_hf --model_args: unknown key {key!r}{hint}. GEAR keys: {', '.join(gear_keys() + other_keys())}. "
         f"Model keys (lm-eval hf): {', '.join(hf_keys())}.")
 
 
@@ -153,6 +167,8 @@ def parse_gear_args(args: dict[str, Any]) -> GearConfig:
     bits = gear.pop("bits", None)
     if bits is not None and ("key_bits" in gear or "value_bits" in gear):
         raise ModelArgsError("gear_hf --model_args: give bits, or key_bits/value_bits, not both")
+    if bits is not None and bits not in BITS:  # bits sets value_bits too, so a mean such as 3.5 is no bits= value
+        raise _bad("bits", bits, f"{', '.join(map(str, BITS))} (sets key_bits and value_bits)")
     try:
         both_bits = {"key_bits": bits, "value_bits": bits} if bits is not None else {}
         if recommended is not None:  # a frontier pick, fields changed
@@ -170,11 +186,24 @@ def parse_gear_args(args: dict[str, Any]) -> GearConfig:
         raise ModelArgsError(f"gear_hf --model_args: {message}") from None
 
 
+def config_name(args: dict[str, Any]) -> str | None:
+    """How the GEAR keys of `args` named the configuration, for the results: "recommended=compact" or "default"
+    (no preset, method or recommended: GearConfig(), the recommended "accurate"; fields may be changed); None for
+    a preset or method, which `GearConfig.describe()` names ("gear-2")."""
+    keys = _gear_key_map()
+    named = {keys[k]: v for k, v in args.items() if k in keys}
+    if "recommended" in named:
+        return f"recommended={str(named['recommended']).strip()}"
+    if "preset" in named or "method" in named:
+        return None
+    return "default"
+
+
 def split_model_args(args: dict[str, Any], *, strict: bool = True) -> tuple[GearConfig, dict[str, Any]]:
     """(GearConfig, the remaining HFLM keyword arguments). Unknown keys raise ModelArgsError when strict."""
     config = parse_gear_args(args)
     keys = _gear_key_map()
-    rest = {k: v for k, v in args.items() if k not in keys}
+    rest = {k: v for k, v in args.items() if k not in keys and k not in other_keys()}
     for key, value in rest.items():  # e.g. backend=triton meant for GEAR, not HFLM's causal/seq2seq switch
         prefixed = f"gear_{key}"
         if prefixed in keys and isinstance(value, str):

@@ -88,9 +88,11 @@ def with_task_dir(argv: Sequence[str]) -> list[str]:
 HELP = """
 gear_hf (this wrapper adds the `gear_hf` model and the task folder {task_dir}):
   --model gear_hf --model_args pretrained=DIR_OR_HUB_ID,preset=gear-2[,KEY=VALUE...]
-    GEAR keys: preset (alias method: fp16 | kivi | kcvt | outlier | gear-l | gear, or with bits: gear-2, kivi-4,
-      gear-k4v2), bits, and every GearConfig field (key_bits, value_bits, group_size, buffer_size, rank_prefill,
-      rank_decode, power_iters, outlier_ratio, sink_tokens, key_axis, value_axis, pre_rope, gear_backend).
+    GEAR keys: none = GearConfig() (the recommended default); recommended (a measured frontier pick: {recommended});
+      preset (alias method: fp16 | kivi | kcvt | outlier | gear-l | gear, or with bits: gear-2, kivi-4, gear-k4v2),
+      bits, and every GearConfig field (key_bits, value_bits, group_size, buffer_size, rank_prefill, rank_decode,
+      power_iters, outlier_ratio, sink_tokens, key_axis, value_axis, pre_rope, rotation, ..., gear_backend);
+      gear_warmup=false skips the untimed warm-up generate (kernel compilation) before the timed ones.
     Model keys: those of lm-eval's `hf` model (dtype, device, batch_size, gguf_file, attn_implementation, ...).
   --tasks gsm8k_cot_gear | aqua_cot_gear | bbh_cot_gear (27 subtasks, bbh_cot_gear_<subtask>) | gear_hf_cot (all)
   Data offline: --metadata '{{"data_dir": "DIR"}}' or GEAR_HF_DATA_DIR=DIR with DIR/gsm8k/test.jsonl,
@@ -98,8 +100,9 @@ gear_hf (this wrapper adds the `gear_hf` model and the task folder {task_dir}):
     the Hub datasets (openai/gsm8k, deepmind/aqua_rat, SaylorTwift/bbh).
   Data parallel: accelerate launch --multi_gpu --num_processes N -m gear_hf.lm_eval ... (GPUs, or CPU processes
     on a machine without CUDA), or torchrun --nproc_per_node N -m gear_hf.lm_eval ...
-  Results: results["config"] gains gear_config, gear_method and gear_stats (generated tokens, tokens/s, KV
-    bits/element of the caches); the console shows them after lm-eval's table.
+  Results: results["config"] gains gear_config (GearConfig.to_dict()), gear_name (how --model_args named it:
+    recommended=compact, preset=gear-2, default), gear_method and gear_stats (generated tokens, tokens/s after a
+    warm-up generate, compile_seconds of that warm-up, KV bits/element); the console shows them after lm-eval's table.
 """
 
 
@@ -108,7 +111,9 @@ def gear_help() -> str:
         folder = str(task_dir())
     except FileNotFoundError:
         folder = "(not found)"
-    return HELP.format(task_dir=folder)
+    from gear_hf.config import RECOMMENDED
+
+    return HELP.format(task_dir=folder, recommended=" | ".join(name for name, _, _ in RECOMMENDED))
 
 
 def show_gear_logs() -> None:
@@ -125,15 +130,20 @@ def show_gear_logs() -> None:
 
 
 def run_summary(info: dict | None) -> str | None:
-    """The line printed after lm-eval's table: GEAR method, KV bits/element, generated tokens/s."""
+    """The line printed after lm-eval's table: GEAR configuration, KV bits/element, generated tokens/s (timed after
+    the warm-up) and the warm-up's seconds (kernel compilation)."""
     if not info or "gear_stats" not in info:
         return None
     stats = info["gear_stats"]
     bits, speed = stats.get("kv_bits_per_element"), stats.get("tokens_per_second")
     world = info.get("gear_world_size", 1)
     share = f" (rank 0's share of {world} processes)" if world > 1 else ""
-    return (f"gear_hf: {info.get('gear_method', '?')} | KV bits/elem "
-            f"{'-' if bits is None else f'{bits:.2f}'} | tokens/s {'-' if speed is None else f'{speed:.1f}'} | "
+    compile_s = stats.get("warmup_seconds")
+    warm = f" (after a {compile_s:.1f} s warm-up, kernel compilation excluded)" if compile_s is not None else ""
+    name, method = info.get("gear_name"), info.get("gear_method", "?")
+    label = f"{name} ({method})" if name and name != method else method
+    return (f"gear_hf: {label} | KV bits/elem "
+            f"{'-' if bits is None else f'{bits:.2f}'} | tokens/s {'-' if speed is None else f'{speed:.1f}'}{warm} | "
             f"{stats.get('new_tokens', 0)} tokens generated in {stats.get('sequences', 0)} sequences{share}")
 
 
@@ -156,12 +166,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     from lm_eval.__main__ import cli_evaluate
 
     from gear_hf.lm_eval import model
+    from gear_hf.lm_eval.args import ModelArgsError
     from gear_hf.lm_eval.task_utils import DataUnavailable
 
     try:
         cli_evaluate()
     except DataUnavailable as err:
         raise SystemExit(f"gear-lm-eval: error: {err}") from None
+    except ModelArgsError as err:  # a usage error, reported as argparse reports one: one line, exit status 2
+        print(f"gear-lm-eval: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     finally:
         if wants_help:
             print(gear_help())

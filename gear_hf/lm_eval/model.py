@@ -8,9 +8,12 @@
   stock forward, so loglikelihood tasks score exactly as with `hf`.
 * GEAR keys (`preset`/`method`, `bits`, every GearConfig field) are validated before the weights load.
 * Data parallelism also across CPU processes (see `sharding`).
-* `get_model_info()` adds the GEAR config and generation statistics (generated tokens, tokens/s, KV bits per
-  element from the cache's `memory_report`) to lm-eval's results["config"]; under data parallelism these
-  statistics are rank 0's share.
+* Before the first timed generate of a config, one untimed warm-up generate runs (`gear_warmup=false` skips it),
+  so tokens/s excludes kernel compilation; its seconds are reported apart (`warmup_seconds`).
+* `get_model_info()` adds the GEAR config (`GearConfig.to_dict()`), how it was named (`gear_name`:
+  "recommended=compact", "preset=gear-2", "default") and generation statistics (generated tokens, tokens/s, the
+  warm-up's seconds, KV bits per element from the cache's `memory_report`) to lm-eval's results["config"]; under
+  data parallelism these statistics are rank 0's share.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from lm_eval.models.huggingface import HFLM
 
 from gear_hf.config import GearConfig
 from gear_hf.lm_eval import sharding
-from gear_hf.lm_eval.args import ModelArgsError, gear_keys, split_model_args
+from gear_hf.lm_eval.args import WARMUP_KEY, ModelArgsError, config_name, gear_keys, split_model_args
+from gear_hf.lm_eval.args import convert_flag as _flag
 
 log = logging.getLogger(__name__)
 # get_model_info() of the last GearHFLM (lm-eval calls it on rank 0 when the run ends); `gear-lm-eval` prints it.
@@ -39,7 +43,9 @@ class GenerationStats:
     calls: int = 0
     sequences: int = 0
     new_tokens: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # of the timed generate calls: the warm-up is not in it
+    warmup_seconds: float | None = None  # the untimed warm-up generate (kernel compilation, first-call set-up)
+    warmup_tokens: int = 0
     kv_reports: int = 0
     kv_bits_sum: float = 0.0  # sum of the reports' bits_per_element, each weighted by its elements
     kv_elements: int = 0
@@ -86,13 +92,16 @@ class GearHFLM(HFLM):
     def __init__(self, pretrained: Any = None, gear_config: GearConfig | None = None, **kwargs: Any) -> None:
         if pretrained is None:
             raise ModelArgsError("gear_hf --model_args: pretrained=<model dir or hub id> is required")
+        warmup = kwargs.pop(WARMUP_KEY, True)
         if gear_config is not None:
             if any(k in kwargs for k in gear_keys()):
                 raise ModelArgsError("gear_hf: give gear_config or GEAR --model_args keys, not both")
             _, hf_kwargs = split_model_args(kwargs)
-            config = gear_config
+            config, name = gear_config, gear_config.describe()
         else:
             config, hf_kwargs = split_model_args(kwargs)
+            name = config_name(kwargs)
+        self.gear_warmup = _flag(WARMUP_KEY, warmup)
         if isinstance(pretrained, (int, float)) and not isinstance(pretrained, bool):
             pretrained = str(pretrained)
         if hf_kwargs.get("device") is None:  # HFLM's default "cuda" fails on a machine without CUDA
@@ -104,19 +113,21 @@ class GearHFLM(HFLM):
         sharding.shard_across_processes(self)
         self.gear_config: GearConfig | None = None
         self.gear_stats = GenerationStats()
-        self.set_gear_config(config)
+        self.set_gear_config(config, name)
 
     # GEAR ---------------------------------------------------------------------------------------------------------
-    def set_gear_config(self, config: GearConfig) -> None:
-        """(Re)patch the loaded model with `config` (the sweep reuses one loaded model for every cell)."""
+    def set_gear_config(self, config: GearConfig, name: str | None = None) -> None:
+        """(Re)patch the loaded model with `config` (the sweep reuses one loaded model for every cell); name: how the
+        user named it ("recommended=compact"; default: config.describe()), recorded as gear_name."""
         api = _api()
         if self.gear_config is not None:
             api.disable(self.model)
         api.enable(self.model, config)
         self.gear_config = config
+        self.gear_name = name or config.describe()
         self.gear_stats = GenerationStats()
         if self.rank == 0:
-            log.info("gear_hf: %s (%s)", config.describe(), config)
+            log.info("gear_hf: %s (%s)", self.gear_name, config)
 
     def _record_generation(self, context, out, seconds: float) -> None:
         stats = self.gear_stats
@@ -134,7 +145,22 @@ class GearHFLM(HFLM):
         if cache is not None:
             stats.add_report(cache.memory_report())
 
+    def _warm_up(self, context) -> None:
+        """One untimed greedy generate before the first timed one of this config (`gear_hf.measure.warm_up`: row 0's
+        last tokens, long enough to compress a prompt chunk, and enough new tokens to flush the buffer once), so
+        that tokens/s excludes kernel compilation (numba on CPU, Triton on CUDA) and first-call set-up."""
+        from gear_hf.measure import warm_up, warm_up_lengths
+
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        self.gear_stats.warmup_seconds = warm_up(self.model, context, self.gear_config, pad_token_id=pad)
+        self.gear_stats.warmup_tokens = warm_up_lengths(self.gear_config)[1]
+        if self.rank == 0:
+            log.info("gear_hf: warm-up generate took %.1f s (kernel compilation, first-call set-up); not counted in "
+                     "tokens/s", self.gear_stats.warmup_seconds)
+
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs):
+        if self.gear_warmup and self.gear_stats.warmup_seconds is None:
+            self._warm_up(context)
         start = time.perf_counter()
         out = super()._model_generate(context, max_length, stop, **generation_kwargs)
         self._record_generation(context, out, time.perf_counter() - start)
@@ -143,9 +169,10 @@ class GearHFLM(HFLM):
     def get_model_info(self) -> dict:
         info = super().get_model_info()
         if self.gear_config is not None:
-            info["gear_config"] = dataclasses.asdict(self.gear_config)
+            info["gear_config"] = self.gear_config.to_dict()
             info["gear_method"] = self.gear_config.describe()
-        info["gear_stats"] = self.gear_stats.as_dict()
+            info["gear_name"] = self.gear_name
+        info["gear_stats"] = {**self.gear_stats.as_dict(), "gear_name": getattr(self, "gear_name", None)}
         info["gear_world_size"] = self.world_size
         global LAST_MODEL_INFO
         LAST_MODEL_INFO = info

@@ -76,6 +76,22 @@ def make_hf_quantized_cache(model, name: str, residual_length: int = 128, group_
                           q_group_size=group_size, residual_length=residual_length)
 
 
+def is_gear(method: str) -> bool:
+    return method != "dynamic" and method not in HF_METHODS
+
+
+def warm_up(model, input_ids: torch.Tensor, method: str) -> float:
+    """Seconds of one untimed generate with `method` before the timed ones, so that their tokens/s exclude kernel
+    compilation (numba / Triton compile on first use) and first-call set-up: row 0's last tokens, as many as
+    `gear_hf.measure.warm_up_lengths` says reach every kernel (a prompt chunk compressed, the buffer flushed once)."""
+    from gear_hf.measure import warm_up_lengths
+
+    prompt, new = warm_up_lengths(gear_config(method) if is_gear(method) else None)
+    start = time.perf_counter()
+    run_generate(model, input_ids[:1, -prompt:], method, new)
+    return time.perf_counter() - start
+
+
 @dataclass
 class GenerateResult:
     tokens: torch.Tensor  # [B, new]
