@@ -6,6 +6,9 @@ A block j of a request with L tokens after this step and S = L - (this step's to
   written this step        j*bs < L and (j+1)*bs > S: staged; its earlier tokens come from its tail
                            (when j*bs < S), closes this step when (j+1)*bs <= L (-> page), else stays open
                            (-> its tail)
+Prefix caching: a full block found in the cache is read from its page. When a whole prompt hits the cache, vLLM
+recomputes its last token; that block is already closed (its page holds the token, compressed): it is read as a
+page and this step's copy of the token is not stored again (a shared page is never rewritten).
 vLLM tells a backend nothing about freed blocks, so tail slots are keyed by block id and recycled least recently
 used: every running request writes its open block every step, so the stalest slot belongs to a request that has
 finished or was preempted. A tail that is needed and missing or stale raises instead of reading wrong keys.
@@ -27,6 +30,7 @@ class TailBook:
         self.owner: list[int | None] = [None] * slots
         self.last_used = [-1] * slots
         self.step = 0
+        self.closed: set[int] = set()  # blocks whose page this backend wrote and nothing has rewritten since
 
     def held(self, block: int) -> tuple[int, int] | None:
         return self.of_block.get(block)
@@ -101,11 +105,17 @@ class StepPlan:
                     continue
                 if block in ws_of:
                     raise RuntimeError(f"GEAR: block {block} is written by two requests in one step")
+                entry = tails.held(block)
+                if j * bs < before and entry is None and block in tails.closed and (j + 1) * bs <= L:
+                    ws_of[block] = len(ws_of)  # a cached full block whose last token is recomputed: its page
+                    read.append((block, ws_of[block], j * bs))
+                    ws_table[r, j] = ws_of[block]
+                    continue
+                tails.closed.discard(block)
                 ws_of[block] = len(ws_of)
                 ws_table[r, j] = ws_of[block]
                 tail = -1
                 if j * bs < before:  # its earlier tokens are in its tail
-                    entry = tails.held(block)
                     if entry is None or entry[1] != before - j * bs:
                         raise RuntimeError(f"GEAR: the open block {block} of request {r} should hold "
                                            f"{before - j * bs} tokens in its tail, found "
@@ -123,6 +133,7 @@ class StepPlan:
             block, closes = entry[0], entry[4]
             if closes:
                 tails.release(block)
+                tails.closed.add(block)
         for r, L in enumerate(lens):
             if L % bs:
                 block = table[r][L // bs]

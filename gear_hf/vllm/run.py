@@ -3,6 +3,7 @@ scripts/bench_vllm.py compare.
 
     python -m gear_hf.vllm.run --model DIR --prompts prompts.json --max-tokens 32 --out result.json \
         [--gear '{"preset": "gear-2"}'] [--blocks 8] [--kv-space-gib 1] [--max-num-seqs 4]
+        [--max-num-batched-tokens 96] [--prefix-caching]
 
 prompts.json: a list of token-id lists. result.json: {"tokens": [[...], ...], "num_blocks", "preemptions",
 "block_size", "seconds"}. --gear sets GEAR_HF_VLLM=1 and GEAR_HF_VLLM_CONFIG for vLLM's processes; without it the
@@ -26,7 +27,8 @@ from .plugin import CONFIG_ENV, ENABLE_ENV
 def run_in_subprocess(model: str | Path, prompts: list[list[int]], max_tokens: int, work_dir: str | Path,
                       gear: str | None = None, blocks: int | None = None, kv_space_gib: float = 1,
                       max_num_seqs: int = 4, max_model_len: int = 1024, dtype: str = "bfloat16",
-                      threads: int = 2, timeout: float = 900, tag: str = "run") -> dict:
+                      threads: int = 2, timeout: float = 900, tag: str = "run",
+                      max_num_batched_tokens: int | None = None, prefix_caching: bool = False) -> dict:
     """Run `main` in a fresh Python process (vLLM spawns workers and reads its plugins' settings at start)."""
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -39,6 +41,10 @@ def run_in_subprocess(model: str | Path, prompts: list[list[int]], max_tokens: i
         cmd += ["--gear", gear]
     if blocks is not None:
         cmd += ["--blocks", str(blocks)]
+    if max_num_batched_tokens is not None:
+        cmd += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
+    if prefix_caching:
+        cmd += ["--prefix-caching"]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1")
     log = work / f"{tag}.log"
     with open(log, "w") as handle:
@@ -61,6 +67,8 @@ def main(argv=None) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=4)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="small: chunked prefill")
+    parser.add_argument("--prefix-caching", action="store_true")
     args = parser.parse_args(argv)
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -74,9 +82,11 @@ def main(argv=None) -> None:
 
     start = time.time()
     extra = {} if args.blocks is None else {"num_gpu_blocks_override": args.blocks}
+    if args.max_num_batched_tokens is not None:
+        extra["max_num_batched_tokens"] = args.max_num_batched_tokens
     llm = LLM(model=args.model, enforce_eager=True, dtype=args.dtype, max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs, seed=0, enable_prefix_caching=False, disable_log_stats=False,
-              **extra)
+              max_num_seqs=args.max_num_seqs, seed=0, enable_prefix_caching=args.prefix_caching,
+              disable_log_stats=False, **extra)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in json.loads(Path(args.prompts).read_text())]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     outputs = llm.generate(prompts, params, use_tqdm=False)

@@ -3,7 +3,8 @@
 * fp16 format: the same greedy tokens as stock on tiny random Llama and Qwen2 models, four concurrent requests of
   different lengths (one shorter than a block, others spanning 2-3 blocks of 128), with a KV cache of 5 blocks, so
   that vLLM preempts (recomputes) a request; the tail bookkeeping, the page round trip and the workspace remapping
-  are all on that path.
+  are all on that path. Llama also with prefix caching (the longest prompt starts with another's first block),
+  Qwen2 with chunked prefill (96 tokens a step: prompts cross steps mid-block, through the tails).
 * gear-2: runs, allocates more blocks for the same VLLM_CPU_KVCACHE_SPACE, and repeats itself exactly.
 """
 
@@ -20,7 +21,9 @@ STEPS = 100
 
 def _prompts(seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(3, 300) for _ in range(n)] for n in LENGTHS]
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in LENGTHS]
+    prompts[3][:128] = prompts[1][:128]  # a shared first block (for prefix caching)
+    return prompts
 
 
 def _run(tmp_path, model, tag, **kwargs):
@@ -31,10 +34,11 @@ def _run(tmp_path, model, tag, **kwargs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_fp16_format_is_token_identical_to_stock_with_preemption(tiny_dirs, tmp_path, arch):
-    stock = _run(tmp_path, tiny_dirs[arch], "stock", blocks=5)
-    gear = _run(tmp_path, tiny_dirs[arch], "gear", blocks=5, gear=json.dumps({"method": "fp16"}))
+@pytest.mark.parametrize("arch, options", [("llama", dict(prefix_caching=True)),
+                                           ("qwen2", dict(max_num_batched_tokens=96))])
+def test_fp16_format_is_token_identical_to_stock_with_preemption(tiny_dirs, tmp_path, arch, options):
+    stock = _run(tmp_path, tiny_dirs[arch], "stock", blocks=5, **options)
+    gear = _run(tmp_path, tiny_dirs[arch], "gear", blocks=5, gear=json.dumps({"method": "fp16"}), **options)
     assert "GEAR pages: fp16" in (tmp_path / "gear.log").read_text()
     assert "GEAR pages" not in (tmp_path / "stock.log").read_text()  # the plugin stays off without GEAR_HF_VLLM
     assert stock["preemptions"] >= 1 and gear["preemptions"] == stock["preemptions"]

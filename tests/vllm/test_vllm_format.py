@@ -105,3 +105,14 @@ def test_tails_of_finished_requests_are_recycled_least_recently_used():
     assert book.held(1) is None and book.held(2)[1] == 3 and book.held(4)[1] == 2
     with pytest.raises(RuntimeError, match="exhausted"):  # three open blocks in one step, two slots
         _plan(book, lens=[1, 1, 1], queries=[1, 1, 1], table=[[6], [7], [8]])
+
+
+def test_plan_reads_a_cached_block_whose_last_token_is_recomputed():
+    """A whole prompt found in the prefix cache: vLLM recomputes its last token; the block is read as its page."""
+    book = TailBook(slots=2)
+    _plan(book, lens=[4], queries=[4], table=[[3]])  # request A closes block 3 (bs=4)
+    plan = _plan(book, lens=[4], queries=[1], table=[[3]])  # request B: same prompt, cached, last token recomputed
+    assert plan.read_blocks.tolist() == [3] and plan.stage_blocks.numel() == 0 and plan.token_rows.numel() == 0
+    fresh = TailBook(slots=2)  # a block this backend never closed is no page: refused, not read
+    with pytest.raises(RuntimeError, match="should hold 3 tokens"):
+        _plan(fresh, lens=[4], queries=[1], table=[[3]])
