@@ -35,7 +35,6 @@ FORMATS = {  # name -> GEAR_HF_VLLM_CONFIG
     "fp16": {"method": "fp16"},
     "GearConfig()": {},
     "kivi-4": {"preset": "kivi-4"},
-    "gear-4": {"preset": "gear-4"},
     "gear-2": {"preset": "gear-2"},
     "kivi-2": {"preset": "kivi-2"},
 }
@@ -91,13 +90,23 @@ def gsm8k_prompts(model_dir: Path, n: int = 4) -> list[list[int]]:
             for q in questions]
 
 
+REUSE = False  # --reuse: take a run's result from WORK/runs when the same run (tag, prompts, options) exists
+
+
 def run(model, prompts, tag, gear=None, steps=STEPS, **kwargs) -> dict:
     from gear_hf.vllm.run import run_in_subprocess
 
     t = time.time()
     text = None if gear is None else json.dumps(gear)
+    saved, key = WORK / "runs" / f"{tag}.bench.json", dict(model=str(model), prompts=prompts, steps=steps, gear=text,
+                                                            **kwargs)
+    if REUSE and saved.exists() and json.loads(saved.read_text())["key"] == key:
+        result = json.loads(saved.read_text())["result"]
+        print(f"  {tag}: reused {saved}", flush=True)
+        return result
     result = run_in_subprocess(model, prompts, steps, WORK / "runs", gear=text, tag=tag, **kwargs)
     result["wall"] = round(time.time() - t, 1)
+    saved.write_text(json.dumps(dict(key=key, result=result)))
     print(f"  {tag}: {result['num_blocks']} blocks, {result['preemptions']} preemptions, {result['wall']} s",
           flush=True)
     return result
@@ -305,7 +314,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sections", default="identity,capacity,smollm2,hf,serve")
     parser.add_argument("--out", default=str(ROOT / "results" / "vllm"))
+    parser.add_argument("--reuse", action="store_true", help="reuse runs already done with the same settings")
     args = parser.parse_args()
+    global REUSE
+    REUSE = args.reuse
     if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("vllm.v1") is None:
         print("bench_vllm: vllm is not installed in this environment; run it with .venv-vllm/bin/python "
               "(make venv-vllm)")
