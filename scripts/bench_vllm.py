@@ -92,6 +92,12 @@ def gsm8k_prompts(model_dir: Path, n: int = 4) -> list[list[int]]:
 
 
 REUSE = False  # --reuse: take a run's result from WORK/runs when the same run (tag, prompts, options) exists
+CACHED_ONLY = False  # --cached-only: never start a run; a run not cached is left out of the tables
+ROPE = ("pre", "post")  # --rope: which key variants of gear-2 to run
+
+
+class NotCached(Exception):
+    pass
 
 
 def run(model, prompts, tag, gear=None, steps=STEPS, **kwargs) -> dict:
@@ -100,11 +106,14 @@ def run(model, prompts, tag, gear=None, steps=STEPS, **kwargs) -> dict:
     t = time.time()
     text = None if gear is None else json.dumps(gear)
     saved, key = WORK / "runs" / f"{tag}.bench.json", dict(model=str(model), prompts=prompts, steps=steps, gear=text,
-                                                            **kwargs)
+                                                            **{k: v for k, v in kwargs.items() if k != "timeout"})
     if REUSE and saved.exists() and json.loads(saved.read_text())["key"] == key:
         result = json.loads(saved.read_text())["result"]
         print(f"  {tag}: reused {saved}", flush=True)
         return result
+    if CACHED_ONLY:
+        raise NotCached(tag)
+    kwargs.setdefault("timeout", 3600)
     result = run_in_subprocess(model, prompts, steps, WORK / "runs", gear=text, tag=tag, **kwargs)
     result["wall"] = round(time.time() - t, 1)
     saved.write_text(json.dumps(dict(key=key, result=result)))
@@ -151,15 +160,18 @@ def section_capacity_and_smollm2(report: dict, sections: set[str]) -> None:
     rows = []
     names = list(FORMATS)
     for name in names:
-        variants = [("pre-RoPE", True)]
-        if "smollm2" in sections and name == "gear-2":
+        variants = [("pre-RoPE", True)] if "pre" in ROPE or name != "gear-2" else []
+        if "smollm2" in sections and name == "gear-2" and "post" in ROPE:
             variants.append(("post-RoPE", False))
         for label, pre_rope in variants:
             gear = dict(FORMATS[name])
             if not pre_rope:
                 gear["pre_rope"] = False
-            result = run(model, prompts, f"smollm2_{name}_{label}".replace("()", ""), gear, kv_space_gib=space_gib,
-                         max_num_seqs=seqs, max_model_len=1024)
+            try:
+                result = run(model, prompts, f"smollm2_{name}_{label}".replace("()", ""), gear,
+                             kv_space_gib=space_gib, max_num_seqs=seqs, max_model_len=1024)
+            except NotCached:
+                continue
             fmt = PageFormat(config_from_env(json.dumps(gear)), stock["block_size"], head_size, torch.bfloat16)
             tails = tail_bytes(layers, seqs, stock["block_size"], kv_heads, head_size)
             block_bytes = layers * kv_heads * fmt.page_bytes
@@ -205,13 +217,15 @@ def hf_tokens(name: str, config, prompts: list[list[int]], state: dict) -> list[
     if REUSE and saved.exists() and json.loads(saved.read_text())["key"] == key:
         print(f"  hf {name}: reused {saved}", flush=True)
         return json.loads(saved.read_text())["tokens"]
+    if CACHED_ONLY:
+        raise NotCached(name)
     if "model" not in state:
         state["model"] = AutoModelForCausalLM.from_pretrained(smollm2_folder(), dtype=torch.bfloat16).eval()
         state["model"].generation_config.eos_token_id = None
     model, tokens, t = state["model"], [], time.time()
     if config.compresses:
         gear_hf.enable(model, config)
-    with torch.inference_mode():
+    with torch.no_grad():  # (gear_hf's cache under inference_mode failed here on transformers 5.19)
         for p in prompts:
             ids = torch.tensor([p])
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=STEPS,
@@ -235,11 +249,16 @@ def section_hf(report: dict, compare: bool = True) -> None:
     # uncompressed first: how far the two engines' own numerics (attention kernels, matmuls) already are apart
     for name in ("uncompressed", *HF_FORMATS):
         config = _uncompressed_config() if name == "uncompressed" else hf_config_for(FORMATS[name], block)
-        tokens = hf_tokens(name, config, prompts, state)
+        try:
+            tokens = hf_tokens(name, config, prompts, state)
+        except NotCached:
+            continue
         if not compare:
             continue
         vllm_rows = {(r["format"], r["keys"]): r for r in report["capacity"]["rows"]}
-        row = {"tokens": report["smollm2_stock_tokens"]} if name == "uncompressed" else vllm_rows[(name, "pre-RoPE")]
+        row = {"tokens": report["smollm2_stock_tokens"]} if name == "uncompressed" else vllm_rows.get((name, "pre-RoPE"))
+        if row is None:
+            continue
         same, prefix = agreement(tokens, row["tokens"])
         same_stock, _ = agreement(tokens, report["smollm2_stock_tokens"])
         rows.append(dict(format=name, hf_config=config.describe(), agree_vllm_gear=round(same, 4),
@@ -403,9 +422,21 @@ def main() -> int:
     parser.add_argument("--sections", default="identity,capacity,smollm2,hf,serve")
     parser.add_argument("--out", default=str(ROOT / "results" / "vllm"))
     parser.add_argument("--reuse", action="store_true", help="reuse runs already done with the same settings")
+    parser.add_argument("--cached-only", action="store_true", help="start no run: tables from cached runs only")
+    parser.add_argument("--formats", default=None, help=f"subset of {list(FORMATS)} (comma-separated)")
+    parser.add_argument("--rope", default="pre,post", help="gear-2 key variants: pre, post or both")
     args = parser.parse_args()
-    global REUSE
-    REUSE = args.reuse
+    global REUSE, CACHED_ONLY, ROPE, HF_FORMATS
+    REUSE, CACHED_ONLY, ROPE = args.reuse or args.cached_only, args.cached_only, tuple(args.rope.split(","))
+    if args.formats:
+        chosen = args.formats.split(",")
+        unknown = set(chosen) - set(FORMATS)
+        if unknown:
+            raise SystemExit(f"bench_vllm: unknown --formats {sorted(unknown)}; known: {list(FORMATS)}")
+        for name in list(FORMATS):
+            if name not in chosen:
+                del FORMATS[name]
+        HF_FORMATS = tuple(n for n in HF_FORMATS if n in FORMATS)
     if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("vllm.v1") is None:
         print("bench_vllm: vllm is not installed in this environment; run it with .venv-vllm/bin/python "
               "(make venv-vllm)")
