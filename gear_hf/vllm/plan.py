@@ -1,0 +1,154 @@
+"""Which blocks one step reads and writes, and where each request's open block lives: computed once per step by
+the metadata builder (on the CPU, from the block table and sequence lengths), used by every layer.
+
+A block j of a request with L tokens after this step and S = L - (this step's tokens) before it is
+  closed before the step   (j+1)*bs <= S      read from its page (compressed)
+  written this step        j*bs < L and (j+1)*bs > S: staged; its earlier tokens come from its tail
+                           (when j*bs < S), closes this step when (j+1)*bs <= L (-> page), else stays open
+                           (-> its tail)
+Prefix caching: a full block found in the cache is read from its page. When a whole prompt hits the cache, vLLM
+recomputes its last token; that block is already closed (its page holds the token, compressed): it is read as a
+page and this step's copy of the token is not stored again (a shared page is never rewritten).
+vLLM tells a backend nothing about freed blocks, so tail slots are keyed by block id and recycled least recently
+used: every running request writes its open block every step, so the stalest slot belongs to a request that has
+finished or was preempted. A tail that is needed and missing or stale raises instead of reading wrong keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class TailBook:
+    """block id -> (tail slot, tokens held) for the open blocks; `slots` slots, recycled least recently used."""
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+        self.of_block: dict[int, tuple[int, int]] = {}
+        self.owner: list[int | None] = [None] * slots
+        self.last_used = [-1] * slots
+        self.step = 0
+        self.closed: set[int] = set()  # blocks whose page this backend wrote and nothing has rewritten since
+
+    def held(self, block: int) -> tuple[int, int] | None:
+        return self.of_block.get(block)
+
+    def keep(self, block: int, count: int, busy: set[int]) -> int:
+        """The slot that will hold `count` tokens of `block` after this step (its own, or a recycled one)."""
+        entry = self.of_block.get(block)
+        if entry is not None:
+            slot = entry[0]
+        else:
+            free = [s for s in range(self.slots) if self.owner[s] is None]
+            if free:
+                slot = free[0]
+            else:
+                candidates = [s for s in range(self.slots) if s not in busy]
+                if not candidates:
+                    raise RuntimeError(f"GEAR tail pool exhausted: {self.slots} slots (max_num_seqs), all in use "
+                                       "this step")
+                slot = min(candidates, key=lambda s: self.last_used[s])
+                del self.of_block[self.owner[slot]]
+            self.owner[slot] = block
+        self.of_block[block] = (slot, count)
+        self.last_used[slot] = self.step
+        busy.add(slot)
+        return slot
+
+    def release(self, block: int) -> None:
+        entry = self.of_block.pop(block, None)
+        if entry is not None:
+            self.owner[entry[0]] = None
+
+
+@dataclass
+class StepPlan:
+    block_size: int
+    workspace_blocks: int
+    workspace_table: torch.Tensor  # [R, max blocks] int32: each request's blocks as workspace indices
+    read_blocks: torch.Tensor  # [P] page ids of closed blocks read this step
+    read_ws: torch.Tensor  # [P] their workspace indices
+    read_first_position: torch.Tensor  # [P] position of their first token
+    stage_blocks: torch.Tensor  # [Q] page ids of the blocks written this step
+    stage_ws: torch.Tensor  # [Q]
+    stage_first_position: torch.Tensor  # [Q]
+    stage_tail: torch.Tensor  # [Q] tail slot holding their earlier tokens, -1: none
+    stage_closes: torch.Tensor  # [Q] bool: full after this step -> compressed into the page
+    stage_keep: torch.Tensor  # [Q] tail slot to keep them in after this step, -1: closes
+    token_rows: torch.Tensor  # [T'] rows of this step's tokens (of key[:num_actual_tokens])
+    token_stage: torch.Tensor  # [T'] their staged block
+    token_offset: torch.Tensor  # [T'] their offset in it
+
+    @classmethod
+    def build(cls, tails: TailBook, bs: int, query_start: torch.Tensor, seq_lens: torch.Tensor,
+              block_table: torch.Tensor, num_tokens: int) -> "StepPlan":
+        tails.step += 1
+        busy: set[int] = set()
+        ws_of: dict[int, int] = {}
+        read, stage = [], []  # (block, ws, first position[, tail, closes, keep])
+        token_rows, token_stage, token_offset = [], [], []
+        starts, lens = query_start.tolist(), seq_lens.tolist()
+        table = block_table.tolist()
+        ws_table = torch.zeros(len(lens), max(1, max((-(-L // bs) for L in lens), default=1)), dtype=torch.int32)
+        for r, L in enumerate(lens):
+            q = starts[r + 1] - starts[r]
+            before = L - q
+            for j in range(-(-L // bs)):
+                block = table[r][j]
+                if (j + 1) * bs <= before:  # closed: its page (may be shared with other requests)
+                    if block not in ws_of:
+                        ws_of[block] = len(ws_of)
+                        read.append((block, ws_of[block], j * bs))
+                    ws_table[r, j] = ws_of[block]
+                    continue
+                if block in ws_of:
+                    raise RuntimeError(f"GEAR: block {block} is written by two requests in one step")
+                entry = tails.held(block)
+                if j * bs < before and entry is None and block in tails.closed and (j + 1) * bs <= L:
+                    ws_of[block] = len(ws_of)  # a cached full block whose last token is recomputed: its page
+                    read.append((block, ws_of[block], j * bs))
+                    ws_table[r, j] = ws_of[block]
+                    continue
+                tails.closed.discard(block)
+                ws_of[block] = len(ws_of)
+                ws_table[r, j] = ws_of[block]
+                tail = -1
+                if j * bs < before:  # its earlier tokens are in its tail
+                    if entry is None or entry[1] != before - j * bs:
+                        raise RuntimeError(f"GEAR: the open block {block} of request {r} should hold "
+                                           f"{before - j * bs} tokens in its tail, found "
+                                           f"{'none' if entry is None else entry[1]} (tail recycled while the "
+                                           "request was not scheduled? raise max_num_seqs)")
+                    tail = entry[0]
+                    busy.add(tail)
+                closes = (j + 1) * bs <= L
+                stage.append([block, ws_of[block], j * bs, tail, closes, -1])
+                lo, hi = max(before, j * bs), min(L, (j + 1) * bs)
+                token_rows.extend(range(starts[r] + lo - before, starts[r] + hi - before))
+                token_stage.extend([len(stage) - 1] * (hi - lo))
+                token_offset.extend(range(lo - j * bs, hi - j * bs))
+        for entry in stage:  # tails after the step (after reading: a released slot may be reused this step)
+            block, closes = entry[0], entry[4]
+            if closes:
+                tails.release(block)
+                tails.closed.add(block)
+        for r, L in enumerate(lens):
+            if L % bs:
+                block = table[r][L // bs]
+                entry = next(e for e in stage if e[0] == block)
+                entry[5] = tails.keep(block, L % bs, busy)
+        if token_rows and max(token_rows) >= num_tokens:
+            raise RuntimeError(f"GEAR: plan addresses token {max(token_rows)} of {num_tokens}")
+
+        def column(rows, i, dtype=torch.long):
+            return torch.tensor([e[i] for e in rows], dtype=dtype)
+
+        return cls(block_size=bs, workspace_blocks=len(ws_of), workspace_table=ws_table,
+                   read_blocks=column(read, 0), read_ws=column(read, 1), read_first_position=column(read, 2),
+                   stage_blocks=column(stage, 0), stage_ws=column(stage, 1), stage_first_position=column(stage, 2),
+                   stage_tail=column(stage, 3), stage_closes=column(stage, 4, torch.bool),
+                   stage_keep=column(stage, 5), token_rows=torch.tensor(token_rows, dtype=torch.long),
+                   token_stage=torch.tensor(token_stage, dtype=torch.long),
+                   token_offset=torch.tensor(token_offset, dtype=torch.long))

@@ -1,0 +1,105 @@
+"""One greedy vLLM run in its own process, stock or through the GEAR plugin: the unit the tests and
+scripts/bench_vllm.py compare.
+
+    python -m gear_hf.vllm.run --model DIR --prompts prompts.json --max-tokens 32 --out result.json \
+        [--gear '{"preset": "gear-2"}'] [--blocks 8] [--kv-space-gib 1] [--max-num-seqs 4]
+        [--max-num-batched-tokens 96] [--prefix-caching]
+
+prompts.json: a list of token-id lists. result.json: {"tokens": [[...], ...], "num_blocks", "preemptions",
+"block_size", "seconds"}. --gear sets GEAR_HF_VLLM=1 and GEAR_HF_VLLM_CONFIG for vLLM's processes; without it the
+plugin stays off (stock CPU_ATTN). The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so its
+block count can be read back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .plugin import CONFIG_ENV, ENABLE_ENV
+
+
+def run_in_subprocess(model: str | Path, prompts: list[list[int]], max_tokens: int, work_dir: str | Path,
+                      gear: str | None = None, blocks: int | None = None, kv_space_gib: float = 1,
+                      max_num_seqs: int = 4, max_model_len: int = 1024, dtype: str = "bfloat16",
+                      threads: int = 2, timeout: float = 900, tag: str = "run",
+                      max_num_batched_tokens: int | None = None, prefix_caching: bool = False) -> dict:
+    """Run `main` in a fresh Python process (vLLM spawns workers and reads its plugins' settings at start)."""
+    work = Path(work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    prompt_file, out_file = work / f"{tag}.prompts.json", work / f"{tag}.result.json"
+    prompt_file.write_text(json.dumps(prompts))
+    cmd = [sys.executable, "-m", "gear_hf.vllm.run", "--model", str(model), "--prompts", str(prompt_file),
+           "--max-tokens", str(max_tokens), "--out", str(out_file), "--kv-space-gib", str(kv_space_gib),
+           "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len), "--dtype", dtype]
+    if gear is not None:
+        cmd += ["--gear", gear]
+    if blocks is not None:
+        cmd += ["--blocks", str(blocks)]
+    if max_num_batched_tokens is not None:
+        cmd += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
+    if prefix_caching:
+        cmd += ["--prefix-caching"]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1")
+    log = work / f"{tag}.log"
+    with open(log, "w") as handle:
+        done = subprocess.run(cmd, env=env, stdout=handle, stderr=subprocess.STDOUT, timeout=timeout)
+    if done.returncode:
+        tail = log.read_text()[-4000:]
+        raise RuntimeError(f"vLLM run {tag} failed (exit {done.returncode}); log {log}:\n{tail}")
+    return json.loads(out_file.read_text())
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--prompts", required=True)
+    parser.add_argument("--max-tokens", type=int, required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--gear", default=None, help="GEAR config JSON; absent: stock vLLM")
+    parser.add_argument("--blocks", type=int, default=None, help="num_gpu_blocks_override (forces preemption)")
+    parser.add_argument("--kv-space-gib", type=float, default=1)
+    parser.add_argument("--max-num-seqs", type=int, default=4)
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="small: chunked prefill")
+    parser.add_argument("--prefix-caching", action="store_true")
+    args = parser.parse_args(argv)
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{args.kv_space_gib:g}"
+    if args.gear is not None:
+        os.environ[ENABLE_ENV], os.environ[CONFIG_ENV] = "1", args.gear
+    else:
+        os.environ.pop(ENABLE_ENV, None)
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    start = time.time()
+    extra = {} if args.blocks is None else {"num_gpu_blocks_override": args.blocks}
+    if args.max_num_batched_tokens is not None:
+        extra["max_num_batched_tokens"] = args.max_num_batched_tokens
+    llm = LLM(model=args.model, enforce_eager=True, dtype=args.dtype, max_model_len=args.max_model_len,
+              max_num_seqs=args.max_num_seqs, seed=0, enable_prefix_caching=args.prefix_caching,
+              disable_log_stats=False, **extra)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in json.loads(Path(args.prompts).read_text())]
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    cache = llm.llm_engine.vllm_config.cache_config
+    preemptions = 0
+    for metric in llm.get_metrics():
+        if metric.name == "vllm:num_preemptions":
+            preemptions = int(metric.value)
+    result = {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "num_blocks": cache.num_gpu_blocks,
+              "block_size": cache.block_size, "preemptions": preemptions, "seconds": round(time.time() - start, 1),
+              "gear": args.gear}
+    Path(args.out).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

