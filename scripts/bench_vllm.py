@@ -280,7 +280,10 @@ def section_serve(report: dict) -> None:
     env = dict(os.environ, GEAR_HF_VLLM="1", GEAR_HF_VLLM_CONFIG=json.dumps(FORMATS["gear-2"]),
                VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
     log = WORK / "serve.log"
-    cmd = [str(Path(sys.executable).parent / "vllm"), "serve", str(model), "--enforce-eager", "--dtype", "bfloat16",
+    # not the `vllm serve` console script: in vllm-cpu 0.32.0 it asks importlib.metadata for a distribution named
+    # "vllm" (the CPU build's is "vllm-cpu") and exits; the module entry point serves the same app
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--enforce-eager",
+           "--dtype", "bfloat16",
            "--max-model-len", "1024", "--max-num-seqs", "4", "--port", str(port), "--served-model-name", "smollm2"]
     t = time.time()
     with open(log, "w") as handle:
@@ -398,9 +401,11 @@ def write_markdown(report: dict, out: Path) -> None:
     if "serve" in report:
         r = report["serve"]
         lines += ["## vllm serve + OpenAI client", "",
-                  "`GEAR_HF_VLLM=1 GEAR_HF_VLLM_CONFIG='{\"preset\": \"gear-2\"}' vllm serve <SmolLM2 folder> "
-                  "--enforce-eager`, then `OpenAI(base_url=...).completions.create(prompt='Question: What is 3 + 4?"
-                  "\\nAnswer:', max_tokens=24, temperature=0)`:", "",
+                  "`GEAR_HF_VLLM=1 GEAR_HF_VLLM_CONFIG='{\"preset\": \"gear-2\"}' python -m "
+                  "vllm.entrypoints.openai.api_server --model <SmolLM2 folder> --enforce-eager` (vllm-cpu's `vllm` "
+                  "console script exits: it asks for a distribution named `vllm`), then "
+                  "`OpenAI(base_url=...).completions.create(prompt='Question: What is 3 + 4?\\nAnswer:', "
+                  "max_tokens=24, temperature=0)`:", "",
                   f"- answer ({r['completion_tokens']} tokens): `{r['text']!r}`", f"- server log: `{r['gear_log']}`",
                   ""]
     if "lmeval" in report:

@@ -68,10 +68,10 @@ def chunk_specs(config: GearConfig, block_size: int, head_size: int) -> tuple[Ch
         key_group = min(config.key_group, block_size if config.key_axis == "channel" else head_size)
         value_group = min(config.value_group, block_size if config.value_axis == "channel" else head_size)
     for name, axis, group in (("key", config.key_axis, key_group), ("value", config.value_axis, value_group)):
-        length = block_size if axis == "channel" else head_size
+        length, what = (block_size, "block size") if axis == "channel" else (head_size, "head size")
         if group and length % group:
-            raise ValueError(f"GearConfig {name} group {group} does not divide the {'block size' if axis == 'channel' else 'head size'} "
-                             f"{length}; pick a {name}_group_size that divides it")
+            raise ValueError(f"GearConfig {name} group {group} does not divide the {what} {length}; pick a "
+                             f"{name}_group_size that divides it")
     ratio = config.outlier_ratio if config.uses_outliers else 0.0
     rank = config.rank_decode if config.uses_lowrank else 0
     allocated = config.key_bit_allocation == "query"
