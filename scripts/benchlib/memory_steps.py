@@ -11,13 +11,17 @@ from __future__ import annotations
 
 
 class StepMemory:
-    def __init__(self, model, walk) -> None:
-        """walk(cache, memos: bool) -> object with .total (bytes), e.g. tests/memory_walk.walk_cache."""
+    def __init__(self, model, walk, cache=None) -> None:
+        """walk(cache, memos: bool) -> object with .total (bytes), e.g. tests/memory_walk.walk_cache. cache: the
+        GearCache that generate will be given (hooked now, so the prompt step's in-step walk is seen too); None:
+        the enabled model's `gear_hf.last_cache`, hooked at the first call (after the prompt step)."""
         self.model = model
         self.walk = walk
         self.rows: list[dict] = []
         self._hooked = None
         self._in_step: int | None = None
+        if cache is not None:
+            self._hook(cache)
 
     def _hook(self, cache) -> None:
         """Walk the cache inside each step, before its workspace is cleared (when the cache has one)."""
@@ -36,7 +40,7 @@ class StepMemory:
     def __call__(self, input_ids, scores):
         import gear_hf
 
-        cache = gear_hf.last_cache(self.model)
+        cache = self._hooked or gear_hf.last_cache(self.model)
         if cache is None:
             raise RuntimeError("StepMemory: the model is not enabled with gear_hf (no GearCache to read)")
         if cache is not self._hooked:
