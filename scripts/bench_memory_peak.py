@@ -202,7 +202,8 @@ def table_markdown(rows: list[dict]) -> str:
         ("report_held_bytes", "report held MiB", "{:.2f}"),
         ("report_total_bytes", "report held+reserved MiB", "{:.2f}"), ("walk_bytes", "walk MiB", "{:.2f}"),
         ("dense_bf16_bytes", "dense bf16 MiB", "{:.2f}"),
-        ("alloc_peak_bytes", "peak in generate MiB", "{:.1f}"), ("model_only_peak_bytes", "model-only peak MiB", "{:.1f}"),
+        ("alloc_peak_bytes", "peak in generate MiB", "{:.1f}"),
+        ("model_only_peak_bytes", "model-only peak MiB", "{:.1f}"),
         ("generate_s", "generate s", "{:.1f}")])
 
 
@@ -237,6 +238,7 @@ def run_steps(args, out) -> int:
                        logits_processor=LogitsProcessorList([recorder]), **{model_cache_kwarg(model): cache})
         del cache
         rows += [{"method": method, **r} for r in recorder.rows]
+        recorder.release()  # (the next method's memo walk must not see this cache alive)
         gear_hf.disable(model)
         gc.collect()
         last = recorder.rows[-1]
@@ -323,7 +325,8 @@ def main(argv=None) -> int:
     args.models = args.models or (["llama3-8b-random"] if cuda else ["smollm2"])
     args.T = args.T or ([8192, 32768] if cuda else [1024, 4096, 16384])
     args.methods, skipped = benchlib.select_methods(args.methods, METHODS)
-    cond = benchlib.Conditions(extra={"dtype": "bfloat16", "batch": 1, "device": device.type, "models": args.models,
+    device_name = torch.cuda.get_device_name(device) if cuda else "cpu"
+    cond = benchlib.Conditions(extra={"dtype": "bfloat16", "batch": 1, "device": device_name, "models": args.models,
                                       "T": args.T, "new_tokens": args.new_tokens,
                                       "skipped": ",".join(skipped) or "none"})
     benchlib.print_conditions(cond)

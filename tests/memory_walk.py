@@ -17,10 +17,12 @@ claim shared storage (walk the cache before the module-level memos).
 Not followed: weak references (they do not keep anything alive), modules and classes, functions, and
 ``torch.nn.Module`` (a cache holding a model would otherwise count the weights; such a reference is listed in
 `Walk.skipped_modules` instead). `exclude` leaves out given tensors' storages (`walk_cache(..., model=...)`: the
-model's parameters and buffers, which a kernel memo may reference). Nothing here reads a cache's own accounting: it sees objects, not counts.
+model's parameters and buffers, which a kernel memo may reference). Nothing here reads a cache's own accounting:
+it sees objects, not counts.
 
 `kernel_memos()` finds the kernels' module-level memos (derived state keyed by tensor identity) by name in every
-loaded ``gear_hf`` module, wherever they live now; a memo that no longer exists is simply absent.
+loaded ``gear_hf`` module, wherever they live now; a memo that no longer exists is simply absent. `walk_cache` walks a
+cache and the memo entries kept for it (an entry anchored on another cache's tensor is that cache's).
 """
 
 from __future__ import annotations
@@ -199,12 +201,32 @@ def kernel_memos() -> dict[str, object]:
     return found
 
 
+def _entries_for(memo, storages: set[tuple[str, int]]):
+    """The part of a memo kept for the walked cache: a dict whose entries are (weakref to an anchor tensor, ...)
+    (`_PREPARED`, `_DERIVED_MEMO`: derived state per store tensor) keeps only the entries whose anchor's storage is
+    the cache's; any other memo (the last step's tables, shared workspaces) is kept whole."""
+    if not isinstance(memo, dict):
+        return memo
+    mine, anchored = {}, False
+    for key, value in memo.items():
+        if isinstance(value, tuple) and value and isinstance(value[0], weakref.ref):
+            anchored = True
+            anchor = value[0]()
+            if not isinstance(anchor, torch.Tensor) or \
+                    (str(anchor.device), anchor.untyped_storage().data_ptr()) not in storages:
+                continue  # another cache's (or a dead tensor's) entry
+        mine[key] = value
+    return mine if anchored else memo
+
+
 def walk_cache(cache, memos: bool = True, model: torch.nn.Module | None = None) -> Walk:
-    """The cache, then (memos=True) the kernels' module-level memos: what it owns, each block once. Memo entries of
-    other live caches would be counted too: call it with one cache alive. model: its parameters and buffers are
-    not the cache's (the rotary tables memo keeps a reference to the rotary module's inv_freq)."""
-    roots = {"cache": cache}
-    if memos:
-        roots.update(kernel_memos())
+    """The cache, then (memos=True) what the kernels' module-level memos keep for it (`_entries_for`): what it owns,
+    each block once. model: its parameters and buffers are not the cache's (the rotary tables memo keeps a reference
+    to the rotary module's inv_freq)."""
     exclude = [*model.parameters(), *model.buffers()] if model is not None else ()
+    alone = walk({"cache": cache}, exclude)
+    if not memos:
+        return alone
+    storages = {(b.device, b.start) for b in alone.blocks if b.kind == "torch"}
+    roots = {"cache": cache, **{name: _entries_for(memo, storages) for name, memo in kernel_memos().items()}}
     return walk(roots, exclude)

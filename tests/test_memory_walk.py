@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import gear_hf
-from memory_walk import kernel_memos, walk, walk_cache
+from memory_walk import _entries_for, kernel_memos, walk, walk_cache
 from tiny_models import CACHE_ARG, tiny_model
 
 PROMPT, NEW = 300, 20  # GearConfig(): a 256-token prompt group + a 44-token buffer; 20 decode steps, no flush
@@ -70,6 +70,15 @@ def test_walk_sees_quanto_style_inner_tensors():
 
     w = Wrapped(torch.zeros(8, dtype=torch.uint8), torch.zeros(2, dtype=torch.float16))
     assert walk({"w": [w]}).total == 8 + 4
+
+
+def test_memo_entries_anchored_on_another_cache_are_not_counted():
+    mine, theirs = torch.zeros(100), torch.zeros(100)
+    storages = {(str(mine.device), mine.untyped_storage().data_ptr())}
+    memo = {1: (weakref.ref(mine), {"copy": np.zeros(10)}), 2: (weakref.ref(theirs), {"copy": np.zeros(1000)})}
+    assert list(_entries_for(memo, storages)) == [1]
+    shared = [(mine, np.zeros(3))]  # not anchored (the last step's tables): kept whole
+    assert _entries_for(shared, storages) is shared
 
 
 @pytest.fixture(scope="module")

@@ -37,6 +37,10 @@ class StepMemory:
         workspace.clear = walked_then_clear
         self._hooked = cache
 
+    def release(self) -> None:
+        """Drop the reference to the cache (its storage and memo entries must not outlive its generate)."""
+        self._hooked = None
+
     def __call__(self, input_ids, scores):
         import gear_hf
 
