@@ -3,12 +3,12 @@ the start, and what is still allocated at the end.
 
 * CPU: torch's CPU allocator reports every allocation and free it serves (its `ProfiledCPUMemoryReporter`) to the
   profiler when `profile_memory=True`; those are the ``[memory]`` events of the kineto trace, each with its signed
-  size and its time. Their running sum in time order is the bytes allocated during the block and still live: its
-  maximum is the peak, its last value what the block left allocated. This sees every tensor storage, intermediate
-  ones inside an operator included, whoever holds it. It does not see memory that does not come from torch's
-  allocator: numpy's own arrays, numba's (the CPU kernels allocate some), Python objects. A free of a block
-  allocated before the block started is not reported (the reporter does not know its size), so pre-existing memory
-  freed inside the block cannot lower the figure. (RSS cannot tell methods apart inside one process; tracemalloc sees
+  size, address and time. Their running sum in time order is the bytes allocated during the block and still live: its
+  maximum is the peak, its last value what the block left allocated. Only blocks allocated inside the block are
+  counted (each event carries its address): freeing memory allocated before it (an earlier call's module-level
+  memo, replaced now) does not lower the figure. This sees every tensor storage, intermediate ones inside an
+  operator included, whoever holds it. It does not see memory that does not come from torch's allocator: numpy's
+  own arrays, numba's, Python objects. (RSS cannot tell methods apart inside one process; tracemalloc sees
   numpy's arrays but none of torch's storages.)
 * CUDA: `torch.cuda.reset_peak_memory_stats` then `max_memory_allocated` / `memory_allocated`, relative to
   `memory_allocated` at the start (the caching allocator's own count of bytes handed out to tensors).
@@ -65,13 +65,25 @@ class AllocatorPeak:
         self._profile.__exit__(*exc)
         if exc[0] is not None:
             return
-        deltas = [(e.start_ns(), e.nbytes()) for e in self._profile.profiler.kineto_results.events()
-                  if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
-        deltas.sort(key=lambda item: item[0])  # (a stable sort: same-time events keep the order they were recorded)
+        from torch._C._profiler import _EventType
+
+        events, stack = [], list(self._profile.profiler.kineto_results.experimental_event_tree())
+        while stack:
+            node = stack.pop()
+            if node.tag == _EventType.Allocation and str(node.extra_fields.device) == "cpu":
+                events.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size))
+            stack.extend(node.children)
+        events.sort(key=lambda e: e[0])  # (stable: same-time events keep the order they were recorded in)
+        live_blocks: dict[int, int] = {}  # address -> size of the blocks allocated inside the block, still live
         live = peak = 0
-        for _, nbytes in deltas:
-            live += nbytes
-            peak = max(peak, live)
-        self.result = AllocatorMeasurement(peak_bytes=peak, end_bytes=live, events=len(deltas),
-                                           how="torch.profiler profile_memory: running sum of CPU allocator events")
+        for _, ptr, size in events:
+            if size > 0:
+                live_blocks[ptr] = size
+                live += size
+                peak = max(peak, live)
+            elif ptr in live_blocks:  # (a free of a block allocated before the block is not counted)
+                live -= live_blocks.pop(ptr)
+        self.result = AllocatorMeasurement(peak_bytes=peak, end_bytes=live, events=len(events),
+                                           how="torch.profiler profile_memory: CPU allocator events, blocks "
+                                               "allocated inside the block")
         self._profile = None  # (the trace is large: drop it)
