@@ -21,7 +21,9 @@ model's parameters and buffers, which a kernel memo may reference). Nothing here
 it sees objects, not counts.
 
 `kernel_memos()` finds the kernels' module-level memos (derived state keyed by tensor identity) by name in every
-loaded ``gear_hf`` module, wherever they live now; a memo that no longer exists is simply absent. `walk_cache` walks a
+loaded ``gear_hf`` module, wherever they live now; a memo that no longer exists is simply absent. What no walk can
+reach: ``functools.lru_cache`` tables (their values are not exposed), e.g. compress/rotation.py `_hadamard_cpu`, the
+[b, b] float32 Hadamard block (16 KiB for head_dim 64) that a rotating config keeps for good. `walk_cache` walks a
 cache and the memo entries kept for it (an entry anchored on another cache's tensor is that cache's).
 """
 
