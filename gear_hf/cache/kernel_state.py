@@ -18,21 +18,23 @@ from ..rope import rope_angles
 
 class KernelState:
     def __init__(self) -> None:
-        self._rope: tuple | None = None  # (step, positions, inv_freq, cos, sin)
+        self._rope: dict = {}  # this step's {id(inv_freq): (cos, sin)} (no reference to the model's tensors)
+        self._rope_step = -1
         self._workspaces: dict[tuple, torch.Tensor] = {}
         self._tables: dict[tuple, torch.Tensor] = {}
         self.step = -1  # the cache's step counter, set before each step's first attention
 
     def rope_halves(self, positions: torch.Tensor, inv_freq: torch.Tensor):
         """cos/sin [B, T, d/2] float32 numpy arrays at `positions` (as the rotary module computes them), once per
-        step and rotary module (the layout gives every layer of a step the same positions)."""
-        memo = self._rope
-        if memo is not None and memo[0] == self.step and memo[1] is positions and memo[2] is inv_freq:
-            return memo[3], memo[4]
-        angles = rope_angles(positions, inv_freq)
-        cos, sin = angles.cos().numpy(), angles.sin().numpy()
-        self._rope = (self.step, positions, inv_freq, cos, sin)
-        return cos, sin
+        step and rotary module (the layout gives every layer of a step the same positions; a model may have two
+        rotary modules, local and global)."""
+        if self._rope_step != self.step:
+            self._rope, self._rope_step = {}, self.step
+        key = (id(inv_freq), tuple(positions.shape))
+        if key not in self._rope:
+            angles = rope_angles(positions, inv_freq)
+            self._rope[key] = (angles.cos().numpy(), angles.sin().numpy())
+        return self._rope[key]
 
     def workspace(self, device: torch.device, numel: int) -> torch.Tensor:
         """A float32 buffer of at least `numel` elements on `device` (contents undefined), shared by the layers that
@@ -52,5 +54,5 @@ class KernelState:
 
     def nbytes(self) -> int:
         tensors = list(self._workspaces.values()) + list(self._tables.values())
-        rope = 0 if self._rope is None else self._rope[3].nbytes + self._rope[4].nbytes
+        rope = sum(cos.nbytes + sin.nbytes for cos, sin in self._rope.values())
         return sum(t.numel() * t.element_size() for t in tensors) + rope
