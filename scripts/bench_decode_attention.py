@@ -102,8 +102,8 @@ def _build(T: int, batch: int, bits: int, dtype, device, method: str = "gear", p
     """A one-layer GearCache holding T tokens per row (prompt chunk + decode chunks + buffer; row b has pad[b]
     fewer, left-padded), after one decode step (gear_hf.cache.fused.build_cache: keys with a few large
     channels, like real keys)."""
-    from gear_hf.config import GearConfig
     from gear_hf.cache.fused import build_cache
+    from gear_hf.config import GearConfig
 
     if method in _RECOMMENDED_ROWS:
         cfg = GearConfig() if method == "default" else GearConfig.recommended(name=method)
@@ -377,12 +377,12 @@ def _bench_padded(T, args, dtype, device, inv_freq, record):
     keep = torch.arange(T, device=device)[None, :] >= torch.tensor(pad, device=device)[:, None]  # [B, T]
     mask = keep[:, None, None, :]
 
-    def sdpa_masked():
+    def sdpa_masked():  # (k, v: deleted below, after the last call)
         try:
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # noqa: F821
         except TypeError:
             return torch.nn.functional.scaled_dot_product_attention(
-                q, k.repeat_interleave(HQ // HKV, 1), v.repeat_interleave(HQ // HKV, 1), attn_mask=mask)
+                q, k.repeat_interleave(HQ // HKV, 1), v.repeat_interleave(HQ // HKV, 1), attn_mask=mask)  # noqa: F821
 
     sdpa_ms = _median_ms(sdpa_masked, args.iters, args.warmup)
     label = f"pad{max(pad)}"

@@ -20,19 +20,18 @@ layer-steps each method's attention took on the fused path (every batch; `GearCa
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from collections import Counter
 
-import torch
-
 import benchlib
+import torch
 
 
 def main(argv=None) -> int:
-    import gear_hf
     from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessor
+
+    import gear_hf
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--T", type=int, default=1000)

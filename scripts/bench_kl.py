@@ -21,9 +21,8 @@ import os
 import sys
 import time
 
-import torch
-
 import benchlib
+import torch
 
 DEFAULT_METHODS = ("fp16", "kivi-2", "gear-l-2", "gear-2", "kivi-4", "gear-4", "hf-quanto-int2", "hf-quanto-int4")
 QUICK_METHODS = ("kivi-2", "gear-2", "hf-quanto-int2", "hf-quanto-int4")

@@ -40,12 +40,10 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import sys
 
-import torch
-
 import benchlib
+import torch
 from benchlib.allocator import AllocatorPeak
 
 sys.path.insert(0, str(benchlib.REPO / "tests"))  # the independent walk lives with the tests that use it
@@ -112,9 +110,10 @@ def measure(model, ids: torch.Tensor, method: str, new_tokens: int) -> dict:
     model's generate as a user gets it) so that it outlives the call."""
     import time
 
+    from transformers import DynamicCache
+
     import gear_hf
     from gear_hf.hf_compat import model_cache_kwarg
-    from transformers import DynamicCache
 
     kwargs = {}
     if method == "dynamic":
@@ -213,10 +212,11 @@ STEP_COLUMNS = ("held_bits", "buffer_bits", "spare_bits", "report_total_bits", "
 
 def run_steps(args, out) -> int:
     """Item 3: bits/element held vs owned at every step, SmolLM2 bf16, 1,024-token text, 96 decode steps."""
-    import gear_hf
     from benchlib.memory_steps import StepMemory
-    from gear_hf.hf_compat import model_cache_kwarg
     from transformers import LogitsProcessorList
+
+    import gear_hf
+    from gear_hf.hf_compat import model_cache_kwarg
 
     prompt, decode_steps = 1024, 96
     methods = [benchlib.check_method(m.strip()) for m in args.steps_configs.split(",") if m.strip()]

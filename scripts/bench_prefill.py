@@ -28,9 +28,9 @@ import sys
 import time
 from contextlib import contextmanager
 
+import benchlib
 import torch
 
-import benchlib
 from gear_hf.hf_compat import model_cache_kwarg
 
 ALL = ("fp16", "kivi-2", "kcvt-2", "outlier-2", "gear-l-2", "gear-2", "kivi-4", "gear-4")
@@ -65,9 +65,10 @@ def timed_methods(cls, names, totals: dict):
 
 
 def prefill(model, ids, method):
+    from transformers import DynamicCache
+
     import gear_hf
     from gear_hf.storage import ChunkStore
-    from transformers import DynamicCache
 
     arg = model_cache_kwarg(model)
     totals: dict = {}

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 import benchlib
+import torch
 
 
 def main(argv=None) -> int:

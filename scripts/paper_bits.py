@@ -41,8 +41,10 @@ def main(argv=None) -> int:
     if args.load:
         captures = [D.LayerCapture(**c) for c in torch.load(args.load)]
     else:
-        model, tokenizer = benchlib.load_model(args.model, args.dtype)
         import benchlib  # the model loader of this checkout (an older gear_hf may lack what it imports)
+
+        model, tokenizer = benchlib.load_model(args.model, args.dtype)
+
         from gear_hf.gsm8k import solved_text
 
         ids = tokenizer(solved_text(benchlib.data_dir(), 0), return_tensors="pt").input_ids[:, -args.tokens:]

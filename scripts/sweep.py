@@ -419,12 +419,11 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     if todo:
         _write_atomic(cond_path, json.dumps(cond, indent=2))
+        from lm_eval.tasks import TaskManager
         from tqdm import tqdm
 
-        from gear_hf.lm_eval.model import GearHFLM
-        from lm_eval.tasks import TaskManager
-
         from gear_hf.lm_eval.cli import task_dir
+        from gear_hf.lm_eval.model import GearHFLM
 
         data_dir = args.data_dir or os.environ.get("GEAR_HF_DATA_DIR")
         task_manager = TaskManager(include_path=str(task_dir()),

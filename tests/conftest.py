@@ -38,7 +38,8 @@ except ImportError:  # hypothesis comes with the `test` extra; tests that need i
 if _hyp_settings is not None:
     _hyp_settings.register_profile("gear_hf", deadline=None, print_blob=True)
     _hyp_settings.register_profile("gear_hf-ci", deadline=None, print_blob=True, derandomize=True)
-    _hyp_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "gear_hf-ci" if os.environ.get("CI") else "gear_hf"))
+    _hyp_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE",
+                                              "gear_hf-ci" if os.environ.get("CI") else "gear_hf"))
 
 _WEIGHT_FIXTURES = {"smollm2", "smollm2_bf16", "qwen25"}
 

@@ -5,8 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gear_hf.compress import (ChunkSpec, compress, decompress, dequantize, lowrank_fit, outliers_per_vector,
-                              pack_codes, quantize, select_outliers, unpack_codes)
+from gear_hf.compress import (
+    ChunkSpec,
+    compress,
+    decompress,
+    dequantize,
+    lowrank_fit,
+    outliers_per_vector,
+    pack_codes,
+    quantize,
+    select_outliers,
+    unpack_codes,
+)
 
 
 def _x(B=2, H=3, n=128, d=64, seed=0, dtype=torch.float32):

@@ -18,10 +18,10 @@ import torch
 numba = pytest.importorskip("numba")
 
 import gear_hf  # noqa: E402
+from gear_hf.backends import resolve  # noqa: E402
 from gear_hf.compress import ChunkSpec, CompressedChunk, compress, decompress  # noqa: E402
 from gear_hf.compress.terms import BUILTIN_FIELDS  # noqa: E402
 from gear_hf.config import GearConfig  # noqa: E402
-from gear_hf.backends import resolve  # noqa: E402
 from gear_hf.kernels import cpu  # noqa: E402
 from gear_hf.rope import RotaryMemo, apply_rotary  # noqa: E402
 from reference_match import assert_matches_oracle  # noqa: E402
@@ -134,8 +134,8 @@ def test_decompress_into_bf16(spec):
     assert not cpu.decompress_supported(spec, d, out, (cos.float(), sin.float()))  # wider cos: the torch path
     exact = not (spec.rank or spec.rotate)
     got = cpu.decompress_into(run, spec, n, d, chunks, out)
-    assert got.dtype == torch.bfloat16 and (torch.equal(got, expected) if exact else
-                                             (got.float() - expected.float()).abs().max() <= 0.01 * expected.abs().max())
+    close = (got.float() - expected.float()).abs().max() <= 0.01 * expected.abs().max()
+    assert got.dtype == torch.bfloat16 and (torch.equal(got, expected) if exact else close)
     rotated = cpu.decompress_into(run, spec, n, d, chunks, out, (cos, sin))
     reference = apply_rotary(expected, cos, sin)
     assert torch.equal(rotated, reference) if exact else \

@@ -24,7 +24,8 @@ def test_default_and_every_recommended_name_are_methods():
 
 
 def test_a_bad_method_names_what_is_allowed():
-    with pytest.raises(SystemExit, match=r"--methods: 'compakt': did you mean 'compact'\? .*\(or: default, small, compact"):
+    message = r"--methods: 'compakt': did you mean 'compact'\? .*\(or: default, small, compact"
+    with pytest.raises(SystemExit, match=message):
         method_config("compakt")
 
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_real_weights import gsm8k_prompt
 
 import gear_hf
 import realweights
-from test_real_weights import gsm8k_prompt
 
 pytestmark = [pytest.mark.realweights, pytest.mark.slow]
 

@@ -29,8 +29,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from gear_hf.config import GearConfig  # noqa: E402
 from gear_hf.cache.fused import build_cache, reference_decode_attention  # noqa: E402
+from gear_hf.config import GearConfig  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}

@@ -19,9 +19,9 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 import gear_hf  # noqa: E402
-from gear_hf.config import GearConfig  # noqa: E402
 from gear_hf.backends import resolve  # noqa: E402
 from gear_hf.cache import GearCache  # noqa: E402
+from gear_hf.config import GearConfig  # noqa: E402
 from gear_hf.kernels import MAX_FUSED_QUERY, fused_supported  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -132,8 +132,14 @@ def test_use_fused(monkeypatch):
 
 
 def _tiny(arch: str, dtype=torch.float32):
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, \
-        Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     # head_dim 32 (the fused kernel needs a power of two >= 32), GQA 2
     common = dict(vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -20,8 +20,8 @@ pytestmark = [pytest.mark.gpu,
 
 pytest.importorskip("triton")
 
-from gear_hf.config import GearConfig  # noqa: E402
 from gear_hf.cache.fused import build_cache, reference_decode_attention  # noqa: E402
+from gear_hf.config import GearConfig  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 

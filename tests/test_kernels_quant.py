@@ -57,7 +57,8 @@ def _data(shape, dtype, seed):
                                           ("token", 48, 40)])
 def test_quantize_pack_bit_exact(dtype, bits, axis, group, d):
     """Odd shapes: d=40 (not a power of two; for values not a multiple of the group: a short last group,
-    only real channels coded), group 48 (not a power of two), 96 tokens; with an exclusion mask. 3 bits: 8 codes in 3 bytes."""
+    only real channels coded), group 48 (not a power of two), 96 tokens; with an exclusion mask. 3 bits: 8 codes in
+    3 bytes."""
     x, exclude = _data((2, 2, 96, d), dtype, seed=bits * 7 + d)
     if axis == "channel":
         exclude[0, 1, :group, 5] = True  # one fully excluded group: stats 0, codes from x/1

@@ -174,9 +174,9 @@ def test_include_path_from_config_yaml_is_respected(tmp_path):
 
 
 def test_cpu_process_group_only_when_launched_multi_process(monkeypatch):
-    import torch
-
     import os
+
+    import torch
 
     monkeypatch.setenv("ACCELERATE_USE_CPU", "")  # restored (removed) at teardown
     monkeypatch.delenv("WORLD_SIZE", raising=False)

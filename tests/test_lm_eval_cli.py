@@ -159,10 +159,10 @@ def test_smollm2_gguf_real_weights(data_dir, tmp_path):
 @pytest.mark.slow
 def test_loglikelihood_is_stock_and_generation_uses_gear(tiny_model):
     """Loglikelihood requests run the stock forward (no cache): identical to lm-eval's `hf` model."""
-    import gear_hf
     from lm_eval.api.instance import Instance
     from lm_eval.models.huggingface import HFLM
 
+    import gear_hf
     from gear_hf.lm_eval.model import GearHFLM
 
     reqs = [("Q: There are 3 boxes with 4 pens each.\nA:", " The answer is 12."),

@@ -150,5 +150,6 @@ def test_data_dir_from_environment(monkeypatch, data_dir):
 def test_no_dataset_text_in_repository():
     """eval_tasks/ holds configuration only: no copied questions, rationales or prompts."""
     for path in Path(task_dir()).rglob("*"):
-        if path.is_file() and path.suffix in (".yaml", ".txt", ".json", ".jsonl", "") and "__pycache__" not in str(path):
+        data_like = path.suffix in (".yaml", ".txt", ".json", ".jsonl", "")
+        if path.is_file() and data_like and "__pycache__" not in str(path):
             assert path.stat().st_size < 4000, path

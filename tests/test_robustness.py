@@ -21,9 +21,18 @@ import pytest
 import torch
 
 import gear_hf
-from gear_hf.compress import (ChunkSpec, compress, dequantize, lowrank_fit, outliers_per_vector, pack_codes,
-                              quantize, select_outliers, unpack_codes)
-from tiny_models import CACHE_ARG, VOCAB, prompts, tiny_model
+from gear_hf.compress import (
+    ChunkSpec,
+    compress,
+    dequantize,
+    lowrank_fit,
+    outliers_per_vector,
+    pack_codes,
+    quantize,
+    select_outliers,
+    unpack_codes,
+)
+from tiny_models import VOCAB, prompts, tiny_model
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings  # noqa: E402
@@ -251,7 +260,7 @@ def test_100_generate_calls_retain_no_memory():
                     samples[call] = (count, nbytes, tracemalloc.get_traced_memory()[0])
     finally:
         tracemalloc.stop()
-    (c20, b20, p20), (c60, b60, p60), (c100, b100, p100) = samples[20], samples[60], samples[100]
+    (c20, b20, p20), (c60, _, _), (c100, b100, p100) = samples[20], samples[60], samples[100]
     assert c100 == c20 and c60 == c20, samples  # live tensors (the last cache is kept by design: one)
     assert b100 == b20, samples  # their bytes
     assert p100 - p20 < 64 * 1024, samples  # Python allocations: no per-call growth (80 calls)

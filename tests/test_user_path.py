@@ -260,4 +260,5 @@ def test_no_library_module_imports_the_demo_and_one_gsm8k_loader():
     for path in sources:
         assert not {n for n in _imported_modules(path) if "demo" in n.replace("..", ".").split(".")}, path
         if path.name != "gsm8k.py":
-            assert '"train.jsonl"' not in path.read_text() and "/ \"test.jsonl\").read_text" not in path.read_text(), path
+            text = path.read_text()
+            assert '"train.jsonl"' not in text and "/ \"test.jsonl\").read_text" not in text, path

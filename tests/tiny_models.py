@@ -7,8 +7,7 @@ import inspect
 import pytest
 import torch
 import transformers
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM)
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 VOCAB = 128
 # The cache argument's name: `cache` from transformers 5.24, `past_key_values` up to 5.22.

@@ -14,8 +14,15 @@
 from .capture import LayerCapture, capture_qkv, stream_steps
 from .cli import main
 from .errors import head_errors, layer_errors
-from .kl import (SelectiveGearCache, kl_divergence, kl_map, next_token_kl, stock_logits, streamed_logits,
-                 teacher_forced_agreement)
+from .kl import (
+                 SelectiveGearCache,
+                 kl_divergence,
+                 kl_map,
+                 next_token_kl,
+                 stock_logits,
+                 streamed_logits,
+                 teacher_forced_agreement,
+)
 from .report import KV_METRICS, METRIC_DOC, METRICS, Diagnosis, diagnose, heatmap, layer_means, write_report
 
 __all__ = ["LayerCapture", "capture_qkv", "stream_steps", "head_errors", "layer_errors", "SelectiveGearCache",

@@ -33,6 +33,7 @@ from gear_hf import gsm8k
 from gear_hf.gsm8k import DATA_DIR_ENV
 from gear_hf.lm_eval import answers
 from gear_hf.lm_eval.answers import INVALID
+
 AQUA_NUM_SHOTS = 8
 
 

@@ -24,17 +24,19 @@ from dataclasses import dataclass, replace
 import torch
 from vllm import _custom_ops as ops
 from vllm.config import get_current_vllm_config
-from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
-from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttentionBackendImpl, CPUAttentionMetadata,
-                                                 CPUAttentionMetadataBuilder)
-from vllm.v1.kv_cache_interface import AttentionSpec
-
 from vllm.logger import init_logger
+from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadata,
+    CPUAttentionMetadataBuilder,
+)
+from vllm.v1.kv_cache_interface import AttentionSpec
 
 from .format import PageFormat, config_from_env
 from .plan import StepPlan, TailBook
 from .rotary import KeyRotary
-
 
 logger = init_logger("vllm.gear_hf")  # under "vllm": its handler prints it
 

@@ -22,7 +22,6 @@ How GearConfig maps onto a block (the block plays the role of one decode chunk):
 from __future__ import annotations
 
 import json
-import math
 import os
 
 import torch

@@ -14,6 +14,17 @@ from .cli import OUT, REPO, add_out_argument, parse_bench_args
 from .conditions import Conditions, cpu_model, load_average, print_conditions
 from .data import data_dir, fixed_length_batch, gsm8k_prompts, gsm8k_text, load_model, long_text
 from .memory import PeakRSS, release_free_memory, tensor_bytes
-from .methods import (GEAR_PRESETS, HF_METHODS, GenerateResult, check_method, gear_config, hf_backend_available,
-                      make_hf_quantized_cache, method_bits, run_generate, select_methods, warm_up)
+from .methods import (
+                      GEAR_PRESETS,
+                      HF_METHODS,
+                      GenerateResult,
+                      check_method,
+                      gear_config,
+                      hf_backend_available,
+                      make_hf_quantized_cache,
+                      method_bits,
+                      run_generate,
+                      select_methods,
+                      warm_up,
+)
 from .report import markdown_table, median, quantile, write_csv, write_summary

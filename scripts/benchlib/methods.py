@@ -108,8 +108,9 @@ class GenerateResult:
 def run_generate(model, input_ids: torch.Tensor, method: str, max_new_tokens: int, *, force_length: bool = True,
                  tokenizer=None, stop_strings=None, attention_mask=None, hf_residual: int = 128) -> GenerateResult:
     """One greedy `generate` with `method`'s cache; decode timing from the step clock."""
-    import gear_hf
     from transformers import LogitsProcessorList
+
+    import gear_hf
 
     kwargs: dict = {}
     if method in HF_METHODS:

@@ -1,4 +1,5 @@
-"""CPU kernels (numba), for the fused decode attention and the reference path: what `gear_hf.kernels.cpu_kernels` returns.
+"""CPU kernels (numba), for the fused decode attention and the reference path (the numba backend runs them:
+`gear_hf.backends.numba_backend`).
 
 * `read` - a chunk run decompressed, and keys rotated, in one pass (`decompress_into`, or `prepared` (memoised per
   state of the storage) and `decompress_run` every step; `rotate_into`); its loops are in `dequant`
@@ -14,11 +15,20 @@ equal (bit for bit, except where a low-rank term is summed or fitted: to float32
 first use only (`import gear_hf` stays light); compiled loops are cached on disk.
 """
 
-from .attend import decode_attention, supported as attend_supported
+from .attend import decode_attention
+from .attend import supported as attend_supported
 from .compress import all_finite, compress_backbone, compress_supported
 from .lowrank import fit_factors
-from .read import (Run, decompress_into, decompress_run, decompress_supported, prepare, prepared, rotate_into,
-                   rotate_supported)
+from .read import (
+                   Run,
+                   decompress_into,
+                   decompress_run,
+                   decompress_supported,
+                   prepare,
+                   prepared,
+                   rotate_into,
+                   rotate_supported,
+)
 
 __all__ = ["Run", "all_finite", "attend_supported", "compress_backbone", "compress_supported", "decode_attention",
            "decompress_into", "decompress_run", "decompress_supported", "fit_factors", "prepare", "prepared",

@@ -32,7 +32,6 @@ from .outlier_select import _MAX_LANE_SLOTS, _choose
 from .pack import _pack, _pack_planes
 from .quantize import _exact_entries, _quantize_channel, _quantize_token, _residual
 
-
 _F32 = np.float32
 
 

@@ -18,9 +18,10 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from .bf16 import bf16_value as _f32, round_bf16 as _bf16, side_value as _side
+from .bf16 import bf16_value as _f32
+from .bf16 import round_bf16 as _bf16
+from .bf16 import side_value as _side
 from .pack import transpose_bits8
-
 
 _F32 = np.float32
 

@@ -15,7 +15,8 @@ import torch
 
 from ...compress import ChunkSpec
 from ...compress.lowrank import _initial_basis
-from .bf16 import bf16_value as _f32, round_bf16 as _bf16
+from .bf16 import bf16_value as _f32
+from .bf16 import round_bf16 as _bf16
 
 _F32 = np.float32
 _FAST = {"reassoc", "contract"}  # sums reordered and vectorized (this step is equal to float32 rounding anyway)

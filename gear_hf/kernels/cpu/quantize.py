@@ -8,7 +8,9 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from .bf16 import bf16_step as _bf16_next, bf16_value as _f32, round_bf16 as _bf16
+from .bf16 import bf16_step as _bf16_next
+from .bf16 import bf16_value as _f32
+from .bf16 import round_bf16 as _bf16
 
 _F32 = np.float32
 _INF = _F32(np.inf)

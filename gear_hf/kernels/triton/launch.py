@@ -16,8 +16,8 @@ from .. import interpreting
 from ..views import DecodeLayout, StreamView
 from .args import _check, _check_words, _rotated, key_run_args, value_run_args
 from .decode_kernel import _combine_kernel, _decode_attention_kernel
-from .sizing import _RESIDENT, _num_splits, _resident_programs, hadamard_table
 from .ops import _libdevice
+from .sizing import _RESIDENT, _num_splits, _resident_programs, hadamard_table
 
 _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 LOG2E = 1.4426950408889634

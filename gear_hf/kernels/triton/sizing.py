@@ -8,7 +8,6 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-
 _SM_COUNT: dict[int, int] = {}
 # Programs of the main kernel resident per SM, learned from its register count after the first launch of a
 # configuration (key: device, warps, block, dtype, key/value bits); 1 until then.

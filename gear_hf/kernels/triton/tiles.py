@@ -100,7 +100,6 @@ def _key_outlier_scores(s, q_rows, mvalid, ow_b, ov_b, ot_b, n_tiles, seg, tok0,
     lo = tl.load(ot_b + u0)
     hi = tl.load(ot_b + tl.minimum(u0 + BN // 16, n_tiles))
     n_offs = tl.arange(0, BN)
-    M: tl.constexpr = s.shape[0]
     LOG2D: tl.constexpr = D.bit_length() - 1
     # Per-outlier quantities (position, channel, cos/sin, value) on 1D [OE] vectors (one entry per thread of a
     # warp), then broadcast over the query rows; the one-hot along the block's tokens is [OE, BN].
