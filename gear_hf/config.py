@@ -36,10 +36,10 @@ PAPER_FIELDS: dict[str, Any] = dict(key_bits=4, value_bits=4, group_size=64, ran
 # What the measured frontier says to pick (scripts/frontier.py; SmolLM2-135M and Qwen2.5-0.5B in bf16, head_dim 64,
 # teacher-forced next-token KL over the last 128 tokens of three GSM8K texts, T=1028 = 4 sinks + 1024; docs/results.md
 # "Accuracy per byte", results/frontier/frontier_texts.md): (name, bits/element held on d=64 heads at T=1028, fields
-# over the paper's with int8 low-rank factors), cheapest first. All keep 4 attention-sink tokens exact, group keys by 128
-# tokens and rotate the values (Walsh–Hadamard). All but "small" give each key channel its own width, chosen from the
-# prompt's queries (key_bit_allocation="query", keys unrotated: measured at the same bits, it cut KL 2-4x against
-# one width for every channel, e.g. k3v3 0.0271 -> 0.0073 on SmolLM2 and 0.0140 -> 0.0048 on Qwen, text 0).
+# over the paper's with int8 low-rank factors), cheapest first. All keep 4 attention-sink tokens exact, group keys
+# by 128 tokens and rotate the values (Walsh–Hadamard). All but "small" give each key channel its own width, chosen
+# from the prompt's queries (key_bit_allocation="query", keys unrotated: measured at the same bits, it cut KL 2-4x
+# against one width for every channel, e.g. k3v3 0.0271 -> 0.0073 on SmolLM2 and 0.0140 -> 0.0048 on Qwen, text 0).
 # All group the prompt chunk by 256 tokens (prompt_group_size). "compact" and "balanced" store values like keys
 # (per channel over token groups, value_axis="channel", ranges searched): statistics of 1/8 + 1/8 bit per element on
 # the prompt. "accurate" (the default) and "precise" keep 3-bit values per token with min/max ranges, nothing searched

@@ -44,7 +44,7 @@ def stream_specs(cfg, stream: str) -> tuple[ChunkSpec, ChunkSpec]:
     groups = (0, 0) if cfg.coarse_groups else (cfg.prompt_group(stream), decode_group)
     ratio = cfg.outlier_ratio if cfg.uses_outliers else 0.0
     ranks = (cfg.rank_prefill, cfg.rank_decode) if cfg.uses_lowrank else (0, 0)
-    rotate = cfg.rotation in ("both", stream + "s")
+    rotate = cfg.rotation in ("both", stream + "s") and cfg.compresses  # (fp16 stores no chunk: checks skipped)
     range_search = cfg.range_search in ("both", stream + "s")
     allocated = stream == "key" and cfg.key_bit_allocation == "query"
     return tuple(ChunkSpec(bits, axis, group, ratio, rank, cfg.power_iters, rotate, cfg.factor_bits,

@@ -21,9 +21,8 @@ import os
 import sys
 import time
 
-import torch
-
 import benchlib
+import torch
 
 SHAPES = {  # name: (layers, KV heads, head_dim)
     "smollm2": (30, 3, 64),
@@ -42,8 +41,9 @@ def hf_config(layers: int, heads: int, dim: int):
 
 def fill(method: str, config, T: int, tail: int, batch: int, dtype, seed: int = 0):
     """A cache of `method` holding T tokens per row (T - tail at prefill + tail single steps)."""
-    import gear_hf
     from transformers import DynamicCache
+
+    import gear_hf
 
     layers, heads, dim = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
     g = torch.Generator().manual_seed(seed)

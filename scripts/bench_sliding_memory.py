@@ -19,9 +19,10 @@ import torch
 
 
 def main(argv=None) -> int:
+    from transformers import MistralConfig
+
     import gear_hf
     from gear_hf.cache import GearCache
-    from transformers import MistralConfig
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--window", type=int, default=512)

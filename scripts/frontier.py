@@ -37,14 +37,12 @@ from __future__ import annotations
 import argparse
 import csv
 import math
-import os
 import sys
 import time
 from pathlib import Path
 
-import torch
-
 import benchlib
+import torch
 
 SHOTS_FOR = {1024: 8, 4096: 40}  # GSM8K exemplars so the text is at least T tokens long
 

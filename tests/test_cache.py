@@ -120,7 +120,7 @@ def test_memory_report_matches_independent_count(method):
     assert sum(report[c] for c in components) == report["held_bytes"]
     assert report["held_bytes"] + report["reserved_bytes"] + report["derived_bytes"] == report["total_bytes"]
     # held, counted independently: per row 90 tokens; 2 rows; 2 layers; K and V; buffer in bf16
-    nb, rows, layers = 16, 2, 2
+    rows, layers = 2, 2
     buffered = sum(cache.buffer_len)
     assert report["buffer"] == buffered * H * D * 2 * 2 * layers
     assert report["positions"] == 4 * (rows * 90 + rows * 90)  # positions of held tokens + rect_to_local

@@ -22,7 +22,8 @@ DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k"
 def gsm8k_prompt(index: int = 0, shots: int = 4) -> str:
     if not DATA.is_dir():
         pytest.skip(f"GSM8K data not found at {DATA}")
-    read = lambda split: [json.loads(l) for l in (DATA / f"{split}.jsonl").read_text().splitlines() if l.strip()]
+    read = lambda split: [json.loads(line) for line in (DATA / f"{split}.jsonl").read_text().splitlines()
+                          if line.strip()]
     train, test = read("train")[:shots], read("test")[index]
     fmt = lambda a: a.split("####")[0].strip() + " The answer is " + a.split("####")[1].strip() + "."
     prefix = "".join(f"Question: {r['question']}\nAnswer: {fmt(r['answer'])}\n\n" for r in train)

@@ -191,7 +191,8 @@ def test_empty_prompt_behaves_as_stock():
     stock_none = outcome(lambda: model.generate(max_new_tokens=6, do_sample=False, pad_token_id=0))
     for config in (gear_hf.GearConfig.preset("fp16"), gear_hf.GearConfig.preset("gear", bits=2, **SMALL)):
         with gear_hf.enabled(model, config):
-            assert outcome(lambda: _gen(model, empty)) == stock_empty
+            ours_empty = outcome(lambda: _gen(model, empty))  # a clear error naming the empty prompt's shape
+            assert ours_empty[:2] == ("error", "ValueError") and "[1, 0]" in ours_empty[2], (ours_empty, stock_empty)
             ours = outcome(lambda: model.generate(max_new_tokens=6, do_sample=False, pad_token_id=0))
         assert ours[0] == stock_none[0]
         if config.method == "fp16":

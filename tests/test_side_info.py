@@ -10,9 +10,19 @@ import torch
 
 import gear_hf
 from gear_hf.cache import GearCache
-from gear_hf.compress import (ChunkSpec, compress, decompress, hadamard, outliers_per_vector, pack_codes, rotate,
-                              select_outliers, side_dtype, unpack_codes)
-from gear_hf.compress import quant
+from gear_hf.compress import (
+    ChunkSpec,
+    compress,
+    decompress,
+    hadamard,
+    outliers_per_vector,
+    pack_codes,
+    quant,
+    rotate,
+    select_outliers,
+    side_dtype,
+    unpack_codes,
+)
 
 
 def _x(B=1, H=2, n=64, d=64, seed=0, dtype=torch.float32):

@@ -232,8 +232,8 @@ def sass_report(arch: int = 90, breakdown: bool = False) -> int:
     """Print the main-loop SASS figures of the decode kernel at Llama-3-8B shapes; the last line is
     `instructions/token/kv-head: N` for 2-bit GEAR. breakdown: also the main loop's instructions per source
     function and per GEAR term. Returns the exit status."""
-    from ..config import GearConfig
     from ..cache.fused import build_cache, cache_decode_attention
+    from ..config import GearConfig
 
     figure = None
     # the presets store int8 low-rank factors; gear2-f16 keeps the paper's 16-bit ones (the figure before int8)
@@ -287,8 +287,8 @@ def sass_report(arch: int = 90, breakdown: bool = False) -> int:
 
 def planned_launches(quick: bool = False):
     """(label, kernel, args, kwargs) for representative configurations, planned on CPU tensors."""
-    from ..config import GearConfig
     from ..cache.fused import build_cache, cache_decode_attention
+    from ..config import GearConfig
     from .quant import quantize_pack
 
     launches = []
