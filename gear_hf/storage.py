@@ -88,7 +88,7 @@ class ChunkStore:
     """
 
     def __init__(self, spec: ChunkSpec, chunk_len: int, plan=None) -> None:
-        self.spec = spec
+        self._spec = spec
         self.chunk_len = chunk_len
         self.plan = plan  # gear_hf.backends.BackendPlan: who compresses and reconstructs (set before a write)
         self.fields: dict[str, torch.Tensor] = {}
@@ -100,6 +100,17 @@ class ChunkStore:
         self.version = 0
         self.first_changed = 0
         self.derived: dict = {}
+
+    @property
+    def spec(self) -> ChunkSpec:
+        return self._spec
+
+    @spec.setter
+    def spec(self, spec: ChunkSpec) -> None:
+        """A new spec reads the same fields differently: derived state made under the old one is stale."""
+        self._spec = spec
+        if self.fields:
+            self._changed(0)
 
     def __getstate__(self) -> dict:
         """A copy (copy.deepcopy, pickle) starts without derived state: it would view the original's fields."""

@@ -125,7 +125,8 @@ def is_done(out: Path, cell: Cell, task: str, sig: dict) -> bool:
     if not (record_path.is_file() and samples_path.is_file()):
         return False
     try:
-        return json.loads(record_path.read_text()).get("signature") == sig
+        # compared as JSON reads it back (tuples in the config, e.g. extra_terms, come back as lists)
+        return json.loads(record_path.read_text()).get("signature") == json.loads(json.dumps(sig))
     except json.JSONDecodeError:
         return False
 

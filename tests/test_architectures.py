@@ -102,6 +102,14 @@ def test_fused_kernel_matches_reference(backend, arch, monkeypatch):
     pytest.importorskip(backend)
     calls = _count_fused(monkeypatch)
     device = DEVICE if backend == "triton" else "cpu"
+    if backend == "triton":
+        # Both runs compress with the oracle, so the kernel reads exactly the codes the reference reconstructs. With
+        # the Triton quantizer, CI saw gemma3_text's logits 1.6e-3 apart (3e-7 on the development machine): a value
+        # on a code boundary can round either way between the two quantizers on another CPU. The quantizer is tested
+        # against the oracle on its own (test_kernels_quant).
+        from gear_hf import kernels
+
+        monkeypatch.setattr(kernels, "quantize_pack_supports", lambda *args, **kwargs: False)
     model = tiny_model(arch, head_dim=32).to(device)
     config = gear_hf.GearConfig.preset("gear", bits=4, group_size=16, buffer_size=16)
     tokens_ref, logits_ref = _generate(model, config.replace(backend="torch"), device=device)
