@@ -58,6 +58,12 @@ PIP_FLAGS ?= -q
 PIP_NOISE := is ignored: it is neither a file nor a directory
 QUIET_PIP = 2>&1 | { grep -v '$(PIP_NOISE)' || true; }
 PYTEST_ARGS ?= --durations=10
+# The suites run in PYTEST_WORKERS processes (pytest-xdist) of one torch thread each: on the 2-core machines two
+# single-threaded workers keep both cores busy (most tests are Python-bound: the Triton interpreter, numba's
+# compiler, small models), where one two-threaded process left one idle and spun in OpenMP barriers
+# (measured here: the main suite 11.7 min this way; CI took 48 min in one process). PYTEST_WORKERS=0: one process.
+PYTEST_WORKERS ?= 2
+PYTEST_PARALLEL = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS))
 # WITH_QWEN=1: also install/assemble Qwen2.5-0.5B before the tests and require its tests to run
 # (about +15 s install, +45 s load; CI leaves it off).
 WITH_QWEN ?= 0
@@ -141,10 +147,10 @@ lint: venv
 # `.venv/bin/pytest`, not `python -m pytest`: the latter also puts the cwd on sys.path (harmless here,
 # see above, but it is not how users run the installed package).
 test-main: venv check-packaging lint $(TEST_WEIGHTS)
-	$(VENV)/bin/pytest -q $(PYTEST_ARGS) tests
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/pytest -q $(PYTEST_PARALLEL) $(PYTEST_ARGS) tests
 
 test-compat: venv-compat
-	$(COMPAT_VENV)/bin/pytest -q -m compat $(PYTEST_ARGS) tests
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(COMPAT_VENV)/bin/pytest -q -m compat $(PYTEST_PARALLEL) $(PYTEST_ARGS) tests
 
 test: test-main
 	$(MAKE) --no-print-directory test-compat

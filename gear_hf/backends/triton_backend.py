@@ -11,10 +11,6 @@ import torch
 from ..compress import compress
 from .base import Backend, import_problem
 
-# The store-owned, per-chunk key-outlier ordering is off: a sliding-window case (gemma3_text) read it stale once, seen
-# too late to find why; the kernel derives the ordering per call instead (correct; the sort runs every step).
-INCREMENTAL_DERIVED = False
-
 
 class TritonBackend(Backend):
     name = "triton"
@@ -71,7 +67,7 @@ class TritonBackend(Backend):
     def view_derived(self, store, view, chunks_used: int, stream: str) -> dict:
         from ..kernels.views import key_outlier_count, prepare_derived
 
-        if stream != "key" or chunks_used <= 0 or key_outlier_count(view) == 0 or INCREMENTAL_DERIVED is False:
+        if stream != "key" or chunks_used <= 0 or key_outlier_count(view) == 0:
             return {}
         state = store.derived.get(self.name)
         if state is None or state["capacity"] < chunks_used:
@@ -87,10 +83,8 @@ class TritonBackend(Backend):
                 else:
                     target[:, :, done * per[name] : chunks_used * per[name]] = t
             state["valid_chunks"] = chunks_used
-        tensors = state["tensors"]
-        return {name: (t[:, :, :chunks_used] if name == "key_outlier_tile" else
-                       t[:, :, : chunks_used * (t.shape[-1] // state["capacity"])])
-                for name, t in tensors.items()}
+        # whole (contiguous) tensors, as the store's fields are passed: the kernel reads the first chunks_used chunks
+        return dict(state["tensors"])
 
     def _allocate(self, store, view, capacity: int, old):
         from ..kernels.views import prepare_derived
