@@ -138,6 +138,15 @@ def _gear_generate(model, *args, **kwargs):
     state: _GearState = model._gear_hf_state
     original = state.original_generate or types.MethodType(type(model).generate, model)
     gen_config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    if _speculation(model, kwargs) == "draft":
+        # a draft's cache is cropped back over several of its own steps, which compressed chunks cannot undo
+        state.last_cache = None
+        if "draft" not in state.warned:
+            state.warned.add("draft")
+            warnings.warn("gear_hf: this model drafts for another (assistant_model=): its draft cache is "
+                          "transformers' own, uncompressed; the verifying model's cache stays GEAR", UserWarning,
+                          stacklevel=2)
+        return original(*args, **kwargs)
     reason = _not_gear_reason(kwargs, gen_config)
     if reason is not None:
         state.last_cache = None
@@ -177,11 +186,27 @@ def _check_prompt(args, kwargs) -> None:
                          "per row); give at least one token per row (e.g. the tokenizer's BOS token)")
 
 
+# generate arguments (or generation-config fields) that make it verify drafted tokens and crop the rejected ones
+_SPECULATIVE_ARGS = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
+
+
+def _speculation(model, kwargs) -> str | None:
+    """"verifier": this call checks drafted tokens (its cache must be croppable); "draft": transformers runs this
+    model as another's assistant; else None."""
+    gen_config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    if getattr(gen_config, "is_assistant", False):
+        return "draft"
+    if any(kwargs.get(name) is not None or getattr(gen_config, name, None) is not None for name in _SPECULATIVE_ARGS):
+        return "verifier"
+    return None
+
+
 def _generate_with(model, state: _GearState, original, config: GearConfig, args, kwargs):
     _check_prompt(args, kwargs)
     cache = passed_cache(kwargs)
     if cache is None:
-        cache = GearCache(model, config, expected_length=_expected_length(model, args, kwargs))
+        cache = GearCache(model, config, expected_length=_expected_length(model, args, kwargs),
+                          speculative=_speculation(model, kwargs) == "verifier")
         kwargs[state.cache_kwarg] = cache
     state.last_cache = cache
     return original(*args, **kwargs)

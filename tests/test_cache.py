@@ -215,8 +215,10 @@ def test_mask_of_wrong_length_raises():
 
 
 def test_crop_raises_clearly():
+    """An empty cache has nothing to take back (crops that work: tests/test_speculative.py)."""
     cache = _cache(_config())
-    with pytest.raises(NotImplementedError, match="crop"):
+    cache.crop(0)
+    with pytest.raises(ValueError, match="cannot crop 3 tokens: only the last step's 0"):
         cache.crop(-3)
 
 

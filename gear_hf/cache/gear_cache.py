@@ -61,11 +61,13 @@ class GearCache(FusedPath, Cache):
 
     GearCache(model) or GearCache(config=model.config) (transformers' convention); gear_config: defaults to
     the config the model was enabled with, else `GearConfig()`. expected_length: optional hint (prompt + new
-    tokens per row) used to size the storage once instead of growing it.
+    tokens per row) used to size the storage once instead of growing it. speculative: keep each decode step's own
+    tokens uncompressed until the next step, so that `crop` can take back the tokens verification rejected
+    (assisted generation, prompt lookup: `generate` sets it when asked for either).
     """
 
     def __init__(self, model_or_config=None, gear_config: GearConfig | None = None, *, config=None,
-                 expected_length: int | None = None) -> None:
+                 expected_length: int | None = None, speculative: bool = False) -> None:
         if config is not None and model_or_config is not None:
             raise TypeError("GearCache takes the model or its config once: GearCache(model) or GearCache(config=...)")
         model_or_config = config if model_or_config is None else model_or_config
@@ -80,7 +82,7 @@ class GearCache(FusedPath, Cache):
         self.expected_length = expected_length
         windows = _sliding_windows(_text_config(model_or_config))
         super().__init__(layers=[GearLayer(gear_config, i, w) for i, w in enumerate(windows)])
-        self.layout = RowLayout(gear_config, expected_length)
+        self.layout = RowLayout(gear_config, expected_length, speculative=speculative)
         self.step_paths: Counter = Counter()  # 'fused' / 'reference' per decode layer-step (prompt steps apart)
         self.shape: tuple[int, int] | None = None  # (H_kv, d) of the stored layers
         self.model_dtype: torch.dtype | None = None
@@ -346,11 +348,31 @@ class GearCache(FusedPath, Cache):
         if self.layout.steps:
             self._select_rows(torch.arange(self.layout.batch).repeat_interleave(repeats))
 
+    @property
+    def speculative(self) -> bool:
+        return self.layout.speculative
+
+    @property
+    def is_croppable(self) -> bool:
+        """transformers asks before assisted decoding: a speculative GearCache can take back its last step."""
+        return self.layout.speculative
+
     def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove:
-            raise NotImplementedError(
-                f"GearCache cannot crop {tokens_to_remove} tokens: compressed chunks are not reversible "
-                "(assisted/speculative decoding is not supported with a GEAR cache)")
+        """Take back the newest tokens: crop(-n) removes n (crop(0): none), crop(m > 0) keeps the first m (the older
+        convention). Only tokens of the last step that are still uncompressed can go (a speculative
+        cache keeps all of them); anything else raises a ValueError that says why."""
+        length = self.layout.rect_length
+        remove = -tokens_to_remove if tokens_to_remove <= 0 else max(length - tokens_to_remove, 0)
+        if remove == 0:
+            return
+        last_step = self.layout.plan.query_len if self.layout.plan is not None else 0
+        if remove > last_step:
+            raise ValueError(f"GearCache cannot crop {remove} tokens: only the last step's {last_step} can be taken "
+                             "back (older ones may be compressed, and a sliding layer may have released chunks for "
+                             "them)")
+        self.layout.crop(remove)
+        for layer in self.layers:
+            layer.seen_length = self.layout.rect_length
 
     def reset(self) -> None:
         raise NotImplementedError("GearCache cannot be reset in place; create a new GearCache")

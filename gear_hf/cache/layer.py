@@ -82,7 +82,9 @@ class GearLayer(CacheLayerMixin):
     def _release(self, layout: RowLayout) -> None:
         """Drop chunks wholly before the window of every row's next step (the window only moves forward)."""
         nb = layout.chunk_len
-        before = layout.tokens_before(self.visible_start(layout.rect_length))
+        # speculative: `crop` may take back this step's tokens, moving the window back by as many
+        length = layout.rect_length - (layout.plan.query_len if layout.speculative else 0)
+        before = layout.tokens_before(self.visible_start(length))
         counts = layout.counts
         prompt_dead = all(s + p <= dead for s, p, dead in zip(counts.sink, counts.prompt, before))
         dead_chunks = min((min(c, max(0, (dead - s - p) // nb)) for s, p, c, dead in

@@ -100,9 +100,12 @@ class SlotPlan:
 class RowLayout:
     """Per-row bookkeeping of a GearCache, shared by all layers; plans each step once."""
 
-    def __init__(self, config: GearConfig, expected_length: int | None = None) -> None:
+    def __init__(self, config: GearConfig, expected_length: int | None = None, speculative: bool = False) -> None:
         self.config = config
         self.expected_length = expected_length
+        # speculative: a decode step's own tokens stay in the buffer until the next step, so that `crop` can take
+        # back what verification rejected (only tokens of earlier steps are compressed)
+        self.speculative = speculative
         self.batch = 0
         self.steps = 0
         self.rect_length = 0  # columns of HF's padded layout seen so far
@@ -159,6 +162,7 @@ class RowLayout:
         sink_cols = [[cfg.sink_tokens] * q for _ in range(B)]  # sink_tokens = the sink store's scratch column
         buffer_cols = [[-1] * q for _ in range(B)]
         sink, attend_buffer = list(before.sink), list(before.buffer)
+        own = [0] * B  # the step's tokens each row appends to its buffer
         for i in range(B):
             cols = [j for j in range(q) if valid_rows[i][j]]
             room = max(cfg.sink_tokens - sink[i], 0)
@@ -168,8 +172,9 @@ class RowLayout:
             for r, j in enumerate(cols[room:]):
                 buffer_cols[i][j] = attend_buffer[i] + r
             attend_buffer[i] += len(cols[room:])
+            own[i] = len(cols[room:])
         attend = replace(before, sink=tuple(sink), buffer=tuple(attend_buffer))
-        flush, after = self._plan_flush(attend, first)
+        flush, after = self._plan_flush(attend, first, own if self.speculative and not first else None)
 
         needed = max(attend_buffer, default=0)
         if not cfg.compresses and first:  # fp16: the buffer is the whole cache; size it once from the hint
@@ -202,7 +207,9 @@ class RowLayout:
         self.plan = plan
         return plan
 
-    def _plan_flush(self, attend: RowCounts, first: bool) -> tuple[FlushPlan, RowCounts]:
+    def _plan_flush(self, attend: RowCounts, first: bool, held_back: list[int] | None = None
+                    ) -> tuple[FlushPlan, RowCounts]:
+        """held_back: per row, the newest tokens that stay buffered whatever the buffer holds (speculative)."""
         cfg, nb = self.config, self.chunk_len
         flush = FlushPlan()
         if not cfg.compresses:
@@ -211,7 +218,7 @@ class RowLayout:
         by_length: dict[int, list[int]] = {}
         for i, total in enumerate(attend.buffer):
             to_prompt = total // self.prompt_multiple * self.prompt_multiple if first else 0
-            decode = (total - to_prompt) // nb
+            decode = (total - to_prompt - (held_back[i] if held_back else 0)) // nb
             if not (to_prompt or decode):
                 continue
             if to_prompt:
@@ -346,6 +353,28 @@ class RowLayout:
         self._kernel_memo = self._slot_memo = None
         if self.plan is not None:
             self.plan.sink_cols = self.plan.buffer_cols = None
+
+    # -- crop (speculative decoding) ---------------------------------------------------------------------------
+    def crop(self, remove: int) -> None:
+        """Take back the last `remove` columns of the padded layout (between steps): each row's tokens among them
+        must still be in its buffer (the newest tokens), else nothing changes and a ValueError says which row."""
+        if not 0 < remove <= self.rect_length:
+            raise ValueError(f"cannot crop {remove} of the {self.rect_length} tokens a GearCache holds")
+        start = self.rect_length - remove
+        taken = (self.rect_to_local[:, start : self.rect_length] >= 0).sum(1).tolist()  # per row
+        for row, (n, buffered) in enumerate(zip(taken, self.counts.buffer)):
+            if n > buffered:
+                how = ("build it with GearCache(..., speculative=True), as generate does with assistant_model= or "
+                       "prompt_lookup_num_tokens=, so that a step's own tokens stay buffered until the next step"
+                       if not self.speculative else "only the last step's own tokens (and older ones still "
+                       "buffered) can be taken back")
+                raise ValueError(f"GearCache cannot crop {remove} tokens: row {row} would lose {n} tokens but holds "
+                                 f"only its newest {buffered} uncompressed (the rest are in compressed chunks, "
+                                 f"which cannot be taken back); {how}")
+        self.counts = replace(self.counts, buffer=tuple(b - n for b, n in zip(self.counts.buffer, taken)))
+        self.rect_to_local[:, start : self.rect_length] = -1
+        self.rect_length = start
+        self._kernel_memo = self._slot_memo = None
 
     # -- rows selection (beams) --------------------------------------------------------------------------------
     def select_rows(self, rows: list[int], index: torch.Tensor) -> None:

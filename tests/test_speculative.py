@@ -1,0 +1,95 @@
+"""Speculative decoding (assisted generation, prompt lookup) with a GEAR cache: generate builds a speculative
+GearCache (a decode step's own tokens stay buffered until the next step), transformers crops what verification
+rejected, and a crop that would reach into compressed chunks raises a ValueError that says so."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import gear_hf
+from tiny_models import tiny_model
+
+# a prompt that repeats itself: prompt lookup finds n-grams to draft from, and the tiny model's continuation too
+PROMPT = torch.tensor([[5, 9, 17, 33, 5, 9, 17, 33, 5, 9, 17, 40, 41, 5, 9, 17, 33, 5, 9, 17, 60, 5, 9, 17, 33]])
+COMPRESSING = gear_hf.GearConfig.preset("kivi", bits=4, buffer_size=8, group_size=8)
+
+
+def _greedy(model, steps: int = 24, **kwargs) -> torch.Tensor:
+    with torch.inference_mode():
+        return model.generate(input_ids=PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=steps,
+                              min_new_tokens=steps, do_sample=False, pad_token_id=0, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def models():
+    model = tiny_model("llama3")
+    assistant = tiny_model("llama3", layers=1)
+    return model, assistant
+
+
+@pytest.mark.parametrize("how", ["prompt_lookup", "assistant"])
+def test_fp16_preset_equals_stock_with_speculation(models, how):
+    model, assistant = copy.deepcopy(models[0]), models[1]
+    kwargs = {"prompt_lookup_num_tokens": 3} if how == "prompt_lookup" else {"assistant_model": assistant}
+    stock = _greedy(model, **kwargs)
+    with gear_hf.enabled(model, gear_hf.GearConfig.preset("fp16")):
+        out = _greedy(model, **kwargs)
+        cache = gear_hf.last_cache(model)
+    assert isinstance(cache, gear_hf.GearCache) and cache.speculative
+    assert torch.equal(stock, out)
+
+
+@pytest.mark.parametrize("how", ["prompt_lookup", "assistant"])
+def test_compressed_cache_verifies_and_crops(models, how, monkeypatch):
+    """A compressing config: drafted tokens are verified in multi-token steps, the rejected ones cropped (counted
+    here), decode chunks flushed, and the result is the config's own greedy output."""
+    model, assistant = copy.deepcopy(models[0]), copy.deepcopy(models[1])
+    crops = []
+    original = gear_hf.GearCache.crop
+
+    def counting(self, tokens_to_remove):
+        crops.append(tokens_to_remove)
+        return original(self, tokens_to_remove)
+
+    monkeypatch.setattr(gear_hf.GearCache, "crop", counting)
+    kwargs = {"prompt_lookup_num_tokens": 3} if how == "prompt_lookup" else {"assistant_model": assistant}
+    if how == "assistant":  # an enabled draft model keeps transformers' cache (and says so once)
+        gear_hf.enable(assistant, COMPRESSING)
+    with gear_hf.enabled(model, COMPRESSING):
+        plain = _greedy(model)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            speculated = _greedy(model, **kwargs)
+        cache = gear_hf.last_cache(model)
+    assert cache.speculative and max(cache.decode_chunks) > 0
+    assert any(c < 0 for c in crops), crops  # something was rejected and taken back
+    assert cache.get_seq_length() == speculated.shape[1] - 1
+    assert torch.equal(plain, speculated)
+    drafts = [w for w in seen if "drafts for another" in str(w.message)]
+    assert len(drafts) == (1 if how == "assistant" else 0)
+
+
+def test_crop_into_compressed_chunks_raises_clearly(models):
+    model = copy.deepcopy(models[0])
+    gear_hf.enable(model, COMPRESSING)
+    cache = gear_hf.GearCache(model)  # not speculative: a step's tokens are compressed as soon as a chunk fills
+    assert not cache.is_croppable
+    with torch.inference_mode():
+        model(input_ids=PROMPT, cache=cache, use_cache=True)
+        for token in range(7, 40):  # until a step's own token is compressed with its chunk
+            model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True)
+            if cache.buffer_len == [0] and max(cache.decode_chunks) > 0:
+                break
+    assert cache.buffer_len == [0] and max(cache.decode_chunks) > 0
+    with pytest.raises(ValueError, match=r"cannot crop 1 tokens: row 0 .*speculative=True"):
+        cache.crop(-1)
+    with pytest.raises(ValueError, match=r"cannot crop 3 tokens: only the last step's 1"):
+        cache.crop(-3)
+    length = cache.get_seq_length()
+    cache.crop(0)
+    cache.crop(length + 5)  # (the older convention: keep the first m; more than held is a no-op)
+    assert cache.get_seq_length() == length
