@@ -97,6 +97,12 @@ class RotaryMemo:
         return cos_sin
 
 
+    def nbytes(self) -> int:
+        """Bytes of the kept entries (positions and cos/sin): kept from one step for the next."""
+        tensors = [t for _, now, cos_sin in self._entries.values() for t in (now, *cos_sin)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def _extends(positions: torch.Tensor, before: torch.Tensor) -> bool:
     """positions [B,T] starts with `before` [B,T0] (T0 <= T): the previous step's columns, unchanged."""
     return (positions.shape[0] == before.shape[0] and positions.shape[1] >= before.shape[1]

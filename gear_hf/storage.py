@@ -1,25 +1,36 @@
-"""Where a layer's keys or values live: preallocated, row-indexed tensors that grow geometrically.
+"""Where a layer's keys or values live: row-indexed tensors that grow in bounded steps.
 
-Every tensor is [B, H, capacity, ...] with the token (or chunk) axis at dim 2, so appending never copies
-the cache and a kernel can read a whole segment through one pointer. Per-row lengths are not kept here:
-they are the same for every layer and live once in the cache (`gear_hf.cache`).
+Every tensor is [B, H, capacity, ...] with the token (or chunk) axis at dim 2, so a kernel can read a whole segment
+through one pointer. Capacity grows by at most max(granule, 1/16 of itself) past what is needed, so what a store owns
+beyond what it holds stays small (issue 25: spare capacity is memory the user pays for). Per-row lengths are not
+kept here: they are the same for every layer and live once in the cache (`gear_hf.cache`).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from .compress import ChunkSpec, CompressedChunk
 from .compress.terms import chunk_fields
 
-GROWTH = 1.5
+SPARE_FRACTION = 16  # a store grows by at most 1/16 of its capacity (or its granule) beyond what is needed
 
 
-def grown_capacity(current: int, needed: int) -> int:
-    """Capacity after making room for `needed`: unchanged if it fits, else at least GROWTH times larger."""
-    return current if needed <= current else max(needed, math.ceil(current * GROWTH))
+def grown_capacity(current: int, needed: int, granule: int = 1, limit: int | None = None,
+                   geometric: bool = True) -> int:
+    """Capacity after making room for `needed`: unchanged if it fits, else needed rounded up to a whole number of
+    `granule`s and, when `geometric`, at least current + current/16 (a store that grows a token at a time then
+    copies itself O(log) times, not every step); never past `limit` (a sliding layer's most). Not geometric: what a
+    dense cache does (exactly what is needed)."""
+    if needed <= current:
+        return current
+    grown = math.ceil(needed / granule) * granule
+    if geometric:
+        grown = max(grown, current + current // SPARE_FRACTION)
+    return grown if limit is None else max(needed, min(grown, limit))
 
 
 def _grown(t: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -30,41 +41,32 @@ def _grown(t: torch.Tensor, capacity: int) -> torch.Tensor:
 
 
 class TokenStore:
-    """Full-precision tokens [B, H, capacity + 1, d]; the last column is a scratch slot for skipped tokens."""
+    """Full-precision tokens [B, H, capacity, d]; rows write only their real tokens (padding is skipped)."""
 
     def __init__(self) -> None:
         self.data: torch.Tensor | None = None
 
     @property
     def capacity(self) -> int:
-        return 0 if self.data is None else self.data.shape[2] - 1
-
-    @property
-    def scratch(self) -> int:
-        return self.capacity
+        return 0 if self.data is None else self.data.shape[2]
 
     def reserve(self, like: torch.Tensor, capacity: int) -> None:
-        """Hold exactly `capacity` tokens per row from now on (like: a [B,H,*,d] tensor for shape/dtype)."""
+        """Hold `capacity` tokens per row from now on (like: a [B,H,*,d] tensor for shape/dtype): the tokens held
+        are kept, the rest is zero (finite)."""
         if self.data is None:
             B, H, _, d = like.shape
-            self.data = like.new_zeros(B, H, capacity + 1, d)
-        elif capacity > self.capacity:
-            self.data = _grown(self.data[:, :, : self.capacity], capacity + 1)
-
-    def shrink(self, capacity: int) -> None:
-        """Hold `capacity` tokens per row (keeping the first ones): frees what a prompt step needed."""
-        if self.data is not None and capacity < self.capacity:
-            self.data = torch.cat([self.data[:, :, :capacity], self.data[:, :, -1:]], dim=2)
+            self.data = like.new_zeros(B, H, capacity, d)
+        elif capacity != self.capacity:
+            self.data = _grown(self.data[:, :, : min(capacity, self.capacity)], capacity)
 
     def keep_tail(self, row: int, start: int, length: int) -> None:
         """Row `row` keeps its tokens [start, start+length) at the front (the rest left the buffer)."""
         if start and length:
             self.data[row, :, :length] = self.data[row, :, start : start + length].clone()
 
-    def write(self, x: torch.Tensor, columns: torch.Tensor) -> None:
-        """data[b, :, columns[b, j]] = x[b, :, j]; x [B,H,q,d], columns [B,q] (scratch for skipped tokens)."""
-        index = columns[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3])
-        self.data.scatter_(2, index, x.to(self.data.dtype))
+    def write(self, x: torch.Tensor, where: TokenWrites) -> None:
+        """data[rows[i], :, columns[i]] = x[rows[i], :, tokens[i]] for every real token i; x [B,H,q,d]."""
+        self.data[where.rows, :, where.columns] = x[where.rows, :, where.tokens].to(self.data.dtype)
 
     def nbytes(self) -> int:
         return 0 if self.data is None else self.data.numel() * self.data.element_size()
@@ -72,6 +74,25 @@ class TokenStore:
     def select_rows(self, index: torch.Tensor) -> None:
         if self.data is not None:
             self.data = self.data.index_select(0, index)
+
+
+@dataclass(frozen=True)
+class TokenWrites:
+    """Where a step's real tokens go in a TokenStore: token tokens[i] of row rows[i] to column columns[i] (long
+    [N] tensors, built once per step on the host's plan and shared by every layer)."""
+
+    rows: torch.Tensor
+    tokens: torch.Tensor
+    columns: torch.Tensor
+
+    @classmethod
+    def of(cls, columns: list[list[int]], device) -> TokenWrites | None:
+        """From per-row destination columns ([B][q], -1 = not written); None when no token is written."""
+        entries = [(b, j, c) for b, row in enumerate(columns) for j, c in enumerate(row) if c >= 0]
+        if not entries:
+            return None
+        rows, tokens, cols = torch.tensor(entries, dtype=torch.long).T.to(device)
+        return cls(rows, tokens, cols)
 
 
 class ChunkStore:
@@ -145,30 +166,32 @@ class ChunkStore:
             backend.prepare(self)
         self.first_changed = self.capacity  # (nothing pending)
 
-    def reserve(self, example: CompressedChunk, batch: int, chunks: int) -> None:
-        """Room for `chunks` chunks per row; example: a compressed chunk (for shapes and dtypes)."""
+    def reserve(self, example: CompressedChunk, batch: int, chunks: int, limit: int | None = None) -> None:
+        """Room for `chunks` chunks per row (bounded growth, never past `limit` chunks); example: a compressed
+        chunk (for shapes and dtypes)."""
         if not self.fields:
             self._allocate(example, batch, chunks)
         elif chunks > self.capacity:
-            new_capacity = grown_capacity(self.capacity, chunks)
+            new_capacity = grown_capacity(self.capacity, chunks, limit=limit)
             for name, t in self.fields.items():
                 self.fields[name] = _grown(t, new_capacity * self.extent[name])
             old, self.capacity = self.capacity, new_capacity
             self._changed(old)  # (the chunks held moved, unchanged: derived state of them stays valid)
 
     def compress_rows(self, x: torch.Tensor, rows: list[int], chunks: list[int], batch: int,
-                      reserve_chunks: int, channel_bits: torch.Tensor | None = None) -> None:
+                      reserve_chunks: int, channel_bits: torch.Tensor | None = None,
+                      limit: int | None = None) -> None:
         """Compress x [J,H,n,d] (J chunks of n <= chunk_len tokens, in one call) and store job j as chunk
         `chunks[j]` of row `rows[j]`. Chunks of one length compress exactly as each would alone (every statistic
         is per batch row), so batching changes no bit; callers group jobs by length. channel_bits [J,H,d]: the
         jobs' key widths (an allocated spec)."""
         compressed = self.plan.compress.compress(self.spec, x, channel_bits)
         full = x.shape[2] == self.chunk_len
-        capacity = max(max(chunks) + 1, reserve_chunks)
+        capacity = max(max(chunks) + 1, reserve_chunks)  # (reserve_chunks: slots the rows are known to reach)
         if not self.fields and full and capacity == 1 and rows == list(range(batch)):
             self._adopt(compressed)  # the whole store, as compressed (a prompt chunk of every row at once)
             return
-        self.reserve(compressed, batch, capacity)
+        self.reserve(compressed, batch, capacity, limit)
         row_index = torch.tensor(rows, device=x.device)
         for name in self.fields:
             src = getattr(compressed, name)  # [J, H, e, ...]: a short chunk may fill less (extent, rank)

@@ -83,8 +83,8 @@ def measure(method: str, shape: str, T: int, tail: int, batch: int, dtype) -> di
            "ratio_vs_dynamic": None, "fill_s": seconds}
     report = cache.memory_report() if hasattr(cache, "memory_report") else None
     if report is not None:
-        row["report_bytes"] = report["total_bytes"]
-        row["report_matches_count"] = report["total_bytes"] == counted
+        row["report_bytes"] = report["owned_bytes"]
+        row["report_matches_count"] = report["owned_bytes"] == counted
         for c in COMPONENTS:
             row[f"{c}_bytes"] = report[c]
         row["report_bits_per_element"] = report["bits_per_element"]

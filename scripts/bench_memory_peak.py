@@ -23,7 +23,7 @@ workspaces and the temporaries of compressing and reading it. (Decode-step activ
 far below the prompt's.) "Retained" is what the allocator still has allocated after `generate` returned, with the
 cache alive: its storage, the generated ids (a few hundred bytes) and any module-level kernel memo filled for it.
 
-Beside them: the cache's own `memory_report()` (held by tokens, held + reserved = `total_bytes`) for gear_hf, the
+Beside them: the cache's own `memory_report()` (held by tokens; owned = held + spare + kernel state + workspaces, `owned_bytes`) for gear_hf, the
 independent walk of tests/memory_walk.py (every storage reachable from the cache object plus the kernels'
 module-level memos; for transformers' caches the storages reachable from the cache object), and the dense bf16
 size of the same tokens.
@@ -138,7 +138,7 @@ def measure(model, ids: torch.Tensor, method: str, new_tokens: int) -> dict:
            "alloc_retained_bytes": m.result.end_bytes, "alloc_events": m.result.events, "generate_s": seconds}
     if hasattr(cache, "memory_report"):
         report = cache.memory_report()
-        row.update(report_held_bytes=report["held_bytes"], report_total_bytes=report["total_bytes"],
+        row.update(report_held_bytes=report["held_bytes"], report_owned_bytes=report["owned_bytes"],
                    report_bits=report["bits_per_element"], report_summary=cache.summary())
         row["walk_bytes"] = memory_walk.walk_cache(cache, model=model).total
     else:
@@ -173,7 +173,7 @@ def run_table(args, device: torch.device, write) -> list[dict]:
                 group.append(row)
                 print(f"{name} T={T} {method:15s} peak KV {row['kv_peak_bytes'] / MIB:9.2f} MiB  retained "
                       f"{row['alloc_retained_bytes'] / MIB:8.2f} MiB  report "
-                      f"{row.get('report_total_bytes', 0) / MIB:8.2f} MiB  walk {row.get('walk_bytes', 0) / MIB:8.2f}"
+                      f"{row.get('report_owned_bytes', 0) / MIB:8.2f} MiB  walk {row.get('walk_bytes', 0) / MIB:8.2f}"
                       f" MiB  ({row['generate_s']:.1f} s)", flush=True)
                 write(rows + group)
             rows += group
@@ -189,7 +189,7 @@ def table_markdown(rows: list[dict]) -> str:
     view = []
     for r in rows:
         mib = {k: r[k] / MIB for k in ("kv_peak_bytes", "alloc_retained_bytes", "dense_bf16_bytes",
-                                       "model_only_peak_bytes", "alloc_peak_bytes", "report_total_bytes",
+                                       "model_only_peak_bytes", "alloc_peak_bytes", "report_owned_bytes",
                                        "report_held_bytes", "walk_bytes") if r.get(k) is not None}
         bits = r["alloc_retained_bytes"] * 16 / r["dense_bf16_bytes"]  # (dense bf16: 16 bits/element)
         view.append({**r, **mib, "retained_bits": bits})
@@ -199,7 +199,7 @@ def table_markdown(rows: list[dict]) -> str:
         ("alloc_retained_bytes", "retained (alloc) MiB", "{:.2f}"), ("retained_vs_dynamic", "x dynamic", "{:.3f}"),
         ("retained_bits", "retained bits/elem", "{:.2f}"),
         ("report_held_bytes", "report held MiB", "{:.2f}"),
-        ("report_total_bytes", "report held+reserved MiB", "{:.2f}"), ("walk_bytes", "walk MiB", "{:.2f}"),
+        ("report_owned_bytes", "report owned MiB", "{:.2f}"), ("walk_bytes", "walk MiB", "{:.2f}"),
         ("dense_bf16_bytes", "dense bf16 MiB", "{:.2f}"),
         ("alloc_peak_bytes", "peak in generate MiB", "{:.1f}"),
         ("model_only_peak_bytes", "model-only peak MiB", "{:.1f}"),

@@ -55,7 +55,7 @@ def main(argv=None) -> int:
             report = cache.memory_report()
             positions = 4 * (cache.positions.numel() + cache.rect_to_local.numel())
             held = report["held_bytes"] - report["positions"]
-            allocated = report["total_bytes"] - positions
+            allocated = report["owned_bytes"] - positions
             first = first or held
             layer = cache.layers[0]
             print(f"| {t + 1} | {held:,} ({held / first:.3f}x) | {allocated:,} | {layer.released.prompt} / "

@@ -246,7 +246,7 @@ def measure_model(model_name: str, dtype: str, tokens_list, configs: dict, basel
             else:
                 report = cache.memory_report()
                 bits = report["bits_per_element"]
-                allocated_bits = report["total_bytes"] * 8 / report["elements"]
+                allocated_bits = report["owned_bytes"] * 8 / report["elements"]
                 errors = D.layer_errors(captures, config, decode_tokens=64, last_queries=32)
                 attn = sum(r["attention_output_error"] for r in errors) / len(errors)
             row = {"model": model_name, "tokens": T, "config": name, "dtype": dtype, "mean_kl": kl.mean().item(),

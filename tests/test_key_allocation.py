@@ -210,7 +210,7 @@ def test_decode_chunks_take_the_rows_widths_and_memory_is_counted():
     report = cache.memory_report()
     from memory_count import tensors_reachable  # the independent count of every tensor held
 
-    assert report["total_bytes"] == tensors_reachable(cache)
+    assert report["owned_bytes"] == tensors_reachable(cache)
     # keys' codes: 3.5 bits per element exactly; values' codes: 2 bits
     tokens = 2 * (32 + 2 * 16)
     assert report["codes"] == tokens * H * D * (3.5 + 2) / 8

@@ -1,12 +1,10 @@
 """`memory_report()` against an independent walk of every tensor the cache and the kernels keep for it (issue 25).
 
-What the report counts today (gear_hf/cache/memory.py, `allocated_bytes`): the layout's positions and rect_to_local,
-each layer's query energy, and each stream's sink, buffer, allocated key widths and chunk-store fields —
-`total_bytes` = held by tokens + reserved (spare capacity). What it does not count, found by the walk after a
-generate through a real attention forward: the cache's rotary memo (cos/sin of the last step's read positions,
-`cache._rotary`) and the layout's memo of kernel inputs. (The kernels' derived state is the stores' and the cache's
-`kernel_state`, counted as `derived_bytes`; no kernel module keeps a memo.) The two assertions that today's code
-fails are marked xfail(strict=True): they flip when the report counts what the cache owns.
+What the report counts (gear_hf/cache/memory.py): the layout's positions and rect_to_local, each stream's sink,
+buffer, allocated key widths and chunk-store fields (held + spare), the stores' and the cache's kernel state, and the
+workspaces kept from one step to the next (the rotary memo `cache._rotary`, each layer's query energy) —
+`owned_bytes`. The walk, run after a generate through a real attention forward, must find no more than that: the
+per-step memos (the layout's kernel inputs and slot plan, the step workspace) are dropped when a step ends.
 """
 
 from __future__ import annotations
@@ -25,8 +23,8 @@ from tiny_models import CACHE_ARG, tiny_model
 
 PROMPT, NEW = 300, 20  # GearConfig(): a 256-token prompt group + a 44-token buffer; 20 decode steps, no flush
 
-# Paths under which the walk finds storage that memory_report() does not count today (see the module docstring).
-UNREPORTED = ("cache._rotary", "cache.layout._kernel_memo", "cache.layout._slot_memo", "gear_hf.")
+# Paths of per-step memos (dropped when a step ends, so nothing should be found under them between steps).
+UNREPORTED = ("cache.layout._kernel_memo", "cache.layout._slot_memo", "gear_hf.")
 
 
 @dataclasses.dataclass
@@ -100,17 +98,18 @@ def _gap(cache, with_memos: bool, model=None) -> str:
     report = cache.memory_report()
     result = walk_cache(cache, memos=with_memos, model=model)
     missing = [(p, n) for p, n in result.largest(len(result.blocks)) if p.startswith(UNREPORTED)]
-    return (f"report total {report['total_bytes']} B (held {report['held_bytes']} + reserved "
-            f"{report['reserved_bytes']}) vs walk {result.total} B; not in the report: {missing}")
+    return (f"report owned {report['owned_bytes']} B (held {report['held_bytes']} + spare "
+            f"{report['spare_bytes']}) vs walk {result.total} B; not in the report: {missing}")
 
 
 def test_walk_finds_at_least_what_the_report_counts(generated):
     cache, _ = generated
     report = cache.memory_report()
     stores = walk({"layers": cache.layers, "positions": cache.layout.positions,
-                   "rect_to_local": cache.layout.rect_to_local, "kernel_state": cache.kernel_state})
-    assert stores.total == report["total_bytes"], _gap(cache, False)  # the stores: counted exactly
-    assert report["held_bytes"] <= report["total_bytes"] <= walk_cache(cache, memos=False).total
+                   "rect_to_local": cache.layout.rect_to_local, "kernel_state": cache.kernel_state,
+                   "rotary": cache._rotary})
+    assert stores.total == report["owned_bytes"], _gap(cache, False)  # what the report names: counted exactly
+    assert report["held_bytes"] <= report["owned_bytes"] <= walk_cache(cache, memos=False).total
     assert not walk_cache(cache).skipped_modules, "the cache or a memo keeps a reference to a model"
     model_storages = walk({"model": list(generated[1].parameters()) + list(generated[1].buffers())})
     assert not {b.start for b in walk_cache(cache, memos=False).blocks} & {b.start for b in model_storages.blocks}, \
@@ -118,18 +117,14 @@ def test_walk_finds_at_least_what_the_report_counts(generated):
 
 
 def test_nothing_else_is_missing_from_the_report(generated):
-    """Whatever the report leaves out lies under the UNREPORTED paths (today's known gap, no other)."""
+    """The report leaves nothing out: the walk of the cache and the kernels' state finds no more than it counts."""
     cache, model = generated
-    result = walk_cache(cache, model=model)
-    assert result.total <= cache.memory_report()["total_bytes"] + result.bytes_under(*UNREPORTED), \
-        _gap(cache, True, model)
+    assert walk_cache(cache, model=model).total <= cache.memory_report()["owned_bytes"], _gap(cache, True, model)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 25: memory_report() does not count the cache's rotary memo "
-                                       "(cache._rotary: cos/sin and positions of the last step's reads)")
 def test_report_counts_everything_the_cache_object_keeps(generated):
     cache, _ = generated
-    assert cache.memory_report()["total_bytes"] >= walk_cache(cache, memos=False).total, _gap(cache, False)
+    assert cache.memory_report()["owned_bytes"] >= walk_cache(cache, memos=False).total, _gap(cache, False)
 
 
 def test_no_kernel_module_keeps_a_memo(generated):
@@ -140,12 +135,10 @@ def test_no_kernel_module_keeps_a_memo(generated):
     assert kernel_memos() == {}
 
 
-@pytest.mark.xfail(strict=True, reason="issue 25: memory_report() does not count the cache's rotary memo "
-                                       "(cache._rotary), which the walk with the kernels' state includes")
 def test_report_counts_the_kernel_state_kept_for_the_cache(generated):
     pytest.importorskip("numba")
     cache, model = generated
-    assert cache.memory_report()["total_bytes"] >= walk_cache(cache, model=model).total, _gap(cache, True, model)
+    assert cache.memory_report()["owned_bytes"] >= walk_cache(cache, model=model).total, _gap(cache, True, model)
 
 
 @pytest.mark.gpu

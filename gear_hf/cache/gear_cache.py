@@ -379,10 +379,10 @@ class GearCache(FusedPath, Cache):
 
     # -- accounting -----------------------------------------------------------------------------------------
     def memory_report(self) -> dict:
-        """Bytes held by tokens (by component) and reserved, bits/element as stored and with 16-bit floats,
-        against the model dtype and 16 bits: see gear_hf.cache.memory."""
+        """Bytes the cache owns (the headline: held by tokens, by component, + spare capacity + kernel state +
+        workspaces), bits/element owned and held, against the model dtype and 16 bits: see gear_hf.cache.memory."""
         return memory_report(self)
 
     def summary(self) -> str:
-        """One line: method, tokens, bits/element, share of the uncompressed KV, MiB held and reserved."""
+        """One line: method, tokens, bits/element owned, share of the uncompressed KV, what it is made of."""
         return summary(self.memory_report())

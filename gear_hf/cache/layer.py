@@ -47,10 +47,7 @@ class GearLayer(CacheLayerMixin):
     def append(self, plan: StepPlan, key_states: torch.Tensor, value_states: torch.Tensor, sink_tokens: int,
                query: torch.Tensor | None = None) -> None:
         if query is not None and self.key_stream.needs_query_energy():
-            valid = plan.buffer_cols != plan.buffer_capacity  # [B,q] (padding goes to the scratch column)
-            if sink_tokens:
-                valid |= plan.sink_cols != sink_tokens
-            energy = query_pair_energy(query, key_states.shape[1], valid)
+            energy = query_pair_energy(query, key_states.shape[1], plan.valid)
             self.query_energy = energy if self.query_energy is None else self.query_energy + energy
         for stream, x in zip(self.streams, (key_states, value_states)):
             stream.append(plan, x, sink_tokens)
@@ -68,10 +65,12 @@ class GearLayer(CacheLayerMixin):
         """Compress what leaves the buffers, then release what left every row's window. Returns device bools
         (all entries finite) for the cache to check once per step."""
         reserve = plan.decode_reserve - self.released.chunks
-        if self.is_sliding:  # live chunks never exceed a window's worth (+ the partly visible and the newest):
-            reserve = -(-self.sliding_window // layout.chunk_len) + 2  # allocated once, never grown
+        limit = None
+        if self.is_sliding:  # live chunks never exceed a window's worth (+ the partly visible and the newest)
+            limit = -(-self.sliding_window // layout.chunk_len) + 2
+            reserve = min(reserve, limit)
         finite = [stream.flush(plan, layout.prompt_capacity, layout.batch, self.released.chunks, reserve,
-                               self.query_energy) for stream in self.streams]
+                               self.query_energy, limit) for stream in self.streams]
         if self.query_energy is not None and not self.key_stream.needs_query_energy():
             self.query_energy = None  # every row's widths are chosen
         if self.is_sliding:

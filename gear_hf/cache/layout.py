@@ -23,7 +23,9 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..config import GearConfig
-from ..storage import grown_capacity
+from ..storage import TokenWrites, grown_capacity
+
+POSITION_GRANULE = 16  # columns the position tables grow by (at least)
 
 
 @dataclass(frozen=True)
@@ -64,14 +66,15 @@ class StepPlan:
     query_len: int
     rect_before: int  # columns of the padded layout before this step
     attend: RowCounts  # what this step's attention sees: the buffer holds the step's own tokens
-    sink_cols: torch.Tensor  # [B, q] long: destination in the sink store, or its scratch column
-    buffer_cols: torch.Tensor  # [B, q] long: destination in the buffer, or its scratch column
+    valid: torch.Tensor  # [B, q] bool: the step's real tokens (padding is stored nowhere)
+    sink_writes: TokenWrites | None  # where real tokens go in the sink store (None: no row writes to it)
+    buffer_writes: TokenWrites | None  # where real tokens go in the buffer (None: nowhere, or `buffer_run`)
     buffer_run: int | None  # every row writes its q tokens to buffer columns [buffer_run, +q) (a plain copy), else None
-    sink_idle: bool  # no row writes to the sink this step (every token goes to the buffer)
-    buffer_capacity: int  # tokens the buffer holds during the step (its scratch column is this index)
-    buffer_capacity_after: int  # after the flush (a prompt step's large buffer is given back)
+    sink_capacity: int  # tokens the sink store holds (the most any row has: never more than sink_tokens)
+    buffer_capacity: int  # tokens the buffer holds during the step
+    buffer_capacity_after: int  # after the flush (what was compressed is given back)
     flush: FlushPlan
-    decode_reserve: int  # decode chunks to allocate room for (sizing hint)
+    decode_reserve: int  # decode chunks the rows will reach (known: from `expected_length`), else what they hold
 
 
 @dataclass(frozen=True)
@@ -159,7 +162,7 @@ class RowLayout:
         held_before = before.held(self.chunk_len)
         self._record_columns(held_before, new_valid, valid_rows, position_ids, rect_before, device)
 
-        sink_cols = [[cfg.sink_tokens] * q for _ in range(B)]  # sink_tokens = the sink store's scratch column
+        sink_cols = [[-1] * q for _ in range(B)]
         buffer_cols = [[-1] * q for _ in range(B)]
         sink, attend_buffer = list(before.sink), list(before.buffer)
         own = [0] * B  # the step's tokens each row appends to its buffer
@@ -176,28 +179,21 @@ class RowLayout:
         attend = replace(before, sink=tuple(sink), buffer=tuple(attend_buffer))
         flush, after = self._plan_flush(attend, first, own if self.speculative and not first else None)
 
-        needed = max(attend_buffer, default=0)
-        if not cfg.compresses and first:  # fp16: the buffer is the whole cache; size it once from the hint
-            needed = max(needed, self.expected_length or 0)
-        buffer_capacity = grown_capacity(self.buffer_capacity, needed)
-        self.buffer_capacity = buffer_capacity
-        if cfg.compresses and buffer_capacity > 2 * self.chunk_len:  # after a long prompt: back to n_b
-            self.buffer_capacity = max(self.chunk_len, max(after.buffer, default=0))
-        buffer_cols_t = torch.tensor(buffer_cols, device=device, dtype=torch.long)
-        buffer_cols_t[buffer_cols_t < 0] = buffer_capacity  # the scratch column
-        if self.expected_length:
-            base = min(s + p for s, p in zip(after.sink, after.prompt))
-            wanted = math.ceil(max(self.expected_length - base, 0) / self.chunk_len)
-        else:
-            wanted = 4
+        buffer_capacity, self.buffer_capacity = self._buffer_capacities(attend, after, first)
         run = list(range(buffer_cols[0][0], buffer_cols[0][0] + q)) if buffer_cols[0][0] >= 0 else None
+        run = run[0] if run is not None and all(cols == run for cols in buffer_cols) else None
+        if self.expected_length:  # every row reaches it: room for its chunks at once
+            base = min(s + p for s, p in zip(after.sink, after.prompt))
+            known = math.floor(max(self.expected_length - base, 0) / self.chunk_len)
+        else:
+            known = 0
         plan = StepPlan(
-            step=self.steps, query_len=q, rect_before=rect_before, attend=attend,
-            sink_cols=torch.tensor(sink_cols, device=device, dtype=torch.long), buffer_cols=buffer_cols_t,
-            buffer_run=run[0] if run is not None and all(cols == run for cols in buffer_cols) else None,
-            sink_idle=all(col == cfg.sink_tokens for cols in sink_cols for col in cols),
-            buffer_capacity=buffer_capacity, buffer_capacity_after=self.buffer_capacity, flush=flush,
-            decode_reserve=max(wanted, max(after.chunks, default=0)),
+            step=self.steps, query_len=q, rect_before=rect_before, attend=attend, valid=new_valid,
+            sink_writes=TokenWrites.of(sink_cols, device),
+            buffer_writes=None if run is not None else TokenWrites.of(buffer_cols, device), buffer_run=run,
+            sink_capacity=max(sink, default=0), buffer_capacity=buffer_capacity,
+            buffer_capacity_after=self.buffer_capacity, flush=flush,
+            decode_reserve=max(known, max(after.chunks, default=0)),
         )
         if first and cfg.compresses:
             self.prompt_capacity = max(after.prompt, default=0)
@@ -206,6 +202,18 @@ class RowLayout:
         self.steps += 1
         self.plan = plan
         return plan
+
+    def _buffer_capacities(self, attend: RowCounts, after: RowCounts, first: bool) -> tuple[int, int]:
+        """(during the step, after its flush): the buffer holds exactly what the rows need, as transformers' dense
+        cache does (a dense cache may be sized once to a known final length), and gives back what it compressed.
+        Growing by one token a step copies at most a buffer's worth (n_b tokens) per layer-step; spare capacity
+        here would cost up to 16 bits per spare token for the whole run (issue 25)."""
+        needed = max(attend.buffer, default=0)
+        if not self.config.compresses and first:
+            needed = max(needed, self.expected_length or 0)
+        during = grown_capacity(self.buffer_capacity, needed, geometric=False)
+        kept = max(after.buffer, default=0)
+        return during, (during if kept == needed else max(kept, 1))  # (never empty: kernels take its pointer)
 
     def _plan_flush(self, attend: RowCounts, first: bool, held_back: list[int] | None = None
                     ) -> tuple[FlushPlan, RowCounts]:
@@ -255,18 +263,22 @@ class RowLayout:
                 seen += ok
 
     def _grow(self, B: int, held: int, rect: int, device) -> None:
-        hint = self.expected_length or 0
+        """Room for `held` row-local tokens and `rect` padded columns (int32 each: 8 bytes a token for the whole
+        cache), in bounded steps of POSITION_GRANULE; sized at once to a known final length."""
+        known = self.expected_length or 0
         if self.positions is None:
-            self.positions = torch.zeros(B, max(held, hint) + 1, dtype=torch.int32, device=device)
-            self.rect_to_local = torch.full((B, max(rect, hint)), -1, dtype=torch.int32, device=device)
+            self.positions = torch.zeros(B, grown_capacity(0, max(held, known), POSITION_GRANULE) + 1,
+                                         dtype=torch.int32, device=device)
+            self.rect_to_local = torch.full((B, grown_capacity(0, max(rect, known), POSITION_GRANULE)), -1,
+                                            dtype=torch.int32, device=device)
             return
         if held > self.positions.shape[1] - 1:
-            cap = grown_capacity(self.positions.shape[1] - 1, held)
+            cap = grown_capacity(self.positions.shape[1] - 1, held, POSITION_GRANULE)
             grown = torch.zeros(B, cap + 1, dtype=torch.int32, device=device)
             grown[:, : self.positions.shape[1] - 1] = self.positions[:, :-1]
             self.positions = grown
         if rect > self.rect_to_local.shape[1]:
-            cap = grown_capacity(self.rect_to_local.shape[1], rect)
+            cap = grown_capacity(self.rect_to_local.shape[1], rect, POSITION_GRANULE)
             grown = torch.full((B, cap), -1, dtype=torch.int32, device=device)
             grown[:, : self.rect_to_local.shape[1]] = self.rect_to_local
             self.rect_to_local = grown
@@ -352,7 +364,7 @@ class RowLayout:
         """Drop the step's temporaries (nothing per-step is kept between steps)."""
         self._kernel_memo = self._slot_memo = None
         if self.plan is not None:
-            self.plan.sink_cols = self.plan.buffer_cols = None
+            self.plan.sink_writes = self.plan.buffer_writes = self.plan.valid = None
 
     # -- crop (speculative decoding) ---------------------------------------------------------------------------
     def crop(self, remove: int) -> None:

@@ -1,9 +1,18 @@
-"""What a GearCache holds between steps, in bytes: by tokens (held) and by spare capacity (reserved).
+"""What a GearCache owns between steps, in bytes: the headline, and what it is made of.
 
-Everything the cache keeps is counted: codes, scales/minimums (and allocated key widths), low-rank factors, outlier
-values and indices, the full-precision sink and buffer, and the position bookkeeping. Per-step temporaries are not
-kept and not counted. Bits per element are given as stored, and as they would be with every floating tensor in 16 bits
-(an fp32 model's buffer is fp32: the 16-bit figure is the one to compare with an fp16/bf16 model).
+    owned        = held + spare + kernel state + workspaces: every tensor the cache keeps alive (what to size a
+                   device from; `bits_per_element` is this)
+    held         by tokens: codes, scales/minimums (and allocated key widths), low-rank factors, outlier values and
+                   indices, the full-precision sink and buffer, the position bookkeeping (by component)
+    spare        capacity allocated beyond the tokens (stores grow in bounded steps: gear_hf.storage)
+    kernel state what the kernels derived and keep: per store (prepared runs, sorted outliers) and shared by the
+                 layers (`KernelState`: split-KV workspace, tables, rope halves)
+    workspaces   what the cache keeps from one step for the next: the rotary tables of the last read (extended, not
+                 recomputed, each step), the key-allocation statistics of rows not yet compressed
+
+Per-step temporaries (`StepWorkspace`, the layout's memos) are dropped when a step ends and not counted. Bits per
+element are given as stored, and as they would be with every floating tensor held by tokens in 16 bits (an fp32
+model's buffer is fp32: the 16-bit figure is the one to compare with an fp16/bf16 model).
 """
 
 from __future__ import annotations
@@ -62,11 +71,16 @@ def derived_bytes(cache) -> int:
     return total
 
 
+def workspace_bytes(cache) -> int:
+    """What the cache keeps from one step for the next beyond its stores: the rotary memo (cos/sin of the last
+    read), the key-allocation statistics of rows whose widths are still to be chosen."""
+    return cache._rotary.nbytes() + sum(_nbytes(layer.query_energy) for layer in cache.layers)
+
+
 def allocated_bytes(cache) -> int:
-    """Every tensor the cache keeps between steps, spare capacity and scratch columns included."""
+    """Every tensor of the stores and the layout, spare capacity included."""
     total = _nbytes(cache.layout.positions) + _nbytes(cache.layout.rect_to_local)
     for layer in cache.layers:
-        total += _nbytes(layer.query_energy)  # kept until every row's key widths are allocated
         for stream in layer.streams:
             total += _nbytes(stream.sink.data) + _nbytes(stream.buffer.data) + _nbytes(stream.channel_bits)
             for store in (stream.prefill, stream.decode):
@@ -95,28 +109,33 @@ def memory_report(cache) -> dict:
     held_16 = _held_by_component(cache, 2)
     held_bytes, held_bytes_16 = sum(held.values()), sum(held_16.values())
     allocated = allocated_bytes(cache)
-    derived = derived_bytes(cache)
+    kernel_state = derived_bytes(cache)
+    workspaces = workspace_bytes(cache)
+    owned = allocated + kernel_state + workspaces
+    owned_16 = owned - held_bytes + held_bytes_16  # (what tokens hold at 16 bits, the rest as stored)
     elements = _elements(cache)
     dtype = cache.model_dtype
     dtype_bits = torch.finfo(dtype).bits if dtype is not None else 16
-    bits = held_bytes * 8 / elements if elements else 0.0
-    bits_16 = held_bytes_16 * 8 / elements if elements else 0.0
+    per_element = 8 / elements if elements else 0.0
+    dense = elements * dtype_bits // 8
     return {
         **held,
-        "held_bytes": held_bytes,
-        "reserved_bytes": allocated - held_bytes,
-        "derived_bytes": derived,  # kernels' prepared state and shared workspaces
-        "total_bytes": allocated + derived,
+        "owned_bytes": owned,  # every tensor the cache keeps alive: the headline
+        "held_bytes": held_bytes,  # by tokens (the components above)
+        "spare_bytes": allocated - held_bytes,  # capacity beyond the tokens
+        "kernel_state_bytes": kernel_state,  # kernels' derived state, per store and shared
+        "workspace_bytes": workspaces,  # kept from one step for the next (rotary memo, allocation statistics)
         "held_bytes_16bit": held_bytes_16,
         "tokens": sum(cache.layout.counts.held(cache.layout.chunk_len)),
         "elements": elements,
         "model_dtype": str(dtype).replace("torch.", "") if dtype is not None else None,
-        "dense_bytes": elements * dtype_bits // 8,  # the same tokens uncompressed in the model's dtype
+        "dense_bytes": dense,  # the same tokens uncompressed in the model's dtype
         "fp16_bytes": elements * 2,
-        "bits_per_element": bits,  # as stored, held by tokens, everything counted
-        "bits_per_element_16bit": bits_16,  # as if every floating tensor were 16-bit
-        "vs_model_dtype": held_bytes / (elements * dtype_bits / 8) if elements else 0.0,
-        "vs_16bit": held_bytes_16 / (elements * 2) if elements else 0.0,
+        "bits_per_element": owned * per_element,  # owned: everything counted
+        "held_bits_per_element": held_bytes * per_element,  # held by tokens only
+        "bits_per_element_16bit": owned_16 * per_element,  # owned, with what tokens hold in 16-bit floats
+        "vs_model_dtype": owned / dense if elements else 0.0,
+        "vs_16bit": owned_16 / (elements * 2) if elements else 0.0,
         "method": cache.gear_config.describe(),
         "backends": cache.backend_names,
         "key_bits_allocated": _key_bits_allocated(cache),
@@ -135,14 +154,17 @@ def _key_bits_allocated(cache) -> float | None:
 
 
 def summary(report: dict) -> str:
-    """One line for humans."""
+    """One line for humans: what the cache owns first, then what it is made of."""
     mib = 1 << 20
-    return (f"{report['method']}: {report['tokens']} tokens/layer, {report['bits_per_element']:.2f} bits/element "
-            f"held ({report['bits_per_element_16bit']:.2f} with 16-bit floats) = "
+    rest = [f"held by tokens {report['held_bits_per_element']:.2f} bits ({report['held_bytes'] / mib:.2f} MiB)",
+            f"spare capacity {report['spare_bytes'] / mib:.2f} MiB"]
+    if report["kernel_state_bytes"] or report["workspace_bytes"]:
+        rest.append(f"kernel state + workspaces {(report['kernel_state_bytes'] + report['workspace_bytes']) / mib:.2f}"
+                    " MiB")
+    return (f"{report['method']}: {report['tokens']} tokens/layer, owns {report['bits_per_element']:.2f} "
+            f"bits/element ({report['bits_per_element_16bit']:.2f} with 16-bit floats) = "
             f"{100 * report['vs_model_dtype']:.1f}% of {report['model_dtype']} KV, "
-            f"{report['held_bytes'] / mib:.2f} MiB held + {report['reserved_bytes'] / mib:.2f} MiB reserved"
-            + (f" + {report['derived_bytes'] / mib:.2f} MiB kernel state" if report.get("derived_bytes") else "")
-            + _allocation_note(report))
+            f"{report['owned_bytes'] / mib:.2f} MiB; " + ", ".join(rest) + _allocation_note(report))
 
 
 def _allocation_note(report: dict) -> str:

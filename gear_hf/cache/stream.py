@@ -71,20 +71,22 @@ class Stream:
     # -- writing ---------------------------------------------------------------------------------------------
     def append(self, plan: StepPlan, x: torch.Tensor, sink_tokens: int) -> None:
         """This step's tokens x [B,H,q,d] into the sink and the buffer, as planned."""
-        if sink_tokens:
-            self.sink.reserve(x, sink_tokens)
-            if not plan.sink_idle:
-                self.sink.write(x, plan.sink_cols)
+        if sink_tokens and plan.sink_capacity:
+            self.sink.reserve(x, plan.sink_capacity)
+            if plan.sink_writes is not None:
+                self.sink.write(x, plan.sink_writes)
         self.buffer.reserve(x, plan.buffer_capacity)
         if plan.buffer_run is not None:  # every row's tokens to the same columns: a plain copy, no index
             self.buffer.data[:, :, plan.buffer_run : plan.buffer_run + x.shape[2]].copy_(x)
-        else:
-            self.buffer.write(x, plan.buffer_cols)
+        elif plan.buffer_writes is not None:
+            self.buffer.write(x, plan.buffer_writes)
 
     def flush(self, plan: StepPlan, prompt_capacity: int, batch: int, released_chunks: int = 0,
-              reserve_chunks: int = 0, query_energy: torch.Tensor | None = None) -> torch.Tensor | None:
+              reserve_chunks: int = 0, query_energy: torch.Tensor | None = None,
+              chunk_limit: int | None = None) -> torch.Tensor | None:
         """Compress what leaves the buffer (one call per chunk length), keep the rest at the buffer's front.
         A decode chunk goes to slot (chunk - released_chunks); reserve_chunks: decode slots to allocate at once;
+        chunk_limit: the most decode slots the store will ever need (a sliding layer's);
         query_energy [B,H,d]: what allocated key widths are chosen from (`allocation.query_pair_energy`).
         Returns a device bool, True when every compressed entry was finite (None: nothing compressed)."""
         flush = plan.flush
@@ -103,10 +105,10 @@ class Stream:
             finite.append(self.plan.compress.all_finite(x))
             slots = [chunk - released_chunks for _, _, chunk in flush.decode_jobs]
             bits = self._channel_bits(rows, x, self.decode_spec, batch, query_energy)
-            self.decode.compress_rows(x, rows, slots, batch, reserve_chunks, bits)
+            self.decode.compress_rows(x, rows, slots, batch, reserve_chunks, bits, chunk_limit)
         for row, start, length in flush.keep:
             self.buffer.keep_tail(row, start, length)
-        self.buffer.shrink(plan.buffer_capacity_after)
+        self.buffer.reserve(data, plan.buffer_capacity_after)  # (gives back what was compressed)
         return torch.stack(finite).all() if finite else None
 
     def _channel_bits(self, rows: list[int], x: torch.Tensor, spec: ChunkSpec, batch: int,

@@ -58,14 +58,14 @@ class StepMemory:
             "step": len(self.rows), "tokens": report["tokens"], "elements": elements,
             "held_bits": report["held_bytes"] * per,
             "buffer_bits": report["buffer"] * per,
-            "report_total_bits": report["total_bytes"] * per,  # held + reserved (spare capacity)
+            "report_total_bits": report["owned_bytes"] * per,  # held + reserved (spare capacity)
             "walk_cache_bits": alone * per,  # every storage reachable from the cache object
             "owned_bits": owned * per,  # ... and the kernels' module-level memos
             "in_step_owned_bits": self._in_step * per if self._in_step is not None else None,
-            "spare_bits": (report["total_bytes"] - report["held_bytes"]) * per,
-            "unreported_cache_bits": (alone - report["total_bytes"]) * per,  # in the cache, not in the report
+            "spare_bits": (report["owned_bytes"] - report["held_bytes"]) * per,
+            "unreported_cache_bits": (alone - report["owned_bytes"]) * per,  # in the cache, not in the report
             "memo_bits": (owned - alone) * per,
-            "held_bytes": report["held_bytes"], "report_total_bytes": report["total_bytes"],
+            "held_bytes": report["held_bytes"], "report_owned_bytes": report["owned_bytes"],
             "walk_cache_bytes": alone, "owned_bytes": owned,
         })
         self._in_step = None
