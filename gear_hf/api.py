@@ -74,16 +74,14 @@ def _check_config(model, rotaries: list, config: GearConfig) -> None:
 
 
 def _expected_length(model, args, kwargs) -> int | None:
-    """Prompt length + new tokens, a sizing hint for the cache (None when unknown)."""
+    """Prompt length + min_new_tokens: a length every row is known to reach (None when unknown). max_new_tokens is
+    not: generation may stop at an end-of-sequence token, and room reserved for it would be owned for nothing."""
     inputs = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
     if not isinstance(inputs, torch.Tensor) or inputs.ndim != 2:
         return None
     gen_config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
-    new = kwargs.get("max_new_tokens", getattr(gen_config, "max_new_tokens", None))
-    if new is None:
-        max_length = kwargs.get("max_length", getattr(gen_config, "max_length", None))
-        return max_length
-    return inputs.shape[1] + new
+    new = kwargs.get("min_new_tokens", getattr(gen_config, "min_new_tokens", None))
+    return inputs.shape[1] + new if new else None
 
 
 def _config_from_cache_config(cache_config: Any, base: GearConfig) -> GearConfig:

@@ -35,8 +35,12 @@ PAPER_FIELDS: dict[str, Any] = dict(key_bits=4, value_bits=4, group_size=64, ran
 
 # What the measured frontier says to pick (scripts/frontier.py; SmolLM2-135M and Qwen2.5-0.5B in bf16, head_dim 64,
 # teacher-forced next-token KL over the last 128 tokens of three GSM8K texts, T=1028 = 4 sinks + 1024; docs/results.md
-# "Accuracy per byte", results/frontier/frontier_texts.md): (name, bits/element held on d=64 heads at T=1028, fields
-# over the paper's with int8 low-rank factors), cheapest first. All keep 4 attention-sink tokens exact, group keys
+# "Accuracy per byte", results/frontier/frontier_texts.md): (name, bits/element OWNED, fields over the paper's with
+# int8 low-rank factors), cheapest first. The bits are the mean of `memory_report()["bits_per_element"]` (held +
+# spare + workspaces) over the decode steps from T=1024 to 4096 after a 1024-token prompt, bf16, head_dim 64
+# (`python scripts/bench_footprint.py`, results/footprint/; head_dim 128 owns 0.1-0.4 less, gear-4 0.4 less), so
+# `recommended(bits_per_element=b)` returns a configuration owning <= b on average over such a run. At T~1k the
+# full-precision buffer (up to buffer_size 16-bit tokens) adds up to 1.2 bits more (the table's "max owned"). All keep 4 attention-sink tokens exact, group keys
 # by 128 tokens and rotate the values (Walsh–Hadamard). All but "small" give each key channel its own width, chosen
 # from the prompt's queries (key_bit_allocation="query", keys unrotated: measured at the same bits, it cut KL 2-4x
 # against one width for every channel, e.g. k3v3 0.0271 -> 0.0073 on SmolLM2 and 0.0140 -> 0.0048 on Qwen, text 0).
@@ -50,14 +54,14 @@ _ALLOCATED = dict(method="kivi", key_bit_allocation="query", rotation="values", 
                   prompt_group_size=256)
 _COMPACT = dict(_ALLOCATED, value_axis="channel", range_search="values")
 RECOMMENDED: tuple[tuple[str, float, dict[str, Any]], ...] = (
-    ("small", 2.43, dict(method="kivi", key_bits=2, value_bits=2, rotation="values", range_search="values",
+    ("small", 2.96, dict(method="kivi", key_bits=2, value_bits=2, rotation="values", range_search="values",
                          group_size=128, sink_tokens=4)),
-    ("compact", 2.48, dict(_COMPACT, key_bits=2.5, value_bits=2)),
-    ("balanced", 2.73, dict(_COMPACT, key_bits=3, value_bits=2)),
-    ("accurate", 3.46, dict(_ALLOCATED, key_bits=3.125, value_bits=3)),
-    ("precise", 3.65, dict(_ALLOCATED, key_bits=3.5, value_bits=3)),
-    ("kivi-4", 4.55, dict(method="kivi", key_bits=4, value_bits=4)),
-    ("gear-4", 6.10, dict(method="gear", key_bits=4, value_bits=4, factor_bits=16)),
+    ("compact", 3.06, dict(_COMPACT, key_bits=2.5, value_bits=2)),
+    ("balanced", 3.30, dict(_COMPACT, key_bits=3, value_bits=2)),
+    ("accurate", 3.99, dict(_ALLOCATED, key_bits=3.125, value_bits=3)),
+    ("precise", 4.17, dict(_ALLOCATED, key_bits=3.5, value_bits=3)),
+    ("kivi-4", 4.85, dict(method="kivi", key_bits=4, value_bits=4)),
+    ("gear-4", 6.29, dict(method="gear", key_bits=4, value_bits=4, factor_bits=16)),
 )
 DEFAULT_RECOMMENDED = "accurate"  # what GearConfig() and gear_hf.enable(model) use
 
@@ -303,11 +307,12 @@ class GearConfig:
     @classmethod
     def recommended(cls, bits_per_element: float | None = None, *, name: str | None = None,
                     **overrides: Any) -> "GearConfig":
-        """What the measured frontier says to pick (RECOMMENDED): the configuration holding the most bits per
-        element not above `bits_per_element`, or the one called `name`; neither: the default (= GearConfig()).
+        """What the measured frontier says to pick (RECOMMENDED): the configuration owning the most bits per element
+        not above `bits_per_element`, or the one called `name`; neither: the default (= GearConfig()).
 
-        The bits were measured on head_dim 64 at T=1028 with the full-precision buffer empty (per-group side
-        information weighs more on smaller heads; the buffer of up to buffer_size tokens adds its share at short T)."""
+        The bits are what the cache owns on average over a bf16 generation from T=1024 to 4096, on head_dim 64 (per-
+        group side information weighs more on smaller heads; at shorter T the buffer of up to buffer_size 16-bit
+        tokens weighs more: see RECOMMENDED's comment)."""
         if bits_per_element is not None and name is not None:
             raise ValueError("GearConfig.recommended takes bits_per_element or name, not both")
         names = [n for n, _, _ in RECOMMENDED]

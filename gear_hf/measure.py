@@ -1,6 +1,6 @@
 """What one `generate` run did, measured from outside the model: decode step times, agreement with a reference
-run, and the untimed warm-up that keeps kernel compilation out of tokens/s (shared by the demo, lm-eval and the
-benchmark scripts)."""
+run, the untimed warm-up that keeps kernel compilation out of tokens/s (shared by the demo, lm-eval and the
+benchmark scripts), and the bits per element a cache owns over a decode run (RECOMMENDED's bits, tests)."""
 
 from __future__ import annotations
 
@@ -60,3 +60,42 @@ def warm_up(model, input_ids, config=None, **generate_kwargs) -> float:
         model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                        do_sample=False, **generate_kwargs)
     return time.perf_counter() - start
+
+
+FOOTPRINT_KV_HEADS = {64: 3, 128: 8}  # SmolLM2's KV heads on d=64, Llama-3-8B's on d=128 (4 for other head_dims)
+
+
+def owned_bits_over_decode(gear_config, head_dim: int, prompt: int, until: int, seed: int = 0) -> dict:
+    """What one bf16 layer owns over a decode run: a `prompt`-token prompt, then one token per step to T=`until`,
+    through `GearCache.store` + `compress_pending` (no attention read: the bytes do not depend on the values, so
+    keys, values and queries are random; without a read no kernel state is built). Returns {"mean_owned",
+    "max_owned", "mean_held"} of memory_report()'s bits/element over T = prompt .. until-1, and "max_slack", the
+    largest (owned - held) / held."""
+    import torch
+    from transformers import LlamaConfig
+
+    from .cache import GearCache
+
+    heads = FOOTPRINT_KV_HEADS.get(head_dim, 4)
+    config = LlamaConfig(num_hidden_layers=1, hidden_size=heads * head_dim * 3, num_attention_heads=heads * 3,
+                         num_key_value_heads=heads, head_dim=head_dim)
+    cache = GearCache(config, gear_config)
+    g = torch.Generator().manual_seed(seed)
+
+    def step(q: int) -> None:
+        k, v = (torch.randn(1, heads, q, head_dim, generator=g).bfloat16() for _ in range(2))
+        query = torch.randn(1, heads * 3, q, head_dim, generator=g).bfloat16()
+        cache.store(0, k, v, query=query)
+        cache.compress_pending(0)
+
+    owned, held, slack = [], [], []
+    with torch.no_grad():
+        step(prompt)
+        for _ in range(prompt, until):
+            report = cache.memory_report()
+            owned.append(report["bits_per_element"])
+            held.append(report["held_bits_per_element"])
+            slack.append((report["owned_bytes"] - report["held_bytes"]) / report["held_bytes"])
+            step(1)
+    return {"mean_owned": sum(owned) / len(owned), "max_owned": max(owned), "mean_held": sum(held) / len(held),
+            "max_slack": max(slack)}

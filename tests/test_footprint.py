@@ -1,0 +1,47 @@
+"""Issue 25: the cache owns what it says, little beyond what it holds, and the recommendations keep their promise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gear_hf
+from gear_hf.config import RECOMMENDED
+from gear_hf.measure import owned_bits_over_decode
+from tiny_models import CACHE_ARG, tiny_model
+
+
+@pytest.mark.parametrize("name,table_bits", [(n, b) for n, b, _ in RECOMMENDED])
+def test_recommended_bits_are_what_the_cache_owns_over_a_generation(name, table_bits):
+    """RECOMMENDED's bits are the mean owned from T=1024 to 4096 (bf16, d=64): recommended(b) owns <= b there, and
+    the table is not stale (within its rounding)."""
+    run = owned_bits_over_decode(gear_hf.GearConfig.recommended(name=name), 64, 1024, 4096)
+    assert abs(run["mean_owned"] - table_bits) <= 0.006, (name, run)
+    config = gear_hf.GearConfig.recommended(table_bits)
+    assert owned_bits_over_decode(config, 64, 1024, 4096)["mean_owned"] <= table_bits + 0.005
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_spare_capacity_stays_small_over_a_long_generation(head_dim):
+    """From T=512 on, what the cache owns beyond what its tokens hold (spare capacity, workspaces) <= 10%."""
+    run = owned_bits_over_decode(gear_hf.GearConfig(), head_dim, 512, 2048)
+    assert run["max_slack"] <= 0.10, run
+
+
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
+def test_generate_owns_no_spare_capacity_without_a_known_length(context):
+    """generate reserves room only for a length it is known to reach (min_new_tokens): with max_new_tokens alone
+    the stores hold their tokens and nothing more than a few columns of bookkeeping."""
+    model = tiny_model("llama3", dtype=torch.bfloat16, head_dim=32)
+    gear_hf.enable(model, gear_hf.GearConfig())
+    ids = torch.randint(3, 128, (1, 300), generator=torch.Generator().manual_seed(0))
+    with context():
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=150, do_sample=False,
+                       pad_token_id=0, eos_token_id=None)
+    report = gear_hf.last_cache(model).memory_report()
+    # (what is not held: the position tables' granule and a released prompt's buffer column at most)
+    assert report["spare_bytes"] <= 0.01 * report["held_bytes"], report
+    assert report["bits_per_element"] * report["elements"] == pytest.approx(8 * report["owned_bytes"])
+    assert report["owned_bytes"] == (report["held_bytes"] + report["spare_bytes"] + report["kernel_state_bytes"]
+                                     + report["workspace_bytes"])
+    assert "owns" in gear_hf.last_cache(model).summary()
