@@ -54,6 +54,23 @@ def gear_attention_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
     query, key, value = patch.project(module, hidden_states)  # [B,Hq,q,d], [B,Hkv,q,d] x2; before RoPE
     cos, sin = position_embeddings
     query = apply_rotary(query, cos, sin)
+    output, weights = cache_step(module, cache, query, key, value, cos, sin, attention_mask, kwargs)
+    output = output.reshape(*input_shape, -1).contiguous()
+    return module.o_proj(output), weights
+
+
+@torch.compiler.disable
+def cache_step(module: torch.nn.Module, cache: GearCache, query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention_mask: torch.Tensor | None,
+               kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One layer's step through the cache: store, attend (fused or reference), compress. Returns the attention
+    output [B,q,Hq,d] and weights (or None).
+
+    torch.compile's one boundary in gear_hf: the cache plans each step on the host (Python lists), runs numba
+    kernels, checks finiteness with a host sync and resolves its backends at the first step; none of that traces.
+    dynamo runs this eagerly (one graph break per call, at this function's call site) and compiles the model's
+    code around it: projections, the query's RoPE, o_proj and everything outside the attention."""
+    patch: AttentionPatch = module._gear_hf_patch
     position_ids = kwargs.get("position_ids")
     if not cache.gear_config.pre_rope:  # ablation: compress keys after RoPE, as HF's QuantizedCache does
         key = apply_rotary(key, cos, sin)
@@ -84,5 +101,4 @@ def gear_attention_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
         if query.shape[2] <= MAX_FUSED_QUERY:  # decode steps only: the share the fused path should serve
             cache.step_paths["reference"] += 1
     cache.compress_pending(module.layer_idx)  # after attending: what left the buffer is compressed
-    output = output.reshape(*input_shape, -1).contiguous()
-    return module.o_proj(output), weights
+    return output, weights
