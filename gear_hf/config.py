@@ -40,7 +40,8 @@ PAPER_FIELDS: dict[str, Any] = dict(key_bits=4, value_bits=4, group_size=64, ran
 # spare + workspaces) over the decode steps from T=1024 to 4096 after a 1024-token prompt, bf16, head_dim 64
 # (`python scripts/bench_footprint.py`, results/footprint/; head_dim 128 owns 0.1-0.4 less, gear-4 0.4 less), so
 # `recommended(bits_per_element=b)` returns a configuration owning <= b on average over such a run. At T~1k the
-# full-precision buffer (up to buffer_size 16-bit tokens) adds up to 1.2 bits more (the table's "max owned"). All keep 4 attention-sink tokens exact, group keys
+# full-precision buffer (up to buffer_size 16-bit tokens) adds up to 1.2 bits more (the table's "max owned").
+# All keep 4 attention-sink tokens exact, group keys
 # by 128 tokens and rotate the values (Walsh–Hadamard). All but "small" give each key channel its own width, chosen
 # from the prompt's queries (key_bit_allocation="query", keys unrotated: measured at the same bits, it cut KL 2-4x
 # against one width for every channel, e.g. k3v3 0.0271 -> 0.0073 on SmolLM2 and 0.0140 -> 0.0048 on Qwen, text 0).

@@ -15,7 +15,8 @@ from the train split, read from --data-dir, else $GEAR_HF_DATA_DIR, else ../shar
 built-in problems when none is there). Rows: the stock model, labelled by its dtype ("float32 (uncompressed)"), then
 `default` (GearConfig()), then the --methods (default: the recommended "compact" and the paper presets). For each:
 KV bits/element the cache owns at the end of generation (`memory_report()["bits_per_element"]`: held by tokens,
-side information, spare capacity and kernel state included; the dtype's bits for the stock cache), decode tokens/s (after one untimed warm-up
+side information, spare capacity and kernel state included; the dtype's bits for the stock cache),
+decode tokens/s (after one untimed warm-up
 generate per method, whose seconds are shown apart: kernel compilation on first use), how many greedy tokens match
 the uncompressed run before the first difference, whether the final answers agree, and how many are correct.
 float32 by default: the dtype a CPU runs fastest and the one transformers recommends there.

@@ -19,6 +19,7 @@ import sys
 
 import torch
 
+
 def main(argv=None) -> int:
     from gear_hf import GearConfig
     from gear_hf.config import RECOMMENDED

@@ -8,7 +8,7 @@ import torch
 import gear_hf
 from gear_hf.config import RECOMMENDED
 from gear_hf.measure import owned_bits_over_decode
-from tiny_models import CACHE_ARG, tiny_model
+from tiny_models import tiny_model
 
 
 @pytest.mark.parametrize("name,table_bits", [(n, b) for n, b, _ in RECOMMENDED])

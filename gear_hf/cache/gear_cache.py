@@ -62,8 +62,8 @@ class GearCache(FusedPath, Cache):
     GearCache(model) or GearCache(config=model.config) (transformers' convention); gear_config: defaults to
     the config the model was enabled with, else `GearConfig()`. expected_length: a length every row is known
     to reach (prompt + min_new_tokens; `generate` passes it): room for it is allocated at once. Without it storage
-    grows in bounded steps and owns little beyond what it holds (`memory_report`). speculative: keep each decode step's own
-    tokens uncompressed until the next step, so that `crop` can take back the tokens verification rejected
+    grows in bounded steps and owns little beyond what it holds (`memory_report`). speculative: keep each decode
+    step's own tokens uncompressed until the next step, so that `crop` can take back the tokens verification rejected
     (assisted generation, prompt lookup: `generate` sets it when asked for either).
     """
 
