@@ -82,7 +82,7 @@ def gear_attention_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
             **kwargs,
         )
         if query.shape[2] <= MAX_FUSED_QUERY:  # decode steps only: the share the fused path should serve
-            cache.step_paths["reference"] += 1
+            cache.step_paths[cache.reference_path_name] += 1  # "fallback": the Triton reconstruction
     cache.compress_pending(module.layer_idx)  # after attending: what left the buffer is compressed
     output = output.reshape(*input_shape, -1).contiguous()
     return module.o_proj(output), weights
