@@ -67,7 +67,8 @@ class TritonBackend(Backend):
         spec, d = store.spec, store.head_dim
         device = store.fields["codes"].device
         partial = rotary is not None and rotary[0].shape[-1] != d  # (partial rotary: the torch path's)
-        served = out_dtype in (torch.float16, torch.bfloat16, torch.float32) and not kernels.reconstruct_supported(spec, d)
+        served = out_dtype in (torch.float16, torch.bfloat16, torch.float32) \
+            and not kernels.reconstruct_supported(spec, d)
         if partial or not served or (device.type != "cuda" and not kernels.interpreting()):
             return _ORACLE.reconstruct(store, chunks, out_dtype, out, rotary, scratch)
         if out is None:
