@@ -198,8 +198,8 @@ def test_generate_fallback_reports_its_path_and_matches_torch():
     from gear_hf.cache import GearCache
     from tiny_models import CACHE_ARG, tiny_model
 
-    model = tiny_model("llama3", head_dim=32)
-    ids = torch.randint(3, 100, (2, 45), generator=torch.Generator().manual_seed(0))
+    model = tiny_model("llama3", head_dim=32).to(DEVICE)
+    ids = torch.randint(3, 100, (2, 45), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     mask = torch.ones_like(ids)
     mask[1, :6] = 0
     new = 5
