@@ -99,6 +99,6 @@ def cache_step(module: torch.nn.Module, cache: GearCache, query: torch.Tensor, k
             **kwargs,
         )
         if query.shape[2] <= MAX_FUSED_QUERY:  # decode steps only: the share the fused path should serve
-            cache.step_paths["reference"] += 1
+            cache.step_paths[cache.reference_path_name] += 1  # "fallback": the Triton reconstruction
     cache.compress_pending(module.layer_idx)  # after attending: what left the buffer is compressed
     return output, weights

@@ -1,43 +1,43 @@
 #!/usr/bin/env bash
-# GPU check of the Triton kernels, in one command, for a machine with one CUDA GPU:
+# GPU check of the Triton kernels and the end-to-end decode, in one command, for a machine with one CUDA GPU:
 #
 #   OUT=/some/dir scripts/gpu_check.sh          (OUT defaults to ./gpu_check_out)
 #
-#   0. preflight (~10 s): CUDA visible, a C compiler (Triton builds its launcher with it), Triton's ptxas,
-#      `import gear_hf.cache`, one trivial Triton kernel launched and checked; stops early with a clear message;
-#   1. the compile report (`python -m gear_hf.kernels.compile_check --sass-report`) with this machine's Triton;
-#   2. the `gpu` tests (tests/test_kernels_gpu.py): bit-exact quantize/pack at real sizes, fused decode
-#      attention vs the float32 oracle at T up to 32k with Llama-3-8B head shapes in bf16, poisoned output,
-#      two GPUs (skipped with one), end-to-end generate through the fused path;
-#   3. the decode-attention benchmark (scripts/bench_decode_attention.py), eager and CUDA-graph timings:
-#      fused GEAR 2/4-bit, GEAR-L 2-bit, GearConfig() (kivi: keys 3.125 bits per channel on average, widths
-#      allocated from the queries as bit planes; 3-bit values per token, rotated; config.py RECOMMENDED "accurate")
-#      and recommended "compact" (keys 2.5 bits allocated, 2-bit values per channel, ranges searched) vs fp16 SDPA at T = 8k/1k, batch 8 and 1; a padded batch of 8 rows
-#      of 8 lengths vs masked fp16 SDPA; num_warps 4/8 x num_stages 1/2/3; and the share of decode layer-steps
-#      on the fused path in greedy generation of a padded batch of 8 rows -> $OUT/bench_decode_attention.*;
-#   4. with the time left, the CPU-interpreted kernel suites compiled for the GPU (extra coverage).
+# Stages, each under its own `timeout` (seconds, the budget of each below; 510 s in all, under 9 minutes with the
+# start-up), so a slow stage cannot eat the next ones and what was measured is kept:
 #
-# Every stage has its own timeout, derived from a global budget (GPU_CHECK_BUDGET seconds, default 340, i.e.
-# under 6 minutes), so the script ends in time and what was measured is kept. Exit status: 0 when the gpu tests
-# passed and the benchmark wrote its table, 1 otherwise (2: preflight failed). A summary is printed last and
-# kept in $OUT/summary.txt.
+#   0. environment + preflight (60): CUDA visible, a C compiler, Triton's ptxas, `import gear_hf.cache`, one trivial
+#      Triton kernel launched and checked (stops early, exit 2, with a clear message); editable install (30) so that
+#      gear_hf.patches imports;
+#   1. the compile report (75): `python -m gear_hf.kernels.compile_check --sass-report` with this machine's Triton;
+#   2. the tests on the GPU (110): `-m gpu tests/test_kernels_gpu.py`, and compiled for the GPU the reconstruction
+#      kernel's suite (tests/test_kernels_reconstruct.py: the memory-bound fallback vs the oracle) and the cost model;
+#   3. decode attention (100): scripts/bench_decode_attention.py at T=8k, batch 8: fp16 SDPA, the fused kernel (GEAR
+#      2/4-bit, GEAR-L, GearConfig(), compact) and the reference rows, which on CUDA are the fallback (the Triton
+#      reconstruction, then RoPE and SDPA), eager and CUDA-graph timings; the fused-path share of a padded generate;
+#   4. end-to-end decode (135): scripts/bench_gpu_generate.py, short: random-weight Llama-3-8B shapes, T=8k (GEN_T),
+#      32 new tokens (GEN_NEW), dynamic / HF QuantizedCache (when quanto imports) / GearConfig() / kivi-2 / gear-2:
+#      tokens/s, peak memory, decode paths, and throughput at equal KV memory (60 GiB, batch capped at 64).
+#
+# $OUT holds at most 8 files, one level: env.json, preflight.log, sass_report.log, tests.log, bench.log,
+# bench_decode_attention.csv, bench_gpu_generate.json, summary.txt. Exit status: 0 when the tests passed and both
+# benchmarks wrote their tables, 1 otherwise (2: preflight failed). The summary is printed last.
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 REPO=$PWD
 OUT=${OUT:-$REPO/gpu_check_out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-BUDGET=${GPU_CHECK_BUDGET:-340}
 START=$SECONDS
+SCRATCH=$(mktemp -d)  # what the tools write beside their tables (copied into $OUT selectively)
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 unset TRITON_INTERPRET
-left() { echo $(( BUDGET - (SECONDS - START) )); }
 summary=()
 note() { echo ">> $*"; summary+=("$*"); }
 
 # -- environment ------------------------------------------------------------------------------------------
-"$PY" - > "$OUT/env.json" 2> "$OUT/env.err" <<'EOF'
+"$PY" - > "$OUT/env.json" 2> "$OUT/preflight.log" <<'EOF'
 import json, platform
 info = {"python": platform.python_version()}
 try:
@@ -86,64 +86,65 @@ assert torch.equal(x.cpu(), torch.arange(1, 1001, dtype=torch.float32)), "trivia
 print(f"preflight ok in {time.time() - t0:.1f}s: torch {torch.__version__}, triton {triton.__version__}, "
       f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}")
 EOF
-timeout -k 5 60 "$PY" "$PREFLIGHT_PY" > "$OUT/preflight.log" 2>&1
+timeout -k 5 60 "$PY" "$PREFLIGHT_PY" >> "$OUT/preflight.log" 2>&1
 rc=$?
 tail -n 5 "$OUT/preflight.log"
 [ $rc = 0 ] || fail_early "rc=$rc, see preflight.log: $(tail -n 1 "$OUT/preflight.log")"
 note "$(tail -n 1 "$OUT/preflight.log")"
 
 # -- 1. compile report (static: SASS of the main loop with this machine's Triton) ----------------------------
-timeout -k 5 90 "$PY" -m gear_hf.kernels.compile_check --sass-report > "$OUT/sass_report.log" 2>&1
+timeout -k 5 75 "$PY" -m gear_hf.kernels.compile_check --sass-report > "$OUT/sass_report.log" 2>&1
 rc=$?
 note "compile report (rc=$rc): $(grep -E '^((gear[234]|default): main loop|instructions/token)' "$OUT/sass_report.log" | tr '\n' ' ')"
 
 # gear_hf.patches (used only by the end-to-end test) needs the setup.cfg package mapping: an offline editable
 # install provides it; without it that one test skips.
-timeout 60 "$PY" -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1 \
-  || note "editable install failed (see pip.log): the end-to-end gpu test will skip"
+timeout 30 "$PY" -m pip install -q --no-deps --no-build-isolation -e . >> "$OUT/preflight.log" 2>&1 \
+  || note "editable install failed (see preflight.log): the end-to-end gpu test will skip"
 HAVE_PYTEST=1
 "$PY" -c "import pytest" 2>/dev/null || { HAVE_PYTEST=0; note "pytest missing: test stages skipped"; }
 
 status=0
-# -- 2. gpu tests ---------------------------------------------------------------------------------------------
+# -- 2. tests on the GPU ----------------------------------------------------------------------------------------
 if [ "$HAVE_PYTEST" = 1 ]; then
-  t=$(( $(left) * 40 / 100 ))
-  echo ">> gpu tests (timeout ${t}s)"
-  timeout -k 10 "$t" "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels_gpu.py -rA \
-    --junitxml="$OUT/gpu_tests.xml" > "$OUT/gpu_tests.log" 2>&1
+  echo ">> gpu tests (timeout 110s)"
+  timeout -k 10 110 "$PY" -m pytest -q -p no:cacheprovider -rfE tests/test_kernels_gpu.py \
+    tests/test_kernels_reconstruct.py tests/test_decode_path_cost.py > "$OUT/tests.log" 2>&1
   rc=$?
-  tail -n 25 "$OUT/gpu_tests.log"
-  if [ $rc = 0 ]; then note "gpu tests: passed ($(tail -n 1 "$OUT/gpu_tests.log"))"
-  else note "gpu tests: rc=$rc ($(tail -n 1 "$OUT/gpu_tests.log"))"; status=1; fi
+  tail -n 25 "$OUT/tests.log"
+  if [ $rc = 0 ]; then note "gpu tests: passed ($(tail -n 1 "$OUT/tests.log"))"
+  else note "gpu tests: rc=$rc ($(tail -n 1 "$OUT/tests.log"))"; status=1; fi
 fi
 
-# -- 3. benchmark ---------------------------------------------------------------------------------------------
-t=$(( $(left) - 45 ))
-[ "$t" -lt 60 ] && t=60
-echo ">> benchmark (timeout ${t}s)"
-timeout -k 10 "$t" "$PY" scripts/bench_decode_attention.py --out "$OUT" --T 8192 1024 --batch 8 1 --iters 20 \
-  --no-reference --share --padded --variants > "$OUT/bench.log" 2>&1
+# -- 3. decode attention ------------------------------------------------------------------------------------------
+echo ">> decode attention (timeout 100s)"
+timeout -k 10 100 "$PY" scripts/bench_decode_attention.py --out "$SCRATCH/attention" --T 8192 --batch 8 --iters 20 \
+  --share > "$OUT/bench.log" 2>&1
 rc=$?
-cat "$OUT/bench.log" | tail -n 40
+tail -n 30 "$OUT/bench.log"
 share=$(grep -m1 '^fused-path share' "$OUT/bench.log")
 [ -n "$share" ] && note "$share"
-if [ -s "$OUT/bench_decode_attention.csv" ]; then
-  note "benchmark: rc=$rc, $(($(wc -l < "$OUT/bench_decode_attention.csv") - 1)) rows in bench_decode_attention.csv"
-  [ $rc = 0 ] || note "benchmark ended early (timeout or error): the table holds what was measured"
+if [ -s "$SCRATCH/attention/bench_decode_attention.csv" ]; then
+  cp "$SCRATCH/attention/bench_decode_attention.csv" "$OUT/"
+  note "decode attention: rc=$rc, $(($(wc -l < "$OUT/bench_decode_attention.csv") - 1)) rows in bench_decode_attention.csv"
+  [ $rc = 0 ] || note "decode attention ended early (timeout or error): the table holds what was measured"
 else
-  note "benchmark: rc=$rc, no table"; status=1
+  note "decode attention: rc=$rc, no table"; status=1
 fi
 
-# -- 4. the interpreted suites, compiled for the GPU, with the time left --------------------------------------
-t=$(( $(left) - 5 ))
-if [ "$HAVE_PYTEST" = 1 ] && [ "$t" -ge 30 ]; then
-  echo ">> kernel suites on the GPU (timeout ${t}s)"
-  timeout -k 5 "$t" "$PY" -m pytest -q -p no:cacheprovider -m "not slow" tests/test_kernels_quant.py \
-    tests/test_architectures.py::test_fused_kernel_matches_reference tests/test_kernels_decode.py \
-    > "$OUT/kernel_suites.log" 2>&1
-  rc=$?
-  note "kernel suites compiled on the GPU: rc=$rc ($(tail -n 1 "$OUT/kernel_suites.log"))"
+# -- 4. end-to-end decode -----------------------------------------------------------------------------------------
+echo ">> end-to-end decode (timeout 135s)"
+echo "== bench_gpu_generate.py ==" >> "$OUT/bench.log"
+timeout -k 10 135 "$PY" scripts/bench_gpu_generate.py --out "$SCRATCH/generate" --T ${GEN_T:-8192} \
+  --new ${GEN_NEW:-32} --batch 1 --kv-budget-gib 60 --max-batch 64 >> "$OUT/bench.log" 2>&1
+rc=$?
+if [ -s "$SCRATCH/generate/bench_gpu_generate.json" ]; then
+  cp "$SCRATCH/generate/bench_gpu_generate.json" "$OUT/"
+  note "end-to-end decode: rc=$rc, $(grep -c '"method"' "$OUT/bench_gpu_generate.json") rows in bench_gpu_generate.json"
+else
+  note "end-to-end decode: rc=$rc, no table"; status=1
 fi
+rm -rf "$SCRATCH"
 
 note "total $((SECONDS - START))s"
 printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"

@@ -47,7 +47,7 @@ def test_resolve(monkeypatch):
     torch_only = {"compress": "torch", "reconstruct": "torch", "attend": "reference"}
     assert _names(GearConfig()) == torch_only  # (numba: tests/test_cpu_kernels.py)
     assert _names(GearConfig(backend="torch"), "cuda") == torch_only
-    triton = {"compress": "triton", "reconstruct": "torch", "attend": "triton"}
+    triton = {"compress": "triton", "reconstruct": "triton", "attend": "triton"}  # (fallback)
     assert _names(GearConfig(backend="triton")) == triton  # (TRITON_INTERPRET=1 here)
     monkeypatch.setenv("GEAR_HF_BACKEND", "triton")
     assert _names(GearConfig()) == triton  # env overrides auto...

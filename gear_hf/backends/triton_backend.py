@@ -1,5 +1,8 @@
-"""The Triton backend: the fused decode attention on CUDA (`gear_hf.kernels.decode`) and the quantize + pack
-kernel (`gear_hf.kernels.quant`) inside compression; reconstruction (prompt steps) is the torch oracle's.
+"""The Triton backend: the fused decode attention on CUDA (`gear_hf.kernels.decode`), the quantize + pack kernel
+(`gear_hf.kernels.quant`) inside compression, and the reconstruction kernel (`gear_hf.kernels.triton.reconstruct`):
+one launch per store and layer-step writes the store's chunks decompressed, keys rotated, in the model dtype, into
+the step's workspace (the reference path's reads, and the memory-bound fallback the cost model picks on decode
+steps, `gear_hf.backends.cost`). Full-precision tokens (sink, buffer) are rotated by torch.
 
 Without a GPU the kernels run only in Triton's interpreter (TRITON_INTERPRET=1 set before they are imported: tests).
 """
@@ -9,13 +12,18 @@ from __future__ import annotations
 import torch
 
 from ..compress import compress
+from ..format import layer_formats
 from .base import Backend, import_problem
+from .torch_backend import TorchBackend
+
+_ORACLE = TorchBackend()
 
 
 class TritonBackend(Backend):
     name = "triton"
-    ops = ("compress", "attend")
+    ops = ("compress", "reconstruct", "attend")
     install_hint = "pip install 'gear-hf[triton]'"
+    rotates_in_read = True
 
     def unavailable(self, device, forced=False):
         from ..kernels import interpreting
@@ -35,6 +43,15 @@ class TritonBackend(Backend):
             if config.extra_terms:
                 return f"the fused kernel does not implement the term(s) {list(config.extra_terms)}"
             return fused_supported(config, head_dim, 1)
+        if op == "reconstruct":
+            from ..kernels import reconstruct_supported
+
+            for fmt in layer_formats(config):
+                for spec in fmt.specs:
+                    reason = reconstruct_supported(spec, head_dim)
+                    if reason:
+                        return reason
+            return None
         return super().supports(op, config, head_dim, dtype)
 
     def compress(self, spec, x, channel_bits):
@@ -43,6 +60,28 @@ class TritonBackend(Backend):
         n, d = x.shape[2], x.shape[3]
         quantize_pack = kernels.quantize_pack if kernels.quantize_pack_supports(spec, n, d) else None
         return compress(x, spec, quantize_pack=quantize_pack, channel_bits=channel_bits)
+
+    def reconstruct(self, store, chunks, out_dtype, out=None, rotary=None, scratch=None):
+        from .. import kernels
+
+        spec, d = store.spec, store.head_dim
+        device = store.fields["codes"].device
+        partial = rotary is not None and rotary[0].shape[-1] != d  # (partial rotary: the torch path's)
+        served = out_dtype in (torch.float16, torch.bfloat16, torch.float32) \
+            and not kernels.reconstruct_supported(spec, d)
+        if partial or not served or (device.type != "cuda" and not kernels.interpreting()):
+            return _ORACLE.reconstruct(store, chunks, out_dtype, out, rotary, scratch)
+        if out is None:
+            B, H = store.fields["codes"].shape[:2]
+            out = torch.empty(B, H, chunks * store.chunk_len, d, dtype=out_dtype, device=device)
+        if rotary is not None:
+            rotary = tuple(t if t.stride(-1) == 1 else t.contiguous() for t in rotary)
+        view = run_view(store)
+        derived = self.view_derived(store, view, chunks, "key") if spec.axis == "channel" else {}
+        return kernels.reconstruct_run(view, chunks, out, rotary, derived, _tables(store))
+
+    def rotate(self, x, cos, sin, out, scratch=None):
+        return _ORACLE.rotate(x, cos, sin, out, scratch)
 
     def step_reason(self, head_dim, query_len, rotary_dim, softcap):
         from ..kernels import step_reason
@@ -65,6 +104,8 @@ class TritonBackend(Backend):
             state["version"] = store.version
 
     def view_derived(self, store, view, chunks_used: int, stream: str) -> dict:
+        """The store's key outliers sorted by token (`views.prepare_derived`), for a run stored per channel with
+        outliers (stream "key"; the reconstruction kernel asks for any run stored per channel)."""
         from ..kernels.views import key_outlier_count, prepare_derived
 
         if stream != "key" or chunks_used <= 0 or key_outlier_count(view) == 0:
@@ -111,7 +152,29 @@ class TritonBackend(Backend):
     @staticmethod
     def derived_nbytes(store) -> int:
         state = store.derived.get(TritonBackend.name)
-        return 0 if state is None else sum(t.numel() * t.element_size() for t in state["tensors"].values())
+        tensors = list(state["tensors"].values()) if state is not None else []
+        tensors += list(store.derived.get("triton tables", {}).values())
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def run_view(store):
+    """A ChunkStore as the kernels read it (`views.ChunkRunView`: references to its fields, nothing copied)."""
+    from ..kernels.views import ChunkRunView  # no triton import
+
+    fields = {name: store.fields[name] for name in ChunkRunView.FIELDS}
+    widths = store.fields["channel_bits"] if store.spec.allocated else None
+    return ChunkRunView(**fields, spec=store.spec, chunk_len=store.chunk_len, channel_bits=widths)
+
+
+def _tables(store):
+    """(key, build) -> table, kept in the store's derived state (small constant tables: the Hadamard matrix)."""
+    tables = store.derived.setdefault("triton tables", {})
+
+    def get(key, build):
+        if key not in tables:
+            tables[key] = build()
+        return tables[key]
+    return get
 
 
 def _chunks_of(view, first: int, last: int):

@@ -2,18 +2,38 @@
 
 The attending backend (`GearCache.plan.attend`: numba on CPU, Triton on CUDA) reads the compressed storage and the
 buffer directly; the reference path (reconstruct, rotate, the model's attention function) stays the default and
-the oracle (`GearCache.attention_inputs`).
+the oracle (`GearCache.attention_inputs`). With the Triton backend reconstructing too, the reference path is the
+memory-bound fallback (one reconstruction launch per store into the step's workspace, then SDPA), and under
+backend="auto" a decode step takes whichever of the two the cost model (`gear_hf.backends.cost`) finds faster for
+the format, the history's length and the batch; `decode_path` overrides that per cache.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..backends.cost import PathCosts, decode_path_costs
 from ..kernels import MAX_FUSED_QUERY
+
+DECODE_PATHS = ("auto", "fused", "fallback")
 
 
 class FusedPath:
-    """Mixed into GearCache (which owns `plan`, `layout`, `layers`, `gear_config`, `kernel_state`)."""
+    """Mixed into GearCache (which owns `plan`, `layout`, `layers`, `gear_config`, `kernel_state`).
+
+    decode_path: "auto" (the default: under backend="auto" the cost model chooses between the fused kernel and the
+    fallback when both exist; a forced backend's fused kernel always runs), "fused", or "fallback" (decode steps
+    take the reference path, with the Triton reconstruction where the plan has it)."""
+
+    decode_path = "auto"
+    path_costs: PathCosts | None = None  # the cost model's last estimate (None until it ran)
+    _path_memo: tuple | None = None  # ((step, tokens, buffered), chose fused) of the current step
+
+    @property
+    def reference_path_name(self) -> str:
+        """What `step_paths` calls a decode step on the reference path: "fallback" when the Triton kernel
+        reconstructs (the memory-bound fallback), else "reference"."""
+        return "fallback" if self.plan is not None and self.plan.reconstruct.name == "triton" else "reference"
 
     @property
     def backend_names(self) -> dict[str, str]:
@@ -27,15 +47,39 @@ class FusedPath:
         step is one it takes. A forced backend raises on a model-level reason (partial rotary, soft-capping);
         prompt steps always take the reference path."""
         attend = self.plan.attend if self.plan is not None else None
-        if attend is None or training or output_attentions:
+        if self.decode_path not in DECODE_PATHS:
+            raise ValueError(f"GearCache.decode_path={self.decode_path!r}; allowed: {' | '.join(DECODE_PATHS)}")
+        if attend is None or training or output_attentions or self.decode_path == "fallback":
             return False
         reason = attend.step_reason(query.shape[-1], query.shape[-2], rotary_dim, softcap)
         if reason is None:
-            return True
+            return self._fused_is_cheaper(query) if self._chooses_path() else True
         if self.plan.forced == attend.name and query.shape[-2] <= MAX_FUSED_QUERY:
             raise NotImplementedError(f"GEAR backend {attend.name!r} was forced but {reason}; use backend='auto' "
                                       "or 'torch'")
         return False
+
+    def _chooses_path(self) -> bool:
+        """Whether the cost model decides this cache's decode steps: decode_path "auto" under backend="auto" with a
+        Triton plan that both attends and reconstructs."""
+        plan = self.plan
+        return self.decode_path == "auto" and plan.forced is None and plan.attend.name == "triton" \
+            and plan.reconstruct.name == "triton"
+
+    def _fused_is_cheaper(self, query: torch.Tensor) -> bool:
+        """The cost model's choice for this step (the same for every layer of a step with the same lengths)."""
+        counts, nb = self.layout.plan.attend, self.layout.chunk_len
+        tokens = max((p + c * nb for p, c in zip(counts.prompt, counts.chunks)), default=0)
+        buffered = max((s + f for s, f in zip(counts.sink, counts.buffer)), default=0)
+        key = (self.layout.steps, tokens, buffered, query.shape[1], query.shape[2])
+        if self._path_memo is None or self._path_memo[0] != key:
+            B, Hq, q_len, d = query.shape
+            costs = decode_path_costs(self.gear_config, tokens=tokens, batch=B, kv_heads=self.shape[0],
+                                      query_heads=Hq, head_dim=d, query_len=q_len, buffered=buffered,
+                                      model_bytes=query.element_size())
+            self.path_costs = costs
+            self._path_memo = (key, costs.choice == "fused")
+        return self._path_memo[1]
 
     def fused_attention(self, layer_idx: int, query: torch.Tensor, *, scaling: float, inv_freq: torch.Tensor,
                         attention_scaling: float = 1.0) -> torch.Tensor:

@@ -33,10 +33,10 @@ from __future__ import annotations
 import importlib
 import os
 
-__all__ = ["interpreting", "fused_supported", "step_reason", "quantize_pack_supports", "MAX_FUSED_QUERY",
-           "quantize_pack", "decode_attention"]
+__all__ = ["interpreting", "fused_supported", "step_reason", "quantize_pack_supports", "reconstruct_supported",
+           "MAX_FUSED_QUERY", "quantize_pack", "decode_attention", "reconstruct_run"]
 
-_LAZY = {"quantize_pack": "quant", "decode_attention": "decode"}
+_LAZY = {"quantize_pack": "quant", "decode_attention": "decode", "reconstruct_run": "triton.reconstruct"}
 
 # The fused kernel is a decode kernel: steps with more new tokens per row (the prompt) use the torch path.
 MAX_FUSED_QUERY = 16
@@ -105,6 +105,21 @@ def _fused_storage_reason(config) -> str | None:
     if config.rotation in ("keys", "both") and config.uses_outliers and config.outlier_ratio > 0:
         return (f"rotation={config.rotation!r} with key outliers (method={config.method!r}): the fused kernel adds "
                 "key outliers in the unrotated basis only")
+    return None
+
+
+def reconstruct_supported(spec, head_dim: int) -> str | None:
+    """None when the Triton reconstruction kernel (`reconstruct_run`) reads chunks of this ChunkSpec, else why not.
+    It reads every built-in term (both axes, every width, allocated widths, outliers, int8/16-bit factors,
+    rotation); registered extra terms are the torch oracle's."""
+    from .views import MAX_FUSED_RANK  # no triton import
+
+    if spec.extra_terms:
+        return f"the reconstruction kernel does not implement the term(s) {list(spec.extra_terms)}"
+    if head_dim < 32 or head_dim & (head_dim - 1):
+        return f"head_dim={head_dim}: the reconstruction kernel needs a power of two >= 32"
+    if spec.rank > MAX_FUSED_RANK:
+        return f"rank {spec.rank}: the reconstruction kernel reads low-rank factors of rank <= {MAX_FUSED_RANK}"
     return None
 
 
