@@ -41,9 +41,11 @@ OUTLIERS_AND_LOWRANK = {8: 945 / 8, 16: 812 / 8}  # all four removed together
 # GearConfig() (allocated key widths as bit planes, 3-bit rotated values, sinks) measured 172 in the same report;
 # its backbone at 3 bits is 146, so the planes and the rotation cost the difference.
 PLANES_AND_ROTATION = 172.0 - BACKBONE[3]
-# The reconstruction kernel's SASS per element is not measured yet (issue 26's target: <= 12); this figure is that
-# target, to be replaced by the compile report's.
-RECONSTRUCT_INSTRUCTIONS = 12.0
+# The reconstruction kernel's SASS per element and thread (static: the whole kernel over the 32 elements each of its
+# 128 threads writes; sm_90, head_dim 128, bf16, 32-token blocks): gear-2 keys 64.2 / values 33.0, GearConfig() keys
+# 39.0 / values 32.8, gear-3 68.8 / 38.2 (compiled on this machine with Triton 3.9's ptxas, 0 spills; the issue's
+# target is <= 12). The mean of gear-2's two streams, for every format until the report counts each:
+RECONSTRUCT_INSTRUCTIONS = (64.2 + 33.0) / 2
 FALLBACK_LAUNCHES = 8  # keys and values: prompt-chunk and decode-chunk reconstruction, buffer rotation/copies; SDPA
 FUSED_LAUNCHES = 2
 
