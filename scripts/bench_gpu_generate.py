@@ -149,7 +149,7 @@ def _cache_bytes(cache) -> int:
     from gear_hf.cache import GearCache
 
     if isinstance(cache, GearCache):
-        return cache.memory_report()["total_bytes"]
+        return cache.memory_report()["owned_bytes"]
     return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
                if isinstance(t, torch.Tensor))
 
