@@ -28,10 +28,10 @@ pytest.importorskip("triton")
 
 from gear_hf import backends  # noqa: E402
 from gear_hf.backends.torch_backend import TorchBackend  # noqa: E402
-from gear_hf.backends.triton_backend import run_view  # noqa: E402
 from gear_hf.cache.fused import build_cache  # noqa: E402
 from gear_hf.config import GearConfig  # noqa: E402
 from gear_hf.kernels import reconstruct_run  # noqa: E402
+from gear_hf.kernels.views import ChunkRunView  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -106,7 +106,7 @@ def test_reconstruct_matches_oracle(name, d, dtype):
         oracle = TorchBackend().reconstruct(store, chunks, torch.float32, None,
                                             None if rotary is None else tuple(t.float() for t in rotary))
         out = torch.full(oracle.shape, float("nan"), dtype=dtype, device=DEVICE)
-        reconstruct_run(run_view(store), chunks, out, rotary)
+        reconstruct_run(ChunkRunView.of(store), chunks, out, rotary)
         assert torch.isfinite(out).all(), f"{label}: rows left unwritten"
         err = ((out.float() - oracle).abs().max() / oracle.abs().max()).item()
         assert err < TOL[dtype], f"{label}: relative error {err:.3g} >= {TOL[dtype]}"
@@ -124,7 +124,7 @@ def test_reconstruct_into_a_strided_slice():
     wide = torch.zeros(3, 1, T + 20, 64, device=DEVICE)
     cos, sin = _tables(torch.arange(T + 20, device=DEVICE)[None], 64, torch.float32)
     rotary = (cos[:, None, 7 : 7 + T], sin[:, None, 7 : 7 + T])
-    reconstruct_run(run_view(store), chunks, wide[:, :, 7 : 7 + T], rotary)
+    reconstruct_run(ChunkRunView.of(store), chunks, wide[:, :, 7 : 7 + T], rotary)
     oracle = TorchBackend().reconstruct(store, chunks, torch.float32, None, rotary)
     assert torch.allclose(wide[:, :, 7 : 7 + T], oracle, atol=1e-5 * oracle.abs().max().item())
     assert not wide[:, :, :7].any() and not wide[:, :, 7 + T :].any()  # nothing written outside the slice

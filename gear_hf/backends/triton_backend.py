@@ -76,7 +76,9 @@ class TritonBackend(Backend):
             out = torch.empty(B, H, chunks * store.chunk_len, d, dtype=out_dtype, device=device)
         if rotary is not None:
             rotary = tuple(t if t.stride(-1) == 1 else t.contiguous() for t in rotary)
-        view = run_view(store)
+        from ..kernels.views import ChunkRunView  # no triton import
+
+        view = ChunkRunView.of(store)
         derived = self.view_derived(store, view, chunks, "key") if spec.axis == "channel" else {}
         return kernels.reconstruct_run(view, chunks, out, rotary, derived, _tables(store))
 
@@ -155,15 +157,6 @@ class TritonBackend(Backend):
         tensors = list(state["tensors"].values()) if state is not None else []
         tensors += list(store.derived.get("triton tables", {}).values())
         return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def run_view(store):
-    """A ChunkStore as the kernels read it (`views.ChunkRunView`: references to its fields, nothing copied)."""
-    from ..kernels.views import ChunkRunView  # no triton import
-
-    fields = {name: store.fields[name] for name in ChunkRunView.FIELDS}
-    widths = store.fields["channel_bits"] if store.spec.allocated else None
-    return ChunkRunView(**fields, spec=store.spec, chunk_len=store.chunk_len, channel_bits=widths)
 
 
 def _tables(store):

@@ -292,9 +292,7 @@ class Stream:
         def run(store: ChunkStore | None, chunks: int):
             if store is None or not store.fields or not chunks:
                 return None
-            fields = {name: store.fields[name] for name in ChunkRunView.FIELDS}
-            widths = store.fields["channel_bits"] if store.spec.allocated else None
-            view = ChunkRunView(**fields, spec=store.spec, chunk_len=store.chunk_len, channel_bits=widths)
+            view = ChunkRunView.of(store)
             # what the attending backend derives from the store once per write (the store owns it)
             derived = self.plan.attend.view_derived(store, view, chunks, self.kind) if self.plan.attend else {}
             return dataclasses.replace(view, derived=derived) if derived else view

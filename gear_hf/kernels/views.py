@@ -47,6 +47,13 @@ class ChunkRunView:
     FIELDS = ("codes", "scale", "minimum", "sparse_values", "sparse_index", "lowrank_a", "lowrank_b",
               "lowrank_a_scale", "lowrank_b_scale")
 
+    @classmethod
+    def of(cls, store) -> ChunkRunView:
+        """A `gear_hf.storage.ChunkStore` as the kernels read it: references to its fields, nothing copied."""
+        fields = {name: store.fields[name] for name in cls.FIELDS}
+        widths = store.fields["channel_bits"] if store.spec.allocated else None
+        return cls(**fields, spec=store.spec, chunk_len=store.chunk_len, channel_bits=widths)
+
     @property
     def capacity(self) -> int:
         """Chunks the storage holds per row (used or not)."""
