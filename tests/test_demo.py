@@ -42,7 +42,8 @@ def _args(**kw):
 
 def test_smollm2_defaults_to_the_builtin_problems(tmp_path):
     problems, label = choose_problems(_args())
-    assert label.startswith("built-in 4-shot") and len(problems) == 2 and problems[0].prompt.count("Question:") == 5
+    assert label.startswith("built-in 8-shot one-step") and len(problems) == 2
+    assert problems[0].prompt.count("Question:") == 9
     (tmp_path / "gsm8k").mkdir()
     for split in ("train", "test"):
         (tmp_path / "gsm8k" / f"{split}.jsonl").write_text(

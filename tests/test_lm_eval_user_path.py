@@ -130,8 +130,8 @@ def test_accelerate_launch_without_multi_gpu_stops_with_what_to_run(tiny):
 @pytest.mark.slow
 @pytest.mark.realweights
 def test_demo_as_in_the_readme(tmp_path):
-    """Issue 11.9 / 27.4: `make demo` (here with a short run): SmolLM2 on the built-in 4-shot problems, float32, the
-    baseline labelled by its dtype, the default first after it, tokens/s after a warm-up shown apart."""
+    """Issue 11.9 / 27.4: `make demo` (here with a short run): SmolLM2 on the built-in 8-shot one-step problems,
+    float32, the baseline labelled by its dtype, the default first after it, tokens/s after a warm-up shown apart."""
     import realweights
 
     realweights.require("smollm2")
@@ -141,7 +141,7 @@ def test_demo_as_in_the_readme(tmp_path):
     proc = _run([sys.executable, "-m", "gear_hf.demo", *demo_args, "--methods", "default,gear-2", "--json", str(rows)],
                 timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "(llama, float32), prompts: built-in 4-shot CoT problems" in proc.stdout
+    assert "(llama, float32), prompts: built-in 8-shot one-step CoT problems" in proc.stdout
     assert "method | config | KV bits/elem | tokens/s | warm-up s" in proc.stdout
     assert "Pass `dtype=torch.float32`" not in proc.stderr  # transformers' advice when the demo ran bf16
     data = json.loads(rows.read_text())
