@@ -18,6 +18,7 @@ from .args import _check, _check_words, _rotated, key_run_args, value_run_args
 from .decode_kernel import _combine_kernel, _decode_attention_kernel
 from .ops import _libdevice
 from .sizing import _RESIDENT, _num_splits, _resident_programs, hadamard_table
+from .tc_kernel import _tc_decode_kernel
 
 _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 LOG2E = 1.4426950408889634
@@ -48,8 +49,8 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
                      scaling: float, inv_freq: torch.Tensor, attention_scaling: float = 1.0,
                      sliding_window: int | None = None, out: torch.Tensor | None = None,
                      num_splits: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-                     num_stages: int | None = None, workspace=None, tables=None,
-                     _plan: list | None = None) -> torch.Tensor:
+                     num_stages: int | None = None, workspace=None, tables=None, tensor_core: bool = False,
+                     fold_values: bool = True, _plan: list | None = None) -> torch.Tensor:
     """Attention of `query` [B,Hq,q,d] (already rotated) over one layer's compressed keys/values.
 
     keys/values: where the layer's tokens live (`views.StreamView`); layout: per-row lengths and positions
@@ -57,8 +58,11 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
     Tuning: num_splits (flash-decoding splits; default sized to whole waves), block_n (tokens per block),
     num_warps, num_stages. workspace: (device, numel) -> a float32 buffer of >= numel elements the caller keeps
     (the cache shares one across its layers), else one is allocated for the call; tables: (key, build) -> the
-    table build() makes, kept by the caller, else built for the call. _plan: record the launches in this list
-    instead of running them (compile_check).
+    table build() makes, kept by the caller, else built for the call. tensor_core: run the tensor-core kernel
+    (`tc_kernel`; `gear_hf.kernels.tensor_core_reason` says when it serves: 16-bit queries) instead of the register
+    kernel; fold_values: (tensor_core) fold per-token value statistics into the probabilities where the format
+    allows (False: only for compile_check's comparison). _plan: record the launches in this list instead of running
+    them (compile_check).
     """
     if _plan is None and query.device.type != "cuda" and not interpreting():
         raise RuntimeError("gear_hf fused attention needs CUDA tensors, or TRITON_INTERPRET=1 set before "
@@ -85,6 +89,9 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
         t = getattr(layout, name)
         if t.dtype != torch.int32 or t.device != query.device:
             raise ValueError(f"layout.{name} must be int32 on {query.device}, got {t.dtype} on {t.device}")
+    if tensor_core and dtype == torch.float32:
+        raise NotImplementedError("tensor-core kernel: float32 queries (tensor cores take fp16/bf16 operands); use "
+                                  "the register kernel (tensor_core=False)")
     dot_dt = tl.float32 if (dtype == torch.float32 or (dtype == torch.bfloat16 and interpreting())) else _TL[dtype]
     fast = _libdevice is not None and not interpreting()  # hardware sin/cos (the interpreter has none)
     if query.stride(-1) != 1:
@@ -142,7 +149,8 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
             num_warps = 8 if dot_dt == tl.float32 else 4
         if num_stages is None:
             num_stages = 1
-        resident_key = (query.device.index, num_warps, block_n, dtype, run_constexprs["P_K_BITS"],
+        kernel = _tc_decode_kernel if tensor_core else _decode_attention_kernel
+        resident_key = (kernel.fn.__name__, query.device.index, num_warps, block_n, dtype, run_constexprs["P_K_BITS"],
                         run_constexprs["P_V_BITS"], run_constexprs["D_K_BITS"], run_constexprs["D_V_BITS"])
         nsplit = num_splits or _num_splits(max_blocks, programs, query.device, _RESIDENT.get(resident_key, 1))
         nsplit = max(1, min(int(nsplit), 64))
@@ -162,6 +170,8 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
         options = {"num_warps": num_warps, "num_stages": num_stages}
         constexprs = dict(G=G, QL=QL, D=D, HALF=HALF, BN=block_n, NB=NB, DT=dot_dt, FAST=fast, HAS_SINK=has_sink,
                           ROT_K=rot_k, ROT_V=rot_v, **run_constexprs)
+        if tensor_core:
+            constexprs["FOLD_V"] = fold_values
         named = dict(q_ptr=query, sqb=query.stride(0), sqh=query.stride(1), sqq=query.stride(2),
                      lim_ptr=layout.limits, rows_ptr=layout.rows, pos_ptr=layout.positions,
                      spos=layout.positions.stride(0), freq_ptr=freq, attn_scale=float(attention_scaling),
@@ -170,8 +180,8 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
                      s_sink_h=keys.sink.stride(1) if has_sink else 0, buf_k=buf_k, buf_v=buf_v,
                      s_buf_h=buf_k.stride(1), **run_args, had_ptr=had, acc_ptr=acc_ws, ml_ptr=ml_ws, H_KV=Hkv,
                      M_TILES=m_tiles, NSPLIT=nsplit)
-        compiled = _launch(_decode_attention_kernel, (programs, nsplit),
-                           _positional(_decode_attention_kernel, named, constexprs), {**constexprs, **options}, _plan)
+        compiled = _launch(kernel, (programs, nsplit), _positional(kernel, named, constexprs),
+                           {**constexprs, **options}, _plan)
         if compiled is not None and resident_key not in _RESIDENT and query.device.type == "cuda":
             _RESIDENT[resident_key] = _resident_programs(compiled, num_warps)
         _launch(_combine_kernel, (B * Hkv, M), (acc_ws, ml_ws, out, out.stride(0), out.stride(1), out.stride(2),

@@ -1,0 +1,159 @@
+"""Tiles of the tensor-core decode kernel (`tc_kernel`): one block of compressed tokens, with the work that does not
+depend on the element done once per block, per chunk or per query row instead of per element.
+
+What differs from the register kernel's `tiles._compressed_block` (same storage, same oracle):
+
+* values per token with one group per token (STATS_W == 1, no value outliers: `GearConfig()`): the scale and
+  minimum are folded into the probabilities, P·(code·s + m) = (P·diag(s))·code + (P·m)·1ᵀ, so the value tile is
+  the codes converted once to the dot dtype (exact: codes <= 255) — no per-element dequantization;
+* key widths allocated per channel (bit planes): each channel's plane offset (a cumulative sum over the widths) is
+  computed once per chunk (`tc_plane_layout`), not per block;
+* everything else (keys dequantized, un-rotated and RoPE-rotated in registers, then q·kᵀ on the tensor cores; key
+  outliers through one-hot dots per 32 outliers; low-rank terms in the rank basis) as in `tiles`.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .ops import _dot, _lowrank_a, _lowrank_dot, _lowrank_values, _rope, _unrotate_halves
+from .tiles import OUTLIERS_PER_STEP, _key_outlier_scores, _per_channel_tile, _value_tile
+from .unpack import _join8, _swap_bits, _unpack_3bit_units, _unpack_words
+
+
+@triton.jit
+def tc_plane_layout(widths_b, ch0, C: tl.constexpr):
+    """(byte offset of each channel's planes within a unit of 8 tokens, width) of channels [ch0, ch0 + C) of one
+    chunk (widths_b: the chunk's widths [D]): int32 [C] each, computed once per chunk."""
+    c = tl.arange(0, C)
+    widths = tl.load(widths_b + ch0 + c).to(tl.int32)
+    before = tl.sum(tl.load(widths_b + c, mask=c < ch0, other=0).to(tl.int32), axis=0)  # the first half's bits
+    return before + tl.cumsum(widths, axis=0) - widths, widths
+
+
+@triton.jit
+def _tc_plane_codes(codes_b, s_codes, offset, widths, slot0, slot_end, BN: tl.constexpr, C: tl.constexpr):
+    """`unpack._plane_codes` with the chunk's plane offsets and widths given (`tc_plane_layout`): int32 [BN, C]."""
+    units = slot0 // 8 + tl.arange(0, BN // 8)
+    row = codes_b + units[:, None] * s_codes + offset[None, :]
+    live = (units * 8 < slot_end)[:, None]
+    lo = tl.zeros([BN // 8, C], tl.int32)
+    hi = tl.zeros([BN // 8, C], tl.int32)
+    for j in tl.static_range(4):
+        lo |= tl.load(row + j, mask=live & (j < widths)[None, :], other=0).to(tl.int32) << (8 * j)
+        hi |= tl.load(row + 4 + j, mask=live & (4 + j < widths)[None, :], other=0).to(tl.int32) << (8 * j)
+    lo = _swap_bits(_swap_bits(lo, 7, 0x00AA00AA), 14, 0x0000CCCC)
+    hi = _swap_bits(_swap_bits(hi, 7, 0x00AA00AA), 14, 0x0000CCCC)
+    lo_nibbles = lo & 0x0F0F0F0F
+    hi_nibbles = hi & 0x0F0F0F0F
+    lo, hi = lo_nibbles | (hi_nibbles << 4), (hi ^ hi_nibbles) | ((lo >> 4) & 0x0F0F0F0F)
+    code = _join8(lo & 255, (lo >> 8) & 255, (lo >> 16) & 255, (lo >> 24) & 255, hi & 255, (hi >> 8) & 255,
+                  (hi >> 16) & 255, (hi >> 24) & 255)  # [BN/8, C, 8]
+    return tl.reshape(tl.permute(code, (0, 2, 1)), [BN, C])
+
+
+@triton.jit
+def _tc_plane_key_half(codes_b, scale_b, min_b, s_codes, s_scale, slot, slot0, slot_end, tvalid, ch, ch0, offset,
+                       widths, a, bt, GROUP: tl.constexpr, R: tl.constexpr, STATS_ROW: tl.constexpr,
+                       DT: tl.constexpr):
+    """Half a key tile of allocated widths: D̂ (+ A·Bᵀ) float32 [BN, C] (see `tiles._per_channel_tile`)."""
+    BN: tl.constexpr = slot.shape[0]
+    C: tl.constexpr = ch.shape[0]
+    code = _tc_plane_codes(codes_b, s_codes, offset, widths, slot0, slot_end, BN, C)
+    if STATS_ROW:
+        srow = (slot0 // GROUP) * s_scale + ch
+        sc = tl.load(scale_b + srow).to(tl.float32)[None, :]
+        mn = tl.load(min_b + srow).to(tl.float32)[None, :]
+    else:
+        srow = (slot // GROUP)[:, None] * s_scale + ch[None, :]
+        sc = tl.load(scale_b + srow, mask=tvalid[:, None], other=0.0).to(tl.float32)
+        mn = tl.load(min_b + srow, mask=tvalid[:, None], other=0.0).to(tl.float32)
+    k = code.to(tl.float32) * sc + mn
+    if R > 0:
+        k = _lowrank_dot(a, bt, k, DT)
+    return k
+
+
+@triton.jit
+def _tc_value_codes(codes_b, s_codes, slot, tvalid, D: tl.constexpr, BITS: tl.constexpr, UNIT: tl.constexpr):
+    """Value codes (axis="token") at store slots `slot` [BN], all channels: int32 [BN, D]."""
+    m2 = tvalid[:, None]
+    BN: tl.constexpr = slot.shape[0]
+    if BITS == 3:
+        units = tl.arange(0, D // UNIT)
+        return tl.reshape(_unpack_3bit_units(codes_b + slot[:, None] * s_codes + (units * 3)[None, :], 1, m2), [BN, D])
+    else:
+        WORDS: tl.constexpr = D * BITS // 32
+        rows = (codes_b + slot[:, None] * s_codes).to(tl.pointer_type(tl.int32))
+        w = tl.load(rows + tl.arange(0, WORDS)[None, :], mask=m2, other=0)
+        return tl.reshape(_unpack_words(w, BITS), [BN, D])
+
+
+@triton.jit
+def _tc_softmax(s, t, tvalid, limit, mvalid, window, m_i, l_i):
+    """The online-softmax step without the accumulator: (m_new, l_new, alpha [M], p [M, BN])."""
+    vis = mvalid[:, None] & tvalid[None, :] & (t[None, :] <= limit[:, None])
+    if window > 0:
+        vis = vis & ((limit[:, None] - t[None, :]) < window)
+    s = tl.where(vis, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    return m_new, l_i * alpha + tl.sum(p, axis=1), alpha, p
+
+
+@triton.jit
+def tc_compressed_block(
+    q1, q2, q_rows, t, slot, slot0, slot_end, tvalid, tok0, pos_b, freq_ptr, freq, q_scale, limit, mvalid,
+    window, m_i, l_i, acc,
+    kc, ks, km, ka, s_kc, s_ks, s_ka, ow, ov, ot, n_tiles, seg, t_base, kw, koff1, kw1, koff2, kw2,
+    vc, vs, vm, vsv, vsi, va, s_vc, s_vs, s_vsp, s_va, kbt1, kbt2, vbt, had_ptr,
+    D: tl.constexpr, HALF: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr, ROT_K: tl.constexpr,
+    K_BITS: tl.constexpr, K_UNIT: tl.constexpr, K_GROUP: tl.constexpr, K_R: tl.constexpr, K_SPARSE: tl.constexpr,
+    K_STATS_ROW: tl.constexpr, K_PLANES: tl.constexpr,
+    V_BITS: tl.constexpr, V_UNIT: tl.constexpr, V_GROUP: tl.constexpr, V_R: tl.constexpr, V_K2: tl.constexpr,
+    V_BY_CHANNEL: tl.constexpr, V_STATS_ROW: tl.constexpr, V_FOLD: tl.constexpr,
+):
+    """One block of compressed tokens (the arguments of `tiles._compressed_block`, plus koff/kw of both key halves:
+    the chunk's `tc_plane_layout`, with K_PLANES). V_FOLD: values per token in one group per token without
+    outliers: scale and minimum folded into the probabilities."""
+    h_offs = tl.arange(0, HALF)
+    ka16 = _lowrank_a(ka, s_ka, slot, tvalid, K_R, DT) if K_R > 0 else 0  # shared by both halves
+    if K_PLANES:
+        k1 = _tc_plane_key_half(kc, ks, km, s_kc, s_ks, slot, slot0, slot_end, tvalid, h_offs, 0, koff1, kw1, ka16,
+                                kbt1, K_GROUP, K_R, K_STATS_ROW, DT)
+        k2 = _tc_plane_key_half(kc, ks, km, s_kc, s_ks, slot, slot0, slot_end, tvalid, h_offs + HALF, HALF, koff2,
+                                kw2, ka16, kbt2, K_GROUP, K_R, K_STATS_ROW, DT)
+    else:
+        k1 = _per_channel_tile(kc, ks, km, s_kc, s_ks, slot, slot0, slot_end, tvalid, h_offs, 0, ka16, kbt1, kw,
+                               K_BITS, K_UNIT, K_GROUP, K_R, K_STATS_ROW, DT, False)
+        k2 = _per_channel_tile(kc, ks, km, s_kc, s_ks, slot, slot0, slot_end, tvalid, h_offs + HALF, HALF, ka16,
+                               kbt2, kw, K_BITS, K_UNIT, K_GROUP, K_R, K_STATS_ROW, DT, False)
+    if ROT_K:
+        k1, k2 = _unrotate_halves(k1, k2, had_ptr, D, DT)
+    pos = tl.load(pos_b + t, mask=tvalid, other=0)
+    k1, k2 = _rope(k1, k2, pos, freq, FAST)
+    s = _dot(q1, tl.trans(k1), DT) + _dot(q2, tl.trans(k2), DT)
+    if K_SPARSE:
+        s = _key_outlier_scores(s, q_rows, mvalid, ow, ov, ot, n_tiles, seg, tok0, t_base, pos_b, freq_ptr,
+                                q_scale, D, HALF, BN, OUTLIERS_PER_STEP, DT == tl.float32, FAST)
+    m_i, l_i, alpha, p = _tc_softmax(s, t, tvalid, limit, mvalid, window, m_i, l_i)
+    acc = acc * alpha[:, None]
+    if V_FOLD:  # P·(code·s + m) = (P·diag(s))·code + (P·m)·1ᵀ, s and m one per token
+        sc = tl.load(vs + slot * s_vs, mask=tvalid, other=0.0).to(tl.float32)
+        mn = tl.load(vm + slot * s_vs, mask=tvalid, other=0.0).to(tl.float32)
+        code = _tc_value_codes(vc, s_vc, slot, tvalid, D, V_BITS, V_UNIT)
+        acc = _dot(p * sc[None, :], code.to(DT), DT) + acc + tl.sum(p * mn[None, :], axis=1)[:, None]
+    else:
+        if V_BY_CHANNEL:
+            v = _per_channel_tile(vc, vs, vm, s_vc, s_vs, slot, slot0, slot_end, tvalid, tl.arange(0, D), 0, 0, 0,
+                                  0, V_BITS, V_UNIT, V_GROUP, 0, V_STATS_ROW, DT, False)
+        else:
+            v = _value_tile(vc, vs, vm, vsv, vsi, s_vc, s_vs, s_vsp, slot, tvalid, D, V_BITS, V_UNIT, V_GROUP, V_K2,
+                            s_vs)
+        acc += _dot(p, v, DT)
+    if V_R > 0:
+        acc = _lowrank_values(acc, p, _lowrank_a(va, s_va, slot, tvalid, V_R, DT), vbt, DT)
+    return m_i, l_i, acc
