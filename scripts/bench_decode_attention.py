@@ -458,7 +458,8 @@ def _fused_share(device, steps: int = 40) -> dict:
     paths = getattr(caches[-1], "step_paths", None) if caches else None
     if paths:  # the cache's own counter (per decode layer-step: 'fused' / 'reference')
         total = sum(paths.values())
-        return {"source": "cache.step_paths", "paths": dict(paths), "share": round(paths["fused"] / total, 4)}
+        fused = paths.get("fused", 0) + paths.get("fused-tc", 0)  # the register or the tensor-core kernel
+        return {"source": "cache.step_paths", "paths": dict(paths), "share": round(fused / total, 4)}
     total = counted["decode layer-steps"]
     if not counting:
         return {"source": "none: the cache has neither step_paths nor the entry points counted here", "share": None}

@@ -23,6 +23,10 @@ class KernelState:
         self._workspaces: dict[tuple, torch.Tensor] = {}
         self._tables: dict[tuple, torch.Tensor] = {}
         self.step = -1  # the cache's step counter, set before each step's first attention
+        # which fused kernel the attending backend ran last ("fused-tc": the tensor-core kernel, "fused": the
+        # register kernel or the CPU one) and, when not the tensor-core one, why (`kernels.tensor_core_reason`)
+        self.attend_path = "fused"
+        self.attend_reason: str | None = None
 
     def rope_halves(self, positions: torch.Tensor, inv_freq: torch.Tensor):
         """cos/sin [B, T, d/2] float32 numpy arrays at `positions` (as the rotary module computes them), once per
