@@ -33,8 +33,8 @@ from __future__ import annotations
 import importlib
 import os
 
-__all__ = ["interpreting", "fused_supported", "tensor_core_reason", "step_reason", "quantize_pack_supports", "reconstruct_supported",
-           "MAX_FUSED_QUERY", "quantize_pack", "decode_attention", "reconstruct_run"]
+__all__ = ["interpreting", "fused_supported", "tensor_core_reason", "step_reason", "quantize_pack_supports",
+           "reconstruct_supported", "MAX_FUSED_QUERY", "quantize_pack", "decode_attention", "reconstruct_run"]
 
 _LAZY = {"quantize_pack": "quant", "decode_attention": "decode", "reconstruct_run": "triton.reconstruct"}
 
