@@ -100,7 +100,8 @@ class TritonBackend(Backend):
         shared.attend_path, shared.attend_reason = ("fused", reason) if reason else ("fused-tc", None)
         return decode_attention(query, keys, values, layout, scaling=scaling, inv_freq=inv_freq,
                                 attention_scaling=attention_scaling, sliding_window=sliding_window,
-                                workspace=shared.workspace, tables=shared.tables, tensor_core=reason is None)
+                                workspace=shared.workspace, tables=shared.tables, tensor_core=reason is None,
+                                scratch=shared.scratch)
 
     # derived state: key outliers sorted by token per chunk (`kernels.views.prepare_derived`), computed for each
     # chunk once, after it is written, into tensors the store owns

@@ -50,7 +50,7 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
                      sliding_window: int | None = None, out: torch.Tensor | None = None,
                      num_splits: int | None = None, block_n: int | None = None, num_warps: int | None = None,
                      num_stages: int | None = None, workspace=None, tables=None, tensor_core: bool = False,
-                     fold_values: bool = True, _plan: list | None = None) -> torch.Tensor:
+                     fold_values: bool = True, scratch=None, _plan: list | None = None) -> torch.Tensor:
     """Attention of `query` [B,Hq,q,d] (already rotated) over one layer's compressed keys/values.
 
     keys/values: where the layer's tokens live (`views.StreamView`); layout: per-row lengths and positions
@@ -61,7 +61,9 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
     table build() makes, kept by the caller, else built for the call. tensor_core: run the tensor-core kernel
     (`tc_kernel`; `gear_hf.kernels.tensor_core_reason` says when it serves: 16-bit queries) instead of the register
     kernel; fold_values: (tensor_core) fold per-token value statistics into the probabilities where the format
-    allows (False: only for compile_check's comparison). _plan: record the launches in this list instead of running
+    allows (False: only for compile_check's comparison); scratch: (device, numel) -> a zeroed float32 buffer of >=
+    numel elements the caller keeps (the tensor-core kernel scatters outliers into it and leaves it zeroed), else one
+    is allocated for the call. _plan: record the launches in this list instead of running
     them (compile_check).
     """
     if _plan is None and query.device.type != "cuda" and not interpreting():
@@ -172,6 +174,11 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
                           ROT_K=rot_k, ROT_V=rot_v, **run_constexprs)
         if tensor_core:
             constexprs["FOLD_V"] = fold_values
+            # outlier scratch: [2, BN, D] float32 per program and split (keys, values), only for formats with outliers
+            sparse = any(run_constexprs[f"{r}_K_SPARSE"] or run_constexprs[f"{r}_V_K2"] for r in "PD")
+            n_scratch = programs * nsplit * 2 * block_n * D if sparse else 1
+            scr = scratch(query.device, n_scratch) if scratch is not None else \
+                torch.zeros(n_scratch, dtype=torch.float32, device=query.device)
         named = dict(q_ptr=query, sqb=query.stride(0), sqh=query.stride(1), sqq=query.stride(2),
                      lim_ptr=layout.limits, rows_ptr=layout.rows, pos_ptr=layout.positions,
                      spos=layout.positions.stride(0), freq_ptr=freq, attn_scale=float(attention_scaling),
@@ -180,6 +187,8 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
                      s_sink_h=keys.sink.stride(1) if has_sink else 0, buf_k=buf_k, buf_v=buf_v,
                      s_buf_h=buf_k.stride(1), **run_args, had_ptr=had, acc_ptr=acc_ws, ml_ptr=ml_ws, H_KV=Hkv,
                      M_TILES=m_tiles, NSPLIT=nsplit)
+        if tensor_core:
+            named["scr_ptr"] = scr
         compiled = _launch(kernel, (programs, nsplit), _positional(kernel, named, constexprs),
                            {**constexprs, **options}, _plan)
         if compiled is not None and resident_key not in _RESIDENT and query.device.type == "cuda":

@@ -29,7 +29,7 @@ def _tc_decode_kernel(
     dkw, s_dkw,
     dvc, dvs, dvm, dvsv, dvsi, dva, dvb, s_dvc, s_dvs, s_dvsp, s_dva, s_dvb, dvas, dvbs, s_dvas,
     had_ptr,  # [D/2, D/2] Sylvester matrix in the dot dtype (rotated storage), else a placeholder
-    acc_ptr, ml_ptr, H_KV, M_TILES, NSPLIT,
+    acc_ptr, ml_ptr, scr_ptr, H_KV, M_TILES, NSPLIT,
     G: tl.constexpr, QL: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
     BN: tl.constexpr, NB: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr, HAS_SINK: tl.constexpr,
     ROT_K: tl.constexpr, ROT_V: tl.constexpr,
@@ -99,6 +99,8 @@ def _tc_decode_kernel(
     n_offs = tl.arange(0, BN)
     pos_b = pos_ptr + b64 * spos
 
+    # this program's scratch [2, BN, D] float32 (key and value outliers), zero between blocks
+    scr = scr_ptr + (pid.to(tl.int64) * NSPLIT + split) * (2 * BN * D)
     m_i = tl.full([16], float("-inf"), tl.float32)
     l_i = tl.zeros([16], tl.float32)
     acc = tl.zeros([16, D], tl.float32)
@@ -139,7 +141,7 @@ def _tc_decode_kernel(
                 pkbt1, pkbt2, pvbt, had_ptr,
                 D, HALF, BN, DT, FAST, ROT_K, P_K_BITS, P_K_UNIT, P_K_GROUP, P_K_R, P_K_SPARSE, P_K_STATS_ROW,
                 P_K_PLANES, P_V_BITS, P_V_UNIT, P_V_GROUP, P_V_R, P_V_K2, P_V_BY_CHANNEL, P_V_STATS_ROW,
-                P_V_FOLD)
+                P_V_FOLD, scr)
 
     if D_K_BITS > 0:
         # chunk by chunk: each chunk's Bᵀ (keys: two halves, values) is loaded once for its NB/BN blocks
@@ -183,7 +185,7 @@ def _tc_decode_kernel(
                     dkbt1, dkbt2, dvbt, had_ptr, D, HALF, BN, DT, FAST, ROT_K, D_K_BITS, D_K_UNIT, D_K_GROUP,
                     D_K_R, D_K_SPARSE, D_K_STATS_ROW, D_K_PLANES, D_V_BITS, D_V_UNIT, D_V_GROUP, D_V_R, D_V_K2,
                     D_V_BY_CHANNEL, D_V_STATS_ROW,
-                    D_V_FOLD)
+                    D_V_FOLD, scr)
 
     for blk in range(tl.maximum(lo, e3), hi):
         slot = (blk - e3) * BN + n_offs

@@ -8,8 +8,11 @@ What differs from the register kernel's `tiles._compressed_block` (same storage,
   the codes converted once to the dot dtype (exact: codes <= 255) — no per-element dequantization;
 * key widths allocated per channel (bit planes): each channel's plane offset (a cumulative sum over the widths) is
   computed once per chunk (`tc_plane_layout`), not per block;
-* everything else (keys dequantized, un-rotated and RoPE-rotated in registers, then q·kᵀ on the tensor cores; key
-  outliers through one-hot dots per 32 outliers; low-rank terms in the rank basis) as in `tiles`.
+* outliers (keys: the sorted lists of `views.prepare_derived`; values: K2 per token) are scattered, one store
+  each, into the program's zeroed scratch tile and read back dense: the key outliers join the key tile before RoPE
+  (no sin/cos per outlier, no one-hot dot), the value outliers the value tile (no compare per element and slot);
+* everything else (keys dequantized, un-rotated and RoPE-rotated in registers, then q·kᵀ on the tensor cores;
+  low-rank terms in the rank basis) as in `tiles`.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .ops import _dot, _lowrank_a, _lowrank_dot, _lowrank_values, _rope, _unrotate_halves
-from .tiles import OUTLIERS_PER_STEP, _key_outlier_scores, _per_channel_tile, _value_tile
+from .tiles import _per_channel_tile, _value_tile
 from .unpack import _join8, _swap_bits, _unpack_3bit_units, _unpack_words
 
 
@@ -76,6 +79,44 @@ def _tc_plane_key_half(codes_b, scale_b, min_b, s_codes, s_scale, slot, slot0, s
 
 
 @triton.jit
+def _tc_scatter_key_outliers(scr, ow_b, ov_b, ot_b, n_tiles, seg, tok0, D: tl.constexpr, BN: tl.constexpr,
+                             ZERO: tl.constexpr):
+    """Store the key outliers of chunk-local tokens [tok0, tok0 + BN) (the sorted lists of `views.prepare_derived`:
+    entry token * D + channel, per-16-token offsets ot_b) into the block's scratch tile scr [BN, D] float32, or zeros
+    where they went (ZERO): one store per outlier, whatever the tile's size."""
+    OE: tl.constexpr = 128
+    u0 = tok0 // 16
+    lo = tl.load(ot_b + u0)
+    hi = tl.load(ot_b + tl.minimum(u0 + BN // 16, n_tiles))
+    for e0 in tl.range(lo, hi, OE, loop_unroll_factor=1):
+        e = e0 + tl.arange(0, OE)
+        ev = e < hi
+        where = tl.load(ow_b + seg + e, mask=ev, other=0)
+        if ZERO:
+            val = tl.zeros([OE], tl.float32)
+        else:
+            val = tl.load(ov_b + seg + e, mask=ev, other=0.0).to(tl.float32)
+        tl.store(scr + where - tok0 * D, val, mask=ev)
+
+
+@triton.jit
+def _tc_scatter_value_outliers(scr, spv_b, spi_b, s_sp, slot, tvalid, D: tl.constexpr, K2: tl.constexpr,
+                               ZERO: tl.constexpr):
+    """Store the value outliers of the block's tokens (K2 per token: channel spi_b, value spv_b) into its scratch tile
+    scr [BN, D] float32 at (token, channel), or zeros where they went (ZERO): K2 stores per token."""
+    BN: tl.constexpr = slot.shape[0]
+    n = tl.arange(0, BN)
+    for s in tl.static_range(K2):
+        idx = tl.load(spi_b + slot * s_sp + s, mask=tvalid, other=0).to(tl.int32)
+        ok = tvalid & (idx >= 0) & (idx < D)
+        if ZERO:
+            val = tl.zeros([BN], tl.float32)
+        else:
+            val = tl.load(spv_b + slot * s_sp + s, mask=tvalid, other=0.0).to(tl.float32)
+        tl.store(scr + n * D + idx, val, mask=ok)
+
+
+@triton.jit
 def _tc_value_codes(codes_b, s_codes, slot, tvalid, D: tl.constexpr, BITS: tl.constexpr, UNIT: tl.constexpr):
     """Value codes (axis="token") at store slots `slot` [BN], all channels: int32 [BN, D]."""
     m2 = tvalid[:, None]
@@ -114,12 +155,22 @@ def tc_compressed_block(
     K_BITS: tl.constexpr, K_UNIT: tl.constexpr, K_GROUP: tl.constexpr, K_R: tl.constexpr, K_SPARSE: tl.constexpr,
     K_STATS_ROW: tl.constexpr, K_PLANES: tl.constexpr,
     V_BITS: tl.constexpr, V_UNIT: tl.constexpr, V_GROUP: tl.constexpr, V_R: tl.constexpr, V_K2: tl.constexpr,
-    V_BY_CHANNEL: tl.constexpr, V_STATS_ROW: tl.constexpr, V_FOLD: tl.constexpr,
+    V_BY_CHANNEL: tl.constexpr, V_STATS_ROW: tl.constexpr, V_FOLD: tl.constexpr, scr,
 ):
     """One block of compressed tokens (the arguments of `tiles._compressed_block`, plus koff/kw of both key halves:
     the chunk's `tc_plane_layout`, with K_PLANES). V_FOLD: values per token in one group per token without
-    outliers: scale and minimum folded into the probabilities."""
+    outliers: scale and minimum folded into the probabilities. scr: the program's zeroed scratch [2, BN, D] float32
+    (keys, values) the block's outliers are scattered into, read back as dense tiles and zeroed again (three
+    barriers: scatter | read | zero | the next block's scatter)."""
     h_offs = tl.arange(0, HALF)
+    n_offs = tl.arange(0, BN)
+    SCATTER: tl.constexpr = K_SPARSE or (V_K2 > 0)
+    if K_SPARSE:
+        _tc_scatter_key_outliers(scr, ow, ov, ot, n_tiles, seg, tok0, D, BN, False)
+    if V_K2 > 0:
+        _tc_scatter_value_outliers(scr + BN * D, vsv, vsi, s_vsp, slot, tvalid, D, V_K2, False)
+    if SCATTER:
+        tl.debug_barrier()
     ka16 = _lowrank_a(ka, s_ka, slot, tvalid, K_R, DT) if K_R > 0 else 0  # shared by both halves
     if K_PLANES:
         k1 = _tc_plane_key_half(kc, ks, km, s_kc, s_ks, slot, slot0, slot_end, tvalid, h_offs, 0, koff1, kw1, ka16,
@@ -131,14 +182,14 @@ def tc_compressed_block(
                                K_BITS, K_UNIT, K_GROUP, K_R, K_STATS_ROW, DT, False)
         k2 = _per_channel_tile(kc, ks, km, s_kc, s_ks, slot, slot0, slot_end, tvalid, h_offs + HALF, HALF, ka16,
                                kbt2, kw, K_BITS, K_UNIT, K_GROUP, K_R, K_STATS_ROW, DT, False)
+    if K_SPARSE:  # + S: the outliers of the key tile, dense from the scratch
+        k1 += tl.load(scr + n_offs[:, None] * D + h_offs[None, :])
+        k2 += tl.load(scr + n_offs[:, None] * D + HALF + h_offs[None, :])
     if ROT_K:
         k1, k2 = _unrotate_halves(k1, k2, had_ptr, D, DT)
     pos = tl.load(pos_b + t, mask=tvalid, other=0)
     k1, k2 = _rope(k1, k2, pos, freq, FAST)
     s = _dot(q1, tl.trans(k1), DT) + _dot(q2, tl.trans(k2), DT)
-    if K_SPARSE:
-        s = _key_outlier_scores(s, q_rows, mvalid, ow, ov, ot, n_tiles, seg, tok0, t_base, pos_b, freq_ptr,
-                                q_scale, D, HALF, BN, OUTLIERS_PER_STEP, DT == tl.float32, FAST)
     m_i, l_i, alpha, p = _tc_softmax(s, t, tvalid, limit, mvalid, window, m_i, l_i)
     acc = acc * alpha[:, None]
     if V_FOLD:  # P·(code·s + m) = (P·diag(s))·code + (P·m)·1ᵀ, s and m one per token
@@ -151,9 +202,18 @@ def tc_compressed_block(
             v = _per_channel_tile(vc, vs, vm, s_vc, s_vs, slot, slot0, slot_end, tvalid, tl.arange(0, D), 0, 0, 0,
                                   0, V_BITS, V_UNIT, V_GROUP, 0, V_STATS_ROW, DT, False)
         else:
-            v = _value_tile(vc, vs, vm, vsv, vsi, s_vc, s_vs, s_vsp, slot, tvalid, D, V_BITS, V_UNIT, V_GROUP, V_K2,
+            v = _value_tile(vc, vs, vm, vsv, vsi, s_vc, s_vs, s_vsp, slot, tvalid, D, V_BITS, V_UNIT, V_GROUP, 0,
                             s_vs)
         acc += _dot(p, v, DT)
+        if V_K2 > 0:  # + P·S: the value outliers, dense from the scratch (a second dot: fewer live registers)
+            acc += _dot(p, tl.load(scr + BN * D + n_offs[:, None] * D + tl.arange(0, D)[None, :]), DT)
+    if SCATTER:  # the scratch back to zeros, before the next block scatters into it
+        tl.debug_barrier()
+        if K_SPARSE:  # (the whole tile: the block's key outliers are a data-dependent count)
+            tl.store(scr + n_offs[:, None] * D + tl.arange(0, D)[None, :], tl.zeros([BN, D], tl.float32))
+        if V_K2 > 0:
+            _tc_scatter_value_outliers(scr + BN * D, vsv, vsi, s_vsp, slot, tvalid, D, V_K2, True)
+        tl.debug_barrier()
     if V_R > 0:
         acc = _lowrank_values(acc, p, _lowrank_a(va, s_va, slot, tvalid, V_R, DT), vbt, DT)
     return m_i, l_i, acc
