@@ -21,6 +21,9 @@ def test_fused_instructions_reproduce_the_compile_report():
     assert cost.fused_instructions(GearConfig.preset("gear", bits=4)) == pytest.approx(230, abs=3)
     assert cost.fused_instructions(GearConfig()) == pytest.approx(172)
     assert cost.fused_instructions(GearConfig.preset("kivi", bits=2)) == pytest.approx(108.5)
+    # the tensor-core kernel (16-bit models): its measured figures for the two formats the report compiles for it
+    assert cost.fused_instructions(GearConfig.preset("gear", bits=2), tensor_core=True) == pytest.approx(210, abs=1)
+    assert cost.fused_instructions(GearConfig(), tensor_core=True) == pytest.approx(161, abs=1)
 
 
 def test_bytes_per_token_follow_the_format():
@@ -55,9 +58,10 @@ def test_choice_switches_once_as_the_history_grows():
 
 
 def test_calibration_moves_the_choice():
-    """A fused kernel issuing 10x faster (the tensor-core kernel's aim) wins at T=8k, batch 8."""
+    """A fused kernel issuing 10x faster (the tensor-core kernel's aim) wins at T=32k, batch 8, where the tensor-core
+    kernel's compiled count (gear-2: 210 instructions/token/kv-head) loses at the default calibration."""
     config = GearConfig.preset("gear", bits=2)
-    shape = dict(tokens=8192, batch=8, **LLAMA3_8B)
+    shape = dict(tokens=32768, batch=8, **LLAMA3_8B)
     assert cost.choose_decode_path(config, **shape) == "fallback"
     fast = cost.calibrate(fused_issue_rate=10 * cost.DEFAULT.fused_issue_rate)
     assert cost.choose_decode_path(config, cal=fast, **shape) == "fused"

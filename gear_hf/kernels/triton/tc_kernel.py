@@ -81,6 +81,9 @@ def _tc_decode_kernel(
     q_scale = attn_scale * sm_scale
     q1 = tl.load(q_rows[:, None] + h_offs[None, :], mask=mvalid[:, None], other=0.0).to(tl.float32) * q_scale
     q2 = tl.load(q_rows[:, None] + HALF + h_offs[None, :], mask=mvalid[:, None], other=0.0).to(tl.float32) * q_scale
+    # in the dot dtype once (the tensor cores' operand), not per block
+    q1 = q1.to(DT)
+    q2 = q2.to(DT)
     freq = tl.load(freq_ptr + h_offs)
     limit = tl.load(lim_ptr + b * QL + qi, mask=mvalid, other=-1)
 

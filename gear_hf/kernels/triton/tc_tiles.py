@@ -36,16 +36,43 @@ def tc_plane_layout(widths_b, ch0, C: tl.constexpr):
 
 
 @triton.jit
-def _tc_plane_codes(codes_b, s_codes, offset, widths, slot0, slot_end, BN: tl.constexpr, C: tl.constexpr):
-    """`unpack._plane_codes` with the chunk's plane offsets and widths given (`tc_plane_layout`): int32 [BN, C]."""
+def _tc_plane_words(codes_b, s_codes, offset, widths, slot0, slot_end, BN: tl.constexpr, C: tl.constexpr,
+                    ROW: tl.constexpr):
+    """(lo, hi) int32 [BN/8, C]: byte j of lo holds plane j, of hi plane 4 + j (absent planes 0) of each channel's
+    planes at byte `offset` of the units' rows. Rows of ROW bytes, a multiple of 4: three aligned 32-bit words per
+    channel and unit, funnel-shifted and masked to the width (never read past the row); else byte by byte."""
     units = slot0 // 8 + tl.arange(0, BN // 8)
-    row = codes_b + units[:, None] * s_codes + offset[None, :]
     live = (units * 8 < slot_end)[:, None]
-    lo = tl.zeros([BN // 8, C], tl.int32)
-    hi = tl.zeros([BN // 8, C], tl.int32)
-    for j in tl.static_range(4):
-        lo |= tl.load(row + j, mask=live & (j < widths)[None, :], other=0).to(tl.int32) << (8 * j)
-        hi |= tl.load(row + 4 + j, mask=live & (4 + j < widths)[None, :], other=0).to(tl.int32) << (8 * j)
+    if ROW % 4 == 0:
+        word = offset >> 2  # [C]
+        sh = (offset & 3) * 8
+        rows = (codes_b + units[:, None] * s_codes).to(tl.pointer_type(tl.int32)) + word[None, :]
+        w0 = tl.load(rows, mask=live, other=0).to(tl.uint32, bitcast=True)
+        w1 = tl.load(rows + 1, mask=live & ((word + 1) * 4 < ROW)[None, :], other=0).to(tl.uint32, bitcast=True)
+        w2 = tl.load(rows + 2, mask=live & ((word + 2) * 4 < ROW)[None, :], other=0).to(tl.uint32, bitcast=True)
+        up = (31 - sh)[None, :]  # (w << 1) << (31 - sh): a shift by 32 - sh that is defined at sh = 0
+        lo = (w0 >> sh[None, :]) | ((w1 << 1) << up)
+        hi = (w1 >> sh[None, :]) | ((w2 << 1) << up)
+        # keep the channel's own planes: min(width, 4) bytes of lo, max(width - 4, 0) of hi
+        lo_keep = tl.where(widths >= 4, -1, (1 << (8 * widths)) - 1).to(tl.uint32, bitcast=True)
+        hi_keep = tl.where(widths >= 8, -1, (1 << (8 * tl.maximum(widths - 4, 0))) - 1).to(tl.uint32, bitcast=True)
+        lo = (lo & lo_keep[None, :]).to(tl.int32, bitcast=True)
+        hi = (hi & hi_keep[None, :]).to(tl.int32, bitcast=True)
+    else:
+        row = codes_b + units[:, None] * s_codes + offset[None, :]
+        lo = tl.zeros([BN // 8, C], tl.int32)
+        hi = tl.zeros([BN // 8, C], tl.int32)
+        for j in tl.static_range(4):
+            lo |= tl.load(row + j, mask=live & (j < widths)[None, :], other=0).to(tl.int32) << (8 * j)
+            hi |= tl.load(row + 4 + j, mask=live & (4 + j < widths)[None, :], other=0).to(tl.int32) << (8 * j)
+    return lo, hi
+
+
+@triton.jit
+def _tc_plane_codes(codes_b, s_codes, offset, widths, slot0, slot_end, BN: tl.constexpr, C: tl.constexpr,
+                    ROW: tl.constexpr):
+    """`unpack._plane_codes` with the chunk's plane offsets and widths given (`tc_plane_layout`): int32 [BN, C]."""
+    lo, hi = _tc_plane_words(codes_b, s_codes, offset, widths, slot0, slot_end, BN, C, ROW)
     lo = _swap_bits(_swap_bits(lo, 7, 0x00AA00AA), 14, 0x0000CCCC)
     hi = _swap_bits(_swap_bits(hi, 7, 0x00AA00AA), 14, 0x0000CCCC)
     lo_nibbles = lo & 0x0F0F0F0F
@@ -59,11 +86,11 @@ def _tc_plane_codes(codes_b, s_codes, offset, widths, slot0, slot_end, BN: tl.co
 @triton.jit
 def _tc_plane_key_half(codes_b, scale_b, min_b, s_codes, s_scale, slot, slot0, slot_end, tvalid, ch, ch0, offset,
                        widths, a, bt, GROUP: tl.constexpr, R: tl.constexpr, STATS_ROW: tl.constexpr,
-                       DT: tl.constexpr):
+                       DT: tl.constexpr, ROW: tl.constexpr):
     """Half a key tile of allocated widths: D̂ (+ A·Bᵀ) float32 [BN, C] (see `tiles._per_channel_tile`)."""
     BN: tl.constexpr = slot.shape[0]
     C: tl.constexpr = ch.shape[0]
-    code = _tc_plane_codes(codes_b, s_codes, offset, widths, slot0, slot_end, BN, C)
+    code = _tc_plane_codes(codes_b, s_codes, offset, widths, slot0, slot_end, BN, C, ROW)
     if STATS_ROW:
         srow = (slot0 // GROUP) * s_scale + ch
         sc = tl.load(scale_b + srow).to(tl.float32)[None, :]
@@ -174,9 +201,9 @@ def tc_compressed_block(
     ka16 = _lowrank_a(ka, s_ka, slot, tvalid, K_R, DT) if K_R > 0 else 0  # shared by both halves
     if K_PLANES:
         k1 = _tc_plane_key_half(kc, ks, km, s_kc, s_ks, slot, slot0, slot_end, tvalid, h_offs, 0, koff1, kw1, ka16,
-                                kbt1, K_GROUP, K_R, K_STATS_ROW, DT)
+                                kbt1, K_GROUP, K_R, K_STATS_ROW, DT, s_kc)
         k2 = _tc_plane_key_half(kc, ks, km, s_kc, s_ks, slot, slot0, slot_end, tvalid, h_offs + HALF, HALF, koff2,
-                                kw2, ka16, kbt2, K_GROUP, K_R, K_STATS_ROW, DT)
+                                kw2, ka16, kbt2, K_GROUP, K_R, K_STATS_ROW, DT, s_kc)
     else:
         k1 = _per_channel_tile(kc, ks, km, s_kc, s_ks, slot, slot0, slot_end, tvalid, h_offs, 0, ka16, kbt1, kw,
                                K_BITS, K_UNIT, K_GROUP, K_R, K_STATS_ROW, DT, False)
