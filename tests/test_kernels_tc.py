@@ -97,12 +97,15 @@ def test_windows_sinks_far_positions_and_padded_rows(name):
 def test_folded_value_statistics_match_the_unfolded_kernel():
     """GearConfig()'s values (one group per token, no outliers) take the folded path (P·diag(s))·codes + (P·m)·1ᵀ;
     the same kernel with the fold switched off dequantizes per element: both equal the oracle, and a split count
-    does not change the result."""
+    does not change the result. So does the query-rotated variant compile_check compiles for comparison."""
     cfg = _default()
     folded, ref = _run(cfg, d=64, num_splits=3)
     plain, _ = _run(cfg, d=64, num_splits=1, fold_values=False)
     _check(folded, ref, torch.float16)
     _check(plain, ref, torch.float16)
+    # the variant compile_check counts for comparison (query rotated back per token) computes the same
+    query_rotated, _ = _run(cfg, d=64, rope_on_query=True)
+    _check(query_rotated, ref, torch.float16)
 
 
 def test_float32_queries_are_declined_with_a_reason():

@@ -321,8 +321,16 @@ def tc_main_loop(cfg, arch: int = 90, **tuning) -> dict:
 def tc_sass_report(arch: int = 90) -> None:
     """The tensor-core kernel's main loop next to the register kernel's, for `_tc_cases` (targets: <= 90
     instructions/token/kv-head for GearConfig(), <= 140 for gear-2, 0 spills)."""
+    variants = (("register", {}), ("tensor-core", {"tensor_core": True}),
+                # what the tensor-core kernel does not do, compiled to count: the value statistics dequantized per
+                # element instead of folded into the probabilities (GearConfig()), the query rotated back per token
+                # ([16, BN, d/2] sin/cos and products) instead of the key tile
+                ("tensor-core, values not folded", {"tensor_core": True, "fold_values": False}),
+                ("tensor-core, query rotated per token", {"tensor_core": True, "rope_on_query": True}))
     for label, cfg in _tc_cases():
-        for name, tuning in (("register", {}), ("tensor-core", {"tensor_core": True})):
+        for name, tuning in variants:
+            if "fold_values" in tuning and label != "default":
+                continue  # (gear-2's values have outliers and two groups per token: never folded)
             r = tc_main_loop(cfg, arch, **tuning)
             print(f"{label} {name} ({r['kernel']}, {r['warps']} warps, {r['block']}-token blocks): main loop "
                   f"{r['instructions']} SASS = {r['per_token']:.0f} instructions/token/kv-head, {r['usage']}, spill "

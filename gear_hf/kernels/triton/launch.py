@@ -50,7 +50,8 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
                      sliding_window: int | None = None, out: torch.Tensor | None = None,
                      num_splits: int | None = None, block_n: int | None = None, num_warps: int | None = None,
                      num_stages: int | None = None, workspace=None, tables=None, tensor_core: bool = False,
-                     fold_values: bool = True, scratch=None, _plan: list | None = None) -> torch.Tensor:
+                     fold_values: bool = True, rope_on_query: bool = False, scratch=None,
+                     _plan: list | None = None) -> torch.Tensor:
     """Attention of `query` [B,Hq,q,d] (already rotated) over one layer's compressed keys/values.
 
     keys/values: where the layer's tokens live (`views.StreamView`); layout: per-row lengths and positions
@@ -61,9 +62,10 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
     table build() makes, kept by the caller, else built for the call. tensor_core: run the tensor-core kernel
     (`tc_kernel`; `gear_hf.kernels.tensor_core_reason` says when it serves: 16-bit queries) instead of the register
     kernel; fold_values: (tensor_core) fold per-token value statistics into the probabilities where the format
-    allows (False: only for compile_check's comparison); scratch: (device, numel) -> a zeroed float32 buffer of >=
-    numel elements the caller keeps (the tensor-core kernel scatters outliers into it and leaves it zeroed), else one
-    is allocated for the call. _plan: record the launches in this list instead of running
+    allows (False: only for compile_check's comparison); rope_on_query: (tensor_core, compile_check's comparison
+    only) rotate the query back per token instead of the key tile; scratch: (device, numel) -> a zeroed float32
+    buffer of >= numel elements the caller keeps (the tensor-core kernel scatters outliers into it and leaves it
+    zeroed), else one is allocated for the call. _plan: record the launches in this list instead of running
     them (compile_check).
     """
     if _plan is None and query.device.type != "cuda" and not interpreting():
@@ -174,6 +176,7 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
                           ROT_K=rot_k, ROT_V=rot_v, **run_constexprs)
         if tensor_core:
             constexprs["FOLD_V"] = fold_values
+            constexprs["ROPE_Q"] = rope_on_query
             # outlier scratch: [2, BN, D] float32 per program and split (keys, values), only for formats with outliers
             sparse = any(run_constexprs[f"{r}_K_SPARSE"] or run_constexprs[f"{r}_V_K2"] for r in "PD")
             n_scratch = programs * nsplit * 2 * block_n * D if sparse else 1

@@ -43,7 +43,7 @@ def _tc_decode_kernel(
     D_V_BITS: tl.constexpr, D_V_UNIT: tl.constexpr,
     D_V_GROUP: tl.constexpr, D_V_R: tl.constexpr, D_V_K2: tl.constexpr, D_V_CODES_W: tl.constexpr,
     D_V_STATS_W: tl.constexpr, D_V_BY_CHANNEL: tl.constexpr, D_V_STATS_ROW: tl.constexpr,
-    FOLD_V: tl.constexpr,
+    FOLD_V: tl.constexpr, ROPE_Q: tl.constexpr,
 ):
     # values per token, one group per token, no outliers: scale and minimum folded into the probabilities
     P_V_FOLD: tl.constexpr = FOLD_V and ((P_V_K2 == 0) and ((P_V_STATS_W == 1) and (not P_V_BY_CHANNEL)))
@@ -144,7 +144,7 @@ def _tc_decode_kernel(
                 pkbt1, pkbt2, pvbt, had_ptr,
                 D, HALF, BN, DT, FAST, ROT_K, P_K_BITS, P_K_UNIT, P_K_GROUP, P_K_R, P_K_SPARSE, P_K_STATS_ROW,
                 P_K_PLANES, P_V_BITS, P_V_UNIT, P_V_GROUP, P_V_R, P_V_K2, P_V_BY_CHANNEL, P_V_STATS_ROW,
-                P_V_FOLD, scr)
+                P_V_FOLD, scr, ROPE_Q)
 
     if D_K_BITS > 0:
         # chunk by chunk: each chunk's Bᵀ (keys: two halves, values) is loaded once for its NB/BN blocks
@@ -188,7 +188,7 @@ def _tc_decode_kernel(
                     dkbt1, dkbt2, dvbt, had_ptr, D, HALF, BN, DT, FAST, ROT_K, D_K_BITS, D_K_UNIT, D_K_GROUP,
                     D_K_R, D_K_SPARSE, D_K_STATS_ROW, D_K_PLANES, D_V_BITS, D_V_UNIT, D_V_GROUP, D_V_R, D_V_K2,
                     D_V_BY_CHANNEL, D_V_STATS_ROW,
-                    D_V_FOLD, scr)
+                    D_V_FOLD, scr, ROPE_Q)
 
     for blk in range(tl.maximum(lo, e3), hi):
         slot = (blk - e3) * BN + n_offs

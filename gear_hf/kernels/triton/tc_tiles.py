@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .ops import _dot, _lowrank_a, _lowrank_dot, _lowrank_values, _rope, _unrotate_halves
+from .ops import _dot, _lowrank_a, _lowrank_dot, _lowrank_values, _rope, _sincos, _unrotate_halves
 from .tiles import _per_channel_tile, _value_tile
 from .unpack import _join8, _swap_bits, _unpack_3bit_units, _unpack_words
 
@@ -182,7 +182,7 @@ def tc_compressed_block(
     K_BITS: tl.constexpr, K_UNIT: tl.constexpr, K_GROUP: tl.constexpr, K_R: tl.constexpr, K_SPARSE: tl.constexpr,
     K_STATS_ROW: tl.constexpr, K_PLANES: tl.constexpr,
     V_BITS: tl.constexpr, V_UNIT: tl.constexpr, V_GROUP: tl.constexpr, V_R: tl.constexpr, V_K2: tl.constexpr,
-    V_BY_CHANNEL: tl.constexpr, V_STATS_ROW: tl.constexpr, V_FOLD: tl.constexpr, scr,
+    V_BY_CHANNEL: tl.constexpr, V_STATS_ROW: tl.constexpr, V_FOLD: tl.constexpr, scr, ROPE_Q: tl.constexpr,
 ):
     """One block of compressed tokens (the arguments of `tiles._compressed_block`, plus koff/kw of both key halves:
     the chunk's `tc_plane_layout`, with K_PLANES). V_FOLD: values per token in one group per token without
@@ -215,8 +215,13 @@ def tc_compressed_block(
     if ROT_K:
         k1, k2 = _unrotate_halves(k1, k2, had_ptr, D, DT)
     pos = tl.load(pos_b + t, mask=tvalid, other=0)
-    k1, k2 = _rope(k1, k2, pos, freq, FAST)
-    s = _dot(q1, tl.trans(k1), DT) + _dot(q2, tl.trans(k2), DT)
+    if ROPE_Q:  # (compile_check's comparison only) the query rotated back per token, q·R_t k = (R_tᵀ q)·k: [M,BN,D/2]
+        c, sn = _sincos(pos.to(tl.float32)[:, None] * freq[None, :], FAST)
+        qa, qb = q1.to(tl.float32)[:, None, :], q2.to(tl.float32)[:, None, :]
+        s = tl.sum((qa * c[None] + qb * sn[None]) * k1[None] + (qb * c[None] - qa * sn[None]) * k2[None], axis=2)
+    else:
+        k1, k2 = _rope(k1, k2, pos, freq, FAST)
+        s = _dot(q1, tl.trans(k1), DT) + _dot(q2, tl.trans(k2), DT)
     m_i, l_i, alpha, p = _tc_softmax(s, t, tvalid, limit, mvalid, window, m_i, l_i)
     acc = acc * alpha[:, None]
     if V_FOLD:  # P·(code·s + m) = (P·diag(s))·code + (P·m)·1ᵀ, s and m one per token
