@@ -122,6 +122,10 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
                   value_run_args(values.decode, decode_chunks, query, D, "D_V", block_n))}
     used = [(keys.prompt, values.prompt)] if prompt_chunks else []
     used += [(keys.decode, values.decode)] if decode_chunks else []
+    if tensor_core:  # bit planes of allocated widths: read as aligned 32-bit words (tc_tiles._tc_plane_words)
+        for key_args, _ in runs.values():
+            if key_args.constexprs["PLANES"]:
+                _check_words(key_args.codes, "allocated key codes")
     rot_k = _rotated([k for k, _ in used], "keys")
     rot_v = _rotated([v for _, v in used], "values")
     if decode_chunks and keys.decode.chunk_len != NB:
