@@ -124,8 +124,7 @@ def _tc_decode_kernel(
         pvbt = _lowrank_bt(pvb + bh64 * s_pvb, P_V_R, tl.arange(0, D), pvas + bh64 * s_pvas, pvbs + bh64 * s_pvas, 0,
                            P_V_R, DT)
         if P_K_PLANES:  # the prompt chunk's plane offsets, once
-            pkoff1, pkw1 = tc_plane_layout(pkw + bh64 * s_pkw, 0, HALF)
-            pkoff2, pkw2 = tc_plane_layout(pkw + bh64 * s_pkw, HALF, HALF)
+            pkoff1, pkw1, pkoff2, pkw2 = tc_plane_layout(pkw + bh64 * s_pkw, D)
         else:
             pkoff1, pkw1, pkoff2, pkw2 = 0, 0, 0, 0
         for blk in range(tl.maximum(lo, e1), tl.minimum(hi, e2)):
@@ -165,8 +164,7 @@ def _tc_decode_kernel(
             else:
                 dvbt = 0
             if D_K_PLANES:  # this chunk's plane offsets, once for its blocks
-                dkoff1, dkw1 = tc_plane_layout(dkw + bh64 * s_dkw + chunk * D, 0, HALF)
-                dkoff2, dkw2 = tc_plane_layout(dkw + bh64 * s_dkw + chunk * D, HALF, HALF)
+                dkoff1, dkw1, dkoff2, dkw2 = tc_plane_layout(dkw + bh64 * s_dkw + chunk * D, D)
             else:
                 dkoff1, dkw1, dkoff2, dkw2 = 0, 0, 0, 0
             first_blk = e2 + chunk * PER_CHUNK

@@ -26,13 +26,16 @@ from .unpack import _join8, _swap_bits, _unpack_3bit_units, _unpack_words
 
 
 @triton.jit
-def tc_plane_layout(widths_b, ch0, C: tl.constexpr):
-    """(byte offset of each channel's planes within a unit of 8 tokens, width) of channels [ch0, ch0 + C) of one
-    chunk (widths_b: the chunk's widths [D]): int32 [C] each, computed once per chunk."""
-    c = tl.arange(0, C)
-    widths = tl.load(widths_b + ch0 + c).to(tl.int32)
-    before = tl.sum(tl.load(widths_b + c, mask=c < ch0, other=0).to(tl.int32), axis=0)  # the first half's bits
-    return before + tl.cumsum(widths, axis=0) - widths, widths
+def tc_plane_layout(widths_b, D: tl.constexpr):
+    """(offset, width) of both halves of a head's channels: the byte offset of each channel's planes within a unit
+    of 8 tokens and its width, int32 [D/2] each (first half, second half), from the chunk's widths widths_b [D]:
+    one scan per chunk."""
+    c = tl.arange(0, D)
+    widths = tl.load(widths_b + c).to(tl.int32)
+    offset = tl.cumsum(widths, axis=0) - widths
+    o1, o2 = tl.split(tl.permute(tl.reshape(offset, [2, D // 2]), (1, 0)))
+    w1, w2 = tl.split(tl.permute(tl.reshape(widths, [2, D // 2]), (1, 0)))
+    return o1, w1, o2, w2
 
 
 @triton.jit
