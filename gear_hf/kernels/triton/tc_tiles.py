@@ -109,11 +109,10 @@ def _tc_plane_key_half(codes_b, scale_b, min_b, s_codes, s_scale, slot, slot0, s
 
 
 @triton.jit
-def _tc_scatter_key_outliers(scr, ow_b, ov_b, ot_b, n_tiles, seg, tok0, D: tl.constexpr, BN: tl.constexpr,
-                             ZERO: tl.constexpr):
+def _tc_scatter_key_outliers(scr, ow_b, ov_b, ot_b, n_tiles, seg, tok0, D: tl.constexpr, BN: tl.constexpr):
     """Store the key outliers of chunk-local tokens [tok0, tok0 + BN) (the sorted lists of `views.prepare_derived`:
-    entry token * D + channel, per-16-token offsets ot_b) into the block's scratch tile scr [BN, D] float32, or zeros
-    where they went (ZERO): one store per outlier, whatever the tile's size."""
+    entry token * D + channel, per-16-token offsets ot_b) into the block's scratch tile scr [BN, D] float32: one store
+    per outlier, whatever the tile's size."""
     OE: tl.constexpr = 128
     u0 = tok0 // 16
     lo = tl.load(ot_b + u0)
@@ -122,27 +121,20 @@ def _tc_scatter_key_outliers(scr, ow_b, ov_b, ot_b, n_tiles, seg, tok0, D: tl.co
         e = e0 + tl.arange(0, OE)
         ev = e < hi
         where = tl.load(ow_b + seg + e, mask=ev, other=0)
-        if ZERO:
-            val = tl.zeros([OE], tl.float32)
-        else:
-            val = tl.load(ov_b + seg + e, mask=ev, other=0.0).to(tl.float32)
+        val = tl.load(ov_b + seg + e, mask=ev, other=0.0).to(tl.float32)
         tl.store(scr + where - tok0 * D, val, mask=ev)
 
 
 @triton.jit
-def _tc_scatter_value_outliers(scr, spv_b, spi_b, s_sp, slot, tvalid, D: tl.constexpr, K2: tl.constexpr,
-                               ZERO: tl.constexpr):
+def _tc_scatter_value_outliers(scr, spv_b, spi_b, s_sp, slot, tvalid, D: tl.constexpr, K2: tl.constexpr):
     """Store the value outliers of the block's tokens (K2 per token: channel spi_b, value spv_b) into its scratch tile
-    scr [BN, D] float32 at (token, channel), or zeros where they went (ZERO): K2 stores per token."""
+    scr [BN, D] float32 at (token, channel): K2 stores per token."""
     BN: tl.constexpr = slot.shape[0]
     n = tl.arange(0, BN)
     for s in tl.static_range(K2):
         idx = tl.load(spi_b + slot * s_sp + s, mask=tvalid, other=0).to(tl.int32)
         ok = tvalid & (idx >= 0) & (idx < D)
-        if ZERO:
-            val = tl.zeros([BN], tl.float32)
-        else:
-            val = tl.load(spv_b + slot * s_sp + s, mask=tvalid, other=0.0).to(tl.float32)
+        val = tl.load(spv_b + slot * s_sp + s, mask=tvalid, other=0.0).to(tl.float32)
         tl.store(scr + n * D + idx, val, mask=ok)
 
 
@@ -196,9 +188,9 @@ def tc_compressed_block(
     n_offs = tl.arange(0, BN)
     SCATTER: tl.constexpr = K_SPARSE or (V_K2 > 0)
     if K_SPARSE:
-        _tc_scatter_key_outliers(scr, ow, ov, ot, n_tiles, seg, tok0, D, BN, False)
+        _tc_scatter_key_outliers(scr, ow, ov, ot, n_tiles, seg, tok0, D, BN)
     if V_K2 > 0:
-        _tc_scatter_value_outliers(scr + BN * D, vsv, vsi, s_vsp, slot, tvalid, D, V_K2, False)
+        _tc_scatter_value_outliers(scr + BN * D, vsv, vsi, s_vsp, slot, tvalid, D, V_K2)
     if SCATTER:
         tl.debug_barrier()
     ka16 = _lowrank_a(ka, s_ka, slot, tvalid, K_R, DT) if K_R > 0 else 0  # shared by both halves
@@ -244,10 +236,10 @@ def tc_compressed_block(
             acc += _dot(p, tl.load(scr + BN * D + n_offs[:, None] * D + tl.arange(0, D)[None, :]), DT)
     if SCATTER:  # the scratch back to zeros, before the next block scatters into it
         tl.debug_barrier()
-        if K_SPARSE:  # (the whole tile: the block's key outliers are a data-dependent count)
+        if K_SPARSE:  # whole tiles, one dense store each (cheaper than the scatter's addresses again)
             tl.store(scr + n_offs[:, None] * D + tl.arange(0, D)[None, :], tl.zeros([BN, D], tl.float32))
         if V_K2 > 0:
-            _tc_scatter_value_outliers(scr + BN * D, vsv, vsi, s_vsp, slot, tvalid, D, V_K2, True)
+            tl.store(scr + BN * D + n_offs[:, None] * D + tl.arange(0, D)[None, :], tl.zeros([BN, D], tl.float32))
         tl.debug_barrier()
     if V_R > 0:
         acc = _lowrank_values(acc, p, _lowrank_a(va, s_va, slot, tvalid, V_R, DT), vbt, DT)
