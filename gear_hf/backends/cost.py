@@ -46,7 +46,7 @@ PLANES_AND_ROTATION = 172.0 - BACKBONE[3]
 # (`python -m gear_hf.kernels.compile_check --sass-report`, its "tensor-core" lines; results/decode-kernel-sass): its
 # main loop against the register kernel's for the two formats the report compiles. Other formats take the ratio of
 # the measured one they resemble (outliers: gear-2's; else GearConfig()'s), an estimate until the report counts them.
-TENSOR_CORE_MEASURED = {"gear2": (227.0, 209.625), "default": (172.0, 160.75)}  # (register, tensor-core)
+TENSOR_CORE_MEASURED = {"gear2": (227.0, 206.0), "default": (172.0, 156.625)}  # (register, tensor-core)
 # The reconstruction kernel's SASS per element and thread (static: the whole kernel over the 32 elements each of its
 # 128 threads writes; sm_90, head_dim 128, bf16, 32-token blocks): gear-2 keys 64.2 / values 33.0, GearConfig() keys
 # 39.0 / values 32.8, gear-3 68.8 / 38.2 (compiled on this machine with Triton 3.9's ptxas, 0 spills; the issue's
@@ -141,18 +141,21 @@ class PathCosts:
 
 
 def decode_path_costs(config, *, tokens: int, batch: int, kv_heads: int, query_heads: int, head_dim: int,
-                      query_len: int = 1, buffered: int = 0, model_bytes: int = 2,
+                      query_len: int = 1, buffered: int = 0, model_bytes: int = 2, tensor_core: bool | None = None,
                       cal: Calibration | None = None) -> PathCosts:
     """Estimated seconds of one layer's decode attention on each path. tokens: compressed tokens per row (the
     longest row's); buffered: full-precision tokens per row (sink + buffer); model_bytes: bytes per element of the
-    model dtype (2: the Triton backend runs the tensor-core kernel, 4: the register kernel)."""
+    model dtype; tensor_core: whether the fused path is the tensor-core kernel (None: as the Triton backend decides,
+    for 2-byte models; False: the register kernel)."""
+    if tensor_core is None:
+        tensor_core = model_bytes == 2
     cal = cal or calibration()
     heads = batch * kv_heads
     dense_elements = heads * (tokens + buffered) * head_dim * 2  # keys + values
     buffer_bytes = heads * buffered * head_dim * 2 * model_bytes
     compressed = heads * tokens * compressed_bytes_per_token(config, head_dim)
     tiles = -(-(query_heads // kv_heads) * query_len // 16)
-    fused_issue = fused_instructions(config, tensor_core=model_bytes == 2) * (tokens + buffered) * heads * tiles
+    fused_issue = fused_instructions(config, tensor_core) * (tokens + buffered) * heads * tiles
     fused = max((compressed + buffer_bytes) / cal.bandwidth, fused_issue / cal.fused_issue_rate) \
         + FUSED_LAUNCHES * cal.launch_s
     dense_written = heads * tokens * head_dim * 2 * model_bytes

@@ -390,6 +390,9 @@ def main(argv=None) -> int:
     parser.add_argument("--breakdown", action="store_true",
                         help="with --sass-report: the main loop's instructions per kernel function (nvdisasm -g) "
                              "and per GEAR term")
+    parser.add_argument("--tensor-core-only", action="store_true",
+                        help="with --sass-report: only the tensor-core kernel's lines (and the register kernel's for "
+                             "the same configurations)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("compile_check: unset TRITON_INTERPRET (the interpreter replaces the compiler)", file=sys.stderr)
@@ -398,6 +401,8 @@ def main(argv=None) -> int:
         parser.error("--breakdown goes with --sass-report")
     if args.sass_report:
         tc_sass_report(args.arch[0] if args.arch != [90, 80] else 90)
+        if args.tensor_core_only:
+            return 0
         return sass_report(args.arch[0] if args.arch != [90, 80] else 90, breakdown=args.breakdown)
     failures = 0
     seen = set()
