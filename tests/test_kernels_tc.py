@@ -94,6 +94,23 @@ def test_windows_sinks_far_positions_and_padded_rows(name):
     _check(out, ref, torch.float16)
 
 
+def test_64_token_blocks_for_formats_without_outliers_or_factors():
+    """GearConfig()'s formats take 64-token blocks by default (gear-2's 32: it would spill), and they equal the oracle
+    with a window, two query tokens and a padded row; a chunk of 64 tokens so that a block spans a whole chunk."""
+    from gear_hf.kernels.decode import decode_attention
+
+    cfg = _default(buffer_size=64, group_size=64, prompt_group_size=128)
+    out, ref = _run(cfg, steps=(150, 100, 2), pad=(0, 41), window=77, dtype=torch.bfloat16)
+    _check(out, ref, torch.bfloat16)
+    for config, block in ((cfg, 64), (_gear2(buffer_size=64), 32)):
+        cache, _, _ = build_cache(config, batch=1, kv_heads=1, head_dim=64, steps=[150, 70, 1], dtype=torch.bfloat16)
+        q = torch.zeros(1, 4, 1, 64, dtype=torch.bfloat16)
+        plan = []
+        decode_attention(q, *cache.kernel_views(0, 1, q.device), scaling=0.125, inv_freq=_inv_freq(64),
+                         tensor_core=True, _plan=plan)
+        assert plan[0][3]["BN"] == block
+
+
 def test_folded_value_statistics_match_the_unfolded_kernel():
     """GearConfig()'s values (one group per token, no outliers) take the folded path (P·diag(s))·codes + (P·m)·1ᵀ;
     the same kernel with the fold switched off dequantizes per element: both equal the oracle, and a split count

@@ -13,7 +13,7 @@ import torch
 import triton.language as tl
 
 from .. import interpreting
-from ..views import DecodeLayout, StreamView
+from ..views import DecodeLayout, StreamView, key_outlier_count
 from .args import _check, _check_words, _rotated, key_run_args, value_run_args
 from .decode_kernel import _combine_kernel, _decode_attention_kernel
 from .ops import _libdevice
@@ -43,6 +43,17 @@ def _positional(kernel, named: dict, constexprs: dict) -> tuple:
     if missing or extra:
         raise TypeError(f"{kernel.fn.__name__}: arguments missing {missing}, unknown {extra}")
     return tuple(named[name] for name in order)
+
+
+def _tc_block(keys: StreamView, values: StreamView) -> int:
+    """The tensor-core kernel's default block: 64 tokens for runs without outliers or low-rank terms (compile report,
+    sm_90, head_dim 128, 4 warps, 0 spills: GearConfig() 140 instructions/token/kv-head against 157 at 32, kivi-2 104
+    / 109, compact 131 / 145), else 32 (gear-2 spills 174 ops at 64, gear-l-2 24)."""
+    for key_run, value_run in ((keys.prompt, values.prompt), (keys.decode, values.decode)):
+        if key_run is not None and (key_outlier_count(key_run) or key_run.lowrank_a.shape[-1]
+                                    or value_run.sparse_values.shape[-1] or value_run.lowrank_a.shape[-1]):
+            return 32
+    return 64
 
 
 def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, layout: DecodeLayout, *,
@@ -109,7 +120,7 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
         raise ValueError("keys and values disagree on which chunk runs exist")
     NB = layout.buffer_size
     if block_n is None:  # 32-token tiles: no register spills at head_dim 128 with the default launch (see below)
-        block_n = min(32, NB & -NB)
+        block_n = min(_tc_block(keys, values) if tensor_core else 32, NB & -NB)
     decode_chunks = layout.max_decode_chunks if keys.decode is not None else 0
     if block_n < 16 or block_n & (block_n - 1) or (decode_chunks and NB % block_n):
         raise NotImplementedError(f"fused kernel: a block of {block_n} tokens must be a power of two >= 16 "
