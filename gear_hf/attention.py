@@ -83,7 +83,7 @@ def cache_step(module: torch.nn.Module, cache: GearCache, query: torch.Tensor, k
         output = cache.fused_attention(module.layer_idx, query, scaling=module.scaling, inv_freq=rotary.inv_freq,
                                        attention_scaling=getattr(rotary, "attention_scaling", 1.0))
         weights = None
-        cache.step_paths["fused"] += 1
+        cache.step_paths[cache.fused_path_name] += 1  # "fused-tc": the tensor-core kernel ran
     else:  # the reference path: reconstruct, rotate, the model's own attention function
         # [B,Hkv,T,d] keys rotated, values, and the mask for their columns (the cache's layout for this step;
         # HF's padded columns when the attention weights are returned)

@@ -9,7 +9,8 @@ random data, for each context length T and batch size:
              into HF's layout, RoPE the keys, then SDPA
   fused      gear_hf.kernels: attention straight from the compressed storage (GEAR 2/4-bit, GEAR-L 2-bit, and
              GearConfig(), the library default: kivi, 4-bit keys, 2-bit values, Walsh–Hadamard rotation, 4 sinks; and
-             recommended "compact": 3-bit keys, 2-bit values per channel, the prompt in 256-token groups)
+             recommended "compact": 3-bit keys, 2-bit values per channel, the prompt in 256-token groups); rows
+             `<name>_fused` run the register kernel, `<name>_fused_tc` the tensor-core kernel (fp16/bf16 runs)
 
 --variants adds rows of the fused kernel at other num_warps/num_stages/block_n (one point: the largest T and
 batch).
@@ -272,6 +273,10 @@ def _fused_fn(cache, q, inv_freq, **tuning):
                    decode=keys.decode and replace(keys.decode, derived=prepare_derived(
                        keys.decode, layout.max_decode_chunks)))
     decode_attention = decode.decode_attention
+    if tuning.get("tensor_core"):  # its outlier scratch kept zeroed across calls, as the cache keeps it
+        from gear_hf.cache.kernel_state import KernelState
+
+        tuning = {"scratch": KernelState().scratch, **tuning}
     return functools.partial(decode_attention, q, keys, values, layout, scaling=D ** -0.5, inv_freq=inv_freq,
                              **tuning)
 
@@ -333,6 +338,9 @@ def _bench_point(T, batch, args, dtype, device, inv_freq, record):
             continue
         comp_bytes = _compressed_bytes(cache)
         _time_fused(cache, q, inv_freq, args, record, T, batch, f"{name}_fused", sdpa_ms, comp_bytes)
+        if dtype != torch.float32:  # the tensor-core kernel (what the Triton backend runs for 16-bit models)
+            _time_fused(cache, q, inv_freq, args, record, T, batch, f"{name}_fused_tc", sdpa_ms, comp_bytes,
+                        tensor_core=True)
         if not args.no_reference:
             try:
                 ms = _median_ms(functools.partial(_reference_step, cache, q, inv_freq, dtype),
@@ -458,7 +466,8 @@ def _fused_share(device, steps: int = 40) -> dict:
     paths = getattr(caches[-1], "step_paths", None) if caches else None
     if paths:  # the cache's own counter (per decode layer-step: 'fused' / 'reference')
         total = sum(paths.values())
-        return {"source": "cache.step_paths", "paths": dict(paths), "share": round(paths["fused"] / total, 4)}
+        fused = paths.get("fused", 0) + paths.get("fused-tc", 0)  # the register or the tensor-core kernel
+        return {"source": "cache.step_paths", "paths": dict(paths), "share": round(fused / total, 4)}
     total = counted["decode layer-steps"]
     if not counting:
         return {"source": "none: the cache has neither step_paths nor the entry points counted here", "share": None}

@@ -21,6 +21,9 @@ def test_fused_instructions_reproduce_the_compile_report():
     assert cost.fused_instructions(GearConfig.preset("gear", bits=4)) == pytest.approx(230, abs=3)
     assert cost.fused_instructions(GearConfig()) == pytest.approx(172)
     assert cost.fused_instructions(GearConfig.preset("kivi", bits=2)) == pytest.approx(108.5)
+    # the tensor-core kernel (16-bit models): its measured figures for the two formats the report compiles for it
+    assert cost.fused_instructions(GearConfig.preset("gear", bits=2), tensor_core=True) == pytest.approx(206, abs=1)
+    assert cost.fused_instructions(GearConfig(), tensor_core=True) == pytest.approx(140, abs=1)
 
 
 def test_bytes_per_token_follow_the_format():
@@ -39,9 +42,10 @@ def test_short_histories_take_the_fused_kernel(config):
 
 
 def test_long_batched_histories_split_by_format():
-    """T=32k, batch 8 (H200 calibration, reconstruction at its measured static count): gear-2's fused main loop
-    (227 instructions/token) issues more than the fallback's reconstruction + SDPA, kivi-2's (108.5) less."""
-    shape = dict(tokens=32768, batch=8, **LLAMA3_8B)
+    """T=32k, batch 8 (H200 calibration, reconstruction at its measured static count), the register kernel: gear-2's
+    fused main loop (227 instructions/token) issues more than the fallback's reconstruction + SDPA, kivi-2's (108.5)
+    less."""
+    shape = dict(tokens=32768, batch=8, tensor_core=False, **LLAMA3_8B)
     assert cost.choose_decode_path(GearConfig.preset("gear", bits=2), **shape) == "fallback"
     assert cost.choose_decode_path(GearConfig.preset("kivi", bits=2), **shape) == "fused"
 
@@ -49,20 +53,33 @@ def test_long_batched_histories_split_by_format():
 def test_choice_switches_once_as_the_history_grows():
     """Fused time grows faster with T than the fallback's: once the fallback wins it keeps winning."""
     config = GearConfig.preset("gear", bits=2)
-    choices = [cost.choose_decode_path(config, tokens=t, batch=8, **LLAMA3_8B) for t in range(256, 40000, 512)]
+    choices = [cost.choose_decode_path(config, tokens=t, batch=8, tensor_core=False, **LLAMA3_8B)
+               for t in range(256, 40000, 512)]
     switch = choices.index("fallback")
     assert choices[:switch] == ["fused"] * switch and set(choices[switch:]) == {"fallback"}
 
 
 def test_calibration_moves_the_choice():
-    """A fused kernel issuing 10x faster (the tensor-core kernel's aim) wins at T=8k, batch 8."""
+    """A fused kernel issuing 10x faster (the tensor-core kernel's aim) wins at T=8k, batch 8, where the register
+    kernel loses at the default calibration."""
     config = GearConfig.preset("gear", bits=2)
-    shape = dict(tokens=8192, batch=8, **LLAMA3_8B)
+    shape = dict(tokens=8192, batch=8, tensor_core=False, **LLAMA3_8B)
     assert cost.choose_decode_path(config, **shape) == "fallback"
     fast = cost.calibrate(fused_issue_rate=10 * cost.DEFAULT.fused_issue_rate)
     assert cost.choose_decode_path(config, cal=fast, **shape) == "fused"
     with pytest.raises(ValueError, match="unknown calibration"):
         cost.calibrate(bandwith=1.0)
+
+
+def test_tensor_core_kernel_lowers_the_fused_estimate():
+    """16-bit models run the tensor-core kernel (fewer instructions per token): its estimate is below the register
+    kernel's, and at T=8k, batch 8 it takes gear-2's decode steps the register kernel would leave to the fallback."""
+    config = GearConfig.preset("gear", bits=2)
+    shape = dict(tokens=8192, batch=8, **LLAMA3_8B)
+    tc, register = (cost.decode_path_costs(config, tensor_core=t, **shape) for t in (True, False))
+    assert tc.fused_s < register.fused_s and tc.fallback_s == register.fallback_s
+    assert cost.decode_path_costs(config, **shape) == tc  # model_bytes=2: the tensor-core kernel
+    assert (tc.choice, register.choice) == ("fused", "fallback")
 
 
 def test_calibration_from_the_environment(monkeypatch):

@@ -75,3 +75,19 @@ def test_sass_report_counts_the_main_loop():
     assert set(saved) == {"value outliers", "key outliers", "key low-rank", "value low-rank", "all four"}, terms
     assert all(n > 0 for n in saved.values()) and saved["all four"] > max(
         n for name, n in saved.items() if name != "all four"), terms
+
+
+def test_tensor_core_kernel_report():
+    """`--sass-report --tensor-core-only`: the tensor-core kernel's main loop for GearConfig() and gear-2 compiles
+    without spills and counts fewer instructions per token and KV head than the register kernel's (the issue's
+    targets, 90 and 140, are reported in results/decode-kernel-sass, not asserted)."""
+    import re
+
+    out = _run("--sass-report", "--tensor-core-only").stdout
+    for label in ("default", "gear2"):
+        figures = {}
+        for name in ("register", "tensor-core"):
+            line = next(x for x in out.splitlines() if x.startswith(f"{label} {name} ("))
+            figures[name] = int(re.search(r"= (\d+) instructions/token/kv-head", line).group(1))
+            assert "spill ops 0" in line and "stack 0B" in line, line
+        assert figures["tensor-core"] < figures["register"], (label, figures)

@@ -6,7 +6,8 @@ For each path, with its kernels run one after the other,
     time = sum over its kernels of max(bytes / bandwidth, warp instructions / issue rate) + launches * launch_s
 
     fused     one kernel reads the compressed history (+ the buffer) once and issues, per token, KV head and
-              16-row query tile, `fused_instructions(config)` warp instructions: the main-loop figure of the compile
+              16-row query tile, `fused_instructions(config, tensor_core)` warp instructions (the tensor-core kernel
+              for 16-bit models, the register kernel for float32 ones): the main-loop figure of the compile
               report (`python -m gear_hf.kernels.compile_check --sass-report`, results/decode-kernel-sass), from its
               per-term breakdown; 2 launches (main + split merge)
     fallback  the reconstruction kernel reads the compressed history and writes it dense in the model dtype
@@ -41,6 +42,11 @@ OUTLIERS_AND_LOWRANK = {8: 945 / 8, 16: 812 / 8}  # all four removed together
 # GearConfig() (allocated key widths as bit planes, 3-bit rotated values, sinks) measured 172 in the same report;
 # its backbone at 3 bits is 146, so the planes and the rotation cost the difference.
 PLANES_AND_ROTATION = 172.0 - BACKBONE[3]
+# The tensor-core kernel (Triton backend, fp16/bf16 queries: `kernels.tensor_core_reason`), same report and counting
+# (`python -m gear_hf.kernels.compile_check --sass-report`, its "tensor-core" lines; results/decode-kernel-sass): its
+# main loop against the register kernel's for the two formats the report compiles. Other formats take the ratio of
+# the measured one they resemble (outliers: gear-2's; else GearConfig()'s), an estimate until the report counts them.
+TENSOR_CORE_MEASURED = {"gear2": (227.0, 206.0), "default": (172.0, 140.3125)}  # (register, tensor-core)
 # The reconstruction kernel's SASS per element and thread (static: the whole kernel over the 32 elements each of its
 # 128 threads writes; sm_90, head_dim 128, bf16, 32-token blocks): gear-2 keys 64.2 / values 33.0, GearConfig() keys
 # 39.0 / values 32.8, gear-3 68.8 / 38.2 (compiled on this machine with Triton 3.9's ptxas, 0 spills; the issue's
@@ -82,9 +88,19 @@ def calibrate(base: Calibration = DEFAULT, **measured: float) -> Calibration:
     return replace(base, **{k: float(v) for k, v in measured.items()})
 
 
-def fused_instructions(config) -> float:
+def fused_instructions(config, tensor_core: bool = False) -> float:
     """Main-loop warp instructions per token and KV head (one 16-row query tile) of the fused kernel for a config,
-    from the compile report's backbone and per-term figures."""
+    from the compile report's backbone and per-term figures; tensor_core: of the tensor-core kernel (scaled by
+    `TENSOR_CORE_MEASURED`)."""
+    count = _register_instructions(config)
+    if tensor_core:
+        outliers = config.uses_outliers and config.outlier_ratio > 0
+        register, tc = TENSOR_CORE_MEASURED["gear2" if outliers else "default"]
+        count *= tc / register
+    return count
+
+
+def _register_instructions(config) -> float:
     allocated = config.key_bit_allocation == "query"
     bits = max(round(config.value_bits), 2 if allocated else round(config.key_bits))
     count = BACKBONE.get(bits, BACKBONE[4])  # 8 bits: the 4-bit figure (not measured)
@@ -125,18 +141,21 @@ class PathCosts:
 
 
 def decode_path_costs(config, *, tokens: int, batch: int, kv_heads: int, query_heads: int, head_dim: int,
-                      query_len: int = 1, buffered: int = 0, model_bytes: int = 2,
+                      query_len: int = 1, buffered: int = 0, model_bytes: int = 2, tensor_core: bool | None = None,
                       cal: Calibration | None = None) -> PathCosts:
     """Estimated seconds of one layer's decode attention on each path. tokens: compressed tokens per row (the
     longest row's); buffered: full-precision tokens per row (sink + buffer); model_bytes: bytes per element of the
-    model dtype."""
+    model dtype; tensor_core: whether the fused path is the tensor-core kernel (None: as the Triton backend decides,
+    for 2-byte models; False: the register kernel)."""
+    if tensor_core is None:
+        tensor_core = model_bytes == 2
     cal = cal or calibration()
     heads = batch * kv_heads
     dense_elements = heads * (tokens + buffered) * head_dim * 2  # keys + values
     buffer_bytes = heads * buffered * head_dim * 2 * model_bytes
     compressed = heads * tokens * compressed_bytes_per_token(config, head_dim)
     tiles = -(-(query_heads // kv_heads) * query_len // 16)
-    fused_issue = fused_instructions(config) * (tokens + buffered) * heads * tiles
+    fused_issue = fused_instructions(config, tensor_core) * (tokens + buffered) * heads * tiles
     fused = max((compressed + buffer_bytes) / cal.bandwidth, fused_issue / cal.fused_issue_rate) \
         + FUSED_LAUNCHES * cal.launch_s
     dense_written = heads * tokens * head_dim * 2 * model_bytes

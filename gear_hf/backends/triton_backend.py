@@ -91,11 +91,17 @@ class TritonBackend(Backend):
         return step_reason(head_dim, query_len, rotary_dim, softcap)
 
     def attend(self, query, keys, values, layout, *, scaling, inv_freq, attention_scaling, sliding_window, shared):
+        from ..kernels import tensor_core_reason
         from ..kernels.decode import decode_attention  # imports triton: only on this path
 
+        # the tensor-core kernel where it serves the step (16-bit queries), else the register kernel; the cache's
+        # step_paths name which ran ("fused-tc" / "fused"), shared.attend_reason why not the tensor-core one
+        reason = tensor_core_reason(query.dtype)
+        shared.attend_path, shared.attend_reason = ("fused", reason) if reason else ("fused-tc", None)
         return decode_attention(query, keys, values, layout, scaling=scaling, inv_freq=inv_freq,
                                 attention_scaling=attention_scaling, sliding_window=sliding_window,
-                                workspace=shared.workspace, tables=shared.tables)
+                                workspace=shared.workspace, tables=shared.tables, tensor_core=reason is None,
+                                scratch=shared.scratch)
 
     # derived state: key outliers sorted by token per chunk (`kernels.views.prepare_derived`), computed for each
     # chunk once, after it is written, into tensors the store owns

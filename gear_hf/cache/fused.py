@@ -32,7 +32,7 @@ def cache_decode_attention(cache, layer_idx: int, query: torch.Tensor, *, scalin
     shared = cache.kernel_state  # the cache's workspace and tables, as its own fused steps use them
     return decode_attention(query, keys, values, layout, scaling=scaling, inv_freq=inv_freq,
                             attention_scaling=attention_scaling, sliding_window=sliding_window, out=out,
-                            workspace=shared.workspace, tables=shared.tables, **tuning)
+                            workspace=shared.workspace, tables=shared.tables, scratch=shared.scratch, **tuning)
 
 
 def row_local_tokens(cache, layer_idx: int, dtype=torch.float32):

@@ -36,6 +36,12 @@ class FusedPath:
         return "fallback" if self.plan is not None and self.plan.reconstruct.name == "triton" else "reference"
 
     @property
+    def fused_path_name(self) -> str:
+        """What `step_paths` calls the last fused step: "fused-tc" (the Triton tensor-core kernel) or "fused" (the
+        Triton register kernel, or the CPU kernel); `kernel_state.attend_reason` says why not the tensor-core one."""
+        return self.kernel_state.attend_path
+
+    @property
     def backend_names(self) -> dict[str, str]:
         """Which backend runs each operation ({"compress": "numba", "reconstruct": "numba", "attend": "numba" |
         "reference"}); empty before the first step."""
@@ -90,6 +96,7 @@ class FusedPath:
         layer = self.layers[layer_idx]
         keys, values, layout = self.kernel_views(layer_idx, query.shape[2], query.device)
         self.kernel_state.step = self.layout.steps
+        self.kernel_state.attend_path, self.kernel_state.attend_reason = "fused", None  # (a backend may say more)
         return self.plan.attend.attend(query, keys, values, layout, scaling=scaling, inv_freq=inv_freq,
                                        attention_scaling=attention_scaling, sliding_window=layer.sliding_window,
                                        shared=self.kernel_state)

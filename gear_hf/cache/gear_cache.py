@@ -84,7 +84,8 @@ class GearCache(FusedPath, Cache):
         windows = _sliding_windows(_text_config(model_or_config))
         super().__init__(layers=[GearLayer(gear_config, i, w) for i, w in enumerate(windows)])
         self.layout = RowLayout(gear_config, expected_length, speculative=speculative)
-        self.step_paths: Counter = Counter()  # 'fused' / 'fallback' / 'reference' per decode layer-step (not prompts)
+        # 'fused-tc' / 'fused' / 'fallback' / 'reference' per decode layer-step (not prompts)
+        self.step_paths: Counter = Counter()
         self.shape: tuple[int, int] | None = None  # (H_kv, d) of the stored layers
         self.model_dtype: torch.dtype | None = None
         self._rotary = RotaryMemo()

@@ -4,6 +4,7 @@
                  and shared by its layers
     workspace    the split-KV partial results of the Triton kernel: one buffer shared by every layer, sized to the
                  largest step so far
+    scratch      the Triton tensor-core kernel's outlier tiles: one zeroed buffer shared the same way
     tables       small constant tables (the Walsh–Hadamard matrix the Triton kernel un-rotates values with)
 
 Per-store derived state (prepared runs, sorted outliers) lives with the store instead (`ChunkStore.derived`).
@@ -23,6 +24,10 @@ class KernelState:
         self._workspaces: dict[tuple, torch.Tensor] = {}
         self._tables: dict[tuple, torch.Tensor] = {}
         self.step = -1  # the cache's step counter, set before each step's first attention
+        # which fused kernel the attending backend ran last ("fused-tc": the tensor-core kernel, "fused": the
+        # register kernel or the CPU one) and, when not the tensor-core one, why (`kernels.tensor_core_reason`)
+        self.attend_path = "fused"
+        self.attend_reason: str | None = None
 
     def rope_halves(self, positions: torch.Tensor, inv_freq: torch.Tensor):
         """cos/sin [B, T, d/2] float32 numpy arrays at `positions` (as the rotary module computes them), once per
@@ -45,6 +50,16 @@ class KernelState:
         if ws is None or ws.numel() < numel:
             ws = self._workspaces[key] = torch.empty(numel, dtype=torch.float32, device=device)
         return ws
+
+    def scratch(self, device: torch.device, numel: int) -> torch.Tensor:
+        """A zeroed float32 buffer of at least `numel` elements on `device`, shared like `workspace`: the Triton
+        tensor-core kernel scatters outliers into it and zeroes what it wrote before it ends."""
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+        key = ("scratch", str(device), stream)
+        buf = self._workspaces.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = self._workspaces[key] = torch.zeros(numel, dtype=torch.float32, device=device)
+        return buf
 
     def tables(self, key: tuple, build) -> torch.Tensor:
         """The table `build()` makes for `key`, built once."""

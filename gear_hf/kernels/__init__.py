@@ -33,8 +33,8 @@ from __future__ import annotations
 import importlib
 import os
 
-__all__ = ["interpreting", "fused_supported", "step_reason", "quantize_pack_supports", "reconstruct_supported",
-           "MAX_FUSED_QUERY", "quantize_pack", "decode_attention", "reconstruct_run"]
+__all__ = ["interpreting", "fused_supported", "tensor_core_reason", "step_reason", "quantize_pack_supports",
+           "reconstruct_supported", "MAX_FUSED_QUERY", "quantize_pack", "decode_attention", "reconstruct_run"]
 
 _LAZY = {"quantize_pack": "quant", "decode_attention": "decode", "reconstruct_run": "triton.reconstruct"}
 
@@ -80,6 +80,18 @@ def fused_supported(config, head_dim: int, query_len: int, *, rotary_dim: int | 
             unit = codes_per_unit(bits, allocated)
             if group % unit and not config.coarse_groups:
                 return f"group size {group} is not a multiple of the {unit} codes of a {bits}-bit packing unit"
+    return None
+
+
+def tensor_core_reason(dtype) -> str | None:
+    """None when the tensor-core decode kernel (`gear_hf.kernels.triton.tc_kernel`) serves a step whose storage
+    the fused kernel covers (`fused_supported`), else why the register kernel runs it instead. It reads every
+    format the register kernel reads; what it needs is 16-bit dot operands."""
+    import torch
+
+    if dtype not in (torch.float16, torch.bfloat16):
+        return (f"query dtype {dtype}: the tensor-core kernel takes fp16/bf16 operands (a float32 model runs the "
+                "register kernel's float32 dots)")
     return None
 
 

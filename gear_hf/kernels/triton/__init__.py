@@ -52,6 +52,11 @@ The modules, host to device:
   configuration), and the Hadamard table builder; what is derived from a cache's data (sorted key outliers,
   workspaces, tables) the caller passes in (the store's `derived`, the cache's `KernelState`);
 * `decode_kernel` - the main kernel and the kernel merging its splits;
+* `tc_kernel`, `tc_tiles` - the tensor-core kernel (`decode_attention(..., tensor_core=True)`, what the Triton
+  backend runs for fp16/bf16 queries: `gear_hf.kernels.tensor_core_reason`): the same program layout and merge,
+  with per-token value statistics folded into the probabilities, bit planes read as aligned words with their
+  offsets computed once per chunk, and outliers scattered into a zeroed scratch tile (one store each) and read
+  back dense instead of compared per element and slot; the compile report counts it next to this kernel;
 * `tiles` - one block of compressed or full-precision tokens, key outliers;
 * `ops` - dots, sin/cos and RoPE, low-rank factors, the Hadamard un-rotation, the online-softmax step;
 * `unpack` - packed codes, 3-bit units, bit planes and 16-bit rows unpacked in registers.

@@ -13,11 +13,12 @@ import torch
 import triton.language as tl
 
 from .. import interpreting
-from ..views import DecodeLayout, StreamView
+from ..views import DecodeLayout, StreamView, key_outlier_count
 from .args import _check, _check_words, _rotated, key_run_args, value_run_args
 from .decode_kernel import _combine_kernel, _decode_attention_kernel
 from .ops import _libdevice
 from .sizing import _RESIDENT, _num_splits, _resident_programs, hadamard_table
+from .tc_kernel import _tc_decode_kernel
 
 _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 LOG2E = 1.4426950408889634
@@ -44,11 +45,23 @@ def _positional(kernel, named: dict, constexprs: dict) -> tuple:
     return tuple(named[name] for name in order)
 
 
+def _tc_block(keys: StreamView, values: StreamView) -> int:
+    """The tensor-core kernel's default block: 64 tokens for runs without outliers or low-rank terms (compile report,
+    sm_90, head_dim 128, 4 warps, 0 spills: GearConfig() 140 instructions/token/kv-head against 157 at 32, kivi-2 104
+    / 109, compact 131 / 145), else 32 (gear-2 spills 174 ops at 64, gear-l-2 24)."""
+    for key_run, value_run in ((keys.prompt, values.prompt), (keys.decode, values.decode)):
+        if key_run is not None and (key_outlier_count(key_run) or key_run.lowrank_a.shape[-1]
+                                    or value_run.sparse_values.shape[-1] or value_run.lowrank_a.shape[-1]):
+            return 32
+    return 64
+
+
 def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, layout: DecodeLayout, *,
                      scaling: float, inv_freq: torch.Tensor, attention_scaling: float = 1.0,
                      sliding_window: int | None = None, out: torch.Tensor | None = None,
                      num_splits: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-                     num_stages: int | None = None, workspace=None, tables=None,
+                     num_stages: int | None = None, workspace=None, tables=None, tensor_core: bool = False,
+                     fold_values: bool = True, rope_on_query: bool = False, scratch=None,
                      _plan: list | None = None) -> torch.Tensor:
     """Attention of `query` [B,Hq,q,d] (already rotated) over one layer's compressed keys/values.
 
@@ -57,8 +70,14 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
     Tuning: num_splits (flash-decoding splits; default sized to whole waves), block_n (tokens per block),
     num_warps, num_stages. workspace: (device, numel) -> a float32 buffer of >= numel elements the caller keeps
     (the cache shares one across its layers), else one is allocated for the call; tables: (key, build) -> the
-    table build() makes, kept by the caller, else built for the call. _plan: record the launches in this list
-    instead of running them (compile_check).
+    table build() makes, kept by the caller, else built for the call. tensor_core: run the tensor-core kernel
+    (`tc_kernel`; `gear_hf.kernels.tensor_core_reason` says when it serves: 16-bit queries) instead of the register
+    kernel; fold_values: (tensor_core) fold per-token value statistics into the probabilities where the format
+    allows (False: only for compile_check's comparison); rope_on_query: (tensor_core, compile_check's comparison
+    only) rotate the query back per token instead of the key tile; scratch: (device, numel) -> a zeroed float32
+    buffer of >= numel elements the caller keeps (the tensor-core kernel scatters outliers into it and leaves it
+    zeroed), else one is allocated for the call. _plan: record the launches in this list instead of running
+    them (compile_check).
     """
     if _plan is None and query.device.type != "cuda" and not interpreting():
         raise RuntimeError("gear_hf fused attention needs CUDA tensors, or TRITON_INTERPRET=1 set before "
@@ -85,6 +104,9 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
         t = getattr(layout, name)
         if t.dtype != torch.int32 or t.device != query.device:
             raise ValueError(f"layout.{name} must be int32 on {query.device}, got {t.dtype} on {t.device}")
+    if tensor_core and dtype == torch.float32:
+        raise NotImplementedError("tensor-core kernel: float32 queries (tensor cores take fp16/bf16 operands); use "
+                                  "the register kernel (tensor_core=False)")
     dot_dt = tl.float32 if (dtype == torch.float32 or (dtype == torch.bfloat16 and interpreting())) else _TL[dtype]
     fast = _libdevice is not None and not interpreting()  # hardware sin/cos (the interpreter has none)
     if query.stride(-1) != 1:
@@ -98,7 +120,7 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
         raise ValueError("keys and values disagree on which chunk runs exist")
     NB = layout.buffer_size
     if block_n is None:  # 32-token tiles: no register spills at head_dim 128 with the default launch (see below)
-        block_n = min(32, NB & -NB)
+        block_n = min(_tc_block(keys, values) if tensor_core else 32, NB & -NB)
     decode_chunks = layout.max_decode_chunks if keys.decode is not None else 0
     if block_n < 16 or block_n & (block_n - 1) or (decode_chunks and NB % block_n):
         raise NotImplementedError(f"fused kernel: a block of {block_n} tokens must be a power of two >= 16 "
@@ -111,6 +133,10 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
                   value_run_args(values.decode, decode_chunks, query, D, "D_V", block_n))}
     used = [(keys.prompt, values.prompt)] if prompt_chunks else []
     used += [(keys.decode, values.decode)] if decode_chunks else []
+    if tensor_core:  # bit planes of allocated widths: read as aligned 32-bit words (tc_tiles._tc_plane_words)
+        for key_args, _ in runs.values():
+            if key_args.constexprs["PLANES"]:
+                _check_words(key_args.codes, "allocated key codes")
     rot_k = _rotated([k for k, _ in used], "keys")
     rot_v = _rotated([v for _, v in used], "values")
     if decode_chunks and keys.decode.chunk_len != NB:
@@ -142,7 +168,8 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
             num_warps = 8 if dot_dt == tl.float32 else 4
         if num_stages is None:
             num_stages = 1
-        resident_key = (query.device.index, num_warps, block_n, dtype, run_constexprs["P_K_BITS"],
+        kernel = _tc_decode_kernel if tensor_core else _decode_attention_kernel
+        resident_key = (kernel.fn.__name__, query.device.index, num_warps, block_n, dtype, run_constexprs["P_K_BITS"],
                         run_constexprs["P_V_BITS"], run_constexprs["D_K_BITS"], run_constexprs["D_V_BITS"])
         nsplit = num_splits or _num_splits(max_blocks, programs, query.device, _RESIDENT.get(resident_key, 1))
         nsplit = max(1, min(int(nsplit), 64))
@@ -162,6 +189,14 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
         options = {"num_warps": num_warps, "num_stages": num_stages}
         constexprs = dict(G=G, QL=QL, D=D, HALF=HALF, BN=block_n, NB=NB, DT=dot_dt, FAST=fast, HAS_SINK=has_sink,
                           ROT_K=rot_k, ROT_V=rot_v, **run_constexprs)
+        if tensor_core:
+            constexprs["FOLD_V"] = fold_values
+            constexprs["ROPE_Q"] = rope_on_query
+            # outlier scratch: [2, BN, D] float32 per program and split (keys, values), only for formats with outliers
+            sparse = any(run_constexprs[f"{r}_K_SPARSE"] or run_constexprs[f"{r}_V_K2"] for r in "PD")
+            n_scratch = programs * nsplit * 2 * block_n * D if sparse else 1
+            scr = scratch(query.device, n_scratch) if scratch is not None else \
+                torch.zeros(n_scratch, dtype=torch.float32, device=query.device)
         named = dict(q_ptr=query, sqb=query.stride(0), sqh=query.stride(1), sqq=query.stride(2),
                      lim_ptr=layout.limits, rows_ptr=layout.rows, pos_ptr=layout.positions,
                      spos=layout.positions.stride(0), freq_ptr=freq, attn_scale=float(attention_scaling),
@@ -170,8 +205,10 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
                      s_sink_h=keys.sink.stride(1) if has_sink else 0, buf_k=buf_k, buf_v=buf_v,
                      s_buf_h=buf_k.stride(1), **run_args, had_ptr=had, acc_ptr=acc_ws, ml_ptr=ml_ws, H_KV=Hkv,
                      M_TILES=m_tiles, NSPLIT=nsplit)
-        compiled = _launch(_decode_attention_kernel, (programs, nsplit),
-                           _positional(_decode_attention_kernel, named, constexprs), {**constexprs, **options}, _plan)
+        if tensor_core:
+            named["scr_ptr"] = scr
+        compiled = _launch(kernel, (programs, nsplit), _positional(kernel, named, constexprs),
+                           {**constexprs, **options}, _plan)
         if compiled is not None and resident_key not in _RESIDENT and query.device.type == "cuda":
             _RESIDENT[resident_key] = _resident_programs(compiled, num_warps)
         _launch(_combine_kernel, (B * Hkv, M), (acc_ws, ml_ws, out, out.stride(0), out.stride(1), out.stride(2),

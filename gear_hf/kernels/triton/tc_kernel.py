@@ -1,0 +1,203 @@
+"""The tensor-core decode kernel: the register kernel's program layout (one program per row, KV head, 16-row tile
+of the GQA group's query rows x query length, and split; sink and buffer blocks by `tiles._dense_block` in their
+own loops, merged by the online softmax; splits merged by `decode_kernel._combine_kernel`'s log-sum-exp), with the
+compressed blocks of `tc_tiles.tc_compressed_block` (scales folded into the probabilities, per-chunk plane
+offsets). Launched by `launch.decode_attention(..., tensor_core=True)`; `tc_reason` says what it does not serve."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .decode_kernel import _MAIN_DYNAMIC
+from .ops import _lowrank_bt
+from .tc_tiles import tc_compressed_block, tc_plane_layout
+from .tiles import _blocks_before, _dense_block
+
+
+@triton.jit(do_not_specialize=_MAIN_DYNAMIC)
+def _tc_decode_kernel(
+    q_ptr, sqb, sqh, sqq, lim_ptr, rows_ptr, pos_ptr, spos, freq_ptr, attn_scale, sm_scale, window,
+    sink_k, sink_v, s_sink_h, buf_k, buf_v, s_buf_h,
+    # prompt chunk: keys (codes, scale, min, A, B) + sorted outliers (where, value, tile offsets), values
+    pkc, pks, pkm, pka, pkb, s_pkc, s_pks, s_pka, s_pkb, pow_, pov, pot, s_pow, s_pot, p_tiles, p_seg,
+    pkas, pkbs, s_pkas,  # int8 factors: per-column scales of A and B (unused with 16-bit factors)
+    pkw, s_pkw,  # key widths per channel [B,H,chunks,D] (P_K_PLANES), else a placeholder
+    pvc, pvs, pvm, pvsv, pvsi, pva, pvb, s_pvc, s_pvs, s_pvsp, s_pva, s_pvb, pvas, pvbs, s_pvas,
+    # decode chunks
+    dkc, dks, dkm, dka, dkb, s_dkc, s_dks, s_dka, s_dkb, dow, dov, dot_, s_dow, s_dot, d_seg, dkas, dkbs, s_dkas,
+    dkw, s_dkw,
+    dvc, dvs, dvm, dvsv, dvsi, dva, dvb, s_dvc, s_dvs, s_dvsp, s_dva, s_dvb, dvas, dvbs, s_dvas,
+    had_ptr,  # [D/2, D/2] Sylvester matrix in the dot dtype (rotated storage), else a placeholder
+    acc_ptr, ml_ptr, scr_ptr, H_KV, M_TILES, NSPLIT,
+    G: tl.constexpr, QL: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+    BN: tl.constexpr, NB: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr, HAS_SINK: tl.constexpr,
+    ROT_K: tl.constexpr, ROT_V: tl.constexpr,
+    P_K_BITS: tl.constexpr, P_K_UNIT: tl.constexpr, P_K_GROUP: tl.constexpr, P_K_R: tl.constexpr,
+    P_K_SPARSE: tl.constexpr, P_K_STATS_ROW: tl.constexpr, P_K_PLANES: tl.constexpr, P_K_ROW: tl.constexpr,
+    P_V_BITS: tl.constexpr, P_V_UNIT: tl.constexpr,
+    P_V_GROUP: tl.constexpr, P_V_R: tl.constexpr, P_V_K2: tl.constexpr, P_V_CODES_W: tl.constexpr,
+    P_V_STATS_W: tl.constexpr, P_V_BY_CHANNEL: tl.constexpr, P_V_STATS_ROW: tl.constexpr,
+    D_K_BITS: tl.constexpr, D_K_UNIT: tl.constexpr, D_K_GROUP: tl.constexpr, D_K_R: tl.constexpr,
+    D_K_SPARSE: tl.constexpr, D_K_STATS_ROW: tl.constexpr, D_K_PLANES: tl.constexpr, D_K_ROW: tl.constexpr,
+    D_V_BITS: tl.constexpr, D_V_UNIT: tl.constexpr,
+    D_V_GROUP: tl.constexpr, D_V_R: tl.constexpr, D_V_K2: tl.constexpr, D_V_CODES_W: tl.constexpr,
+    D_V_STATS_W: tl.constexpr, D_V_BY_CHANNEL: tl.constexpr, D_V_STATS_ROW: tl.constexpr,
+    FOLD_V: tl.constexpr, ROPE_Q: tl.constexpr,
+):
+    # values per token, one group per token, no outliers: scale and minimum folded into the probabilities
+    P_V_FOLD: tl.constexpr = FOLD_V and ((P_V_K2 == 0) and ((P_V_STATS_W == 1) and (not P_V_BY_CHANNEL)))
+    D_V_FOLD: tl.constexpr = FOLD_V and ((D_V_K2 == 0) and ((D_V_STATS_W == 1) and (not D_V_BY_CHANNEL)))
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    pid_bh = pid // M_TILES
+    mt = pid % M_TILES
+    b = pid_bh // H_KV
+    kvh = pid_bh % H_KV
+    b64 = b.to(tl.int64)
+    bh64 = b64 * H_KV + kvh
+    s_len = tl.load(rows_ptr + b * 4 + 0)
+    p_len = tl.load(rows_ptr + b * 4 + 1)
+    c_cnt = tl.load(rows_ptr + b * 4 + 2)
+    f_len = tl.load(rows_ptr + b * 4 + 3)
+    PER_CHUNK: tl.constexpr = NB // BN
+    nb_sink = tl.cdiv(s_len, BN)
+    nb_prompt = tl.cdiv(p_len, BN)
+    nb_decode = c_cnt * PER_CHUNK
+    nb_buf = tl.cdiv(f_len, BN)
+    e1 = nb_sink
+    e2 = e1 + nb_prompt
+    e3 = e2 + nb_decode
+    total = e3 + nb_buf
+
+    m_offs = mt * 16 + tl.arange(0, 16)
+    mvalid = m_offs < G * QL
+    g = m_offs // QL
+    qi = m_offs % QL
+    h_offs = tl.arange(0, HALF)
+    q_rows = q_ptr + b64 * sqb + (kvh * G + g) * sqh + qi * sqq
+    # the softmax scale (log2 units) and the rotary attention_scaling are folded into the query once: q·(a R k)·s
+    # = (a s q)·(R k), so neither is applied per key element or per score
+    q_scale = attn_scale * sm_scale
+    q1 = tl.load(q_rows[:, None] + h_offs[None, :], mask=mvalid[:, None], other=0.0).to(tl.float32) * q_scale
+    q2 = tl.load(q_rows[:, None] + HALF + h_offs[None, :], mask=mvalid[:, None], other=0.0).to(tl.float32) * q_scale
+    # in the dot dtype once (the tensor cores' operand), not per block
+    q1 = q1.to(DT)
+    q2 = q2.to(DT)
+    freq = tl.load(freq_ptr + h_offs)
+    limit = tl.load(lim_ptr + b * QL + qi, mask=mvalid, other=-1)
+
+    # Sliding window: blocks that end before the earliest visible token of every query are skipped (not
+    # just masked), and the splits share only the blocks that remain.
+    first = s_len * 0  # an int32 scalar, like the value the window branch gives it
+    if window > 0:
+        lowest = tl.min(tl.where(mvalid & (limit >= 0), limit, 2147483647), axis=0)
+        t_min = tl.maximum(lowest - window + 1, 0)
+        first = _blocks_before(t_min, 0, s_len, BN) + _blocks_before(t_min, s_len, p_len, BN) \
+            + _blocks_before(t_min, s_len + p_len, c_cnt * NB, BN) \
+            + _blocks_before(t_min, s_len + p_len + c_cnt * NB, f_len, BN)
+    per = tl.cdiv(total - first, NSPLIT)
+    lo = first + split * per
+    hi = tl.minimum(lo + per, total)
+    n_offs = tl.arange(0, BN)
+    pos_b = pos_ptr + b64 * spos
+
+    # this program's scratch [2, BN, D] float32 (key and value outliers), zero between blocks
+    scr = scr_ptr + (pid.to(tl.int64) * NSPLIT + split) * (2 * BN * D)
+    m_i = tl.full([16], float("-inf"), tl.float32)
+    l_i = tl.zeros([16], tl.float32)
+    acc = tl.zeros([16, D], tl.float32)
+
+    if HAS_SINK:
+        for blk in range(lo, tl.minimum(hi, e1)):
+            slot = blk * BN + n_offs
+            tvalid = slot < s_len
+            m_i, l_i, acc = _dense_block(q1, q2, sink_k + bh64 * s_sink_h, sink_v + bh64 * s_sink_h, D, slot,
+                                         slot, tvalid, pos_b, freq, limit, mvalid,
+                                         window, m_i, l_i, acc, had_ptr, D, HALF, DT, FAST, ROT_V)
+
+    if P_K_BITS > 0:
+        # the prompt chunk's Bᵀ (keys: two halves, values) is the same for every block: loaded once
+        pkbt1 = _lowrank_bt(pkb + bh64 * s_pkb, P_K_R, h_offs, pkas + bh64 * s_pkas, pkbs + bh64 * s_pkas, 0, P_K_R, DT)
+        pkbt2 = _lowrank_bt(pkb + bh64 * s_pkb, P_K_R, h_offs + HALF, pkas + bh64 * s_pkas, pkbs + bh64 * s_pkas, 0,
+                            P_K_R, DT)
+        pvbt = _lowrank_bt(pvb + bh64 * s_pvb, P_V_R, tl.arange(0, D), pvas + bh64 * s_pvas, pvbs + bh64 * s_pvas, 0,
+                           P_V_R, DT)
+        if P_K_PLANES:  # the prompt chunk's plane offsets, once
+            pkoff1, pkw1, pkoff2, pkw2 = tc_plane_layout(pkw + bh64 * s_pkw, D)
+        else:
+            pkoff1, pkw1, pkoff2, pkw2 = 0, 0, 0, 0
+        for blk in range(tl.maximum(lo, e1), tl.minimum(hi, e2)):
+            slot0 = (blk - e1) * BN
+            slot = slot0 + n_offs
+            tvalid = slot < p_len
+            t = s_len + slot
+            m_i, l_i, acc = tc_compressed_block(
+                q1, q2, q_rows, t, slot, slot0, p_len, tvalid, slot0, pos_b, freq_ptr, freq, q_scale, limit,
+                mvalid, window, m_i, l_i, acc,
+                pkc + bh64 * s_pkc, pks + bh64 * s_pks, pkm + bh64 * s_pks, pka + bh64 * s_pka, P_K_ROW, D, P_K_R,
+                pow_ + bh64 * s_pow, pov + bh64 * s_pow, pot + bh64 * s_pot, p_tiles, 0, s_len, pkw + bh64 * s_pkw,
+                pkoff1, pkw1, pkoff2, pkw2,
+                pvc + bh64 * s_pvc, pvs + bh64 * s_pvs, pvm + bh64 * s_pvs, pvsv + bh64 * s_pvsp,
+                pvsi + bh64 * s_pvsp, pva + bh64 * s_pva, P_V_CODES_W, P_V_STATS_W, P_V_K2, P_V_R,
+                pkbt1, pkbt2, pvbt, had_ptr,
+                D, HALF, BN, DT, FAST, ROT_K, P_K_BITS, P_K_UNIT, P_K_GROUP, P_K_R, P_K_SPARSE, P_K_STATS_ROW,
+                P_K_PLANES, P_V_BITS, P_V_UNIT, P_V_GROUP, P_V_R, P_V_K2, P_V_BY_CHANNEL, P_V_STATS_ROW,
+                P_V_FOLD, scr, ROPE_Q)
+
+    if D_K_BITS > 0:
+        # chunk by chunk: each chunk's Bᵀ (keys: two halves, values) is loaded once for its NB/BN blocks
+        d_lo = tl.maximum(lo, e2)
+        d_hi = tl.minimum(hi, e3)
+        for chunk in range((d_lo - e2) // PER_CHUNK, tl.cdiv(d_hi - e2, PER_CHUNK)):
+            if D_K_R > 0:
+                dkbt1 = _lowrank_bt(dkb + bh64 * s_dkb, D_K_R, chunk * D + h_offs, dkas + bh64 * s_dkas,
+                                    dkbs + bh64 * s_dkas, chunk, D_K_R, DT)
+                dkbt2 = _lowrank_bt(dkb + bh64 * s_dkb, D_K_R, chunk * D + HALF + h_offs, dkas + bh64 * s_dkas,
+                                    dkbs + bh64 * s_dkas, chunk, D_K_R, DT)
+            else:
+                dkbt1 = 0
+                dkbt2 = 0
+            if D_V_R > 0:
+                dvbt = _lowrank_bt(dvb + bh64 * s_dvb, D_V_R, chunk * D + tl.arange(0, D), dvas + bh64 * s_dvas,
+                                   dvbs + bh64 * s_dvas, chunk, D_V_R, DT)
+            else:
+                dvbt = 0
+            if D_K_PLANES:  # this chunk's plane offsets, once for its blocks
+                dkoff1, dkw1, dkoff2, dkw2 = tc_plane_layout(dkw + bh64 * s_dkw + chunk * D, D)
+            else:
+                dkoff1, dkw1, dkoff2, dkw2 = 0, 0, 0, 0
+            first_blk = e2 + chunk * PER_CHUNK
+            for blk in range(tl.maximum(d_lo, first_blk), tl.minimum(d_hi, first_blk + PER_CHUNK)):
+                j = blk - e2
+                slot0 = j * BN  # decode chunks are contiguous along the store's slot axis
+                slot = slot0 + n_offs
+                tvalid = slot < c_cnt * NB
+                t = s_len + p_len + slot
+                m_i, l_i, acc = tc_compressed_block(
+                    q1, q2, q_rows, t, slot, slot0, c_cnt * NB, tvalid, slot0 - chunk * NB, pos_b, freq_ptr,
+                    freq, q_scale, limit, mvalid, window, m_i, l_i, acc,
+                    dkc + bh64 * s_dkc, dks + bh64 * s_dks, dkm + bh64 * s_dks, dka + bh64 * s_dka, D_K_ROW, D,
+                    D_K_R, dow + bh64 * s_dow, dov + bh64 * s_dow, dot_ + bh64 * s_dot + chunk * (NB // 16 + 1),
+                    NB // 16, chunk * d_seg, s_len + p_len + chunk * NB, dkw + bh64 * s_dkw + chunk * D,
+                    dkoff1, dkw1, dkoff2, dkw2,
+                    dvc + bh64 * s_dvc, dvs + bh64 * s_dvs, dvm + bh64 * s_dvs, dvsv + bh64 * s_dvsp,
+                    dvsi + bh64 * s_dvsp, dva + bh64 * s_dva, D_V_CODES_W, D_V_STATS_W, D_V_K2, D_V_R,
+                    dkbt1, dkbt2, dvbt, had_ptr, D, HALF, BN, DT, FAST, ROT_K, D_K_BITS, D_K_UNIT, D_K_GROUP,
+                    D_K_R, D_K_SPARSE, D_K_STATS_ROW, D_K_PLANES, D_V_BITS, D_V_UNIT, D_V_GROUP, D_V_R, D_V_K2,
+                    D_V_BY_CHANNEL, D_V_STATS_ROW,
+                    D_V_FOLD, scr, ROPE_Q)
+
+    for blk in range(tl.maximum(lo, e3), hi):
+        slot = (blk - e3) * BN + n_offs
+        tvalid = slot < f_len
+        t = s_len + p_len + c_cnt * NB + slot
+        m_i, l_i, acc = _dense_block(q1, q2, buf_k + bh64 * s_buf_h, buf_v + bh64 * s_buf_h, D, t, slot, tvalid,
+                                     pos_b, freq, limit, mvalid, window,
+                                     m_i, l_i, acc, had_ptr, D, HALF, DT, FAST, ROT_V)
+
+    ws = pid.to(tl.int64) * NSPLIT + split
+    r16 = tl.arange(0, 16)
+    tl.store(acc_ptr + ws * (16 * D) + r16[:, None] * D + tl.arange(0, D)[None, :], acc)
+    tl.store(ml_ptr + ws * 32 + r16, m_i)
+    tl.store(ml_ptr + ws * 32 + 16 + r16, l_i)

@@ -1,0 +1,165 @@
+"""The tensor-core decode kernel (`gear_hf.kernels.triton.tc_kernel`, `decode_attention(tensor_core=True)`) vs the
+float32 torch oracle (`gear_hf.cache.fused.reference_decode_attention`), at odd shapes: GQA 1/4/7, head_dim 64/128,
+sliding windows, sinks, positions ~30k, left-padded rows, several query tokens; `GearConfig()` (key widths
+allocated per channel in bit planes, 3-bit rotated values whose statistics are folded into the probabilities) and
+gear-2 (outliers, int8 low-rank factors). Tolerances as tests/test_kernels_decode.py (fp16 5e-3, bf16 2e-2 of
+max|oracle|). Without CUDA the kernel runs in Triton's interpreter (bf16 dots upcast to float32 there); shapes stay
+small. What the kernel declines (float32 queries) the Triton backend gives the register kernel, and step_paths says
+which ran.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from gear_hf.cache.fused import build_cache, reference_decode_attention  # noqa: E402
+from gear_hf.config import GearConfig  # noqa: E402
+
+pytest.importorskip("triton")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+def _inv_freq(d, theta=10000.0):
+    return 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+
+
+def _run(cfg, *, d=64, kv_heads=2, group=4, batch=2, steps=(77, 40, 1), pad=(0, 13), dtype=torch.float16,
+         window=None, offset=0, theta=10000.0, attention_scaling=1.0, **tuning):
+    """(tensor-core output, oracle) of a random cache's layer 0."""
+    from gear_hf.kernels.decode import decode_attention
+
+    cache, _, _ = build_cache(cfg, batch=batch, kv_heads=kv_heads, head_dim=d, steps=list(steps),
+                              pad=list(pad)[:batch], dtype=dtype, device=DEVICE, position_offset=offset)
+    q = torch.randn(batch, kv_heads * group, steps[-1], d, generator=torch.Generator().manual_seed(5))
+    q = q.to(dtype).to(DEVICE)
+    keys, values, layout = cache.kernel_views(0, q.shape[2], q.device)
+    kw = dict(scaling=d ** -0.5, inv_freq=_inv_freq(d, theta), attention_scaling=attention_scaling,
+              sliding_window=window)
+    out = decode_attention(q, keys, values, layout, tensor_core=True, **kw, **tuning)
+    return out, reference_decode_attention(cache, 0, q, **kw)
+
+
+def _check(out, ref, dtype):
+    assert out.shape == ref.shape and out.dtype == dtype and torch.isfinite(out).all()
+    err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+    assert err < TOL[dtype], f"relative error {err:.3g} >= {TOL[dtype]}"
+    return err
+
+
+def _gear2(**kw):
+    """gear-2 (outliers, int8 factors) at test sizes: groups of 16, a 32-token buffer, 10% outliers."""
+    return GearConfig.preset("gear", bits=2, **{"group_size": 16, "buffer_size": 32, "outlier_ratio": 0.1, **kw})
+
+
+def _default(**kw):
+    """GearConfig() at test sizes (its formats: allocated key widths, 3-bit rotated values, sinks)."""
+    return GearConfig(**{"group_size": 32, "buffer_size": 32, "prompt_group_size": 64, **kw})
+
+
+# (config, head_dim, KV heads, GQA group, batch, query tokens, dtype)
+CASES = [
+    ("gear2", 64, 2, 4, 2, 1, torch.float16),
+    ("gear2", 128, 1, 7, 1, 1, torch.bfloat16),
+    ("gear2", 64, 3, 1, 2, 3, torch.float16),  # MHA, 3 new tokens (causal inside them)
+    ("default", 64, 2, 4, 2, 1, torch.bfloat16),
+    ("default", 128, 1, 7, 2, 1, torch.float16),
+    ("default", 64, 2, 1, 1, 4, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("name,d,kv_heads,group,batch,q_len,dtype", CASES,
+                         ids=[f"{n}-d{d}-kv{h}-g{g}-b{b}-q{q}-{str(t)[6:]}" for n, d, h, g, b, q, t in CASES])
+def test_tensor_core_kernel_matches_oracle(name, d, kv_heads, group, batch, q_len, dtype):
+    cfg = _gear2() if name == "gear2" else _default()
+    out, ref = _run(cfg, d=d, kv_heads=kv_heads, group=group, batch=batch, steps=(77, 40, q_len), dtype=dtype)
+    _check(out, ref, dtype)
+
+
+@pytest.mark.parametrize("name", ["gear2", "default"])
+def test_windows_sinks_far_positions_and_padded_rows(name):
+    """A sliding window shorter than the history, 4 sinks, positions ~30k (large RoPE angles), llama3-like theta, a
+    yarn-like attention_scaling, a left-padded row and 4 query tokens."""
+    cfg = _gear2(sink_tokens=4) if name == "gear2" else _default()
+    out, ref = _run(cfg, steps=(90, 45, 4), pad=(0, 29), window=37, offset=30000, theta=500000.0,
+                    attention_scaling=1.15, dtype=torch.float16)
+    _check(out, ref, torch.float16)
+
+
+def test_64_token_blocks_for_formats_without_outliers_or_factors():
+    """GearConfig()'s formats take 64-token blocks by default (gear-2's 32: it would spill), and they equal the oracle
+    with a window, two query tokens and a padded row; a chunk of 64 tokens so that a block spans a whole chunk."""
+    from gear_hf.kernels.decode import decode_attention
+
+    cfg = _default(buffer_size=64, group_size=64, prompt_group_size=128)
+    out, ref = _run(cfg, steps=(150, 100, 2), pad=(0, 41), window=77, dtype=torch.bfloat16)
+    _check(out, ref, torch.bfloat16)
+    for config, block in ((cfg, 64), (_gear2(buffer_size=64), 32)):
+        cache, _, _ = build_cache(config, batch=1, kv_heads=1, head_dim=64, steps=[150, 70, 1], dtype=torch.bfloat16)
+        q = torch.zeros(1, 4, 1, 64, dtype=torch.bfloat16)
+        plan = []
+        decode_attention(q, *cache.kernel_views(0, 1, q.device), scaling=0.125, inv_freq=_inv_freq(64),
+                         tensor_core=True, _plan=plan)
+        assert plan[0][3]["BN"] == block
+
+
+def test_folded_value_statistics_match_the_unfolded_kernel():
+    """GearConfig()'s values (one group per token, no outliers) take the folded path (P·diag(s))·codes + (P·m)·1ᵀ;
+    the same kernel with the fold switched off dequantizes per element: both equal the oracle, and a split count
+    does not change the result. So does the query-rotated variant compile_check compiles for comparison."""
+    cfg = _default()
+    folded, ref = _run(cfg, d=64, num_splits=3)
+    plain, _ = _run(cfg, d=64, num_splits=1, fold_values=False)
+    _check(folded, ref, torch.float16)
+    _check(plain, ref, torch.float16)
+    # the variant compile_check counts for comparison (query rotated back per token) computes the same
+    query_rotated, _ = _run(cfg, d=64, rope_on_query=True)
+    _check(query_rotated, ref, torch.float16)
+
+
+def test_float32_queries_are_declined_with_a_reason():
+    from gear_hf.kernels import tensor_core_reason
+
+    assert tensor_core_reason(torch.float16) is None and tensor_core_reason(torch.bfloat16) is None
+    reason = tensor_core_reason(torch.float32)
+    assert "float32" in reason and "register kernel" in reason
+    with pytest.raises(NotImplementedError, match="float32 queries"):
+        _run(_gear2(), dtype=torch.float32)
+
+
+def test_triton_backend_runs_the_tensor_core_kernel_and_names_it():
+    """GearCache.fused_attention through the Triton backend: bf16 queries run the tensor-core kernel ("fused-tc"),
+    float32 ones the register kernel ("fused", with the reason); both equal the oracle."""
+    from gear_hf.backends.triton_backend import TritonBackend
+    from gear_hf.cache.kernel_state import KernelState
+
+    backend = TritonBackend()
+    for dtype, path in ((torch.bfloat16, "fused-tc"), (torch.float32, "fused")):
+        cache, _, _ = build_cache(_gear2(), batch=2, kv_heads=2, head_dim=64, steps=[77, 40, 1], pad=[0, 13],
+                                  dtype=dtype, device=DEVICE)
+        q = torch.randn(2, 8, 1, 64, generator=torch.Generator().manual_seed(5)).to(dtype).to(DEVICE)
+        keys, values, layout = cache.kernel_views(0, 1, q.device)
+        shared = KernelState()
+        out = backend.attend(q, keys, values, layout, scaling=0.125, inv_freq=_inv_freq(64), attention_scaling=1.0,
+                             sliding_window=None, shared=shared)
+        assert shared.attend_path == path and (shared.attend_reason is None) == (path == "fused-tc")
+        ref = reference_decode_attention(cache, 0, q, scaling=0.125, inv_freq=_inv_freq(64))
+        err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+        assert err < (2e-2 if dtype == torch.bfloat16 else 1e-5), (dtype, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["gear2", "default"])
+def test_tensor_core_kernel_compiled_at_llama_shapes(name):
+    """On a GPU: the compiled kernel (real tensor cores, bf16) at Llama-3-8B head shapes and a longer history."""
+    cfg = GearConfig.preset("gear", bits=2) if name == "gear2" else GearConfig()
+    out, ref = _run(cfg, d=128, kv_heads=2, group=4, batch=2, steps=(700, 300, 1), pad=(0, 77), dtype=torch.bfloat16)
+    _check(out, ref, torch.bfloat16)
