@@ -246,8 +246,10 @@ def hf_tokens(tag: str, config, prompts: list[list[int]], dtype: str, state: dic
 def section_agreement(report: dict) -> None:
     """vLLM (+GEAR) against gear_hf's Transformers path storing the same pages (`transformers_config`), per dtype
     and prompt set, next to the floor: stock vLLM against the plain Transformers model."""
+    import torch
+
     from gear_hf.config import GearConfig
-    from gear_hf.vllm.format import config_from_env, transformers_config
+    from gear_hf.vllm.format import PageFormat, config_from_env, transformers_config
 
     model = smollm2_folder()
     config = json.loads((model / "config.json").read_text())
@@ -277,10 +279,12 @@ def section_agreement(report: dict) -> None:
                 except NotCached:
                     continue
                 same, prefix = agreement(vllm_gear["tokens"], hf_gear)
+                page = PageFormat(config_from_env(json.dumps(gear)), block, head_size, getattr(torch, dtype))
                 rows[:] = [r for r in rows if (r["dtype"], r["prompts"], r["format"]) != (dtype, prompt_name, name)]
                 rows.append(dict(dtype=dtype, prompts=prompt_name, prompt_lengths=[len(p) for p in prompts],
                                  compressed_positions=compressed_positions(prompts, block), format=name,
-                                 describe=hf_config.describe(), same_pages=hf_config.key_bit_allocation != "query",
+                                 describe=hf_config.describe(), bits_per_element=round(page.bits_per_element(), 3),
+                                 same_pages=hf_config.key_bit_allocation != "query",
                                  agree=round(same, 4), prefix=prefix, floor=round(floor, 4), floor_prefix=floor_prefix,
                                  vllm_vs_stock=round(agreement(vllm_gear["tokens"], stock["tokens"])[0], 4),
                                  hf_vs_plain=round(agreement(hf_gear, plain)[0], 4)))
@@ -415,13 +419,13 @@ def write_markdown(report: dict, out: Path) -> None:
                   "'compressed positions': of the 256, those whose step reads a compressed block (where the formats "
                   "can act at all). 'same pages': no (query-allocated keys): Transformers chooses the key widths "
                   "from the queries, the plugin from each block's key ranges.", "",
-                  "| dtype | prompts (tokens) | format | same pages | compressed positions | vLLM+GEAR vs HF+GEAR "
-                  "| matched prefix | floor: stock vLLM vs plain HF | vLLM+GEAR vs stock vLLM | HF+GEAR vs plain HF |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| dtype | prompts (tokens) | format | bits/element (page) | same pages | compressed positions | "
+                  "vLLM+GEAR vs HF+GEAR | matched prefix | floor: stock vLLM vs plain HF | vLLM+GEAR vs stock vLLM | "
+                  "HF+GEAR vs plain HF |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in report["agreement"]:
             lengths = "/".join(map(str, r["prompt_lengths"]))
             lines.append(f"| {r['dtype']} | {r['prompts']} ({lengths}) | {r['format']} ({r['describe']}) | "
-                         f"{'yes' if r['same_pages'] else 'no'} | {r['compressed_positions']} | {r['agree']:.4f} | "
+                         f"{r['bits_per_element']} | {'yes' if r['same_pages'] else 'no'} | {r['compressed_positions']} | {r['agree']:.4f} | "
                          f"{r['prefix']:.1f} | {r['floor']:.4f} | {r['vllm_vs_stock']:.4f} | {r['hf_vs_plain']:.4f} |")
         lines.append("")
     if "serve" in report:
