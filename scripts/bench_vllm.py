@@ -208,16 +208,21 @@ def compressed_positions(prompts: list[list[int]], block: int) -> int:
     return sum(sum(1 for i in range(1, STEPS) if len(p) + i - 1 >= block) for p in prompts)
 
 
-def hf_tokens(tag: str, config, prompts: list[list[int]], dtype: str, state: dict) -> list[list[int]]:
+def hf_tokens(tag: str, config, prompts: list[list[int]], dtype: str, state: dict,
+              through_gear_hf: bool | None = None) -> list[list[int]]:
     """Greedy tokens of gear_hf's Transformers path (one prompt at a time: no padding in either engine), cached in
-    WORK/runs like the vLLM runs. config: a GearConfig; fp16 = the plain model (gear_hf off)."""
+    WORK/runs like the vLLM runs. through_gear_hf (default: config.compresses): gear_hf.enable(model, config), else
+    the plain model; gear_hf with method fp16 stores keys before RoPE, uncompressed, and rotates them when read."""
     import torch
     from transformers import AutoModelForCausalLM
 
     import gear_hf
 
     saved = WORK / "runs" / f"hf_{tag}.bench.json"
+    through_gear_hf = config.compresses if through_gear_hf is None else through_gear_hf
     key = dict(config=repr(config), prompts=prompts, steps=STEPS, dtype=dtype)
+    if through_gear_hf != config.compresses:
+        key["through_gear_hf"] = through_gear_hf
     if REUSE and saved.exists() and json.loads(saved.read_text())["key"] == key:
         print(f"  hf {tag}: reused {saved}", flush=True)
         return json.loads(saved.read_text())["tokens"]
@@ -228,7 +233,7 @@ def hf_tokens(tag: str, config, prompts: list[list[int]], dtype: str, state: dic
         state["model"].generation_config.eos_token_id = None
         state["dtype"] = dtype
     model, tokens, t = state["model"], [], time.time()
-    if config.compresses:
+    if through_gear_hf:
         gear_hf.enable(model, config)
     with torch.inference_mode():
         for p in prompts:
@@ -236,7 +241,7 @@ def hf_tokens(tag: str, config, prompts: list[list[int]], dtype: str, state: dic
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=STEPS,
                                  min_new_tokens=STEPS, do_sample=False, pad_token_id=0)
             tokens.append(out[0, len(p):].tolist())
-    if config.compresses:
+    if through_gear_hf:
         gear_hf.disable(model)
     saved.write_text(json.dumps(dict(key=key, tokens=tokens, seconds=round(time.time() - t, 1))))
     print(f"  hf {tag}: {round(time.time() - t, 1)} s", flush=True)
@@ -245,7 +250,9 @@ def hf_tokens(tag: str, config, prompts: list[list[int]], dtype: str, state: dic
 
 def section_agreement(report: dict) -> None:
     """vLLM (+GEAR) against gear_hf's Transformers path storing the same pages (`transformers_config`), per dtype
-    and prompt set, next to the floor: stock vLLM against the plain Transformers model."""
+    and prompt set, next to the floors: stock vLLM against the plain Transformers model, and against gear_hf's
+    path uncompressed (method fp16: keys stored before RoPE, rotated when read; the plugin's fp16 format is
+    bit-exact with stock vLLM, the identity section)."""
     import torch
 
     from gear_hf.config import GearConfig
@@ -264,10 +271,13 @@ def section_agreement(report: dict) -> None:
             try:
                 stock = run(model, prompts, f"smollm2_stock{suffix}", **options)
                 plain = hf_tokens(f"uncompressed{suffix}", GearConfig(method="fp16"), prompts, dtype, state)
+                fp16_format = hf_tokens(f"fp16-format{suffix}", GearConfig(method="fp16"), prompts, dtype, state,
+                                        through_gear_hf=True)
             except NotCached:
                 continue
             block = stock["block_size"]
             floor, floor_prefix = agreement(stock["tokens"], plain)
+            floor_gear_hf, _ = agreement(stock["tokens"], fp16_format)
             for name in HF_FORMATS:
                 gear = FORMATS[name]
                 hf_config = transformers_config(config_from_env(json.dumps(gear)), block, head_size,
@@ -286,6 +296,8 @@ def section_agreement(report: dict) -> None:
                                  describe=hf_config.describe(), bits_per_element=round(page.bits_per_element(), 3),
                                  same_pages=hf_config.key_bit_allocation != "query",
                                  agree=round(same, 4), prefix=prefix, floor=round(floor, 4), floor_prefix=floor_prefix,
+                                 floor_gear_hf=round(floor_gear_hf, 4),
+                                 hf_vs_fp16_format=round(agreement(hf_gear, fp16_format)[0], 4),
                                  vllm_vs_stock=round(agreement(vllm_gear["tokens"], stock["tokens"])[0], 4),
                                  hf_vs_plain=round(agreement(hf_gear, plain)[0], 4)))
                 print(f"  {dtype} {prompt_name} {name}: {same:.3f} of positions equal (floor {floor:.3f})", flush=True)
@@ -415,18 +427,21 @@ def write_markdown(report: dict, out: Path) -> None:
                   "SmolLM2-135M-Instruct, 4 GSM8K questions, 64 greedy tokens, one prompt at a time in Transformers. "
                   "Transformers config: `gear_hf.vllm.format.transformers_config` (the plugin's block config: decode "
                   "chunks of 128 tokens from token 0 with rank_decode and the page's groups, no sinks, no prompt "
-                  "chunk). 'floor': stock vLLM vs the plain Transformers model (no compression in either). "
+                  "chunk). Floors (no compression in either engine): stock vLLM vs the plain Transformers model, and vs "
+                  "gear_hf's Transformers path with method fp16 (keys stored before RoPE, rotated when read). "
                   "'compressed positions': of the 256, those whose step reads a compressed block (where the formats "
                   "can act at all). 'same pages': no (query-allocated keys): Transformers chooses the key widths "
                   "from the queries, the plugin from each block's key ranges.", "",
                   "| dtype | prompts (tokens) | format | bits/element (page) | same pages | compressed positions | "
-                  "vLLM+GEAR vs HF+GEAR | matched prefix | floor: stock vLLM vs plain HF | vLLM+GEAR vs stock vLLM | "
-                  "HF+GEAR vs plain HF |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "vLLM+GEAR vs HF+GEAR | matched prefix | floor: stock vLLM vs plain HF | floor: stock vLLM vs HF "
+                  "gear_hf fp16 | vLLM+GEAR vs stock vLLM | HF+GEAR vs HF gear_hf fp16 |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in report["agreement"]:
             lengths = "/".join(map(str, r["prompt_lengths"]))
             lines.append(f"| {r['dtype']} | {r['prompts']} ({lengths}) | {r['format']} ({r['describe']}) | "
                          f"{r['bits_per_element']} | {'yes' if r['same_pages'] else 'no'} | {r['compressed_positions']} | {r['agree']:.4f} | "
-                         f"{r['prefix']:.1f} | {r['floor']:.4f} | {r['vllm_vs_stock']:.4f} | {r['hf_vs_plain']:.4f} |")
+                         f"{r['prefix']:.1f} | {r['floor']:.4f} | {r['floor_gear_hf']:.4f} | {r['vllm_vs_stock']:.4f} | "
+                         f"{r['hf_vs_fp16_format']:.4f} |")
         lines.append("")
     if "serve" in report:
         r = report["serve"]
