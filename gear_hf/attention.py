@@ -112,9 +112,10 @@ def cache_step(module: torch.nn.Module, cache: GearCache, query: torch.Tensor, k
 
 
 # kwargs the attention forward receives on a plain step, which the operator carries (position_ids) or which the
-# step does not read (use_cache, cache_position); anything else (output_attentions=True: weights whose length the
-# graph cannot know; a flash-attention packing argument) takes the compiler-disabled call: one graph break there
-_OP_KWARGS = frozenset({"position_ids", "use_cache", "cache_position", "output_attentions"})
+# step does not read (use_cache, cache_position, MoE models' output_router_logits); anything else
+# (output_attentions=True: weights whose length the graph cannot know; a flash-attention packing argument) takes
+# the compiler-disabled call: one graph break there
+_OP_KWARGS = frozenset({"position_ids", "use_cache", "cache_position", "output_attentions", "output_router_logits"})
 
 
 def _op_serves(kwargs: dict) -> bool:

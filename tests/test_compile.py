@@ -26,7 +26,7 @@ from torch._dynamo.utils import counters
 import gear_hf
 import gear_hf.attention  # registers torch.ops.gear_hf.cache_step
 import gear_hf.patches
-from tiny_models import tiny_model
+from tiny_models import tiny_model, tiny_model_or_skip
 
 GEAR_HF_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (gear_hf, gear_hf.patches))
 BREAK_LOGGERS = ("torch._dynamo.symbolic_convert.__graph_breaks", "torch._dynamo.convert_frame.__graph_breaks")
@@ -172,6 +172,19 @@ def test_fullgraph_under_inference_mode_no_recompile_for_new_caches(backend):
         twin_tokens = _generate(_compiled(twin, backend, fullgraph=True), ids)
         assert torch.equal(twin_tokens, expected)
         assert gear_hf.last_cache(twin) is not gear_hf.last_cache(model)
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen3_moe", "gemma3_text", "phi3"])
+def test_fullgraph_other_architectures_fp16_preset_is_stock(arch):
+    # a sliding window, a MoE (its layers pass output_router_logits), local/global RoPE, a fused qkv_proj
+    model, ids = tiny_model_or_skip(arch, head_dim=32), _prompt(40)
+    expected = _generate(model, ids)
+    gear_hf.enable(model, gear_hf.GearConfig.preset("fp16"))
+    torch._dynamo.reset()
+    try:
+        assert torch.equal(_generate(_compiled(model, fullgraph=True), ids), expected)
     finally:
         torch._dynamo.reset()
 
