@@ -44,7 +44,8 @@ def _through_operator():
         inside[0] = True
         try:
             return torch.ops.gear_hf.cache_step(module._gear_hf_patch.step_ref, cache.step_ref, query, key, value,
-                                                cos, sin, attention_mask, kwargs.get("position_ids")), None
+                                                cos, sin, attention_mask, kwargs.get("position_ids"),
+                                                cache._pending_mask), None
         finally:
             inside[0] = False
 

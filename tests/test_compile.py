@@ -189,6 +189,25 @@ def test_fullgraph_other_architectures_fp16_preset_is_stock(arch):
         torch._dynamo.reset()
 
 
+def test_fullgraph_left_padded_batch_same_tokens_as_eager():
+    # rows of different lengths: the model's 4D mask goes into the operator, decode steps use the slot layout
+    model, ids = tiny_model("llama2", head_dim=32), _prompt(160).repeat(2, 1)
+    mask = torch.ones_like(ids)
+    mask[1, :30] = 0
+    gear_hf.enable(model, gear_hf.GearConfig())
+    with torch.no_grad():
+        expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                  pad_token_id=0)
+        torch._dynamo.reset()
+        try:
+            tokens = _compiled(model, fullgraph=True).generate(input_ids=ids, attention_mask=mask, max_new_tokens=6,
+                                                                do_sample=False, pad_token_id=0)
+        finally:
+            torch._dynamo.reset()
+    assert torch.equal(tokens, expected)
+    assert gear_hf.last_cache(model).decode_chunks[0] > 0
+
+
 def test_step_refs_follow_deepcopies():
     model = gear_hf.enable(tiny_model("llama2"), gear_hf.GearConfig.preset("fp16"))
     twin = copy.deepcopy(model)
