@@ -26,6 +26,7 @@ from .attention import AttentionPatch, gear_attention_forward
 from .cache import GearCache
 from .config import GearConfig
 from .hf_compat import cache_kwarg, install_cache_implementation_hint, passed_cache
+from .step_ref import StepRef
 
 # RoPE variants whose frequencies do not change with the sequence: keys can be rotated when read.
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -263,6 +264,7 @@ def enable(model: torch.nn.Module, config: GearConfig | None = None) -> torch.nn
             attention_kwargs=spec.attention_kwargs,
             project=spec.project,
             replaced_attr=attr,
+            step_ref=StepRef(module),
         )
         module._gear_hf_had_instance_attr = attr in module.__dict__
         setattr(module, attr, types.MethodType(gear_attention_forward, module))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -21,6 +21,7 @@ from .cache import GearCache
 from .hf_compat import pop_cache
 from .kernels import MAX_FUSED_QUERY  # no triton import: kernels load lazily
 from .rope import apply_rotary
+from .step_ref import StepRef
 
 
 @dataclass
@@ -33,6 +34,7 @@ class AttentionPatch:
     attention_kwargs: Callable[[torch.nn.Module], dict]  # architecture quirks (sliding_window, softcap)
     project: Callable  # (module, hidden_states [B,q,hidden]) -> q, k, v [B,H,q,d] before RoPE (gear_hf.patches)
     replaced_attr: str  # "forward" or "_old_forward"
+    step_ref: StepRef  # the patched module, as the compiled cache step takes it (gear_hf.step_ref)
 
 
 def _eager_attention(module: torch.nn.Module) -> Callable:
@@ -54,22 +56,29 @@ def gear_attention_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
     query, key, value = patch.project(module, hidden_states)  # [B,Hq,q,d], [B,Hkv,q,d] x2; before RoPE
     cos, sin = position_embeddings
     query = apply_rotary(query, cos, sin)
-    output, weights = cache_step(module, cache, query, key, value, cos, sin, attention_mask, kwargs)
+    if not torch.compiler.is_compiling():
+        output, weights = cache_step(module, cache, query, key, value, cos, sin, attention_mask, kwargs)
+    elif _op_serves(kwargs):
+        # the model-level hook's 2D padding mask: traced, its write to the cache lands only after the graph ran
+        padding_mask = cache._pending_mask
+        output = torch.ops.gear_hf.cache_step(patch.step_ref, cache.step_ref, query, key, value, cos, sin,
+                                              attention_mask, kwargs.get("position_ids"), padding_mask)
+        weights = None
+    else:
+        output, weights = _cache_step_boundary(module, cache, query, key, value, cos, sin, attention_mask, kwargs)
     output = output.reshape(*input_shape, -1).contiguous()
     return module.o_proj(output), weights
 
 
-@torch.compiler.disable
 def cache_step(module: torch.nn.Module, cache: GearCache, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention_mask: torch.Tensor | None,
                kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One layer's step through the cache: store, attend (fused or reference), compress. Returns the attention
     output [B,q,Hq,d] and weights (or None).
 
-    torch.compile's one boundary in gear_hf: the cache plans each step on the host (Python lists), runs numba
-    kernels, checks finiteness with a host sync and resolves its backends at the first step; none of that traces.
-    dynamo runs this eagerly (one graph break per call, at this function's call site) and compiles the model's
-    code around it: projections, the query's RoPE, o_proj and everything outside the attention."""
+    None of it traces: the cache plans each step on the host (Python lists), runs numba kernels, checks finiteness
+    with a host sync and resolves its backends at the first step. Under torch.compile it runs as one opaque
+    operator (`gear_hf::cache_step`, below) inside the graph; eager calls it directly (no dispatcher)."""
     patch: AttentionPatch = module._gear_hf_patch
     position_ids = kwargs.get("position_ids")
     if not cache.gear_config.pre_rope:  # ablation: compress keys after RoPE, as HF's QuantizedCache does
@@ -102,3 +111,41 @@ def cache_step(module: torch.nn.Module, cache: GearCache, query: torch.Tensor, k
             cache.step_paths[cache.reference_path_name] += 1  # "fallback": the Triton reconstruction
     cache.compress_pending(module.layer_idx)  # after attending: what left the buffer is compressed
     return output, weights
+
+
+# kwargs the attention forward receives on a plain step, which the operator carries (position_ids) or which the
+# step does not read (use_cache, cache_position, MoE models' output_router_logits); anything else
+# (output_attentions=True: weights whose length the graph cannot know; a flash-attention packing argument) takes
+# the compiler-disabled call: one graph break there
+_OP_KWARGS = frozenset({"position_ids", "use_cache", "cache_position", "output_attentions", "output_router_logits"})
+
+
+def _op_serves(kwargs: dict) -> bool:
+    return all(name in _OP_KWARGS for name in kwargs) and not kwargs.get("output_attentions")
+
+
+_cache_step_boundary = torch.compiler.disable(cache_step, reason="gear_hf: a step the cache_step operator "
+                                              "does not carry (attention weights or extra attention arguments)")
+
+
+@torch.library.custom_op("gear_hf::cache_step", mutates_args=())
+def _cache_step_op(module: StepRef, cache: StepRef, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   cos: torch.Tensor, sin: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                   position_ids: Optional[torch.Tensor], padding_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """`cache_step` as the compiled graph calls it: the attention output [B,q,Hq,d], contiguous (as the fake).
+    padding_mask [B, T_past+q]: the step's 2D mask, which the first layer of a step plans with (dynamo replays the
+    hook's `observe_attention_mask` only after the graph, so each call hands it over itself and takes it back)."""
+    kwargs = {} if position_ids is None else {"position_ids": position_ids}
+    gear_cache = cache.target
+    gear_cache.observe_attention_mask(padding_mask)
+    try:
+        output, _ = cache_step(module.target, gear_cache, query, key, value, cos, sin, attention_mask, kwargs)
+    finally:
+        gear_cache.observe_attention_mask(None)  # planned with by the step's first layer, or not needed
+    return output.contiguous()
+
+
+@_cache_step_op.register_fake
+def _(module, cache, query, key, value, cos, sin, attention_mask, position_ids, padding_mask):
+    batch, heads, length, _ = query.shape  # [B,Hq,q,d]
+    return query.new_empty((batch, length, heads, value.shape[-1]))

@@ -6,8 +6,9 @@
 A SmolLM2-135M-shaped Llama with random weights (30 layers, 9 heads / 3 KV heads, head_dim 64; no weights needed),
 float32, one row, a --T-token prompt, greedy, exactly --new tokens. Per cache (DynamicCache, gear_hf fp16 preset,
 GearConfig()) and per mode (eager, then `model.forward = torch.compile(model.forward, backend=...)`): the first
-generate (compiled: includes dynamo tracing and the backend's compilation), then decode tokens/s of a second,
-warm generate (steps after the first logits; the prompt step excluded). The compiled runs must give the eager run's
+generate (compiled: includes dynamo tracing and the backend's compilation), then decode tokens/s (wall) and CPU
+ms/step (time.process_time; what other jobs on a shared machine do not inflate) of a second, warm generate (steps
+after the first logits; the prompt step excluded); "vs eager" compares CPU ms/step. The compiled runs must give the eager run's
 tokens. Prints a markdown table.
 """
 
@@ -27,17 +28,23 @@ SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, n
 
 
 class StepClock(LogitsProcessor):
-    """Timestamps of each step's logits: the decode clock starts when the prompt step's logits arrive."""
+    """Wall and process CPU timestamps of each step's logits: the decode clock starts at the prompt step's logits.
+    CPU time (one thread) is what a shared machine's other jobs do not inflate."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
+        self.cpu_times: list[float] = []
 
     def __call__(self, input_ids, scores):
         self.times.append(time.perf_counter())
+        self.cpu_times.append(time.process_time())
         return scores
 
     def decode_tokens_per_s(self) -> float:
         return (len(self.times) - 1) / (self.times[-1] - self.times[0])
+
+    def decode_cpu_ms_per_step(self) -> float:
+        return 1000.0 * (self.cpu_times[-1] - self.cpu_times[0]) / (len(self.cpu_times) - 1)
 
 
 def generate(model, ids, new: int):
@@ -46,7 +53,7 @@ def generate(model, ids, new: int):
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
                          min_new_tokens=new, do_sample=False, pad_token_id=0,
                          logits_processor=LogitsProcessorList([clock]))
-    return out, time.perf_counter() - start, clock.decode_tokens_per_s()
+    return out, time.perf_counter() - start, clock
 
 
 def main(argv=None) -> int:
@@ -68,21 +75,24 @@ def main(argv=None) -> int:
             gear_hf.enable(model, gear_hf.GearConfig.preset("fp16") if cache == "fp16" else gear_hf.GearConfig())
         eager_forward = model.forward
         first_tokens, first_s, _ = generate(model, ids, args.new)  # numba kernels load (or compile) once here
-        tokens, _, eager_tps = generate(model, ids, args.new)
-        rows.append((cache, "eager (no compile)", first_s, eager_tps, 1.0, True))
+        tokens, _, eager_clock = generate(model, ids, args.new)
+        eager_ms = eager_clock.decode_cpu_ms_per_step()
+        rows.append((cache, "eager (no compile)", first_s, eager_clock.decode_tokens_per_s(), eager_ms, 1.0, True))
         for backend in args.backends:
             torch._dynamo.reset()
             model.forward = torch.compile(eager_forward, backend=backend, fullgraph=False)
             compiled_tokens, compile_s, _ = generate(model, ids, args.new)
-            compiled_tokens, _, tps = generate(model, ids, args.new)
-            rows.append((cache, f"compile {backend}", compile_s, tps, tps / eager_tps,
+            compiled_tokens, _, clock = generate(model, ids, args.new)
+            ms = clock.decode_cpu_ms_per_step()
+            rows.append((cache, f"compile {backend}", compile_s, clock.decode_tokens_per_s(), ms, eager_ms / ms,
                          torch.equal(compiled_tokens, tokens)))
             print(rows[-1], flush=True)
         model.forward = eager_forward
-    print("\n| cache | mode | first generate s | decode tok/s | vs eager | same tokens |")
-    print("|---|---|---|---|---|---|")
-    for cache, mode, first_s, tps, ratio, same in rows:
-        print(f"| {cache} | {mode} | {first_s:.1f} | {tps:.1f} | {ratio:.2f}x | {'yes' if same else 'NO'} |")
+    print("\n| cache | mode | first generate s | decode tok/s (wall) | decode CPU ms/step | speed vs eager (CPU) "
+          "| same tokens |")
+    print("|---|---|---|---|---|---|---|")
+    for cache, mode, first_s, tps, ms, ratio, same in rows:
+        print(f"| {cache} | {mode} | {first_s:.1f} | {tps:.1f} | {ms:.1f} | {ratio:.2f}x | {'yes' if same else 'NO'} |")
     return 0
 
 

@@ -17,6 +17,7 @@ from transformers.cache_utils import Cache
 from .. import backends  # light: triton and numba are imported only when a kernel runs
 from ..config import GearConfig
 from ..rope import RotaryMemo
+from ..step_ref import StepRef
 from .fused_path import FusedPath
 from .kernel_state import KernelState
 from .layer import GearLayer
@@ -95,6 +96,7 @@ class GearCache(FusedPath, Cache):
         self._finite: list[torch.Tensor] = []  # this step's "all compressed entries finite" flags
         self.kernel_state = KernelState()  # what the fused kernels share across layers (counted by the report)
         self.plan: backends.BackendPlan | None = None  # who compresses, reconstructs, attends: set at first store
+        self.step_ref = StepRef(self)  # this cache as the compiled cache step takes it (gear_hf.step_ref)
         properties = _model_properties(model_or_config)
         if properties is not None:  # a forced backend that cannot serve this model says so now
             backends.resolve(gear_config, *properties)
