@@ -20,6 +20,8 @@ from .preset_names import METHODS, parse_preset_name  # (parse_preset_name: also
 ROTATIONS = ("none", "keys", "values", "both")
 AXES = ("channel", "token")
 KEY_BIT_ALLOCATIONS = ("uniform", "query")
+KEY_BUFFERS = ("full", "int8")
+VALUE_BUFFERS = ("full", "final", "int8")
 
 
 # The paper's settings (GEAR, Kang et al. 2024): `preset` starts from these, whatever GearConfig()'s defaults.
@@ -30,7 +32,8 @@ PAPER_FIELDS: dict[str, Any] = dict(key_bits=4, value_bits=4, group_size=64, ran
                                     power_iters=3, outlier_ratio=0.02, buffer_size=64, sink_tokens=0,
                                     key_axis="channel", value_axis="token", pre_rope=True, key_group_size=None,
                                     value_group_size=None, rotation="none", factor_bits=8, range_search="none",
-                                    prompt_group_size=None, key_bit_allocation="uniform")
+                                    prompt_group_size=None, key_bit_allocation="uniform", key_buffer="full",
+                                    value_buffer="full")
 
 
 # What the measured frontier says to pick (scripts/frontier.py; SmolLM2-135M and Qwen2.5-0.5B in bf16, head_dim 64,
@@ -41,6 +44,12 @@ PAPER_FIELDS: dict[str, Any] = dict(key_bits=4, value_bits=4, group_size=64, ran
 # (`python scripts/bench_footprint.py`, results/footprint/; head_dim 128 owns 0.1-0.4 less, gear-4 0.4 less), so
 # `recommended(bits_per_element=b)` returns a configuration owning <= b on average over such a run. At T~1k the
 # full-precision buffer (up to buffer_size 16-bit tokens) adds up to 1.2 bits more (the table's "max owned").
+# The buffer at 8 bits per token (key_buffer/value_buffer="int8", issue 25), measured as points (scripts/bench_tail.py,
+# SmolLM2 bf16, GSM8K text 200, 1024-token prompt + 96 steps; results/tail/): "accurate" with it owned 3.685/4.083
+# bits (mean/max) at KL 0.0093, against 4.018/5.011 at KL 0.0094 with the 16-bit buffer and kivi-4's 4.789/5.172 at
+# KL 0.0103; values stored on arrival in their final 3-bit format (value_buffer="final") owned less (3.574/3.774 with
+# int8 keys) but more than doubled KL (0.0224). Not the default yet: the prompt passes through the buffer, so with an
+# 8-bit buffer the prompt chunk is compressed from 8-bit tokens and the prompt step attends to them (results/tail/).
 # All keep 4 attention-sink tokens exact, group keys
 # by 128 tokens and rotate the values (Walsh–Hadamard). All but "small" give each key channel its own width, chosen
 # from the prompt's queries (key_bit_allocation="query", keys unrotated: measured at the same bits, it cut KL 2-4x
@@ -96,6 +105,12 @@ class GearConfig:
     outlier_ratio: fraction s of each vector kept exactly (s/2 largest, s/2 smallest)
     buffer_size:   n_b, newest tokens kept in full precision; a multiple of group_size
     sink_tokens:   first tokens of each row never compressed
+    key_buffer:    how the buffer holds keys until their chunk is compressed: "full" (the model's dtype, the paper)
+                   or "int8" (beyond GEAR: 8 bits per token with a 16-bit scale and minimum, before RoPE; re-quantized
+                   in the chunk's format when the chunk is compressed)
+    value_buffer:  "full" (the model's dtype), "int8" (as key_buffer's) or "final" (beyond GEAR: each value stored
+                   on arrival in the format its chunk stores, moved into the chunk unchanged: no second rounding;
+                   needs values grouped per token with no low-rank term)
     key_axis / value_axis: "channel" (groups run along tokens) or "token" (groups run along channels)
     pre_rope:      compress keys before rotary embedding and rotate them when read
     rotation:      "none" | "keys" | "values" | "both": an orthonormal Walsh–Hadamard rotation along head_dim
@@ -133,6 +148,8 @@ class GearConfig:
     prompt_group_size: int | None = 256
     key_bit_allocation: str = "query"
     extra_terms: tuple[str, ...] = ()  # registered terms beyond GEAR's (gear_hf.compress.terms), both streams
+    key_buffer: str = "full"
+    value_buffer: str = "full"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -189,10 +206,25 @@ class GearConfig:
                                         "key_bit_allocation='uniform' for one width)")
         if not isinstance(self.pre_rope, bool):
             _fail("pre_rope", self.pre_rope, "True or False")
+        self._check_buffers()
         if self.uses_lowrank and max(self.rank_prefill, self.rank_decode) == 0:
             _fail("rank_prefill", self.rank_prefill, f"> 0 for method {self.method!r} (or rank_decode > 0)")
         if self.uses_outliers and self.outlier_ratio == 0:
             _fail("outlier_ratio", self.outlier_ratio, f"> 0 for method {self.method!r}")
+
+    def _check_buffers(self) -> None:
+        if self.key_buffer not in KEY_BUFFERS:
+            _fail("key_buffer", self.key_buffer, " | ".join(KEY_BUFFERS))
+        if self.value_buffer not in VALUE_BUFFERS:
+            _fail("value_buffer", self.value_buffer, " | ".join(VALUE_BUFFERS))
+        if not self.compresses:
+            for name in ("key_buffer", "value_buffer"):
+                if getattr(self, name) != "full":
+                    _fail(name, getattr(self, name), f"'full' for method {self.method!r} (nothing is compressed)")
+        elif self.value_buffer == "final" and (self.value_axis != "token" or self.uses_lowrank
+                                               or self.extra_terms):
+            _fail("value_buffer", self.value_buffer, "'full' unless values are grouped per token (value_axis="
+                  "'token') with no low-rank term or extra term (each value must be stored on its own)")
 
     def _check_extra_terms(self) -> None:
         if isinstance(self.extra_terms, (list, str)):
@@ -391,7 +423,8 @@ DEFAULTS_BY_VERSION: dict[int, dict[str, Any]] = {
     1: dict(method="kivi", key_bits=3.125, value_bits=3, group_size=128, rank_prefill=4, rank_decode=2, power_iters=3,
             outlier_ratio=0.02, buffer_size=128, sink_tokens=4, key_axis="channel", value_axis="token",
             pre_rope=True, backend="auto", key_group_size=None, value_group_size=None, rotation="values",
-            factor_bits=8, range_search="none", prompt_group_size=256, key_bit_allocation="query", extra_terms=()),
+            factor_bits=8, range_search="none", prompt_group_size=256, key_bit_allocation="query", extra_terms=(),
+            key_buffer="full", value_buffer="full"),
 }
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .compress import ChunkSpec, CompressedChunk
+from .compress import ChunkSpec, CompressedChunk, compress, decompress, side_dtype
 from .compress.terms import chunk_fields
 
 SPARE_FRACTION = 16  # a store grows by at most 1/16 of its capacity (or its granule) beyond what is needed
@@ -68,12 +68,145 @@ class TokenStore:
         """data[rows[i], :, columns[i]] = x[rows[i], :, tokens[i]] for every real token i; x [B,H,q,d]."""
         self.data[where.rows, :, where.columns] = x[where.rows, :, where.tokens].to(self.data.dtype)
 
+    shape = property(lambda self: self.data.shape)
+    device = property(lambda self: self.data.device)
+
+    def write_run(self, x: torch.Tensor, at: int) -> None:
+        """Every row's tokens x [B,H,q,d] to columns [at, at+q)."""
+        self.data[:, :, at : at + x.shape[2]].copy_(x)
+
+    def tokens(self, dtype: torch.dtype | None = None, n: int | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """The first n tokens of every row [B,H,n,d] (all of them when n is None), as stored: a view (dtype: ignored
+        here; a coded store decodes into it), or copied into out."""
+        view = self.data if n is None else self.data[:, :, :n]
+        return view if out is None else out.copy_(view)
+
+    def gather(self, rows: list[int], starts: list[int], length: int, dtype: torch.dtype | None) -> torch.Tensor:
+        """Tokens [starts[j], starts[j]+length) of row rows[j], for every j: [J,H,length,d]."""
+        if len(rows) == 1 or len(set(starts)) == 1:
+            at = starts[0]
+            if len(rows) == 1:
+                return self.data[rows[0] : rows[0] + 1, :, at : at + length]
+            return self.data[rows, :, at : at + length]
+        return torch.stack([self.data[row, :, at : at + length] for row, at in zip(rows, starts)])
+
+    def token_nbytes(self, cap: int | None = None) -> int:
+        """Bytes one token of one row holds (floating entries counted at most `cap` bytes each, if given)."""
+        size = self.data.element_size() if cap is None else min(self.data.element_size(), cap)
+        return self.data.shape[1] * self.data.shape[3] * size
+
     def nbytes(self) -> int:
         return 0 if self.data is None else self.data.numel() * self.data.element_size()
 
     def select_rows(self, index: torch.Tensor) -> None:
         if self.data is not None:
             self.data = self.data.index_select(0, index)
+
+
+class CodedTokenStore:
+    """Tokens [B, H, capacity, d] stored in a per-token format (a `ChunkSpec` whose every field holds one entry per
+    token, e.g. values quantized per token, or keys at 8 bits per token with a 16-bit scale and minimum): each token
+    is encoded when it arrives, by the torch oracle, and decoded when read. Same interface as `TokenStore`; what it
+    holds is what `nbytes` counts (the buffer of `GearConfig.key_buffer` / `value_buffer`)."""
+
+    def __init__(self, spec: ChunkSpec) -> None:
+        self.spec = spec
+        self.fields: dict[str, torch.Tensor] = {}
+        self.dtype: torch.dtype | None = None  # the model's (what reads return by default)
+        self.head_dim = 0
+
+    @staticmethod
+    def per_token_fields(spec: ChunkSpec, d: int, side: torch.dtype):
+        """The fields of one token (those that store something), or a ValueError when the format is not per
+        token."""
+        one, two = (chunk_fields(spec, n, d, side) for n in (1, 2))
+        kept = []
+        for a, b in zip(one, two):
+            if a.shape[0] * math.prod(a.shape[1:]) == 0 and b.shape[0] * math.prod(b.shape[1:]) == 0:
+                continue
+            if a.shape[0] != 1 or b.shape[0] != 2 or a.shape[1:] != b.shape[1:]:
+                raise ValueError(f"{spec} does not store each token on its own (field {a.name!r}: {a.shape} for "
+                                 f"one token, {b.shape} for two): it cannot hold a buffer")
+            kept.append(a)
+        return kept
+
+    @property
+    def capacity(self) -> int:
+        return next(iter(self.fields.values())).shape[2] if self.fields else 0
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        codes = self.fields["codes"]
+        return codes.shape[0], codes.shape[1], codes.shape[2], self.head_dim
+
+    device = property(lambda self: self.fields["codes"].device)
+
+    def reserve(self, like: torch.Tensor, capacity: int) -> None:
+        """Room for `capacity` tokens per row (like: a [B,H,*,d] tensor of the model's dtype)."""
+        if not self.fields:
+            B, H, _, d = like.shape
+            self.dtype, self.head_dim = like.dtype, d
+            for f in self.per_token_fields(self.spec, d, side_dtype(like.dtype)):
+                self.fields[f.name] = torch.zeros(B, H, capacity, *f.shape[1:], dtype=f.dtype, device=like.device)
+        elif capacity != self.capacity:
+            keep = min(capacity, self.capacity)
+            self.fields = {name: _grown(t[:, :, :keep], capacity) for name, t in self.fields.items()}
+
+    def encode(self, x: torch.Tensor) -> CompressedChunk:
+        """x [J,H,n,d] in this store's format (every token on its own: batching changes no bit), by the oracle."""
+        return compress(x, self.spec)
+
+    def write_run(self, x: torch.Tensor, at: int) -> None:
+        chunk = self.encode(x)
+        for name, t in self.fields.items():
+            t[:, :, at : at + x.shape[2]] = getattr(chunk, name)
+
+    def write(self, x: torch.Tensor, where: TokenWrites) -> None:
+        chunk = self.encode(x[where.rows, :, where.tokens].unsqueeze(2))  # [N,H,1,d]: one token per entry
+        for name, t in self.fields.items():
+            t[where.rows, :, where.columns] = getattr(chunk, name)[:, :, 0]
+
+    def keep_tail(self, row: int, start: int, length: int) -> None:
+        if start and length:
+            for t in self.fields.values():
+                t[row, :, :length] = t[row, :, start : start + length].clone()
+
+    def _chunk(self, parts: dict[str, torch.Tensor], n: int) -> CompressedChunk:
+        """parts (the stored fields of n tokens, [J,H,n,...]) as a chunk of the spec, with its empty fields."""
+        like = parts["codes"]
+        fields = {}
+        for f in chunk_fields(self.spec, n, self.head_dim, side_dtype(self.dtype)):
+            fields[f.name] = parts[f.name] if f.name in parts else \
+                torch.zeros(*like.shape[:2], *f.shape, dtype=f.dtype, device=like.device)
+        return CompressedChunk(fields)
+
+    def coded(self, rows: list[int], starts: list[int], length: int) -> CompressedChunk:
+        """The stored fields of tokens [starts[j], starts[j]+length) of row rows[j]: a chunk [J,H,length,...]."""
+        return self._chunk({name: torch.stack([t[row, :, at : at + length] for row, at in zip(rows, starts)])
+                            for name, t in self.fields.items()}, length)
+
+    def _decode(self, chunk: CompressedChunk, n: int, dtype: torch.dtype, out: torch.Tensor | None = None):
+        return decompress(chunk, self.spec, n, self.head_dim, dtype, out=out)
+
+    def tokens(self, dtype: torch.dtype | None = None, n: int | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        n = self.capacity if n is None else n
+        return self._decode(self._chunk({k: t[:, :, :n] for k, t in self.fields.items()}, n), n,
+                            dtype or self.dtype, out)
+
+    def gather(self, rows: list[int], starts: list[int], length: int, dtype: torch.dtype | None) -> torch.Tensor:
+        return self._decode(self.coded(rows, starts, length), length, dtype or self.dtype)
+
+    def token_nbytes(self, cap: int | None = None) -> int:
+        return sum(t.shape[1] * math.prod(t.shape[3:]) * (min(t.element_size(), cap) if cap and
+                   t.is_floating_point() else t.element_size()) for t in self.fields.values())
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.fields.values())
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        self.fields = {name: t.index_select(0, index) for name, t in self.fields.items()}
 
 
 @dataclass(frozen=True)
@@ -186,19 +319,26 @@ class ChunkStore:
         is per batch row), so batching changes no bit; callers group jobs by length. channel_bits [J,H,d]: the
         jobs' key widths (an allocated spec)."""
         compressed = self.plan.compress.compress(self.spec, x, channel_bits)
-        full = x.shape[2] == self.chunk_len
+        self.store_rows(compressed, x.shape[2], rows, chunks, batch, reserve_chunks, limit)
+
+    def store_rows(self, compressed: CompressedChunk, n: int, rows: list[int], chunks: list[int], batch: int,
+                   reserve_chunks: int, limit: int | None = None) -> None:
+        """Store J chunks of n tokens already in this store's format (`compress_rows`, or a buffer that encoded
+        them on arrival: `CodedTokenStore`) as chunk `chunks[j]` of row `rows[j]`."""
+        device = compressed.codes.device
+        full = n == self.chunk_len
         capacity = max(max(chunks) + 1, reserve_chunks)  # (reserve_chunks: slots the rows are known to reach)
         if not self.fields and full and capacity == 1 and rows == list(range(batch)):
             self._adopt(compressed)  # the whole store, as compressed (a prompt chunk of every row at once)
             return
         self.reserve(compressed, batch, capacity, limit)
-        row_index = torch.tensor(rows, device=x.device)
+        row_index = torch.tensor(rows, device=device)
         for name in self.fields:
             src = getattr(compressed, name)  # [J, H, e, ...]: a short chunk may fill less (extent, rank)
             e = self.extent[name]
             if full and src.shape[2] == e:  # one indexed copy for every job: field as [B, H, chunks, e, ...]
                 target = self.fields[name].unflatten(2, (self.capacity, e))
-                target[row_index, :, torch.tensor(chunks, device=x.device)] = src
+                target[row_index, :, torch.tensor(chunks, device=device)] = src
                 continue
             for j, (row, chunk) in enumerate(zip(rows, chunks)):
                 target = self.fields[name][row, :, chunk * e : chunk * e + src.shape[2]]

@@ -28,10 +28,6 @@ def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
-def _itemsize(t: torch.Tensor, cap: int | None) -> int:
-    return min(t.element_size(), cap) if cap and t.is_floating_point() else t.element_size()
-
-
 def _held_by_component(cache, cap: int | None) -> dict[str, int]:
     """Bytes that tokens occupy, by component; cap: count floating tensors at most `cap` bytes/element."""
     layout = cache.layout
@@ -41,9 +37,8 @@ def _held_by_component(cache, cap: int | None) -> dict[str, int]:
     for layer in cache.layers:
         for stream in layer.streams:
             for store, tokens in ((stream.sink, counts.sink), (stream.buffer, counts.buffer)):
-                if store.data is not None:
-                    H, d = store.data.shape[1], store.data.shape[3]
-                    out["buffer"] += sum(tokens) * H * d * _itemsize(store.data, cap)
+                if store.capacity:
+                    out["buffer"] += sum(tokens) * store.token_nbytes(cap)
             if stream.prefill is not None and stream.prefill.fields and not layer.released.prompt:
                 for p in counts.prompt:
                     if p:
@@ -82,7 +77,7 @@ def allocated_bytes(cache) -> int:
     total = _nbytes(cache.layout.positions) + _nbytes(cache.layout.rect_to_local)
     for layer in cache.layers:
         for stream in layer.streams:
-            total += _nbytes(stream.sink.data) + _nbytes(stream.buffer.data) + _nbytes(stream.channel_bits)
+            total += stream.sink.nbytes() + stream.buffer.nbytes() + _nbytes(stream.channel_bits)
             for store in (stream.prefill, stream.decode):
                 if store is not None:
                     total += sum(_nbytes(t) for t in store.fields.values())
