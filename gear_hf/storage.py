@@ -91,6 +91,9 @@ class TokenStore:
             return self.data[rows, :, at : at + length]
         return torch.stack([self.data[row, :, at : at + length] for row, at in zip(rows, starts)])
 
+    def end_step(self) -> None:
+        """(A full-precision store reads every token exact: nothing to drop; `CodedTokenStore.end_step`.)"""
+
     def token_nbytes(self, cap: int | None = None) -> int:
         """Bytes one token of one row holds (floating entries counted at most `cap` bytes each, if given)."""
         size = self.data.element_size() if cap is None else min(self.data.element_size(), cap)
@@ -108,10 +111,15 @@ class CodedTokenStore:
     """Tokens [B, H, capacity, d] stored in a per-token format (a `ChunkSpec` whose every field holds one entry per
     token, e.g. values quantized per token, or keys at 8 bits per token with a 16-bit scale and minimum): each token
     is encoded when it arrives, by the torch oracle, and decoded when read. Same interface as `TokenStore`; what it
-    holds is what `nbytes` counts (the buffer of `GearConfig.key_buffer` / `value_buffer`)."""
+    holds is what `nbytes` counts (the buffer of `GearConfig.key_buffer` / `value_buffer`).
+
+    Within the step that wrote them, tokens read back exact: the step's own tokens are staged in full precision
+    until `end_step` (the attention of that step sees them as the model made them, and a prompt compressed in the
+    step it arrived is compressed from them, not from their coded copies); from the next step on they are coded."""
 
     def __init__(self, spec: ChunkSpec) -> None:
         self.spec = spec
+        self.staged: tuple[torch.Tensor, torch.Tensor] | None = None  # this step's tokens [B,H,cap,d], written [B,cap]
         self.fields: dict[str, torch.Tensor] = {}
         self.dtype: torch.dtype | None = None  # the model's (what reads return by default)
         self.head_dim = 0
@@ -152,22 +160,55 @@ class CodedTokenStore:
         elif capacity != self.capacity:
             keep = min(capacity, self.capacity)
             self.fields = {name: _grown(t[:, :, :keep], capacity) for name, t in self.fields.items()}
+            self.staged = None
 
     def encode(self, x: torch.Tensor) -> CompressedChunk:
         """x [J,H,n,d] in this store's format (every token on its own: batching changes no bit), by the oracle."""
         return compress(x, self.spec)
 
+    def _stage(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.staged is None:
+            B, H, cap, d = self.shape
+            self.staged = (like.new_zeros(B, H, cap, d), torch.zeros(B, cap, dtype=torch.bool, device=like.device))
+        return self.staged
+
     def write_run(self, x: torch.Tensor, at: int) -> None:
         chunk = self.encode(x)
         for name, t in self.fields.items():
             t[:, :, at : at + x.shape[2]] = getattr(chunk, name)
+        exact, written = self._stage(x)
+        exact[:, :, at : at + x.shape[2]] = x
+        written[:, at : at + x.shape[2]] = True
 
     def write(self, x: torch.Tensor, where: TokenWrites) -> None:
-        chunk = self.encode(x[where.rows, :, where.tokens].unsqueeze(2))  # [N,H,1,d]: one token per entry
+        tokens = x[where.rows, :, where.tokens]  # [N,H,d]
+        chunk = self.encode(tokens.unsqueeze(2))  # [N,H,1,d]: one token per entry
         for name, t in self.fields.items():
             t[where.rows, :, where.columns] = getattr(chunk, name)[:, :, 0]
+        exact, written = self._stage(x)
+        exact[where.rows, :, where.columns] = tokens.to(exact.dtype)
+        written[where.rows, where.columns] = True
+
+    def end_step(self) -> None:
+        """The step ended: its tokens are read coded from now on (call before the buffer's columns move)."""
+        self.staged = None
+
+    def _exact_where_staged(self, decoded: torch.Tensor, rows: list[int] | None, starts: list[int] | None,
+                            length: int) -> torch.Tensor:
+        """decoded [J,H,length,d] (every row from column 0, or rows[j] from starts[j]) with this step's own tokens
+        put back exact."""
+        if self.staged is None:
+            return decoded
+        exact, written = self.staged
+        if rows is None:
+            exact, written = exact[:, :, :length], written[:, :length]
+        else:
+            exact = torch.stack([exact[row, :, at : at + length] for row, at in zip(rows, starts)])
+            written = torch.stack([written[row, at : at + length] for row, at in zip(rows, starts)])
+        return torch.where(written[:, None, :, None], exact.to(decoded.dtype), decoded)
 
     def keep_tail(self, row: int, start: int, length: int) -> None:
+        self.end_step()
         if start and length:
             for t in self.fields.values():
                 t[row, :, :length] = t[row, :, start : start + length].clone()
@@ -192,11 +233,14 @@ class CodedTokenStore:
     def tokens(self, dtype: torch.dtype | None = None, n: int | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor:
         n = self.capacity if n is None else n
-        return self._decode(self._chunk({k: t[:, :, :n] for k, t in self.fields.items()}, n), n,
-                            dtype or self.dtype, out)
+        decoded = self._decode(self._chunk({k: t[:, :, :n] for k, t in self.fields.items()}, n), n,
+                               dtype or self.dtype)
+        decoded = self._exact_where_staged(decoded, None, None, n)
+        return decoded if out is None else out.copy_(decoded)
 
     def gather(self, rows: list[int], starts: list[int], length: int, dtype: torch.dtype | None) -> torch.Tensor:
-        return self._decode(self.coded(rows, starts, length), length, dtype or self.dtype)
+        decoded = self._decode(self.coded(rows, starts, length), length, dtype or self.dtype)
+        return self._exact_where_staged(decoded, rows, starts, length)
 
     def token_nbytes(self, cap: int | None = None) -> int:
         return sum(t.shape[1] * math.prod(t.shape[3:]) * (min(t.element_size(), cap) if cap and
@@ -207,6 +251,7 @@ class CodedTokenStore:
 
     def select_rows(self, index: torch.Tensor) -> None:
         self.fields = {name: t.index_select(0, index) for name, t in self.fields.items()}
+        self.staged = None
 
 
 @dataclass(frozen=True)

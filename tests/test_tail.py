@@ -115,3 +115,24 @@ def test_a_format_that_does_not_store_tokens_alone_cannot_be_a_buffer():
 def test_presets_keep_the_full_precision_buffer():
     assert GearConfig.preset("gear-2").key_buffer == GearConfig.preset("kivi-4").value_buffer == "full"
     assert GearConfig().key_buffer == GearConfig().value_buffer == "full"
+
+
+def test_a_step_reads_its_own_tokens_exact_and_the_prompt_compresses_from_them():
+    """A coded buffer stages the step's own tokens: the prompt chunk is compressed from the exact tokens (the same
+    fields as with a 16-bit buffer), and the step reads its own tokens as the model made them."""
+    coded = FULL.replace(key_buffer="int8", value_buffer="int8")
+    full_cache, _, _ = _fill(FULL, 300, 0)
+    coded_cache, keys, values = _fill(coded, 300, 0)
+    for full_stream, coded_stream in zip(full_cache.layers[0].streams, coded_cache.layers[0].streams):
+        for name, t in full_stream.prefill.fields.items():
+            assert torch.equal(coded_stream.prefill.fields[name], t), name
+    from transformers import LlamaConfig
+
+    cache = gear_hf.GearCache(LlamaConfig(num_hidden_layers=1, hidden_size=H * D * 2, num_attention_heads=H * 2,
+                                          num_key_value_heads=H, head_dim=D), coded)
+    with torch.no_grad():
+        k, v = keys[:, :, :10], values[:, :, :10]  # (shorter than a prompt group: all stay in the buffer)
+        got_k, got_v = cache.store_and_read(0, k, v)
+        assert torch.equal(got_k, k) and torch.equal(got_v, v)
+        held_k, held_v = cache.held(0, torch.bfloat16)  # after the step: coded
+        assert not torch.equal(held_k, k) and (held_v.float() - v.float()).abs().max() < 0.05

@@ -104,6 +104,7 @@ class Stream:
             slots = [chunk - released_chunks for _, _, chunk in flush.decode_jobs]
             finite.append(self._leave(self.decode, rows, starts, self.chunk_len, slots, batch, reserve_chunks,
                                       query_energy, chunk_limit))
+        self.buffer.end_step()  # (a coded buffer: this step's tokens are read coded from now on)
         for row, start, length in flush.keep:
             self.buffer.keep_tail(row, start, length)
         self.buffer.reserve(None, plan.buffer_capacity_after)  # (gives back what was compressed)
