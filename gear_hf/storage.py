@@ -228,6 +228,9 @@ class CodedTokenStore:
                             for name, t in self.fields.items()}, length)
 
     def _decode(self, chunk: CompressedChunk, n: int, dtype: torch.dtype, out: torch.Tensor | None = None):
+        if n == 0:  # (an empty buffer: nothing to decode)
+            codes = chunk.codes
+            return torch.empty(*codes.shape[:2], 0, self.head_dim, dtype=dtype, device=codes.device)
         return decompress(chunk, self.spec, n, self.head_dim, dtype, out=out)
 
     def tokens(self, dtype: torch.dtype | None = None, n: int | None = None,

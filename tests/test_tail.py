@@ -114,7 +114,7 @@ def test_a_format_that_does_not_store_tokens_alone_cannot_be_a_buffer():
 
 def test_presets_keep_the_full_precision_buffer():
     assert GearConfig.preset("gear-2").key_buffer == GearConfig.preset("kivi-4").value_buffer == "full"
-    assert GearConfig().key_buffer == GearConfig().value_buffer == "full"
+    assert GearConfig().key_buffer == GearConfig().value_buffer == "int8"  # the default's (results/tail/)
 
 
 def test_a_step_reads_its_own_tokens_exact_and_the_prompt_compresses_from_them():
@@ -136,3 +136,16 @@ def test_a_step_reads_its_own_tokens_exact_and_the_prompt_compresses_from_them()
         assert torch.equal(got_k, k) and torch.equal(got_v, v)
         held_k, held_v = cache.held(0, torch.bfloat16)  # after the step: coded
         assert not torch.equal(held_k, k) and (held_v.float() - v.float()).abs().max() < 0.05
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_a_one_token_prompt_generates_with_an_empty_coded_buffer(backend):
+    """A 1-token prompt goes to the sinks: the coded buffer is read empty (nothing to decode) on the first steps."""
+    model = tiny_model("llama3", dtype=torch.bfloat16, head_dim=32)
+    gear_hf.enable(model, GearConfig(backend=backend))
+    ids = torch.tensor([[5]])
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
+                             do_sample=False, pad_token_id=0)
+    gear_hf.disable(model)
+    assert out.shape == (1, 9)

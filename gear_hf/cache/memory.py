@@ -136,7 +136,26 @@ def memory_report(cache) -> dict:
         "key_bits_allocated": _key_bits_allocated(cache),
         "key_bits": cache.gear_config.key_bits if cache.gear_config.compresses else None,
         "head_dim": cache.shape[1] if cache.shape is not None else None,
+        "above_dense": _above_dense_reasons(cache) if owned > dense else [],
     }
+
+
+def _above_dense_reasons(cache) -> list[str]:
+    """Why the cache owns more than the dense cache of the same tokens would (issue 25: said, not hidden)."""
+    config, counts = cache.gear_config, cache.layout.counts
+    reasons = []
+    if not config.compresses:
+        reasons.append("nothing is compressed (fp16): positions are kept beside the tokens")
+    elif not any(counts.prompt) and not any(counts.chunks):
+        reasons.append(f"no token compressed yet (a prompt chunk needs {config.prompt_granule} tokens after the "
+                       f"{config.sink_tokens} sinks, a decode chunk {config.buffer_size}): every token is in the "
+                       "buffer, with the positions and key-allocation statistics beside it")
+    short = sorted({layer.sliding_window for layer in cache.layers
+                    if layer.sliding_window and layer.sliding_window <= config.buffer_size})
+    if short:
+        reasons.append(f"sliding window {'/'.join(map(str, short))} not longer than the buffer ({config.buffer_size} "
+                       "tokens): those layers keep up to a buffer of tokens where dense keeps a window")
+    return reasons or ["bookkeeping (positions, statistics) beside few compressed tokens"]
 
 
 def _key_bits_allocated(cache) -> float | None:
@@ -159,7 +178,8 @@ def summary(report: dict) -> str:
     return (f"{report['method']}: {report['tokens']} tokens/layer, owns {report['bits_per_element']:.2f} "
             f"bits/element ({report['bits_per_element_16bit']:.2f} with 16-bit floats) = "
             f"{100 * report['vs_model_dtype']:.1f}% of {report['model_dtype']} KV, "
-            f"{report['owned_bytes'] / mib:.2f} MiB; " + ", ".join(rest) + _allocation_note(report))
+            f"{report['owned_bytes'] / mib:.2f} MiB; " + ", ".join(rest) + _allocation_note(report)
+            + "".join(f"; more than the dense cache: {why}" for why in report.get("above_dense", [])))
 
 
 def _allocation_note(report: dict) -> str:
