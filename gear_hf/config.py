@@ -107,7 +107,7 @@ class GearConfig:
     sink_tokens:   first tokens of each row never compressed
     key_buffer:    how the buffer holds keys until their chunk is compressed: "full" (the model's dtype, the paper)
                    or "int8" (beyond GEAR: 8 bits per token with a 16-bit scale and minimum, before RoPE; re-quantized
-                   in the chunk's format when the chunk is compressed)
+                   in the chunk's format when the chunk is compressed); fp16 ignores both (it keeps every token)
     value_buffer:  "full" (the model's dtype), "int8" (as key_buffer's) or "final" (beyond GEAR: each value stored
                    on arrival in the format its chunk stores, moved into the chunk unchanged: no second rounding;
                    needs values grouped per token with no low-rank term)
@@ -217,11 +217,7 @@ class GearConfig:
             _fail("key_buffer", self.key_buffer, " | ".join(KEY_BUFFERS))
         if self.value_buffer not in VALUE_BUFFERS:
             _fail("value_buffer", self.value_buffer, " | ".join(VALUE_BUFFERS))
-        if not self.compresses:
-            for name in ("key_buffer", "value_buffer"):
-                if getattr(self, name) != "full":
-                    _fail(name, getattr(self, name), f"'full' for method {self.method!r} (nothing is compressed)")
-        elif self.value_buffer == "final" and (self.value_axis != "token" or self.uses_lowrank
+        if self.compresses and self.value_buffer == "final" and (self.value_axis != "token" or self.uses_lowrank
                                                or self.extra_terms):
             _fail("value_buffer", self.value_buffer, "'full' unless values are grouped per token (value_axis="
                   "'token') with no low-rank term or extra term (each value must be stored on its own)")

@@ -61,11 +61,9 @@ INT8_TOKENS = ChunkSpec(bits=8, axis="token", group=0, outlier_ratio=0.0, rank=0
 
 def stream_format(cfg, stream: str) -> StreamFormat:
     prompt, decode = stream_specs(cfg, stream)
-    tail = None
-    if (cfg.key_buffer if stream == "key" else cfg.value_buffer) == "int8":
-        tail = INT8_TOKENS
-    elif stream == "value" and cfg.value_buffer == "final":
-        tail = decode
+    # (fp16 keeps every token as the model made it, whatever the buffer settings)
+    choice = (cfg.key_buffer if stream == "key" else cfg.value_buffer) if cfg.compresses else "full"
+    tail = INT8_TOKENS if choice == "int8" else decode if choice == "final" else None
     return StreamFormat(stream, prompt, decode, cfg.buffer_size, tail)
 
 

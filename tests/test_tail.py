@@ -100,7 +100,6 @@ def test_fused_cpu_kernel_reads_the_coded_buffer_as_the_oracle(fields):
     (dict(value_buffer="fp8"), r"value_buffer='fp8' is invalid; allowed: full \| final \| int8"),
     (dict(method="gear-l", value_buffer="final"), r"value_buffer='final' is invalid; allowed: 'full' unless values"),
     (dict(value_axis="channel", value_buffer="final"), r"value_buffer='final' is invalid"),
-    (dict(method="fp16", key_buffer="int8"), r"key_buffer='int8' is invalid; allowed: 'full' for method 'fp16'"),
 ])
 def test_bad_buffer_settings_say_what_is_allowed(fields, match):
     with pytest.raises(ValueError, match=match):
@@ -110,6 +109,10 @@ def test_bad_buffer_settings_say_what_is_allowed(fields, match):
 def test_a_format_that_does_not_store_tokens_alone_cannot_be_a_buffer():
     with pytest.raises(ValueError, match="does not store each token on its own"):
         CodedTokenStore.per_token_fields(layer_formats(GearConfig())[0].decode, D, torch.bfloat16)
+
+
+def test_fp16_keeps_every_token_whatever_the_buffer_settings():
+    assert layer_formats(GearConfig(method="fp16"))[0].tail is None  # (GearConfig()'s int8 buffer: ignored)
 
 
 def test_presets_keep_the_full_precision_buffer():
