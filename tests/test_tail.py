@@ -8,9 +8,9 @@ import torch
 
 import gear_hf
 from gear_hf import GearConfig
+from gear_hf.coded_store import CodedTokenStore
 from gear_hf.compress import compress, decompress
 from gear_hf.format import INT8_TOKENS, layer_formats
-from gear_hf.storage import CodedTokenStore
 from tiny_models import CACHE_ARG, tiny_model
 
 H, D = 2, 64

@@ -15,9 +15,10 @@ from typing import Callable
 
 import torch
 
+from ..coded_store import CodedTokenStore
 from ..compress import ChunkSpec
 from ..compress.allocation import allocate_channel_bits
-from ..storage import ChunkStore, CodedTokenStore, TokenStore
+from ..storage import ChunkStore, TokenStore
 from .layout import RowCounts, RowLayout, SlotPlan, StepPlan
 
 
@@ -104,7 +105,7 @@ class Stream:
             slots = [chunk - released_chunks for _, _, chunk in flush.decode_jobs]
             finite.append(self._leave(self.decode, rows, starts, self.chunk_len, slots, batch, reserve_chunks,
                                       query_energy, chunk_limit))
-        self.buffer.end_step()  # (a coded buffer: this step's tokens are read coded from now on)
+        self.buffer.end_step(flush.keep)  # (a coded buffer encodes the step's tokens that stay)
         for row, start, length in flush.keep:
             self.buffer.keep_tail(row, start, length)
         self.buffer.reserve(None, plan.buffer_capacity_after)  # (gives back what was compressed)
