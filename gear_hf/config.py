@@ -20,6 +20,8 @@ from .preset_names import METHODS, parse_preset_name  # (parse_preset_name: also
 ROTATIONS = ("none", "keys", "values", "both")
 AXES = ("channel", "token")
 KEY_BIT_ALLOCATIONS = ("uniform", "query")
+KEY_BUFFERS = ("full", "int8")
+VALUE_BUFFERS = ("full", "final", "int8")
 
 
 # The paper's settings (GEAR, Kang et al. 2024): `preset` starts from these, whatever GearConfig()'s defaults.
@@ -30,7 +32,8 @@ PAPER_FIELDS: dict[str, Any] = dict(key_bits=4, value_bits=4, group_size=64, ran
                                     power_iters=3, outlier_ratio=0.02, buffer_size=64, sink_tokens=0,
                                     key_axis="channel", value_axis="token", pre_rope=True, key_group_size=None,
                                     value_group_size=None, rotation="none", factor_bits=8, range_search="none",
-                                    prompt_group_size=None, key_bit_allocation="uniform")
+                                    prompt_group_size=None, key_bit_allocation="uniform", key_buffer="full",
+                                    value_buffer="full")
 
 
 # What the measured frontier says to pick (scripts/frontier.py; SmolLM2-135M and Qwen2.5-0.5B in bf16, head_dim 64,
@@ -41,16 +44,22 @@ PAPER_FIELDS: dict[str, Any] = dict(key_bits=4, value_bits=4, group_size=64, ran
 # (`python scripts/bench_footprint.py`, results/footprint/; head_dim 128 owns 0.1-0.4 less, gear-4 0.4 less), so
 # `recommended(bits_per_element=b)` returns a configuration owning <= b on average over such a run. At T~1k the
 # full-precision buffer (up to buffer_size 16-bit tokens) adds up to 1.2 bits more (the table's "max owned").
-# All keep 4 attention-sink tokens exact, group keys
-# by 128 tokens and rotate the values (Walsh–Hadamard). All but "small" give each key channel its own width, chosen
+# "accurate" (the default) holds its buffer at 8 bits per token (key_buffer/value_buffer="int8", issue 25), picked
+# from the points of scripts/bench_tail.py (SmolLM2 bf16, 1024-token prompt + 96 teacher-forced steps, GSM8K texts 0,
+# 1, 200; results/tail/): owned 3.685/4.083 bits (mean/max over the steps) at KL 0.0067/0.0062/0.0113, against
+# 4.018/5.011 at 0.0064/0.0045/0.0094 with the 16-bit buffer and kivi-4's 4.789/5.172 at 0.0088/0.0113/0.0103 (below
+# kivi-4 on two texts of three, 0.0010 above on text 200). Values stored on arrival in their final 3-bit format
+# (value_buffer="final") owned less (3.574/3.774 with int8 keys) but doubled KL (0.022 on text 200).
+# All keep 4 attention-sink tokens exact, group keys by 128 tokens and rotate the values (Walsh–Hadamard). All
+# but "small" give each key channel its own width, chosen
 # from the prompt's queries (key_bit_allocation="query", keys unrotated: measured at the same bits, it cut KL 2-4x
 # against one width for every channel, e.g. k3v3 0.0271 -> 0.0073 on SmolLM2 and 0.0140 -> 0.0048 on Qwen, text 0).
 # All group the prompt chunk by 256 tokens (prompt_group_size). "compact" and "balanced" store values like keys
 # (per channel over token groups, value_axis="channel", ranges searched): statistics of 1/8 + 1/8 bit per element on
 # the prompt. "accurate" (the default) and "precise" keep 3-bit values per token with min/max ranges, nothing searched
 # at compress time (the search costs ~50x a min/max quantization of the same chunk): "accurate" is below kivi-4's KL
-# on all six model/text pairs and at T=4100 with 1.1 bit less; with values per channel and searched at the same
-# bits (k3.5v3) the KL was lower on one pair of six.
+# on all six model/text pairs and at T=4100 with 1.1 bit less (measured with the 16-bit buffer); with values per
+# channel and searched at the same bits (k3.5v3) the KL was lower on one pair of six.
 _ALLOCATED = dict(method="kivi", key_bit_allocation="query", rotation="values", group_size=128, sink_tokens=4,
                   prompt_group_size=256)
 _COMPACT = dict(_ALLOCATED, value_axis="channel", range_search="values")
@@ -59,7 +68,7 @@ RECOMMENDED: tuple[tuple[str, float, dict[str, Any]], ...] = (
                          group_size=128, sink_tokens=4)),
     ("compact", 3.06, dict(_COMPACT, key_bits=2.5, value_bits=2)),
     ("balanced", 3.30, dict(_COMPACT, key_bits=3, value_bits=2)),
-    ("accurate", 3.99, dict(_ALLOCATED, key_bits=3.125, value_bits=3)),
+    ("accurate", 3.78, dict(_ALLOCATED, key_bits=3.125, value_bits=3, key_buffer="int8", value_buffer="int8")),
     ("precise", 4.17, dict(_ALLOCATED, key_bits=3.5, value_bits=3)),
     ("kivi-4", 4.85, dict(method="kivi", key_bits=4, value_bits=4)),
     ("gear-4", 6.29, dict(method="gear", key_bits=4, value_bits=4, factor_bits=16)),
@@ -96,6 +105,12 @@ class GearConfig:
     outlier_ratio: fraction s of each vector kept exactly (s/2 largest, s/2 smallest)
     buffer_size:   n_b, newest tokens kept in full precision; a multiple of group_size
     sink_tokens:   first tokens of each row never compressed
+    key_buffer:    how the buffer holds keys until their chunk is compressed: "full" (the model's dtype, the paper)
+                   or "int8" (beyond GEAR: 8 bits per token with a 16-bit scale and minimum, before RoPE; re-quantized
+                   in the chunk's format when the chunk is compressed); fp16 ignores both (it keeps every token)
+    value_buffer:  "full" (the model's dtype), "int8" (as key_buffer's) or "final" (beyond GEAR: each value stored
+                   on arrival in the format its chunk stores, moved into the chunk unchanged: no second rounding;
+                   needs values grouped per token with no low-rank term)
     key_axis / value_axis: "channel" (groups run along tokens) or "token" (groups run along channels)
     pre_rope:      compress keys before rotary embedding and rotate them when read
     rotation:      "none" | "keys" | "values" | "both": an orthonormal Walsh–Hadamard rotation along head_dim
@@ -133,6 +148,8 @@ class GearConfig:
     prompt_group_size: int | None = 256
     key_bit_allocation: str = "query"
     extra_terms: tuple[str, ...] = ()  # registered terms beyond GEAR's (gear_hf.compress.terms), both streams
+    key_buffer: str = "int8"
+    value_buffer: str = "int8"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -189,10 +206,21 @@ class GearConfig:
                                         "key_bit_allocation='uniform' for one width)")
         if not isinstance(self.pre_rope, bool):
             _fail("pre_rope", self.pre_rope, "True or False")
+        self._check_buffers()
         if self.uses_lowrank and max(self.rank_prefill, self.rank_decode) == 0:
             _fail("rank_prefill", self.rank_prefill, f"> 0 for method {self.method!r} (or rank_decode > 0)")
         if self.uses_outliers and self.outlier_ratio == 0:
             _fail("outlier_ratio", self.outlier_ratio, f"> 0 for method {self.method!r}")
+
+    def _check_buffers(self) -> None:
+        if self.key_buffer not in KEY_BUFFERS:
+            _fail("key_buffer", self.key_buffer, " | ".join(KEY_BUFFERS))
+        if self.value_buffer not in VALUE_BUFFERS:
+            _fail("value_buffer", self.value_buffer, " | ".join(VALUE_BUFFERS))
+        if self.compresses and self.value_buffer == "final" and (self.value_axis != "token" or self.uses_lowrank
+                                               or self.extra_terms):
+            _fail("value_buffer", self.value_buffer, "'full' unless values are grouped per token (value_axis="
+                  "'token') with no low-rank term or extra term (each value must be stored on its own)")
 
     def _check_extra_terms(self) -> None:
         if isinstance(self.extra_terms, (list, str)):
@@ -386,12 +414,18 @@ _DEFAULT_BUFFER = GearConfig.__dataclass_fields__["buffer_size"].default
 # as they are, a new field getting the value that keeps an older dict's meaning); tests/test_config_dict.py fails
 # until the newest entry matches GearConfig()'s fields and defaults.
 VERSION_KEY = "gear_config_version"
-CONFIG_VERSION = 1
+CONFIG_VERSION = 2
 DEFAULTS_BY_VERSION: dict[int, dict[str, Any]] = {
     1: dict(method="kivi", key_bits=3.125, value_bits=3, group_size=128, rank_prefill=4, rank_decode=2, power_iters=3,
             outlier_ratio=0.02, buffer_size=128, sink_tokens=4, key_axis="channel", value_axis="token",
             pre_rope=True, backend="auto", key_group_size=None, value_group_size=None, rotation="values",
-            factor_bits=8, range_search="none", prompt_group_size=256, key_bit_allocation="query", extra_terms=()),
+            factor_bits=8, range_search="none", prompt_group_size=256, key_bit_allocation="query", extra_terms=(),
+            key_buffer="full", value_buffer="full"),
+    2: dict(method="kivi", key_bits=3.125, value_bits=3, group_size=128, rank_prefill=4, rank_decode=2, power_iters=3,
+            outlier_ratio=0.02, buffer_size=128, sink_tokens=4, key_axis="channel", value_axis="token",
+            pre_rope=True, backend="auto", key_group_size=None, value_group_size=None, rotation="values",
+            factor_bits=8, range_search="none", prompt_group_size=256, key_bit_allocation="query", extra_terms=(),
+            key_buffer="int8", value_buffer="int8"),
 }
 
 

@@ -1,6 +1,7 @@
 """`StreamFormat`: what one stream (a layer's keys or its values) stores, built once from a `GearConfig`.
 
-A stream stores one prompt chunk per row and decode chunks of `buffer_size` tokens; each has a `ChunkSpec`, whose
+A stream stores one prompt chunk per row and decode chunks of `buffer_size` tokens, and its newest tokens in a buffer
+(full precision, or a per-token `tail` format: `GearConfig.key_buffer` / `value_buffer`); each has a `ChunkSpec`, whose
 terms (`gear_hf.compress.terms`: backbone, outliers, low-rank, rotation, and any registered extra term) declare
 the fields the storage allocates, the memory report counts and the kernels read.
 """
@@ -21,6 +22,7 @@ class StreamFormat:
     prompt: ChunkSpec  # the prompt chunk (rank_prefill, prompt groups)
     decode: ChunkSpec  # each decode chunk (rank_decode)
     chunk_len: int  # tokens per decode chunk (buffer_size)
+    tail: ChunkSpec | None = None  # how the buffer stores each token (per token), None: in the model's dtype
 
     @property
     def specs(self) -> tuple[ChunkSpec, ChunkSpec]:
@@ -52,8 +54,17 @@ def stream_specs(cfg, stream: str) -> tuple[ChunkSpec, ChunkSpec]:
                  for group, rank in zip(groups, ranks))
 
 
+# keys or values in the buffer at key_buffer / value_buffer="int8": 8 bits per token (one group: the whole head
+# vector), 16-bit scale/minimum
+INT8_TOKENS = ChunkSpec(bits=8, axis="token", group=0, outlier_ratio=0.0, rank=0)
+
+
 def stream_format(cfg, stream: str) -> StreamFormat:
-    return StreamFormat(stream, *stream_specs(cfg, stream), cfg.buffer_size)
+    prompt, decode = stream_specs(cfg, stream)
+    # (fp16 keeps every token as the model made it, whatever the buffer settings)
+    choice = (cfg.key_buffer if stream == "key" else cfg.value_buffer) if cfg.compresses else "full"
+    tail = INT8_TOKENS if choice == "int8" else decode if choice == "final" else None
+    return StreamFormat(stream, prompt, decode, cfg.buffer_size, tail)
 
 
 def layer_formats(cfg) -> tuple[StreamFormat, StreamFormat]:

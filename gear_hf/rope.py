@@ -2,7 +2,7 @@
 
 Keys are stored before RoPE, so whoever reads them rotates them at their stored positions: the reference
 path with `apply_rotary` (bit for bit HF's `apply_rotary_pos_emb`) and cos/sin from the model's own rotary
-module (memoised per step by `RotaryMemo`), the oracle with `rope_tables` (what the fused kernel computes).
+module (computed once per step by `RotaryMemo`), the oracle with `rope_tables` (what the fused kernel computes).
 """
 
 from __future__ import annotations
@@ -67,13 +67,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class RotaryMemo:
     """cos/sin of one step's read positions from a model's rotary module, computed once per step and shared
     by every layer that reads the same columns with the same rotary module (Gemma 3 has two: local and
-    global). Across steps only the new columns are computed: when a step's positions extend the previous
-    step's, the previous cos/sin are kept and the new columns' appended (the rotary module maps each position on
-    its own, so this is what computing them all gives, as stock decoding computes only the new token's). Entries
-    live for two steps at most."""
+    global). Dropped when the step ends (`clear`): kept from one step to the next it would be a table
+    proportional to T beside the CPU kernel's own (issue 25), and recomputing it (once per step, not per layer)
+    costs little next to reading the history."""
 
     def __init__(self) -> None:
-        self._entries: dict = {}  # (columns, rotary, dtype, device) -> (step, positions [B,T], (cos, sin))
+        self._entries: dict = {}  # (columns, rotary, dtype, device) -> (step, (cos, sin))
 
     def get(self, step: int, columns, rotary_emb, like: torch.Tensor, positions: Callable[[], torch.Tensor]):
         """rotary_emb(like, positions()) for this step's read of `columns` (a visible start column of the padded
@@ -82,28 +81,17 @@ class RotaryMemo:
         key = (columns, id(rotary_emb), like.dtype, like.device)
         entry = self._entries.get(key)
         if entry is not None and entry[0] == step:
-            return entry[2]
-        # entries older than the previous step are not extended any more (a sliding layer's start column moves)
-        self._entries = {k: e for k, e in self._entries.items() if e[0] >= step - 1}
-        now = positions()
-        if entry is not None and _extends(now, entry[1]):
-            done = entry[1].shape[1]
-            cos, sin = rotary_emb(like, now[:, done:])
-            cos_sin = tuple(torch.cat([old, new.unsqueeze(1)], dim=2) for old, new in zip(entry[2], (cos, sin)))
-        else:
-            cos, sin = rotary_emb(like, now)
-            cos_sin = (cos.unsqueeze(1), sin.unsqueeze(1))
-        self._entries[key] = (step, now, cos_sin)
+            return entry[1]
+        self._entries = {k: e for k, e in self._entries.items() if e[0] == step}
+        cos, sin = rotary_emb(like, positions())
+        cos_sin = (cos.unsqueeze(1), sin.unsqueeze(1))
+        self._entries[key] = (step, cos_sin)
         return cos_sin
 
+    def clear(self) -> None:
+        """The step ended: nothing is kept for the next."""
+        self._entries = {}
 
     def nbytes(self) -> int:
-        """Bytes of the kept entries (positions and cos/sin): kept from one step for the next."""
-        tensors = [t for _, now, cos_sin in self._entries.values() for t in (now, *cos_sin)]
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def _extends(positions: torch.Tensor, before: torch.Tensor) -> bool:
-    """positions [B,T] starts with `before` [B,T0] (T0 <= T): the previous step's columns, unchanged."""
-    return (positions.shape[0] == before.shape[0] and positions.shape[1] >= before.shape[1]
-            and torch.equal(positions[:, : before.shape[1]], before))
+        """Bytes of the entries (cos/sin of the current step; 0 between steps)."""
+        return sum(t.numel() * t.element_size() for _, cos_sin in self._entries.values() for t in cos_sin)

@@ -68,6 +68,37 @@ class TokenStore:
         """data[rows[i], :, columns[i]] = x[rows[i], :, tokens[i]] for every real token i; x [B,H,q,d]."""
         self.data[where.rows, :, where.columns] = x[where.rows, :, where.tokens].to(self.data.dtype)
 
+    shape = property(lambda self: self.data.shape)
+    device = property(lambda self: self.data.device)
+
+    def write_run(self, x: torch.Tensor, at: int) -> None:
+        """Every row's tokens x [B,H,q,d] to columns [at, at+q)."""
+        self.data[:, :, at : at + x.shape[2]].copy_(x)
+
+    def tokens(self, dtype: torch.dtype | None = None, n: int | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """The first n tokens of every row [B,H,n,d] (all of them when n is None), as stored: a view (dtype: ignored
+        here; a coded store decodes into it), or copied into out."""
+        view = self.data if n is None else self.data[:, :, :n]
+        return view if out is None else out.copy_(view)
+
+    def gather(self, rows: list[int], starts: list[int], length: int, dtype: torch.dtype | None) -> torch.Tensor:
+        """Tokens [starts[j], starts[j]+length) of row rows[j], for every j: [J,H,length,d]."""
+        if len(rows) == 1 or len(set(starts)) == 1:
+            at = starts[0]
+            if len(rows) == 1:
+                return self.data[rows[0] : rows[0] + 1, :, at : at + length]
+            return self.data[rows, :, at : at + length]
+        return torch.stack([self.data[row, :, at : at + length] for row, at in zip(rows, starts)])
+
+    def end_step(self, kept: list[tuple[int, int, int]] | None = None) -> None:
+        """(A full-precision store holds every token as written: nothing to do; `CodedTokenStore.end_step`.)"""
+
+    def token_nbytes(self, cap: int | None = None) -> int:
+        """Bytes one token of one row holds (floating entries counted at most `cap` bytes each, if given)."""
+        size = self.data.element_size() if cap is None else min(self.data.element_size(), cap)
+        return self.data.shape[1] * self.data.shape[3] * size
+
     def nbytes(self) -> int:
         return 0 if self.data is None else self.data.numel() * self.data.element_size()
 
@@ -186,19 +217,26 @@ class ChunkStore:
         is per batch row), so batching changes no bit; callers group jobs by length. channel_bits [J,H,d]: the
         jobs' key widths (an allocated spec)."""
         compressed = self.plan.compress.compress(self.spec, x, channel_bits)
-        full = x.shape[2] == self.chunk_len
+        self.store_rows(compressed, x.shape[2], rows, chunks, batch, reserve_chunks, limit)
+
+    def store_rows(self, compressed: CompressedChunk, n: int, rows: list[int], chunks: list[int], batch: int,
+                   reserve_chunks: int, limit: int | None = None) -> None:
+        """Store J chunks of n tokens already in this store's format (`compress_rows`, or a buffer that encoded
+        them on arrival: `CodedTokenStore`) as chunk `chunks[j]` of row `rows[j]`."""
+        device = compressed.codes.device
+        full = n == self.chunk_len
         capacity = max(max(chunks) + 1, reserve_chunks)  # (reserve_chunks: slots the rows are known to reach)
         if not self.fields and full and capacity == 1 and rows == list(range(batch)):
             self._adopt(compressed)  # the whole store, as compressed (a prompt chunk of every row at once)
             return
         self.reserve(compressed, batch, capacity, limit)
-        row_index = torch.tensor(rows, device=x.device)
+        row_index = torch.tensor(rows, device=device)
         for name in self.fields:
             src = getattr(compressed, name)  # [J, H, e, ...]: a short chunk may fill less (extent, rank)
             e = self.extent[name]
             if full and src.shape[2] == e:  # one indexed copy for every job: field as [B, H, chunks, e, ...]
                 target = self.fields[name].unflatten(2, (self.capacity, e))
-                target[row_index, :, torch.tensor(chunks, device=x.device)] = src
+                target[row_index, :, torch.tensor(chunks, device=device)] = src
                 continue
             for j, (row, chunk) in enumerate(zip(rows, chunks)):
                 target = self.fields[name][row, :, chunk * e : chunk * e + src.shape[2]]

@@ -45,3 +45,23 @@ def test_generate_owns_no_spare_capacity_without_a_known_length(context):
     assert report["owned_bytes"] == (report["held_bytes"] + report["spare_bytes"] + report["kernel_state_bytes"]
                                      + report["workspace_bytes"])
     assert "owns" in gear_hf.last_cache(model).summary()
+
+
+@pytest.mark.parametrize("arch,prompt,new,why", [
+    ("llama3", 1, 5, "no token compressed yet"),  # a 1-token prompt: everything in the buffer
+    ("mistral", 100, 60, "sliding window 16 not longer than the buffer"),
+])
+def test_summary_says_why_the_cache_owns_more_than_dense(arch, prompt, new, why):
+    """Where compression cannot pay, the cache owns more than the dense one (positions, allocation statistics, a
+    buffer longer than the window: issue 25 item 5, not yet mended) and summary() says so and why."""
+    model = tiny_model(arch, dtype=torch.bfloat16, head_dim=32)
+    gear_hf.enable(model, gear_hf.GearConfig())
+    ids = torch.randint(3, 128, (1, prompt), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                       do_sample=False, pad_token_id=0)
+    cache = gear_hf.last_cache(model)
+    report = cache.memory_report()
+    assert report["owned_bytes"] > report["dense_bytes"] and any(why in r for r in report["above_dense"])
+    assert f"more than the dense cache: {report['above_dense'][0]}" in cache.summary()
+    gear_hf.disable(model)

@@ -154,7 +154,8 @@ def test_a_wider_channel_errs_less():
 
 def _config(**overrides):
     fields = dict(method="kivi", key_bits=3.5, value_bits=2, key_bit_allocation="query", rotation="values",
-                  group_size=8, buffer_size=16, sink_tokens=0, backend="torch", prompt_group_size=None)
+                  group_size=8, buffer_size=16, sink_tokens=0, backend="torch", prompt_group_size=None,
+                  key_buffer="full", value_buffer="full")  # (buffered keys compared exact: the paper's buffer)
     fields.update(overrides)
     return gear_hf.GearConfig(**fields)
 

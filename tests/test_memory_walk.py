@@ -168,3 +168,12 @@ def test_walk_sees_what_the_cuda_allocator_kept():
     slack = 512 * len(result.blocks)
     assert result.total - slack <= kept - out_bytes <= result.total + slack, (kept, out_bytes, result.total)
     gear_hf.disable(model)
+
+
+def test_no_rotary_table_is_kept_from_one_step_to_the_next(generated):
+    """cos/sin for the read positions grow with T: the reference path's and the CPU kernel's are computed once per
+    step and dropped when it ends (issue 25: they were kept, twice, ~8% of held on SmolLM2 at T=1k)."""
+    cache, _ = generated
+    report = cache.memory_report()
+    assert cache._rotary.nbytes() == 0 and not cache.kernel_state._rope
+    assert report["kernel_state_bytes"] + report["workspace_bytes"] <= 0.10 * report["held_bytes"], report

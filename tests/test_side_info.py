@@ -180,7 +180,7 @@ def test_rotated_pre_rope_keys_come_back_in_the_original_basis():
     over prompt chunk, decode chunks and buffer (RoPE is then applied to them by the attention)."""
     config = gear_hf.GearConfig(method="kivi", key_bits=8, value_bits=8, group_size=16, buffer_size=16,
                                 key_bit_allocation="uniform", prompt_group_size=None,
-                                rotation="both", sink_tokens=0)
+                                rotation="both", sink_tokens=0, key_buffer="full", value_buffer="full")
     cache = GearCache(types.SimpleNamespace(num_hidden_layers=1), config)
     k, v = _x(n=70), _x(n=70, seed=1)
     keys, values = cache.store_and_read(0, k[:, :, :40], v[:, :, :40])

@@ -47,7 +47,7 @@ def row_local_tokens(cache, layer_idx: int, dtype=torch.float32):
         prompt = stream.prefill.reconstruct(1, dtype) if stream.prefill is not None and stream.prefill.fields else None
         chunks = max(cache.decode_chunks) if cache.decode_chunks else 0
         decode = stream.decode.reconstruct(chunks, dtype) if chunks else None
-        streams.append((sink, prompt, decode, stream.buffer.data.to(dtype)))
+        streams.append((sink, prompt, decode, stream.buffer.tokens().to(dtype)))
     for b in range(cache.batch_size_):
         s, p, c, f = cache.sink_len[b], cache.prefill_len[b], cache.decode_chunks[b], cache.buffer_len[b]
         row = []

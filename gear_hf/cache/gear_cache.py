@@ -276,6 +276,8 @@ class GearCache(FusedPath, Cache):
         self._finite += layer.flush(self.layout, self.layout.plan)
         if layer_idx == len(self.layers) - 1:  # the step ends: drop its temporaries, check what it compressed
             self._workspace.clear()
+            self._rotary.clear()  # (cos/sin tables grow with T: recomputed each step rather than kept)
+            self.kernel_state.end_step()
             self._slot_mask_memo = None
             self.layout.end_step()
             self._check_finite()

@@ -1,7 +1,8 @@
 """`KernelState`: what the fused kernels need beyond one store's data, owned by the cache and counted by its report.
 
     rope_halves  cos/sin of the half angles at the step's row-local positions (CPU kernel), computed once per step
-                 and shared by its layers
+                 and shared by its layers; dropped when the step ends (`end_step`): a table proportional to T is
+                 not kept between steps
     workspace    the split-KV partial results of the Triton kernel: one buffer shared by every layer, sized to the
                  largest step so far
     scratch      the Triton tensor-core kernel's outlier tiles: one zeroed buffer shared the same way
@@ -40,6 +41,10 @@ class KernelState:
             angles = rope_angles(positions, inv_freq)
             self._rope[key] = (angles.cos().numpy(), angles.sin().numpy())
         return self._rope[key]
+
+    def end_step(self) -> None:
+        """The step ended: drop its rotary halves."""
+        self._rope, self._rope_step = {}, -1
 
     def workspace(self, device: torch.device, numel: int) -> torch.Tensor:
         """A float32 buffer of at least `numel` elements on `device` (contents undefined), shared by the layers that

@@ -32,7 +32,7 @@ class GearLayer(CacheLayerMixin):
         self.query_energy: torch.Tensor | None = None  # [B,Hkv,d] float64, while key widths are to be allocated
         nb = config.buffer_size
         self.formats = layer_formats(config)  # (keys', values') StreamFormat
-        self.key_stream, self.value_stream = (Stream(fmt.prompt, fmt.decode, nb, fmt.stream)
+        self.key_stream, self.value_stream = (Stream(fmt.prompt, fmt.decode, nb, fmt.stream, fmt.tail)
                                              for fmt in self.formats)
 
     @property

@@ -28,10 +28,6 @@ def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
-def _itemsize(t: torch.Tensor, cap: int | None) -> int:
-    return min(t.element_size(), cap) if cap and t.is_floating_point() else t.element_size()
-
-
 def _held_by_component(cache, cap: int | None) -> dict[str, int]:
     """Bytes that tokens occupy, by component; cap: count floating tensors at most `cap` bytes/element."""
     layout = cache.layout
@@ -41,9 +37,8 @@ def _held_by_component(cache, cap: int | None) -> dict[str, int]:
     for layer in cache.layers:
         for stream in layer.streams:
             for store, tokens in ((stream.sink, counts.sink), (stream.buffer, counts.buffer)):
-                if store.data is not None:
-                    H, d = store.data.shape[1], store.data.shape[3]
-                    out["buffer"] += sum(tokens) * H * d * _itemsize(store.data, cap)
+                if store.capacity:
+                    out["buffer"] += sum(tokens) * store.token_nbytes(cap)
             if stream.prefill is not None and stream.prefill.fields and not layer.released.prompt:
                 for p in counts.prompt:
                     if p:
@@ -82,7 +77,7 @@ def allocated_bytes(cache) -> int:
     total = _nbytes(cache.layout.positions) + _nbytes(cache.layout.rect_to_local)
     for layer in cache.layers:
         for stream in layer.streams:
-            total += _nbytes(stream.sink.data) + _nbytes(stream.buffer.data) + _nbytes(stream.channel_bits)
+            total += stream.sink.nbytes() + stream.buffer.nbytes() + _nbytes(stream.channel_bits)
             for store in (stream.prefill, stream.decode):
                 if store is not None:
                     total += sum(_nbytes(t) for t in store.fields.values())
@@ -141,7 +136,26 @@ def memory_report(cache) -> dict:
         "key_bits_allocated": _key_bits_allocated(cache),
         "key_bits": cache.gear_config.key_bits if cache.gear_config.compresses else None,
         "head_dim": cache.shape[1] if cache.shape is not None else None,
+        "above_dense": _above_dense_reasons(cache) if owned > dense else [],
     }
+
+
+def _above_dense_reasons(cache) -> list[str]:
+    """Why the cache owns more than the dense cache of the same tokens would (issue 25: said, not hidden)."""
+    config, counts = cache.gear_config, cache.layout.counts
+    reasons = []
+    if not config.compresses:
+        reasons.append("nothing is compressed (fp16): positions are kept beside the tokens")
+    elif not any(counts.prompt) and not any(counts.chunks):
+        reasons.append(f"no token compressed yet (a prompt chunk needs {config.prompt_granule} tokens after the "
+                       f"{config.sink_tokens} sinks, a decode chunk {config.buffer_size}): every token is in the "
+                       "buffer, with the positions and key-allocation statistics beside it")
+    short = sorted({layer.sliding_window for layer in cache.layers
+                    if layer.sliding_window and layer.sliding_window <= config.buffer_size})
+    if short:
+        reasons.append(f"sliding window {'/'.join(map(str, short))} not longer than the buffer ({config.buffer_size} "
+                       "tokens): those layers keep up to a buffer of tokens where dense keeps a window")
+    return reasons or ["bookkeeping (positions, statistics) beside few compressed tokens"]
 
 
 def _key_bits_allocated(cache) -> float | None:
@@ -164,7 +178,8 @@ def summary(report: dict) -> str:
     return (f"{report['method']}: {report['tokens']} tokens/layer, owns {report['bits_per_element']:.2f} "
             f"bits/element ({report['bits_per_element_16bit']:.2f} with 16-bit floats) = "
             f"{100 * report['vs_model_dtype']:.1f}% of {report['model_dtype']} KV, "
-            f"{report['owned_bytes'] / mib:.2f} MiB; " + ", ".join(rest) + _allocation_note(report))
+            f"{report['owned_bytes'] / mib:.2f} MiB; " + ", ".join(rest) + _allocation_note(report)
+            + "".join(f"; more than the dense cache: {why}" for why in report.get("above_dense", [])))
 
 
 def _allocation_note(report: dict) -> str:

@@ -3,7 +3,8 @@
     sink    TokenStore  [B, H, sink+1, d]      full precision
     prefill ChunkStore  one chunk of prompt_capacity tokens per row (rank_prefill)
     decode  ChunkStore  chunks of n_b tokens (rank_decode); a sliding layer drops the leading ones
-    buffer  TokenStore  [B, H, capacity+1, d]  full precision, this step's own tokens included
+    buffer  TokenStore  [B, H, capacity+1, d]  full precision, this step's own tokens included; or a
+            CodedTokenStore holding each token in a per-token format (`StreamFormat.tail`)
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from ..coded_store import CodedTokenStore
 from ..compress import ChunkSpec
 from ..compress.allocation import allocate_channel_bits
 from ..storage import ChunkStore, TokenStore
@@ -40,11 +42,12 @@ class _Segment:
 
 
 class Stream:
-    def __init__(self, prefill_spec: ChunkSpec, decode_spec: ChunkSpec, chunk_len: int, kind: str) -> None:
+    def __init__(self, prefill_spec: ChunkSpec, decode_spec: ChunkSpec, chunk_len: int, kind: str,
+                 tail: ChunkSpec | None = None) -> None:
         self.kind = kind  # "key" or "value"
         self.prefill_spec, self.decode_spec = prefill_spec, decode_spec
         self.sink = TokenStore()
-        self.buffer = TokenStore()
+        self.buffer = TokenStore() if tail is None else CodedTokenStore(tail)
         self.prefill: ChunkStore | None = None
         self.decode = ChunkStore(decode_spec, chunk_len)
         self.chunk_len = chunk_len
@@ -77,7 +80,7 @@ class Stream:
                 self.sink.write(x, plan.sink_writes)
         self.buffer.reserve(x, plan.buffer_capacity)
         if plan.buffer_run is not None:  # every row's tokens to the same columns: a plain copy, no index
-            self.buffer.data[:, :, plan.buffer_run : plan.buffer_run + x.shape[2]].copy_(x)
+            self.buffer.write_run(x, plan.buffer_run)
         elif plan.buffer_writes is not None:
             self.buffer.write(x, plan.buffer_writes)
 
@@ -90,26 +93,40 @@ class Stream:
         query_energy [B,H,d]: what allocated key widths are chosen from (`allocation.query_pair_energy`).
         Returns a device bool, True when every compressed entry was finite (None: nothing compressed)."""
         flush = plan.flush
-        data = self.buffer.data
         finite = []
         for rows, length in flush.prompt_groups:
             if self.prefill is None:
                 self.prefill = ChunkStore(self.prefill_spec, prompt_capacity, self.plan)
-            x = data[rows[0] : rows[0] + 1, :, :length] if len(rows) == 1 else data[rows, :, :length]
-            finite.append(self.plan.compress.all_finite(x))
-            bits = self._channel_bits(rows, x, self.prefill_spec, batch, query_energy)
-            self.prefill.compress_rows(x, rows, [0] * len(rows), batch, 1, bits)
+            finite.append(self._leave(self.prefill, rows, [0] * len(rows), length, [0] * len(rows), batch, 1,
+                                      query_energy))
         if flush.decode_jobs:
             rows = [row for row, _, _ in flush.decode_jobs]
-            x = torch.stack([data[row, :, start : start + self.chunk_len] for row, start, _ in flush.decode_jobs])
-            finite.append(self.plan.compress.all_finite(x))
+            starts = [start for _, start, _ in flush.decode_jobs]
             slots = [chunk - released_chunks for _, _, chunk in flush.decode_jobs]
-            bits = self._channel_bits(rows, x, self.decode_spec, batch, query_energy)
-            self.decode.compress_rows(x, rows, slots, batch, reserve_chunks, bits, chunk_limit)
+            finite.append(self._leave(self.decode, rows, starts, self.chunk_len, slots, batch, reserve_chunks,
+                                      query_energy, chunk_limit))
+        self.buffer.end_step(flush.keep)  # (a coded buffer encodes the step's tokens that stay)
         for row, start, length in flush.keep:
             self.buffer.keep_tail(row, start, length)
-        self.buffer.reserve(data, plan.buffer_capacity_after)  # (gives back what was compressed)
+        self.buffer.reserve(None, plan.buffer_capacity_after)  # (gives back what was compressed)
         return torch.stack(finite).all() if finite else None
+
+    def _leave(self, store: ChunkStore, rows: list[int], starts: list[int], length: int, slots: list[int],
+               batch: int, reserve: int, query_energy: torch.Tensor | None, limit: int | None = None):
+        """Tokens [starts[j], +length) of row rows[j] leave the buffer as chunk slots[j] of `store`: moved as they
+        are when the buffer already holds them in the store's format, else compressed. Returns a device bool:
+        every entry finite."""
+        buffer = self.buffer
+        if isinstance(buffer, CodedTokenStore) and buffer.spec == store.spec:
+            coded = buffer.coded(rows, starts, length)
+            store.store_rows(coded, length, rows, slots, batch, reserve, limit)
+            side = [t for t in coded.fields.values() if t.is_floating_point() and t.numel()]
+            return torch.stack([torch.isfinite(t).all() for t in side]).all()
+        x = buffer.gather(rows, starts, length, None)
+        finite = self.plan.compress.all_finite(x)
+        bits = self._channel_bits(rows, x, store.spec, batch, query_energy)
+        store.compress_rows(x, rows, slots, batch, reserve, bits, limit)
+        return finite
 
     def _channel_bits(self, rows: list[int], x: torch.Tensor, spec: ChunkSpec, batch: int,
                       query_energy: torch.Tensor | None) -> torch.Tensor | None:
@@ -147,10 +164,10 @@ class Stream:
         def tokens(store: TokenStore):
             def take(dtype, out=None, rotary=None, scratch=None):
                 if out is None:
-                    return store.data
+                    return store.tokens()
                 if rotary is None:
-                    return out.copy_(store.data[:, :, : out.shape[2]])
-                return self.plan.reconstruct.rotate(store.data[:, :, : out.shape[2]], *rotary, out)
+                    return store.tokens(out.dtype, out.shape[2], out)
+                return self.plan.reconstruct.rotate(store.tokens(out.dtype, out.shape[2]), *rotary, out)
             return take
 
         def chunks(store: ChunkStore, count: int):
@@ -181,7 +198,7 @@ class Stream:
         pass of their own where the kernels can; scratch: like out, for segments decompressed before they are
         rotated) when the layout lets every segment land straight in its columns; else None (read, then rotate)."""
         T = layout.rect_length
-        B, H, _, d = self.buffer.data.shape
+        B, H, _, d = self.buffer.shape
         if layout.uniform(counts):  # padded layout == row-local: the segments, end to end, are the columns
             segments = self._segments(counts, released, dtype, sink_tokens, [start] * B)
             first = segments[0].local_start[0]
@@ -189,9 +206,9 @@ class Stream:
                 return None
             if first <= start:  # (held() of a sliding layer that released: the general path below)
                 if len(segments) == 1 and rotary is None:  # the buffer alone (fp16 preset, prompt step): a view
-                    return self.buffer.data[:, :, start - first : T - first]
+                    return self.buffer.tokens(None, T - first)[:, :, start - first :]
                 full = out if out is not None and first == start else \
-                    self.buffer.data.new_empty(B, H, T - first, d, dtype=dtype)
+                    torch.empty(B, H, T - first, d, dtype=dtype, device=self.buffer.device)
                 at = 0
                 for seg in segments:  # every row fills each segment exactly: reconstruct straight into place
                     n = seg.length[0]
@@ -210,7 +227,7 @@ class Stream:
         segments = self._segments(counts, released, dtype, sink_tokens, first_local)
         taken = [seg.take(dtype) for seg in segments]
         if out is None:
-            out = self.buffer.data.new_empty(B, H, T - start, d, dtype=dtype)
+            out = torch.empty(B, H, T - start, d, dtype=dtype, device=self.buffer.device)
         held = counts.held(self.chunk_len)
         for b in range(B):
             if not layout.contiguous[b]:
@@ -265,7 +282,7 @@ class Stream:
         # must be finite (the masked weight 0 times NaN would poison the row), and `out` is an uninitialised
         # workspace (zeros rotate to zeros)
         out[:, :, at + chunk_width : at + slots.tail].zero_()
-        buffer = self.buffer.data
+        buffer = self.buffer.tokens(out.dtype, max(slots.buffer))
         if len(set(slots.buffer_at)) == 1:  # rows that flushed alike: one copy (shorter rows' extra columns: holes)
             start, n = at + slots.buffer_at[0], max(slots.buffer)
             tokens(buffer[:, :, :n], out[:, :, start : start + n], cols(start, start + n))
@@ -297,7 +314,8 @@ class Stream:
             derived = self.plan.attend.view_derived(store, view, chunks, self.kind) if self.plan.attend else {}
             return dataclasses.replace(view, derived=derived) if derived else view
 
-        return StreamView(buffer=self.buffer.data, sink=self.sink.data if sink_tokens else None,
+        # (a coded buffer: its tokens decoded for this step, as the reference path reads them)
+        return StreamView(buffer=self.buffer.tokens(), sink=self.sink.data if sink_tokens else None,
                           prompt=run(self.prefill, 1 if prompt else 0), decode=run(self.decode, decode_chunks))
 
     # -- sliding windows ---------------------------------------------------------------------------------------

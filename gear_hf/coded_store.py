@@ -1,0 +1,182 @@
+"""`CodedTokenStore`: the buffer's tokens in a per-token format (`GearConfig.key_buffer` / `value_buffer`).
+
+Same interface as `gear_hf.storage.TokenStore` (the full-precision buffer), [B, H, capacity, ...] fields with the token
+axis at dim 2; what it holds is what the memory report counts.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .compress import ChunkSpec, CompressedChunk, compress, decompress, side_dtype
+from .compress.terms import chunk_fields
+from .storage import TokenWrites, _grown
+
+
+class CodedTokenStore:
+    """Tokens [B, H, capacity, d] stored in a per-token format (a `ChunkSpec` whose every field holds one entry per
+    token, e.g. values quantized per token, or keys at 8 bits per token with a 16-bit scale and minimum): each token
+    is encoded by the torch oracle when its step ends, and decoded when read. Same interface as `TokenStore`; what it
+    holds is what `nbytes` counts (the buffer of `GearConfig.key_buffer` / `value_buffer`).
+
+    Tokens are encoded when their step ends (`end_step`), and only those that stay: until then they are staged in
+    full precision, so the attention of that step sees them as the model made them and a prompt compressed in the
+    step it arrived is compressed from them (never encoded to the buffer's format at all)."""
+
+    def __init__(self, spec: ChunkSpec) -> None:
+        self.spec = spec
+        self.staged: tuple[torch.Tensor, torch.Tensor] | None = None  # this step's tokens [B,H,cap,d], written [B,cap]
+        self.fields: dict[str, torch.Tensor] = {}
+        self.dtype: torch.dtype | None = None  # the model's (what reads return by default)
+        self.head_dim = 0
+
+    @staticmethod
+    def per_token_fields(spec: ChunkSpec, d: int, side: torch.dtype):
+        """The fields of one token (those that store something), or a ValueError when the format is not per
+        token."""
+        one, two = (chunk_fields(spec, n, d, side) for n in (1, 2))
+        kept = []
+        for a, b in zip(one, two):
+            if a.shape[0] * math.prod(a.shape[1:]) == 0 and b.shape[0] * math.prod(b.shape[1:]) == 0:
+                continue
+            if a.shape[0] != 1 or b.shape[0] != 2 or a.shape[1:] != b.shape[1:]:
+                raise ValueError(f"{spec} does not store each token on its own (field {a.name!r}: {a.shape} for "
+                                 f"one token, {b.shape} for two): it cannot hold a buffer")
+            kept.append(a)
+        return kept
+
+    @property
+    def capacity(self) -> int:
+        return next(iter(self.fields.values())).shape[2] if self.fields else 0
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        codes = self.fields["codes"]
+        return codes.shape[0], codes.shape[1], codes.shape[2], self.head_dim
+
+    device = property(lambda self: self.fields["codes"].device)
+
+    def reserve(self, like: torch.Tensor, capacity: int) -> None:
+        """Room for `capacity` tokens per row (like: a [B,H,*,d] tensor of the model's dtype)."""
+        if not self.fields:
+            B, H, _, d = like.shape
+            self.dtype, self.head_dim = like.dtype, d
+            for f in self.per_token_fields(self.spec, d, side_dtype(like.dtype)):
+                self.fields[f.name] = torch.zeros(B, H, capacity, *f.shape[1:], dtype=f.dtype, device=like.device)
+        elif capacity != self.capacity:
+            self.end_step()  # (staged tokens are encoded before the columns change)
+            keep = min(capacity, self.capacity)
+            self.fields = {name: _grown(t[:, :, :keep], capacity) for name, t in self.fields.items()}
+
+    def encode(self, x: torch.Tensor) -> CompressedChunk:
+        """x [J,H,n,d] in this store's format (every token on its own: batching changes no bit), by the oracle."""
+        return compress(x, self.spec)
+
+    def _stage(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.staged is None:
+            B, H, cap, d = self.shape
+            self.staged = (like.new_zeros(B, H, cap, d), torch.zeros(B, cap, dtype=torch.bool, device=like.device))
+        return self.staged
+
+    def write_run(self, x: torch.Tensor, at: int) -> None:
+        exact, written = self._stage(x)
+        exact[:, :, at : at + x.shape[2]] = x
+        written[:, at : at + x.shape[2]] = True
+
+    def write(self, x: torch.Tensor, where: TokenWrites) -> None:
+        exact, written = self._stage(x)
+        exact[where.rows, :, where.columns] = x[where.rows, :, where.tokens].to(exact.dtype)
+        written[where.rows, where.columns] = True
+
+    def end_step(self, kept: list[tuple[int, int, int]] | None = None) -> None:
+        """The step ended: encode its tokens that stay (kept: (row, start, length), the columns a flushing row keeps;
+        the other rows keep all), read coded from now on. Call before the buffer's columns move."""
+        if self.staged is None:
+            return
+        exact, written = self.staged
+        for row, start, length in kept or ():
+            written[row, :start] = False
+            written[row, start + length :] = False
+        rows, columns = written.nonzero(as_tuple=True)
+        if rows.numel():
+            chunk = self.encode(exact[rows, :, columns].unsqueeze(2))  # [N,H,1,d]: one token per entry
+            for name, t in self.fields.items():
+                t[rows, :, columns] = getattr(chunk, name)[:, :, 0]
+        self.staged = None
+
+    def _exact_where_staged(self, decoded: torch.Tensor, rows: list[int] | None, starts: list[int] | None,
+                            length: int) -> torch.Tensor:
+        """decoded [J,H,length,d] (every row from column 0, or rows[j] from starts[j]) with this step's own tokens
+        put back exact."""
+        if self.staged is None:
+            return decoded
+        exact, written = self.staged
+        if rows is None:
+            exact, written = exact[:, :, :length], written[:, :length]
+        else:
+            exact = torch.stack([exact[row, :, at : at + length] for row, at in zip(rows, starts)])
+            written = torch.stack([written[row, at : at + length] for row, at in zip(rows, starts)])
+        return torch.where(written[:, None, :, None], exact.to(decoded.dtype), decoded)
+
+    def keep_tail(self, row: int, start: int, length: int) -> None:
+        self.end_step()
+        if start and length:
+            for t in self.fields.values():
+                t[row, :, :length] = t[row, :, start : start + length].clone()
+
+    def _chunk(self, parts: dict[str, torch.Tensor], n: int) -> CompressedChunk:
+        """parts (the stored fields of n tokens, [J,H,n,...]) as a chunk of the spec, with its empty fields."""
+        like = parts["codes"]
+        fields = {}
+        for f in chunk_fields(self.spec, n, self.head_dim, side_dtype(self.dtype)):
+            fields[f.name] = parts[f.name] if f.name in parts else \
+                torch.zeros(*like.shape[:2], *f.shape, dtype=f.dtype, device=like.device)
+        return CompressedChunk(fields)
+
+    def coded(self, rows: list[int], starts: list[int], length: int) -> CompressedChunk:
+        """The stored fields of tokens [starts[j], starts[j]+length) of row rows[j]: a chunk [J,H,length,...]
+        (this step's own tokens encoded now)."""
+        parts = {name: torch.stack([t[row, :, at : at + length] for row, at in zip(rows, starts)])
+                 for name, t in self.fields.items()}
+        if self.staged is not None:
+            exact, written = self.staged
+            fresh = torch.stack([written[row, at : at + length] for row, at in zip(rows, starts)])  # [J,length]
+            if bool(fresh.any()):
+                j, c = fresh.nonzero(as_tuple=True)
+                x = torch.stack([exact[row, :, at : at + length] for row, at in zip(rows, starts)])
+                chunk = self.encode(x[j, :, c].unsqueeze(2))
+                for name, t in parts.items():
+                    t[j, :, c] = getattr(chunk, name)[:, :, 0]
+        return self._chunk(parts, length)
+
+    def _decode(self, chunk: CompressedChunk, n: int, dtype: torch.dtype, out: torch.Tensor | None = None):
+        if n == 0:  # (an empty buffer: nothing to decode)
+            codes = chunk.codes
+            return torch.empty(*codes.shape[:2], 0, self.head_dim, dtype=dtype, device=codes.device)
+        return decompress(chunk, self.spec, n, self.head_dim, dtype, out=out)
+
+    def tokens(self, dtype: torch.dtype | None = None, n: int | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        n = self.capacity if n is None else n
+        decoded = self._decode(self._chunk({k: t[:, :, :n] for k, t in self.fields.items()}, n), n,
+                               dtype or self.dtype)
+        decoded = self._exact_where_staged(decoded, None, None, n)
+        return decoded if out is None else out.copy_(decoded)
+
+    def gather(self, rows: list[int], starts: list[int], length: int, dtype: torch.dtype | None) -> torch.Tensor:
+        decoded = self._decode(self.coded(rows, starts, length), length, dtype or self.dtype)
+        return self._exact_where_staged(decoded, rows, starts, length)
+
+    def token_nbytes(self, cap: int | None = None) -> int:
+        return sum(t.shape[1] * math.prod(t.shape[3:]) * (min(t.element_size(), cap) if cap and
+                   t.is_floating_point() else t.element_size()) for t in self.fields.values())
+
+    def nbytes(self) -> int:
+        staged = sum(t.numel() * t.element_size() for t in self.staged) if self.staged is not None else 0
+        return staged + sum(t.numel() * t.element_size() for t in self.fields.values())
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        self.end_step()
+        self.fields = {name: t.index_select(0, index) for name, t in self.fields.items()}

@@ -1,0 +1,117 @@
+"""The buffer's formats as points (issue 25, item 3): bits/element owned at every decode step and next-token KL vs
+stock, on real weights, for GearConfig() with each tail option, side by side with kivi-4.
+
+    python scripts/bench_tail.py                       # SmolLM2 bf16, GSM8K text 200, 1024-token prompt, 96 steps
+    python scripts/bench_tail.py --configs default,values-final
+
+Each text is an 8-shot GSM8K CoT prompt plus its worked answer; its last --prompt + --steps tokens are used, the
+first --prompt at prefill, the rest teacher-forced one token per step through each config's real cache (as generate
+fills it). After every decode step `memory_report()["bits_per_element"]` (owned: held + spare + kernel state +
+workspaces) is read; reported: its mean and max over the steps, KL(DynamicCache || config) of the next-token
+distribution (mean, max) and top-1 agreement. Writes <out>/tail.csv and <out>/tail.md (default out/tail/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import benchlib
+import torch
+
+CONFIGS = {  # name -> GearConfig fields over GearConfig()'s (None: a preset)
+    "full": dict(key_buffer="full", value_buffer="full"),  # the paper's buffer (GearConfig() before config version 2)
+    "values-final": dict(key_buffer="full", value_buffer="final"),
+    "keys-int8": dict(key_buffer="int8", value_buffer="full"),
+    "keys-int8+values-final": dict(key_buffer="int8", value_buffer="final"),
+    "keys-int8+values-int8": dict(key_buffer="int8", value_buffer="int8"),  # GearConfig() (config version 2)
+    "kivi-4": None,
+}
+
+
+def config_of(name: str):
+    from gear_hf import GearConfig
+
+    fields = CONFIGS[name]
+    return GearConfig.preset(name) if fields is None else GearConfig(**fields)
+
+
+def run(model, ids: torch.Tensor, prompt: int, cache) -> tuple[torch.Tensor, list[float]]:
+    """Next-token logits [steps, V] predicting ids[prompt:], and the owned bits after each decode step."""
+    from gear_hf.hf_compat import model_cache_kwarg
+
+    name = model_cache_kwarg(model)
+    logits, bits = [model(input_ids=ids[:, :prompt], **{name: cache}).logits[0, -1:]], []
+    for t in range(prompt, ids.shape[1] - 1):
+        logits.append(model(input_ids=ids[:, t : t + 1], **{name: cache}).logits[0])
+        if hasattr(cache, "memory_report"):
+            bits.append(cache.memory_report()["bits_per_element"])
+    return torch.cat(logits).float(), bits
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--text", type=int, default=200, help="GSM8K test problem index")
+    parser.add_argument("--prompt", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=96)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {', '.join(CONFIGS)}")
+    benchlib.add_out_argument(parser, "tail.csv/.md")
+    args = benchlib.parse_bench_args(parser, argv, "tail")
+    import gear_hf
+    from gear_hf import diagnostics as D
+
+    names = args.configs.split(",")
+    for name in names:
+        if name not in CONFIGS:
+            raise SystemExit(f"--configs: {name!r} is not one of {', '.join(CONFIGS)}")
+    cond = benchlib.Conditions(extra={"model": args.model, "dtype": args.dtype, "text": args.text,
+                                      "prompt": args.prompt, "steps": args.steps})
+    benchlib.print_conditions(cond)
+    torch.set_grad_enabled(False)
+    model, tokenizer = benchlib.load_model(args.model, args.dtype)
+    ids = tokenizer(benchlib.gsm8k_text(args.text), return_tensors="pt").input_ids[:, -(args.prompt + args.steps):]
+    from transformers import DynamicCache
+
+    started = time.perf_counter()
+    reference, _ = run(model, ids, args.prompt, DynamicCache(config=model.config))
+    print(f"stock: {time.perf_counter() - started:.0f}s", flush=True)
+    rows = []
+    for name in names:
+        started = time.perf_counter()
+        config = config_of(name)
+        gear_hf.enable(model, config)
+        cache = gear_hf.GearCache(model, config)
+        logits, bits = run(model, ids, args.prompt, cache)
+        gear_hf.disable(model)
+        kl = D.kl_divergence(reference, logits)
+        rows.append({"config": name, "describe": config.describe(), "key_buffer": config.key_buffer,
+                     "value_buffer": config.value_buffer, "buffer_size": config.buffer_size,
+                     "mean_owned": sum(bits) / len(bits), "max_owned": max(bits), "min_owned": min(bits),
+                     "mean_kl": kl.mean().item(), "max_kl": kl.max().item(),
+                     "top1_agreement": (reference.argmax(-1) == logits.argmax(-1)).float().mean().item(),
+                     "paths": dict(cache.step_paths), "seconds": round(time.perf_counter() - started)})
+        print(rows[-1], flush=True)
+        benchlib.write_csv(benchlib.Path(args.out) / "tail.csv", rows)
+    cond.finish()
+    body = [f"{args.model} {args.dtype}, GSM8K test text {args.text} (8-shot CoT prompt + worked answer), its last "
+            f"{args.prompt + args.steps} tokens: {args.prompt} at prefill, then {args.steps} teacher-forced one per "
+            "step. Bits owned (memory_report()['bits_per_element']) after each decode step, T = "
+            f"{args.prompt + 1}..{args.prompt + args.steps}; KL(DynamicCache || config) of the next-token "
+            f"distribution over the {args.steps} predicted positions (the first at prefill).",
+            benchlib.markdown_table(rows, [
+                ("config", "config", "{}"), ("key_buffer", "key buffer", "{}"),
+                ("value_buffer", "value buffer", "{}"), ("mean_owned", "mean owned", "{:.3f}"),
+                ("max_owned", "max owned", "{:.3f}"), ("min_owned", "min owned", "{:.3f}"),
+                ("mean_kl", "mean KL", "{:.4f}"), ("max_kl", "max KL", "{:.3f}"),
+                ("top1_agreement", "top-1", "{:.3f}")])]
+    benchlib.write_summary(benchlib.Path(args.out) / "tail.md", "Buffer formats: bits owned per step and KL", cond,
+                           "\n\n".join(body))
+    print((benchlib.Path(args.out) / "tail.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
