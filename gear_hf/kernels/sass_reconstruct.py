@@ -10,7 +10,7 @@ head_dim channels per iteration) per element and thread,
 
 a static count like the decode kernel's (every instruction of the body once; both sides of a branch; an inner
 loop once). Also printed: the whole kernel's SASS and the same per element at the tokens one program covers
-(the loop's setup included), and LDL/STL spill instructions.
+(the loop run for each of its tiles, the setup once), and LDL/STL spill instructions.
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ def reconstruct_figures(kernel, args, kwargs, arch: int) -> dict:
     body = loops[0][2] if loops else len(sass)
     program = tile * kwargs.get("TILES", 1)
     return {"per_element": body * threads / tile, "body": body, "total": len(sass),
-            "per_element_program": len(sass) * threads / program,
+            # each tile through the loop, the rest once: the program's instructions over the elements it writes
+            "per_element_program": (len(sass) + (kwargs.get("TILES", 1) - 1) * body) * threads / program,
             "program_tokens": program // kwargs["D"], "spills": _kernel_counts(sass)["spill_ops"],
             "usage": _resource_usage(compiled.asm["cubin"]), "threads": threads}
 
@@ -84,7 +85,7 @@ def reconstruct_sass_report(arch: int = 90) -> float:
             worst = max(worst, f["per_element"])
             print(f"reconstruct {label} {kind} sm_{arch}: {f['per_element']:.1f} instructions/element "
                   f"(main loop {f['body']} SASS x {f['threads']} threads / {kwargs['BN']}x{kwargs['D']} elements; "
-                  f"whole kernel {f['total']} SASS = {f['per_element_program']:.1f}/element over "
-                  f"{f['program_tokens']} tokens), spill ops {f['spills']}, {f['usage']}")
+                  f"whole kernel {f['total']} SASS: {f['per_element_program']:.1f}/element over the "
+                  f"{f['program_tokens']} tokens of a program), spill ops {f['spills']}, {f['usage']}")
     print(f"reconstruct instructions/element (worst store): {worst:.1f}")
     return worst

@@ -20,7 +20,8 @@ from .reconstruct_kernel import _reconstruct_kernel
 from .sizing import hadamard_table
 
 _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
-BLOCK_TOKENS = 32  # tokens per program (a power of two >= 16: the one-hot and low-rank dots)
+BLOCK_TOKENS = 32  # tokens per tile (a power of two >= 16: the one-hot and low-rank dots)
+TILES_PER_PROGRAM = 4  # tiles one program decodes in turn (the chunk's factors and tables read once for them)
 
 
 def reconstruct_run(run: ChunkRunView, chunks: int, out: torch.Tensor, rotary=None, derived: dict | None = None,
@@ -68,7 +69,7 @@ def reconstruct_run(run: ChunkRunView, chunks: int, out: torch.Tensor, rotary=No
     widths = _check(run.channel_bits, "run.channel_bits") if spec.allocated else placeholder
     group = spec.group_for(n, d)
     constexprs = dict(
-        D=d, HALF=half, BN=block_n, DT=dot_dt, BY_CHANNEL=by_channel,
+        D=d, HALF=half, BN=block_n, TILES=TILES_PER_PROGRAM, DT=dot_dt, BY_CHANNEL=by_channel,
         BITS=MAX_CHANNEL_BITS if spec.allocated else spec.bits, UNIT=unit if by_channel else pack_unit(spec.bits)[0],
         GROUP=group, STATS_ROW=by_channel and group % block_n == 0 and n % block_n == 0, PLANES=spec.allocated,
         ROW=f["codes"].shape[-1], STATS_W=f["scale"].shape[-1],
@@ -95,7 +96,7 @@ def reconstruct_run(run: ChunkRunView, chunks: int, out: torch.Tensor, rotary=No
             f["lowrank_a_scale"] if int8 else placeholder, f["lowrank_b_scale"] if int8 else placeholder,
             f["lowrank_a_scale"].stride(1) if int8 else 0,
             widths, widths.stride(1) if spec.allocated else 0, had, H, n)
-    grid = (B * H, chunks, -(-n // block_n))
+    grid = (B * H, chunks, -(-n // (block_n * TILES_PER_PROGRAM)))
     options = {"num_warps": 4, "num_stages": 1}
     if _plan is not None:
         _plan.append((_reconstruct_kernel, grid, args, {**constexprs, **options}))

@@ -1,19 +1,23 @@
 """The reconstruction kernel of the memory-bound fallback: a run of compressed chunks back to dense tokens.
 
-One program per (row, head, chunk, BN-token block) decodes every term of the stored format in registers, with the
-tiles of the fused decode kernel (`tiles`, `unpack`, `ops`), and writes the block once, in the output's dtype:
+One program per (row, head, chunk, TILES x BN tokens) decodes, tile after tile, every term of the stored format in
+registers, with the tiles of the fused decode kernel (`tiles`, `unpack`, `ops`), and writes each BN-token tile once
+in the output's dtype; what depends only on the chunk (low-rank Bᵀ, the Hadamard table) is read once, before the loop:
 
     backbone     codes of 2/3/4/8 bits, per channel over token groups (keys) or per token over channel groups
                  (values), or allocated per-channel key widths stored as bit planes; scale/minimum
-    outliers     per token (values): each token's k slots, added where their channel is; per channel over tokens
-                 (keys): the chunk's outliers sorted by token (`views.prepare_derived`, the store's derived state),
-                 added through a one-hot dot (exact: one outlier per entry, 16-bit values, one-hots)
-    low-rank     A·Bᵀ as one 16-wide tensor-core dot per block (16-bit or int8 factors with per-column scales)
+    outliers     per token (values): each token's k slots; per channel over tokens (keys): the chunk's outliers
+                 sorted by token (`views.prepare_derived`, the store's derived state). Unrotated runs: added after
+                 the tile is written, a read-modify-write of the outlier's entry (and, with RoPE, of its rotary
+                 partner), a cost per outlier, not per element and slot. Rotated runs (an outlier spreads over
+                 every channel once un-rotated): added in registers before the un-rotation
+    low-rank     A·Bᵀ as one 16-wide tensor-core dot per tile (16-bit or int8 factors with per-column scales)
     rotation     the Walsh–Hadamard basis undone ([x1 x2]·H_D from the half Sylvester table)
     RoPE         keys stored before RoPE rotated with the model's own cos/sin at each token's column
 
 in the oracle's order (`gear_hf.compress.decompress`: dequantize, add the terms, untransform; then
-`rope.apply_rotary`), all in float32 up to the one rounding of the store. Nothing is written but the output.
+`rope.apply_rotary`), in float32 up to the rounding of the store (scattered outliers: their entries rounded twice,
+once by the tile's store, once by the outlier's).
 """
 
 from __future__ import annotations
@@ -24,11 +28,11 @@ import triton.language as tl
 from .ops import _dot, _lowrank_a, _lowrank_bt, _lowrank_dot, _unrotate_halves
 from .tiles import _per_channel_tile, _value_tile
 
-OUTLIERS_PER_DOT = tl.constexpr(32)  # key outliers added per one-hot dot
+OUTLIERS_PER_STEP = tl.constexpr(32)  # key outliers read per step (one-hot dot, or scatter)
 
-# Strides and sizes that grow with the storage or differ per call: never specialized on (no recompiles).
-_DYNAMIC = ["so_b", "so_h", "so_t", "sr_b", "sr_t", "s_codes", "s_stats", "s_sp", "s_ow", "s_ot", "s_la", "s_lb",
-            "s_ls", "s_w", "H", "N", "N_TILES"]
+# Sizes that differ per call: never specialized on (no recompiles). Strides are (their divisibility by 16 lets
+# the compiler issue 16-byte loads and stores of rows; GEAR's storage and the workspace keep it).
+_DYNAMIC = ["s_ow", "s_ot", "s_ls", "H", "N", "N_TILES"]
 
 
 @triton.jit
@@ -38,13 +42,10 @@ def _halves(x, BN: tl.constexpr, HALF: tl.constexpr):
 
 
 @triton.jit
-def _channel_outliers(x, ow_b, ov_b, ot_b, n_tiles, tok0, ch0, D: tl.constexpr, BN: tl.constexpr,
-                      C: tl.constexpr, OE: tl.constexpr, DT: tl.constexpr):
-    """x [BN, C] (chunk-local tokens [tok0, tok0+BN), channels [ch0, ch0+C)) + the chunk's outliers there.
-    ow_b/ov_b: the chunk's outliers (token*D + channel, value) sorted by token; ot_b: its per-16-token offsets."""
-    u0 = tok0 // 16
-    lo = tl.load(ot_b + u0)
-    hi = tl.load(ot_b + tl.minimum(u0 + BN // 16, n_tiles))
+def _channel_outliers(x, ow_b, ov_b, lo, hi, tok0, ch0, D: tl.constexpr, BN: tl.constexpr, C: tl.constexpr,
+                      OE: tl.constexpr, DT: tl.constexpr):
+    """x [BN, C] (chunk-local tokens [tok0, tok0+BN), channels [ch0, ch0+C)) + the chunk's outliers [lo, hi) there
+    (ow_b/ov_b: token*D + channel, value; sorted by token), through one-hot dots (rotated runs)."""
     LOG2D: tl.constexpr = D.bit_length() - 1
     n_offs = tl.arange(0, BN)
     c_offs = ch0 + tl.arange(0, C)
@@ -59,6 +60,39 @@ def _channel_outliers(x, ow_b, ov_b, ot_b, n_tiles, tok0, ch0, D: tl.constexpr, 
     return x
 
 
+@triton.jit
+def _scatter_outliers(o_b, so_t, cos_b, sin_b, sr_t, slot, ch, val, live, HALF: tl.constexpr, ROPE: tl.constexpr):
+    """out[slot, ch] += val where live (any shape, (slot, ch) distinct among live entries) into the written tiles
+    (a barrier first: other threads wrote them). ROPE: the outlier enters before the rotation, so it adds
+    val·(cos, sin) to its entry and its rotary partner: channels of the first half, then (a barrier between:
+    a token's outliers at c and c + HALF share the pair) those of the second."""
+    ty = o_b.dtype.element_ty
+    if ROPE:
+        p = ch & (HALF - 1)
+        first = ch < HALF
+        o1 = o_b + slot * so_t + p
+        r1 = slot * sr_t + p
+        for phase in tl.static_range(2):
+            m = live & (first if phase == 0 else ch >= HALF)
+            c = tl.load(cos_b + r1 + phase * HALF, mask=m, other=0.0).to(tl.float32)  # c1 or c2
+            s = tl.load(sin_b + r1 + (1 - phase) * HALF, mask=m, other=0.0).to(tl.float32)  # s2 or s1
+            tl.debug_barrier()
+            y1 = tl.load(o1, mask=m, other=0.0).to(tl.float32)
+            y2 = tl.load(o1 + HALF, mask=m, other=0.0).to(tl.float32)
+            if phase == 0:  # x1 += v: y1 += v·c1, y2 += v·s2
+                y1 += val * c
+                y2 += val * s
+            else:  # x2 += v: y1 -= v·s1, y2 += v·c2
+                y1 -= val * s
+                y2 += val * c
+            tl.store(o1, y1.to(ty), mask=m)
+            tl.store(o1 + HALF, y2.to(ty), mask=m)
+    else:
+        tl.debug_barrier()
+        o = o_b + slot * so_t + ch
+        tl.store(o, (tl.load(o, mask=live, other=0.0).to(tl.float32) + val).to(ty), mask=live)
+
+
 @triton.jit(do_not_specialize=_DYNAMIC)
 def _reconstruct_kernel(
     out_ptr, so_b, so_h, so_t,  # [B,H,chunks*N,D] (strides; a slice of the step's workspace)
@@ -70,63 +104,94 @@ def _reconstruct_kernel(
     widths, s_w,  # allocated key widths [B,H,chunks,D] (PLANES)
     had_ptr,  # [D/2, D/2] Sylvester matrix in the dot dtype (ROT)
     H, N,  # heads; tokens per chunk
-    D: tl.constexpr, HALF: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr, BY_CHANNEL: tl.constexpr,
-    BITS: tl.constexpr, UNIT: tl.constexpr, GROUP: tl.constexpr, STATS_ROW: tl.constexpr, PLANES: tl.constexpr,
-    ROW: tl.constexpr, STATS_W: tl.constexpr, K2: tl.constexpr, CH_SPARSE: tl.constexpr, SEG: tl.constexpr,
-    R: tl.constexpr, ROT: tl.constexpr, ROPE: tl.constexpr,
+    D: tl.constexpr, HALF: tl.constexpr, BN: tl.constexpr, TILES: tl.constexpr, DT: tl.constexpr,
+    BY_CHANNEL: tl.constexpr, BITS: tl.constexpr, UNIT: tl.constexpr, GROUP: tl.constexpr, STATS_ROW: tl.constexpr,
+    PLANES: tl.constexpr, ROW: tl.constexpr, STATS_W: tl.constexpr, K2: tl.constexpr, CH_SPARSE: tl.constexpr,
+    SEG: tl.constexpr, R: tl.constexpr, ROT: tl.constexpr, ROPE: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     chunk = tl.program_id(1)
-    blk = tl.program_id(2)
+    part = tl.program_id(2)
     b = pid_bh // H
     bh64 = pid_bh.to(tl.int64)
-    tok0 = blk * BN  # chunk-local
-    slot0 = chunk * N + tok0  # along the store's token axis (chunks one after the other)
-    slot = slot0 + tl.arange(0, BN)
-    tvalid = tok0 + tl.arange(0, BN) < N
     h_offs = tl.arange(0, HALF)
-    a16 = _lowrank_a(la + bh64 * s_la, R, slot, tvalid, R, DT) if R > 0 else 0  # [BN, 16]
-    if BY_CHANNEL:  # codes packed along tokens, a row of statistics per token group: one half of the head at a time
-        if R > 0:
+    # per program: the chunk's bases and what does not change along its tokens
+    o_b = out_ptr + b.to(tl.int64) * so_b + (pid_bh % H).to(tl.int64) * so_h
+    cos_b = cos_ptr + b.to(tl.int64) * sr_b
+    sin_b = sin_ptr + b.to(tl.int64) * sr_b
+    codes_b = codes + bh64 * s_codes
+    scale_b = scale + bh64 * s_stats
+    min_b = minimum + bh64 * s_stats
+    widths_b = widths + bh64 * s_w + chunk * D
+    la_b = la + bh64 * s_la
+    seg = bh64 * s_ow + chunk * SEG
+    ot_b = ot + bh64 * s_ot + chunk * (N_TILES + 1)
+    SCATTER: tl.constexpr = not ROT  # outliers after the tile is written (unrotated runs)
+    if R > 0:
+        if BY_CHANNEL:
             bt1 = _lowrank_bt(lb + bh64 * s_lb, R, chunk * D + h_offs, las + bh64 * s_ls, lbs + bh64 * s_ls, chunk,
                               R, DT)
             bt2 = _lowrank_bt(lb + bh64 * s_lb, R, chunk * D + HALF + h_offs, las + bh64 * s_ls, lbs + bh64 * s_ls,
                               chunk, R, DT)
         else:
-            bt1 = 0
-            bt2 = 0
-        widths_b = widths + bh64 * s_w + chunk * D
-        x1 = _per_channel_tile(codes + bh64 * s_codes, scale + bh64 * s_stats, minimum + bh64 * s_stats, ROW, D, slot,
-                               slot0, chunk * N + N, tvalid, h_offs, 0, a16, bt1, widths_b, BITS, UNIT, GROUP, R,
-                               STATS_ROW, DT, PLANES)
-        x2 = _per_channel_tile(codes + bh64 * s_codes, scale + bh64 * s_stats, minimum + bh64 * s_stats, ROW, D, slot,
-                               slot0, chunk * N + N, tvalid, h_offs + HALF, HALF, a16, bt2, widths_b, BITS, UNIT,
-                               GROUP, R, STATS_ROW, DT, PLANES)
-        if CH_SPARSE:
-            seg = bh64 * s_ow + chunk * SEG
-            tiles = ot + bh64 * s_ot + chunk * (N_TILES + 1)
-            x1 = _channel_outliers(x1, ow + seg, ov + seg, tiles, N_TILES, tok0, 0, D, BN, HALF, OUTLIERS_PER_DOT, DT)
-            x2 = _channel_outliers(x2, ow + seg, ov + seg, tiles, N_TILES, tok0, HALF, D, BN, HALF, OUTLIERS_PER_DOT,
-                                   DT)
-    else:  # codes packed along channels, statistics per channel group of each token, outliers per token
-        x = _value_tile(codes + bh64 * s_codes, scale + bh64 * s_stats, minimum + bh64 * s_stats, spv + bh64 * s_sp,
-                        spi + bh64 * s_sp, ROW, STATS_W, K2, slot, tvalid, D, BITS, UNIT, GROUP, K2, STATS_W)
-        if R > 0:
             bt = _lowrank_bt(lb + bh64 * s_lb, R, chunk * D + tl.arange(0, D), las + bh64 * s_ls, lbs + bh64 * s_ls,
                              chunk, R, DT)
-            x = _lowrank_dot(a16, bt, x, DT)
-        x1, x2 = _halves(x, BN, HALF)
-    if ROT:  # stored as x·H (Walsh–Hadamard): x·H·H = x
-        x1, x2 = _unrotate_halves(x1, x2, had_ptr, D, DT)
-    m2 = tvalid[:, None]
-    if ROPE:  # HF's x*cos + rotate_half(x)*sin, rotate_half(x) = [-x2, x1], with the model's own tables
-        rows = b.to(tl.int64) * sr_b + slot[:, None] * sr_t + h_offs[None, :]
-        c1 = tl.load(cos_ptr + rows, mask=m2, other=0.0).to(tl.float32)
-        c2 = tl.load(cos_ptr + rows + HALF, mask=m2, other=0.0).to(tl.float32)
-        s1 = tl.load(sin_ptr + rows, mask=m2, other=0.0).to(tl.float32)
-        s2 = tl.load(sin_ptr + rows + HALF, mask=m2, other=0.0).to(tl.float32)
-        x1, x2 = x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
-    o = out_ptr + b.to(tl.int64) * so_b + (pid_bh % H).to(tl.int64) * so_h + slot[:, None] * so_t + h_offs[None, :]
-    ty = out_ptr.dtype.element_ty
-    tl.store(o, x1.to(ty), mask=m2)
-    tl.store(o + HALF, x2.to(ty), mask=m2)
+    first = part * TILES
+    for blk in range(first, tl.minimum(first + TILES, tl.cdiv(N, BN))):
+        tok0 = blk * BN  # chunk-local
+        slot0 = chunk * N + tok0  # along the store's token axis (chunks one after the other)
+        slot = slot0 + tl.arange(0, BN)
+        tvalid = tok0 + tl.arange(0, BN) < N
+        a16 = _lowrank_a(la_b, R, slot, tvalid, R, DT) if R > 0 else 0  # [BN, 16]
+        if BY_CHANNEL:  # codes packed along tokens, a row of statistics per token group: a half of the head at a time
+            x1 = _per_channel_tile(codes_b, scale_b, min_b, ROW, D, slot, slot0, chunk * N + N, tvalid, h_offs, 0,
+                                   a16, bt1 if R > 0 else 0, widths_b, BITS, UNIT, GROUP, R, STATS_ROW, DT, PLANES)
+            x2 = _per_channel_tile(codes_b, scale_b, min_b, ROW, D, slot, slot0, chunk * N + N, tvalid, h_offs + HALF,
+                                   HALF, a16, bt2 if R > 0 else 0, widths_b, BITS, UNIT, GROUP, R, STATS_ROW, DT,
+                                   PLANES)
+            if CH_SPARSE and not SCATTER:
+                u0 = tok0 // 16
+                lo = tl.load(ot_b + u0)
+                hi = tl.load(ot_b + tl.minimum(u0 + BN // 16, N_TILES))
+                x1 = _channel_outliers(x1, ow + seg, ov + seg, lo, hi, tok0, 0, D, BN, HALF, OUTLIERS_PER_STEP, DT)
+                x2 = _channel_outliers(x2, ow + seg, ov + seg, lo, hi, tok0, HALF, D, BN, HALF, OUTLIERS_PER_STEP, DT)
+        else:  # codes packed along channels, statistics per channel group of each token, outliers per token
+            x = _value_tile(codes_b, scale_b, min_b, spv + bh64 * s_sp, spi + bh64 * s_sp, ROW, STATS_W, K2, slot,
+                            tvalid, D, BITS, UNIT, GROUP, 0 if SCATTER else K2, STATS_W)
+            if R > 0:
+                x = _lowrank_dot(a16, bt, x, DT)
+            x1, x2 = _halves(x, BN, HALF)
+        if ROT:  # stored as x·H (Walsh–Hadamard): x·H·H = x
+            x1, x2 = _unrotate_halves(x1, x2, had_ptr, D, DT)
+        m2 = tvalid[:, None]
+        rows = slot[:, None] * sr_t + h_offs[None, :]
+        if ROPE:  # HF's x*cos + rotate_half(x)*sin, rotate_half(x) = [-x2, x1], with the model's own tables
+            c1 = tl.load(cos_b + rows, mask=m2, other=0.0).to(tl.float32)
+            c2 = tl.load(cos_b + rows + HALF, mask=m2, other=0.0).to(tl.float32)
+            s1 = tl.load(sin_b + rows, mask=m2, other=0.0).to(tl.float32)
+            s2 = tl.load(sin_b + rows + HALF, mask=m2, other=0.0).to(tl.float32)
+            x1, x2 = x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
+        o = o_b + slot[:, None] * so_t + h_offs[None, :]
+        ty = out_ptr.dtype.element_ty
+        tl.store(o, x1.to(ty), mask=m2)
+        tl.store(o + HALF, x2.to(ty), mask=m2)
+        if SCATTER and CH_SPARSE:  # the tile's outliers: [lo, hi) of the chunk's list, sorted by token
+            u0 = tok0 // 16
+            lo = tl.load(ot_b + u0)
+            hi = tl.load(ot_b + tl.minimum(u0 + BN // 16, N_TILES))
+            LOG2D: tl.constexpr = D.bit_length() - 1
+            for e0 in range(lo, hi, OUTLIERS_PER_STEP):
+                e = e0 + tl.arange(0, OUTLIERS_PER_STEP)
+                where = tl.load(ow + seg + e, mask=e < hi, other=0)
+                val = tl.load(ov + seg + e, mask=e < hi, other=0.0).to(tl.float32)
+                _scatter_outliers(o_b, so_t, cos_b, sin_b, sr_t, chunk * N + (where >> LOG2D), where & (D - 1), val,
+                                  (e < hi) & (val != 0.0), HALF, ROPE)
+        if SCATTER and K2 > 0:  # each token's K2 slots (distinct channels; empty slots hold 0)
+            K2P: tl.constexpr = 1 << (K2 - 1).bit_length()
+            s = tl.arange(0, K2P)[None, :]
+            m = m2 & (s < K2)
+            at = spv + bh64 * s_sp + slot[:, None] * K2 + s
+            val = tl.load(at, mask=m, other=0.0).to(tl.float32)
+            ch = tl.load(spi + bh64 * s_sp + slot[:, None] * K2 + s, mask=m, other=0).to(tl.int32)
+            _scatter_outliers(o_b, so_t, cos_b, sin_b, sr_t, slot[:, None] + 0 * s, ch, val, m & (val != 0.0), HALF,
+                              ROPE)
