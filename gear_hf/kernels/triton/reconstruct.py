@@ -20,7 +20,7 @@ from .reconstruct_kernel import _reconstruct_kernel
 from .sizing import hadamard_table
 
 _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
-BLOCK_TOKENS = 32  # tokens per tile (a power of two >= 16: the one-hot and low-rank dots)
+BLOCK_TOKENS = 64  # tokens per tile (a power of two >= 16: the one-hot and low-rank dots)
 TILES_PER_PROGRAM = 4  # tiles one program decodes in turn (the chunk's factors and tables read once for them)
 
 

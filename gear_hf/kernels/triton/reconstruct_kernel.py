@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 
 from .ops import _dot, _lowrank_a, _lowrank_bt, _lowrank_dot, _unrotate_halves
-from .tiles import _per_channel_tile, _value_tile
+from .tiles import _channel_stats, _per_channel_tile, _value_tile
+from .unpack import _load_rows, _plane_bytes, _plane_masks, _plane_offsets, _plane_words, _planes_to_codes
 
 OUTLIERS_PER_STEP = tl.constexpr(32)  # key outliers read per step (one-hot dot, or scatter)
 
@@ -93,6 +94,25 @@ def _scatter_outliers(o_b, so_t, cos_b, sin_b, sr_t, slot, ch, val, live, HALF: 
         tl.store(o, (tl.load(o, mask=live, other=0.0).to(tl.float32) + val).to(ty), mask=live)
 
 
+@triton.jit
+def _plane_tile(codes_b, scale_b, min_b, widths, offset, need1, need2, mlo, mhi, slot, slot0, slot_end, tvalid, ch,
+                ch0, a, bt, ROW: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr,
+                STATS_ROW: tl.constexpr, DT: tl.constexpr):
+    """`tiles._per_channel_tile` of bit planes, with the chunk's plane offsets and masks read once
+    (`unpack._plane_offsets`, `_plane_masks`): float32 [BN, C]."""
+    BN: tl.constexpr = slot.shape[0]
+    C: tl.constexpr = ch.shape[0]
+    if ROW % 4 == 0:  # rows of whole words
+        lo, hi = _plane_words(codes_b, ROW, offset, need1, need2, mlo, mhi, slot0, slot_end, BN, C)
+    else:
+        lo, hi = _plane_bytes(codes_b, ROW, widths, offset, slot0, slot_end, BN, C)
+    sc, mn = _channel_stats(scale_b, min_b, D, slot, slot0, tvalid, ch, ch0, GROUP, STATS_ROW)
+    k = _planes_to_codes(lo, hi, BN, C).to(tl.float32) * sc + mn
+    if R > 0:
+        k = _lowrank_dot(a, bt, k, DT)
+    return k
+
+
 @triton.jit(do_not_specialize=_DYNAMIC)
 def _reconstruct_kernel(
     out_ptr, so_b, so_h, so_t,  # [B,H,chunks*N,D] (strides; a slice of the step's workspace)
@@ -136,6 +156,11 @@ def _reconstruct_kernel(
         else:
             bt = _lowrank_bt(lb + bh64 * s_lb, R, chunk * D + tl.arange(0, D), las + bh64 * s_ls, lbs + bh64 * s_ls,
                              chunk, R, DT)
+    if PLANES:  # the chunk's widths: where each channel's planes lie in a row
+        w1_, off1 = _plane_offsets(widths_b, 0, HALF)
+        w2_, off2 = _plane_offsets(widths_b, HALF, HALF)
+        n11, n12, mlo1, mhi1 = _plane_masks(w1_, off1)
+        n21, n22, mlo2, mhi2 = _plane_masks(w2_, off2)
     first = part * TILES
     for blk in range(first, tl.minimum(first + TILES, tl.cdiv(N, BN))):
         tok0 = blk * BN  # chunk-local
@@ -144,11 +169,18 @@ def _reconstruct_kernel(
         tvalid = tok0 + tl.arange(0, BN) < N
         a16 = _lowrank_a(la_b, R, slot, tvalid, R, DT) if R > 0 else 0  # [BN, 16]
         if BY_CHANNEL:  # codes packed along tokens, a row of statistics per token group: a half of the head at a time
-            x1 = _per_channel_tile(codes_b, scale_b, min_b, ROW, D, slot, slot0, chunk * N + N, tvalid, h_offs, 0,
-                                   a16, bt1 if R > 0 else 0, widths_b, BITS, UNIT, GROUP, R, STATS_ROW, DT, PLANES)
-            x2 = _per_channel_tile(codes_b, scale_b, min_b, ROW, D, slot, slot0, chunk * N + N, tvalid, h_offs + HALF,
-                                   HALF, a16, bt2 if R > 0 else 0, widths_b, BITS, UNIT, GROUP, R, STATS_ROW, DT,
-                                   PLANES)
+            if PLANES:
+                x1 = _plane_tile(codes_b, scale_b, min_b, w1_, off1, n11, n12, mlo1, mhi1, slot, slot0, chunk * N + N,
+                                 tvalid, h_offs, 0, a16, bt1 if R > 0 else 0, ROW, D, GROUP, R, STATS_ROW, DT)
+                x2 = _plane_tile(codes_b, scale_b, min_b, w2_, off2, n21, n22, mlo2, mhi2, slot, slot0, chunk * N + N,
+                                 tvalid, h_offs + HALF, HALF, a16, bt2 if R > 0 else 0, ROW, D, GROUP, R, STATS_ROW,
+                                 DT)
+            else:
+                x1 = _per_channel_tile(codes_b, scale_b, min_b, ROW, D, slot, slot0, chunk * N + N, tvalid, h_offs, 0,
+                                       a16, bt1 if R > 0 else 0, widths_b, BITS, UNIT, GROUP, R, STATS_ROW, DT, PLANES)
+                x2 = _per_channel_tile(codes_b, scale_b, min_b, ROW, D, slot, slot0, chunk * N + N, tvalid,
+                                       h_offs + HALF, HALF, a16, bt2 if R > 0 else 0, widths_b, BITS, UNIT, GROUP, R,
+                                       STATS_ROW, DT, PLANES)
             if CH_SPARSE and not SCATTER:
                 u0 = tok0 // 16
                 lo = tl.load(ot_b + u0)
@@ -164,12 +196,12 @@ def _reconstruct_kernel(
         if ROT:  # stored as x·H (Walsh–Hadamard): x·H·H = x
             x1, x2 = _unrotate_halves(x1, x2, had_ptr, D, DT)
         m2 = tvalid[:, None]
-        rows = slot[:, None] * sr_t + h_offs[None, :]
         if ROPE:  # HF's x*cos + rotate_half(x)*sin, rotate_half(x) = [-x2, x1], with the model's own tables
-            c1 = tl.load(cos_b + rows, mask=m2, other=0.0).to(tl.float32)
-            c2 = tl.load(cos_b + rows + HALF, mask=m2, other=0.0).to(tl.float32)
-            s1 = tl.load(sin_b + rows, mask=m2, other=0.0).to(tl.float32)
-            s2 = tl.load(sin_b + rows + HALF, mask=m2, other=0.0).to(tl.float32)
+            rows = slot * sr_t  # [BN]; 16-bit tables read as words, one split per element (`_load_rows`)
+            c1 = _load_rows(cos_b + rows, m2, HALF)
+            c2 = _load_rows(cos_b + rows + HALF, m2, HALF)
+            s1 = _load_rows(sin_b + rows, m2, HALF)
+            s2 = _load_rows(sin_b + rows + HALF, m2, HALF)
             x1, x2 = x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
         o = o_b + slot[:, None] * so_t + h_offs[None, :]
         ty = out_ptr.dtype.element_ty

@@ -14,6 +14,23 @@ OUTLIERS_PER_STEP = tl.constexpr(32)  # key outliers applied per one-hot dot
 
 
 @triton.jit
+def _channel_stats(scale_b, min_b, s_scale, slot, slot0, tvalid, ch, ch0, GROUP: tl.constexpr,
+                   STATS_ROW: tl.constexpr):
+    """(scale, minimum) float32 of a run stored per channel over token groups at store slots `slot` [BN] and
+    channels `ch` [C] (from ch0): [1, C] when STATS_ROW (the slots lie in one group, from slot0), else [BN, C]."""
+    C: tl.constexpr = ch.shape[0]
+    if STATS_ROW:  # one row of the group's statistics, [1, C]
+        srow = (slot0 // GROUP) * s_scale + ch0 + tl.zeros([1], tl.int32)
+        sc = _load_rows(scale_b + srow, tl.full([1, 1], True, tl.int1), C)
+        mn = _load_rows(min_b + srow, tl.full([1, 1], True, tl.int1), C)
+    else:
+        srow = (slot // GROUP)[:, None] * s_scale + ch[None, :]
+        sc = tl.load(scale_b + srow, mask=tvalid[:, None], other=0.0).to(tl.float32)
+        mn = tl.load(min_b + srow, mask=tvalid[:, None], other=0.0).to(tl.float32)
+    return sc, mn
+
+
+@triton.jit
 def _per_channel_tile(codes_b, scale_b, min_b, s_codes, s_scale, slot, slot0, slot_end, tvalid, ch, ch0, a, bt,
                       widths_b, BITS: tl.constexpr, UNIT: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr,
                       STATS_ROW: tl.constexpr, DT: tl.constexpr, PLANES: tl.constexpr):
@@ -23,7 +40,6 @@ def _per_channel_tile(codes_b, scale_b, min_b, s_codes, s_scale, slot, slot0, sl
     `_lowrank_bt` of these channels; R=0: no low-rank term).
     STATS_ROW: the block lies inside one quantization group (starting at slot0): one row of scale/minimum.
     PLANES: widths per channel (widths_b: the chunk's), stored as bit planes; s_codes: bytes per 8 tokens."""
-    m2 = tvalid[:, None]
     BN: tl.constexpr = slot.shape[0]
     C: tl.constexpr = ch.shape[0]
     if PLANES:
@@ -40,14 +56,7 @@ def _per_channel_tile(codes_b, scale_b, min_b, s_codes, s_scale, slot, slot0, sl
         code = _unpack_3bit_units(codes_b + (units * 3)[:, None] * s_codes + ch[None, :], s_codes,
                                   (units * UNIT < slot_end)[:, None])
         code = tl.reshape(tl.permute(code, (0, 2, 1)), [BN, C])
-    if STATS_ROW:  # one row of the group's statistics, [1, C]
-        srow = (slot0 // GROUP) * s_scale + ch0 + tl.zeros([1], tl.int32)
-        sc = _load_rows(scale_b + srow, tl.full([1, 1], True, tl.int1), C)
-        mn = _load_rows(min_b + srow, tl.full([1, 1], True, tl.int1), C)
-    else:
-        srow = (slot // GROUP)[:, None] * s_scale + ch[None, :]
-        sc = tl.load(scale_b + srow, mask=m2, other=0.0).to(tl.float32)
-        mn = tl.load(min_b + srow, mask=m2, other=0.0).to(tl.float32)
+    sc, mn = _channel_stats(scale_b, min_b, s_scale, slot, slot0, tvalid, ch, ch0, GROUP, STATS_ROW)
     k = code.to(tl.float32) * sc + mn
     if R > 0:  # + A·Bᵀ on the tensor cores (rank padded to 16 with zeros)
         k = _lowrank_dot(a, bt, k, DT)
