@@ -27,7 +27,7 @@ import triton.language as tl
 
 from .ops import _dot, _lowrank_a, _lowrank_bt, _lowrank_dot, _unrotate_halves
 from .tiles import _channel_stats, _per_channel_tile, _value_tile
-from .unpack import _load_rows, _plane_bytes, _plane_masks, _plane_offsets, _plane_words, _planes_to_codes
+from .unpack import _plane_bytes, _plane_masks, _plane_offsets, _plane_words, _planes_to_codes
 
 OUTLIERS_PER_STEP = tl.constexpr(32)  # key outliers read per step (one-hot dot, or scatter)
 
@@ -59,6 +59,38 @@ def _channel_outliers(x, ow_b, ov_b, lo, hi, tok0, ch0, D: tl.constexpr, BN: tl.
         w = tl.where((where & (D - 1))[:, None] == c_offs[None, :], val[:, None], 0.0)  # [OE, C]
         x += _dot(onehot, w, DT)
     return x
+
+
+@triton.jit
+def _table_pairs(p, C: tl.constexpr):
+    """The 16-bit (bf16/fp16) or float32 table entries p [R] + arange(C) as float32 (even, odd) columns [R, C/2]:
+    a 16-bit pair is one 32-bit word (rows 4-byte aligned), split in registers with one op per entry."""
+    ty: tl.constexpr = p.dtype.element_ty
+    if ty == tl.float32:
+        pairs = p[:, None] + 2 * tl.arange(0, C // 2)[None, :]
+        return tl.load(pairs), tl.load(pairs + 1)
+    w = tl.load(p.to(tl.pointer_type(tl.int32))[:, None] + tl.arange(0, C // 2)[None, :])
+    if ty == tl.bfloat16:  # a bf16 is the top half of the float32 with the same value
+        return (w << 16).to(tl.float32, bitcast=True), (w & -65536).to(tl.float32, bitcast=True)
+    return ((w & 65535).to(tl.int16).to(ty, bitcast=True).to(tl.float32),
+            (w >> 16).to(tl.int16).to(ty, bitcast=True).to(tl.float32))
+
+
+@triton.jit
+def _rope_halves(x1, x2, cos_row, sin_row, HALF: tl.constexpr):
+    """HF's x*cos + rotate_half(x)*sin, rotate_half(x) = [-x2, x1], of the halves x1, x2 [BN, HALF] with the
+    model's tables at rows cos_row/sin_row [BN] (pointers). Computed on even and odd columns apart, so that a table
+    word's two entries meet their two elements in whatever layout the tile has (no join of the table halves)."""
+    BN: tl.constexpr = x1.shape[0]
+    x1e, x1o = tl.split(tl.reshape(x1, [BN, HALF // 2, 2]))
+    x2e, x2o = tl.split(tl.reshape(x2, [BN, HALF // 2, 2]))
+    c1e, c1o = _table_pairs(cos_row, HALF)
+    c2e, c2o = _table_pairs(cos_row + HALF, HALF)
+    s1e, s1o = _table_pairs(sin_row, HALF)
+    s2e, s2o = _table_pairs(sin_row + HALF, HALF)
+    y1 = tl.reshape(tl.join(x1e * c1e - x2e * s1e, x1o * c1o - x2o * s1o), [BN, HALF])
+    y2 = tl.reshape(tl.join(x2e * c2e + x1e * s2e, x2o * c2o + x1o * s2o), [BN, HALF])
+    return y1, y2
 
 
 @triton.jit
@@ -197,12 +229,8 @@ def _reconstruct_kernel(
             x1, x2 = _unrotate_halves(x1, x2, had_ptr, D, DT)
         m2 = tvalid[:, None]
         if ROPE:  # HF's x*cos + rotate_half(x)*sin, rotate_half(x) = [-x2, x1], with the model's own tables
-            rows = slot * sr_t  # [BN]; 16-bit tables read as words, one split per element (`_load_rows`)
-            c1 = _load_rows(cos_b + rows, m2, HALF)
-            c2 = _load_rows(cos_b + rows + HALF, m2, HALF)
-            s1 = _load_rows(sin_b + rows, m2, HALF)
-            s2 = _load_rows(sin_b + rows + HALF, m2, HALF)
-            x1, x2 = x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
+            trow = tl.minimum(slot, chunk * N + N - 1) * sr_t  # (rows past the chunk read its last: no masks)
+            x1, x2 = _rope_halves(x1, x2, cos_b + trow, sin_b + trow, HALF)
         o = o_b + slot[:, None] * so_t + h_offs[None, :]
         ty = out_ptr.dtype.element_ty
         tl.store(o, x1.to(ty), mask=m2)
