@@ -28,8 +28,9 @@ def _config(label: str):
 
 
 def planned_reconstructions(label: str):
-    """[(store kind, kernel, args, kwargs)] of the reconstruction launches of one layer's stores (prompt chunk and
-    decode chunks, keys and values) of a CPU cache at Llama-3-8B head shapes (bf16, head_dim 128)."""
+    """[(store kind, tokens per chunk, kernel, grid, args, kwargs)] of the reconstruction launches of one layer's
+    stores (prompt chunk and decode chunks, keys and values) of a CPU cache at Llama-3-8B head shapes (bf16,
+    head_dim 128)."""
     from ..cache.fused import build_cache
     from . import reconstruct_run
     from .views import ChunkRunView
@@ -52,12 +53,13 @@ def planned_reconstructions(label: str):
                 rotary = tuple(torch.zeros(1, 1, T, 128, dtype=torch.bfloat16) for _ in range(2))
             plan = []
             reconstruct_run(ChunkRunView.of(store), chunks, out, rotary, _plan=plan)
-            launches += [(f"{stream.kind}s {where}", *launch) for launch in plan]
+            launches += [(f"{stream.kind}s {where}", store.chunk_len, *launch) for launch in plan]
     return launches
 
 
-def reconstruct_figures(kernel, args, kwargs, arch: int) -> dict:
-    """Compile one planned reconstruction launch; its per-element figures, spills and registers."""
+def reconstruct_figures(kernel, args, kwargs, arch: int, chunk_len: int) -> dict:
+    """Compile one planned reconstruction launch (chunks of chunk_len tokens); its per-element figures, spills and
+    registers."""
     from .compile_check import _compile, _disassemble, _kernel_counts, _resource_usage, sass_loops
 
     compiled = _compile(kernel, args, kwargs, arch)
@@ -67,11 +69,11 @@ def reconstruct_figures(kernel, args, kwargs, arch: int) -> dict:
     # TILES: tiles per program, the main loop's trips (its largest loop); without it one tile, the whole kernel
     loops = sorted(sass_loops(sass), key=lambda x: -x[2]) if "TILES" in kwargs else []
     body = loops[0][2] if loops else len(sass)
-    program = tile * kwargs.get("TILES", 1)
+    trips = min(kwargs.get("TILES", 1), -(-chunk_len // kwargs["BN"]))  # tiles a full program of a chunk decodes
     return {"per_element": body * threads / tile, "body": body, "total": len(sass),
-            # each tile through the loop, the rest once: the program's instructions over the elements it writes
-            "per_element_program": (len(sass) + (kwargs.get("TILES", 1) - 1) * body) * threads / program,
-            "program_tokens": program // kwargs["D"], "spills": _kernel_counts(sass)["spill_ops"],
+            # each of its tiles through the loop, the rest once: a program's instructions over what it writes
+            "per_element_program": (len(sass) + (trips - 1) * body) * threads / (trips * tile),
+            "program_tokens": trips * kwargs["BN"], "spills": _kernel_counts(sass)["spill_ops"],
             "usage": _resource_usage(compiled.asm["cubin"]), "threads": threads}
 
 
@@ -80,8 +82,8 @@ def reconstruct_sass_report(arch: int = 90) -> float:
     figure (over both configurations and every store kind)."""
     worst = 0.0
     for label in CASES:
-        for kind, kernel, _grid, args, kwargs in planned_reconstructions(label):
-            f = reconstruct_figures(kernel, args, kwargs, arch)
+        for kind, chunk_len, kernel, _grid, args, kwargs in planned_reconstructions(label):
+            f = reconstruct_figures(kernel, args, kwargs, arch, chunk_len)
             worst = max(worst, f["per_element"])
             print(f"reconstruct {label} {kind} sm_{arch}: {f['per_element']:.1f} instructions/element "
                   f"(main loop {f['body']} SASS x {f['threads']} threads / {kwargs['BN']}x{kwargs['D']} elements; "
