@@ -53,7 +53,7 @@ def reconstruct_run(run: ChunkRunView, chunks: int, out: torch.Tensor, rotary=No
     if n % unit:
         raise NotImplementedError(f"reconstruction kernel: {n} tokens per chunk is not a whole number of packing "
                                   f"units of {unit} codes")
-    if spec.bits != 3 or spec.allocated:
+    if spec.bits != 3 or spec.allocated or not by_channel:  # (3-bit values: rows of words too)
         _check_words(f["codes"], "run.codes")
     rank = f["lowrank_a"].shape[-1]
     if rank > 16:

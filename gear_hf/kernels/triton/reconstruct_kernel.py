@@ -25,9 +25,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .ops import _dot, _lowrank_a, _lowrank_bt, _lowrank_dot, _unrotate_halves
-from .tiles import _channel_stats, _per_channel_tile, _value_tile
-from .unpack import _plane_bytes, _plane_masks, _plane_offsets, _plane_words, _planes_to_codes
+from .ops import _dot, _lowrank_a, _lowrank_bt, _lowrank_dot, _sylvester_halves, _unrotate_halves
+from .tiles import _channel_stats, _per_channel_tile, _token_stats, _value_tile
+from .unpack import _plane_bytes, _plane_masks, _plane_offsets, _plane_words, _planes_to_codes, _unpack_3bit_words
 
 OUTLIERS_PER_STEP = tl.constexpr(32)  # key outliers read per step (one-hot dot, or scatter)
 
@@ -91,6 +91,22 @@ def _rope_halves(x1, x2, cos_row, sin_row, HALF: tl.constexpr):
     y1 = tl.reshape(tl.join(x1e * c1e - x2e * s1e, x1o * c1o - x2o * s1o), [BN, HALF])
     y2 = tl.reshape(tl.join(x2e * c2e + x1e * s2e, x2o * c2o + x1o * s2o), [BN, HALF])
     return y1, y2
+
+
+@triton.jit
+def _value_words_3bit(codes_b, scale_b, min_b, s_codes, s_scale, slot, tvalid, mult, D: tl.constexpr,
+                      GROUP: tl.constexpr, STATS_W: tl.constexpr):
+    """`tiles._value_tile` of 3-bit codes without outliers, times `mult`: rows of D*3/8 bytes (a multiple of 12)
+    read as 32-bit words, three per 32 codes (`unpack._unpack_3bit_words`). float32 [BN, D]."""
+    BN: tl.constexpr = slot.shape[0]
+    m2 = tvalid[:, None]
+    rows = (codes_b + slot[:, None] * s_codes).to(tl.pointer_type(tl.int32)) + 3 * tl.arange(0, D // 32)[None, :]
+    w0 = tl.load(rows, mask=m2, other=0)
+    w1 = tl.load(rows + 1, mask=m2, other=0)
+    w2 = tl.load(rows + 2, mask=m2, other=0)
+    code = tl.reshape(_unpack_3bit_words(w0, w1, w2), [BN, D])
+    sc, mn = _token_stats(scale_b, min_b, s_scale, slot, tvalid, D, GROUP, STATS_W, mult)
+    return code.to(tl.float32) * sc + mn
 
 
 @triton.jit
@@ -179,6 +195,9 @@ def _reconstruct_kernel(
     seg = bh64 * s_ow + chunk * SEG
     ot_b = ot + bh64 * s_ot + chunk * (N_TILES + 1)
     SCATTER: tl.constexpr = not ROT  # outliers after the tile is written (unrotated runs)
+    # values of 3 bits without outliers in registers: codes from words, and a rotation's D^-1/2 in the statistics
+    WORDS3: tl.constexpr = not BY_CHANNEL and BITS == 3 and (K2 == 0 or SCATTER)
+    NORM = 1.0 / tl.sqrt_rn(tl.full([], D, tl.float32)) if ROT else 1.0
     if R > 0:
         if BY_CHANNEL:
             bt1 = _lowrank_bt(lb + bh64 * s_lb, R, chunk * D + h_offs, las + bh64 * s_ls, lbs + bh64 * s_ls, chunk,
@@ -220,12 +239,17 @@ def _reconstruct_kernel(
                 x1 = _channel_outliers(x1, ow + seg, ov + seg, lo, hi, tok0, 0, D, BN, HALF, OUTLIERS_PER_STEP, DT)
                 x2 = _channel_outliers(x2, ow + seg, ov + seg, lo, hi, tok0, HALF, D, BN, HALF, OUTLIERS_PER_STEP, DT)
         else:  # codes packed along channels, statistics per channel group of each token, outliers per token
-            x = _value_tile(codes_b, scale_b, min_b, spv + bh64 * s_sp, spi + bh64 * s_sp, ROW, STATS_W, K2, slot,
-                            tvalid, D, BITS, UNIT, GROUP, 0 if SCATTER else K2, STATS_W)
+            if WORDS3:
+                x = _value_words_3bit(codes_b, scale_b, min_b, ROW, STATS_W, slot, tvalid, NORM, D, GROUP, STATS_W)
+            else:
+                x = _value_tile(codes_b, scale_b, min_b, spv + bh64 * s_sp, spi + bh64 * s_sp, ROW, STATS_W, K2,
+                                slot, tvalid, D, BITS, UNIT, GROUP, 0 if SCATTER else K2, STATS_W)
             if R > 0:
                 x = _lowrank_dot(a16, bt, x, DT)
             x1, x2 = _halves(x, BN, HALF)
-        if ROT:  # stored as x·H (Walsh–Hadamard): x·H·H = x
+        if ROT and WORDS3:  # stored as x·H (Walsh–Hadamard): x·H·H = x, H's factor D^-1/2 already in x
+            x1, x2 = _sylvester_halves(x1, x2, had_ptr, D, DT)
+        elif ROT:
             x1, x2 = _unrotate_halves(x1, x2, had_ptr, D, DT)
         m2 = tvalid[:, None]
         if ROPE:  # HF's x*cos + rotate_half(x)*sin, rotate_half(x) = [-x2, x1], with the model's own tables

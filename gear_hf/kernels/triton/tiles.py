@@ -64,6 +64,27 @@ def _per_channel_tile(codes_b, scale_b, min_b, s_codes, s_scale, slot, slot0, sl
 
 
 @triton.jit
+def _token_stats(scale_b, min_b, s_scale, slot, tvalid, D: tl.constexpr, GROUP: tl.constexpr, STATS_W: tl.constexpr,
+                 mult):
+    """(scale, minimum) float32 [BN, D] of a run stored per token over channel groups at store slots `slot` [BN],
+    both times `mult` (a factor folded into the dequantization)."""
+    BN: tl.constexpr = slot.shape[0]
+    m2 = tvalid[:, None]
+    if STATS_W * GROUP == D:  # whole groups: one load per group, broadcast over its channels in registers
+        g = tl.arange(0, STATS_W)
+        srow = slot[:, None] * s_scale + g[None, :]
+        sc = tl.load(scale_b + srow, mask=m2, other=0.0).to(tl.float32) * mult
+        mn = tl.load(min_b + srow, mask=m2, other=0.0).to(tl.float32) * mult
+        sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [BN, STATS_W, GROUP]), [BN, D])
+        mn = tl.reshape(tl.broadcast_to(mn[:, :, None], [BN, STATS_W, GROUP]), [BN, D])
+    else:
+        srow = slot[:, None] * s_scale + (tl.arange(0, D) // GROUP)[None, :]
+        sc = tl.load(scale_b + srow, mask=m2, other=0.0).to(tl.float32) * mult
+        mn = tl.load(min_b + srow, mask=m2, other=0.0).to(tl.float32) * mult
+    return sc, mn
+
+
+@triton.jit
 def _value_tile(codes_b, scale_b, min_b, spv_b, spi_b, s_codes, s_scale, s_sp, slot, tvalid,
                 D: tl.constexpr, BITS: tl.constexpr, UNIT: tl.constexpr, GROUP: tl.constexpr, K2: tl.constexpr,
                 STATS_W: tl.constexpr):
@@ -79,17 +100,7 @@ def _value_tile(codes_b, scale_b, min_b, spv_b, spi_b, s_codes, s_scale, s_sp, s
         rows = (codes_b + slot[:, None] * s_codes).to(tl.pointer_type(tl.int32))
         w = tl.load(rows + tl.arange(0, WORDS)[None, :], mask=m2, other=0)
         code = tl.reshape(_unpack_words(w, BITS), [BN, D])
-    if STATS_W * GROUP == D:  # whole groups: one load per group, broadcast over its channels in registers
-        g = tl.arange(0, STATS_W)
-        srow = slot[:, None] * s_scale + g[None, :]
-        sc = tl.load(scale_b + srow, mask=m2, other=0.0).to(tl.float32)
-        mn = tl.load(min_b + srow, mask=m2, other=0.0).to(tl.float32)
-        sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [BN, STATS_W, GROUP]), [BN, D])
-        mn = tl.reshape(tl.broadcast_to(mn[:, :, None], [BN, STATS_W, GROUP]), [BN, D])
-    else:
-        srow = slot[:, None] * s_scale + (c // GROUP)[None, :]
-        sc = tl.load(scale_b + srow, mask=m2, other=0.0).to(tl.float32)
-        mn = tl.load(min_b + srow, mask=m2, other=0.0).to(tl.float32)
+    sc, mn = _token_stats(scale_b, min_b, s_scale, slot, tvalid, D, GROUP, STATS_W, 1.0)
     v = code.to(tl.float32) * sc + mn
     for s in tl.static_range(K2):  # a token's outliers, added where their channel is (no extra [BN, D] tile)
         idx = tl.load(spi_b + slot * s_sp + s, mask=tvalid, other=-1).to(tl.int32)

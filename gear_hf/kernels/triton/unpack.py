@@ -60,6 +60,27 @@ def _unpack_3bit_units(p, step, mask):
 
 
 @triton.jit
+def _unit_3bit(u):
+    """The 8 codes [R, C, 8] of the 3-bit units in bits 0-23 of u [R, C] (bytes b0, b1: the 2-bit plane, code j
+    at bits 2j; byte 2: the 1-bit plane, code j's bit 2 at bit 16 + j; bits above 23 ignored)."""
+    return _join8(u & 3 | (u >> 14) & 4, (u >> 2) & 3 | (u >> 15) & 4, (u >> 4) & 3 | (u >> 16) & 4,
+                  (u >> 6) & 3 | (u >> 17) & 4, (u >> 8) & 3 | (u >> 18) & 4, (u >> 10) & 3 | (u >> 19) & 4,
+                  (u >> 12) & 3 | (u >> 20) & 4, (u >> 14) & 3 | (u >> 21) & 4)
+
+
+@triton.jit
+def _unpack_3bit_words(w0, w1, w2):
+    """3-bit codes of the 4 packing units (8 codes in 3 bytes, `_unpack_3bit_units`' layout) in three consecutive
+    little-endian 32-bit words w0, w1, w2 [R, C]: int32 [R, C, 32] in code order (unit u's at 8u..8u+7)."""
+    c0 = _unit_3bit(w0)
+    c1 = _unit_3bit(((w0 >> 24) & 255) | (w1 << 8))
+    c2 = _unit_3bit(((w1 >> 16) & 65535) | (w2 << 16))
+    c3 = _unit_3bit(w2 >> 8)
+    x = tl.join(tl.join(c0, c2), tl.join(c1, c3))  # [R, C, 8, 2, 2]: [..., j, a, b] = unit 2a + b, code j
+    return tl.reshape(tl.permute(x, (0, 1, 3, 4, 2)), [w0.shape[0], w0.shape[1], 32])
+
+
+@triton.jit
 def _load_rows(p, mask, C: tl.constexpr):
     """float32 [R, C] of the 16-bit (bf16/fp16) or float32 elements p [R] + arange(C) (rows 4-byte aligned). 16-bit
     rows are read as 32-bit words and split in registers: wide loads whatever layout the consumer wants (a plain
