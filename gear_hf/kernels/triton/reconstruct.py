@@ -74,7 +74,10 @@ def reconstruct_run(run: ChunkRunView, chunks: int, out: torch.Tensor, rotary=No
         GROUP=group, STATS_ROW=by_channel and group % block_n == 0 and n % block_n == 0, PLANES=spec.allocated,
         ROW=f["codes"].shape[-1], STATS_W=f["scale"].shape[-1],
         K2=0 if by_channel else f["sparse_values"].shape[-1], CH_SPARSE=k_channel > 0, SEG=k_channel * d,
-        R=rank, ROT=bool(spec.rotate), ROPE=rotary is not None)
+        R=rank, ROT=bool(spec.rotate), ROPE=rotary is not None,
+        # bf16 model and tables: RoPE in bf16 arithmetic, as the reference path (2: emulated, the interpreter)
+        ROPE_BF16=(2 if interpreting() else 1) if rotary is not None and out.dtype == torch.bfloat16
+        and rotary[0].dtype == torch.bfloat16 else 0)
     if rotary is not None:
         cos, sin = rotary
         if cos.shape[-1] != d or cos.stride(-1) != 1 or sin.stride() != cos.stride() or cos.shape[-2] != chunks * n:

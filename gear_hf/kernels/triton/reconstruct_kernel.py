@@ -77,6 +77,37 @@ def _table_pairs(p, C: tl.constexpr):
 
 
 @triton.jit
+def _bf16(x):
+    """float32 x rounded to the nearest bf16 (ties to even), kept in float32: integer operations, as the
+    interpreter's bf16 arithmetic is not bf16's (finite x; what the GPU's conversion does)."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _rope_bf16(x1, x2, cos_row, sin_row, HALF: tl.constexpr, EMULATE: tl.constexpr):
+    """`_rope_halves` of a bf16 model: in bf16 arithmetic on bf16 tables, as the reference path (`rope.apply_rotary`
+    on the history reconstructed in the model dtype) and HF's apply_rotary_pos_emb compute it: x rounded to bf16
+    first, then x*cos and rotate_half(x)*sin in bf16 (two elements per instruction on the GPU, where the compiler
+    may fuse a product into the sum: one rounding fewer). EMULATE (the interpreter): each bf16 operation as a
+    float32 one rounded to bf16. bf16 [BN, HALF] (EMULATE: float32 holding bf16 values)."""
+    rows = cos_row[:, None] + tl.arange(0, HALF)[None, :]
+    srows = sin_row[:, None] + tl.arange(0, HALF)[None, :]
+    if EMULATE:
+        b1 = _bf16(x1)
+        b2 = _bf16(x2)
+        c1 = tl.load(rows).to(tl.float32)
+        c2 = tl.load(rows + HALF).to(tl.float32)
+        s1 = tl.load(srows).to(tl.float32)
+        s2 = tl.load(srows + HALF).to(tl.float32)
+        return _bf16(_bf16(b1 * c1) - _bf16(b2 * s1)), _bf16(_bf16(b2 * c2) + _bf16(b1 * s2))
+    b1 = x1.to(tl.bfloat16)
+    b2 = x2.to(tl.bfloat16)
+    return b1 * tl.load(rows) - b2 * tl.load(srows), b2 * tl.load(rows + HALF) + b1 * tl.load(srows + HALF)
+
+
+@triton.jit
 def _rope_halves(x1, x2, cos_row, sin_row, HALF: tl.constexpr):
     """HF's x*cos + rotate_half(x)*sin, rotate_half(x) = [-x2, x1], of the halves x1, x2 [BN, HALF] with the
     model's tables at rows cos_row/sin_row [BN] (pointers). Computed on even and odd columns apart, so that a table
@@ -175,7 +206,7 @@ def _reconstruct_kernel(
     D: tl.constexpr, HALF: tl.constexpr, BN: tl.constexpr, TILES: tl.constexpr, DT: tl.constexpr,
     BY_CHANNEL: tl.constexpr, BITS: tl.constexpr, UNIT: tl.constexpr, GROUP: tl.constexpr, STATS_ROW: tl.constexpr,
     PLANES: tl.constexpr, ROW: tl.constexpr, STATS_W: tl.constexpr, K2: tl.constexpr, CH_SPARSE: tl.constexpr,
-    SEG: tl.constexpr, R: tl.constexpr, ROT: tl.constexpr, ROPE: tl.constexpr,
+    SEG: tl.constexpr, R: tl.constexpr, ROT: tl.constexpr, ROPE: tl.constexpr, ROPE_BF16: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -254,7 +285,10 @@ def _reconstruct_kernel(
         m2 = tvalid[:, None]
         if ROPE:  # HF's x*cos + rotate_half(x)*sin, rotate_half(x) = [-x2, x1], with the model's own tables
             trow = tl.minimum(slot, chunk * N + N - 1) * sr_t  # (rows past the chunk read its last: no masks)
-            x1, x2 = _rope_halves(x1, x2, cos_b + trow, sin_b + trow, HALF)
+            if ROPE_BF16:
+                x1, x2 = _rope_bf16(x1, x2, cos_b + trow, sin_b + trow, HALF, ROPE_BF16 == 2)
+            else:
+                x1, x2 = _rope_halves(x1, x2, cos_b + trow, sin_b + trow, HALF)
         o = o_b + slot[:, None] * so_t + h_offs[None, :]
         ty = out_ptr.dtype.element_ty
         tl.store(o, x1.to(ty), mask=m2)
