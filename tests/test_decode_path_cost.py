@@ -38,12 +38,23 @@ def test_short_histories_take_the_fused_kernel(config):
     assert cost.choose_decode_path(config, tokens=1024, batch=1, **LLAMA3_8B) == "fused"
 
 
-def test_long_batched_histories_split_by_format():
-    """T=32k, batch 8 (H200 calibration, reconstruction at its measured static count): gear-2's fused main loop
-    (227 instructions/token) issues more than the fallback's reconstruction + SDPA, kivi-2's (108.5) less."""
-    shape = dict(tokens=32768, batch=8, **LLAMA3_8B)
-    assert cost.choose_decode_path(GearConfig.preset("gear", bits=2), **shape) == "fallback"
-    assert cost.choose_decode_path(GearConfig.preset("kivi", bits=2), **shape) == "fused"
+def test_histories_split_by_format():
+    """H200 calibration, the reconstruction at its compiled count (12.2-12.9 SASS/element): at T=8k, one row,
+    gear-2's fused main loop (227 instructions/token) issues more than the fallback's reconstruction + SDPA take,
+    kivi-2's (108.5) and GearConfig()'s (172) less; at T=32k, batch 8, the fallback wins for every format."""
+    one_row = dict(tokens=8192, batch=1, **LLAMA3_8B)
+    assert cost.choose_decode_path(GearConfig.preset("gear", bits=2), **one_row) == "fallback"
+    assert cost.choose_decode_path(GearConfig.preset("kivi", bits=2), **one_row) == "fused"
+    assert cost.choose_decode_path(GearConfig(), **one_row) == "fused"
+    batched = dict(tokens=32768, batch=8, **LLAMA3_8B)
+    for config in (GearConfig(), GearConfig.preset("gear", bits=2), GearConfig.preset("kivi", bits=2)):
+        assert cost.choose_decode_path(config, **batched) == "fallback"
+
+
+def test_reconstruct_instructions_follow_the_compile_report():
+    """Per format, the mean of the report's keys and values figures of its nearest compiled case."""
+    assert cost.reconstruct_instructions(GearConfig.preset("gear", bits=2)) == pytest.approx((15.1 + 10.7) / 2)
+    assert cost.reconstruct_instructions(GearConfig()) == pytest.approx((12.6 + 11.7) / 2)
 
 
 def test_choice_switches_once_as_the_history_grows():
