@@ -12,12 +12,15 @@ in the output's dtype; what depends only on the chunk (low-rank Bᵀ, the Hadama
                  partner), a cost per outlier, not per element and slot. Rotated runs (an outlier spreads over
                  every channel once un-rotated): added in registers before the un-rotation
     low-rank     A·Bᵀ as one 16-wide tensor-core dot per tile (16-bit or int8 factors with per-column scales)
-    rotation     the Walsh–Hadamard basis undone ([x1 x2]·H_D from the half Sylvester table)
-    RoPE         keys stored before RoPE rotated with the model's own cos/sin at each token's column
+    rotation     the Walsh–Hadamard basis undone ([x1 x2]·H_D from the half Sylvester table; 3-bit values: D^-1/2
+                 folded into the statistics, codes read as 32-bit words)
+    RoPE         keys stored before RoPE rotated with the model's own cos/sin at each token's column: in float32, or,
+                 for a bf16 model with bf16 tables, in bf16 arithmetic as the reference path computes it
 
 in the oracle's order (`gear_hf.compress.decompress`: dequantize, add the terms, untransform; then
 `rope.apply_rotary`), in float32 up to the rounding of the store (scattered outliers: their entries rounded twice,
-once by the tile's store, once by the outlier's).
+once by the tile's store, once by the outlier's; bf16 RoPE: the reference path's roundings).
+Its cost is counted by `python -m gear_hf.kernels.compile_check --reconstruct-report` (`sass_reconstruct`).
 """
 
 from __future__ import annotations
