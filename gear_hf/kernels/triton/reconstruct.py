@@ -83,6 +83,10 @@ def reconstruct_run(run: ChunkRunView, chunks: int, out: torch.Tensor, rotary=No
         if cos.shape[-1] != d or cos.stride(-1) != 1 or sin.stride() != cos.stride() or cos.shape[-2] != chunks * n:
             raise ValueError(f"rotary cos/sin must be [B|1,1,{chunks * n},{d}] with a contiguous last dim, got "
                              f"{tuple(cos.shape)}")
+        if cos.element_size() == 2 and (cos.data_ptr() % 4 or sin.data_ptr() % 4 or cos.stride(-2) % 2):
+            raise ValueError(f"16-bit rotary cos/sin are read as 32-bit words: their rows must start on 4-byte "
+                             f"boundaries, got addresses {cos.data_ptr():#x}/{sin.data_ptr():#x}, row stride "
+                             f"{cos.stride(-2)}")
         rotary_strides = (cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(-2))
     else:
         cos = sin = placeholder
