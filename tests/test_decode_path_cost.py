@@ -41,13 +41,23 @@ def test_short_histories_take_the_fused_kernel(config):
     assert cost.choose_decode_path(config, tokens=1024, batch=1, **LLAMA3_8B) == "fused"
 
 
-def test_long_batched_histories_split_by_format():
-    """T=32k, batch 8 (H200 calibration, reconstruction at its measured static count), the register kernel: gear-2's
-    fused main loop (227 instructions/token) issues more than the fallback's reconstruction + SDPA, kivi-2's (108.5)
-    less."""
-    shape = dict(tokens=32768, batch=8, tensor_core=False, **LLAMA3_8B)
-    assert cost.choose_decode_path(GearConfig.preset("gear", bits=2), **shape) == "fallback"
-    assert cost.choose_decode_path(GearConfig.preset("kivi", bits=2), **shape) == "fused"
+def test_histories_split_by_format():
+    """H200 calibration, the register kernel, the reconstruction at its compiled count: at T=8k, one row,
+    gear-2's fused main loop (227 instructions/token) issues more than the fallback's reconstruction + SDPA take,
+    kivi-2's (108.5) and GearConfig()'s (172) less; at T=32k, batch 8, the fallback wins for every format."""
+    one_row = dict(tokens=8192, batch=1, tensor_core=False, **LLAMA3_8B)
+    assert cost.choose_decode_path(GearConfig.preset("gear", bits=2), **one_row) == "fallback"
+    assert cost.choose_decode_path(GearConfig.preset("kivi", bits=2), **one_row) == "fused"
+    assert cost.choose_decode_path(GearConfig(), **one_row) == "fused"
+    batched = dict(tokens=32768, batch=8, tensor_core=False, **LLAMA3_8B)
+    for config in (GearConfig(), GearConfig.preset("gear", bits=2), GearConfig.preset("kivi", bits=2)):
+        assert cost.choose_decode_path(config, **batched) == "fallback"
+
+
+def test_reconstruct_instructions_follow_the_compile_report():
+    """Per format, the mean of the report's keys and values figures of its nearest compiled case."""
+    assert cost.reconstruct_instructions(GearConfig.preset("gear", bits=2)) == pytest.approx((15.1 + 10.7) / 2)
+    assert cost.reconstruct_instructions(GearConfig()) == pytest.approx((12.6 + 11.7) / 2)
 
 
 def test_choice_switches_once_as_the_history_grows():
@@ -73,8 +83,9 @@ def test_calibration_moves_the_choice():
 
 def test_tensor_core_kernel_lowers_the_fused_estimate():
     """16-bit models run the tensor-core kernel (fewer instructions per token): its estimate is below the register
-    kernel's, and at T=8k, batch 8 it takes gear-2's decode steps the register kernel would leave to the fallback."""
-    config = GearConfig.preset("gear", bits=2)
+    kernel's, and at T=8k, batch 8 it takes kivi-2's decode steps the register kernel would leave to the fallback
+    (gear-2's go to the fallback either way since the reconstruction kernel reached its compiled 12-15/element)."""
+    config = GearConfig.preset("kivi", bits=2)
     shape = dict(tokens=8192, batch=8, **LLAMA3_8B)
     tc, register = (cost.decode_path_costs(config, tensor_core=t, **shape) for t in (True, False))
     assert tc.fused_s < register.fused_s and tc.fallback_s == register.fallback_s

@@ -84,16 +84,21 @@ def _stores(cache):
             yield f"{stream.kind} decode", stream.decode, chunks, stream.kind
 
 
-STORE_CASES = [("gear2", 64, torch.float32), ("gear3-f16", 64, torch.float32), ("gear4-rotated", 64, torch.bfloat16),
-               ("kivi2", 128, torch.float16), ("kcvt4", 64, torch.float32), ("axes-flipped", 64, torch.float32),
-               ("default", 128, torch.bfloat16), ("compact", 64, torch.float32)]
+# (name, head_dim, dtype, prompt length): prompts of 77 tokens fit one program; 300 take two programs per prompt
+# chunk (`reconstruct.TILES_PER_PROGRAM` tiles of `BLOCK_TOKENS` each), the second ending in a partial tile
+STORE_CASES = [("gear2", 64, torch.float32, 77), ("gear3-f16", 64, torch.float32, 77),
+               ("gear4-rotated", 64, torch.bfloat16, 77), ("kivi2", 128, torch.float16, 77),
+               ("kcvt4", 64, torch.float32, 77), ("axes-flipped", 64, torch.float32, 77),
+               ("default", 128, torch.bfloat16, 77), ("compact", 64, torch.float32, 77),
+               ("gear2", 128, torch.bfloat16, 300), ("default", 64, torch.float32, 300)]
 
 
-@pytest.mark.parametrize("name,d,dtype", STORE_CASES, ids=[f"{n}-d{d}-{str(t)[6:]}" for n, d, t in STORE_CASES])
-def test_reconstruct_matches_oracle(name, d, dtype):
+@pytest.mark.parametrize("name,d,dtype,prompt", STORE_CASES,
+                         ids=[f"{n}-d{d}-{str(t)[6:]}-T{p}" for n, d, t, p in STORE_CASES])
+def test_reconstruct_matches_oracle(name, d, dtype, prompt):
     """Every run of a cache (odd prompt, padded row), keys rotated at positions ~30k, in the model dtype."""
     cfg = _config(name)
-    cache, _, _ = build_cache(cfg, batch=2, kv_heads=2, head_dim=d, steps=[77, 40, 1], pad=[0, 9], dtype=dtype,
+    cache, _, _ = build_cache(cfg, batch=2, kv_heads=2, head_dim=d, steps=[prompt, 40, 1], pad=[0, 9], dtype=dtype,
                               device=DEVICE, position_offset=30000)
     seen = 0
     for label, store, chunks, kind in _stores(cache):

@@ -11,9 +11,9 @@ For each path, with its kernels run one after the other,
               report (`python -m gear_hf.kernels.compile_check --sass-report`, results/decode-kernel-sass), from its
               per-term breakdown; 2 launches (main + split merge)
     fallback  the reconstruction kernel reads the compressed history and writes it dense in the model dtype
-              (RECONSTRUCT_INSTRUCTIONS per element, 32 elements per warp instruction), then SDPA reads the dense
-              history and the buffer (memory-bound at `bandwidth`); `FALLBACK_LAUNCHES` launches (a reconstruction
-              per store, the sink/buffer rotations and copies, SDPA)
+              (`reconstruct_instructions(config)` per element, 32 elements per warp instruction), then SDPA reads
+              the dense history and the buffer (memory-bound at `bandwidth`); `FALLBACK_LAUNCHES` launches (a
+              reconstruction per store, the sink/buffer rotations and copies, SDPA)
 
 and the fused kernel is chosen when its time is not larger. Bytes per token come from the format's fields
 (`chunk_fields`, the memory report's declarations). The constants of `Calibration` are what one H200 run
@@ -47,11 +47,23 @@ PLANES_AND_ROTATION = 172.0 - BACKBONE[3]
 # main loop against the register kernel's for the two formats the report compiles. Other formats take the ratio of
 # the measured one they resemble (outliers: gear-2's; else GearConfig()'s), an estimate until the report counts them.
 TENSOR_CORE_MEASURED = {"gear2": (227.0, 206.0), "default": (172.0, 140.3125)}  # (register, tensor-core)
-# The reconstruction kernel's SASS per element and thread (static: the whole kernel over the 32 elements each of its
-# 128 threads writes; sm_90, head_dim 128, bf16, 32-token blocks): gear-2 keys 64.2 / values 33.0, GearConfig() keys
-# 39.0 / values 32.8, gear-3 68.8 / 38.2 (compiled on this machine with Triton 3.9's ptxas, 0 spills; the issue's
-# target is <= 12). The mean of gear-2's two streams, for every format until the report counts each:
-RECONSTRUCT_INSTRUCTIONS = (64.2 + 33.0) / 2
+# The reconstruction kernel's SASS per element written, (keys, values): the compile report's
+# (`python -m gear_hf.kernels.compile_check --reconstruct-report`; sm_90, head_dim 128, bf16, 64-token tiles, 4 warps,
+# Triton 3.9's ptxas, 0 spills) whole-program figure of a prompt chunk (its main loop for each of a program's 4 tiles
+# + the setup once): what a long history is made of. Main loop alone: gear-2 13.9 / 9.3, GearConfig() 11.5 / 10.9
+# (issue 26's target: <= 12); before the tiled kernel: 64.2 / 33.0 and 39.0 / 32.8.
+RECONSTRUCT_INSTRUCTIONS = {"gear2": (15.1, 10.7), "default": (12.6, 11.7)}
+
+
+def reconstruct_instructions(config) -> float:
+    """SASS per element (keys and values alike) the reconstruction kernel issues for a config: GearConfig()'s figure
+    for allocated key widths or a rotation, gear-2's for every other format. Assumption (not compiled by the
+    report): formats other than those two cost what the nearest of them does; gear-2's has every term (outliers,
+    low-rank factors), so formats without them likely cost less."""
+    near = "default" if config.key_bit_allocation == "query" or config.rotation != "none" else "gear2"
+    return sum(RECONSTRUCT_INSTRUCTIONS[near]) / 2
+
+
 FALLBACK_LAUNCHES = 8  # keys and values: prompt-chunk and decode-chunk reconstruction, buffer rotation/copies; SDPA
 FUSED_LAUNCHES = 2
 
@@ -159,8 +171,8 @@ def decode_path_costs(config, *, tokens: int, batch: int, kv_heads: int, query_h
     fused = max((compressed + buffer_bytes) / cal.bandwidth, fused_issue / cal.fused_issue_rate) \
         + FUSED_LAUNCHES * cal.launch_s
     dense_written = heads * tokens * head_dim * 2 * model_bytes
-    reconstruct = max((compressed + dense_written) / cal.bandwidth,
-                      heads * tokens * head_dim * 2 * RECONSTRUCT_INSTRUCTIONS / 32 / cal.reconstruct_issue_rate)
+    reconstruct_issue = heads * tokens * head_dim * 2 * reconstruct_instructions(config) / 32
+    reconstruct = max((compressed + dense_written) / cal.bandwidth, reconstruct_issue / cal.reconstruct_issue_rate)
     sdpa = dense_elements * model_bytes / cal.bandwidth
     return PathCosts(fused, reconstruct + sdpa + FALLBACK_LAUNCHES * cal.launch_s)
 

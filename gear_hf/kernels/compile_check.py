@@ -10,6 +10,7 @@ registers and stack (local memory) per thread from the cubin.
     python -m gear_hf.kernels.compile_check --arch 90 --quick
     python -m gear_hf.kernels.compile_check --sass-report  # main decode loop, SASS per token per KV head
     python -m gear_hf.kernels.compile_check --sass-report --breakdown  # ... and where the loop's SASS goes
+    python -m gear_hf.kernels.compile_check --reconstruct-report  # the reconstruction kernel's section alone
 
 --sass-report compiles the main decode kernel for sm_90 at Llama-3-8B shapes (32 query heads, 8 KV heads,
 head_dim 128, bf16, q_len 1: GEAR 4, 3 and 2 bits with the paper's groups, buffer and ranks, and GearConfig() —
@@ -19,7 +20,9 @@ the cuobjdump of the installed Triton and counts, for each loop over compressed 
 branch), the SASS instructions of the loop body; per token and KV head that is body x num_warps / block
 tokens (a static count: every instruction of the body once, both sides of a branch included, an inner loop
 once). It also counts local-memory spills (LDL/STL), fenced atomics (MEMBAR / ATOM / RED) in every kernel of
-the step, and registers. The last line printed is `instructions/token/kv-head: N` for 2-bit GEAR.
+the step, and registers; then the reconstruction kernel's section (`sass_reconstruct`: instructions per element of
+its main loop per store kind, GearConfig() and gear-2, and spills). The last line printed is
+`instructions/token/kv-head: N` for 2-bit GEAR.
 --breakdown adds, per case, the main loop's instructions attributed to the kernel's functions (`_value_tile`,
 `_rope`, ...) through the line table triton embeds (nvdisasm -g), and for every case with them what each GEAR term
 costs: the main loop compiled again without the value outliers, the key outliers, the keys' or the values'
@@ -281,6 +284,7 @@ def sass_report(arch: int = 90, breakdown: bool = False) -> int:
               f"{totals['spill_ops']}, fenced atomics {totals['fences']} (atomics {totals['atomics']}) in the step's "
               f"{len(plan)} launches")
         figure = main
+    reconstruct_report(arch)
     print(f"instructions/token/kv-head: {figure:.0f}")
     return 0
 
@@ -337,6 +341,15 @@ def tc_sass_report(arch: int = 90) -> None:
                   f"ops {r['spill_ops']}", flush=True)
 
 
+def reconstruct_report(arch: int = 90) -> int:
+    """The reconstruction kernel's section of the report (`sass_reconstruct`): instructions per element of its main
+    loop per store kind, and spills, for GearConfig() and gear-2. Returns the exit status."""
+    from .sass_reconstruct import reconstruct_sass_report
+
+    reconstruct_sass_report(arch)
+    return 0
+
+
 def planned_launches(quick: bool = False):
     """(label, kernel, args, kwargs) for representative configurations, planned on CPU tensors."""
     from ..cache.fused import build_cache, cache_decode_attention
@@ -387,6 +400,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="one decode and two quantize configurations")
     parser.add_argument("--sass-report", action="store_true",
                         help="main decode loop SASS count at Llama-3-8B shapes (sm_90 unless --arch says otherwise)")
+    parser.add_argument("--reconstruct-report", action="store_true",
+                        help="only the reconstruction kernel's section of --sass-report (instructions per element)")
     parser.add_argument("--breakdown", action="store_true",
                         help="with --sass-report: the main loop's instructions per kernel function (nvdisasm -g) "
                              "and per GEAR term")
@@ -399,6 +414,8 @@ def main(argv=None) -> int:
         return 2
     if args.breakdown and not args.sass_report:
         parser.error("--breakdown goes with --sass-report")
+    if args.reconstruct_report:
+        return reconstruct_report(args.arch[0] if args.arch != [90, 80] else 90)
     if args.sass_report:
         tc_sass_report(args.arch[0] if args.arch != [90, 80] else 90)
         if args.tensor_core_only:

@@ -115,8 +115,16 @@ def _unrotate_halves(x1, x2, had_ptr, D: tl.constexpr, DT: tl.constexpr):
     D/2, exact ±1, read from the [D/2, D/2] table `had_ptr`, an L1 hit after the first block), so
     x·H_D = D^-1/2 [(x1 + x2)·S, (x1 - x2)·S]. H_D is symmetric and its own inverse: this rotates and un-rotates
     (gear_hf.compress.rotation)."""
+    norm = 1.0 / tl.sqrt_rn(tl.full([], D, tl.float32))
+    y1, y2 = _sylvester_halves(x1, x2, had_ptr, D, DT)
+    return y1 * norm, y2 * norm
+
+
+@triton.jit
+def _sylvester_halves(x1, x2, had_ptr, D: tl.constexpr, DT: tl.constexpr):
+    """[(x1 + x2)·S, (x1 - x2)·S]: `_unrotate_halves` without its factor D^-1/2 (for a caller that folds it into
+    the dequantization's statistics)."""
     HALF: tl.constexpr = D // 2
     r = tl.arange(0, HALF)
     s_half = tl.load(had_ptr + r[:, None] * HALF + r[None, :])
-    norm = 1.0 / tl.sqrt_rn(tl.full([], D, tl.float32))
-    return _dot(x1 + x2, s_half, DT) * norm, _dot(x1 - x2, s_half, DT) * norm
+    return _dot(x1 + x2, s_half, DT), _dot(x1 - x2, s_half, DT)

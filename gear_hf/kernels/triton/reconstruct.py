@@ -20,7 +20,8 @@ from .reconstruct_kernel import _reconstruct_kernel
 from .sizing import hadamard_table
 
 _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
-BLOCK_TOKENS = 32  # tokens per program (a power of two >= 16: the one-hot and low-rank dots)
+BLOCK_TOKENS = 64  # tokens per tile (a power of two >= 16: the one-hot and low-rank dots)
+TILES_PER_PROGRAM = 4  # tiles one program decodes in turn (the chunk's factors and tables read once for them)
 
 
 def reconstruct_run(run: ChunkRunView, chunks: int, out: torch.Tensor, rotary=None, derived: dict | None = None,
@@ -52,7 +53,7 @@ def reconstruct_run(run: ChunkRunView, chunks: int, out: torch.Tensor, rotary=No
     if n % unit:
         raise NotImplementedError(f"reconstruction kernel: {n} tokens per chunk is not a whole number of packing "
                                   f"units of {unit} codes")
-    if spec.bits != 3 or spec.allocated:
+    if spec.bits != 3 or spec.allocated or not by_channel:  # (3-bit values: rows of words too)
         _check_words(f["codes"], "run.codes")
     rank = f["lowrank_a"].shape[-1]
     if rank > 16:
@@ -68,17 +69,24 @@ def reconstruct_run(run: ChunkRunView, chunks: int, out: torch.Tensor, rotary=No
     widths = _check(run.channel_bits, "run.channel_bits") if spec.allocated else placeholder
     group = spec.group_for(n, d)
     constexprs = dict(
-        D=d, HALF=half, BN=block_n, DT=dot_dt, BY_CHANNEL=by_channel,
+        D=d, HALF=half, BN=block_n, TILES=TILES_PER_PROGRAM, DT=dot_dt, BY_CHANNEL=by_channel,
         BITS=MAX_CHANNEL_BITS if spec.allocated else spec.bits, UNIT=unit if by_channel else pack_unit(spec.bits)[0],
         GROUP=group, STATS_ROW=by_channel and group % block_n == 0 and n % block_n == 0, PLANES=spec.allocated,
         ROW=f["codes"].shape[-1], STATS_W=f["scale"].shape[-1],
         K2=0 if by_channel else f["sparse_values"].shape[-1], CH_SPARSE=k_channel > 0, SEG=k_channel * d,
-        R=rank, ROT=bool(spec.rotate), ROPE=rotary is not None)
+        R=rank, ROT=bool(spec.rotate), ROPE=rotary is not None,
+        # bf16 model and tables: RoPE in bf16 arithmetic, as the reference path (2: emulated, the interpreter)
+        ROPE_BF16=(2 if interpreting() else 1) if rotary is not None and out.dtype == torch.bfloat16
+        and rotary[0].dtype == torch.bfloat16 else 0)
     if rotary is not None:
         cos, sin = rotary
         if cos.shape[-1] != d or cos.stride(-1) != 1 or sin.stride() != cos.stride() or cos.shape[-2] != chunks * n:
             raise ValueError(f"rotary cos/sin must be [B|1,1,{chunks * n},{d}] with a contiguous last dim, got "
                              f"{tuple(cos.shape)}")
+        if cos.element_size() == 2 and (cos.data_ptr() % 4 or sin.data_ptr() % 4 or cos.stride(-2) % 2):
+            raise ValueError(f"16-bit rotary cos/sin are read as 32-bit words: their rows must start on 4-byte "
+                             f"boundaries, got addresses {cos.data_ptr():#x}/{sin.data_ptr():#x}, row stride "
+                             f"{cos.stride(-2)}")
         rotary_strides = (cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(-2))
     else:
         cos = sin = placeholder
@@ -95,7 +103,7 @@ def reconstruct_run(run: ChunkRunView, chunks: int, out: torch.Tensor, rotary=No
             f["lowrank_a_scale"] if int8 else placeholder, f["lowrank_b_scale"] if int8 else placeholder,
             f["lowrank_a_scale"].stride(1) if int8 else 0,
             widths, widths.stride(1) if spec.allocated else 0, had, H, n)
-    grid = (B * H, chunks, -(-n // block_n))
+    grid = (B * H, chunks, -(-n // (block_n * TILES_PER_PROGRAM)))
     options = {"num_warps": 4, "num_stages": 1}
     if _plan is not None:
         _plan.append((_reconstruct_kernel, grid, args, {**constexprs, **options}))

@@ -14,6 +14,23 @@ OUTLIERS_PER_STEP = tl.constexpr(32)  # key outliers applied per one-hot dot
 
 
 @triton.jit
+def _channel_stats(scale_b, min_b, s_scale, slot, slot0, tvalid, ch, ch0, GROUP: tl.constexpr,
+                   STATS_ROW: tl.constexpr):
+    """(scale, minimum) float32 of a run stored per channel over token groups at store slots `slot` [BN] and
+    channels `ch` [C] (from ch0): [1, C] when STATS_ROW (the slots lie in one group, from slot0), else [BN, C]."""
+    C: tl.constexpr = ch.shape[0]
+    if STATS_ROW:  # one row of the group's statistics, [1, C]
+        srow = (slot0 // GROUP) * s_scale + ch0 + tl.zeros([1], tl.int32)
+        sc = _load_rows(scale_b + srow, tl.full([1, 1], True, tl.int1), C)
+        mn = _load_rows(min_b + srow, tl.full([1, 1], True, tl.int1), C)
+    else:
+        srow = (slot // GROUP)[:, None] * s_scale + ch[None, :]
+        sc = tl.load(scale_b + srow, mask=tvalid[:, None], other=0.0).to(tl.float32)
+        mn = tl.load(min_b + srow, mask=tvalid[:, None], other=0.0).to(tl.float32)
+    return sc, mn
+
+
+@triton.jit
 def _per_channel_tile(codes_b, scale_b, min_b, s_codes, s_scale, slot, slot0, slot_end, tvalid, ch, ch0, a, bt,
                       widths_b, BITS: tl.constexpr, UNIT: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr,
                       STATS_ROW: tl.constexpr, DT: tl.constexpr, PLANES: tl.constexpr):
@@ -23,7 +40,6 @@ def _per_channel_tile(codes_b, scale_b, min_b, s_codes, s_scale, slot, slot0, sl
     `_lowrank_bt` of these channels; R=0: no low-rank term).
     STATS_ROW: the block lies inside one quantization group (starting at slot0): one row of scale/minimum.
     PLANES: widths per channel (widths_b: the chunk's), stored as bit planes; s_codes: bytes per 8 tokens."""
-    m2 = tvalid[:, None]
     BN: tl.constexpr = slot.shape[0]
     C: tl.constexpr = ch.shape[0]
     if PLANES:
@@ -40,18 +56,32 @@ def _per_channel_tile(codes_b, scale_b, min_b, s_codes, s_scale, slot, slot0, sl
         code = _unpack_3bit_units(codes_b + (units * 3)[:, None] * s_codes + ch[None, :], s_codes,
                                   (units * UNIT < slot_end)[:, None])
         code = tl.reshape(tl.permute(code, (0, 2, 1)), [BN, C])
-    if STATS_ROW:  # one row of the group's statistics, [1, C]
-        srow = (slot0 // GROUP) * s_scale + ch0 + tl.zeros([1], tl.int32)
-        sc = _load_rows(scale_b + srow, tl.full([1, 1], True, tl.int1), C)
-        mn = _load_rows(min_b + srow, tl.full([1, 1], True, tl.int1), C)
-    else:
-        srow = (slot // GROUP)[:, None] * s_scale + ch[None, :]
-        sc = tl.load(scale_b + srow, mask=m2, other=0.0).to(tl.float32)
-        mn = tl.load(min_b + srow, mask=m2, other=0.0).to(tl.float32)
+    sc, mn = _channel_stats(scale_b, min_b, s_scale, slot, slot0, tvalid, ch, ch0, GROUP, STATS_ROW)
     k = code.to(tl.float32) * sc + mn
     if R > 0:  # + A·Bᵀ on the tensor cores (rank padded to 16 with zeros)
         k = _lowrank_dot(a, bt, k, DT)
     return k
+
+
+@triton.jit
+def _token_stats(scale_b, min_b, s_scale, slot, tvalid, D: tl.constexpr, GROUP: tl.constexpr, STATS_W: tl.constexpr,
+                 mult):
+    """(scale, minimum) float32 [BN, D] of a run stored per token over channel groups at store slots `slot` [BN],
+    both times `mult` (a factor folded into the dequantization)."""
+    BN: tl.constexpr = slot.shape[0]
+    m2 = tvalid[:, None]
+    if STATS_W * GROUP == D:  # whole groups: one load per group, broadcast over its channels in registers
+        g = tl.arange(0, STATS_W)
+        srow = slot[:, None] * s_scale + g[None, :]
+        sc = tl.load(scale_b + srow, mask=m2, other=0.0).to(tl.float32) * mult
+        mn = tl.load(min_b + srow, mask=m2, other=0.0).to(tl.float32) * mult
+        sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [BN, STATS_W, GROUP]), [BN, D])
+        mn = tl.reshape(tl.broadcast_to(mn[:, :, None], [BN, STATS_W, GROUP]), [BN, D])
+    else:
+        srow = slot[:, None] * s_scale + (tl.arange(0, D) // GROUP)[None, :]
+        sc = tl.load(scale_b + srow, mask=m2, other=0.0).to(tl.float32) * mult
+        mn = tl.load(min_b + srow, mask=m2, other=0.0).to(tl.float32) * mult
+    return sc, mn
 
 
 @triton.jit
@@ -70,17 +100,7 @@ def _value_tile(codes_b, scale_b, min_b, spv_b, spi_b, s_codes, s_scale, s_sp, s
         rows = (codes_b + slot[:, None] * s_codes).to(tl.pointer_type(tl.int32))
         w = tl.load(rows + tl.arange(0, WORDS)[None, :], mask=m2, other=0)
         code = tl.reshape(_unpack_words(w, BITS), [BN, D])
-    if STATS_W * GROUP == D:  # whole groups: one load per group, broadcast over its channels in registers
-        g = tl.arange(0, STATS_W)
-        srow = slot[:, None] * s_scale + g[None, :]
-        sc = tl.load(scale_b + srow, mask=m2, other=0.0).to(tl.float32)
-        mn = tl.load(min_b + srow, mask=m2, other=0.0).to(tl.float32)
-        sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [BN, STATS_W, GROUP]), [BN, D])
-        mn = tl.reshape(tl.broadcast_to(mn[:, :, None], [BN, STATS_W, GROUP]), [BN, D])
-    else:
-        srow = slot[:, None] * s_scale + (c // GROUP)[None, :]
-        sc = tl.load(scale_b + srow, mask=m2, other=0.0).to(tl.float32)
-        mn = tl.load(min_b + srow, mask=m2, other=0.0).to(tl.float32)
+    sc, mn = _token_stats(scale_b, min_b, s_scale, slot, tvalid, D, GROUP, STATS_W, 1.0)
     v = code.to(tl.float32) * sc + mn
     for s in tl.static_range(K2):  # a token's outliers, added where their channel is (no extra [BN, D] tile)
         idx = tl.load(spi_b + slot * s_sp + s, mask=tvalid, other=-1).to(tl.int32)

@@ -60,6 +60,27 @@ def _unpack_3bit_units(p, step, mask):
 
 
 @triton.jit
+def _unit_3bit(u):
+    """The 8 codes [R, C, 8] of the 3-bit units in bits 0-23 of u [R, C] (bytes b0, b1: the 2-bit plane, code j
+    at bits 2j; byte 2: the 1-bit plane, code j's bit 2 at bit 16 + j; bits above 23 ignored)."""
+    return _join8(u & 3 | (u >> 14) & 4, (u >> 2) & 3 | (u >> 15) & 4, (u >> 4) & 3 | (u >> 16) & 4,
+                  (u >> 6) & 3 | (u >> 17) & 4, (u >> 8) & 3 | (u >> 18) & 4, (u >> 10) & 3 | (u >> 19) & 4,
+                  (u >> 12) & 3 | (u >> 20) & 4, (u >> 14) & 3 | (u >> 21) & 4)
+
+
+@triton.jit
+def _unpack_3bit_words(w0, w1, w2):
+    """3-bit codes of the 4 packing units (8 codes in 3 bytes, `_unpack_3bit_units`' layout) in three consecutive
+    little-endian 32-bit words w0, w1, w2 [R, C]: int32 [R, C, 32] in code order (unit u's at 8u..8u+7)."""
+    c0 = _unit_3bit(w0)
+    c1 = _unit_3bit(((w0 >> 24) & 255) | (w1 << 8))
+    c2 = _unit_3bit(((w1 >> 16) & 65535) | (w2 << 16))
+    c3 = _unit_3bit(w2 >> 8)
+    x = tl.join(tl.join(c0, c2), tl.join(c1, c3))  # [R, C, 8, 2, 2]: [..., j, a, b] = unit 2a + b, code j
+    return tl.reshape(tl.permute(x, (0, 1, 3, 4, 2)), [w0.shape[0], w0.shape[1], 32])
+
+
+@triton.jit
 def _load_rows(p, mask, C: tl.constexpr):
     """float32 [R, C] of the 16-bit (bf16/fp16) or float32 elements p [R] + arange(C) (rows 4-byte aligned). 16-bit
     rows are read as 32-bit words and split in registers: wide loads whatever layout the consumer wants (a plain
@@ -87,23 +108,62 @@ def _swap_bits(x, SHIFT: tl.constexpr, MASK: tl.constexpr):
 
 
 @triton.jit
-def _plane_codes(codes_b, s_codes, widths_b, slot0, slot_end, ch0, BN: tl.constexpr, C: tl.constexpr):
-    """Codes of per-channel widths (quant.pack_planes: per 8 tokens, channel c's bit planes at byte offset
-    sum(widths[:c]), plane j holding bit j of the 8 tokens' codes) of channels [ch0, ch0 + C) (ch0: 0, or C for the
-    second half of a head) at store slots slot0 + arange(BN): int32 [BN, C]. widths_b: this chunk's widths [D]."""
+def _plane_offsets(widths_b, ch0, C: tl.constexpr):
+    """(widths, byte offsets) int32 [C] of channels [ch0, ch0 + C) in a row of bit planes (quant.pack_planes: per 8
+    tokens, channel c's planes at byte offset sum(widths[:c])); ch0: 0, or C for the second half of a head;
+    widths_b: the chunk's widths [D]."""
     c = tl.arange(0, C)
     widths = tl.load(widths_b + ch0 + c).to(tl.int32)
     before = tl.sum(tl.load(widths_b + c, mask=c < ch0, other=0).to(tl.int32), axis=0)  # the first half's bits
-    offset = before + tl.cumsum(widths, axis=0) - widths
+    return widths, before + tl.cumsum(widths, axis=0) - widths
+
+
+@triton.jit
+def _plane_bytes(codes_b, s_codes, widths, offset, slot0, slot_end, BN: tl.constexpr, C: tl.constexpr):
+    """The planes of channels at byte `offset` [C] (`_plane_offsets`) of the 8-token rows of store slots
+    slot0 + arange(BN) as two 32-bit words [BN/8, C]: byte j of lo: plane j, of hi: plane 4 + j (absent: 0)."""
     units = slot0 // 8 + tl.arange(0, BN // 8)
     row = codes_b + units[:, None] * s_codes + offset[None, :]
     live = (units * 8 < slot_end)[:, None]
-    # the 8 planes as two 32-bit words (byte j of lo: plane j, of hi: plane 4 + j; absent planes: 0)
     lo = tl.zeros([BN // 8, C], tl.int32)
     hi = tl.zeros([BN // 8, C], tl.int32)
     for j in tl.static_range(4):
         lo |= tl.load(row + j, mask=live & (j < widths)[None, :], other=0).to(tl.int32) << (8 * j)
         hi |= tl.load(row + 4 + j, mask=live & (4 + j < widths)[None, :], other=0).to(tl.int32) << (8 * j)
+    return lo, hi
+
+
+@triton.jit
+def _plane_masks(widths, offset):
+    """Per channel (`_plane_offsets`): which of the three 32-bit words from byte offset & ~3 its planes reach, and
+    the masks of its planes in the words lo (planes 0-3) and hi (4-7) of `_plane_words`: (need1, need2, mlo, mhi)."""
+    end = (offset & 3) + widths  # bytes from the first word's start
+    w = widths.to(tl.int64)
+    mlo = tl.where(w >= 4, -1, (1 << (8 * w)) - 1).to(tl.int32)
+    mhi = tl.where(w >= 8, -1, tl.where(w <= 4, 0, (1 << (8 * (w - 4))) - 1)).to(tl.int32)
+    return end > 4, end > 8, mlo, mhi
+
+
+@triton.jit
+def _plane_words(codes_b, s_codes, offset, need1, need2, mlo, mhi, slot0, slot_end, BN: tl.constexpr,
+                 C: tl.constexpr):
+    """`_plane_bytes` from 32-bit words (rows of whole words: s_codes % 4 == 0): the (up to) three aligned words
+    holding a channel's planes, shifted into place (masks and needs: `_plane_masks`): 3 loads for 8 planes."""
+    units = slot0 // 8 + tl.arange(0, BN // 8)
+    rows = (codes_b + units[:, None] * s_codes).to(tl.pointer_type(tl.int32)) + (offset >> 2)[None, :]
+    live = (units * 8 < slot_end)[:, None]
+    shift = ((offset & 3) * 8).to(tl.int64)[None, :]
+    w0 = tl.load(rows, mask=live, other=0).to(tl.uint32, bitcast=True).to(tl.int64)
+    w1 = tl.load(rows + 1, mask=live & need1[None, :], other=0).to(tl.uint32, bitcast=True).to(tl.int64)
+    w2 = tl.load(rows + 2, mask=live & need2[None, :], other=0).to(tl.int64)
+    lo = ((w0 | (w1 << 32)) >> shift).to(tl.int32) & mlo[None, :]
+    hi = ((w1 | (w2 << 32)) >> shift).to(tl.int32) & mhi[None, :]
+    return lo, hi
+
+
+@triton.jit
+def _planes_to_codes(lo, hi, BN: tl.constexpr, C: tl.constexpr):
+    """Codes int32 [BN, C] of the plane words (lo, hi) [BN/8, C] of `_plane_bytes`."""
     # the 8x8 bit matrix transposed (quant._transpose_bits8 on the 64-bit word lo | hi << 32, in 32-bit halves):
     # then byte t of lo | hi << 32 is token t's code. The masks drop what the arithmetic right shifts bring in.
     lo = _swap_bits(_swap_bits(lo, 7, 0x00AA00AA), 14, 0x0000CCCC)
@@ -114,3 +174,13 @@ def _plane_codes(codes_b, s_codes, widths_b, slot0, slot_end, ch0, BN: tl.conste
     code = _join8(lo & 255, (lo >> 8) & 255, (lo >> 16) & 255, (lo >> 24) & 255, hi & 255, (hi >> 8) & 255,
                   (hi >> 16) & 255, (hi >> 24) & 255)  # [BN/8, C, 8]
     return tl.reshape(tl.permute(code, (0, 2, 1)), [BN, C])
+
+
+@triton.jit
+def _plane_codes(codes_b, s_codes, widths_b, slot0, slot_end, ch0, BN: tl.constexpr, C: tl.constexpr):
+    """Codes of per-channel widths (quant.pack_planes: per 8 tokens, channel c's bit planes at byte offset
+    sum(widths[:c]), plane j holding bit j of the 8 tokens' codes) of channels [ch0, ch0 + C) (ch0: 0, or C for the
+    second half of a head) at store slots slot0 + arange(BN): int32 [BN, C]. widths_b: this chunk's widths [D]."""
+    widths, offset = _plane_offsets(widths_b, ch0, C)
+    lo, hi = _plane_bytes(codes_b, s_codes, widths, offset, slot0, slot_end, BN, C)
+    return _planes_to_codes(lo, hi, BN, C)
