@@ -44,12 +44,13 @@ PAPER_FIELDS: dict[str, Any] = dict(key_bits=4, value_bits=4, group_size=64, ran
 # (`python scripts/bench_footprint.py`, results/footprint/; head_dim 128 owns 0.1-0.4 less, gear-4 0.4 less), so
 # `recommended(bits_per_element=b)` returns a configuration owning <= b on average over such a run. At T~1k the
 # full-precision buffer (up to buffer_size 16-bit tokens) adds up to 1.2 bits more (the table's "max owned").
-# "accurate" (the default) holds its buffer at 8 bits per token (key_buffer/value_buffer="int8", issue 25), picked
-# from the points of scripts/bench_tail.py (SmolLM2 bf16, 1024-token prompt + 96 teacher-forced steps, GSM8K texts 0,
-# 1, 200; results/tail/): owned 3.685/4.083 bits (mean/max over the steps) at KL 0.0067/0.0062/0.0113, against
-# 4.018/5.011 at 0.0064/0.0045/0.0094 with the 16-bit buffer and kivi-4's 4.789/5.172 at 0.0088/0.0113/0.0103 (below
-# kivi-4 on two texts of three, 0.0010 above on text 200). Values stored on arrival in their final 3-bit format
-# (value_buffer="final") owned less (3.574/3.774 with int8 keys) but doubled KL (0.022 on text 200).
+# The buffer at 8 bits per token (key_buffer/value_buffer="int8", issue 25), measured as points (scripts/bench_tail.py,
+# SmolLM2 bf16, 1024-token prompt + 96 teacher-forced steps, GSM8K texts 0, 1, 200; results/tail/): "accurate" with it
+# owned 3.685/4.083 bits (mean/max over the steps) at KL 0.0067/0.0062/0.0113, against 4.018/5.011 at
+# 0.0064/0.0045/0.0094 with the 16-bit buffer and kivi-4's 4.789/5.172 at 0.0088/0.0113/0.0103. Values stored on
+# arrival in their final 3-bit format (value_buffer="final") owned less (3.574/3.774 with int8 keys) but doubled KL.
+# Not the default: its CPU decode step is 1.5-1.8x slower (the torch oracle encodes and decodes the buffer per layer
+# and step; no kernel does yet) for 8% fewer bits owned on average and a 4% lower allocator peak at T=4k.
 # All keep 4 attention-sink tokens exact, group keys by 128 tokens and rotate the values (Walsh–Hadamard). All
 # but "small" give each key channel its own width, chosen
 # from the prompt's queries (key_bit_allocation="query", keys unrotated: measured at the same bits, it cut KL 2-4x
@@ -68,7 +69,7 @@ RECOMMENDED: tuple[tuple[str, float, dict[str, Any]], ...] = (
                          group_size=128, sink_tokens=4)),
     ("compact", 3.06, dict(_COMPACT, key_bits=2.5, value_bits=2)),
     ("balanced", 3.30, dict(_COMPACT, key_bits=3, value_bits=2)),
-    ("accurate", 3.78, dict(_ALLOCATED, key_bits=3.125, value_bits=3, key_buffer="int8", value_buffer="int8")),
+    ("accurate", 3.99, dict(_ALLOCATED, key_bits=3.125, value_bits=3)),
     ("precise", 4.17, dict(_ALLOCATED, key_bits=3.5, value_bits=3)),
     ("kivi-4", 4.85, dict(method="kivi", key_bits=4, value_bits=4)),
     ("gear-4", 6.29, dict(method="gear", key_bits=4, value_bits=4, factor_bits=16)),
@@ -148,8 +149,8 @@ class GearConfig:
     prompt_group_size: int | None = 256
     key_bit_allocation: str = "query"
     extra_terms: tuple[str, ...] = ()  # registered terms beyond GEAR's (gear_hf.compress.terms), both streams
-    key_buffer: str = "int8"
-    value_buffer: str = "int8"
+    key_buffer: str = "full"
+    value_buffer: str = "full"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -414,18 +415,13 @@ _DEFAULT_BUFFER = GearConfig.__dataclass_fields__["buffer_size"].default
 # as they are, a new field getting the value that keeps an older dict's meaning); tests/test_config_dict.py fails
 # until the newest entry matches GearConfig()'s fields and defaults.
 VERSION_KEY = "gear_config_version"
-CONFIG_VERSION = 2
+CONFIG_VERSION = 1
 DEFAULTS_BY_VERSION: dict[int, dict[str, Any]] = {
     1: dict(method="kivi", key_bits=3.125, value_bits=3, group_size=128, rank_prefill=4, rank_decode=2, power_iters=3,
             outlier_ratio=0.02, buffer_size=128, sink_tokens=4, key_axis="channel", value_axis="token",
             pre_rope=True, backend="auto", key_group_size=None, value_group_size=None, rotation="values",
             factor_bits=8, range_search="none", prompt_group_size=256, key_bit_allocation="query", extra_terms=(),
             key_buffer="full", value_buffer="full"),
-    2: dict(method="kivi", key_bits=3.125, value_bits=3, group_size=128, rank_prefill=4, rank_decode=2, power_iters=3,
-            outlier_ratio=0.02, buffer_size=128, sink_tokens=4, key_axis="channel", value_axis="token",
-            pre_rope=True, backend="auto", key_group_size=None, value_group_size=None, rotation="values",
-            factor_bits=8, range_search="none", prompt_group_size=256, key_bit_allocation="query", extra_terms=(),
-            key_buffer="int8", value_buffer="int8"),
 }
 
 

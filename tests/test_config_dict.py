@@ -42,9 +42,9 @@ def test_missing_fields_take_the_versions_defaults_not_todays(monkeypatch):
 
 @pytest.mark.parametrize("data,match", [
     ({VERSION_KEY: 1, "key_bitz": 3}, r"unknown key\(s\) \['key_bitz'\] for gear_config_version 1"),
-    ({VERSION_KEY: CONFIG_VERSION + 1}, r"gear_config_version=3 is newer than this gear_hf reads; allowed: 1, 2 "
+    ({VERSION_KEY: CONFIG_VERSION + 1}, r"gear_config_version=2 is newer than this gear_hf reads; allowed: 1 "
                                         r"\(upgrade gear_hf"),
-    ({VERSION_KEY: "one"}, r"gear_config_version='one' is invalid; allowed: 1, 2"),
+    ({VERSION_KEY: "one"}, r"gear_config_version='one' is invalid; allowed: 1"),
     ({"method": "kivi"}, r"has no 'gear_config_version'"),
     ([("method", "kivi")], r"takes a dict"),
     ({VERSION_KEY: 1, "value_bits": 5}, r"GearConfig.value_bits=5 is invalid"),  # values still validated
@@ -62,9 +62,3 @@ def test_preset_bits_error_names_bits(bits):
     assert f"bits={bits!r} is invalid; allowed: 2, 3, 4, 8" in message
     assert "key_bits" not in message.replace("sets both key_bits and value_bits", "") and "query" not in message
 
-
-def test_a_version_1_dict_keeps_its_full_precision_buffer():
-    """Version 2 moved GearConfig()'s buffer to 8 bits per token (issue 25): a version-1 dict keeps "full"."""
-    old = GearConfig.from_dict({VERSION_KEY: 1, "method": "kivi"})
-    assert (old.key_buffer, old.value_buffer) == ("full", "full")
-    assert (GearConfig().key_buffer, GearConfig().value_buffer) == ("int8", "int8")

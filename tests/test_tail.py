@@ -117,7 +117,7 @@ def test_fp16_keeps_every_token_whatever_the_buffer_settings():
 
 def test_presets_keep_the_full_precision_buffer():
     assert GearConfig.preset("gear-2").key_buffer == GearConfig.preset("kivi-4").value_buffer == "full"
-    assert GearConfig().key_buffer == GearConfig().value_buffer == "int8"  # the default's (results/tail/)
+    assert GearConfig().key_buffer == GearConfig().value_buffer == "full"  # int8 not the default (config.py)
 
 
 def test_a_step_reads_its_own_tokens_exact_and_the_prompt_compresses_from_them():
@@ -145,7 +145,7 @@ def test_a_step_reads_its_own_tokens_exact_and_the_prompt_compresses_from_them()
 def test_a_one_token_prompt_generates_with_an_empty_coded_buffer(backend):
     """A 1-token prompt goes to the sinks: the coded buffer is read empty (nothing to decode) on the first steps."""
     model = tiny_model("llama3", dtype=torch.bfloat16, head_dim=32)
-    gear_hf.enable(model, GearConfig(backend=backend))
+    gear_hf.enable(model, GearConfig(backend=backend, key_buffer="int8", value_buffer="int8"))
     ids = torch.tensor([[5]])
     with torch.inference_mode():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
