@@ -45,8 +45,9 @@ def _rope(k1, k2, pos, freq, FAST: tl.constexpr):
 
 
 @triton.jit
-def _softmax_step(s, t, tvalid, limit, mvalid, window, m_i, l_i, acc, v, DT: tl.constexpr):
-    """One online-softmax step: s [M, BN] (log2 units), t [BN] row-local key indices."""
+def _softmax_weights(s, t, tvalid, limit, mvalid, window, m_i, l_i):
+    """The online-softmax step without the accumulator: s [M, BN] (log2 units), t [BN] row-local key indices ->
+    (m_new, l_new, alpha [M], p [M, BN])."""
     vis = mvalid[:, None] & tvalid[None, :] & (t[None, :] <= limit[:, None])
     if window > 0:
         vis = vis & ((limit[:, None] - t[None, :]) < window)
@@ -55,7 +56,13 @@ def _softmax_step(s, t, tvalid, limit, mvalid, window, m_i, l_i, acc, v, DT: tl.
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    return m_new, l_i * alpha + tl.sum(p, axis=1), alpha, p
+
+
+@triton.jit
+def _softmax_step(s, t, tvalid, limit, mvalid, window, m_i, l_i, acc, v, DT: tl.constexpr):
+    """One online-softmax step, the accumulator included: acc [M, D] += p · v."""
+    m_new, l_i, alpha, p = _softmax_weights(s, t, tvalid, limit, mvalid, window, m_i, l_i)
     acc = acc * alpha[:, None] + _dot(p, v, DT)
     return m_new, l_i, acc, p
 

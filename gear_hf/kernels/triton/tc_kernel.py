@@ -12,7 +12,7 @@ import triton.language as tl
 from .decode_kernel import _MAIN_DYNAMIC
 from .ops import _lowrank_bt
 from .tc_tiles import tc_compressed_block, tc_plane_layout
-from .tiles import _blocks_before, _dense_block
+from .tiles import _dense_block, _query_tile, _row_blocks, _split_blocks
 
 
 @triton.jit(do_not_specialize=_MAIN_DYNAMIC)
@@ -56,49 +56,17 @@ def _tc_decode_kernel(
     kvh = pid_bh % H_KV
     b64 = b.to(tl.int64)
     bh64 = b64 * H_KV + kvh
-    s_len = tl.load(rows_ptr + b * 4 + 0)
-    p_len = tl.load(rows_ptr + b * 4 + 1)
-    c_cnt = tl.load(rows_ptr + b * 4 + 2)
-    f_len = tl.load(rows_ptr + b * 4 + 3)
     PER_CHUNK: tl.constexpr = NB // BN
-    nb_sink = tl.cdiv(s_len, BN)
-    nb_prompt = tl.cdiv(p_len, BN)
-    nb_decode = c_cnt * PER_CHUNK
-    nb_buf = tl.cdiv(f_len, BN)
-    e1 = nb_sink
-    e2 = e1 + nb_prompt
-    e3 = e2 + nb_decode
-    total = e3 + nb_buf
-
-    m_offs = mt * 16 + tl.arange(0, 16)
-    mvalid = m_offs < G * QL
-    g = m_offs // QL
-    qi = m_offs % QL
-    h_offs = tl.arange(0, HALF)
-    q_rows = q_ptr + b64 * sqb + (kvh * G + g) * sqh + qi * sqq
-    # the softmax scale (log2 units) and the rotary attention_scaling are folded into the query once: q·(a R k)·s
-    # = (a s q)·(R k), so neither is applied per key element or per score
+    s_len, p_len, c_cnt, f_len, e1, e2, e3, total = _row_blocks(rows_ptr, b, BN, NB)
     q_scale = attn_scale * sm_scale
-    q1 = tl.load(q_rows[:, None] + h_offs[None, :], mask=mvalid[:, None], other=0.0).to(tl.float32) * q_scale
-    q2 = tl.load(q_rows[:, None] + HALF + h_offs[None, :], mask=mvalid[:, None], other=0.0).to(tl.float32) * q_scale
+    mvalid, qi, h_offs, q_rows, q1, q2 = _query_tile(q_ptr, b64, sqb, sqh, sqq, kvh, mt, q_scale, G, QL, HALF)
     # in the dot dtype once (the tensor cores' operand), not per block
     q1 = q1.to(DT)
     q2 = q2.to(DT)
     freq = tl.load(freq_ptr + h_offs)
     limit = tl.load(lim_ptr + b * QL + qi, mask=mvalid, other=-1)
 
-    # Sliding window: blocks that end before the earliest visible token of every query are skipped (not
-    # just masked), and the splits share only the blocks that remain.
-    first = s_len * 0  # an int32 scalar, like the value the window branch gives it
-    if window > 0:
-        lowest = tl.min(tl.where(mvalid & (limit >= 0), limit, 2147483647), axis=0)
-        t_min = tl.maximum(lowest - window + 1, 0)
-        first = _blocks_before(t_min, 0, s_len, BN) + _blocks_before(t_min, s_len, p_len, BN) \
-            + _blocks_before(t_min, s_len + p_len, c_cnt * NB, BN) \
-            + _blocks_before(t_min, s_len + p_len + c_cnt * NB, f_len, BN)
-    per = tl.cdiv(total - first, NSPLIT)
-    lo = first + split * per
-    hi = tl.minimum(lo + per, total)
+    lo, hi = _split_blocks(limit, mvalid, window, s_len, p_len, c_cnt, f_len, total, split, NSPLIT, BN, NB)
     n_offs = tl.arange(0, BN)
     pos_b = pos_ptr + b64 * spos
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .ops import _dot, _lowrank_a, _lowrank_dot, _lowrank_values, _rope, _sincos, _unrotate_halves
+from .ops import _dot, _lowrank_a, _lowrank_dot, _lowrank_values, _rope, _sincos, _softmax_weights, _unrotate_halves
 from .tiles import _per_channel_tile, _value_tile
-from .unpack import _join8, _swap_bits, _unpack_3bit_units, _unpack_words
+from .unpack import _join8, _plane_bytes, _swap_bits, _unpack_3bit_units, _unpack_words
 
 
 @triton.jit
@@ -62,12 +62,7 @@ def _tc_plane_words(codes_b, s_codes, offset, widths, slot0, slot_end, BN: tl.co
         lo = (lo & lo_keep[None, :]).to(tl.int32, bitcast=True)
         hi = (hi & hi_keep[None, :]).to(tl.int32, bitcast=True)
     else:
-        row = codes_b + units[:, None] * s_codes + offset[None, :]
-        lo = tl.zeros([BN // 8, C], tl.int32)
-        hi = tl.zeros([BN // 8, C], tl.int32)
-        for j in tl.static_range(4):
-            lo |= tl.load(row + j, mask=live & (j < widths)[None, :], other=0).to(tl.int32) << (8 * j)
-            hi |= tl.load(row + 4 + j, mask=live & (4 + j < widths)[None, :], other=0).to(tl.int32) << (8 * j)
+        lo, hi = _plane_bytes(codes_b, s_codes, widths, offset, slot0, slot_end, BN, C)
     return lo, hi
 
 
@@ -154,20 +149,6 @@ def _tc_value_codes(codes_b, s_codes, slot, tvalid, D: tl.constexpr, BITS: tl.co
 
 
 @triton.jit
-def _tc_softmax(s, t, tvalid, limit, mvalid, window, m_i, l_i):
-    """The online-softmax step without the accumulator: (m_new, l_new, alpha [M], p [M, BN])."""
-    vis = mvalid[:, None] & tvalid[None, :] & (t[None, :] <= limit[:, None])
-    if window > 0:
-        vis = vis & ((limit[:, None] - t[None, :]) < window)
-    s = tl.where(vis, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    return m_new, l_i * alpha + tl.sum(p, axis=1), alpha, p
-
-
-@triton.jit
 def tc_compressed_block(
     q1, q2, q_rows, t, slot, slot0, slot_end, tvalid, tok0, pos_b, freq_ptr, freq, q_scale, limit, mvalid,
     window, m_i, l_i, acc,
@@ -217,7 +198,7 @@ def tc_compressed_block(
     else:
         k1, k2 = _rope(k1, k2, pos, freq, FAST)
         s = _dot(q1, tl.trans(k1), DT) + _dot(q2, tl.trans(k2), DT)
-    m_i, l_i, alpha, p = _tc_softmax(s, t, tvalid, limit, mvalid, window, m_i, l_i)
+    m_i, l_i, alpha, p = _softmax_weights(s, t, tvalid, limit, mvalid, window, m_i, l_i)
     acc = acc * alpha[:, None]
     if V_FOLD:  # P·(code·s + m) = (P·diag(s))·code + (P·m)·1ᵀ, s and m one per token
         sc = tl.load(vs + slot * s_vs, mask=tvalid, other=0.0).to(tl.float32)

@@ -218,3 +218,52 @@ def _blocks_before(t_min, start, length, BN: tl.constexpr):
     """How many BN-token blocks of the segment [start, start+length) end at or before token t_min."""
     n = tl.cdiv(length, BN)
     return tl.where(t_min >= start + length, n, tl.minimum(tl.maximum(t_min - start, 0) // BN, n))
+
+
+@triton.jit
+def _row_blocks(rows_ptr, b, BN: tl.constexpr, NB: tl.constexpr):
+    """A row's segment lengths (sink, prompt chunk, decode chunks, buffer: rows_ptr [B, 4]) and its BN-token blocks'
+    segment ends: (s_len, p_len, c_cnt, f_len, e1, e2, e3, total); decode chunks are NB tokens each."""
+    s_len = tl.load(rows_ptr + b * 4 + 0)
+    p_len = tl.load(rows_ptr + b * 4 + 1)
+    c_cnt = tl.load(rows_ptr + b * 4 + 2)
+    f_len = tl.load(rows_ptr + b * 4 + 3)
+    e1 = tl.cdiv(s_len, BN)
+    e2 = e1 + tl.cdiv(p_len, BN)
+    e3 = e2 + c_cnt * (NB // BN)
+    return s_len, p_len, c_cnt, f_len, e1, e2, e3, e3 + tl.cdiv(f_len, BN)
+
+
+@triton.jit
+def _query_tile(q_ptr, b64, sqb, sqh, sqq, kvh, mt, q_scale, G: tl.constexpr, QL: tl.constexpr,
+                HALF: tl.constexpr):
+    """The program's 16 query rows (GQA group x query length, tile mt) as two float32 halves [16, HALF], scaled:
+    (mvalid, qi, h_offs, q_rows [16] pointers, q1, q2). The softmax scale (log2 units) and the rotary
+    attention_scaling are folded into the query once: q·(a R k)·s = (a s q)·(R k), so neither is applied per key
+    element or per score."""
+    m_offs = mt * 16 + tl.arange(0, 16)
+    mvalid = m_offs < G * QL
+    g = m_offs // QL
+    qi = m_offs % QL
+    h_offs = tl.arange(0, HALF)
+    q_rows = q_ptr + b64 * sqb + (kvh * G + g) * sqh + qi * sqq
+    q1 = tl.load(q_rows[:, None] + h_offs[None, :], mask=mvalid[:, None], other=0.0).to(tl.float32) * q_scale
+    q2 = tl.load(q_rows[:, None] + HALF + h_offs[None, :], mask=mvalid[:, None], other=0.0).to(tl.float32) * q_scale
+    return mvalid, qi, h_offs, q_rows, q1, q2
+
+
+@triton.jit
+def _split_blocks(limit, mvalid, window, s_len, p_len, c_cnt, f_len, total, split, NSPLIT, BN: tl.constexpr,
+                  NB: tl.constexpr):
+    """This split's blocks [lo, hi) of the row's `total`. Sliding window: blocks that end before the earliest visible
+    token of every query are skipped (not just masked), and the splits share only the blocks that remain."""
+    first = s_len * 0  # an int32 scalar, like the value the window branch gives it
+    if window > 0:
+        lowest = tl.min(tl.where(mvalid & (limit >= 0), limit, 2147483647), axis=0)
+        t_min = tl.maximum(lowest - window + 1, 0)
+        first = _blocks_before(t_min, 0, s_len, BN) + _blocks_before(t_min, s_len, p_len, BN) \
+            + _blocks_before(t_min, s_len + p_len, c_cnt * NB, BN) \
+            + _blocks_before(t_min, s_len + p_len + c_cnt * NB, f_len, BN)
+    per = tl.cdiv(total - first, NSPLIT)
+    lo = first + split * per
+    return lo, tl.minimum(lo + per, total)
