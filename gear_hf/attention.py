@@ -21,7 +21,7 @@ from .cache import GearCache
 from .hf_compat import pop_cache
 from .kernels import MAX_FUSED_QUERY  # no triton import: kernels load lazily
 from .rope import apply_rotary
-from .step_ref import StepRef
+from .step_ref import OPAQUE_STEP, StepRef
 
 
 @dataclass
@@ -58,7 +58,7 @@ def gear_attention_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
     query = apply_rotary(query, cos, sin)
     if not torch.compiler.is_compiling():
         output, weights = cache_step(module, cache, query, key, value, cos, sin, attention_mask, kwargs)
-    elif _op_serves(kwargs):
+    elif OPAQUE_STEP and _op_serves(kwargs):
         # the model-level hook's 2D padding mask: traced, its write to the cache lands only after the graph ran
         padding_mask = cache._pending_mask
         output = torch.ops.gear_hf.cache_step(patch.step_ref, cache.step_ref, query, key, value, cos, sin,
@@ -128,24 +128,25 @@ _cache_step_boundary = torch.compiler.disable(cache_step, reason="gear_hf: a ste
                                               "does not carry (attention weights or extra attention arguments)")
 
 
-@torch.library.custom_op("gear_hf::cache_step", mutates_args=())
-def _cache_step_op(module: StepRef, cache: StepRef, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   cos: torch.Tensor, sin: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                   position_ids: Optional[torch.Tensor], padding_mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """`cache_step` as the compiled graph calls it: the attention output [B,q,Hq,d], contiguous (as the fake).
-    padding_mask [B, T_past+q]: the step's 2D mask, which the first layer of a step plans with (dynamo replays the
-    hook's `observe_attention_mask` only after the graph, so each call hands it over itself and takes it back)."""
-    kwargs = {} if position_ids is None else {"position_ids": position_ids}
-    gear_cache = cache.target
-    gear_cache.observe_attention_mask(padding_mask)
-    try:
-        output, _ = cache_step(module.target, gear_cache, query, key, value, cos, sin, attention_mask, kwargs)
-    finally:
-        gear_cache.observe_attention_mask(None)  # planned with by the step's first layer, or not needed
-    return output.contiguous()
+if OPAQUE_STEP:  # (else every compiled step takes `_cache_step_boundary`: one graph break per layer)
+    @torch.library.custom_op("gear_hf::cache_step", mutates_args=())
+    def _cache_step_op(module: StepRef, cache: StepRef, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       cos: torch.Tensor, sin: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                       position_ids: Optional[torch.Tensor], padding_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """`cache_step` as the compiled graph calls it: the attention output [B,q,Hq,d], contiguous (as the fake).
+        padding_mask [B, T_past+q]: the step's 2D mask, which the first layer of a step plans with (dynamo replays the
+        hook's `observe_attention_mask` only after the graph, so each call hands it over itself and takes it back)."""
+        kwargs = {} if position_ids is None else {"position_ids": position_ids}
+        gear_cache = cache.target
+        gear_cache.observe_attention_mask(padding_mask)
+        try:
+            output, _ = cache_step(module.target, gear_cache, query, key, value, cos, sin, attention_mask, kwargs)
+        finally:
+            gear_cache.observe_attention_mask(None)  # planned with by the step's first layer, or not needed
+        return output.contiguous()
 
 
-@_cache_step_op.register_fake
-def _(module, cache, query, key, value, cos, sin, attention_mask, position_ids, padding_mask):
-    batch, heads, length, _ = query.shape  # [B,Hq,q,d]
-    return query.new_empty((batch, length, heads, value.shape[-1]))
+    @_cache_step_op.register_fake
+    def _(module, cache, query, key, value, cos, sin, attention_mask, position_ids, padding_mask):
+        batch, heads, length, _ = query.shape  # [B,Hq,q,d]
+        return query.new_empty((batch, length, heads, value.shape[-1]))

@@ -16,8 +16,15 @@ import copy
 import weakref
 from typing import Any
 
-from torch._library.opaque_object import register_opaque_type
-from torch._opaque_base import OpaqueBase
+try:  # torch's opaque objects (private API; in torch 2.13, the version setup.cfg pins)
+    from torch._library.opaque_object import register_opaque_type
+    from torch._opaque_base import OpaqueBase
+except ImportError:  # an older torch (the GPU image's): compile falls back to one graph break per layer
+    register_opaque_type = None
+    OpaqueBase = object
+
+# Whether the cache step can be one opaque operator inside a compiled graph (gear_hf.attention).
+OPAQUE_STEP = register_opaque_type is not None
 
 
 class StepRef(OpaqueBase):
@@ -47,4 +54,5 @@ class StepRef(OpaqueBase):
         return f"StepRef({type(self._target()).__name__})"
 
 
-register_opaque_type(StepRef, typ="reference")
+if OPAQUE_STEP:
+    register_opaque_type(StepRef, typ="reference")
