@@ -7,8 +7,8 @@
     spare        capacity allocated beyond the tokens (stores grow in bounded steps: gear_hf.storage)
     kernel state what the kernels derived and keep: per store (prepared runs, sorted outliers) and shared by the
                  layers (`KernelState`: split-KV workspace, tables, rope halves)
-    workspaces   what the cache keeps from one step for the next: the rotary tables of the last read (extended, not
-                 recomputed, each step), the key-allocation statistics of rows not yet compressed
+    workspaces   what the cache keeps from one step for the next: the key-allocation statistics of rows not yet
+                 compressed (the rotary tables are per step: dropped when a step ends)
 
 Per-step temporaries (`StepWorkspace`, the layout's memos) are dropped when a step ends and not counted. Bits per
 element are given as stored, and as they would be with every floating tensor held by tokens in 16 bits (an fp32
@@ -67,8 +67,8 @@ def derived_bytes(cache) -> int:
 
 
 def workspace_bytes(cache) -> int:
-    """What the cache keeps from one step for the next beyond its stores: the rotary memo (cos/sin of the last
-    read), the key-allocation statistics of rows whose widths are still to be chosen."""
+    """What the cache keeps beyond its stores: the rotary memo (cos/sin of the step's reads; emptied when the step
+    ends, so 0 between steps), the key-allocation statistics of rows whose widths are still to be chosen."""
     return cache._rotary.nbytes() + sum(_nbytes(layer.query_energy) for layer in cache.layers)
 
 

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from .ops import _dot, _lowrank_a, _lowrank_dot, _lowrank_values, _rope, _sincos, _softmax_weights, _unrotate_halves
 from .tiles import _per_channel_tile, _value_tile
-from .unpack import _join8, _plane_bytes, _swap_bits, _unpack_3bit_units, _unpack_words
+from .unpack import _plane_bytes, _planes_to_codes, _unpack_3bit_units, _unpack_words
 
 
 @triton.jit
@@ -71,14 +71,7 @@ def _tc_plane_codes(codes_b, s_codes, offset, widths, slot0, slot_end, BN: tl.co
                     ROW: tl.constexpr):
     """`unpack._plane_codes` with the chunk's plane offsets and widths given (`tc_plane_layout`): int32 [BN, C]."""
     lo, hi = _tc_plane_words(codes_b, s_codes, offset, widths, slot0, slot_end, BN, C, ROW)
-    lo = _swap_bits(_swap_bits(lo, 7, 0x00AA00AA), 14, 0x0000CCCC)
-    hi = _swap_bits(_swap_bits(hi, 7, 0x00AA00AA), 14, 0x0000CCCC)
-    lo_nibbles = lo & 0x0F0F0F0F
-    hi_nibbles = hi & 0x0F0F0F0F
-    lo, hi = lo_nibbles | (hi_nibbles << 4), (hi ^ hi_nibbles) | ((lo >> 4) & 0x0F0F0F0F)
-    code = _join8(lo & 255, (lo >> 8) & 255, (lo >> 16) & 255, (lo >> 24) & 255, hi & 255, (hi >> 8) & 255,
-                  (hi >> 16) & 255, (hi >> 24) & 255)  # [BN/8, C, 8]
-    return tl.reshape(tl.permute(code, (0, 2, 1)), [BN, C])
+    return _planes_to_codes(lo, hi, BN, C)
 
 
 @triton.jit
