@@ -27,6 +27,9 @@ class CodedTokenStore:
 
     def __init__(self, spec: ChunkSpec) -> None:
         self.spec = spec
+        # gear_hf.backends.BackendPlan (`Stream.bind`): its compress backend may encode the staged tokens with a
+        # kernel (`Backend.encode_tokens`, bit for bit the oracle's); None, or a backend that does not: the oracle
+        self.plan = None
         self.staged: tuple[torch.Tensor, torch.Tensor] | None = None  # this step's tokens [B,H,cap,d], written [B,cap]
         self.fields: dict[str, torch.Tensor] = {}
         self.dtype: torch.dtype | None = None  # the model's (what reads return by default)
@@ -99,12 +102,26 @@ class CodedTokenStore:
         for row, start, length in kept or ():
             written[row, :start] = False
             written[row, start + length :] = False
-        rows, columns = written.nonzero(as_tuple=True)
-        if rows.numel():
-            chunk = self.encode(exact[rows, :, columns].unsqueeze(2))  # [N,H,1,d]: one token per entry
-            for name, t in self.fields.items():
-                t[rows, :, columns] = getattr(chunk, name)[:, :, 0]
+        if self.plan is None or not self.plan.compress.encode_tokens(self.spec, exact, written, self.fields):
+            rows, columns = written.nonzero(as_tuple=True)
+            if rows.numel():
+                chunk = self.encode(exact[rows, :, columns].unsqueeze(2))  # [N,H,1,d]: one token per entry
+                for name, t in self.fields.items():
+                    t[rows, :, columns] = getattr(chunk, name)[:, :, 0]
         self.staged = None
+
+    def kernel_tail(self):
+        """(this step's staged tokens [B,H,cap,d], or an empty [B,H,0,d] between steps; `views.CodedTailView` of the
+        stored fields): the buffer as a fused kernel reads it without decoding it (`Backend.reads_tail`)."""
+        from .kernels.views import CodedTailView  # no triton import
+
+        codes = self.fields["codes"]
+        if self.staged is None:
+            exact, staged = codes.new_empty(*codes.shape[:2], 0, self.head_dim, dtype=self.dtype), None
+        else:
+            exact, staged = self.staged
+        return exact, CodedTailView(codes=codes, scale=self.fields["scale"], minimum=self.fields["minimum"],
+                                    staged=staged)
 
     def _exact_where_staged(self, decoded: torch.Tensor, rows: list[int] | None, starts: list[int] | None,
                             length: int) -> torch.Tensor:

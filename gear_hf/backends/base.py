@@ -74,6 +74,18 @@ class Backend:
     def attend(self, query, keys, values, layout, *, scaling, inv_freq, attention_scaling, sliding_window, shared):
         raise NotImplementedError
 
+    # the buffer held per token (`gear_hf.coded_store.CodedTokenStore`)
+    def encode_tokens(self, spec, exact: torch.Tensor, written: torch.Tensor, fields: dict) -> bool:
+        """Encode the tokens marked in written [B,cap] (bool) of exact [B,H,cap,d] into a coded buffer's fields
+        ([B,H,cap,...]) in place, bit for bit as `compress(token, spec)`; False when this backend does not (the store's
+        oracle encodes them)."""
+        return False
+
+    def reads_tail(self, spec, head_dim: int) -> bool:
+        """Whether `attend` reads a buffer stored per token in `spec` from its fields (`views.CodedTailView`); else
+        the fused kernel is handed the buffer decoded."""
+        return False
+
     # derived state
     def view_derived(self, store, view, chunks: int, stream: str) -> dict:
         """What `attend` reads of the store's first `chunks` chunks beyond its fields (`ChunkRunView.derived`);

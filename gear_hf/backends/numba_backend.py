@@ -68,6 +68,16 @@ class NumbaBackend(Backend):
             return _ORACLE.compress(spec, x, channel_bits)
         return compress(x, spec, channel_bits=channel_bits, backbone=cpu.compress_backbone, factors=cpu.fit_factors)
 
+    def encode_tokens(self, spec, exact, written, fields):
+        cpu = _kernels()
+        if not cpu.encode_supported(spec, exact):
+            return False
+        cpu.encode_staged(exact, written, fields)
+        return True
+
+    def reads_tail(self, spec, head_dim):
+        return _kernels().tail_format(spec, head_dim)
+
     def all_finite(self, x):
         flag = _kernels().all_finite(x)
         return torch.isfinite(x).all() if flag is None else flag

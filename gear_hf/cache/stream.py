@@ -62,6 +62,8 @@ class Stream:
         for store in (self.prefill, self.decode):
             if store is not None:
                 store.plan = plan
+        if isinstance(self.buffer, CodedTokenStore):
+            self.buffer.plan = plan
 
     @property
     def allocates(self) -> bool:
@@ -314,9 +316,16 @@ class Stream:
             derived = self.plan.attend.view_derived(store, view, chunks, self.kind) if self.plan.attend else {}
             return dataclasses.replace(view, derived=derived) if derived else view
 
-        # (a coded buffer: its tokens decoded for this step, as the reference path reads them)
-        return StreamView(buffer=self.buffer.tokens(), sink=self.sink.data if sink_tokens else None,
-                          prompt=run(self.prefill, 1 if prompt else 0), decode=run(self.decode, decode_chunks))
+        buffer, tail = self.buffer, None
+        attend = self.plan.attend if self.plan is not None else None
+        if isinstance(buffer, CodedTokenStore) and attend is not None and attend.reads_tail(buffer.spec,
+                                                                                            buffer.head_dim):
+            tokens, tail = buffer.kernel_tail()  # (the codes as stored, this step's own tokens exact)
+        else:  # (a coded buffer the backend does not read: its tokens decoded for this step, as the reference path
+            tokens = buffer.tokens()  # reads them)
+        return StreamView(buffer=tokens, sink=self.sink.data if sink_tokens else None,
+                          prompt=run(self.prefill, 1 if prompt else 0), decode=run(self.decode, decode_chunks),
+                          tail=tail)
 
     # -- sliding windows ---------------------------------------------------------------------------------------
     def release(self, before: Released, after: Released, counts: RowCounts) -> None:

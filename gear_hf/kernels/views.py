@@ -65,11 +65,25 @@ class ChunkRunView:
 
 
 @dataclass(frozen=True, eq=False)
+class CodedTailView:
+    """The buffer held at 8 bits per token (`gear_hf.coded_store.CodedTokenStore`, format `format.INT8_TOKENS`), as
+    stored: token t of row b, head h is codes[b,h,t] * scale[b,h,t] + minimum[b,h,t] (float32), except this step's
+    own tokens (staged[b, t]), which `StreamView.buffer` holds exact at the same columns."""
+
+    codes: torch.Tensor  # uint8 [B, H, cap, d]
+    scale: torch.Tensor  # [B, H, cap, 1] 16-bit
+    minimum: torch.Tensor  # [B, H, cap, 1] 16-bit
+    staged: torch.Tensor | None  # bool [B, cap]: read from StreamView.buffer; None: every token coded
+
+
+@dataclass(frozen=True, eq=False)
 class StreamView:
-    buffer: torch.Tensor  # [B, H, cap, d] full-precision tokens (this step's own tokens included)
+    buffer: torch.Tensor  # [B, H, cap, d] full-precision tokens (this step's own tokens included); with a coded tail:
+    # [B, H, cap, d] holding this step's staged tokens, or [B, H, 0, d] when none is staged
     sink: torch.Tensor | None = None  # [B, H, S+1, d] full-precision first tokens, or None
     prompt: ChunkRunView | None = None  # one chunk (the prompt), or None
     decode: ChunkRunView | None = None  # decode chunks of buffer_size tokens, or None
+    tail: CodedTailView | None = None  # the buffer's coded tokens (a backend that reads them), or None
 
 
 @dataclass(frozen=True, eq=False)

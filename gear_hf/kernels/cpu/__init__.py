@@ -8,6 +8,8 @@
 * `lowrank` - the low-rank factors fitted to that residual (`fit_factors`)
 * `attend` - the fused decode attention over a layer's storage (`decode_attention`, what the Triton kernel computes;
   `attend_supported` says which caches it reads)
+* `tail` - the buffer held at 8 bits per token: the step's tokens encoded into it (`encode_staged`, bit for bit
+  `compress` with `format.INT8_TOKENS`); `attend` reads its codes directly
 * `arrays` - torch tensors as the numpy arrays the loops read
 
 Each entry point has a `*_supported` check (or returns None) for what it covers; the torch code is the oracle they
@@ -29,7 +31,8 @@ from .read import (
                    rotate_into,
                    rotate_supported,
 )
+from .tail import encode_staged, encode_supported, tail_format
 
 __all__ = ["Run", "all_finite", "attend_supported", "compress_backbone", "compress_supported", "decode_attention",
-           "decompress_into", "decompress_run", "decompress_supported", "fit_factors", "prepare", "prepared",
-           "rotate_into", "rotate_supported"]
+           "decompress_into", "decompress_run", "decompress_supported", "encode_staged", "encode_supported",
+           "fit_factors", "prepare", "prepared", "rotate_into", "rotate_supported", "tail_format"]

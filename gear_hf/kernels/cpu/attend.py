@@ -29,8 +29,9 @@ import torch
 
 from ...format import stream_specs
 from ...rope import rope_angles
+from .bf16 import side_value as _side
 from .dequant import _assemble, _hadamard_rows, _scratch
-from .read import _NO_FACTORS, _NO_ROTATION, decompress_supported, prepared
+from .read import _NO_FACTORS, _NO_ROTATION, _side_array, decompress_supported, prepared
 
 _F32 = np.float32
 # numba: reductions over channels need reassociation to vectorize; no finite-math flags (masked scores are -inf)
@@ -58,7 +59,25 @@ def _run_scratch(run, factors, hadamard, d):
 
 
 @numba.njit(inline="always")
-def _plane(sink, buf, b, h, s, p, c, f, nb, prompt, prompt_factors, decode, decode_factors, hadamard, plane,
+def _buffer_rows(buf, tail, b, h, f, target):
+    """The row's f buffer tokens into target [>=f, d]: from buf [B,H,cap,d] (float32, full precision), or, for a
+    buffer held at 8 bits per token (`_tail_args`: codes [B,H,cap,d] uint8, scale/minimum [B,H,cap,1] 16-bit, staged
+    [B,cap]), code * scale + minimum in float32, except the staged tokens (this step's own), read from buf."""
+    codes, scale, minimum, staged = tail
+    d = target.shape[1]
+    coded = codes.shape[2] > 0
+    for t in range(f):
+        if coded and not (staged.shape[0] > 0 and staged[b, t]):
+            s, m = _side(scale[b, h, t, 0]), _side(minimum[b, h, t, 0])
+            for k in range(d):
+                target[t, k] = _F32(codes[b, h, t, k]) * s + m
+        else:
+            for k in range(d):
+                target[t, k] = buf[b, h, t, k]
+
+
+@numba.njit(inline="always")
+def _plane(sink, buf, tail, b, h, s, p, c, f, nb, prompt, prompt_factors, decode, decode_factors, hadamard, plane,
            prompt_scratch, decode_scratch):
     """Rows [0, s+p+c*nb+f) of plane: the row's tokens of one stream in row-local order. The prompt chunk and the
     decode chunks are decompressed whole (as many chunks as the longest row holds) and then overwritten from the
@@ -71,9 +90,7 @@ def _plane(sink, buf, b, h, s, p, c, f, nb, prompt, prompt_factors, decode, deco
     if c > 0:
         _assemble_run(decode, decode_factors, hadamard, b, h, plane[s + p : s + p + decode[9]], decode_scratch)
     first = s + p + c * nb
-    for t in range(f):
-        for k in range(plane.shape[1]):
-            plane[first + t, k] = buf[b, h, t, k]
+    _buffer_rows(buf, tail, b, h, f, plane[first : first + f])
 
 
 @numba.njit(inline="always")
@@ -146,18 +163,20 @@ def _weighted_rows(acc, probs, vals, first, last):
 
 
 @numba.njit(cache=True, nogil=True, fastmath=_FAST)
-def _attend(q, limits, rows, cos, sin, window, nb, sink_k, sink_v, buf_k, buf_v,
+def _attend(q, limits, rows, cos, sin, window, nb, sink_k, sink_v, buf_k, buf_v, tail_k, tail_v,
             pk, pk_factors, pv, pv_factors, dk, dk_factors, dv, dv_factors, rotated_keys, rotated_values, out):
     """q [B,Hq,QL,d] float32 (softmax scale and rotary attention_scaling folded in); limits [B,QL] (row-local index
     of each query token, -1: sees nothing); rows [B,4] (sink, prompt, decode chunks, buffer); cos/sin [B,>=L,d/2]
-    at the row-local tokens' positions; sink/buffer keys and values [B,H,>=len,d] float32; runs as `_run_args`
-    gives them; out [B,QL,Hq,d] float32."""
+    at the row-local tokens' positions; sink/buffer keys and values [B,H,>=len,d] float32; the buffer's coded
+    tokens as `_tail_args` gives them (empty: the buffer is full precision); runs as `_run_args` gives them;
+    out [B,QL,Hq,d] float32."""
     B, Hq, QL, d = q.shape
     H = buf_k.shape[1]
     G = Hq // H
     M = G * QL
     half = d // 2
-    cap = sink_k.shape[2] + pk[9] + dk[9] + buf_k.shape[2]
+    cap = sink_k.shape[2] + pk[9] + dk[9] + max(buf_k.shape[2], buf_v.shape[2], tail_k[0].shape[2],
+                                                tail_v[0].shape[2])
     keys = np.empty((cap, d), dtype=np.float32)
     vals = np.empty((cap, d), dtype=np.float32)
     scores = np.empty((M, cap), dtype=np.float32)
@@ -180,8 +199,8 @@ def _attend(q, limits, rows, cos, sin, window, nb, sink_k, sink_v, buf_k, buf_v,
             for m in range(M):  # query row m: head h*G + m // QL, token m % QL
                 for k in range(d):
                     qrows[m, k] = q[b, h * G + m // QL, m % QL, k]
-            _plane(sink_k, buf_k, b, h, s, p, c, f, nb, pk, pk_factors, dk, dk_factors, rotated_keys, keys, pk_s,
-                   dk_s)
+            _plane(sink_k, buf_k, tail_k, b, h, s, p, c, f, nb, pk, pk_factors, dk, dk_factors, rotated_keys, keys,
+                   pk_s, dk_s)
             for t in range(L):  # key t rotated at its position (HF's rotate_half RoPE), then its scores
                 for i in range(half):
                     x1, x2, ct, st = keys[t, i], keys[t, i + half], cos[b, t, i], sin[b, t, i]
@@ -197,7 +216,8 @@ def _attend(q, limits, rows, cos, sin, window, nb, sink_k, sink_v, buf_k, buf_v,
                 low = max(0, limit - window + 1) if window > 0 else 0
                 high = min(limit + 1, L)
                 norm[m] = _softmax_row(scores[m], low, high, L, exponents)
-            _plane(sink_v, buf_v, b, h, s, p, c, f, nb, pv, _NO_FACTORS, dv, _NO_FACTORS, False, vals, pv_s, dv_s)
+            _plane(sink_v, buf_v, tail_v, b, h, s, p, c, f, nb, pv, _NO_FACTORS, dv, _NO_FACTORS, False, vals, pv_s,
+                   dv_s)
             acc[:] = 0.0
             plain[:] = 0.0
             compressed = s + p + c * nb
@@ -262,6 +282,22 @@ _EMPTY_RUN = (np.zeros((0, 0, 0, 0), dtype=np.uint8), 2, 1, True, np.zeros((0, 0
               np.zeros((0, 0, 0, 0), dtype=np.uint8), 1, 0, np.zeros((0, 0, 0, 0), dtype=np.uint8))
 
 
+_NO_TAIL = (np.zeros((0, 0, 0, 0), dtype=np.uint8), np.zeros((0, 0, 0, 0), dtype=np.int16),
+            np.zeros((0, 0, 0, 0), dtype=np.int16), np.zeros((0, 0), dtype=np.bool_))
+
+
+def _tail_args(view):
+    """(codes, scale, minimum, staged) of a StreamView's coded buffer (`views.CodedTailView`) as `_buffer_rows` reads
+    them: the store's fields in place (bf16 scale/minimum as their bits; fp16 ones cast to float32), staged [B,cap] or
+    [0,0] when nothing is staged; `_NO_TAIL` for a full-precision buffer."""
+    tail = view.tail
+    if tail is None:
+        return _NO_TAIL
+    staged = tail.staged.numpy() if tail.staged is not None else _NO_TAIL[3]
+    return (tail.codes.contiguous().numpy(), _side_array(tail.scale.contiguous()),
+            _side_array(tail.minimum.contiguous()), staged)
+
+
 def _rope_halves(positions: torch.Tensor, inv_freq: torch.Tensor):
     """cos/sin [B, T, d/2] float32 at the row-local positions, as the rotary module computes them (one half of
     `rope_tables`' equal halves)."""
@@ -304,8 +340,8 @@ def decode_attention(query: torch.Tensor, keys, values, layout, *, scaling: floa
     sink_k, sink_v = (keys.sink, values.sink) if layout.max_sink > 0 else (None, None)
     _attend(q, layout.limits.numpy(), layout.rows.numpy(), cos, sin, int(sliding_window or 0), layout.buffer_size,
             _float32(sink_k, keys.buffer), _float32(sink_v, values.buffer), _float32(keys.buffer, keys.buffer),
-            _float32(values.buffer, values.buffer), pk, pk_factors, pv, pv_factors, dk, dk_factors, dv, dv_factors,
-            rot_k or rot_dk, rot_v or rot_dv, result)
+            _float32(values.buffer, values.buffer), _tail_args(keys), _tail_args(values), pk, pk_factors, pv,
+            pv_factors, dk, dk_factors, dv, dv_factors, rot_k or rot_dk, rot_v or rot_dv, result)
     result = torch.from_numpy(result)
     if out is None:
         return result.to(query.dtype)

@@ -1,0 +1,120 @@
+"""CPU decode speed of the buffer's formats (issue 25, item 3): ms per decode step of GearConfig() (16-bit buffer)
+and GearConfig(key_buffer="int8", value_buffer="int8"), side by side in one process.
+
+    python scripts/bench_tail_speed.py                 # SmolLM2 bf16, GSM8K text 200, 512-token prompt, 40 new tokens
+    python scripts/bench_tail_speed.py --repeats 3 --profile
+
+Each round generates greedily with each config in turn (alternated, so load changes hit both alike); a logits
+processor notes the time of every step, and a decode step's time is the gap between two consecutive notes (the
+prompt step excluded). Reported per config: the mean ms per decode step of its best round, the ratio to the first
+config, the step paths the caches took and the load average. --profile: cProfile of one more round of each config
+(top functions by own time) after the timed rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import benchlib
+import torch
+
+CONFIGS = {"full": dict(key_buffer="full", value_buffer="full"), "int8": dict(key_buffer="int8", value_buffer="int8")}
+
+
+class _StepClock:
+    """A logits processor that notes when each step's logits arrive (it changes nothing)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def generate_once(model, ids: torch.Tensor, config, new_tokens: int) -> tuple[list[float], dict, torch.Tensor]:
+    """(ms of each decode step, the cache's step paths, the generated ids) of one greedy generate."""
+    from transformers import LogitsProcessorList
+
+    import gear_hf
+    from gear_hf.hf_compat import model_cache_kwarg
+
+    clock = _StepClock()
+    gear_hf.enable(model, config)
+    cache = gear_hf.GearCache(model)
+    try:
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                                 logits_processor=LogitsProcessorList([clock]),
+                                 **{model_cache_kwarg(model): cache})
+    finally:
+        gear_hf.disable(model)
+    steps = [(b - a) * 1000 for a, b in zip(clock.times, clock.times[1:])]
+    return steps, dict(cache.step_paths), out[0, ids.shape[1]:]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--text", type=int, default=200, help="GSM8K test problem index")
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=40)
+    parser.add_argument("--repeats", type=int, default=3, help="rounds (each config once per round)")
+    parser.add_argument("--configs", default="full,int8", help=f"comma list of {', '.join(CONFIGS)}")
+    parser.add_argument("--profile", action="store_true", help="cProfile one more round of each config")
+    args = parser.parse_args(argv)
+    from gear_hf import GearConfig
+
+    names = args.configs.split(",")
+    for name in names:
+        if name not in CONFIGS:
+            raise SystemExit(f"--configs: {name!r} is not one of {', '.join(CONFIGS)}")
+    cond = benchlib.Conditions(extra={"model": args.model, "dtype": args.dtype, "text": args.text,
+                                      "prompt": args.prompt, "new_tokens": args.new_tokens})
+    benchlib.print_conditions(cond)
+    torch.set_grad_enabled(False)
+    model, tokenizer = benchlib.load_model(args.model, args.dtype)
+    ids = tokenizer(benchlib.gsm8k_text(args.text), return_tensors="pt").input_ids[:, -args.prompt:]
+    configs = {name: GearConfig(**CONFIGS[name]) for name in names}
+    for name in names:  # warm-up (numba compiles for this model's shapes and dtypes, caches fill): not timed
+        generate_once(model, ids, configs[name], 3)
+    rounds: dict[str, list[float]] = {name: [] for name in names}
+    paths, tokens = {}, {}
+    loads = [benchlib.load_average()[0]]
+    for r in range(args.repeats):
+        for name in names:
+            steps, paths[name], tokens[name] = generate_once(model, ids, configs[name], args.new_tokens)
+            rounds[name].append(sum(steps) / len(steps))
+            print(f"round {r + 1} {name}: {rounds[name][-1]:.1f} ms/step  paths {paths[name]}", flush=True)
+        loads.append(benchlib.load_average()[0])
+    base = min(rounds[names[0]])
+    print(f"\nload average (1 min) during the rounds: {min(loads):.2f}-{max(loads):.2f}")
+    print("| buffer | ms per decode step (best of {}) | rounds | ratio | step paths |".format(args.repeats))
+    print("|---|--:|---|--:|---|")
+    for name in names:
+        best = min(rounds[name])
+        print(f"| {name} | {best:.1f} | {', '.join(f'{v:.1f}' for v in rounds[name])} | {best / base:.2f}x | "
+              f"{paths[name]} |")
+    if len(names) > 1:
+        same = sum(int(a == b) for a, b in zip(tokens[names[0]].tolist(), tokens[names[1]].tolist()))
+        print(f"greedy tokens equal between {names[0]} and {names[1]}: {same}/{args.new_tokens}")
+    if args.profile:
+        import cProfile
+        import pstats
+
+        for name in names:
+            profiler = cProfile.Profile()
+            profiler.enable()
+            generate_once(model, ids, configs[name], args.new_tokens)
+            profiler.disable()
+            print(f"\n== profile: {name}")
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
