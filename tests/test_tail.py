@@ -3,6 +3,8 @@ by the torch oracle, served alike by the CPU kernel, and counted as held."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -152,3 +154,150 @@ def test_a_one_token_prompt_generates_with_an_empty_coded_buffer(backend):
                              do_sample=False, pad_token_id=0)
     gear_hf.disable(model)
     assert out.shape == (1, 9)
+
+
+# -- the kernels of the 8-bit buffer (gear_hf/kernels/cpu/tail.py, attend._buffer_rows) -----------------------------
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("d", [64, 128, 80])
+def test_kernel_encode_is_the_oracle_bit_for_bit(dtype, d):
+    """encode_staged writes exactly what `compress(token, INT8_TOKENS)` stores (codes, bf16 scale and minimum) for
+    the marked tokens, and nothing else: wide and tiny ranges, constant vectors, an outlier channel."""
+    pytest.importorskip("numba")
+    from gear_hf.kernels.cpu import encode_staged, encode_supported
+
+    g = torch.Generator().manual_seed(d)
+    B, H, cap = 2, 3, 19
+    x = torch.randn(B, H, cap, d, generator=g) * torch.rand(B, H, cap, 1, generator=g).mul(30).exp2().div(2 ** 15)
+    x[..., 3] *= 12
+    x[0, 1, 2] = 0.0  # constant vectors: scale 0
+    x[1, 0, 3] = -7.25
+    x[1, 2, 4] = torch.linspace(-1e-30, 1e-30, d)
+    x = x.to(dtype)
+    written = torch.rand(B, cap, generator=g) > 0.3
+    written[:, :5] = True
+    fields = {"codes": torch.full((B, H, cap, d), 7, dtype=torch.uint8),
+              "scale": torch.full((B, H, cap, 1), 3.0, dtype=torch.bfloat16),
+              "minimum": torch.full((B, H, cap, 1), 3.0, dtype=torch.bfloat16)}
+    before = {name: t.clone() for name, t in fields.items()}
+    assert encode_supported(INT8_TOKENS, x)
+    with torch.inference_mode():
+        encode_staged(x, written, fields)
+    rows, columns = written.nonzero(as_tuple=True)
+    oracle = compress(x[rows, :, columns].unsqueeze(2), INT8_TOKENS)  # [N,H,1,...]: one token per entry
+    for name, t in fields.items():
+        expected = getattr(oracle, name)[:, :, 0]
+        assert t.dtype == expected.dtype
+        got = t[rows, :, columns]
+        assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8)), name  # (bits, NaN-safe)
+        kept = (~written)[:, None].expand(B, H, cap)  # unmarked tokens untouched
+        assert torch.equal(t[kept], before[name][kept]), name
+
+
+def test_kernel_encode_declines_what_it_does_not_cover():
+    pytest.importorskip("numba")
+    from gear_hf.kernels.cpu import encode_supported, tail_format
+
+    x = torch.zeros(1, 2, 4, 64, dtype=torch.bfloat16)
+    assert not encode_supported(INT8_TOKENS, x.half())  # fp16 models keep fp16 side information: the oracle
+    assert not tail_format(layer_formats(GearConfig())[1].decode, 64)  # 3-bit values with outliers, rotation
+    assert not tail_format(dataclasses.replace(INT8_TOKENS, group=32), 64)  # (groups: not read by the kernel)
+    assert tail_format(INT8_TOKENS, 80)
+
+
+INT8 = dict(key_buffer="int8", value_buffer="int8")
+
+
+@pytest.mark.parametrize("d,kv_heads,group,sink", [(64, 2, 3, 0), (128, 1, 4, 4), (80, 2, 2, 2)])
+def test_caches_hold_the_same_coded_buffer_on_both_backends(d, kv_heads, group, sink):
+    """The numba backend encodes each step's tokens with the kernel, the torch backend with the oracle: after the
+    same steps (batch 2, left-padded, several flushes) both caches hold the same buffer, bit for bit."""
+    pytest.importorskip("numba")
+    from gear_hf.cache.fused import build_cache
+
+    held = {}
+    for backend in ("torch", "auto"):
+        cfg = GearConfig.preset("gear", bits=4, group_size=16, buffer_size=32, sink_tokens=sink, backend=backend,
+                                **INT8)
+        with torch.inference_mode():
+            cache, _, _ = build_cache(cfg, batch=2, kv_heads=kv_heads, head_dim=d, steps=[77, 40, 1, 1, 3],
+                                      pad=[0, 9], dtype=torch.bfloat16)
+        assert cache.backend_names["compress"] == ("torch" if backend == "torch" else "numba")
+        held[backend] = [dict(stream.buffer.fields) for stream in cache.layers[0].streams]
+    for torch_fields, numba_fields in zip(held["torch"], held["auto"]):
+        assert torch_fields.keys() == numba_fields.keys() == {"codes", "scale", "minimum"}
+        for name, t in torch_fields.items():
+            assert torch.equal(numba_fields[name].view(torch.uint8), t.view(torch.uint8)), name
+
+
+def _inv_freq(d, theta=10000.0):
+    return 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d,kv_heads,group,sink,q_len", [(64, 2, 3, 0, 1), (128, 1, 4, 4, 1), (80, 2, 2, 2, 3)])
+@pytest.mark.parametrize("in_step", [False, True])
+def test_fused_cpu_attention_reads_the_coded_buffer_as_the_oracle(dtype, d, kv_heads, group, sink, q_len, in_step):
+    """The numba attention reads the 8-bit buffer's codes, scale and minimum (`StreamView.tail`), and this step's
+    own tokens exact (in_step: a step stored but not yet flushed), and attends as the float32 oracle
+    (`reference_decode_attention`: the buffer decoded by `decompress`). Batch 2, left-padded."""
+    pytest.importorskip("numba")
+    from gear_hf.cache.fused import build_cache, reference_decode_attention
+    from gear_hf.kernels.cpu import decode_attention
+
+    cfg = GearConfig.preset("gear", bits=4, group_size=16, buffer_size=32, sink_tokens=sink, outlier_ratio=0.1,
+                            **INT8)
+    g = torch.Generator().manual_seed(d + q_len)
+    with torch.inference_mode():
+        steps = [77, 40] + ([] if in_step else [q_len])
+        cache, _, _ = build_cache(cfg, batch=2, kv_heads=kv_heads, head_dim=d, steps=steps, pad=[0, 11],
+                                  dtype=dtype)
+        if in_step:  # one more step stored (its tokens staged, exact) and attended before its flush
+            mask = torch.cat([_mask_of(steps, [0, 11]), torch.ones(2, q_len, dtype=torch.long)], dim=1)
+            pos = (mask.cumsum(1) - 1)[:, -q_len:]
+            cache.observe_attention_mask(mask)
+            k = torch.randn(2, kv_heads, q_len, d, generator=g).to(dtype)
+            v = torch.randn(2, kv_heads, q_len, d, generator=g).to(dtype)
+            cache.store(0, k, v, pos)
+        q = torch.randn(2, kv_heads * group, q_len, d, generator=g).to(dtype)
+        keys, values, layout = cache.kernel_views(0, q_len, q.device, reader=cache.plan.attend)
+        assert keys.tail is not None and values.tail is not None  # the codes as stored, not a decoded copy
+        assert (keys.tail.staged is not None) == in_step
+        if in_step:
+            assert torch.equal(keys.buffer[keys.tail.staged[:, None, :, None].expand_as(keys.buffer)],
+                               k.expand(2, kv_heads, q_len, d).reshape(-1))  # (exact: this step's own keys)
+        out = decode_attention(q, keys, values, layout, scaling=d ** -0.5, inv_freq=_inv_freq(d))
+        ref = reference_decode_attention(cache, 0, q, scaling=d ** -0.5, inv_freq=_inv_freq(d))
+    err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+    assert err < (1e-5 if dtype == torch.float32 else 2e-2), err
+
+
+def _mask_of(steps, pad):
+    mask = torch.ones(len(pad), sum(steps), dtype=torch.long)
+    for b, p in enumerate(pad):
+        mask[b, :p] = 0
+    return mask
+
+
+@pytest.mark.parametrize("head_dim,sink", [(64, 0), (80, 3), (128, 0)])
+def test_fused_generation_with_the_int8_buffer_matches_the_torch_oracle(head_dim, sink):
+    """generate (batch 2, left-padded, GQA) under inference_mode: the numba path (kernel encode, codes read by the
+    fused attention) gives the torch oracle path's logits."""
+    pytest.importorskip("numba")
+    model = tiny_model("llama3", dtype=torch.float32, head_dim=head_dim)
+    ids = torch.randint(3, 128, (2, 150), generator=torch.Generator().manual_seed(head_dim))
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    out = {}
+    for backend in ("torch", "auto"):
+        gear_hf.enable(model, GearConfig(backend=backend, buffer_size=32, sink_tokens=sink, **INT8))
+        cache = gear_hf.GearCache(model)
+        with torch.inference_mode():
+            result = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False,
+                                    pad_token_id=0, output_scores=True, return_dict_in_generate=True,
+                                    **{CACHE_ARG: cache})
+        gear_hf.disable(model)
+        out[backend] = (torch.stack(result.scores).float(), dict(cache.step_paths), cache)
+    assert out["auto"][1].get("fused", 0) > 0 and "fused" not in out["torch"][1]
+    fused_cache = out["auto"][2]
+    assert fused_cache.kernel_views(0, 1, "cpu", reader=fused_cache.plan.attend)[0].tail is not None
+    torch.testing.assert_close(out["auto"][0], out["torch"][0], atol=2e-4, rtol=1e-4)

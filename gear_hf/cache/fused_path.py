@@ -94,16 +94,18 @@ class FusedPath:
         written back. Keys are rotated in the kernel from the stored positions with `inv_freq`/`attention_scaling`
         (the rotary module's). Returns [B, q, Hq, d] (HF's attention-function layout)."""
         layer = self.layers[layer_idx]
-        keys, values, layout = self.kernel_views(layer_idx, query.shape[2], query.device)
+        keys, values, layout = self.kernel_views(layer_idx, query.shape[2], query.device, reader=self.plan.attend)
         self.kernel_state.step = self.layout.steps
         self.kernel_state.attend_path, self.kernel_state.attend_reason = "fused", None  # (a backend may say more)
         return self.plan.attend.attend(query, keys, values, layout, scaling=scaling, inv_freq=inv_freq,
                                        attention_scaling=attention_scaling, sliding_window=layer.sliding_window,
                                        shared=self.kernel_state)
 
-    def kernel_views(self, layer_idx: int, query_len: int, device):
+    def kernel_views(self, layer_idx: int, query_len: int, device, reader=None):
         """(keys StreamView, values StreamView, DecodeLayout) of a layer for the fused kernel: during a step
-        (stored, not yet compressed) what the step attends to, between steps what the layer holds."""
+        (stored, not yet compressed) what the step attends to, between steps what the layer holds. reader: the
+        backend that attends, when it reads a coded buffer's fields (`Backend.reads_tail`); None: any kernel (a
+        coded buffer decoded)."""
         from ..kernels.views import DecodeLayout  # no triton import
 
         layer, layout = self.layers[layer_idx], self.layout
@@ -114,6 +116,6 @@ class FusedPath:
         kernel_layout = DecodeLayout(rows=inputs["rows"], limits=inputs["limits"], positions=inputs["positions"],
                                      max_sink=sink, max_prompt=prompt, max_decode_chunks=chunks, max_buffer=buffer,
                                      buffer_size=self.gear_config.buffer_size)
-        keys, values = (stream.kernel_view(self.gear_config.sink_tokens, prompt > 0, chunks)
+        keys, values = (stream.kernel_view(self.gear_config.sink_tokens, prompt > 0, chunks, reader)
                         for stream in layer.streams)
         return keys, values, kernel_layout

@@ -303,9 +303,11 @@ class Stream:
         out[b] = local[:, cols.clamp(min=0)].to(out.dtype) * (cols >= 0)[None, :, None]
 
     # -- the fused kernel's view ---------------------------------------------------------------------------
-    def kernel_view(self, sink_tokens: int, prompt: bool, decode_chunks: int):
+    def kernel_view(self, sink_tokens: int, prompt: bool, decode_chunks: int, reader=None):
         """This stream as the fused kernel reads it (`gear_hf.kernels.views.StreamView`): references to the
-        storage tensors, nothing copied. prompt: the prompt chunk is live; decode_chunks: live decode chunks."""
+        storage tensors, nothing copied. prompt: the prompt chunk is live; decode_chunks: live decode chunks.
+        reader: the attending backend; a coded buffer it reads (`Backend.reads_tail`) is handed as stored
+        (`StreamView.tail`), else decoded for this step, as the reference path reads it."""
         from ..kernels.views import ChunkRunView, StreamView  # no triton import
 
         def run(store: ChunkStore | None, chunks: int):
@@ -317,12 +319,11 @@ class Stream:
             return dataclasses.replace(view, derived=derived) if derived else view
 
         buffer, tail = self.buffer, None
-        attend = self.plan.attend if self.plan is not None else None
-        if isinstance(buffer, CodedTokenStore) and attend is not None and attend.reads_tail(buffer.spec,
+        if isinstance(buffer, CodedTokenStore) and reader is not None and reader.reads_tail(buffer.spec,
                                                                                             buffer.head_dim):
             tokens, tail = buffer.kernel_tail()  # (the codes as stored, this step's own tokens exact)
-        else:  # (a coded buffer the backend does not read: its tokens decoded for this step, as the reference path
-            tokens = buffer.tokens()  # reads them)
+        else:
+            tokens = buffer.tokens()
         return StreamView(buffer=tokens, sink=self.sink.data if sink_tokens else None,
                           prompt=run(self.prefill, 1 if prompt else 0), decode=run(self.decode, decode_chunks),
                           tail=tail)

@@ -85,6 +85,9 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
     B, Hq, QL, D = query.shape
     if D < 32 or D & (D - 1):
         raise NotImplementedError(f"fused kernel: head_dim {D} must be a power of two >= 32")
+    if keys.tail is not None or values.tail is not None:
+        raise ValueError("the Triton decode kernels read a full-precision buffer: build the views with no reader "
+                         "(GearCache.kernel_views(..., reader=None) hands them the coded buffer decoded)")
     buf_k = _check_words(_check(keys.buffer, "buffer keys"), "buffer keys")
     buf_v = _check_words(_check(values.buffer, "buffer values"), "buffer values")
     Hkv = buf_k.shape[1]
