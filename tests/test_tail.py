@@ -289,7 +289,8 @@ def test_fused_generation_with_the_int8_buffer_matches_the_torch_oracle(head_dim
     mask[1, :7] = 0
     out = {}
     for backend in ("torch", "auto"):
-        gear_hf.enable(model, GearConfig(backend=backend, buffer_size=32, sink_tokens=sink, **INT8))
+        gear_hf.enable(model, GearConfig.preset("gear", bits=4, group_size=16, buffer_size=32, sink_tokens=sink,
+                                                backend=backend, **INT8))
         cache = gear_hf.GearCache(model)
         with torch.inference_mode():
             result = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False,
