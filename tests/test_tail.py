@@ -4,9 +4,14 @@ by the torch oracle, served alike by the CPU kernel, and counted as held."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import types
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # (the Triton kernels run interpreted: set before gear_hf.kernels.decode imports)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import gear_hf
 from gear_hf import GearConfig
@@ -302,3 +307,26 @@ def test_fused_generation_with_the_int8_buffer_matches_the_torch_oracle(head_dim
     fused_cache = out["auto"][2]
     assert fused_cache.kernel_views(0, 1, "cpu", reader=fused_cache.plan.attend)[0].tail is not None
     torch.testing.assert_close(out["auto"][0], out["torch"][0], atol=2e-4, rtol=1e-4)
+
+
+def test_triton_decode_attention_reads_the_int8_buffer_decoded():
+    """The Triton decode kernel reads a full-precision buffer: a cache with the 8-bit buffer hands it the buffer
+    decoded (kernel_views with no reader), as the oracle reads it; views carrying the codes are refused. (Interpreted
+    without CUDA.)"""
+    pytest.importorskip("triton")
+    from gear_hf.cache.fused import build_cache, cache_decode_attention, reference_decode_attention
+    from gear_hf.kernels.decode import decode_attention
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = GearConfig.preset("gear", bits=4, group_size=16, buffer_size=32, outlier_ratio=0.1, **INT8)
+    with torch.inference_mode():
+        cache, _, _ = build_cache(cfg, batch=2, kv_heads=2, head_dim=64, steps=[77, 40, 1], pad=[0, 11],
+                                  device=device)
+        q = torch.randn(2, 4, 1, 64, generator=torch.Generator().manual_seed(3)).to(device)
+        out = cache_decode_attention(cache, 0, q, scaling=0.125, inv_freq=_inv_freq(64).to(device))
+        ref = reference_decode_attention(cache, 0, q, scaling=0.125, inv_freq=_inv_freq(64).to(device))
+        assert ((out.float() - ref).abs().max() / ref.abs().max()).item() < 1e-5
+        coded = types.SimpleNamespace(reads_tail=lambda spec, head_dim: True)  # a reader of the codes
+        with pytest.raises(ValueError, match="read a full-precision buffer"):
+            decode_attention(q, *cache.kernel_views(0, 1, q.device, reader=coded), scaling=0.125,
+                             inv_freq=_inv_freq(64).to(device))
