@@ -152,12 +152,13 @@ class CodedTokenStore:
                 torch.zeros(*like.shape[:2], *f.shape, dtype=f.dtype, device=like.device)
         return CompressedChunk(fields)
 
-    def coded(self, rows: list[int], starts: list[int], length: int) -> CompressedChunk:
+    def coded(self, rows: list[int], starts: list[int], length: int, fresh: bool = True) -> CompressedChunk:
         """The stored fields of tokens [starts[j], starts[j]+length) of row rows[j]: a chunk [J,H,length,...]
-        (this step's own tokens encoded now)."""
+        (this step's own tokens encoded now; fresh=False: left as the fields hold them, for a caller that puts them
+        back exact)."""
         parts = {name: torch.stack([t[row, :, at : at + length] for row, at in zip(rows, starts)])
                  for name, t in self.fields.items()}
-        if self.staged is not None:
+        if fresh and self.staged is not None:
             exact, written = self.staged
             fresh = torch.stack([written[row, at : at + length] for row, at in zip(rows, starts)])  # [J,length]
             if bool(fresh.any()):
@@ -183,8 +184,8 @@ class CodedTokenStore:
         return decoded if out is None else out.copy_(decoded)
 
     def gather(self, rows: list[int], starts: list[int], length: int, dtype: torch.dtype | None) -> torch.Tensor:
-        decoded = self._decode(self.coded(rows, starts, length), length, dtype or self.dtype)
-        return self._exact_where_staged(decoded, rows, starts, length)
+        decoded = self._decode(self.coded(rows, starts, length, fresh=False), length, dtype or self.dtype)
+        return self._exact_where_staged(decoded, rows, starts, length)  # (this step's own tokens: exact)
 
     def token_nbytes(self, cap: int | None = None) -> int:
         return sum(t.shape[1] * math.prod(t.shape[3:]) * (min(t.element_size(), cap) if cap and

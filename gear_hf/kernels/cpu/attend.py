@@ -294,8 +294,12 @@ def _tail_args(view):
     if tail is None:
         return _NO_TAIL
     staged = tail.staged.numpy() if tail.staged is not None else _NO_TAIL[3]
-    return (tail.codes.contiguous().numpy(), _side_array(tail.scale.contiguous()),
-            _side_array(tail.minimum.contiguous()), staged)
+    scale, minimum = tail.scale, tail.minimum
+    if scale.dtype == torch.bfloat16 and scale.is_contiguous() and minimum.is_contiguous():  # (the store's fields)
+        scale, minimum = scale.view(torch.int16).numpy(), minimum.view(torch.int16).numpy()
+    else:
+        scale, minimum = _side_array(scale.contiguous()), _side_array(minimum.contiguous())
+    return tail.codes.contiguous().numpy(), scale, minimum, staged
 
 
 def _rope_halves(positions: torch.Tensor, inv_freq: torch.Tensor):
