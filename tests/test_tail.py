@@ -238,13 +238,14 @@ def _inv_freq(d, theta=10000.0):
     return 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d,kv_heads,group,sink,q_len", [(64, 2, 3, 0, 1), (128, 1, 4, 4, 1), (80, 2, 2, 2, 3)])
 @pytest.mark.parametrize("in_step", [False, True])
 def test_fused_cpu_attention_reads_the_coded_buffer_as_the_oracle(dtype, d, kv_heads, group, sink, q_len, in_step):
     """The numba attention reads the 8-bit buffer's codes, scale and minimum (`StreamView.tail`), and this step's
     own tokens exact (in_step: a step stored but not yet flushed), and attends as the float32 oracle
-    (`reference_decode_attention`: the buffer decoded by `decompress`). Batch 2, left-padded."""
+    (`reference_decode_attention`: the buffer decoded by `decompress`). Batch 2, left-padded; fp16 models keep fp16
+    scales (read cast to float32) and are encoded by the oracle."""
     pytest.importorskip("numba")
     from gear_hf.cache.fused import build_cache, reference_decode_attention
     from gear_hf.kernels.cpu import decode_attention
@@ -273,7 +274,7 @@ def test_fused_cpu_attention_reads_the_coded_buffer_as_the_oracle(dtype, d, kv_h
         out = decode_attention(q, keys, values, layout, scaling=d ** -0.5, inv_freq=_inv_freq(d))
         ref = reference_decode_attention(cache, 0, q, scaling=d ** -0.5, inv_freq=_inv_freq(d))
     err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
-    assert err < (1e-5 if dtype == torch.float32 else 2e-2), err
+    assert err < {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}[dtype], err
 
 
 def _mask_of(steps, pad):
