@@ -18,7 +18,9 @@ from .storage import TokenWrites, _grown
 class CodedTokenStore:
     """Tokens [B, H, capacity, d] stored in a per-token format (a `ChunkSpec` whose every field holds one entry per
     token, e.g. values quantized per token, or keys at 8 bits per token with a 16-bit scale and minimum): each token
-    is encoded by the torch oracle when its step ends, and decoded when read. Same interface as `TokenStore`; what it
+    is encoded when its step ends (by the compress backend's kernel where it has one, `Backend.encode_tokens`: the
+    numba one for the 8-bit format, bit for bit the oracle's; else by the torch oracle), and decoded by the oracle when
+    read, or read as stored by a fused kernel that reads it (`kernel_tail`). Same interface as `TokenStore`; what it
     holds is what `nbytes` counts (the buffer of `GearConfig.key_buffer` / `value_buffer`).
 
     Tokens are encoded when their step ends (`end_step`), and only those that stay: until then they are staged in
