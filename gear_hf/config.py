@@ -20,8 +20,8 @@ from .preset_names import METHODS, parse_preset_name  # (parse_preset_name: also
 ROTATIONS = ("none", "keys", "values", "both")
 AXES = ("channel", "token")
 KEY_BIT_ALLOCATIONS = ("uniform", "query")
-KEY_BUFFERS = ("full", "int8")
-VALUE_BUFFERS = ("full", "final", "int8")
+KEY_BUFFERS = ("full", "int8", "int4")
+VALUE_BUFFERS = ("full", "final", "int8", "int4")
 
 
 # The paper's settings (GEAR, Kang et al. 2024): `preset` starts from these, whatever GearConfig()'s defaults.
@@ -69,12 +69,13 @@ RECOMMENDED: tuple[tuple[str, float, dict[str, Any]], ...] = (
                          group_size=128, sink_tokens=4)),
     ("compact", 3.06, dict(_COMPACT, key_bits=2.5, value_bits=2)),
     ("balanced", 3.30, dict(_COMPACT, key_bits=3, value_bits=2)),
+    ("lean", 3.46, dict(_COMPACT, key_bits=2.875, value_bits=3, key_buffer="int8", value_buffer="int4")),
     ("accurate", 3.99, dict(_ALLOCATED, key_bits=3.125, value_bits=3)),
     ("precise", 4.17, dict(_ALLOCATED, key_bits=3.5, value_bits=3)),
     ("kivi-4", 4.85, dict(method="kivi", key_bits=4, value_bits=4)),
     ("gear-4", 6.29, dict(method="gear", key_bits=4, value_bits=4, factor_bits=16)),
 )
-DEFAULT_RECOMMENDED = "accurate"  # what GearConfig() and gear_hf.enable(model) use
+DEFAULT_RECOMMENDED = "lean"  # what GearConfig() and gear_hf.enable(model) use
 
 
 def _fail(field: str, value: Any, allowed: str) -> None:
@@ -104,14 +105,16 @@ class GearConfig:
     rank_prefill:  low-rank rank of the prompt chunk; rank_decode: of each decode chunk
     power_iters:   power iterations of the low-rank fit
     outlier_ratio: fraction s of each vector kept exactly (s/2 largest, s/2 smallest)
-    buffer_size:   n_b, newest tokens kept in full precision; a multiple of group_size
+    buffer_size:   n_b, newest tokens kept out of the chunks (in key_buffer / value_buffer's format); a multiple of
+                   group_size
     sink_tokens:   first tokens of each row never compressed
-    key_buffer:    how the buffer holds keys until their chunk is compressed: "full" (the model's dtype, the paper)
-                   or "int8" (beyond GEAR: 8 bits per token with a 16-bit scale and minimum, before RoPE; re-quantized
-                   in the chunk's format when the chunk is compressed); fp16 ignores both (it keeps every token)
-    value_buffer:  "full" (the model's dtype), "int8" (as key_buffer's) or "final" (beyond GEAR: each value stored
-                   on arrival in the format its chunk stores, moved into the chunk unchanged: no second rounding;
-                   needs values grouped per token with no low-rank term)
+    key_buffer:    how the buffer holds keys until their chunk is compressed: "full" (the model's dtype, the paper),
+                   "int8" (beyond GEAR: 8 bits per token with a 16-bit scale and minimum, before RoPE) or "int4" (4 bits
+                   per token after a Walsh–Hadamard rotation along head_dim, 16-bit scale and minimum); re-quantized
+                   in the chunk's format when the chunk is compressed; fp16 ignores both (it keeps every token)
+    value_buffer:  "full" (the model's dtype), "int8" / "int4" (as key_buffer's) or "final" (beyond GEAR: each value
+                   stored on arrival in the format its chunk stores, moved into the chunk unchanged: no second
+                   rounding; needs values grouped per token with no low-rank term)
     key_axis / value_axis: "channel" (groups run along tokens) or "token" (groups run along channels)
     pre_rope:      compress keys before rotary embedding and rotate them when read
     rotation:      "none" | "keys" | "values" | "both": an orthonormal Walsh–Hadamard rotation along head_dim
@@ -128,7 +131,7 @@ class GearConfig:
 
     # defaults: RECOMMENDED[DEFAULT_RECOMMENDED] (checked by tests/test_side_info.py); presets: PAPER_FIELDS
     method: str = "kivi"
-    key_bits: int | float = 3.125  # a float only as the mean of allocated widths (key_bit_allocation="query")
+    key_bits: int | float = 2.875  # a float only as the mean of allocated widths (key_bit_allocation="query")
     value_bits: int = 3
     group_size: int = 128
     rank_prefill: int = 4
@@ -138,19 +141,19 @@ class GearConfig:
     buffer_size: int = 128
     sink_tokens: int = 4
     key_axis: str = "channel"
-    value_axis: str = "token"
+    value_axis: str = "channel"
     pre_rope: bool = True
     backend: str = "auto"
     key_group_size: int | None = None
     value_group_size: int | None = None
     rotation: str = "values"
     factor_bits: int = 8  # int8 factors moved gear-2's attention-output error by < 0.1% (docs/results.md)
-    range_search: str = "none"
+    range_search: str = "values"
     prompt_group_size: int | None = 256
     key_bit_allocation: str = "query"
     extra_terms: tuple[str, ...] = ()  # registered terms beyond GEAR's (gear_hf.compress.terms), both streams
-    key_buffer: str = "full"
-    value_buffer: str = "full"
+    key_buffer: str = "int8"
+    value_buffer: str = "int4"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -415,13 +418,18 @@ _DEFAULT_BUFFER = GearConfig.__dataclass_fields__["buffer_size"].default
 # as they are, a new field getting the value that keeps an older dict's meaning); tests/test_config_dict.py fails
 # until the newest entry matches GearConfig()'s fields and defaults.
 VERSION_KEY = "gear_config_version"
-CONFIG_VERSION = 1
+CONFIG_VERSION = 2
 DEFAULTS_BY_VERSION: dict[int, dict[str, Any]] = {
     1: dict(method="kivi", key_bits=3.125, value_bits=3, group_size=128, rank_prefill=4, rank_decode=2, power_iters=3,
             outlier_ratio=0.02, buffer_size=128, sink_tokens=4, key_axis="channel", value_axis="token",
             pre_rope=True, backend="auto", key_group_size=None, value_group_size=None, rotation="values",
             factor_bits=8, range_search="none", prompt_group_size=256, key_bit_allocation="query", extra_terms=(),
             key_buffer="full", value_buffer="full"),
+    2: dict(method="kivi", key_bits=2.875, value_bits=3, group_size=128, rank_prefill=4, rank_decode=2,
+            power_iters=3, outlier_ratio=0.02, buffer_size=128, sink_tokens=4, key_axis="channel", value_axis="channel",
+            pre_rope=True, backend="auto", key_group_size=None, value_group_size=None, rotation="values",
+            factor_bits=8, range_search="values", prompt_group_size=256, key_bit_allocation="query", extra_terms=(),
+            key_buffer="int8", value_buffer="int4"),
 }
 
 
