@@ -44,21 +44,28 @@ PAPER_FIELDS: dict[str, Any] = dict(key_bits=4, value_bits=4, group_size=64, ran
 # (`python scripts/bench_footprint.py`, results/footprint/; head_dim 128 owns 0.1-0.4 less, gear-4 0.4 less), so
 # `recommended(bits_per_element=b)` returns a configuration owning <= b on average over such a run. At T~1k the
 # full-precision buffer (up to buffer_size 16-bit tokens) adds up to 1.2 bits more (the table's "max owned").
-# The buffer at 8 bits per token (key_buffer/value_buffer="int8", issue 25), measured as points (scripts/bench_tail.py,
-# SmolLM2 bf16, 1024-token prompt + 96 teacher-forced steps, GSM8K texts 0, 1, 200; results/tail/): "accurate" with it
-# owned 3.685/4.083 bits (mean/max over the steps) at KL 0.0067/0.0062/0.0113, against 4.018/5.011 at
-# 0.0064/0.0045/0.0094 with the 16-bit buffer and kivi-4's 4.789/5.172 at 0.0088/0.0113/0.0103. Values stored on
-# arrival in their final 3-bit format (value_buffer="final") owned less (3.574/3.774 with int8 keys) but doubled KL.
-# Not the default: its CPU decode step is 1.5-1.8x slower (the torch oracle encodes and decodes the buffer per layer
-# and step; no kernel does yet) for 8% fewer bits owned on average and a 4% lower allocator peak at T=4k.
+# The buffer's format (key_buffer/value_buffer, issue 25) measured as points (scripts/bench_tail.py, SmolLM2 bf16,
+# 1024-token prompt + 96 teacher-forced steps, GSM8K texts 0 / 1 / 200, one run per text; results/tail/): "accurate"
+# with its 16-bit buffer (GearConfig() of config version 1) owns 4.018 on average / 5.011 at most over the steps at KL
+# 0.0084 / 0.0038 / 0.0074; kivi-4 4.789 / 5.172 at 0.0113 / 0.0096 / 0.0132. No 16-bit or 8-bit/8-bit buffer owns
+# <= 3.6 bits at every step from T=1024 (the buffer of up to 128 tokens weighs most there); 4-bit keys in the buffer
+# (re-quantized into every chunk) raised KL 5x. "lean" (GearConfig() since config version 2: 8-bit keys and 4-bit
+# rotated values in the buffer, values per channel, key widths of 2.875 bits on average) owns 3.313 / 3.571 at KL
+# 0.0128 / 0.0151 / 0.0113: <= 3.6 at every step, below kivi-4's KL on text 200 only (+0.0015 and +0.0055 on texts
+# 0 and 1); the same with 3-bit keys (KL 0.0104 / 0.0122 / 0.0137) peaks at 3.626. Store level (bench_footprint),
+# "lean" peaks at 3.567 over T=1024..4096 on d=128 (one layer) and at 3.742 on d=64 with one layer carrying the
+# positions alone (see FOOTPRINT_LAYERS for a model's 30 layers). Its buffer is encoded and decoded by the torch
+# oracle at every step (slower CPU decode than the 16-bit buffer until a kernel does it), and its value chunks search
+# their ranges (range_search="values").
 # All keep 4 attention-sink tokens exact, group keys by 128 tokens and rotate the values (Walsh–Hadamard). All
 # but "small" give each key channel its own width, chosen
 # from the prompt's queries (key_bit_allocation="query", keys unrotated: measured at the same bits, it cut KL 2-4x
 # against one width for every channel, e.g. k3v3 0.0271 -> 0.0073 on SmolLM2 and 0.0140 -> 0.0048 on Qwen, text 0).
 # All group the prompt chunk by 256 tokens (prompt_group_size). "compact" and "balanced" store values like keys
 # (per channel over token groups, value_axis="channel", ranges searched): statistics of 1/8 + 1/8 bit per element on
-# the prompt. "accurate" (the default) and "precise" keep 3-bit values per token with min/max ranges, nothing searched
-# at compress time (the search costs ~50x a min/max quantization of the same chunk): "accurate" is below kivi-4's KL
+# the prompt ("lean" too). "accurate" (the default up to config version 1) and "precise" keep 3-bit values per token
+# with min/max ranges, nothing searched at compress time (the search costs ~50x a min/max quantization of the same
+# chunk): "accurate" is below kivi-4's KL
 # on all six model/text pairs and at T=4100 with 1.1 bit less (measured with the 16-bit buffer); with values per
 # channel and searched at the same bits (k3.5v3) the KL was lower on one pair of six.
 _ALLOCATED = dict(method="kivi", key_bit_allocation="query", rotation="values", group_size=128, sink_tokens=4,

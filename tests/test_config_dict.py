@@ -41,7 +41,8 @@ def test_missing_fields_take_the_versions_defaults_not_todays(monkeypatch):
 
 
 def test_a_version_1_config_loads_as_version_1s_default_whatever_todays():
-    """Config version 2 moved GearConfig() (values per channel, the buffer at 8-bit keys / 4-bit values, key widths of 2.875 bits on average):
+    """Config version 2 moved GearConfig() (values per channel, the buffer at 8-bit keys / 4-bit values, key widths
+    of 2.875 bits on average):
     a dict saved by version 1 keeps the default it was saved with (RECOMMENDED "accurate", 16-bit buffer)."""
     old = GearConfig.from_dict({VERSION_KEY: 1})
     assert old == GearConfig.recommended(name="accurate") != GearConfig()
