@@ -193,8 +193,8 @@ def test_rotated_pre_rope_keys_come_back_in_the_original_basis():
 
 def test_separate_key_and_value_group_sizes():
     config = gear_hf.GearConfig(method="kivi", key_bits=3, value_bits=2, key_group_size=32, value_group_size=64,
-                                key_bit_allocation="uniform", prompt_group_size=None,
-                                buffer_size=32, sink_tokens=0)
+                                key_bit_allocation="uniform", prompt_group_size=None, value_axis="token",
+                                buffer_size=32, sink_tokens=0)  # (values per token: their groups run along channels)
     assert (config.key_group, config.value_group, config.chunk_granule) == (32, 64, 32)
     cache = GearCache(types.SimpleNamespace(num_hidden_layers=1), config)
     k, v = _x(n=100), _x(n=100, seed=1)
@@ -205,7 +205,7 @@ def test_separate_key_and_value_group_sizes():
     assert layer.value_stream.prefill.fields["scale"].shape == (1, 2, 96, 1)  # 64 channels / 64
     assert layer.key_stream.prefill.fields["codes"].shape == (1, 2, 96 * 3 // 8, 64)
     with pytest.raises(ValueError, match="key_group_size=12"):
-        gear_hf.GearConfig(key_bits=3, key_group_size=12, buffer_size=24)
+        gear_hf.GearConfig(key_bits=3, key_group_size=12, buffer_size=24, value_axis="token")
     assert gear_hf.GearConfig.preset("gear", bits=2).rotation == "none"  # the paper presets stay the paper's
 
 
