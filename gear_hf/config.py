@@ -20,8 +20,8 @@ from .preset_names import METHODS, parse_preset_name  # (parse_preset_name: also
 ROTATIONS = ("none", "keys", "values", "both")
 AXES = ("channel", "token")
 KEY_BIT_ALLOCATIONS = ("uniform", "query")
-KEY_BUFFERS = ("full", "int8")
-VALUE_BUFFERS = ("full", "final", "int8")
+KEY_BUFFERS = ("full", "int8", "int4")
+VALUE_BUFFERS = ("full", "final", "int8", "int4")
 
 
 # The paper's settings (GEAR, Kang et al. 2024): `preset` starts from these, whatever GearConfig()'s defaults.
@@ -44,21 +44,28 @@ PAPER_FIELDS: dict[str, Any] = dict(key_bits=4, value_bits=4, group_size=64, ran
 # (`python scripts/bench_footprint.py`, results/footprint/; head_dim 128 owns 0.1-0.4 less, gear-4 0.4 less), so
 # `recommended(bits_per_element=b)` returns a configuration owning <= b on average over such a run. At T~1k the
 # full-precision buffer (up to buffer_size 16-bit tokens) adds up to 1.2 bits more (the table's "max owned").
-# The buffer at 8 bits per token (key_buffer/value_buffer="int8", issue 25), measured as points (scripts/bench_tail.py,
-# SmolLM2 bf16, 1024-token prompt + 96 teacher-forced steps, GSM8K texts 0, 1, 200; results/tail/): "accurate" with it
-# owned 3.685/4.083 bits (mean/max over the steps) at KL 0.0067/0.0062/0.0113, against 4.018/5.011 at
-# 0.0064/0.0045/0.0094 with the 16-bit buffer and kivi-4's 4.789/5.172 at 0.0088/0.0113/0.0103. Values stored on
-# arrival in their final 3-bit format (value_buffer="final") owned less (3.574/3.774 with int8 keys) but doubled KL.
-# Not the default: its CPU decode step is 1.5-1.8x slower (the torch oracle encodes and decodes the buffer per layer
-# and step; no kernel does yet) for 8% fewer bits owned on average and a 4% lower allocator peak at T=4k.
+# The buffer's format (key_buffer/value_buffer, issue 25) measured as points (scripts/bench_tail.py, SmolLM2 bf16,
+# 1024-token prompt + 96 teacher-forced steps, GSM8K texts 0 / 1 / 200, one run per text; results/tail/): "accurate"
+# with its 16-bit buffer (GearConfig() of config version 1) owns 4.018 on average / 5.011 at most over the steps at KL
+# 0.0084 / 0.0038 / 0.0074; kivi-4 4.789 / 5.172 at 0.0113 / 0.0096 / 0.0132. No 16-bit or 8-bit/8-bit buffer owns
+# <= 3.6 bits at every step from T=1024 (the buffer of up to 128 tokens weighs most there); 4-bit keys in the buffer
+# (re-quantized into every chunk) raised KL 5x. "lean" (GearConfig() since config version 2: 8-bit keys and 4-bit
+# rotated values in the buffer, values per channel, key widths of 2.875 bits on average) owns 3.313 / 3.571 at KL
+# 0.0128 / 0.0151 / 0.0113: <= 3.6 at every step, below kivi-4's KL on text 200 only (+0.0015 and +0.0055 on texts
+# 0 and 1); the same with 3-bit keys (KL 0.0104 / 0.0122 / 0.0137) peaks at 3.626. Store level (bench_footprint),
+# "lean" peaks at 3.567 over T=1024..4096 on d=128 (one layer) and at 3.742 on d=64 with one layer carrying the
+# positions alone (see FOOTPRINT_LAYERS for a model's 30 layers). Its buffer is encoded and decoded by the torch
+# oracle at every step (slower CPU decode than the 16-bit buffer until a kernel does it), and its value chunks search
+# their ranges (range_search="values").
 # All keep 4 attention-sink tokens exact, group keys by 128 tokens and rotate the values (Walsh–Hadamard). All
 # but "small" give each key channel its own width, chosen
 # from the prompt's queries (key_bit_allocation="query", keys unrotated: measured at the same bits, it cut KL 2-4x
 # against one width for every channel, e.g. k3v3 0.0271 -> 0.0073 on SmolLM2 and 0.0140 -> 0.0048 on Qwen, text 0).
 # All group the prompt chunk by 256 tokens (prompt_group_size). "compact" and "balanced" store values like keys
 # (per channel over token groups, value_axis="channel", ranges searched): statistics of 1/8 + 1/8 bit per element on
-# the prompt. "accurate" (the default) and "precise" keep 3-bit values per token with min/max ranges, nothing searched
-# at compress time (the search costs ~50x a min/max quantization of the same chunk): "accurate" is below kivi-4's KL
+# the prompt ("lean" too). "accurate" (the default up to config version 1) and "precise" keep 3-bit values per token
+# with min/max ranges, nothing searched at compress time (the search costs ~50x a min/max quantization of the same
+# chunk): "accurate" is below kivi-4's KL
 # on all six model/text pairs and at T=4100 with 1.1 bit less (measured with the 16-bit buffer); with values per
 # channel and searched at the same bits (k3.5v3) the KL was lower on one pair of six.
 _ALLOCATED = dict(method="kivi", key_bit_allocation="query", rotation="values", group_size=128, sink_tokens=4,
@@ -69,12 +76,13 @@ RECOMMENDED: tuple[tuple[str, float, dict[str, Any]], ...] = (
                          group_size=128, sink_tokens=4)),
     ("compact", 3.06, dict(_COMPACT, key_bits=2.5, value_bits=2)),
     ("balanced", 3.30, dict(_COMPACT, key_bits=3, value_bits=2)),
+    ("lean", 3.46, dict(_COMPACT, key_bits=2.875, value_bits=3, key_buffer="int8", value_buffer="int4")),
     ("accurate", 3.99, dict(_ALLOCATED, key_bits=3.125, value_bits=3)),
     ("precise", 4.17, dict(_ALLOCATED, key_bits=3.5, value_bits=3)),
     ("kivi-4", 4.85, dict(method="kivi", key_bits=4, value_bits=4)),
     ("gear-4", 6.29, dict(method="gear", key_bits=4, value_bits=4, factor_bits=16)),
 )
-DEFAULT_RECOMMENDED = "accurate"  # what GearConfig() and gear_hf.enable(model) use
+DEFAULT_RECOMMENDED = "lean"  # what GearConfig() and gear_hf.enable(model) use
 
 
 def _fail(field: str, value: Any, allowed: str) -> None:
@@ -104,14 +112,16 @@ class GearConfig:
     rank_prefill:  low-rank rank of the prompt chunk; rank_decode: of each decode chunk
     power_iters:   power iterations of the low-rank fit
     outlier_ratio: fraction s of each vector kept exactly (s/2 largest, s/2 smallest)
-    buffer_size:   n_b, newest tokens kept in full precision; a multiple of group_size
+    buffer_size:   n_b, newest tokens kept out of the chunks (in key_buffer / value_buffer's format); a multiple of
+                   group_size
     sink_tokens:   first tokens of each row never compressed
-    key_buffer:    how the buffer holds keys until their chunk is compressed: "full" (the model's dtype, the paper)
-                   or "int8" (beyond GEAR: 8 bits per token with a 16-bit scale and minimum, before RoPE; re-quantized
-                   in the chunk's format when the chunk is compressed); fp16 ignores both (it keeps every token)
-    value_buffer:  "full" (the model's dtype), "int8" (as key_buffer's) or "final" (beyond GEAR: each value stored
-                   on arrival in the format its chunk stores, moved into the chunk unchanged: no second rounding;
-                   needs values grouped per token with no low-rank term)
+    key_buffer:    how the buffer holds keys until their chunk is compressed: "full" (the model's dtype, the paper),
+                   "int8" (beyond GEAR: 8 bits per token with a 16-bit scale and minimum, before RoPE) or "int4" (4 bits
+                   per token after a Walsh–Hadamard rotation along head_dim, 16-bit scale and minimum); re-quantized
+                   in the chunk's format when the chunk is compressed; fp16 ignores both (it keeps every token)
+    value_buffer:  "full" (the model's dtype), "int8" / "int4" (as key_buffer's) or "final" (beyond GEAR: each value
+                   stored on arrival in the format its chunk stores, moved into the chunk unchanged: no second
+                   rounding; needs values grouped per token with no low-rank term)
     key_axis / value_axis: "channel" (groups run along tokens) or "token" (groups run along channels)
     pre_rope:      compress keys before rotary embedding and rotate them when read
     rotation:      "none" | "keys" | "values" | "both": an orthonormal Walsh–Hadamard rotation along head_dim
@@ -128,7 +138,7 @@ class GearConfig:
 
     # defaults: RECOMMENDED[DEFAULT_RECOMMENDED] (checked by tests/test_side_info.py); presets: PAPER_FIELDS
     method: str = "kivi"
-    key_bits: int | float = 3.125  # a float only as the mean of allocated widths (key_bit_allocation="query")
+    key_bits: int | float = 2.875  # a float only as the mean of allocated widths (key_bit_allocation="query")
     value_bits: int = 3
     group_size: int = 128
     rank_prefill: int = 4
@@ -138,19 +148,19 @@ class GearConfig:
     buffer_size: int = 128
     sink_tokens: int = 4
     key_axis: str = "channel"
-    value_axis: str = "token"
+    value_axis: str = "channel"
     pre_rope: bool = True
     backend: str = "auto"
     key_group_size: int | None = None
     value_group_size: int | None = None
     rotation: str = "values"
     factor_bits: int = 8  # int8 factors moved gear-2's attention-output error by < 0.1% (docs/results.md)
-    range_search: str = "none"
+    range_search: str = "values"
     prompt_group_size: int | None = 256
     key_bit_allocation: str = "query"
     extra_terms: tuple[str, ...] = ()  # registered terms beyond GEAR's (gear_hf.compress.terms), both streams
-    key_buffer: str = "full"
-    value_buffer: str = "full"
+    key_buffer: str = "int8"
+    value_buffer: str = "int4"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -415,13 +425,18 @@ _DEFAULT_BUFFER = GearConfig.__dataclass_fields__["buffer_size"].default
 # as they are, a new field getting the value that keeps an older dict's meaning); tests/test_config_dict.py fails
 # until the newest entry matches GearConfig()'s fields and defaults.
 VERSION_KEY = "gear_config_version"
-CONFIG_VERSION = 1
+CONFIG_VERSION = 2
 DEFAULTS_BY_VERSION: dict[int, dict[str, Any]] = {
     1: dict(method="kivi", key_bits=3.125, value_bits=3, group_size=128, rank_prefill=4, rank_decode=2, power_iters=3,
             outlier_ratio=0.02, buffer_size=128, sink_tokens=4, key_axis="channel", value_axis="token",
             pre_rope=True, backend="auto", key_group_size=None, value_group_size=None, rotation="values",
             factor_bits=8, range_search="none", prompt_group_size=256, key_bit_allocation="query", extra_terms=(),
             key_buffer="full", value_buffer="full"),
+    2: dict(method="kivi", key_bits=2.875, value_bits=3, group_size=128, rank_prefill=4, rank_decode=2,
+            power_iters=3, outlier_ratio=0.02, buffer_size=128, sink_tokens=4, key_axis="channel", value_axis="channel",
+            pre_rope=True, backend="auto", key_group_size=None, value_group_size=None, rotation="values",
+            factor_bits=8, range_search="values", prompt_group_size=256, key_bit_allocation="query", extra_terms=(),
+            key_buffer="int8", value_buffer="int4"),
 }
 
 

@@ -57,13 +57,17 @@ def stream_specs(cfg, stream: str) -> tuple[ChunkSpec, ChunkSpec]:
 # keys or values in the buffer at key_buffer / value_buffer="int8": 8 bits per token (one group: the whole head
 # vector), 16-bit scale/minimum
 INT8_TOKENS = ChunkSpec(bits=8, axis="token", group=0, outlier_ratio=0.0, rank=0)
+# ... at "int4": 4 bits per token after the Walsh–Hadamard rotation along head_dim (which spreads a key's outlier
+# channels over the whole vector before one min/max range is taken), 16-bit scale/minimum
+INT4_TOKENS = ChunkSpec(bits=4, axis="token", group=0, outlier_ratio=0.0, rank=0, rotate=True)
+TAIL_SPECS = {"int8": INT8_TOKENS, "int4": INT4_TOKENS}  # the per-token buffer formats; "final": the decode chunk's
 
 
 def stream_format(cfg, stream: str) -> StreamFormat:
     prompt, decode = stream_specs(cfg, stream)
     # (fp16 keeps every token as the model made it, whatever the buffer settings)
     choice = (cfg.key_buffer if stream == "key" else cfg.value_buffer) if cfg.compresses else "full"
-    tail = INT8_TOKENS if choice == "int8" else decode if choice == "final" else None
+    tail = decode if choice == "final" else TAIL_SPECS.get(choice)  # (None: "full")
     return StreamFormat(stream, prompt, decode, cfg.buffer_size, tail)
 
 

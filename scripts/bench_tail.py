@@ -20,12 +20,28 @@ import time
 import benchlib
 import torch
 
-CONFIGS = {  # name -> GearConfig fields over GearConfig()'s (None: a preset)
-    "full": dict(key_buffer="full", value_buffer="full"),  # the paper's buffer (GearConfig() before config version 2)
+# name -> GearConfig fields over config version 1's GearConfig() ("accurate": k3.125v3, keys query-allocated, values
+# rotated per token, groups of 128, prompt groups of 256, 4 sinks, a 128-token buffer); None: a paper preset
+_B64 = dict(buffer_size=64, key_group_size=64)  # a 64-token buffer (its decode chunks need 64-token key groups)
+_VC3 = dict(value_bits=3, value_axis="channel", range_search="values", key_bits=3)  # "balanced" with 3-bit values
+CONFIGS = {
+    "full": dict(key_buffer="full", value_buffer="full"),  # the paper's buffer (GearConfig() of config version 1)
     "values-final": dict(key_buffer="full", value_buffer="final"),
     "keys-int8": dict(key_buffer="int8", value_buffer="full"),
     "keys-int8+values-final": dict(key_buffer="int8", value_buffer="final"),
-    "keys-int8+values-int8": dict(key_buffer="int8", value_buffer="int8"),  # GearConfig() (config version 2)
+    "keys-int8+values-int8": dict(key_buffer="int8", value_buffer="int8"),
+    "keys-int8+values-int4": dict(key_buffer="int8", value_buffer="int4"),
+    "keys-int4+values-int4": dict(key_buffer="int4", value_buffer="int4"),
+    "b64+keys-int8+values-int8": dict(_B64, key_buffer="int8", value_buffer="int8"),
+    "b64+keys-int8+values-int4": dict(_B64, key_buffer="int8", value_buffer="int4"),
+    "b64+keys-int4+values-int4": dict(_B64, key_buffer="int4", value_buffer="int4"),
+    "vc3+keys-int4+values-int4": dict(_VC3, key_buffer="int4", value_buffer="int4"),
+    "vc3+keys-int8+values-int4": dict(_VC3, key_buffer="int8", value_buffer="int4"),
+    "vc3g64+b64+keys-int8+values-int4": dict(_VC3, **_B64, value_group_size=64, key_buffer="int8", value_buffer="int4"),
+    "vc3g64+b64+keys-int8+values-int8": dict(_VC3, **_B64, value_group_size=64, key_buffer="int8", value_buffer="int8"),
+    "vc3k2.875+keys-int8+values-int4": dict(_VC3, key_bits=2.875, key_buffer="int8", value_buffer="int4"),
+    "vc3s1+keys-int8+values-int4": dict(_VC3, sink_tokens=1, key_buffer="int8", value_buffer="int4"),
+    "default": {},  # today's GearConfig()
     "kivi-4": None,
 }
 
@@ -34,7 +50,11 @@ def config_of(name: str):
     from gear_hf import GearConfig
 
     fields = CONFIGS[name]
-    return GearConfig.preset(name) if fields is None else GearConfig(**fields)
+    if fields is None:
+        return GearConfig.preset(name)
+    if name == "default":
+        return GearConfig()
+    return GearConfig.from_dict({"gear_config_version": 1, **fields})
 
 
 def run(model, ids: torch.Tensor, prompt: int, cache) -> tuple[torch.Tensor, list[float]]:

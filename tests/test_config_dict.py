@@ -40,11 +40,25 @@ def test_missing_fields_take_the_versions_defaults_not_todays(monkeypatch):
     assert (new.key_bits, new.key_bit_allocation, new.group_size) == (4, "uniform", 64)
 
 
+def test_a_version_1_config_loads_as_version_1s_default_whatever_todays():
+    """Config version 2 moved GearConfig() (values per channel, the buffer at 8-bit keys / 4-bit values, key widths
+    of 2.875 bits on average):
+    a dict saved by version 1 keeps the default it was saved with (RECOMMENDED "accurate", 16-bit buffer)."""
+    old = GearConfig.from_dict({VERSION_KEY: 1})
+    assert old == GearConfig.recommended(name="accurate") != GearConfig()
+    assert (old.key_bits, old.value_axis, old.sink_tokens, old.key_buffer, old.value_buffer) == \
+        (3.125, "token", 4, "full", "full")
+    saved_v1 = dict(DEFAULTS_BY_VERSION[1], key_bits=3.5)  # what a version-1 gear_hf wrote for "precise"
+    assert GearConfig.from_dict({VERSION_KEY: 1, **saved_v1}) == GearConfig.recommended(name="precise")
+    today = GearConfig.from_dict({VERSION_KEY: CONFIG_VERSION, "method": "kivi"})
+    assert today == GearConfig() and (today.key_buffer, today.value_buffer) == ("int8", "int4")
+
+
 @pytest.mark.parametrize("data,match", [
     ({VERSION_KEY: 1, "key_bitz": 3}, r"unknown key\(s\) \['key_bitz'\] for gear_config_version 1"),
-    ({VERSION_KEY: CONFIG_VERSION + 1}, r"gear_config_version=2 is newer than this gear_hf reads; allowed: 1 "
-                                        r"\(upgrade gear_hf"),
-    ({VERSION_KEY: "one"}, r"gear_config_version='one' is invalid; allowed: 1"),
+    ({VERSION_KEY: CONFIG_VERSION + 1}, rf"gear_config_version={CONFIG_VERSION + 1} is newer than this gear_hf reads; "
+                                        r"allowed: 1, 2 \(upgrade gear_hf"),
+    ({VERSION_KEY: "one"}, r"gear_config_version='one' is invalid; allowed: 1, 2"),
     ({"method": "kivi"}, r"has no 'gear_config_version'"),
     ([("method", "kivi")], r"takes a dict"),
     ({VERSION_KEY: 1, "value_bits": 5}, r"GearConfig.value_bits=5 is invalid"),  # values still validated

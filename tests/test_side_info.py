@@ -193,8 +193,8 @@ def test_rotated_pre_rope_keys_come_back_in_the_original_basis():
 
 def test_separate_key_and_value_group_sizes():
     config = gear_hf.GearConfig(method="kivi", key_bits=3, value_bits=2, key_group_size=32, value_group_size=64,
-                                key_bit_allocation="uniform", prompt_group_size=None,
-                                buffer_size=32, sink_tokens=0)
+                                key_bit_allocation="uniform", prompt_group_size=None, value_axis="token",
+                                buffer_size=32, sink_tokens=0)  # (values per token: their groups run along channels)
     assert (config.key_group, config.value_group, config.chunk_granule) == (32, 64, 32)
     cache = GearCache(types.SimpleNamespace(num_hidden_layers=1), config)
     k, v = _x(n=100), _x(n=100, seed=1)
@@ -205,7 +205,7 @@ def test_separate_key_and_value_group_sizes():
     assert layer.value_stream.prefill.fields["scale"].shape == (1, 2, 96, 1)  # 64 channels / 64
     assert layer.key_stream.prefill.fields["codes"].shape == (1, 2, 96 * 3 // 8, 64)
     with pytest.raises(ValueError, match="key_group_size=12"):
-        gear_hf.GearConfig(key_bits=3, key_group_size=12, buffer_size=24)
+        gear_hf.GearConfig(key_bits=3, key_group_size=12, buffer_size=24, value_axis="token")
     assert gear_hf.GearConfig.preset("gear", bits=2).rotation == "none"  # the paper presets stay the paper's
 
 
@@ -233,14 +233,19 @@ def test_recommended_follows_the_measured_frontier():
         assert gear_hf.GearConfig.recommended(b) == gear_hf.GearConfig.recommended(name=name)
         config = gear_hf.GearConfig.recommended(name=name)
         assert all(getattr(config, k) == v for k, v in fields.items())
-    assert gear_hf.GearConfig.recommended(3.5) == gear_hf.GearConfig.recommended(name="balanced")
+    assert gear_hf.GearConfig.recommended(3.4) == gear_hf.GearConfig.recommended(name="balanced")
+    assert gear_hf.GearConfig.recommended(3.5) == gear_hf.GearConfig.recommended(name="lean") == gear_hf.GearConfig()
     compact = gear_hf.GearConfig.recommended(3.1)  # values per channel; the prompt chunk alone in 256-token groups
     assert (compact.value_axis, compact.key_group, compact.value_group, compact.prompt_group_size,
             compact.buffer_size, compact.key_bits, compact.key_bit_allocation) == \
         ("channel", 128, 128, 256, 128, 2.5, "query")
-    default = gear_hf.GearConfig()  # keys allocated by the queries, values per token, nothing searched
-    assert (default.key_bits, default.value_bits, default.value_axis, default.range_search, default.rotation) == \
-        (3.125, 3, "token", "none", "values")
+    default = gear_hf.GearConfig()  # keys allocated by the queries, values per channel with searched ranges
+    assert (default.key_bits, default.value_bits, default.value_axis, default.range_search, default.rotation,
+            default.key_buffer, default.value_buffer, default.buffer_size, default.sink_tokens) == \
+        (2.875, 3, "channel", "values", "values", "int8", "int4", 128, 4)
+    accurate = gear_hf.GearConfig.recommended(name="accurate")  # config version 1's default: values per token
+    assert (accurate.key_bits, accurate.value_axis, accurate.range_search, accurate.value_buffer) == \
+        (3.125, "token", "none", "full")
     with pytest.raises(ValueError, match="bits_per_element=2.5"):
         gear_hf.GearConfig.recommended(2.5)
     with pytest.raises(ValueError, match="tiny"):

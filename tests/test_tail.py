@@ -17,11 +17,11 @@ import gear_hf
 from gear_hf import GearConfig
 from gear_hf.coded_store import CodedTokenStore
 from gear_hf.compress import compress, decompress
-from gear_hf.format import INT8_TOKENS, layer_formats
+from gear_hf.format import INT4_TOKENS, INT8_TOKENS, layer_formats
 from tiny_models import CACHE_ARG, tiny_model
 
 H, D = 2, 64
-FULL = GearConfig(key_buffer="full", value_buffer="full")  # GearConfig() with the paper's 16-bit buffer
+FULL = GearConfig.recommended(name="accurate")  # config version 1's GearConfig(): values per token, 16-bit buffer
 
 
 def _fill(config: GearConfig, prompt: int, steps: int, seed: int = 0):
@@ -56,7 +56,7 @@ def test_values_final_hold_the_same_chunks_and_quantized_buffer():
     buffered = final.layout.counts.buffer[0]
     compressed = held_plain.shape[2] - buffered
     assert torch.equal(held_final[:, :, :compressed], held_plain[:, :, :compressed])
-    spec = layer_formats(GearConfig()).__getitem__(1).decode
+    spec = layer_formats(FULL)[1].decode
     tail = values[:, :, compressed:]
     assert torch.equal(held_final[:, :, compressed:], decompress(compress(tail, spec), spec, buffered, D,
                                                                  torch.bfloat16))
@@ -64,7 +64,7 @@ def test_values_final_hold_the_same_chunks_and_quantized_buffer():
 
 
 def test_keys_int8_buffer_is_eight_bits_per_token_and_counted():
-    config = GearConfig(key_buffer="int8", value_buffer="final")
+    config = FULL.replace(key_buffer="int8", value_buffer="final")
     cache, keys, _ = _fill(config, 300, 60)
     buffered = cache.layout.counts.buffer[0]
     held_keys, _ = cache.held(0, torch.float32)
@@ -80,7 +80,25 @@ def test_keys_int8_buffer_is_eight_bits_per_token_and_counted():
     assert report["held_bytes"] < _fill(FULL, 300, 60)[0].memory_report()["held_bytes"]
 
 
-@pytest.mark.parametrize("fields", [dict(value_buffer="final"), dict(key_buffer="int8", value_buffer="int8")])
+def test_int4_buffer_is_four_bits_per_rotated_token_and_counted():
+    """value_buffer="int4": each buffered value is stored as INT4_TOKENS encodes it (4-bit codes of the Walsh–Hadamard
+    rotated vector, one bf16 scale and minimum), read back as it decodes, and counted at D/2 + 4 bytes a token."""
+    config = FULL.replace(key_buffer="int8", value_buffer="int4")
+    cache, _, values = _fill(config, 300, 60)
+    buffered = cache.layout.counts.buffer[0]
+    _, held_values = cache.held(0, torch.bfloat16)
+    tail = values[:, :, -buffered:]
+    expected = decompress(compress(tail, INT4_TOKENS), INT4_TOKENS, buffered, D, torch.bfloat16)
+    assert torch.equal(held_values[:, :, -buffered:], expected) and not torch.equal(expected, tail)
+    assert INT4_TOKENS.bits == 4 and INT4_TOKENS.rotate
+    report = cache.memory_report()
+    key_token, value_token = D + 2 + 2, D // 2 + 2 + 2  # 8-bit / 4-bit codes, bf16 scale and minimum
+    assert report["buffer"] == buffered * H * (key_token + value_token) + config.sink_tokens * H * D * 2 * 2
+
+
+@pytest.mark.parametrize("fields", [dict(value_buffer="final"), dict(key_buffer="int8", value_buffer="int8"),
+                                    dict(value_axis="channel", key_buffer="int8", value_buffer="int4"),
+                                    dict(key_buffer="int4", value_buffer="int4")])
 def test_fused_cpu_kernel_reads_the_coded_buffer_as_the_oracle(fields):
     """The numba decode kernel is handed the buffer decoded as the reference path reads it: same logits."""
     pytest.importorskip("numba")
@@ -90,7 +108,7 @@ def test_fused_cpu_kernel_reads_the_coded_buffer_as_the_oracle(fields):
     mask[1, :5] = 0
     out = {}
     for backend in ("torch", "auto"):
-        gear_hf.enable(model, GearConfig(backend=backend, **fields))
+        gear_hf.enable(model, FULL.replace(backend=backend, **fields))
         cache = gear_hf.GearCache(model)
         with torch.inference_mode():
             result = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
@@ -103,9 +121,10 @@ def test_fused_cpu_kernel_reads_the_coded_buffer_as_the_oracle(fields):
 
 
 @pytest.mark.parametrize("fields,match", [
-    (dict(key_buffer="fp8"), r"key_buffer='fp8' is invalid; allowed: full \| int8"),
-    (dict(value_buffer="fp8"), r"value_buffer='fp8' is invalid; allowed: full \| final \| int8"),
-    (dict(method="gear-l", value_buffer="final"), r"value_buffer='final' is invalid; allowed: 'full' unless values"),
+    (dict(key_buffer="fp8"), r"key_buffer='fp8' is invalid; allowed: full \| int8 \| int4"),
+    (dict(value_buffer="fp8"), r"value_buffer='fp8' is invalid; allowed: full \| final \| int8 \| int4"),
+    (dict(method="gear-l", value_axis="token", value_buffer="final"),
+     r"value_buffer='final' is invalid; allowed: 'full' unless values"),
     (dict(value_axis="channel", value_buffer="final"), r"value_buffer='final' is invalid"),
 ])
 def test_bad_buffer_settings_say_what_is_allowed(fields, match):
@@ -124,7 +143,9 @@ def test_fp16_keeps_every_token_whatever_the_buffer_settings():
 
 def test_presets_keep_the_full_precision_buffer():
     assert GearConfig.preset("gear-2").key_buffer == GearConfig.preset("kivi-4").value_buffer == "full"
-    assert GearConfig().key_buffer == GearConfig().value_buffer == "full"  # int8 not the default (config.py)
+    assert GearConfig.recommended(name="accurate").value_buffer == "full"
+    # GearConfig() (config version 2): 8-bit keys and 4-bit values in the buffer (config.py, results/tail/)
+    assert (GearConfig().key_buffer, GearConfig().value_buffer) == ("int8", "int4")
 
 
 def test_a_step_reads_its_own_tokens_exact_and_the_prompt_compresses_from_them():
@@ -152,7 +173,7 @@ def test_a_step_reads_its_own_tokens_exact_and_the_prompt_compresses_from_them()
 def test_a_one_token_prompt_generates_with_an_empty_coded_buffer(backend):
     """A 1-token prompt goes to the sinks: the coded buffer is read empty (nothing to decode) on the first steps."""
     model = tiny_model("llama3", dtype=torch.bfloat16, head_dim=32)
-    gear_hf.enable(model, GearConfig(backend=backend, key_buffer="int8", value_buffer="int8"))
+    gear_hf.enable(model, GearConfig(backend=backend))  # (8-bit keys, 4-bit values in the buffer)
     ids = torch.tensor([[5]])
     with torch.inference_mode():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
