@@ -183,11 +183,14 @@ def test_a_one_token_prompt_generates_with_an_empty_coded_buffer(backend):
 
 
 # -- the kernels of the 8-bit buffer (gear_hf/kernels/cpu/tail.py, attend._buffer_rows) -----------------------------
+@pytest.mark.parametrize("spec", [INT8_TOKENS, INT4_TOKENS], ids=["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("d", [64, 128, 80])
-def test_kernel_encode_is_the_oracle_bit_for_bit(dtype, d):
-    """encode_staged writes exactly what `compress(token, INT8_TOKENS)` stores (codes, bf16 scale and minimum) for
-    the marked tokens, and nothing else: wide and tiny ranges, constant vectors, an outlier channel."""
+@pytest.mark.parametrize("d", [64, 128, 80, 96, 7])
+def test_kernel_encode_is_the_oracle_bit_for_bit(spec, dtype, d):
+    """encode_staged writes exactly what `compress(token, spec)` stores (codes packed, bf16 scale and minimum) for
+    the marked tokens, and nothing else: wide and tiny ranges, constant vectors, an outlier channel. INT4_TOKENS
+    rotates each vector in blocks of d's largest power-of-two divisor (80: 16, 96: 32, 7: 1, i.e. not rotated) and
+    packs two codes a byte (7: the last byte holds one)."""
     pytest.importorskip("numba")
     from gear_hf.kernels.cpu import encode_staged, encode_supported
 
@@ -201,15 +204,15 @@ def test_kernel_encode_is_the_oracle_bit_for_bit(dtype, d):
     x = x.to(dtype)
     written = torch.rand(B, cap, generator=g) > 0.3
     written[:, :5] = True
-    fields = {"codes": torch.full((B, H, cap, d), 7, dtype=torch.uint8),
+    fields = {"codes": torch.full((B, H, cap, -(-d * spec.bits // 8)), 7, dtype=torch.uint8),
               "scale": torch.full((B, H, cap, 1), 3.0, dtype=torch.bfloat16),
               "minimum": torch.full((B, H, cap, 1), 3.0, dtype=torch.bfloat16)}
     before = {name: t.clone() for name, t in fields.items()}
-    assert encode_supported(INT8_TOKENS, x)
+    assert encode_supported(spec, x)
     with torch.inference_mode():
-        encode_staged(x, written, fields)
+        encode_staged(x, written, fields, spec)
     rows, columns = written.nonzero(as_tuple=True)
-    oracle = compress(x[rows, :, columns].unsqueeze(2), INT8_TOKENS)  # [N,H,1,...]: one token per entry
+    oracle = compress(x[rows, :, columns].unsqueeze(2), spec)  # [N,H,1,...]: one token per entry
     for name, t in fields.items():
         expected = getattr(oracle, name)[:, :, 0]
         assert t.dtype == expected.dtype

@@ -72,7 +72,7 @@ class NumbaBackend(Backend):
         cpu = _kernels()
         if not cpu.encode_supported(spec, exact):
             return False
-        cpu.encode_staged(exact, written, fields)
+        cpu.encode_staged(exact, written, fields, spec)
         return True
 
     def reads_tail(self, spec, head_dim):
