@@ -123,7 +123,7 @@ class CodedTokenStore:
         else:
             exact, staged = self.staged
         return exact, CodedTailView(codes=codes, scale=self.fields["scale"], minimum=self.fields["minimum"],
-                                    staged=staged)
+                                    staged=staged, bits=int(self.spec.bits), rotated=bool(self.spec.rotate))
 
     def _exact_where_staged(self, decoded: torch.Tensor, rows: list[int] | None, starts: list[int] | None,
                             length: int) -> torch.Tensor:

@@ -1,14 +1,16 @@
-"""CPU decode speed of the buffer's formats (issue 25, item 3): ms per decode step of GearConfig() (16-bit buffer)
-and GearConfig(key_buffer="int8", value_buffer="int8"), side by side in one process.
+"""CPU decode speed of the buffer's formats (issue 25, item 3): ms per decode step of GearConfig with the 16-bit
+buffer (key_buffer="full", value_buffer="full"), the 8-bit one (key_buffer="int8", value_buffer="int8") and the
+default's (GearConfig(): 8-bit keys, 4-bit rotated values), the other fields GearConfig()'s, side by side in one
+process.
 
     python scripts/bench_tail_speed.py                 # SmolLM2 bf16, GSM8K text 200, 512-token prompt, 40 new tokens
-    python scripts/bench_tail_speed.py --repeats 3 --profile
+    python scripts/bench_tail_speed.py --configs full,int8,default --repeats 3 --profile
 
 Each round generates greedily with each config in turn (alternated, so load changes hit both alike); a logits
 processor notes the time of every step, and a decode step's time is the gap between two consecutive notes (the
 prompt step excluded). Reported per config: the mean ms per decode step of its best round and, less sensitive to other
 processes on a shared machine, the mean over the steps of each step's best time across the rounds; the ratios to the
-first config, the step paths the caches took and the load average. --profile: cProfile of one more round of each config
+first config (and, of the per-step bests, between every pair), the step paths the caches took and the load average. --profile: cProfile of one more round of each config
 (top functions by own time) after the timed rounds.
 """
 
@@ -21,7 +23,8 @@ import time
 import benchlib
 import torch
 
-CONFIGS = {"full": dict(key_buffer="full", value_buffer="full"), "int8": dict(key_buffer="int8", value_buffer="int8")}
+CONFIGS = {"full": dict(key_buffer="full", value_buffer="full"), "int8": dict(key_buffer="int8", value_buffer="int8"),
+           "default": {}, "int4": dict(key_buffer="int4", value_buffer="int4")}  # (fields over GearConfig()'s)
 
 
 class _StepClock:
@@ -65,7 +68,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=3, help="rounds (each config once per round)")
-    parser.add_argument("--configs", default="full,int8", help=f"comma list of {', '.join(CONFIGS)}")
+    parser.add_argument("--configs", default="full,int8,default", help=f"comma list of {', '.join(CONFIGS)} "
+                        "(ratios to the first)")
     parser.add_argument("--profile", action="store_true", help="cProfile one more round of each config")
     args = parser.parse_args(argv)
     from gear_hf import GearConfig
@@ -106,9 +110,12 @@ def main(argv=None) -> int:
         best, minima = min(rounds[name]), step_minima(name)
         print(f"| {name} | {best:.1f} | {', '.join(f'{v:.1f}' for v in rounds[name])} | {best / base:.2f}x | "
               f"{minima:.1f} | {minima / base_minima:.2f}x | {paths[name]} |")
-    if len(names) > 1:
-        same = sum(int(a == b) for a, b in zip(tokens[names[0]].tolist(), tokens[names[1]].tolist()))
-        print(f"greedy tokens equal between {names[0]} and {names[1]}: {same}/{args.new_tokens}")
+    for i, name in enumerate(names):
+        for other in names[i + 1:]:
+            print(f"per-step best, {other} / {name}: {step_minima(other) / step_minima(name):.3f}x")
+    for name in names[1:]:
+        same = sum(int(a == b) for a, b in zip(tokens[names[0]].tolist(), tokens[name].tolist()))
+        print(f"greedy tokens equal between {names[0]} and {name}: {same}/{args.new_tokens}")
     if args.profile:
         import cProfile
         import pstats

@@ -224,20 +224,29 @@ def test_kernel_encode_is_the_oracle_bit_for_bit(spec, dtype, d):
 
 def test_kernel_encode_declines_what_it_does_not_cover():
     pytest.importorskip("numba")
-    from gear_hf.kernels.cpu import encode_supported, tail_format
+    from gear_hf.kernels.cpu import encode_staged, encode_supported, tail_format
 
     x = torch.zeros(1, 2, 4, 64, dtype=torch.bfloat16)
     assert not encode_supported(INT8_TOKENS, x.half())  # fp16 models keep fp16 side information: the oracle
     assert not tail_format(layer_formats(GearConfig())[1].decode, 64)  # 3-bit values with outliers, rotation
     assert not tail_format(dataclasses.replace(INT8_TOKENS, group=32), 64)  # (groups: not read by the kernel)
-    assert tail_format(INT8_TOKENS, 80)
+    assert tail_format(INT8_TOKENS, 80) and tail_format(INT4_TOKENS, 80) and tail_format(INT4_TOKENS, 96)
+    assert not tail_format(dataclasses.replace(INT4_TOKENS, rotate=False), 64)  # (only the formats TAIL_SPECS names)
+    assert not tail_format(dataclasses.replace(INT8_TOKENS, rotate=True), 64)
+    with pytest.raises(ValueError, match=r"allowed: format.INT8_TOKENS or INT4_TOKENS"):
+        encode_staged(x.half(), torch.ones(1, 4, dtype=torch.bool), {}, INT4_TOKENS)
 
 
 INT8 = dict(key_buffer="int8", value_buffer="int8")
+# the coded buffers the kernels encode and read: 8-bit keys and values, the default's 8-bit keys and 4-bit rotated
+# values, 4-bit rotated keys and values
+BUFFERS = {"int8": INT8, "int8_int4": dict(key_buffer="int8", value_buffer="int4"),
+           "int4": dict(key_buffer="int4", value_buffer="int4")}
 
 
+@pytest.mark.parametrize("buffers", ["int8", "int8_int4", "int4"])
 @pytest.mark.parametrize("d,kv_heads,group,sink", [(64, 2, 3, 0), (128, 1, 4, 4), (80, 2, 2, 2)])
-def test_caches_hold_the_same_coded_buffer_on_both_backends(d, kv_heads, group, sink):
+def test_caches_hold_the_same_coded_buffer_on_both_backends(d, kv_heads, group, sink, buffers):
     """The numba backend encodes each step's tokens with the kernel, the torch backend with the oracle: after the
     same steps (batch 2, left-padded, several flushes) both caches hold the same buffer, bit for bit."""
     pytest.importorskip("numba")
@@ -246,7 +255,7 @@ def test_caches_hold_the_same_coded_buffer_on_both_backends(d, kv_heads, group, 
     held = {}
     for backend in ("torch", "auto"):
         cfg = GearConfig.preset("gear", bits=4, group_size=16, buffer_size=32, sink_tokens=sink, backend=backend,
-                                **INT8)
+                                **BUFFERS[buffers])
         with torch.inference_mode():
             cache, _, _ = build_cache(cfg, batch=2, kv_heads=kv_heads, head_dim=d, steps=[77, 40, 1, 1, 3],
                                       pad=[0, 9], dtype=torch.bfloat16)
@@ -265,17 +274,20 @@ def _inv_freq(d, theta=10000.0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d,kv_heads,group,sink,q_len", [(64, 2, 3, 0, 1), (128, 1, 4, 4, 1), (80, 2, 2, 2, 3)])
 @pytest.mark.parametrize("in_step", [False, True])
-def test_fused_cpu_attention_reads_the_coded_buffer_as_the_oracle(dtype, d, kv_heads, group, sink, q_len, in_step):
-    """The numba attention reads the 8-bit buffer's codes, scale and minimum (`StreamView.tail`), and this step's
-    own tokens exact (in_step: a step stored but not yet flushed), and attends as the float32 oracle
-    (`reference_decode_attention`: the buffer decoded by `decompress`). Batch 2, left-padded; fp16 models keep fp16
-    scales (read cast to float32) and are encoded by the oracle."""
+@pytest.mark.parametrize("buffers", ["int8", "int8_int4", "int4"])
+def test_fused_cpu_attention_reads_the_coded_buffer_as_the_oracle(dtype, d, kv_heads, group, sink, q_len, in_step,
+                                                                  buffers):
+    """The numba attention reads the coded buffer's codes, scale and minimum (`StreamView.tail`; 4-bit values
+    attended in the rotated basis, 4-bit keys rotated back), and this step's own tokens exact (in_step: a step stored
+    but not yet flushed), and attends as the float32 oracle (`reference_decode_attention`: the buffer decoded by
+    `decompress`). Batch 2, left-padded; fp16 models keep fp16 scales (read cast to float32) and are encoded by the
+    oracle."""
     pytest.importorskip("numba")
     from gear_hf.cache.fused import build_cache, reference_decode_attention
     from gear_hf.kernels.cpu import decode_attention
 
     cfg = GearConfig.preset("gear", bits=4, group_size=16, buffer_size=32, sink_tokens=sink, outlier_ratio=0.1,
-                            **INT8)
+                            **BUFFERS[buffers])
     g = torch.Generator().manual_seed(d + q_len)
     with torch.inference_mode():
         steps = [77, 40] + ([] if in_step else [q_len])
@@ -291,6 +303,7 @@ def test_fused_cpu_attention_reads_the_coded_buffer_as_the_oracle(dtype, d, kv_h
         q = torch.randn(2, kv_heads * group, q_len, d, generator=g).to(dtype)
         keys, values, layout = cache.kernel_views(0, q_len, q.device, reader=cache.plan.attend)
         assert keys.tail is not None and values.tail is not None  # the codes as stored, not a decoded copy
+        assert values.tail.rotated == (buffers != "int8") and values.tail.codes.shape[-1] == d * values.tail.bits // 8
         assert (keys.tail.staged is not None) == in_step
         if in_step:
             assert torch.equal(keys.buffer[keys.tail.staged[:, None, :, None].expand_as(keys.buffer)],
@@ -308,10 +321,11 @@ def _mask_of(steps, pad):
     return mask
 
 
+@pytest.mark.parametrize("buffers", ["int8", "int8_int4", "int4"])
 @pytest.mark.parametrize("head_dim,sink", [(64, 0), (80, 3), (128, 0)])
-def test_fused_generation_with_the_int8_buffer_matches_the_torch_oracle(head_dim, sink):
+def test_fused_generation_with_the_coded_buffer_matches_the_torch_oracle(head_dim, sink, buffers):
     """generate (batch 2, left-padded, GQA) under inference_mode: the numba path (kernel encode, codes read by the
-    fused attention) gives the torch oracle path's logits."""
+    fused attention) gives the torch oracle path's logits, with 8-bit and 4-bit rotated buffers."""
     pytest.importorskip("numba")
     model = tiny_model("llama3", dtype=torch.float32, head_dim=head_dim)
     ids = torch.randint(3, 128, (2, 150), generator=torch.Generator().manual_seed(head_dim))
@@ -320,7 +334,7 @@ def test_fused_generation_with_the_int8_buffer_matches_the_torch_oracle(head_dim
     out = {}
     for backend in ("torch", "auto"):
         gear_hf.enable(model, GearConfig.preset("gear", bits=4, group_size=16, buffer_size=32, sink_tokens=sink,
-                                                backend=backend, **INT8))
+                                                backend=backend, **BUFFERS[buffers]))
         cache = gear_hf.GearCache(model)
         with torch.inference_mode():
             result = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False,

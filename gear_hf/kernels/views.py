@@ -66,14 +66,18 @@ class ChunkRunView:
 
 @dataclass(frozen=True, eq=False)
 class CodedTailView:
-    """The buffer held at 8 bits per token (`gear_hf.coded_store.CodedTokenStore`, format `format.INT8_TOKENS`), as
-    stored: token t of row b, head h is codes[b,h,t] * scale[b,h,t] + minimum[b,h,t] (float32), except this step's
-    own tokens (staged[b, t]), which `StreamView.buffer` holds exact at the same columns."""
+    """The buffer held per token (`gear_hf.coded_store.CodedTokenStore`, format `format.INT8_TOKENS` or
+    `INT4_TOKENS`), as stored: token t of row b, head h is codes[b,h,t] * scale[b,h,t] + minimum[b,h,t] (float32; 4-bit
+    codes two a byte, the even channel in the low nibble), in the Walsh–Hadamard-rotated basis when rotated (the
+    vector is that times `compress.rotation.hadamard(d)`), except this step's own tokens (staged[b, t]), which
+    `StreamView.buffer` holds exact (never rotated) at the same columns."""
 
-    codes: torch.Tensor  # uint8 [B, H, cap, d]
+    codes: torch.Tensor  # uint8 [B, H, cap, ceil(d * bits / 8)]
     scale: torch.Tensor  # [B, H, cap, 1] 16-bit
     minimum: torch.Tensor  # [B, H, cap, 1] 16-bit
     staged: torch.Tensor | None  # bool [B, cap]: read from StreamView.buffer; None: every token coded
+    bits: int = 8  # bits per code: 8 or 4
+    rotated: bool = False  # codes of the rotated vector (INT4_TOKENS)
 
 
 @dataclass(frozen=True, eq=False)

@@ -59,29 +59,74 @@ def _run_scratch(run, factors, hadamard, d):
 
 
 @numba.njit(inline="always")
-def _buffer_rows(buf, tail, b, h, f, target):
+def _is_staged(staged, b, t):
+    """Whether buffer token t of row b is this step's own (read exact from the buffer), staged [B,cap] or [0,0]."""
+    return staged.shape[0] > 0 and staged[b, t]
+
+
+@numba.njit(inline="always")
+def _decode_token(codes, bits, s, m, b, h, t, row):
+    """row [d] = code * s + m (float32) of token t's codes [B,H,cap,P]: 8-bit codes, or 4-bit ones two a byte (the
+    even channel in the low nibble, as `quant.pack_codes` packs them)."""
+    d = row.shape[0]
+    if bits == 8:
+        for k in range(d):
+            row[k] = _F32(codes[b, h, t, k]) * s + m
+    else:
+        for p in range(d // 2):
+            byte = codes[b, h, t, p]
+            row[2 * p] = _F32(byte & 15) * s + m
+            row[2 * p + 1] = _F32(byte >> 4) * s + m
+        if d % 2:
+            row[d - 1] = _F32(codes[b, h, t, d // 2] & 15) * s + m
+
+
+@numba.njit(inline="always")
+def _buffer_rows(buf, tail, b, h, f, target, unrotate, tile):
     """The row's f buffer tokens into target [>=f, d]: from buf [B,H,cap,d] (float32, full precision), or, for a
-    buffer held at 8 bits per token (`_tail_args`: codes [B,H,cap,d] uint8, scale/minimum [B,H,cap,1] 16-bit, staged
-    [B,cap]), code * scale + minimum in float32, except the staged tokens (this step's own), read from buf."""
-    codes, scale, minimum, staged = tail
+    buffer held per token (`_tail_args`: codes [B,H,cap,P] uint8 of 8 or 4 bits, scale/minimum [B,H,cap,1] 16-bit,
+    staged [B,cap], bits, rotated), code * scale + minimum in float32, except the staged tokens (this step's own),
+    read from buf. A rotated format's coded tokens stay in the rotated basis unless unrotate (keys: then each run of
+    coded tokens is rotated back, `_hadamard_rows` with scratch tile [d, L]); the staged ones are never rotated."""
+    codes, scale, minimum, staged, bits, rotated = tail
     d = target.shape[1]
     coded = codes.shape[2] > 0
-    for t in range(f):
-        if coded and not (staged.shape[0] > 0 and staged[b, t]):
-            s, m = _side(scale[b, h, t, 0]), _side(minimum[b, h, t, 0])
-            for k in range(d):
-                target[t, k] = _F32(codes[b, h, t, k]) * s + m
+    t = 0
+    while t < f:
+        if coded and not _is_staged(staged, b, t):
+            first = t
+            while t < f and not _is_staged(staged, b, t):
+                _decode_token(codes, bits, _side(scale[b, h, t, 0]), _side(minimum[b, h, t, 0]), b, h, t, target[t])
+                t += 1
+            if rotated and unrotate:
+                _hadamard_rows(target[first:t], t - first, tile)
         else:
             for k in range(d):
                 target[t, k] = buf[b, h, t, k]
+            t += 1
+
+
+@numba.njit(inline="always")
+def _tail_weighted(rotated_acc, plain, probs, vals, first, f, staged, b):
+    """A rotated buffer's share: its coded tokens (rows [first, first+f) of vals, in the rotated basis) into
+    rotated_acc, its staged ones (exact) into plain, each run of either kind with `_weighted_rows`."""
+    t = 0
+    while t < f:
+        own = _is_staged(staged, b, t)
+        end = t + 1
+        while end < f and _is_staged(staged, b, end) == own:
+            end += 1
+        _weighted_rows(plain if own else rotated_acc, probs, vals, first + t, first + end)
+        t = end
 
 
 @numba.njit(inline="always")
 def _plane(sink, buf, tail, b, h, s, p, c, f, nb, prompt, prompt_factors, decode, decode_factors, hadamard, plane,
-           prompt_scratch, decode_scratch):
+           prompt_scratch, decode_scratch, unrotate_tail, tile):
     """Rows [0, s+p+c*nb+f) of plane: the row's tokens of one stream in row-local order. The prompt chunk and the
     decode chunks are decompressed whole (as many chunks as the longest row holds) and then overwritten from the
-    row's next segment on: what lies past a row's own tokens is never attended. (run[9]: a run's tokens.)"""
+    row's next segment on: what lies past a row's own tokens is never attended. (run[9]: a run's tokens.) A rotated
+    buffer's coded tokens are rotated back when unrotate_tail (`_buffer_rows`)."""
     for t in range(s):
         for k in range(plane.shape[1]):
             plane[t, k] = sink[b, h, t, k]
@@ -90,7 +135,7 @@ def _plane(sink, buf, tail, b, h, s, p, c, f, nb, prompt, prompt_factors, decode
     if c > 0:
         _assemble_run(decode, decode_factors, hadamard, b, h, plane[s + p : s + p + decode[9]], decode_scratch)
     first = s + p + c * nb
-    _buffer_rows(buf, tail, b, h, f, plane[first : first + f])
+    _buffer_rows(buf, tail, b, h, f, plane[first : first + f], unrotate_tail, tile)
 
 
 @numba.njit(inline="always")
@@ -192,6 +237,7 @@ def _attend(q, limits, rows, cos, sin, window, nb, sink_k, sink_v, buf_k, buf_v,
     pv_s = _run_scratch(pv, _NO_FACTORS, False, d)
     dv_s = _run_scratch(dv, _NO_FACTORS, False, d)
     tile = np.empty((d, 64), dtype=np.float32)
+    rotated_tail = tail_v[5] and tail_v[0].shape[2] > 0  # values' buffer coded in the rotated basis
     for b in range(B):
         s, p, c, f = rows[b, 0], rows[b, 1], rows[b, 2], rows[b, 3]
         L = s + p + c * nb + f
@@ -200,7 +246,7 @@ def _attend(q, limits, rows, cos, sin, window, nb, sink_k, sink_v, buf_k, buf_v,
                 for k in range(d):
                     qrows[m, k] = q[b, h * G + m // QL, m % QL, k]
             _plane(sink_k, buf_k, tail_k, b, h, s, p, c, f, nb, pk, pk_factors, dk, dk_factors, rotated_keys, keys,
-                   pk_s, dk_s)
+                   pk_s, dk_s, True, tile)
             for t in range(L):  # key t rotated at its position (HF's rotate_half RoPE), then its scores
                 for i in range(half):
                     x1, x2, ct, st = keys[t, i], keys[t, i + half], cos[b, t, i], sin[b, t, i]
@@ -217,22 +263,28 @@ def _attend(q, limits, rows, cos, sin, window, nb, sink_k, sink_v, buf_k, buf_v,
                 high = min(limit + 1, L)
                 norm[m] = _softmax_row(scores[m], low, high, L, exponents)
             _plane(sink_v, buf_v, tail_v, b, h, s, p, c, f, nb, pv, _NO_FACTORS, dv, _NO_FACTORS, False, vals, pv_s,
-                   dv_s)
+                   dv_s, False, tile)
             acc[:] = 0.0
             plain[:] = 0.0
             compressed = s + p + c * nb
-            if rotated_values:  # the sink and buffer values are not rotated: their share is added after un-rotating
+            if rotated_values or rotated_tail:  # acc: what is in the rotated basis, added after un-rotating it; plain:
+                # the sink's and the staged tokens' share (and the chunks', when only the buffer is rotated)
+                chunks = acc if rotated_values else plain
                 _weighted_rows(plain, scores, vals, 0, s)
-                _weighted_rows(plain, scores, vals, compressed, L)
-                _weighted_rows(acc, scores, vals, s, compressed)
+                _weighted_rows(chunks, scores, vals, s, compressed)
+                if rotated_tail:
+                    _tail_weighted(acc, plain, scores, vals, compressed, L - compressed, tail_v[3], b)
+                else:
+                    _weighted_rows(plain, scores, vals, compressed, L)
             else:
+                chunks = acc
                 _weighted_rows(acc, scores, vals, 0, L)
             if p > 0 and pv_factors[0].shape[3]:
-                _add_value_lowrank(acc, scores, pv_factors, b, h, 0, pv[8], s, p, d, pa)
+                _add_value_lowrank(chunks, scores, pv_factors, b, h, 0, pv[8], s, p, d, pa)
             if dv_factors[0].shape[3]:
                 for chunk in range(c):
-                    _add_value_lowrank(acc, scores, dv_factors, b, h, chunk, nb, s + p + chunk * nb, nb, d, pa)
-            if rotated_values:
+                    _add_value_lowrank(chunks, scores, dv_factors, b, h, chunk, nb, s + p + chunk * nb, nb, d, pa)
+            if rotated_values or rotated_tail:
                 _hadamard_rows(acc, M, tile)  # (P·V·H)·H = P·V
             for m in range(M):
                 for k in range(d):
@@ -283,13 +335,13 @@ _EMPTY_RUN = (np.zeros((0, 0, 0, 0), dtype=np.uint8), 2, 1, True, np.zeros((0, 0
 
 
 _NO_TAIL = (np.zeros((0, 0, 0, 0), dtype=np.uint8), np.zeros((0, 0, 0, 0), dtype=np.int16),
-            np.zeros((0, 0, 0, 0), dtype=np.int16), np.zeros((0, 0), dtype=np.bool_))
+            np.zeros((0, 0, 0, 0), dtype=np.int16), np.zeros((0, 0), dtype=np.bool_), 8, False)
 
 
 def _tail_args(view):
-    """(codes, scale, minimum, staged) of a StreamView's coded buffer (`views.CodedTailView`) as `_buffer_rows` reads
-    them: the store's fields in place (bf16 scale/minimum as their bits; fp16 ones cast to float32), staged [B,cap] or
-    [0,0] when nothing is staged; `_NO_TAIL` for a full-precision buffer."""
+    """(codes, scale, minimum, staged, bits, rotated) of a StreamView's coded buffer (`views.CodedTailView`) as
+    `_buffer_rows` reads them: the store's fields in place (bf16 scale/minimum as their bits; fp16 ones cast to
+    float32), staged [B,cap] or [0,0] when nothing is staged; `_NO_TAIL` for a full-precision buffer."""
     tail = view.tail
     if tail is None:
         return _NO_TAIL
@@ -299,7 +351,7 @@ def _tail_args(view):
         scale, minimum = scale.view(torch.int16).numpy(), minimum.view(torch.int16).numpy()
     else:
         scale, minimum = _side_array(scale.contiguous()), _side_array(minimum.contiguous())
-    return tail.codes.contiguous().numpy(), scale, minimum, staged
+    return tail.codes.contiguous().numpy(), scale, minimum, staged, int(tail.bits), bool(tail.rotated)
 
 
 def _rope_halves(positions: torch.Tensor, inv_freq: torch.Tensor):
