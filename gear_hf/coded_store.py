@@ -18,10 +18,10 @@ from .storage import TokenWrites, _grown
 class CodedTokenStore:
     """Tokens [B, H, capacity, d] stored in a per-token format (a `ChunkSpec` whose every field holds one entry per
     token, e.g. values quantized per token, or keys at 8 bits per token with a 16-bit scale and minimum): each token
-    is encoded when its step ends (by the compress backend's kernel where it has one, `Backend.encode_tokens`: the
-    numba one for the 8-bit format, bit for bit the oracle's; else by the torch oracle), and decoded by the oracle when
-    read, or read as stored by a fused kernel that reads it (`kernel_tail`). Same interface as `TokenStore`; what it
-    holds is what `nbytes` counts (the buffer of `GearConfig.key_buffer` / `value_buffer`).
+    is encoded when its step ends (by a kernel of the cache's backends where one has it, `Backend.encode_tokens`: the
+    numba one for the 8-bit and rotated 4-bit formats, bit for bit the oracle's; else by the torch oracle), and decoded
+    by the oracle when read, or read as stored by a fused kernel that reads it (`kernel_tail`). Same interface as
+    `TokenStore`; what it holds is what `nbytes` counts (the buffer of `GearConfig.key_buffer` / `value_buffer`).
 
     Tokens are encoded when their step ends (`end_step`), and only those that stay: until then they are staged in
     full precision, so the attention of that step sees them as the model made them and a prompt compressed in the
@@ -104,7 +104,10 @@ class CodedTokenStore:
         for row, start, length in kept or ():
             written[row, :start] = False
             written[row, start + length :] = False
-        if self.plan is None or not self.plan.compress.encode_tokens(self.spec, exact, written, self.fields):
+        # any backend of the plan whose kernel encodes this format (bit for bit the oracle's: which one does not
+        # matter; the compress backend may be the torch one for chunk features its kernels lack, e.g. range search)
+        encoders = self.plan.accelerators if self.plan is not None else ()
+        if not any(backend.encode_tokens(self.spec, exact, written, self.fields) for backend in encoders):
             rows, columns = written.nonzero(as_tuple=True)
             if rows.numel():
                 chunk = self.encode(exact[rows, :, columns].unsqueeze(2))  # [N,H,1,d]: one token per entry

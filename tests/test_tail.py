@@ -267,6 +267,31 @@ def test_caches_hold_the_same_coded_buffer_on_both_backends(d, kv_heads, group, 
             assert torch.equal(numba_fields[name].view(torch.uint8), t.view(torch.uint8)), name
 
 
+def test_the_default_buffer_is_encoded_by_the_kernel_whatever_compresses_the_chunks(monkeypatch):
+    """GearConfig()'s chunks use range search, which the numba compress does not serve (the torch backend compresses
+    them), yet its 8-bit keys and 4-bit rotated values are encoded by the numba kernel (any backend of the plan that
+    has one): bit for bit what the torch backend's cache holds."""
+    pytest.importorskip("numba")
+    import gear_hf.kernels.cpu as cpu
+    from gear_hf.cache.fused import build_cache
+
+    calls = []
+    real = cpu.encode_staged
+    monkeypatch.setattr(cpu, "encode_staged", lambda *args: calls.append(args[3].bits) or real(*args))
+    held = {}
+    for backend in ("torch", "auto"):
+        with torch.inference_mode():
+            cache, _, _ = build_cache(GearConfig(backend=backend), batch=2, kv_heads=2, head_dim=64,
+                                      steps=[150, 1, 1, 2], pad=[0, 9], dtype=torch.bfloat16)
+        held[backend] = [dict(stream.buffer.fields) for stream in cache.layers[0].streams]
+        if backend == "auto":
+            assert cache.backend_names["compress"] == "torch" and cache.backend_names["attend"] == "numba"
+    assert sorted(set(calls)) == [4, 8]
+    for torch_fields, numba_fields in zip(held["torch"], held["auto"]):
+        for name, t in torch_fields.items():
+            assert torch.equal(numba_fields[name].view(torch.uint8), t.view(torch.uint8)), name
+
+
 def _inv_freq(d, theta=10000.0):
     return 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
 
