@@ -8,8 +8,8 @@
 * `lowrank` - the low-rank factors fitted to that residual (`fit_factors`)
 * `attend` - the fused decode attention over a layer's storage (`decode_attention`, what the Triton kernel computes;
   `attend_supported` says which caches it reads)
-* `tail` - the buffer held at 8 bits per token: the step's tokens encoded into it (`encode_staged`, bit for bit
-  `compress` with `format.INT8_TOKENS`); `attend` reads its codes directly
+* `tail` - the buffer held per token, 8 bits or 4 bits rotated: the step's tokens encoded into it (`encode_staged`,
+  bit for bit `compress` with `format.INT8_TOKENS` / `INT4_TOKENS`); `attend` reads its codes directly
 * `arrays` - torch tensors as the numpy arrays the loops read
 
 Each entry point has a `*_supported` check (or returns None) for what it covers; the torch code is the oracle they
