@@ -32,7 +32,8 @@ from .ops import _dot, _lowrank_a, _lowrank_bt, _lowrank_dot, _sylvester_halves,
 from .tiles import _channel_stats, _per_channel_tile, _token_stats, _value_tile
 from .unpack import _plane_bytes, _plane_masks, _plane_offsets, _plane_words, _planes_to_codes, _unpack_3bit_words
 
-OUTLIERS_PER_STEP = tl.constexpr(32)  # key outliers read per step (one-hot dot, or scatter)
+OUTLIERS_PER_STEP = tl.constexpr(32)  # key outliers read per step of the one-hot dot (rotated runs)
+SCATTER_STEP = tl.constexpr(128)  # key outliers scattered per step (one per thread of 4 warps)
 
 # Sizes that differ per call: never specialized on (no recompiles). Strides are (their divisibility by 16 lets
 # the compiler issue 16-byte loads and stores of rows; GEAR's storage and the workspace keep it).
@@ -296,17 +297,6 @@ def _reconstruct_kernel(
         ty = out_ptr.dtype.element_ty
         tl.store(o, x1.to(ty), mask=m2)
         tl.store(o + HALF, x2.to(ty), mask=m2)
-        if SCATTER and CH_SPARSE:  # the tile's outliers: [lo, hi) of the chunk's list, sorted by token
-            u0 = tok0 // 16
-            lo = tl.load(ot_b + u0)
-            hi = tl.load(ot_b + tl.minimum(u0 + BN // 16, N_TILES))
-            LOG2D: tl.constexpr = D.bit_length() - 1
-            for e0 in range(lo, hi, OUTLIERS_PER_STEP):
-                e = e0 + tl.arange(0, OUTLIERS_PER_STEP)
-                where = tl.load(ow + seg + e, mask=e < hi, other=0)
-                val = tl.load(ov + seg + e, mask=e < hi, other=0.0).to(tl.float32)
-                _scatter_outliers(o_b, so_t, cos_b, sin_b, sr_t, chunk * N + (where >> LOG2D), where & (D - 1), val,
-                                  (e < hi) & (val != 0.0), HALF, ROPE)
         if SCATTER and K2 > 0:  # each token's K2 slots (distinct channels; empty slots hold 0)
             K2P: tl.constexpr = 1 << (K2 - 1).bit_length()
             s = tl.arange(0, K2P)[None, :]
@@ -316,3 +306,13 @@ def _reconstruct_kernel(
             ch = tl.load(spi + bh64 * s_sp + slot[:, None] * K2 + s, mask=m, other=0).to(tl.int32)
             _scatter_outliers(o_b, so_t, cos_b, sin_b, sr_t, slot[:, None] + 0 * s, ch, val, m & (val != 0.0), HALF,
                               ROPE)
+    if SCATTER and CH_SPARSE:  # the outliers of the program's tiles: [lo, hi) of the chunk's list, sorted by token
+        lo = tl.load(ot_b + first * (BN // 16))
+        hi = tl.load(ot_b + tl.minimum(tl.minimum(first + TILES, tl.cdiv(N, BN)) * (BN // 16), N_TILES))
+        LOG2D: tl.constexpr = D.bit_length() - 1
+        for e0 in range(lo, hi, SCATTER_STEP):
+            e = e0 + tl.arange(0, SCATTER_STEP)
+            where = tl.load(ow + seg + e, mask=e < hi, other=0)
+            val = tl.load(ov + seg + e, mask=e < hi, other=0.0).to(tl.float32)
+            _scatter_outliers(o_b, so_t, cos_b, sin_b, sr_t, chunk * N + (where >> LOG2D), where & (D - 1), val,
+                              (e < hi) & (val != 0.0), HALF, ROPE)
