@@ -29,11 +29,11 @@ import triton
 import triton.language as tl
 
 from .ops import _dot, _lowrank_a, _lowrank_bt, _lowrank_dot, _sylvester_halves, _unrotate_halves
-from .tiles import _channel_stats, _per_channel_tile, _token_stats, _value_tile
+from .tiles import _channel_stats, _token_stats, _value_tile
 from .unpack import _plane_bytes, _plane_masks, _plane_offsets, _plane_words, _planes_to_codes, _unpack_3bit_words
 
 OUTLIERS_PER_STEP = tl.constexpr(32)  # key outliers read per step of the one-hot dot (rotated runs)
-SCATTER_STEP = tl.constexpr(128)  # key outliers scattered per step (one per thread of 4 warps)
+SCATTER_STEP = tl.constexpr(32)  # key outliers scattered per step (after the tiles: a cost per outlier)
 
 # Sizes that differ per call: never specialized on (no recompiles). Strides are (their divisibility by 16 lets
 # the compiler issue 16-byte loads and stores of rows; GEAR's storage and the workspace keep it).
@@ -178,6 +178,95 @@ def _scatter_outliers(o_b, so_t, cos_b, sin_b, sr_t, slot, ch, val, live, HALF: 
 
 
 @triton.jit
+def _stack(x0, x1, x2, x3, x4, x5, x6, x7, N: tl.constexpr):
+    """The first N (1, 2, 4 or 8) of x0..x7 [R, Q, 4] stacked along a new last axis: [R, Q, 4, N]."""
+    R: tl.constexpr = x0.shape[0]
+    Q: tl.constexpr = x0.shape[1]
+    if N == 1:
+        return tl.reshape(x0, [R, Q, 4, 1])
+    elif N == 2:
+        return tl.join(x0, x1)
+    elif N == 4:
+        return tl.reshape(tl.join(tl.join(x0, x2), tl.join(x1, x3)), [R, Q, 4, 4])
+    else:
+        even = tl.reshape(tl.join(tl.join(x0, x4), tl.join(x2, x6)), [R, Q, 4, 4])
+        odd = tl.reshape(tl.join(tl.join(x1, x5), tl.join(x3, x7)), [R, Q, 4, 4])
+        return tl.reshape(tl.join(even, odd), [R, Q, 4, 8])
+
+
+@triton.jit
+def _in_place(t, MASK: tl.constexpr):
+    """Each byte k of the words t [R, Q] masked in place: [R, Q, 4], code k = (t & MASK << 8k), i.e. its code
+    times 2^(8k) (one mask per code; the place value leaves through `_byte_scales`)."""
+    return tl.reshape(tl.join(tl.join(t & MASK, t & (MASK << 16)), tl.join(t & (MASK << 8), t & (MASK << 24))),
+                      [t.shape[0], t.shape[1], 4])
+
+
+@triton.jit
+def _byte_scales(sc):
+    """sc [R, C] times 2^(-8k), k = c % 4 (the place value of channel c's byte in a word; exact)."""
+    R: tl.constexpr = sc.shape[0]
+    C: tl.constexpr = sc.shape[1]
+    e, o = tl.split(tl.reshape(sc, [R, C // 4, 2, 2]))  # [R, C/4, 2] each: k = 2a + b, b = 0 (e) or 1 (o)
+    e0, e1 = tl.split(e)  # k = 0, 2
+    o0, o1 = tl.split(o)  # k = 1, 3
+    e = tl.join(e0, e1 * 1.52587890625e-05)  # 2^-16
+    o = tl.join(o0 * 0.00390625, o1 * 5.9604644775390625e-08)  # 2^-8, 2^-24
+    return tl.reshape(tl.join(e, o), [R, C])
+
+
+@triton.jit
+def _word_channel_tile(codes_b, scale_b, min_b, s_codes, s_scale, slot, slot0, slot_end, tvalid, ch, ch0,
+                       BITS: tl.constexpr, UNIT: tl.constexpr, GROUP: tl.constexpr, STATS_ROW: tl.constexpr):
+    """`tiles._per_channel_tile`'s D̂ of 2/3/4/8-bit codes (no bit planes), float32 [BN, C], from 32-bit words of 4
+    channels' bytes (3 bits: one word from each of a unit's three byte rows). Each code is masked in place in its
+    word (its token's shift of the word done once per word), converted, and multiplied by its channel's scale times
+    2^(-8k) (k: the channel's byte in the word; `_byte_scales`, per tile): one mask, one conversion and one
+    multiply-add per code instead of a shift, an extraction, a conversion and a multiply-add."""
+    BN: tl.constexpr = slot.shape[0]
+    C: tl.constexpr = ch.shape[0]
+    R: tl.constexpr = BN // UNIT
+    units = slot0 // UNIT + tl.arange(0, R)
+    um = (units * UNIT < slot_end)[:, None]
+    cw = (ch0 // 4 + tl.arange(0, C // 4))[None, :]
+    MASK: tl.constexpr = (1 << BITS) - 1
+    if BITS == 3:  # a unit: 3 byte rows, the 2-bit plane of tokens 0-3, of tokens 4-7, then the 1-bit plane
+        rows = (codes_b + (units * 3)[:, None] * s_codes).to(tl.pointer_type(tl.int32)) + cw
+        w0 = tl.load(rows, mask=um, other=0).to(tl.uint32, bitcast=True)
+        w1 = tl.load(rows + s_codes // 4, mask=um, other=0).to(tl.uint32, bitcast=True)
+        w2 = tl.load(rows + 2 * (s_codes // 4), mask=um, other=0).to(tl.uint32, bitcast=True)
+        P2: tl.constexpr = 0x03030303
+        P1: tl.constexpr = 0x04040404
+        t0 = _in_place(w0 & P2 | (w2 << 2) & P1, MASK)
+        t1 = _in_place((w0 >> 2) & P2 | (w2 << 1) & P1, MASK)
+        t2 = _in_place((w0 >> 4) & P2 | w2 & P1, MASK)
+        t3 = _in_place((w0 >> 6) & P2 | (w2 >> 1) & P1, MASK)
+        t4 = _in_place(w1 & P2 | (w2 >> 2) & P1, MASK)
+        t5 = _in_place((w1 >> 2) & P2 | (w2 >> 3) & P1, MASK)
+        t6 = _in_place((w1 >> 4) & P2 | (w2 >> 4) & P1, MASK)
+        t7 = _in_place((w1 >> 6) & P2 | (w2 >> 5) & P1, MASK)
+        code = _stack(t0, t1, t2, t3, t4, t5, t6, t7, 8)
+    else:  # UNIT tokens per byte, token j at bits BITS*j
+        w = tl.load((codes_b + units[:, None] * s_codes).to(tl.pointer_type(tl.int32)) + cw, mask=um,
+                    other=0).to(tl.uint32, bitcast=True)
+        t0 = _in_place(w, MASK)
+        if UNIT > 1:
+            t1 = _in_place(w >> BITS, MASK)
+        else:
+            t1 = t0
+        if UNIT > 2:
+            t2 = _in_place(w >> 4, MASK)
+            t3 = _in_place(w >> 6, MASK)
+        else:
+            t2 = t0
+            t3 = t0
+        code = _stack(t0, t1, t2, t3, t0, t0, t0, t0, UNIT)
+    code = tl.reshape(tl.permute(code, (0, 3, 1, 2)), [BN, C])  # [R, C/4, 4, UNIT] -> token-major
+    sc, mn = _channel_stats(scale_b, min_b, s_scale, slot, slot0, tvalid, ch, ch0, GROUP, STATS_ROW)
+    return code.to(tl.float32) * _byte_scales(sc) + mn
+
+
+@triton.jit
 def _plane_tile(codes_b, scale_b, min_b, widths, offset, need1, need2, mlo, mhi, slot, slot0, slot_end, tvalid, ch,
                 ch0, a, bt, ROW: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr,
                 STATS_ROW: tl.constexpr, DT: tl.constexpr):
@@ -248,6 +337,9 @@ def _reconstruct_kernel(
         n11, n12, mlo1, mhi1 = _plane_masks(w1_, off1)
         n21, n22, mlo2, mhi2 = _plane_masks(w2_, off2)
     first = part * TILES
+    if SCATTER and CH_SPARSE:  # [lo_p, hi_p): the program's key outliers in the chunk's list (sorted by token)
+        lo_p = tl.load(ot_b + first * (BN // 16))
+        hi_p = tl.load(ot_b + tl.minimum(tl.minimum(first + TILES, tl.cdiv(N, BN)) * (BN // 16), N_TILES))
     for blk in range(first, tl.minimum(first + TILES, tl.cdiv(N, BN))):
         tok0 = blk * BN  # chunk-local
         slot0 = chunk * N + tok0  # along the store's token axis (chunks one after the other)
@@ -262,11 +354,13 @@ def _reconstruct_kernel(
                                  tvalid, h_offs + HALF, HALF, a16, bt2 if R > 0 else 0, ROW, D, GROUP, R, STATS_ROW,
                                  DT)
             else:
-                x1 = _per_channel_tile(codes_b, scale_b, min_b, ROW, D, slot, slot0, chunk * N + N, tvalid, h_offs, 0,
-                                       a16, bt1 if R > 0 else 0, widths_b, BITS, UNIT, GROUP, R, STATS_ROW, DT, PLANES)
-                x2 = _per_channel_tile(codes_b, scale_b, min_b, ROW, D, slot, slot0, chunk * N + N, tvalid,
-                                       h_offs + HALF, HALF, a16, bt2 if R > 0 else 0, widths_b, BITS, UNIT, GROUP, R,
-                                       STATS_ROW, DT, PLANES)
+                x1 = _word_channel_tile(codes_b, scale_b, min_b, ROW, D, slot, slot0, chunk * N + N, tvalid, h_offs,
+                                        0, BITS, UNIT, GROUP, STATS_ROW)
+                x2 = _word_channel_tile(codes_b, scale_b, min_b, ROW, D, slot, slot0, chunk * N + N, tvalid,
+                                        h_offs + HALF, HALF, BITS, UNIT, GROUP, STATS_ROW)
+                if R > 0:  # + A·Bᵀ on the tensor cores (rank padded to 16 with zeros)
+                    x1 = _lowrank_dot(a16, bt1, x1, DT)
+                    x2 = _lowrank_dot(a16, bt2, x2, DT)
             if CH_SPARSE and not SCATTER:
                 u0 = tok0 // 16
                 lo = tl.load(ot_b + u0)
@@ -306,13 +400,11 @@ def _reconstruct_kernel(
             ch = tl.load(spi + bh64 * s_sp + slot[:, None] * K2 + s, mask=m, other=0).to(tl.int32)
             _scatter_outliers(o_b, so_t, cos_b, sin_b, sr_t, slot[:, None] + 0 * s, ch, val, m & (val != 0.0), HALF,
                               ROPE)
-    if SCATTER and CH_SPARSE:  # the outliers of the program's tiles: [lo, hi) of the chunk's list, sorted by token
-        lo = tl.load(ot_b + first * (BN // 16))
-        hi = tl.load(ot_b + tl.minimum(tl.minimum(first + TILES, tl.cdiv(N, BN)) * (BN // 16), N_TILES))
+    if SCATTER and CH_SPARSE:  # the outliers of the program's tiles (`lo_p`, `hi_p`), after them
         LOG2D: tl.constexpr = D.bit_length() - 1
-        for e0 in range(lo, hi, SCATTER_STEP):
+        for e0 in range(lo_p, hi_p, SCATTER_STEP):
             e = e0 + tl.arange(0, SCATTER_STEP)
-            where = tl.load(ow + seg + e, mask=e < hi, other=0)
-            val = tl.load(ov + seg + e, mask=e < hi, other=0.0).to(tl.float32)
+            where = tl.load(ow + seg + e, mask=e < hi_p, other=0)
+            val = tl.load(ov + seg + e, mask=e < hi_p, other=0.0).to(tl.float32)
             _scatter_outliers(o_b, so_t, cos_b, sin_b, sr_t, chunk * N + (where >> LOG2D), where & (D - 1), val,
-                              (e < hi) & (val != 0.0), HALF, ROPE)
+                              (e < hi_p) & (val != 0.0), HALF, ROPE)
