@@ -267,6 +267,40 @@ def _word_channel_tile(codes_b, scale_b, min_b, s_codes, s_scale, slot, slot0, s
 
 
 @triton.jit
+def _factor_row(bm_b, s_bm, b_rows, as_b, bs_b, chunk, r: tl.constexpr, R: tl.constexpr):
+    """Column r of B at rows b_rows [C] as float32 (int8 factors: times the chunk's a_scale·b_scale of rank r);
+    zeros when r >= R."""
+    if r < R:
+        b = tl.load(bm_b + b_rows * s_bm + r).to(tl.float32)
+        if bm_b.dtype.element_ty == tl.int8:
+            b = b * (tl.load(as_b + chunk * R + r).to(tl.float32) * tl.load(bs_b + chunk * R + r).to(tl.float32))
+    else:
+        b = tl.zeros(b_rows.shape, tl.float32)
+    return b
+
+
+@triton.jit
+def _lowrank_fma(x1, x2, a_b, s_a, slot, tvalid, p0, q0, p1, q1, p2, q2, p3, q3, R: tl.constexpr):
+    """x1, x2 [BN, C] + A·Bᵀ of rank R <= 4 in float32 multiply-adds (R per element): A's columns at store slots
+    `slot` [BN]; (p_r, q_r) [C]: B's column r at the channels of x1 and of x2 (`_factor_row`, read once per run)."""
+    for r in tl.static_range(R):
+        a = tl.load(a_b + slot * s_a + r, mask=tvalid, other=0).to(tl.float32)[:, None]
+        if r == 0:
+            x1 += a * p0[None, :]
+            x2 += a * q0[None, :]
+        elif r == 1:
+            x1 += a * p1[None, :]
+            x2 += a * q1[None, :]
+        elif r == 2:
+            x1 += a * p2[None, :]
+            x2 += a * q2[None, :]
+        else:
+            x1 += a * p3[None, :]
+            x2 += a * q3[None, :]
+    return x1, x2
+
+
+@triton.jit
 def _plane_tile(codes_b, scale_b, min_b, widths, offset, need1, need2, mlo, mhi, slot, slot0, slot_end, tvalid, ch,
                 ch0, a, bt, ROW: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr,
                 STATS_ROW: tl.constexpr, DT: tl.constexpr):
@@ -322,7 +356,21 @@ def _reconstruct_kernel(
     # values of 3 bits without outliers in registers: codes from words, and a rotation's D^-1/2 in the statistics
     WORDS3: tl.constexpr = not BY_CHANNEL and BITS == 3 and (K2 == 0 or SCATTER)
     NORM = 1.0 / tl.sqrt_rn(tl.full([], D, tl.float32)) if ROT else 1.0
-    if R > 0:
+    # keys of 2/3/4/8 bits and rank <= 4: the low-rank term as R float32 multiply-adds per element (the tile stays
+    # in the layout its words were read in: no tensor-core layout to move it into and out of)
+    LR_FMA: tl.constexpr = BY_CHANNEL and not PLANES and 0 < R <= 2
+    if LR_FMA:
+        lb_b = lb + bh64 * s_lb
+        rows1 = chunk * D + h_offs
+        p0 = _factor_row(lb_b, R, rows1, las + bh64 * s_ls, lbs + bh64 * s_ls, chunk, 0, R)
+        p1 = _factor_row(lb_b, R, rows1, las + bh64 * s_ls, lbs + bh64 * s_ls, chunk, 1, R)
+        p2 = _factor_row(lb_b, R, rows1, las + bh64 * s_ls, lbs + bh64 * s_ls, chunk, 2, R)
+        p3 = _factor_row(lb_b, R, rows1, las + bh64 * s_ls, lbs + bh64 * s_ls, chunk, 3, R)
+        q0 = _factor_row(lb_b, R, rows1 + HALF, las + bh64 * s_ls, lbs + bh64 * s_ls, chunk, 0, R)
+        q1 = _factor_row(lb_b, R, rows1 + HALF, las + bh64 * s_ls, lbs + bh64 * s_ls, chunk, 1, R)
+        q2 = _factor_row(lb_b, R, rows1 + HALF, las + bh64 * s_ls, lbs + bh64 * s_ls, chunk, 2, R)
+        q3 = _factor_row(lb_b, R, rows1 + HALF, las + bh64 * s_ls, lbs + bh64 * s_ls, chunk, 3, R)
+    if R > 0 and not LR_FMA:
         if BY_CHANNEL:
             bt1 = _lowrank_bt(lb + bh64 * s_lb, R, chunk * D + h_offs, las + bh64 * s_ls, lbs + bh64 * s_ls, chunk,
                               R, DT)
@@ -345,7 +393,7 @@ def _reconstruct_kernel(
         slot0 = chunk * N + tok0  # along the store's token axis (chunks one after the other)
         slot = slot0 + tl.arange(0, BN)
         tvalid = tok0 + tl.arange(0, BN) < N
-        a16 = _lowrank_a(la_b, R, slot, tvalid, R, DT) if R > 0 else 0  # [BN, 16]
+        a16 = _lowrank_a(la_b, R, slot, tvalid, R, DT) if R > 0 and not LR_FMA else 0  # [BN, 16]
         if BY_CHANNEL:  # codes packed along tokens, a row of statistics per token group: a half of the head at a time
             if PLANES:
                 x1 = _plane_tile(codes_b, scale_b, min_b, w1_, off1, n11, n12, mlo1, mhi1, slot, slot0, chunk * N + N,
@@ -358,7 +406,9 @@ def _reconstruct_kernel(
                                         0, BITS, UNIT, GROUP, STATS_ROW)
                 x2 = _word_channel_tile(codes_b, scale_b, min_b, ROW, D, slot, slot0, chunk * N + N, tvalid,
                                         h_offs + HALF, HALF, BITS, UNIT, GROUP, STATS_ROW)
-                if R > 0:  # + A·Bᵀ on the tensor cores (rank padded to 16 with zeros)
+                if LR_FMA:
+                    x1, x2 = _lowrank_fma(x1, x2, la_b, R, slot, tvalid, p0, q0, p1, q1, p2, q2, p3, q3, R)
+                elif R > 0:  # + A·Bᵀ on the tensor cores (rank padded to 16 with zeros)
                     x1 = _lowrank_dot(a16, bt1, x1, DT)
                     x2 = _lowrank_dot(a16, bt2, x2, DT)
             if CH_SPARSE and not SCATTER:
