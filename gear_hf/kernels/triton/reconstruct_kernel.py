@@ -216,8 +216,31 @@ def _byte_scales(sc):
 
 
 @triton.jit
+def _unit_codes(codes_b, s_codes, unit0, slot_end, cw, SET: tl.constexpr, RS: tl.constexpr, BITS: tl.constexpr,
+                UNIT: tl.constexpr, MASK: tl.constexpr):
+    """The codes, masked in place, of the words of units unit0 + SET*RS + [0, RS) (rows s_codes bytes apart) at
+    word columns cw [1, C/4]: uint32 [RS, C/4, 4 (byte k), UNIT (token j)], token j's shift done once per word."""
+    units = unit0 + SET * RS + tl.arange(0, RS)
+    w = tl.load((codes_b + units[:, None] * s_codes).to(tl.pointer_type(tl.int32)) + cw,
+                mask=(units * UNIT < slot_end)[:, None], other=0).to(tl.uint32, bitcast=True)
+    t0 = _in_place(w, MASK)
+    if UNIT > 1:
+        t1 = _in_place(w >> BITS, MASK)
+    else:
+        t1 = t0
+    if UNIT > 2:
+        t2 = _in_place(w >> 4, MASK)
+        t3 = _in_place(w >> 6, MASK)
+    else:
+        t2 = t0
+        t3 = t0
+    return _stack(t0, t1, t2, t3, t0, t0, t0, t0, UNIT)
+
+
+@triton.jit
 def _word_channel_tile(codes_b, scale_b, min_b, s_codes, s_scale, slot, slot0, slot_end, tvalid, ch, ch0,
-                       BITS: tl.constexpr, UNIT: tl.constexpr, GROUP: tl.constexpr, STATS_ROW: tl.constexpr):
+                       BITS: tl.constexpr, UNIT: tl.constexpr, GROUP: tl.constexpr, STATS_ROW: tl.constexpr,
+                       SETS: tl.constexpr):
     """`tiles._per_channel_tile`'s D̂ of 2/3/4/8-bit codes (no bit planes), float32 [BN, C], from 32-bit words of 4
     channels' bytes (3 bits: one word from each of a unit's three byte rows). Each code is masked in place in its
     word (its token's shift of the word done once per word), converted, and multiplied by its channel's scale times
@@ -226,11 +249,11 @@ def _word_channel_tile(codes_b, scale_b, min_b, s_codes, s_scale, slot, slot0, s
     BN: tl.constexpr = slot.shape[0]
     C: tl.constexpr = ch.shape[0]
     R: tl.constexpr = BN // UNIT
-    units = slot0 // UNIT + tl.arange(0, R)
-    um = (units * UNIT < slot_end)[:, None]
     cw = (ch0 // 4 + tl.arange(0, C // 4))[None, :]
     MASK: tl.constexpr = (1 << BITS) - 1
     if BITS == 3:  # a unit: 3 byte rows, the 2-bit plane of tokens 0-3, of tokens 4-7, then the 1-bit plane
+        units = slot0 // UNIT + tl.arange(0, R)
+        um = (units * UNIT < slot_end)[:, None]
         rows = (codes_b + (units * 3)[:, None] * s_codes).to(tl.pointer_type(tl.int32)) + cw
         w0 = tl.load(rows, mask=um, other=0).to(tl.uint32, bitcast=True)
         w1 = tl.load(rows + s_codes // 4, mask=um, other=0).to(tl.uint32, bitcast=True)
@@ -245,23 +268,23 @@ def _word_channel_tile(codes_b, scale_b, min_b, s_codes, s_scale, slot, slot0, s
         t5 = _in_place((w1 >> 2) & P2 | (w2 >> 3) & P1, MASK)
         t6 = _in_place((w1 >> 4) & P2 | (w2 >> 4) & P1, MASK)
         t7 = _in_place((w1 >> 6) & P2 | (w2 >> 5) & P1, MASK)
-        code = _stack(t0, t1, t2, t3, t4, t5, t6, t7, 8)
-    else:  # UNIT tokens per byte, token j at bits BITS*j
-        w = tl.load((codes_b + units[:, None] * s_codes).to(tl.pointer_type(tl.int32)) + cw, mask=um,
-                    other=0).to(tl.uint32, bitcast=True)
-        t0 = _in_place(w, MASK)
-        if UNIT > 1:
-            t1 = _in_place(w >> BITS, MASK)
+        code = tl.reshape(tl.permute(_stack(t0, t1, t2, t3, t4, t5, t6, t7, 8), (0, 3, 1, 2)), [BN, C])
+    else:  # UNIT tokens per byte, token j at bits BITS*j; SETS > 1: the rows read as S sets of R/S consecutive
+        # units, each set a word of every thread, so a thread holds S rows of a word column (fewer channels: fewer
+        # statistics per tile; 4 or 8 bits, the smaller per-thread word count than 2 or 3 bits)
+        S: tl.constexpr = SETS
+        c0 = _unit_codes(codes_b, s_codes, slot0 // UNIT, slot_end, cw, 0, R // S, BITS, UNIT, MASK)
+        if S == 1:  # [R, C/4, 4, UNIT] -> token-major
+            code = tl.reshape(tl.permute(c0, (0, 3, 1, 2)), [BN, C])
         else:
-            t1 = t0
-        if UNIT > 2:
-            t2 = _in_place(w >> 4, MASK)
-            t3 = _in_place(w >> 6, MASK)
-        else:
-            t2 = t0
-            t3 = t0
-        code = _stack(t0, t1, t2, t3, t0, t0, t0, t0, UNIT)
-    code = tl.reshape(tl.permute(code, (0, 3, 1, 2)), [BN, C])  # [R, C/4, 4, UNIT] -> token-major
+            c1 = _unit_codes(codes_b, s_codes, slot0 // UNIT, slot_end, cw, 1, R // S, BITS, UNIT, MASK)
+            if S == 2:
+                code = tl.join(c0, c1)  # [R/S, C/4, 4, UNIT, 2]
+            else:
+                c2 = _unit_codes(codes_b, s_codes, slot0 // UNIT, slot_end, cw, 2, R // S, BITS, UNIT, MASK)
+                c3 = _unit_codes(codes_b, s_codes, slot0 // UNIT, slot_end, cw, 3, R // S, BITS, UNIT, MASK)
+                code = tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), [R // S, C // 4, 4, UNIT, 4])
+            code = tl.reshape(tl.permute(code, (4, 0, 3, 1, 2)), [BN, C])  # token = (set * R/S + row) * UNIT + j
     sc, mn = _channel_stats(scale_b, min_b, s_scale, slot, slot0, tvalid, ch, ch0, GROUP, STATS_ROW)
     return code.to(tl.float32) * _byte_scales(sc) + mn
 
@@ -356,9 +379,11 @@ def _reconstruct_kernel(
     # values of 3 bits without outliers in registers: codes from words, and a rotation's D^-1/2 in the statistics
     WORDS3: tl.constexpr = not BY_CHANNEL and BITS == 3 and (K2 == 0 or SCATTER)
     NORM = 1.0 / tl.sqrt_rn(tl.full([], D, tl.float32)) if ROT else 1.0
-    # keys of 2/3/4/8 bits and rank <= 4: the low-rank term as R float32 multiply-adds per element (the tile stays
-    # in the layout its words were read in: no tensor-core layout to move it into and out of)
-    LR_FMA: tl.constexpr = BY_CHANNEL and not PLANES and 0 < R <= 2
+    # keys of 2/4/8 bits and rank <= 2 (decode chunks): the low-rank term as R float32 multiply-adds per element,
+    # the tile staying in the layout its words were read in (no tensor-core layout to move it into and out of).
+    # Measured (compile report): better at rank 2 (gear-2 keys decode 10.70 -> 10.27), worse at rank 4 (gear-2
+    # keys prompt 11.48 -> 12.67) and for 3-bit words (gear-3 keys decode 10.55 with the dot, 12.00 without)
+    LR_FMA: tl.constexpr = BY_CHANNEL and not PLANES and 0 < R <= 2 and BITS != 3
     if LR_FMA:
         lb_b = lb + bh64 * s_lb
         rows1 = chunk * D + h_offs
@@ -370,6 +395,9 @@ def _reconstruct_kernel(
         q1 = _factor_row(lb_b, R, rows1 + HALF, las + bh64 * s_ls, lbs + bh64 * s_ls, chunk, 1, R)
         q2 = _factor_row(lb_b, R, rows1 + HALF, las + bh64 * s_ls, lbs + bh64 * s_ls, chunk, 2, R)
         q3 = _factor_row(lb_b, R, rows1 + HALF, las + bh64 * s_ls, lbs + bh64 * s_ls, chunk, 3, R)
+    # rows per thread of 4/8-bit words: sets of rows when the tile goes through the tensor-core dot (measured
+    # better there: gear-4 keys prompt 12.39 -> 11.61), one set with the multiply-adds (gear-4 decode 10.92 -> 11.34)
+    SETS: tl.constexpr = 4 // UNIT if BY_CHANNEL and UNIT < 4 and R > 0 and not LR_FMA else 1
     if R > 0 and not LR_FMA:
         if BY_CHANNEL:
             bt1 = _lowrank_bt(lb + bh64 * s_lb, R, chunk * D + h_offs, las + bh64 * s_ls, lbs + bh64 * s_ls, chunk,
@@ -403,9 +431,9 @@ def _reconstruct_kernel(
                                  DT)
             else:
                 x1 = _word_channel_tile(codes_b, scale_b, min_b, ROW, D, slot, slot0, chunk * N + N, tvalid, h_offs,
-                                        0, BITS, UNIT, GROUP, STATS_ROW)
+                                        0, BITS, UNIT, GROUP, STATS_ROW, SETS)
                 x2 = _word_channel_tile(codes_b, scale_b, min_b, ROW, D, slot, slot0, chunk * N + N, tvalid,
-                                        h_offs + HALF, HALF, BITS, UNIT, GROUP, STATS_ROW)
+                                        h_offs + HALF, HALF, BITS, UNIT, GROUP, STATS_ROW, SETS)
                 if LR_FMA:
                     x1, x2 = _lowrank_fma(x1, x2, la_b, R, slot, tvalid, p0, q0, p1, q1, p2, q2, p3, q3, R)
                 elif R > 0:  # + A·Bᵀ on the tensor cores (rank padded to 16 with zeros)
