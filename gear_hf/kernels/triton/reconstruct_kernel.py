@@ -271,7 +271,7 @@ def _word_channel_tile(codes_b, scale_b, min_b, s_codes, s_scale, slot, slot0, s
         code = tl.reshape(tl.permute(_stack(t0, t1, t2, t3, t4, t5, t6, t7, 8), (0, 3, 1, 2)), [BN, C])
     else:  # UNIT tokens per byte, token j at bits BITS*j; SETS > 1: the rows read as S sets of R/S consecutive
         # units, each set a word of every thread, so a thread holds S rows of a word column (fewer channels: fewer
-        # statistics per tile; 4 or 8 bits, the smaller per-thread word count than 2 or 3 bits)
+        # statistics per tile)
         S: tl.constexpr = SETS
         c0 = _unit_codes(codes_b, s_codes, slot0 // UNIT, slot_end, cw, 0, R // S, BITS, UNIT, MASK)
         if S == 1:  # [R, C/4, 4, UNIT] -> token-major
@@ -395,9 +395,10 @@ def _reconstruct_kernel(
         q1 = _factor_row(lb_b, R, rows1 + HALF, las + bh64 * s_ls, lbs + bh64 * s_ls, chunk, 1, R)
         q2 = _factor_row(lb_b, R, rows1 + HALF, las + bh64 * s_ls, lbs + bh64 * s_ls, chunk, 2, R)
         q3 = _factor_row(lb_b, R, rows1 + HALF, las + bh64 * s_ls, lbs + bh64 * s_ls, chunk, 3, R)
-    # rows per thread of 4/8-bit words: sets of rows when the tile goes through the tensor-core dot (measured
-    # better there: gear-4 keys prompt 12.39 -> 11.61), one set with the multiply-adds (gear-4 decode 10.92 -> 11.34)
-    SETS: tl.constexpr = 4 // UNIT if BY_CHANNEL and UNIT < 4 and R > 0 and not LR_FMA else 1
+    # words of 2/4/8-bit keys through the tensor-core dot: a thread holds 2 (2, 4 bits) or 4 (8 bits) rows of a word
+    # column (measured: gear-2 keys prompt 11.48 -> 10.11, gear-4 12.39 -> 11.61; 4 sets of 2-bit rows: 28.6); one
+    # set with the multiply-adds or without a low-rank term (gear-4 keys decode 10.92 -> 11.34, kivi-4 8.59 -> 8.86)
+    SETS: tl.constexpr = (2 if UNIT == 4 else 4 // UNIT) if BY_CHANNEL and UNIT <= 4 and R > 0 and not LR_FMA else 1
     if R > 0 and not LR_FMA:
         if BY_CHANNEL:
             bt1 = _lowrank_bt(lb + bh64 * s_lb, R, chunk * D + h_offs, las + bh64 * s_ls, lbs + bh64 * s_ls, chunk,
