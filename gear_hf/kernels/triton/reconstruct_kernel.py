@@ -4,14 +4,17 @@ One program per (row, head, chunk, TILES x BN tokens) decodes, tile after tile, 
 registers, with the tiles of the fused decode kernel (`tiles`, `unpack`, `ops`), and writes each BN-token tile once
 in the output's dtype; what depends only on the chunk (low-rank Bᵀ, the Hadamard table) is read once, before the loop:
 
-    backbone     codes of 2/3/4/8 bits, per channel over token groups (keys) or per token over channel groups
-                 (values), or allocated per-channel key widths stored as bit planes; scale/minimum
+    backbone     codes of 2/3/4/8 bits, per channel over token groups (keys: masked in place in 32-bit words,
+                 `_word_channel_tile`) or per token over channel groups (values), or allocated per-channel key
+                 widths stored as bit planes; scale/minimum
     outliers     per token (values): each token's k slots; per channel over tokens (keys): the chunk's outliers
                  sorted by token (`views.prepare_derived`, the store's derived state). Unrotated runs: added after
-                 the tile is written, a read-modify-write of the outlier's entry (and, with RoPE, of its rotary
-                 partner), a cost per outlier, not per element and slot. Rotated runs (an outlier spreads over
-                 every channel once un-rotated): added in registers before the un-rotation
-    low-rank     A·Bᵀ as one 16-wide tensor-core dot per tile (16-bit or int8 factors with per-column scales)
+                 the program's tiles are written (per token: after each tile), a read-modify-write of the outlier's
+                 entry (and, with RoPE, of its rotary partner), a cost per outlier, not per element and slot.
+                 Rotated runs (an outlier spreads over every channel once un-rotated): added in registers before
+                 the un-rotation
+    low-rank     A·Bᵀ as one 16-wide tensor-core dot per tile (16-bit or int8 factors with per-column scales), or,
+                 for keys of rank <= 2 in 2/4/8-bit words, R float32 multiply-adds per element (B's columns once)
     rotation     the Walsh–Hadamard basis undone ([x1 x2]·H_D from the half Sylvester table; 3-bit values: D^-1/2
                  folded into the statistics, codes read as 32-bit words)
     RoPE         keys stored before RoPE rotated with the model's own cos/sin at each token's column: in float32, or,
