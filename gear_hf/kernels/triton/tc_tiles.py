@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from .ops import _dot, _lowrank_a, _lowrank_dot, _lowrank_values, _rope, _sincos, _softmax_weights, _unrotate_halves
+from .tc_codes import magic_of, value_codes_magic
 from .tiles import _per_channel_tile, _value_tile
 from .unpack import _plane_bytes, _planes_to_codes, _unpack_3bit_units, _unpack_words
 
@@ -196,8 +197,15 @@ def tc_compressed_block(
     if V_FOLD:  # P·(code·s + m) = (P·diag(s))·code + (P·m)·1ᵀ, s and m one per token
         sc = tl.load(vs + slot * s_vs, mask=tvalid, other=0.0).to(tl.float32)
         mn = tl.load(vm + slot * s_vs, mask=tvalid, other=0.0).to(tl.float32)
-        code = _tc_value_codes(vc, s_vc, slot, tvalid, D, V_BITS, V_UNIT)
-        acc = _dot(p * sc[None, :], code.to(DT), DT) + acc + tl.sum(p * mn[None, :], axis=1)[:, None]
+        MT: tl.constexpr = q_rows.dtype.element_ty  # the model's 16-bit dtype
+        if (V_BITS == 3) and (D % 32 == 0):  # codes as magic floats (magic + code): P·code = P·v - magic·rowsum(P)
+            MAGIC: tl.constexpr = magic_of(MT, V_BITS)[1]
+            ps = (p * sc[None, :]).to(DT)
+            v = value_codes_magic(vc, s_vc, slot, tvalid, D, V_BITS, MT)
+            acc = _dot(ps, v.to(DT), DT) + acc + tl.sum(p * mn[None, :] - MAGIC * ps.to(tl.float32), axis=1)[:, None]
+        else:
+            code = _tc_value_codes(vc, s_vc, slot, tvalid, D, V_BITS, V_UNIT)
+            acc = _dot(p * sc[None, :], code.to(DT), DT) + acc + tl.sum(p * mn[None, :], axis=1)[:, None]
     else:
         if V_BY_CHANNEL:
             v = _per_channel_tile(vc, vs, vm, s_vc, s_vs, slot, slot0, slot_end, tvalid, tl.arange(0, D), 0, 0, 0,
