@@ -98,7 +98,8 @@ def _tc_plane_key_half(codes_b, scale_b, min_b, s_codes, s_scale, slot, slot0, s
 
 
 @triton.jit
-def _tc_scatter_key_outliers(scr, ow_b, ov_b, ot_b, n_tiles, seg, tok0, D: tl.constexpr, BN: tl.constexpr):
+def _tc_scatter_key_outliers(scr, ow_b, ov_b, ot_b, n_tiles, seg, tok0, D: tl.constexpr, BN: tl.constexpr,
+                             FAST: tl.constexpr):
     """Store the key outliers of chunk-local tokens [tok0, tok0 + BN) (the sorted lists of `views.prepare_derived`:
     entry token * D + channel, per-16-token offsets ot_b) into the block's scratch tile scr [BN, D] float32: one store
     per outlier, whatever the tile's size."""
@@ -108,6 +109,9 @@ def _tc_scatter_key_outliers(scr, ow_b, ov_b, ot_b, n_tiles, seg, tok0, D: tl.co
     hi = tl.load(ot_b + tl.minimum(u0 + BN // 16, n_tiles))
     for e0 in tl.range(lo, hi, OE, loop_unroll_factor=1):
         e = e0 + tl.arange(0, OE)
+        if FAST:  # ptxas: do not unroll this loop (about one trip per block; unrolled 4x: ~130 static instructions)
+            e = tl.inline_asm_elementwise('.pragma "nounroll";\n\tmov.b32 $0, $1;', "=r,r", [e], dtype=tl.int32,
+                                          is_pure=True, pack=1)
         ev = e < hi
         where = tl.load(ow_b + seg + e, mask=ev, other=0)
         val = tl.load(ov_b + seg + e, mask=ev, other=0.0).to(tl.float32)
@@ -163,7 +167,7 @@ def tc_compressed_block(
     n_offs = tl.arange(0, BN)
     SCATTER: tl.constexpr = K_SPARSE or (V_K2 > 0)
     if K_SPARSE:
-        _tc_scatter_key_outliers(scr, ow, ov, ot, n_tiles, seg, tok0, D, BN)
+        _tc_scatter_key_outliers(scr, ow, ov, ot, n_tiles, seg, tok0, D, BN, FAST)
     if V_K2 > 0:
         _tc_scatter_value_outliers(scr + BN * D, vsv, vsi, s_vsp, slot, tvalid, D, V_K2)
     if SCATTER:
