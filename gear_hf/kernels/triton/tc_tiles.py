@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .ops import _dot, _lowrank_a, _lowrank_dot, _lowrank_values, _rope, _sincos, _softmax_weights, _unrotate_halves
+from .ops import _dot, _lowrank_dot, _lowrank_values, _rope, _sincos, _softmax_weights, _unrotate_halves
 from .tc_codes import magic_of, value_codes_magic
 from .tiles import _per_channel_tile, _value_tile
 from .unpack import _plane_bytes, _planes_to_codes, _unpack_3bit_units, _unpack_words
@@ -98,6 +98,20 @@ def _tc_plane_key_half(codes_b, scale_b, min_b, s_codes, s_scale, slot, slot0, s
 
 
 @triton.jit
+def _tc_lowrank_a(a_b, s_a, slot, tvalid, R: tl.constexpr, DT: tl.constexpr):
+    """`ops._lowrank_a` loaded straight as [BN, 16]: column j reads rank j // (16/RP) where j is a multiple of 16/RP and
+    the rank is real, else a masked 0 (no zero tile joined and reshaped after the load)."""
+    RP: tl.constexpr = 1 << (R - 1).bit_length()
+    cols = tl.arange(0, 16)
+    rank = cols // (16 // RP)
+    keep = ((cols % (16 // RP)) == 0) & (rank < R)
+    a = tl.load(a_b + slot[:, None] * s_a + rank[None, :], mask=tvalid[:, None] & keep[None, :], other=0)
+    if a.dtype == tl.int8:  # (through float32: the CPU interpreter has no direct int8 -> bf16 conversion)
+        a = a.to(tl.float32).to(DT)
+    return a
+
+
+@triton.jit
 def _tc_scatter_key_outliers(scr, ow_b, ov_b, ot_b, n_tiles, seg, tok0, D: tl.constexpr, BN: tl.constexpr,
                              FAST: tl.constexpr):
     """Store the key outliers of chunk-local tokens [tok0, tok0 + BN) (the sorted lists of `views.prepare_derived`:
@@ -172,7 +186,7 @@ def tc_compressed_block(
         _tc_scatter_value_outliers(scr + BN * D, vsv, vsi, s_vsp, slot, tvalid, D, V_K2)
     if SCATTER:
         tl.debug_barrier()
-    ka16 = _lowrank_a(ka, s_ka, slot, tvalid, K_R, DT) if K_R > 0 else 0  # shared by both halves
+    ka16 = _tc_lowrank_a(ka, s_ka, slot, tvalid, K_R, DT) if K_R > 0 else 0  # shared by both halves
     if K_PLANES:
         k1 = _tc_plane_key_half(kc, ks, km, s_kc, s_ks, slot, slot0, slot_end, tvalid, h_offs, 0, koff1, kw1, ka16,
                                 kbt1, K_GROUP, K_R, K_STATS_ROW, DT, s_kc)
@@ -228,5 +242,5 @@ def tc_compressed_block(
             tl.store(scr + BN * D + n_offs[:, None] * D + tl.arange(0, D)[None, :], tl.zeros([BN, D], tl.float32))
         tl.debug_barrier()
     if V_R > 0:
-        acc = _lowrank_values(acc, p, _lowrank_a(va, s_va, slot, tvalid, V_R, DT), vbt, DT)
+        acc = _lowrank_values(acc, p, _tc_lowrank_a(va, s_va, slot, tvalid, V_R, DT), vbt, DT)
     return m_i, l_i, acc
