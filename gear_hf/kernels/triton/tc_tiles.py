@@ -5,7 +5,8 @@ What differs from the register kernel's `tiles._compressed_block` (same storage,
 
 * values per token with one group per token (STATS_W == 1, no value outliers: `GearConfig()`): the scale and
   minimum are folded into the probabilities, P·(code·s + m) = (P·diag(s))·code + (P·m)·1ᵀ, so the value tile is
-  the codes converted once to the dot dtype (exact: codes <= 255) — no per-element dequantization;
+  the codes converted once to the dot dtype (exact: codes <= 255) — no per-element dequantization; 3-bit codes are
+  built two per 32-bit word straight as magic 16-bit floats (`tc_codes`), the magic taken out once per row of P;
 * key widths allocated per channel (bit planes): each channel's plane offset (a cumulative sum over the widths) is
   computed once per chunk (`tc_plane_layout`), not per block;
 * outliers (keys: the sorted lists of `views.prepare_derived`; values: K2 per token) are scattered, one store
