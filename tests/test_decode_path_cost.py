@@ -22,8 +22,8 @@ def test_fused_instructions_reproduce_the_compile_report():
     assert cost.fused_instructions(GearConfig()) == pytest.approx(172)
     assert cost.fused_instructions(GearConfig.preset("kivi", bits=2)) == pytest.approx(108.5)
     # the tensor-core kernel (16-bit models): its measured figures for the two formats the report compiles for it
-    assert cost.fused_instructions(GearConfig.preset("gear", bits=2), tensor_core=True) == pytest.approx(206, abs=1)
-    assert cost.fused_instructions(GearConfig(), tensor_core=True) == pytest.approx(140, abs=1)
+    assert cost.fused_instructions(GearConfig.preset("gear", bits=2), tensor_core=True) == pytest.approx(190.5, abs=1)
+    assert cost.fused_instructions(GearConfig(), tensor_core=True) == pytest.approx(128.5, abs=1)
 
 
 def test_bytes_per_token_follow_the_format():
