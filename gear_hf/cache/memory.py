@@ -35,6 +35,10 @@ def _held_by_component(cache, cap: int | None) -> dict[str, int]:
     nb = layout.chunk_len
     out = dict.fromkeys(COMPONENTS, 0)
     for layer in cache.layers:
+        if layer.dense is not None:  # a dense window: its real tokens (its padding columns are spare, as in HF's)
+            out["buffer"] += sum(_window_tokens(layout, layer)) * _capped(layer.dense.column_nbytes(),
+                                                                          layer.dense.keys, cap)
+            continue
         for stream in layer.streams:
             for store, tokens in ((stream.sink, counts.sink), (stream.buffer, counts.buffer)):
                 if store.capacity:
@@ -49,9 +53,24 @@ def _held_by_component(cache, cap: int | None) -> dict[str, int]:
                 for name, n in stream.decode.chunk_nbytes(nb, cap).items():
                     out[name] = out.get(name, 0) + live * n
             out["scales"] += _nbytes(stream.channel_bits)  # each row's allocated key widths (for its next chunks)
-    if layout.positions is not None:
+    if layout.tables is not None:  # (none while they follow from the pads: `RowLayout.positions`)
         out["positions"] = 4 * (sum(counts.held(nb)) + layout.batch * layout.rect_length)
     return out
+
+
+def _capped(nbytes: int, like: torch.Tensor | None, cap: int | None) -> int:
+    """nbytes of tensors like `like`, counted at most `cap` bytes per element."""
+    if like is None or cap is None or like.element_size() <= cap:
+        return nbytes
+    return nbytes // like.element_size() * cap
+
+
+def _window_tokens(layout, layer) -> list[int]:
+    """Per row, the real tokens among the columns a dense window holds (a row with holes: at most its columns)."""
+    columns = layer.dense.columns
+    held = layout.counts.held(layout.chunk_len)
+    before = layout.tokens_before(layout.rect_length - columns)
+    return [min(columns, h - b) for h, b in zip(held, before)]
 
 
 def derived_bytes(cache) -> int:
@@ -74,8 +93,10 @@ def workspace_bytes(cache) -> int:
 
 def allocated_bytes(cache) -> int:
     """Every tensor of the stores and the layout, spare capacity included."""
-    total = _nbytes(cache.layout.positions) + _nbytes(cache.layout.rect_to_local)
+    total = sum(_nbytes(t) for t in cache.layout.tables or ())
     for layer in cache.layers:
+        if layer.dense is not None:
+            total += layer.dense.nbytes()
         for stream in layer.streams:
             total += stream.sink.nbytes() + stream.buffer.nbytes() + _nbytes(stream.channel_bits)
             for store in (stream.prefill, stream.decode):
@@ -93,6 +114,9 @@ def _elements(cache) -> int:
     held = sum(layout.counts.held(layout.chunk_len))
     total = 0
     for layer in cache.layers:
+        if layer.dense is not None:
+            total += sum(_window_tokens(layout, layer)) * H * d * 2
+            continue
         gone = sum(p for p in layout.counts.prompt) if layer.released.prompt else 0
         gone += layer.released.chunks * layout.chunk_len * layout.batch
         total += (held - gone) * H * d * 2
@@ -136,8 +160,18 @@ def memory_report(cache) -> dict:
         "key_bits_allocated": _key_bits_allocated(cache),
         "key_bits": cache.gear_config.key_bits if cache.gear_config.compresses else None,
         "head_dim": cache.shape[1] if cache.shape is not None else None,
+        "dense_layers": _dense_layers(cache),  # {why: [layer index]}: layers that store what dense would
         "above_dense": _above_dense_reasons(cache) if owned > dense else [],
     }
+
+
+def _dense_layers(cache) -> dict[str, list[int]]:
+    """The layers that store dense (`GearLayer.dense_why`), grouped by why."""
+    out: dict[str, list[int]] = {}
+    for i, layer in enumerate(cache.layers):
+        if layer.dense_why:
+            out.setdefault(layer.dense_why, []).append(i)
+    return out
 
 
 def _above_dense_reasons(cache) -> list[str]:
@@ -150,11 +184,8 @@ def _above_dense_reasons(cache) -> list[str]:
         reasons.append(f"no token compressed yet (a prompt chunk needs {config.prompt_granule} tokens after the "
                        f"{config.sink_tokens} sinks, a decode chunk {config.buffer_size}): every token is in the "
                        "buffer, with the positions and key-allocation statistics beside it")
-    short = sorted({layer.sliding_window for layer in cache.layers
-                    if layer.sliding_window and layer.sliding_window <= config.buffer_size})
-    if short:
-        reasons.append(f"sliding window {'/'.join(map(str, short))} not longer than the buffer ({config.buffer_size} "
-                       "tokens): those layers keep up to a buffer of tokens where dense keeps a window")
+    if any(cache.layout.pads) and any(layer.dense is not None for layer in cache.layers):
+        reasons.append("padding columns: the dense windows keep them, as transformers' sliding cache does")
     return reasons or ["bookkeeping (positions, statistics) beside few compressed tokens"]
 
 
@@ -179,7 +210,12 @@ def summary(report: dict) -> str:
             f"bits/element ({report['bits_per_element_16bit']:.2f} with 16-bit floats) = "
             f"{100 * report['vs_model_dtype']:.1f}% of {report['model_dtype']} KV, "
             f"{report['owned_bytes'] / mib:.2f} MiB; " + ", ".join(rest) + _allocation_note(report)
+            + "".join(f"; {_layers(idx)} dense (why: {why})" for why, idx in report.get("dense_layers", {}).items())
             + "".join(f"; more than the dense cache: {why}" for why in report.get("above_dense", [])))
+
+
+def _layers(indices: list[int]) -> str:
+    return f"layer{'s' if len(indices) > 1 else ''} {', '.join(map(str, indices))} store{'' if len(indices) > 1 else 's'}"
 
 
 def _allocation_note(report: dict) -> str:
