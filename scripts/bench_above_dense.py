@@ -15,72 +15,11 @@ import os
 import sys
 
 import torch
-from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from dense_reference import run_case  # noqa: E402
+
 import gear_hf  # noqa: E402
-from tiny_models import CACHE_ARG, tiny_model  # noqa: E402
-
-
-def dense_owned(cache) -> int:
-    """Bytes of every distinct storage a transformers cache's layers keep."""
-    seen = {}
-    for layer in cache.layers:
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if isinstance(t, torch.Tensor) and t.numel():
-                s = t.untyped_storage()
-                seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())
-
-
-class _EachStep(StoppingCriteria):
-    def __init__(self, measure):
-        self.measure, self.values = measure, []
-
-    def __call__(self, input_ids, scores, **kwargs):
-        self.values.append(self.measure())
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-
-def _model(arch: str, dtype, window: int | None):
-    model = tiny_model(arch, dtype=dtype, head_dim=32)
-    if window is not None:
-        model.config.sliding_window = window
-        for module in model.modules():
-            if hasattr(module, "sliding_window"):
-                module.sliding_window = window
-    return model
-
-
-def _inputs(batch: int, prompt: int):
-    ids = torch.randint(3, 128, (batch, prompt), generator=torch.Generator().manual_seed(0))
-    mask = torch.ones_like(ids)
-    if batch > 1:  # left padding: row 1 is 3 tokens shorter (at least 1 token)
-        pad = min(3, prompt - 1)
-        mask[1, :pad] = 0
-        ids[1, :pad] = 0
-    return ids, mask
-
-
-def run_case(config, arch="llama3", dtype=torch.bfloat16, batch=1, prompt=5, new=40, window=None):
-    """[(step, gear owned, dense owned, report dense_bytes)] of one case; and the last cache's summary()."""
-    model = _model(arch, dtype, window)
-    ids, mask = _inputs(batch, prompt)
-    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                  pad_token_id=0)
-    dense_cache = DynamicCache(config=model.config)
-    dense = _EachStep(lambda: dense_owned(dense_cache))
-    with torch.inference_mode():
-        model.generate(**kwargs, stopping_criteria=StoppingCriteriaList([dense]), **{CACHE_ARG: dense_cache})
-    gear_hf.enable(model, config)
-    cache = gear_hf.GearCache(model)
-    reports = _EachStep(lambda: cache.memory_report())
-    with torch.inference_mode():
-        model.generate(**kwargs, stopping_criteria=StoppingCriteriaList([reports]), **{CACHE_ARG: cache})
-    gear_hf.disable(model)
-    rows = [(i, r["owned_bytes"], d, r["dense_bytes"]) for i, (r, d) in enumerate(zip(reports.values, dense.values))]
-    return rows, cache.summary(), reports.values
-
 
 CONFIGS = {
     "GearConfig()": lambda: gear_hf.GearConfig(),
@@ -110,7 +49,7 @@ def main() -> None:
         cases.append((name, dict(dtype=torch.float32, prompt=5)))
     if args.quick:
         cases = cases[::5]
-    print(f"| config | case | worst owned/dense (step) | owned/dense at the last step |")
+    print("| config | case | worst owned/dense (step) | owned/dense at the last step |")
     print("|---|---|--:|--:|")
     for name, case in cases:
         rows, _, _ = run_case(CONFIGS[name](), new=args.new, **case)

@@ -33,7 +33,10 @@ class GearLayer(CacheLayerMixin):
         self.seen_length = 0
         self.released = Released()
         self.flushed_step = 0  # layout steps completed by this layer (== steps once the step's flush ran)
-        self.query_energy: torch.Tensor | None = None  # [B,Hkv,d] float64, while key widths are to be allocated
+        # [B,Hkv,d] float64: the step's query energy while some row's key widths are to be chosen; dropped when the
+        # step ends (a row takes its widths from the queries of the step it first compresses in: its prompt's, or
+        # the step that fills its first decode chunk), so nothing beside the tokens is kept between steps
+        self.query_energy: torch.Tensor | None = None
         nb = config.buffer_size
         self.formats = layer_formats(config)  # (keys', values') StreamFormat
         self.key_stream, self.value_stream = (Stream(fmt.prompt, fmt.decode, nb, fmt.stream, fmt.tail)
@@ -54,9 +57,8 @@ class GearLayer(CacheLayerMixin):
                query: torch.Tensor | None = None) -> None:
         if self.dense is not None:
             self.dense.append(key_states, value_states)
-        elif query is not None and self.key_stream.needs_query_energy():
-            energy = query_pair_energy(query, key_states.shape[1], plan.valid)
-            self.query_energy = energy if self.query_energy is None else self.query_energy + energy
+        elif query is not None and plan.flush and self.key_stream.needs_query_energy():
+            self.query_energy = query_pair_energy(query, key_states.shape[1], plan.valid)
         for stream, x in zip(self.streams, (key_states, value_states)):
             if self.dense is None:
                 stream.append(plan, x, sink_tokens)
@@ -89,8 +91,7 @@ class GearLayer(CacheLayerMixin):
             reserve = min(reserve, limit)
         finite = [stream.flush(plan, layout.prompt_capacity, layout.batch, self.released.chunks, reserve,
                                self.query_energy, limit) for stream in self.streams]
-        if self.query_energy is not None and not self.key_stream.needs_query_energy():
-            self.query_energy = None  # every row's widths are chosen
+        self.query_energy = None  # (the step's: see __init__)
         if self.is_sliding:
             self._release(layout)
         self.flushed_step = layout.steps

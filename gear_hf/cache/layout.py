@@ -196,7 +196,7 @@ class RowLayout:
         attend = replace(before, sink=tuple(sink), buffer=tuple(attend_buffer))
         flush, after = self._plan_flush(attend, first, own if self.speculative and not first else None)
 
-        buffer_capacity, self.buffer_capacity = self._buffer_capacities(attend, after, first)
+        buffer_capacity, self.buffer_capacity = self._buffer_capacities(attend, after)
         run = list(range(buffer_cols[0][0], buffer_cols[0][0] + q)) if buffer_cols[0][0] >= 0 else None
         run = run[0] if run is not None and all(cols == run for cols in buffer_cols) else None
         if self.expected_length:  # every row reaches it: room for its chunks at once
@@ -221,14 +221,13 @@ class RowLayout:
         self._in_step = True
         return plan
 
-    def _buffer_capacities(self, attend: RowCounts, after: RowCounts, first: bool) -> tuple[int, int]:
+    def _buffer_capacities(self, attend: RowCounts, after: RowCounts) -> tuple[int, int]:
         """(during the step, after its flush): the buffer holds exactly what the rows need, as transformers' dense
-        cache does (a dense cache may be sized once to a known final length), and gives back what it compressed.
-        Growing by one token a step copies at most a buffer's worth (n_b tokens) per layer-step; spare capacity
-        here would cost up to 16 bits per spare token for the whole run (issue 25)."""
+        cache does, and gives back what it compressed. Growing by one token a step copies at most a buffer's worth
+        (n_b tokens) per layer-step; spare capacity here would cost up to 16 bits per spare token for the whole run
+        (issue 25). A cache that compresses nothing (fp16) grows as transformers' DynamicCache does (its torch.cat),
+        never sized ahead to a known final length: it would own more than the dense cache until then."""
         needed = max(attend.buffer, default=0)
-        if not self.config.compresses and first:
-            needed = max(needed, self.expected_length or 0)
         during = grown_capacity(self.buffer_capacity, needed, geometric=False)
         kept = max(after.buffer, default=0)
         return during, (during if kept == needed else max(kept, 1))  # (never empty: kernels take its pointer)
@@ -291,7 +290,7 @@ class RowLayout:
                         need_rect: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """(positions [B, max(held, need_held)+1], rect_to_local [B, max(rect, need_rect)]) int32 of a compact
         layout (positions: the row-local indices; column c of row b: token c - pads[b]); with need_*: room for
-        that many, sized as the stored tables are (to a known final length, in steps of POSITION_GRANULE). pads_valid: False for a cache with no columns yet."""
+        that many, sized as the stored tables are (to a known final length, in steps of POSITION_GRANULE)."""
         known = self.expected_length or 0
         cap_held = grown_capacity(0, max(need_held, known), POSITION_GRANULE) if need_held else held
         cap_rect = grown_capacity(0, max(need_rect, known), POSITION_GRANULE) if need_rect else rect

@@ -3,12 +3,17 @@
     owned        = held + spare + kernel state + workspaces: every tensor the cache keeps alive (what to size a
                    device from; `bits_per_element` is this)
     held         by tokens: codes, scales/minimums (and allocated key widths), low-rank factors, outlier values and
-                   indices, the full-precision sink and buffer, the position bookkeeping (by component)
+                   indices, the full-precision sink and buffer (and a dense window's tokens), the position tables
+                   when stored (by component)
     spare        capacity allocated beyond the tokens (stores grow in bounded steps: gear_hf.storage)
     kernel state what the kernels derived and keep: per store (prepared runs, sorted outliers) and shared by the
                  layers (`KernelState`: split-KV workspace, tables, rope halves)
-    workspaces   what the cache keeps from one step for the next: the key-allocation statistics of rows not yet
-                 compressed (the rotary tables are per step: dropped when a step ends)
+    workspaces   what the cache keeps from one step for the next: nothing between steps (the rotary tables and the
+                 query energy of key-width allocation are per step: dropped when a step ends)
+
+No layer owns more than the dense cache would (issue 25, item 5): a sliding layer whose window cannot gain stores
+dense (`GearLayer.dense`; `dense_layers` says why), positions that follow from the pads are not stored, and the
+full-precision buffer grows exactly as transformers' cache does. What remains above dense is named in `above_dense`.
 
 Per-step temporaries (`StepWorkspace`, the layout's memos) are dropped when a step ends and not counted. Bits per
 element are given as stored, and as they would be with every floating tensor held by tokens in 16 bits (an fp32
@@ -86,8 +91,8 @@ def derived_bytes(cache) -> int:
 
 
 def workspace_bytes(cache) -> int:
-    """What the cache keeps beyond its stores: the rotary memo (cos/sin of the step's reads; emptied when the step
-    ends, so 0 between steps), the key-allocation statistics of rows whose widths are still to be chosen."""
+    """What the cache keeps beyond its stores: the rotary memo (cos/sin of the step's reads) and the step's query
+    energy (what key widths are allocated from): both emptied when the step ends, so 0 between steps."""
     return cache._rotary.nbytes() + sum(_nbytes(layer.query_energy) for layer in cache.layers)
 
 
@@ -137,7 +142,7 @@ def memory_report(cache) -> dict:
     dtype_bits = torch.finfo(dtype).bits if dtype is not None else 16
     per_element = 8 / elements if elements else 0.0
     dense = elements * dtype_bits // 8
-    return {
+    report = {
         **held,
         "owned_bytes": owned,  # every tensor the cache keeps alive: the headline
         "held_bytes": held_bytes,  # by tokens (the components above)
@@ -161,8 +166,9 @@ def memory_report(cache) -> dict:
         "key_bits": cache.gear_config.key_bits if cache.gear_config.compresses else None,
         "head_dim": cache.shape[1] if cache.shape is not None else None,
         "dense_layers": _dense_layers(cache),  # {why: [layer index]}: layers that store what dense would
-        "above_dense": _above_dense_reasons(cache) if owned > dense else [],
     }
+    report["above_dense"] = _above_dense_reasons(cache, report) if owned > dense else []
+    return report
 
 
 def _dense_layers(cache) -> dict[str, list[int]]:
@@ -174,19 +180,23 @@ def _dense_layers(cache) -> dict[str, list[int]]:
     return out
 
 
-def _above_dense_reasons(cache) -> list[str]:
-    """Why the cache owns more than the dense cache of the same tokens would (issue 25: said, not hidden)."""
+def _above_dense_reasons(cache, report: dict) -> list[str]:
+    """Why the cache owns more than the dense cache of the same tokens (real ones: no padding) would, from what the
+    report counted (issue 25: said, not hidden). A dense cache of a left-padded batch owns its padding columns too."""
     config, counts = cache.gear_config, cache.layout.counts
     reasons = []
-    if not config.compresses:
-        reasons.append("nothing is compressed (fp16): positions are kept beside the tokens")
-    elif not any(counts.prompt) and not any(counts.chunks):
-        reasons.append(f"no token compressed yet (a prompt chunk needs {config.prompt_granule} tokens after the "
-                       f"{config.sink_tokens} sinks, a decode chunk {config.buffer_size}): every token is in the "
-                       "buffer, with the positions and key-allocation statistics beside it")
-    if any(cache.layout.pads) and any(layer.dense is not None for layer in cache.layers):
-        reasons.append("padding columns: the dense windows keep them, as transformers' sliding cache does")
-    return reasons or ["bookkeeping (positions, statistics) beside few compressed tokens"]
+    if report["positions"]:
+        reasons.append("positions stored beside the tokens (a mask with holes, or position_ids other than each row's "
+                       "token index)")
+    if report["spare_bytes"] and len(set(counts.held(cache.layout.chunk_len))) > 1:
+        reasons.append("rows of unequal length: the full-precision buffer and the dense windows are as long as the "
+                       "longest row's, as a padded dense cache is")
+    if report["workspace_bytes"] or report["kernel_state_bytes"]:
+        reasons.append("kernel state and workspaces beside the tokens")
+    if config.compresses and (any(counts.prompt) or any(counts.chunks)) and report["scales"] + report["lowrank"] \
+            + report["sparse_values"] + report["sparse_indices"] + report["codes"] > 0:
+        reasons.append("compressed chunks beside a full-precision buffer")
+    return reasons or [f"spare capacity ({report['spare_bytes']} bytes)"]
 
 
 def _key_bits_allocated(cache) -> float | None:
@@ -215,7 +225,8 @@ def summary(report: dict) -> str:
 
 
 def _layers(indices: list[int]) -> str:
-    return f"layer{'s' if len(indices) > 1 else ''} {', '.join(map(str, indices))} store{'' if len(indices) > 1 else 's'}"
+    many = len(indices) > 1
+    return f"layer{'s' if many else ''} {', '.join(map(str, indices))} store{'' if many else 's'}"
 
 
 def _allocation_note(report: dict) -> str:
