@@ -35,6 +35,11 @@ class _EachStep(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
+def _report(cache) -> dict:
+    """memory_report(), with each row's decode chunks (rows of a padded batch flush on different steps)."""
+    return {**cache.memory_report(), "row_chunks": list(cache.layout.counts.chunks)}
+
+
 def _inputs(batch: int, prompt: int):
     ids = torch.randint(3, 128, (batch, prompt), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
@@ -61,7 +66,7 @@ def run_case(config, arch="llama3", dtype=torch.bfloat16, batch=1, prompt=5, new
         model.generate(**kwargs, stopping_criteria=StoppingCriteriaList([dense]), **{CACHE_ARG: dense_cache})
     gear_hf.enable(model, config)
     passed = {CACHE_ARG: gear_hf.GearCache(model)} if explicit_cache else {}
-    reports = _EachStep(lambda: gear_hf.last_cache(model).memory_report())
+    reports = _EachStep(lambda: _report(gear_hf.last_cache(model)))
     with torch.inference_mode():
         model.generate(**kwargs, stopping_criteria=StoppingCriteriaList([reports]), **passed)
     cache = gear_hf.last_cache(model)
