@@ -52,8 +52,8 @@ def _inputs(batch: int, prompt: int):
 
 def run_case(config, arch="llama3", dtype=torch.bfloat16, batch=1, prompt=5, new=40, window=None,
              explicit_cache: bool = False):
-    """([(step, GearCache owned, DynamicCache owned, report dense_bytes)], the GearCache's last summary(), its
-    reports) of one case: a tiny `arch` model (head_dim 32; window: its sliding window), `batch` rows of `prompt`
+    """([(step, GearCache owned, DynamicCache owned, report dense_bytes)], the GearCache, its report after each
+    step) of one case: a tiny `arch` model (head_dim 32; window: its sliding window), `batch` rows of `prompt`
     tokens (row 1 left-padded by 3), `new` greedy tokens. The GearCache is the one plain generate builds on an enabled
     model (it knows the final length: min_new_tokens), or GearCache(model) passed to generate (explicit_cache)."""
     model = tiny_model(arch, dtype=dtype, head_dim=32, window=window)
@@ -72,4 +72,4 @@ def run_case(config, arch="llama3", dtype=torch.bfloat16, batch=1, prompt=5, new
     cache = gear_hf.last_cache(model)
     gear_hf.disable(model)
     rows = [(i, r["owned_bytes"], d, r["dense_bytes"]) for i, (r, d) in enumerate(zip(reports.values, dense.values))]
-    return rows, cache.summary(), reports.values
+    return rows, cache, reports.values

@@ -15,6 +15,7 @@ import torch
 from dense_reference import run_case
 
 import gear_hf
+from memory_walk import walk
 
 G = gear_hf.GearConfig
 CONFIGS = {
@@ -73,22 +74,26 @@ def test_owned_never_exceeds_the_dense_cache(config, prompt, new, extra):
 def test_a_window_shorter_than_the_buffer_stores_dense_and_says_why(config, window):
     """Mistral-style sliding layers (every layer, window 8..40 <= the buffer): what transformers' sliding cache
     keeps, at every step, and summary() names the layers and why."""
-    rows, summary, reports = run_case(CONFIGS[config](), arch="mistral", window=window, prompt=17, new=60)
+    rows, cache, reports = run_case(CONFIGS[config](), arch="mistral", window=window, prompt=17, new=60)
     _check(rows, reports, 1)
-    assert reports[-1]["dense_layers"] and f"layers 0, 1 store dense (why: sliding window {window}" in summary
+    assert reports[-1]["dense_layers"] and f"layers 0, 1 store dense (why: sliding window {window}" in cache.summary()
+    # the report counts exactly what the layers and the layout keep (an independent walk of their tensors)
+    kept = walk({"layers": cache.layers, "tables": cache.layout.tables, "kernel_state": cache.kernel_state,
+                 "rotary": cache._rotary})
+    assert kept.total == reports[-1]["owned_bytes"]
     # what the layer holds is the window (window - 1 tokens, keys and values, 2 layers), not the 76 tokens seen
     assert reports[-1]["buffer"] == 2 * (window - 1) * 2 * 2 * 32 * 2  # layers * tokens * (K,V) * H * d * 2 B
 
 
 def test_padded_batch_with_a_dense_window():
-    rows, summary, reports = run_case(CONFIGS["default"](), arch="mistral", window=16, prompt=5, new=40, batch=2)
+    rows, cache, reports = run_case(CONFIGS["default"](), arch="mistral", window=16, prompt=5, new=40, batch=2)
     _check(rows, reports, 2)
-    assert "store dense (why: sliding window 16" in summary
+    assert "store dense (why: sliding window 16" in cache.summary()
 
 
 def test_a_long_window_still_compresses():
     """A window longer than 2 x buffer_size keeps the compressed path (released chunks): nothing stored dense."""
-    rows, summary, reports = run_case(G.preset("kivi", bits=2, group_size=8, buffer_size=16), arch="mistral",
-                                      window=40, prompt=40, new=60)
-    assert not reports[-1]["dense_layers"] and "dense (why" not in summary
+    rows, cache, reports = run_case(G.preset("kivi", bits=2, group_size=8, buffer_size=16), arch="mistral",
+                                    window=40, prompt=40, new=60)
+    assert not reports[-1]["dense_layers"] and "dense (why" not in cache.summary()
     assert reports[-1]["codes"] > 0

@@ -57,10 +57,10 @@ class GearLayer(CacheLayerMixin):
                query: torch.Tensor | None = None) -> None:
         if self.dense is not None:
             self.dense.append(key_states, value_states)
-        elif query is not None and plan.flush and self.key_stream.needs_query_energy():
-            self.query_energy = query_pair_energy(query, key_states.shape[1], plan.valid)
-        for stream, x in zip(self.streams, (key_states, value_states)):
-            if self.dense is None:
+        else:
+            if query is not None and plan.flush and self.key_stream.needs_query_energy():
+                self.query_energy = query_pair_energy(query, key_states.shape[1], plan.valid)
+            for stream, x in zip(self.streams, (key_states, value_states)):
                 stream.append(plan, x, sink_tokens)
         self.steps += 1
         self.seen_length = plan.rect_before + plan.query_len
@@ -114,10 +114,6 @@ class GearLayer(CacheLayerMixin):
             for stream in self.streams:
                 stream.release(self.released, after, counts)
             self.released = after
-
-    def held_columns(self, length: int) -> int:
-        """Columns of HF's padded layout (of `length`) this layer still holds: a dense window's, else all."""
-        return length if self.dense is None else min(length, self.dense.columns)
 
     def cropped(self, length: int) -> None:
         """The cache took back its newest columns: `length` remain (`GearCache.crop`)."""
