@@ -16,6 +16,7 @@ from dense_reference import run_case
 
 import gear_hf
 from memory_walk import walk
+from tiny_models import tiny_model
 
 G = gear_hf.GearConfig
 CONFIGS = {
@@ -97,3 +98,20 @@ def test_a_long_window_still_compresses():
                                     window=40, prompt=40, new=60)
     assert not reports[-1]["dense_layers"] and "dense (why" not in cache.summary()
     assert reports[-1]["codes"] > 0
+
+
+@pytest.mark.parametrize("config", ["default", "fp16"])
+def test_dense_windows_generate_as_stock_and_take_back_speculated_tokens(config):
+    """Every layer of the tiny Mistral stores dense (window 16): greedy tokens are stock's, and with prompt lookup
+    (speculative: `crop` takes back rejected columns of the window) they are the plain generate's."""
+    model = tiny_model("mistral", head_dim=32)
+    ids = torch.randint(3, 20, (1, 30), generator=torch.Generator().manual_seed(0))  # repetitive: lookups hit
+    kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, min_new_tokens=40,
+                  do_sample=False, pad_token_id=0)
+    stock = model.generate(**kwargs)
+    with gear_hf.enabled(model, CONFIGS[config]()), torch.inference_mode():
+        plain = model.generate(**kwargs)
+        speculated = model.generate(**kwargs, prompt_lookup_num_tokens=3)
+        cache = gear_hf.last_cache(model)
+    assert cache.speculative and all(layer.dense is not None for layer in cache.layers)
+    assert torch.equal(plain, stock) and torch.equal(speculated, stock)

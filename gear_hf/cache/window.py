@@ -71,9 +71,8 @@ class DenseWindow:
     def crop(self, remove: int) -> None:
         """Take back the newest `remove` columns (speculative decoding: the last step's own)."""
         if remove and self.keys is not None:
-            remove = min(remove, self.columns)
-            self.keys = self.keys[:, :, : self.columns - remove].clone()
-            self.values = self.values[:, :, : self.columns - remove].clone()
+            keep = self.columns - min(remove, self.columns)
+            self.keys, self.values = self.keys[:, :, :keep].clone(), self.values[:, :, :keep].clone()
 
     def select_rows(self, index: torch.Tensor) -> None:
         if self.keys is not None:
