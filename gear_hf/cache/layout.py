@@ -29,8 +29,7 @@ import torch
 
 from ..config import GearConfig
 from ..storage import TokenWrites, grown_capacity
-
-POSITION_GRANULE = 16  # columns the position tables grow by (at least)
+from .position_tables import POSITION_GRANULE, compact_tables, grown_tables
 
 
 @dataclass(frozen=True)
@@ -278,31 +277,15 @@ class RowLayout:
             return  # the tables follow from the pads (`positions`)
         held_after = [h + sum(v) for h, v in zip(held_before, valid_rows)]
         if self.tables is None:  # from now on stored: what the compact layout described so far, then this step
-            self.tables = self._derived_tables(B, max(held_before, default=0), rect_before, device,
-                                               max(held_after, default=0), rect_before + q)
-        self._grow(B, max(held_after, default=0), rect_before + q, device)
+            known = self.expected_length or 0  # (sized as stored tables grow: to a known final length, in steps)
+            capacity = tuple(grown_capacity(0, max(n, known), POSITION_GRANULE)
+                             for n in (max(held_after, default=0), rect_before + q))
+            self.tables = compact_tables(self.pads, max(held_before, default=0), rect_before, device, capacity)
+        self.tables = grown_tables(self.tables, max(held_after, default=0), rect_before + q)
         positions, rect_to_local = self.tables
         rect_to_local[:, rect_before : rect_before + q] = torch.where(new_valid, local, -1).int()
         scratch = positions.shape[1] - 1
         positions.scatter_(1, torch.where(new_valid, local, scratch), position_ids.int())
-
-    def _derived_tables(self, B: int, held: int, rect: int, device, need_held: int = 0,
-                        need_rect: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """(positions [B, max(held, need_held)+1], rect_to_local [B, max(rect, need_rect)]) int32 of a compact
-        layout (positions: the row-local indices; column c of row b: token c - pads[b]); with need_*: room for
-        that many, sized as the stored tables are (to a known final length, in steps of POSITION_GRANULE)."""
-        known = self.expected_length or 0
-        cap_held = grown_capacity(0, max(need_held, known), POSITION_GRANULE) if need_held else held
-        cap_rect = grown_capacity(0, max(need_rect, known), POSITION_GRANULE) if need_rect else rect
-        positions = torch.zeros(B, max(cap_held, held) + 1, dtype=torch.int32, device=device)
-        positions[:, :held] = torch.arange(held, dtype=torch.int32, device=device)
-        rect_to_local = torch.full((B, max(cap_rect, rect)), -1, dtype=torch.int32, device=device)
-        if rect:
-            pads = torch.tensor(self.pads, dtype=torch.int32, device=device)[:, None]
-            # (the pads were already updated with this step's: columns before rect_before only hold older tokens)
-            columns = torch.arange(rect, dtype=torch.int32, device=device)[None]
-            rect_to_local[:, :rect] = torch.where(columns >= pads, columns - pads, -1)
-        return positions, rect_to_local
 
     @property
     def positions(self) -> torch.Tensor | None:
@@ -324,26 +307,10 @@ class RowLayout:
         key = (self.steps, self.rect_length, held)
         if self._step_tables is not None and self._step_tables[0] == key:
             return self._step_tables[1]
-        tables = self._derived_tables(self.batch, held, self.rect_length, self.device)
+        tables = compact_tables(self.pads, held, self.rect_length, self.device)
         if self._in_step:  # during a step: kept until it ends (`end_step`)
             self._step_tables = (key, tables)
         return tables
-
-    def _grow(self, B: int, held: int, rect: int, device) -> None:
-        """Room in the stored tables for `held` row-local tokens and `rect` padded columns (int32 each: 8 bytes a
-        token for the whole cache), in bounded steps of POSITION_GRANULE."""
-        positions, rect_to_local = self.tables
-        if held > positions.shape[1] - 1:
-            cap = grown_capacity(positions.shape[1] - 1, held, POSITION_GRANULE)
-            grown = torch.zeros(B, cap + 1, dtype=torch.int32, device=device)
-            grown[:, : positions.shape[1] - 1] = positions[:, :-1]
-            positions = grown
-        if rect > rect_to_local.shape[1]:
-            cap = grown_capacity(rect_to_local.shape[1], rect, POSITION_GRANULE)
-            grown = torch.full((B, cap), -1, dtype=torch.int32, device=device)
-            grown[:, : rect_to_local.shape[1]] = rect_to_local
-            rect_to_local = grown
-        self.tables = positions, rect_to_local
 
     # -- reading -----------------------------------------------------------------------------------------------
     def uniform(self, counts: RowCounts) -> bool:
