@@ -149,7 +149,8 @@ def _tiny(arch: str, dtype=torch.float32):
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
         config, cls = LlamaConfig(rope_parameters=rope, **common), LlamaForCausalLM
     elif arch == "mistral":
-        config, cls = MistralConfig(sliding_window=24, **common), MistralForCausalLM
+        # (a window > 2 x buffer_size 16: a shorter one is stored dense, nothing compressed: gear_hf/cache/window.py)
+        config, cls = MistralConfig(sliding_window=36, **common), MistralForCausalLM
     else:
         config, cls = Qwen2Config(**common), Qwen2ForCausalLM
     config._attn_implementation = "sdpa"
@@ -226,12 +227,12 @@ def test_generate_gear_l_int8_factors_separate_groups_fused_equals_torch(fused):
 def test_sliding_layer_releases_chunks_and_fused_still_equals_torch(fused):
     """Mistral with a window shorter than the sequence: the prompt chunk and leading decode chunks leave every
     row's window and are released; the kernel reads [sink | live chunks | buffer] with remapped indices."""
-    cache = _compare("mistral", 40, group_size=8, backend=fused)
+    cache = _compare("mistral", 56, group_size=8, backend=fused)
     assert all(layer.released.prompt and layer.released.chunks > 0 for layer in cache.layers)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["mistral", "qwen2"])
 def test_generate_fused_equals_torch(arch, fused):
-    """mistral: sliding window 24 < sequence length; qwen2: q/k/v bias."""
+    """mistral: sliding window 36 < sequence length; qwen2: q/k/v bias."""
     _compare(arch, 12, backend=fused)
