@@ -238,7 +238,10 @@ def test_backend_choice(monkeypatch):
     monkeypatch.delenv("GEAR_HF_BACKEND", raising=False)
     cpu_device = torch.device("cpu")
     numba_everywhere = {"compress": "numba", "reconstruct": "numba", "attend": "numba"}
-    assert resolve(GearConfig(), 64, torch.bfloat16, cpu_device).names() == numba_everywhere  # numba installed
+    accurate = GearConfig.recommended(name="accurate")  # (min/max ranges: numba compresses them)
+    assert resolve(accurate, 64, torch.bfloat16, cpu_device).names() == numba_everywhere  # numba installed
+    # GearConfig() (config version 2) searches its value ranges: compressed by torch, read and attended by numba
+    assert resolve(GearConfig(), 64, torch.bfloat16, cpu_device).names() == {**numba_everywhere, "compress": "torch"}
     torch_only = {"compress": "torch", "reconstruct": "torch", "attend": "reference"}
     assert resolve(GearConfig(backend="torch"), 64, torch.bfloat16, cpu_device).names() == torch_only
     # auto per operation: range search is compressed by torch, read and attended by numba (and says why)
