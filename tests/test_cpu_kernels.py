@@ -296,7 +296,8 @@ def _generate_both(model, ids: torch.Tensor, mask: torch.Tensor, preset: str, ne
     """(tokens, float32 scores, decode steps per path) of greedy generation with the torch backend, then the numba
     one ("default": GearConfig()'s storage, shrunk to the tiny prompts)."""
     outs = []
-    for backend in ("torch", "numba"):
+    # (the default searches its value ranges, which numba does not compress: "auto" = torch compresses, numba reads)
+    for backend in ("torch", "auto" if preset == "default" else "numba"):
         config = GearConfig(group_size=16, buffer_size=16, prompt_group_size=32, backend=backend) \
             if preset == "default" else GearConfig.preset(preset, group_size=16, buffer_size=16, backend=backend)
         with gear_hf.enabled(model, config):
