@@ -238,10 +238,10 @@ def test_backend_choice(monkeypatch):
     monkeypatch.delenv("GEAR_HF_BACKEND", raising=False)
     cpu_device = torch.device("cpu")
     numba_everywhere = {"compress": "numba", "reconstruct": "numba", "attend": "numba"}
-    accurate = GearConfig.recommended(name="accurate")  # (min/max ranges: numba compresses them)
-    assert resolve(accurate, 64, torch.bfloat16, cpu_device).names() == numba_everywhere  # numba installed
-    # GearConfig() (config version 2) searches its value ranges: compressed by torch, read and attended by numba
-    assert resolve(GearConfig(), 64, torch.bfloat16, cpu_device).names() == {**numba_everywhere, "compress": "torch"}
+    assert resolve(GearConfig(), 64, torch.bfloat16, cpu_device).names() == numba_everywhere  # numba installed
+    # "lean" searches its value ranges: compressed by torch, read and attended by numba
+    lean = GearConfig.recommended(name="lean")
+    assert resolve(lean, 64, torch.bfloat16, cpu_device).names() == {**numba_everywhere, "compress": "torch"}
     torch_only = {"compress": "torch", "reconstruct": "torch", "attend": "reference"}
     assert resolve(GearConfig(backend="torch"), 64, torch.bfloat16, cpu_device).names() == torch_only
     # auto per operation: range search is compressed by torch, read and attended by numba (and says why)
@@ -296,8 +296,7 @@ def _generate_both(model, ids: torch.Tensor, mask: torch.Tensor, preset: str, ne
     """(tokens, float32 scores, decode steps per path) of greedy generation with the torch backend, then the numba
     one ("default": GearConfig()'s storage, shrunk to the tiny prompts)."""
     outs = []
-    # (the default searches its value ranges, which numba does not compress: "auto" = torch compresses, numba reads)
-    for backend in ("torch", "auto" if preset == "default" else "numba"):
+    for backend in ("torch", "numba"):
         config = GearConfig(group_size=16, buffer_size=16, prompt_group_size=32, backend=backend) \
             if preset == "default" else GearConfig.preset(preset, group_size=16, buffer_size=16, backend=backend)
         with gear_hf.enabled(model, config):
