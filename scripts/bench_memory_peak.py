@@ -51,9 +51,58 @@ import memory_walk  # noqa: E402
 
 METHODS = ("dynamic", "rec-accurate", "kivi-2", "gear-2", "hf-quanto-int4", "hf-quanto-int2")
 DEFAULT_NAME = "rec-accurate"  # = GearConfig(), checked in main()
+# a gear_hf method with its tail stored another way: "<method>+int8-tail" (key_buffer = value_buffer = "int8", the
+# 8-bit tail) or "<method>+full-tail" (the 16-bit buffer), e.g. rec-accurate+int8-tail
+TAILS = {"int8-tail": "int8", "full-tail": "full"}
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                  num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=65536)
 MIB = 1 << 20
+
+
+def method_config(method: str):
+    """The GearConfig of a gear_hf method name (a benchlib name, optionally + a TAILS suffix); a bad name exits."""
+    import dataclasses
+
+    base, _, tail = method.partition("+")
+    config = benchlib.gear_config(base)
+    if not tail:
+        return config
+    if tail not in TAILS:
+        raise SystemExit(f"--methods: {method!r}: unknown suffix {tail!r}; allowed: {', '.join(TAILS)}")
+    return dataclasses.replace(config, key_buffer=TAILS[tail], value_buffer=TAILS[tail])
+
+
+def gear_hf_source() -> str:
+    """Which gear_hf this process measures: its folder and that checkout's commit (+ "dirty" with uncommitted
+    changes). `python scripts/...` imports the installed gear_hf (the main checkout's, for the shared venv), not the
+    worktree's: run with PYTHONPATH=<worktree> to measure a worktree."""
+    import subprocess
+    from pathlib import Path
+
+    import gear_hf
+
+    folder = Path(gear_hf.__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "-C", str(folder), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(folder), "status", "--porcelain", "--", "."], capture_output=True,
+                               text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return str(folder)
+    return f"{folder} @ {commit}{' (dirty)' if dirty else ''}"
+
+
+def check_methods(listed: str | None) -> tuple[list[str], list[str]]:
+    """benchlib.select_methods, with the TAILS suffixes understood."""
+    if not listed:
+        return benchlib.select_methods(None, METHODS)
+    names = [m.strip() for m in listed.split(",") if m.strip()]
+    for name in names:
+        if "+" in name:
+            method_config(name)
+    plain = ",".join(n for n in names if "+" not in n)
+    methods, skipped = benchlib.select_methods(plain, METHODS) if plain else ([], [])
+    return [n for n in names if "+" in n or n in methods], skipped
 
 
 def llama3_8b_shaped(device: torch.device):
@@ -123,7 +172,7 @@ def measure(model, ids: torch.Tensor, method: str, new_tokens: int) -> dict:
         gear_hf.disable(model)
         kwargs[model_cache_kwarg(model)] = benchlib.make_hf_quantized_cache(model, method)
     else:
-        gear_hf.enable(model, benchlib.gear_config(method))
+        gear_hf.enable(model, method_config(method))
     pad = model.generation_config.pad_token_id
     pad = model.generation_config.eos_token_id if pad is None else pad
     mask = torch.ones_like(ids)
@@ -219,16 +268,17 @@ def run_steps(args, out) -> int:
     from gear_hf.hf_compat import model_cache_kwarg
 
     prompt, decode_steps = 1024, 96
-    methods = [benchlib.check_method(m.strip()) for m in args.steps_configs.split(",") if m.strip()]
+    methods, _ = check_methods(args.steps_configs)
     cond = benchlib.Conditions(extra={"dtype": "bfloat16", "batch": 1, "model": "smollm2", "prompt_tokens": prompt,
                                       "decode_steps": decode_steps, "text": f"GSM8K test problem {args.text_index}, "
-                                      "8-shot prompt + worked answer, last 1024 tokens", "methods": methods})
+                                      "8-shot prompt + worked answer, last 1024 tokens", "methods": methods,
+                                      "gear_hf": gear_hf_source()})
     benchlib.print_conditions(cond)
     model, tokenizer = benchlib.load_model("smollm2", "bfloat16")
     ids = benchlib.fixed_length_batch(tokenizer, [benchlib.gsm8k_text(args.text_index)], prompt, 1)
     rows = []
     for method in methods:
-        config = benchlib.gear_config(method)
+        config = method_config(method)
         gear_hf.enable(model, config)
         # the cache generate() would build (api._generate_with), built here to be hooked before the prompt step
         cache = gear_hf.GearCache(model, config, expected_length=prompt + decode_steps + 1)
@@ -324,11 +374,11 @@ def main(argv=None) -> int:
     cuda = device.type == "cuda"
     args.models = args.models or (["llama3-8b-random"] if cuda else ["smollm2"])
     args.T = args.T or ([8192, 32768] if cuda else [1024, 4096, 16384])
-    args.methods, skipped = benchlib.select_methods(args.methods, METHODS)
+    args.methods, skipped = check_methods(args.methods)
     device_name = torch.cuda.get_device_name(device) if cuda else "cpu"
     cond = benchlib.Conditions(extra={"dtype": "bfloat16", "batch": 1, "device": device_name, "models": args.models,
                                       "T": args.T, "new_tokens": args.new_tokens,
-                                      "skipped": ",".join(skipped) or "none"})
+                                      "skipped": ",".join(skipped) or "none", "gear_hf": gear_hf_source()})
     benchlib.print_conditions(cond)
     if skipped:
         print(f"skipped (backend not installed): {', '.join(skipped)}", flush=True)

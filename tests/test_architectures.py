@@ -19,7 +19,7 @@ import torch
 
 import gear_hf
 import gear_hf.patches
-from tiny_models import CACHE_ARG, NEW_ARCHS, greedy, prompts, tiny_model
+from tiny_models import CACHE_ARG, NEW_ARCHS, SLIDING_ARCHS, greedy, prompts, tiny_model
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the fused tests: compiled on CUDA, interpreted on CPU
 
@@ -49,7 +49,8 @@ def test_gear4_teacher_forced_agreement(arch):
     chunks, 8 in the buffer) and two decode chunks flushed during the 40 continuation tokens."""
     from gear_hf.diagnostics import teacher_forced_agreement
 
-    model = tiny_model(arch, "eager")
+    # (a window longer than 2 x buffer_size: a shorter one is stored dense, with nothing compressed)
+    model = tiny_model(arch, "eager", window=40 if arch in SLIDING_ARCHS else None)
     ids, mask = prompts(1, length=40)
     sequence, _ = greedy(model, ids, mask, 40)
     config = gear_hf.GearConfig.preset("gear", bits=4, group_size=8, buffer_size=16)
@@ -110,7 +111,7 @@ def test_fused_kernel_matches_reference(backend, arch, monkeypatch):
         from gear_hf import kernels
 
         monkeypatch.setattr(kernels, "quantize_pack_supports", lambda *args, **kwargs: False)
-    model = tiny_model(arch, head_dim=32).to(device)
+    model = tiny_model(arch, head_dim=32, window=40 if arch in SLIDING_ARCHS else None).to(device)  # (see above)
     config = gear_hf.GearConfig.preset("gear", bits=4, group_size=16, buffer_size=16)
     tokens_ref, logits_ref = _generate(model, config.replace(backend="torch"), device=device)
     assert calls["fused"] == 0

@@ -41,11 +41,10 @@ def test_missing_fields_take_the_versions_defaults_not_todays(monkeypatch):
 
 
 def test_a_version_1_config_loads_as_version_1s_default_whatever_todays():
-    """Config version 2 moved GearConfig() (values per channel, the buffer at 8-bit keys / 4-bit values, key widths
-    of 2.875 bits on average):
-    a dict saved by version 1 keeps the default it was saved with (RECOMMENDED "accurate", 16-bit buffer)."""
+    """Config version 2 moved GearConfig()'s buffer to 8-bit keys / 4-bit values: a dict saved by version 1 keeps the
+    default it was saved with ("accurate" with the 16-bit buffer)."""
     old = GearConfig.from_dict({VERSION_KEY: 1})
-    assert old == GearConfig.recommended(name="accurate") != GearConfig()
+    assert old == GearConfig(key_buffer="full", value_buffer="full") != GearConfig()
     assert (old.key_bits, old.value_axis, old.sink_tokens, old.key_buffer, old.value_buffer) == \
         (3.125, "token", 4, "full", "full")
     saved_v1 = dict(DEFAULTS_BY_VERSION[1], key_bits=3.5)  # what a version-1 gear_hf wrote for "precise"

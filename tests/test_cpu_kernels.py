@@ -239,6 +239,9 @@ def test_backend_choice(monkeypatch):
     cpu_device = torch.device("cpu")
     numba_everywhere = {"compress": "numba", "reconstruct": "numba", "attend": "numba"}
     assert resolve(GearConfig(), 64, torch.bfloat16, cpu_device).names() == numba_everywhere  # numba installed
+    # "lean" searches its value ranges: compressed by torch, read and attended by numba
+    lean = GearConfig.recommended(name="lean")
+    assert resolve(lean, 64, torch.bfloat16, cpu_device).names() == {**numba_everywhere, "compress": "torch"}
     torch_only = {"compress": "torch", "reconstruct": "torch", "attend": "reference"}
     assert resolve(GearConfig(backend="torch"), 64, torch.bfloat16, cpu_device).names() == torch_only
     # auto per operation: range search is compressed by torch, read and attended by numba (and says why)

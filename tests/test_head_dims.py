@@ -45,9 +45,9 @@ def test_the_default_generates_on_every_head_dim(head_dim):
     assert out.shape == (1, prompt + new)
     cache = gear_hf.last_cache(model)
     report = cache.memory_report()
-    assert report["codes"] > 0 and report["key_bits_allocated"] == allocated_mean_bits(3.125, head_dim)
+    assert report["codes"] > 0 and report["key_bits_allocated"] == allocated_mean_bits(config.key_bits, head_dim)
     note = "keys allocated"
-    if head_dim % 8:
-        assert f"rounded down to {head_bit_budget(3.125, head_dim)} bits per head" in cache.summary()
+    if head_bit_budget(config.key_bits, head_dim) != config.key_bits * head_dim:  # (2.875 x 20 channels: 57.5)
+        assert f"rounded down to {head_bit_budget(config.key_bits, head_dim)} bits per head" in cache.summary()
     else:
         assert note not in cache.summary()

@@ -286,10 +286,10 @@ RECOMMENDED_CASES = [("default", 64, torch.float32, [300, 170, 1]), ("default", 
 @pytest.mark.parametrize("name,d,dtype,steps", RECOMMENDED_CASES,
                          ids=[f"{n}-d{d}-{str(t)[6:]}" for n, d, t, _ in RECOMMENDED_CASES])
 def test_recommended_configs_run_fused(name, d, dtype, steps, impl):
-    """GearConfig() itself (kivi, key widths allocated by the queries, mean 3.125 bits; 3-bit values rotated; groups
-    of 128, the prompt in 256-token groups, 4 sinks) and the "compact" recommendation (values per channel, ranges
-    searched): the fused kernel covers them and equals the oracle (prompt chunk, a decode chunk, buffer, sinks, a
-    padded row)."""
+    """GearConfig() itself (kivi, key widths allocated by the queries, mean 2.875 bits; 3-bit values rotated per
+    channel; groups of 128, the prompt in 256-token groups, 4 sinks, a coded buffer) and the "compact" recommendation
+    (values per channel, ranges searched): the fused kernel covers them and equals the oracle (prompt chunk, a decode
+    chunk, buffer, sinks, a padded row)."""
     from gear_hf.kernels import fused_supported
 
     cfg = GearConfig() if name == "default" else GearConfig.recommended(name=name)

@@ -62,9 +62,9 @@ def test_resolve(monkeypatch):
 def test_forced_backend_that_cannot_serve_the_format_raises(monkeypatch):
     """A forced backend raises, naming why, when it cannot serve the format; auto passes it over and says why."""
     monkeypatch.delenv("GEAR_HF_BACKEND", raising=False)
-    for backend in ("triton", "numba"):  # ("accurate": min/max ranges, which every compress backend serves)
+    for backend in ("triton", "numba"):
         with pytest.raises(ValueError, match=f"backend {backend!r} cannot run here: its attend .*pre_rope"):
-            _names(GearConfig.recommended(name="accurate", backend=backend, pre_rope=False))
+            _names(GearConfig(backend=backend, pre_rope=False))
     plan = resolve(GearConfig(pre_rope=False), 64, torch.float32, torch.device("cpu"))
     assert plan.attend is None and any("pre_rope" in reason for _, reason in plan.skipped["attend"])
     # nothing compressed: every backend may be asked for, none has anything to do
@@ -149,7 +149,8 @@ def _tiny(arch: str, dtype=torch.float32):
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
         config, cls = LlamaConfig(rope_parameters=rope, **common), LlamaForCausalLM
     elif arch == "mistral":
-        config, cls = MistralConfig(sliding_window=24, **common), MistralForCausalLM
+        # (a window > 2 x buffer_size 16: a shorter one is stored dense, nothing compressed: gear_hf/cache/window.py)
+        config, cls = MistralConfig(sliding_window=36, **common), MistralForCausalLM
     else:
         config, cls = Qwen2Config(**common), Qwen2ForCausalLM
     config._attn_implementation = "sdpa"
@@ -204,17 +205,14 @@ def test_generate_llama3_fused_equals_torch(fused):
 
 
 def test_generate_default_config_fused_equals_torch(fused):
-    """GearConfig()'s storage (kivi, key widths allocated by the queries with a mean of 2.875 bits, 3-bit values
-    rotated per channel with searched ranges, 4 sinks, the prompt in longer groups, the buffer at 8-bit keys / 4-bit
-    values) at small groups: every decode step takes the fused path and generation equals the torch reference path."""
+    """GearConfig()'s storage (kivi, key widths allocated by the queries with a mean of 3.125 bits, 3-bit values
+    rotated per token, 4 sinks, the prompt in longer groups, the buffer at 8-bit keys / 4-bit rotated values) at small
+    groups: every decode step takes the fused path and generation equals the torch reference path."""
     default = GearConfig()
     assert (default.method, default.key_bits, default.value_bits, default.rotation, default.key_bit_allocation,
             default.value_axis, default.key_buffer, default.value_buffer) == \
-        ("kivi", 2.875, 3, "values", "query", "channel", "int8", "int4")
-    # (numba's compression takes min/max ranges only: "auto" compresses the searched value ranges with torch and
-    # attends with numba; backend="numba" forced raises, test_forced_backend_that_cannot_serve_the_format_raises)
-    backend = "auto" if fused == "numba" else fused
-    _compare("llama3", 9, cfg=default.replace(group_size=16, buffer_size=16, prompt_group_size=32), backend=backend)
+        ("kivi", 3.125, 3, "values", "query", "token", "int8", "int4")
+    _compare("llama3", 9, cfg=default.replace(group_size=16, buffer_size=16, prompt_group_size=32), backend=fused)
 
 
 def test_generate_gear_l_int8_factors_separate_groups_fused_equals_torch(fused):
@@ -226,12 +224,12 @@ def test_generate_gear_l_int8_factors_separate_groups_fused_equals_torch(fused):
 def test_sliding_layer_releases_chunks_and_fused_still_equals_torch(fused):
     """Mistral with a window shorter than the sequence: the prompt chunk and leading decode chunks leave every
     row's window and are released; the kernel reads [sink | live chunks | buffer] with remapped indices."""
-    cache = _compare("mistral", 40, group_size=8, backend=fused)
+    cache = _compare("mistral", 56, group_size=8, backend=fused)
     assert all(layer.released.prompt and layer.released.chunks > 0 for layer in cache.layers)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["mistral", "qwen2"])
 def test_generate_fused_equals_torch(arch, fused):
-    """mistral: sliding window 24 < sequence length; qwen2: q/k/v bias."""
+    """mistral: sliding window 36 < sequence length; qwen2: q/k/v bias."""
     _compare(arch, 12, backend=fused)

@@ -57,6 +57,8 @@ CONFIGS = {
     "gear4-rotated": dict(method="gear", bits=4, outlier_ratio=0.1, rotation="both"),  # key outliers rotated too
     "kivi2": dict(method="kivi", bits=2),
     "kcvt4": dict(method="kcvt", bits=4),
+    "kivi8": dict(method="kivi", bits=8),  # 8-bit codes: one byte per code, the top byte's mask above int32's sign
+    "gear8": dict(method="gear", bits=8, outlier_ratio=0.1),  # 8-bit words as 4 row sets per thread (rank 4)
     "axes-flipped": dict(method="gear", bits=4, outlier_ratio=0.1, key_axis="token", value_axis="channel"),
     "default": dict(recommended="accurate"),  # allocated key widths (bit planes), 3-bit rotated values, sinks
     "compact": dict(recommended="compact"),  # values per channel, ranges searched
@@ -90,7 +92,9 @@ STORE_CASES = [("gear2", 64, torch.float32, 77), ("gear3-f16", 64, torch.float32
                ("gear4-rotated", 64, torch.bfloat16, 77), ("kivi2", 128, torch.float16, 77),
                ("kcvt4", 64, torch.float32, 77), ("axes-flipped", 64, torch.float32, 77),
                ("default", 128, torch.bfloat16, 77), ("compact", 64, torch.float32, 77),
-               ("gear2", 128, torch.bfloat16, 300), ("default", 64, torch.float32, 300)]
+               ("gear2", 128, torch.bfloat16, 300), ("default", 64, torch.float32, 300),
+               ("kivi8", 64, torch.float32, 77), ("gear3-f16", 128, torch.bfloat16, 300),
+               ("gear8", 128, torch.float16, 300)]
 
 
 @pytest.mark.parametrize("name,d,dtype,prompt", STORE_CASES,

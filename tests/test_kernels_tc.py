@@ -22,7 +22,18 @@ import pytest  # noqa: E402
 from gear_hf.cache.fused import build_cache, reference_decode_attention  # noqa: E402
 from gear_hf.config import GearConfig  # noqa: E402
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
+from gear_hf.kernels.triton.tc_codes import magic_of, value_codes_magic  # noqa: E402
+
+
+@triton.jit
+def _magic_codes_kernel(codes_ptr, s_codes, out_ptr, n_valid, D: tl.constexpr, MT: tl.constexpr):
+    """16 value rows of `value_codes_magic`, magic subtracted: float32 [16, D] (rows >= n_valid masked)."""
+    slot = tl.arange(0, 16)
+    v = value_codes_magic(codes_ptr, s_codes, slot, slot < n_valid, D, 3, MT)
+    tl.store(out_ptr + slot[:, None] * D + tl.arange(0, D)[None, :], v.to(tl.float32) - magic_of(MT, 3)[1])
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float16: 5e-3, torch.bfloat16: 2e-2}
@@ -163,3 +174,43 @@ def test_tensor_core_kernel_compiled_at_llama_shapes(name):
     cfg = GearConfig.preset("gear", bits=2) if name == "gear2" else GearConfig()
     out, ref = _run(cfg, d=128, kv_heads=2, group=4, batch=2, steps=(700, 300, 1), pad=(0, 77), dtype=torch.bfloat16)
     _check(out, ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_magic_value_codes_equal_the_packed_codes(dtype):
+    """`tc_codes.value_codes_magic` (3-bit value rows read as 32-bit words, two codes built per word in the mantissas
+    of 16-bit magic floats) gives magic + code for every code of `quant.pack_codes`' 3-bit layout: all 8 codes in
+    every position, head_dim 64 and 128, a masked row reading code 0."""
+    from gear_hf.compress.quant import pack_codes
+
+    gen = torch.Generator().manual_seed(3)
+    for d in (64, 128):
+        codes = torch.randint(0, 8, (16, d), generator=gen, dtype=torch.uint8)
+        codes[0] = torch.arange(d) % 8  # every code at every position of a unit
+        codes[1] = 7 - torch.arange(d) % 8
+        packed = pack_codes(codes, 3, dim=-1).to(DEVICE)  # [16, 3d/8]
+        out = torch.empty(16, d, device=DEVICE)
+        _magic_codes_kernel[(1,)](packed, packed.stride(0), out, 15, D=d,
+                                  MT=tl.float16 if dtype == torch.float16 else tl.bfloat16)
+        expected = codes.float().to(DEVICE)
+        expected[15] = 0  # the masked row
+        assert torch.equal(out, expected)
+
+
+
+@pytest.mark.parametrize("d,dtype", [(64, torch.float16), (128, torch.bfloat16), (128, torch.float16)])
+def test_folded_magic_values_match_oracle(d, dtype):
+    """One value group per token (value_group_size = head_dim): the fold with the values' 3-bit codes read as magic
+    floats (P·(magic + code) - magic·rowsum(P)) equals the oracle, with a padded row, sinks and far positions."""
+    from gear_hf.kernels.decode import decode_attention
+
+    cfg = _default(value_group_size=d)
+    out, ref = _run(cfg, d=d, kv_heads=1, group=4, steps=(77, 40, 2), dtype=dtype, offset=30000)
+    _check(out, ref, dtype)
+    cache, _, _ = build_cache(cfg, batch=1, kv_heads=1, head_dim=d, steps=[77, 40, 1], dtype=dtype)
+    q = torch.zeros(1, 4, 1, d, dtype=dtype)
+    plan = []
+    decode_attention(q, *cache.kernel_views(0, 1, q.device), scaling=0.125, inv_freq=_inv_freq(d), tensor_core=True,
+                     _plan=plan)
+    kwargs = plan[0][3]
+    assert kwargs["P_V_BITS"] == 3 and kwargs["P_V_STATS_W"] == 1 and kwargs["D_V_STATS_W"] == 1  # the fold runs

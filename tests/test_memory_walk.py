@@ -1,8 +1,9 @@
 """`memory_report()` against an independent walk of every tensor the cache and the kernels keep for it (issue 25).
 
-What the report counts (gear_hf/cache/memory.py): the layout's positions and rect_to_local, each stream's sink,
-buffer, allocated key widths and chunk-store fields (held + spare), the stores' and the cache's kernel state, and the
-workspaces kept from one step to the next (the rotary memo `cache._rotary`, each layer's query energy) —
+What the report counts (gear_hf/cache/memory.py): the layout's stored position tables (none while they follow from
+the pads), each stream's sink, buffer, allocated key widths and chunk-store fields (held + spare), a dense window's
+tensors, the stores' and the cache's kernel state, and the workspaces kept from one step to the next (the rotary memo
+`cache._rotary`, a layer's query energy: both dropped when a step ends) —
 `owned_bytes`. The walk, run after a generate through a real attention forward, must find no more than that: the
 per-step memos (the layout's kernel inputs and slot plan, the step workspace) are dropped when a step ends.
 """
@@ -105,8 +106,7 @@ def _gap(cache, with_memos: bool, model=None) -> str:
 def test_walk_finds_at_least_what_the_report_counts(generated):
     cache, _ = generated
     report = cache.memory_report()
-    stores = walk({"layers": cache.layers, "positions": cache.layout.positions,
-                   "rect_to_local": cache.layout.rect_to_local, "kernel_state": cache.kernel_state,
+    stores = walk({"layers": cache.layers, "tables": cache.layout.tables, "kernel_state": cache.kernel_state,
                    "rotary": cache._rotary})
     assert stores.total == report["owned_bytes"], _gap(cache, False)  # what the report names: counted exactly
     assert report["held_bytes"] <= report["owned_bytes"] <= walk_cache(cache, memos=False).total

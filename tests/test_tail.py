@@ -21,7 +21,7 @@ from gear_hf.format import INT4_TOKENS, INT8_TOKENS, layer_formats
 from tiny_models import CACHE_ARG, tiny_model
 
 H, D = 2, 64
-FULL = GearConfig.recommended(name="accurate")  # config version 1's GearConfig(): values per token, 16-bit buffer
+FULL = GearConfig(key_buffer="full", value_buffer="full")  # config version 1's GearConfig(): the 16-bit buffer
 
 
 def _fill(config: GearConfig, prompt: int, steps: int, seed: int = 0):
@@ -143,7 +143,7 @@ def test_fp16_keeps_every_token_whatever_the_buffer_settings():
 
 def test_presets_keep_the_full_precision_buffer():
     assert GearConfig.preset("gear-2").key_buffer == GearConfig.preset("kivi-4").value_buffer == "full"
-    assert GearConfig.recommended(name="accurate").value_buffer == "full"
+    assert GearConfig.recommended(name="precise").value_buffer == "full"
     # GearConfig() (config version 2): 8-bit keys and 4-bit values in the buffer (config.py, results/tail/)
     assert (GearConfig().key_buffer, GearConfig().value_buffer) == ("int8", "int4")
 

@@ -16,13 +16,15 @@ ARCHS = ("llama2", "llama3", "mistral", "qwen2")
 # Issue 12: each exists in transformers 5.17 (the oldest supported) and 5.24.
 NEW_ARCHS = ("qwen3", "qwen3_moe", "mixtral", "gemma2", "gemma3_text", "gemma3", "phi3", "olmo2", "granite")
 WINDOW = 16  # sliding window of the architectures that have one: shorter than every test sequence
+SLIDING_ARCHS = ("mistral", "qwen3", "qwen3_moe", "mixtral", "gemma2", "gemma3_text", "gemma3", "phi3")
 
 
 def tiny_model(arch: str, attn: str = "sdpa", dtype: torch.dtype = torch.float32, layers: int = 2,
-               seed: int = 0, head_dim: int = 16) -> torch.nn.Module:
+               seed: int = 0, head_dim: int = 16, window: int | None = None) -> torch.nn.Module:
     """llama2: MHA + default RoPE; llama3: GQA + llama3 RoPE scaling; mistral: GQA + sliding window 16
     (shorter than the test sequences); qwen2: GQA + q/k/v bias; NEW_ARCHS: see `_new_arch_config`.
-    4 query heads of `head_dim` channels (32 or more for the fused kernel)."""
+    4 query heads of `head_dim` channels (32 or more for the fused kernel). window: another sliding window for the
+    layers that have one (a window <= 2 x buffer_size is stored dense: `gear_hf.cache.window`)."""
     common = dict(vocab_size=VOCAB, hidden_size=4 * head_dim, intermediate_size=128, num_hidden_layers=layers,
                   num_attention_heads=4, max_position_embeddings=1024, pad_token_id=0, bos_token_id=1,
                   eos_token_id=2)
@@ -44,7 +46,20 @@ def tiny_model(arch: str, attn: str = "sdpa", dtype: torch.dtype = torch.float32
     torch.manual_seed(seed)
     model = cls(config).to(dtype).eval()
     model.generation_config.eos_token_id = None  # run every requested step
+    if window is not None:
+        _set_window(model, window)
     return model
+
+
+def _set_window(model: torch.nn.Module, window: int) -> None:
+    """The sliding window of every sliding layer (the config the masks read, the attention modules' own)."""
+    config = model.config.get_text_config(decoder=True)
+    if getattr(config, "sliding_window", None) is None:
+        raise ValueError(f"{type(model).__name__} has no sliding window to set")
+    config.sliding_window = window
+    for module in model.modules():
+        if getattr(module, "sliding_window", None) is not None:
+            module.sliding_window = window
 
 
 def tiny_model_or_skip(arch: str, attn: str = "sdpa", dtype: torch.dtype = torch.float32, **kwargs):

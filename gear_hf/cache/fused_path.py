@@ -58,6 +58,8 @@ class FusedPath:
         if attend is None or training or output_attentions or self.decode_path == "fallback":
             return False
         reason = attend.step_reason(query.shape[-1], query.shape[-2], rotary_dim, softcap)
+        if reason is None and getattr(self, "_storing", None) is not None and self._storing.dense is not None:
+            return False  # a sliding layer stored dense (`GearLayer.dense`): nothing compressed to fuse
         if reason is None:
             return self._fused_is_cheaper(query) if self._chooses_path() else True
         if self.plan.forced == attend.name and query.shape[-2] <= MAX_FUSED_QUERY:

@@ -83,7 +83,7 @@ class GearCache(FusedPath, Cache):
         self.gear_config = gear_config
         self.expected_length = expected_length
         windows = _sliding_windows(_text_config(model_or_config))
-        super().__init__(layers=[GearLayer(gear_config, i, w) for i, w in enumerate(windows)])
+        super().__init__(layers=[GearLayer(gear_config, i, w, speculative) for i, w in enumerate(windows)])
         self.layout = RowLayout(gear_config, expected_length, speculative=speculative)
         # 'fused-tc' / 'fused' / 'fallback' / 'reference' per decode layer-step (not prompts)
         self.step_paths: Counter = Counter()
@@ -93,6 +93,7 @@ class GearCache(FusedPath, Cache):
         self._workspace = StepWorkspace()
         self._slot_mask_memo: tuple | None = None  # (slot plan, model's mask, remapped mask) of the current step
         self._pending_mask: torch.Tensor | None = None
+        self._storing: GearLayer | None = None  # the layer of the last `store`
         self._finite: list[torch.Tensor] = []  # this step's "all compressed entries finite" flags
         self.kernel_state = KernelState()  # what the fused kernels share across layers (counted by the report)
         self.plan: backends.BackendPlan | None = None  # who compresses, reconstructs, attends: set at first store
@@ -130,6 +131,7 @@ class GearCache(FusedPath, Cache):
         if self.plan is None:
             self._bind(key_states)
         layer.append(layout.plan, key_states, value_states, self.gear_config.sink_tokens, query)
+        self._storing = layer  # (`use_fused`: a dense window takes the reference path)
         return layer
 
     def _bind(self, key_states: torch.Tensor) -> None:
@@ -224,6 +226,8 @@ class GearCache(FusedPath, Cache):
         """The padded layout's keys, rotated as they are read into the step's workspace (`Stream.read` with
         rotary), or None when the layout needs the plain read."""
         layer, layout = self.layers[layer_idx], self.layout
+        if layer.dense is not None:  # a dense window: the plain read
+            return None
         start = layer.visible_start(layout.plan.rect_before)
         scratch, _ = self._key_value_workspace(key_states, layout.rect_length - start, key_states.dtype)
         out = self._workspace.get("rotated keys", scratch.shape, key_states.dtype, key_states.device)
@@ -281,6 +285,21 @@ class GearCache(FusedPath, Cache):
             self._slot_mask_memo = None
             self.layout.end_step()
             self._check_finite()
+        elif self._drops_workspace_per_layer():
+            self._workspace.clear()
+            self._rotary.clear()
+
+    def _drops_workspace_per_layer(self) -> bool:
+        """Whether this step gives its read workspace and rotary tables back after each layer instead of reusing
+        them in the next: on a step of many new tokens (the prompt, a long chunk) whose own tokens are at least
+        half of what it attends. Such a step's peak is in a layer's MLP, where the model's activations (∝ the
+        step's tokens) sit on top of every layer's storage; a history-sized workspace kept from layer to layer
+        (keys, values, rotated keys [B,H,T,d] and cos/sin [B,1,T,d]: 3.3 layers' worth of dense KV) would sit
+        there too, for an allocation per layer saved that costs little next to such a step's compute (issue 25:
+        the peak KV of `generate`). Decode steps (the step's peak is in the attention, which needs the workspace
+        anyway) keep reusing them."""
+        plan = self.layout.plan
+        return plan.query_len > SLOT_MAX_QUERY and plan.query_len >= plan.rect_before
 
     def _check_finite(self) -> None:
         if self._finite:
@@ -339,7 +358,7 @@ class GearCache(FusedPath, Cache):
         """Keep rows `index` (in that order) of every layer and of the shared layout."""
         if self.layout.steps == 0:
             return
-        index = index.to(self.layout.positions.device).long()
+        index = index.to(self.layout.device).long()
         for layer in self.layers:
             layer.select_rows(index)
         self.layout.select_rows(index.tolist(), index)
@@ -378,7 +397,7 @@ class GearCache(FusedPath, Cache):
                              "them)")
         self.layout.crop(remove)
         for layer in self.layers:
-            layer.seen_length = self.layout.rect_length
+            layer.cropped(self.layout.rect_length)
 
     def reset(self) -> None:
         raise NotImplementedError("GearCache cannot be reset in place; create a new GearCache")

@@ -10,17 +10,21 @@ from ..config import GearConfig
 from ..format import layer_formats, stream_specs  # noqa: F401  (stream_specs: earlier import path)
 from .layout import RowLayout, StepPlan
 from .stream import Released, Stream
+from .window import DenseWindow, dense_window_reason
 
 
 class GearLayer(CacheLayerMixin):
     """One decoder layer's GEAR storage, filled through `GearCache.store` (keys before RoPE).
 
     A sliding layer (window w) sees only the last w-1 past columns, like HF's sliding cache layers; chunks that
-    left every row's window are released, so its memory stops growing once T passes the window."""
+    left every row's window are released, so its memory stops growing once T passes the window. A window too short
+    for compression to pay (`dense_window_reason`) is stored dense instead, as transformers stores it (`dense`: a
+    `DenseWindow`; `dense_why` says why)."""
 
     is_compileable = False
 
-    def __init__(self, config: GearConfig, layer_idx: int, sliding_window: int | None) -> None:
+    def __init__(self, config: GearConfig, layer_idx: int, sliding_window: int | None,
+                 speculative: bool = False) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.sliding_window = sliding_window
@@ -29,11 +33,16 @@ class GearLayer(CacheLayerMixin):
         self.seen_length = 0
         self.released = Released()
         self.flushed_step = 0  # layout steps completed by this layer (== steps once the step's flush ran)
-        self.query_energy: torch.Tensor | None = None  # [B,Hkv,d] float64, while key widths are to be allocated
+        # [B,Hkv,d] float64: the step's query energy while some row's key widths are to be chosen; dropped when the
+        # step ends (a row takes its widths from the queries of the step it first compresses in: its prompt's, or
+        # the step that fills its first decode chunk), so nothing beside the tokens is kept between steps
+        self.query_energy: torch.Tensor | None = None
         nb = config.buffer_size
         self.formats = layer_formats(config)  # (keys', values') StreamFormat
         self.key_stream, self.value_stream = (Stream(fmt.prompt, fmt.decode, nb, fmt.stream, fmt.tail)
                                              for fmt in self.formats)
+        self.dense_why = dense_window_reason(sliding_window, nb, config.compresses)
+        self.dense = DenseWindow(sliding_window, speculative) if self.dense_why else None
 
     @property
     def streams(self) -> tuple[Stream, Stream]:
@@ -46,11 +55,13 @@ class GearLayer(CacheLayerMixin):
     # -- a step --------------------------------------------------------------------------------------------
     def append(self, plan: StepPlan, key_states: torch.Tensor, value_states: torch.Tensor, sink_tokens: int,
                query: torch.Tensor | None = None) -> None:
-        if query is not None and self.key_stream.needs_query_energy():
-            energy = query_pair_energy(query, key_states.shape[1], plan.valid)
-            self.query_energy = energy if self.query_energy is None else self.query_energy + energy
-        for stream, x in zip(self.streams, (key_states, value_states)):
-            stream.append(plan, x, sink_tokens)
+        if self.dense is not None:
+            self.dense.append(key_states, value_states)
+        else:
+            if query is not None and plan.flush and self.key_stream.needs_query_energy():
+                self.query_energy = query_pair_energy(query, key_states.shape[1], plan.valid)
+            for stream, x in zip(self.streams, (key_states, value_states)):
+                stream.append(plan, x, sink_tokens)
         self.steps += 1
         self.seen_length = plan.rect_before + plan.query_len
 
@@ -58,12 +69,21 @@ class GearLayer(CacheLayerMixin):
              streams: tuple[int, ...] = (0, 1)):
         """(keys before RoPE, values) in HF's padded layout from column `start` (streams: which, 0 keys 1 values);
         out: optional tensors to build them in (see `Stream.read`)."""
+        if self.dense is not None:  # (columns it no longer holds, for `GearCache.held`: zeros, as released chunks)
+            columns = layout.rect_length - start
+            held = self.dense.read(min(columns, self.dense.columns), dtype, out, streams)
+            return held if columns <= self.dense.columns else \
+                tuple(torch.nn.functional.pad(t, (0, 0, columns - t.shape[2], 0)) for t in held)
         return tuple(self.streams[i].read(layout, counts, self.released, start, dtype, sink_tokens, out[i])
                      for i in streams)
 
     def flush(self, layout: RowLayout, plan: StepPlan) -> list[torch.Tensor]:
         """Compress what leaves the buffers, then release what left every row's window. Returns device bools
         (all entries finite) for the cache to check once per step."""
+        if self.dense is not None:
+            self.dense.end_step()
+            self.flushed_step = layout.steps
+            return []
         reserve = plan.decode_reserve - self.released.chunks
         limit = None
         if self.is_sliding:  # live chunks never exceed a window's worth (+ the partly visible and the newest)
@@ -71,8 +91,7 @@ class GearLayer(CacheLayerMixin):
             reserve = min(reserve, limit)
         finite = [stream.flush(plan, layout.prompt_capacity, layout.batch, self.released.chunks, reserve,
                                self.query_energy, limit) for stream in self.streams]
-        if self.query_energy is not None and not self.key_stream.needs_query_energy():
-            self.query_energy = None  # every row's widths are chosen
+        self.query_energy = None  # (the step's: see __init__)
         if self.is_sliding:
             self._release(layout)
         self.flushed_step = layout.steps
@@ -96,7 +115,15 @@ class GearLayer(CacheLayerMixin):
                 stream.release(self.released, after, counts)
             self.released = after
 
+    def cropped(self, length: int) -> None:
+        """The cache took back its newest columns: `length` remain (`GearCache.crop`)."""
+        if self.dense is not None:
+            self.dense.crop(self.seen_length - length)
+        self.seen_length = length
+
     def select_rows(self, index: torch.Tensor) -> None:
+        if self.dense is not None:
+            self.dense.select_rows(index)
         for stream in self.streams:
             stream.select_rows(index)
         if self.query_energy is not None:

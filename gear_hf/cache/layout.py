@@ -13,6 +13,11 @@ HF hands the cache a padded [B, T] layout (what the attention mask describes); `
 columns to row-local indices and `positions` gives each row-local token its position. The per-row counts are
 kept on the host (planning needs them; reading the step's new mask columns is the step's only device sync)
 and mirrored as an int32 [B, 4] tensor for the kernels.
+
+While every row is one run of columns after its left padding and every token's position is its row-local index
+(what `generate` does), both tables follow from the host's pads: nothing is stored (8 bytes a token that the dense
+cache does not own: issue 25, item 5) and a step builds them when it reads them (`positions`, `rect_to_local`,
+dropped when it ends). The first step that breaks this (a mask with holes, other positions) stores them (`tables`).
 """
 
 from __future__ import annotations
@@ -24,8 +29,7 @@ import torch
 
 from ..config import GearConfig
 from ..storage import TokenWrites, grown_capacity
-
-POSITION_GRANULE = 16  # columns the position tables grow by (at least)
+from .position_tables import POSITION_GRANULE, compact_tables, grown_tables
 
 
 @dataclass(frozen=True)
@@ -117,8 +121,12 @@ class RowLayout:
         self.buffer_capacity = 0  # tokens every layer's buffer holds between steps
         self.pads: list[int] = []  # padding columns before each row's first token
         self.contiguous: list[bool] = []  # every column after the row's first token is one of its tokens
-        self.positions: torch.Tensor | None = None  # [B, cap+1] int32, row-local order (+ scratch column)
-        self.rect_to_local: torch.Tensor | None = None  # [B, cap] int32, -1 = padding
+        # (positions [B, cap+1] int32 in row-local order (+ a scratch column), rect_to_local [B, cap] int32, -1 =
+        # padding), stored once the positions do not follow from the pads; else None (`positions`)
+        self.tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.device: torch.device | None = None
+        self._step_tables: tuple | None = None  # ((steps, rect, held), tables) built for the current step
+        self._in_step = False
         self.plan: StepPlan | None = None
         self._kernel_memo: tuple | None = None  # (key, kernel_inputs) of the current step
         self._slot_memo: tuple | None = None  # (step, SlotPlan) of the current step
@@ -148,19 +156,27 @@ class RowLayout:
             raise ValueError(f"batch size changed from {self.batch} to {batch} in one GearCache")
         B, q = batch, query_len
         rect_before = self.rect_length
-        if new_valid is None:
-            valid_rows = [[True] * q for _ in range(B)]
-            new_valid = torch.ones(B, q, dtype=torch.bool, device=device)
-        else:
-            new_valid = new_valid.to(device=device, dtype=torch.bool)
-            valid_rows = new_valid.tolist()  # the step's one host sync (none without a mask)
+        self.device = device
+        before = self.counts
+        held_before = before.held(self.chunk_len)
+        given = position_ids is not None
         if position_ids is None:
             position_ids = torch.arange(rect_before, rect_before + q, device=device)[None]
         position_ids = position_ids.to(device).expand(B, q)
-
-        before = self.counts
-        held_before = before.held(self.chunk_len)
-        self._record_columns(held_before, new_valid, valid_rows, position_ids, rect_before, device)
+        if new_valid is None:
+            new_valid = torch.ones(B, q, dtype=torch.bool, device=device)
+            local = torch.tensor(held_before, device=device)[:, None] + torch.arange(q, device=device)
+            valid_rows = [[True] * q for _ in range(B)]
+            # without a mask, positions not given are the columns (the row-local indices): no sync for them
+            indexed = [not given or bool((position_ids == local).all())] * B
+        else:
+            new_valid = new_valid.to(device=device, dtype=torch.bool)
+            local = torch.tensor(held_before, device=device)[:, None] + new_valid.long().cumsum(1) - 1
+            indexed = ((position_ids == local) | ~new_valid).all(1, keepdim=True)  # [B,1]
+            rows = torch.cat([new_valid, indexed], 1).tolist()  # the step's one host sync (none without a mask)
+            valid_rows, indexed = [row[:q] for row in rows], [row[q] for row in rows]
+        self._record_columns(held_before, new_valid, valid_rows, position_ids, rect_before, device, local,
+                             all(indexed))
 
         sink_cols = [[-1] * q for _ in range(B)]
         buffer_cols = [[-1] * q for _ in range(B)]
@@ -179,7 +195,7 @@ class RowLayout:
         attend = replace(before, sink=tuple(sink), buffer=tuple(attend_buffer))
         flush, after = self._plan_flush(attend, first, own if self.speculative and not first else None)
 
-        buffer_capacity, self.buffer_capacity = self._buffer_capacities(attend, after, first)
+        buffer_capacity, self.buffer_capacity = self._buffer_capacities(attend, after)
         run = list(range(buffer_cols[0][0], buffer_cols[0][0] + q)) if buffer_cols[0][0] >= 0 else None
         run = run[0] if run is not None and all(cols == run for cols in buffer_cols) else None
         if self.expected_length:  # every row reaches it: room for its chunks at once
@@ -201,16 +217,16 @@ class RowLayout:
         self.rect_length = rect_before + q
         self.steps += 1
         self.plan = plan
+        self._in_step = True
         return plan
 
-    def _buffer_capacities(self, attend: RowCounts, after: RowCounts, first: bool) -> tuple[int, int]:
+    def _buffer_capacities(self, attend: RowCounts, after: RowCounts) -> tuple[int, int]:
         """(during the step, after its flush): the buffer holds exactly what the rows need, as transformers' dense
-        cache does (a dense cache may be sized once to a known final length), and gives back what it compressed.
-        Growing by one token a step copies at most a buffer's worth (n_b tokens) per layer-step; spare capacity
-        here would cost up to 16 bits per spare token for the whole run (issue 25)."""
+        cache does, and gives back what it compressed. Growing by one token a step copies at most a buffer's worth
+        (n_b tokens) per layer-step; spare capacity here would cost up to 16 bits per spare token for the whole run
+        (issue 25). A cache that compresses nothing (fp16) grows as transformers' DynamicCache does (its torch.cat),
+        never sized ahead to a known final length: it would own more than the dense cache until then."""
         needed = max(attend.buffer, default=0)
-        if not self.config.compresses and first:
-            needed = max(needed, self.expected_length or 0)
         during = grown_capacity(self.buffer_capacity, needed, geometric=False)
         kept = max(after.buffer, default=0)
         return during, (during if kept == needed else max(kept, 1))  # (never empty: kernels take its pointer)
@@ -243,16 +259,12 @@ class RowLayout:
         flush.prompt_groups = [(rows, length) for length, rows in sorted(by_length.items(), reverse=True)]
         return flush, replace(attend, prompt=tuple(prompt), chunks=tuple(chunks), buffer=tuple(buffer))
 
-    def _record_columns(self, held_before, new_valid, valid_rows, position_ids, rect_before, device) -> None:
-        """rect_to_local and positions for the step's columns; pads/contiguity on the host."""
+    def _record_columns(self, held_before, new_valid, valid_rows, position_ids, rect_before, device, local,
+                        indexed: bool) -> None:
+        """rect_to_local and positions for the step's columns (stored only once they do not follow from the pads);
+        pads/contiguity on the host. local [B,q]: row-local index of each new token; indexed: every new token's
+        position is its row-local index."""
         B, q = new_valid.shape
-        held_after = [h + sum(v) for h, v in zip(held_before, valid_rows)]
-        self._grow(B, max(held_after, default=0), rect_before + q, device)
-        held = torch.tensor(held_before, device=device)
-        local = held[:, None] + new_valid.long().cumsum(1) - 1  # [B,q] row-local index of each new token
-        self.rect_to_local[:, rect_before : rect_before + q] = torch.where(new_valid, local, -1).int()
-        scratch = self.positions.shape[1] - 1
-        self.positions.scatter_(1, torch.where(new_valid, local, scratch), position_ids.int())
         for i, row in enumerate(valid_rows):
             seen = held_before[i]
             for ok in row:
@@ -261,27 +273,44 @@ class RowLayout:
                 elif not ok:
                     self.contiguous[i] = False
                 seen += ok
+        if self.tables is None and indexed and all(self.contiguous):
+            return  # the tables follow from the pads (`positions`)
+        held_after = [h + sum(v) for h, v in zip(held_before, valid_rows)]
+        if self.tables is None:  # from now on stored: what the compact layout described so far, then this step
+            known = self.expected_length or 0  # (sized as stored tables grow: to a known final length, in steps)
+            capacity = tuple(grown_capacity(0, max(n, known), POSITION_GRANULE)
+                             for n in (max(held_after, default=0), rect_before + q))
+            self.tables = compact_tables(self.pads, max(held_before, default=0), rect_before, device, capacity)
+        self.tables = grown_tables(self.tables, max(held_after, default=0), rect_before + q)
+        positions, rect_to_local = self.tables
+        rect_to_local[:, rect_before : rect_before + q] = torch.where(new_valid, local, -1).int()
+        scratch = positions.shape[1] - 1
+        positions.scatter_(1, torch.where(new_valid, local, scratch), position_ids.int())
 
-    def _grow(self, B: int, held: int, rect: int, device) -> None:
-        """Room for `held` row-local tokens and `rect` padded columns (int32 each: 8 bytes a token for the whole
-        cache), in bounded steps of POSITION_GRANULE; sized at once to a known final length."""
-        known = self.expected_length or 0
-        if self.positions is None:
-            self.positions = torch.zeros(B, grown_capacity(0, max(held, known), POSITION_GRANULE) + 1,
-                                         dtype=torch.int32, device=device)
-            self.rect_to_local = torch.full((B, grown_capacity(0, max(rect, known), POSITION_GRANULE)), -1,
-                                            dtype=torch.int32, device=device)
-            return
-        if held > self.positions.shape[1] - 1:
-            cap = grown_capacity(self.positions.shape[1] - 1, held, POSITION_GRANULE)
-            grown = torch.zeros(B, cap + 1, dtype=torch.int32, device=device)
-            grown[:, : self.positions.shape[1] - 1] = self.positions[:, :-1]
-            self.positions = grown
-        if rect > self.rect_to_local.shape[1]:
-            cap = grown_capacity(self.rect_to_local.shape[1], rect, POSITION_GRANULE)
-            grown = torch.full((B, cap), -1, dtype=torch.int32, device=device)
-            grown[:, : self.rect_to_local.shape[1]] = self.rect_to_local
-            self.rect_to_local = grown
+    @property
+    def positions(self) -> torch.Tensor | None:
+        """[B, cap+1] int32: each row-local token's position (+ a scratch column); built for the step when the
+        layout is compact (not kept: see the module docstring)."""
+        tables = self._tables()
+        return None if tables is None else tables[0]
+
+    @property
+    def rect_to_local(self) -> torch.Tensor | None:
+        """[B, cap] int32: the row-local index of each padded column (-1: padding); as `positions`."""
+        tables = self._tables()
+        return None if tables is None else tables[1]
+
+    def _tables(self):
+        if self.tables is not None or self.device is None:
+            return self.tables
+        held = max(self.counts.held(self.chunk_len), default=0)
+        key = (self.steps, self.rect_length, held)
+        if self._step_tables is not None and self._step_tables[0] == key:
+            return self._step_tables[1]
+        tables = compact_tables(self.pads, held, self.rect_length, self.device)
+        if self._in_step:  # during a step: kept until it ends (`end_step`)
+            self._step_tables = (key, tables)
+        return tables
 
     # -- reading -----------------------------------------------------------------------------------------------
     def uniform(self, counts: RowCounts) -> bool:
@@ -362,9 +391,10 @@ class RowLayout:
 
     def end_step(self) -> None:
         """Drop the step's temporaries (nothing per-step is kept between steps)."""
-        self._kernel_memo = self._slot_memo = None
+        self._kernel_memo = self._slot_memo = self._step_tables = None
         if self.plan is not None:
             self.plan.sink_writes = self.plan.buffer_writes = self.plan.valid = None
+        self._in_step = False
 
     # -- crop (speculative decoding) ---------------------------------------------------------------------------
     def crop(self, remove: int) -> None:
@@ -384,9 +414,10 @@ class RowLayout:
                                  f"only its newest {buffered} uncompressed (the rest are in compressed chunks, "
                                  f"which cannot be taken back); {how}")
         self.counts = replace(self.counts, buffer=tuple(b - n for b, n in zip(self.counts.buffer, taken)))
-        self.rect_to_local[:, start : self.rect_length] = -1
+        if self.tables is not None:
+            self.tables[1][:, start : self.rect_length] = -1
         self.rect_length = start
-        self._kernel_memo = self._slot_memo = None
+        self._kernel_memo = self._slot_memo = self._step_tables = None
 
     # -- rows selection (beams) --------------------------------------------------------------------------------
     def select_rows(self, rows: list[int], index: torch.Tensor) -> None:
@@ -394,7 +425,7 @@ class RowLayout:
         c = self.counts
         self.counts = RowCounts(pick(c.sink), pick(c.prompt), pick(c.chunks), pick(c.buffer))
         self.pads, self.contiguous = list(pick(self.pads)), list(pick(self.contiguous))
-        self.positions = self.positions.index_select(0, index)
-        self.rect_to_local = self.rect_to_local.index_select(0, index)
+        if self.tables is not None:
+            self.tables = tuple(t.index_select(0, index) for t in self.tables)
         self.batch = len(rows)
-        self._kernel_memo = self._slot_memo = None
+        self._kernel_memo = self._slot_memo = self._step_tables = None

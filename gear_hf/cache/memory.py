@@ -3,12 +3,17 @@
     owned        = held + spare + kernel state + workspaces: every tensor the cache keeps alive (what to size a
                    device from; `bits_per_element` is this)
     held         by tokens: codes, scales/minimums (and allocated key widths), low-rank factors, outlier values and
-                   indices, the full-precision sink and buffer, the position bookkeeping (by component)
+                   indices, the full-precision sink and buffer (and a dense window's tokens), the position tables
+                   when stored (by component)
     spare        capacity allocated beyond the tokens (stores grow in bounded steps: gear_hf.storage)
     kernel state what the kernels derived and keep: per store (prepared runs, sorted outliers) and shared by the
                  layers (`KernelState`: split-KV workspace, tables, rope halves)
-    workspaces   what the cache keeps from one step for the next: the key-allocation statistics of rows not yet
-                 compressed (the rotary tables are per step: dropped when a step ends)
+    workspaces   what the cache keeps from one step for the next: nothing between steps (the rotary tables and the
+                 query energy of key-width allocation are per step: dropped when a step ends)
+
+No layer owns more than the dense cache would (issue 25, item 5): a sliding layer whose window cannot gain stores
+dense (`GearLayer.dense`; `dense_layers` says why), positions that follow from the pads are not stored, and the
+full-precision buffer grows exactly as transformers' cache does. What remains above dense is named in `above_dense`.
 
 Per-step temporaries (`StepWorkspace`, the layout's memos) are dropped when a step ends and not counted. Bits per
 element are given as stored, and as they would be with every floating tensor held by tokens in 16 bits (an fp32
@@ -35,6 +40,10 @@ def _held_by_component(cache, cap: int | None) -> dict[str, int]:
     nb = layout.chunk_len
     out = dict.fromkeys(COMPONENTS, 0)
     for layer in cache.layers:
+        if layer.dense is not None:  # a dense window: its real tokens (its padding columns are spare, as in HF's)
+            out["buffer"] += sum(_window_tokens(layout, layer)) * _capped(layer.dense.column_nbytes(),
+                                                                          layer.dense.keys, cap)
+            continue
         for stream in layer.streams:
             for store, tokens in ((stream.sink, counts.sink), (stream.buffer, counts.buffer)):
                 if store.capacity:
@@ -49,9 +58,24 @@ def _held_by_component(cache, cap: int | None) -> dict[str, int]:
                 for name, n in stream.decode.chunk_nbytes(nb, cap).items():
                     out[name] = out.get(name, 0) + live * n
             out["scales"] += _nbytes(stream.channel_bits)  # each row's allocated key widths (for its next chunks)
-    if layout.positions is not None:
+    if layout.tables is not None:  # (none while they follow from the pads: `RowLayout.positions`)
         out["positions"] = 4 * (sum(counts.held(nb)) + layout.batch * layout.rect_length)
     return out
+
+
+def _capped(nbytes: int, like: torch.Tensor | None, cap: int | None) -> int:
+    """nbytes of tensors like `like`, counted at most `cap` bytes per element."""
+    if like is None or cap is None or like.element_size() <= cap:
+        return nbytes
+    return nbytes // like.element_size() * cap
+
+
+def _window_tokens(layout, layer) -> list[int]:
+    """Per row, the real tokens among the columns a dense window holds (a row with holes: at most its columns)."""
+    columns = layer.dense.columns
+    held = layout.counts.held(layout.chunk_len)
+    before = layout.tokens_before(layout.rect_length - columns)
+    return [min(columns, h - b) for h, b in zip(held, before)]
 
 
 def derived_bytes(cache) -> int:
@@ -67,15 +91,17 @@ def derived_bytes(cache) -> int:
 
 
 def workspace_bytes(cache) -> int:
-    """What the cache keeps beyond its stores: the rotary memo (cos/sin of the step's reads; emptied when the step
-    ends, so 0 between steps), the key-allocation statistics of rows whose widths are still to be chosen."""
+    """What the cache keeps beyond its stores: the rotary memo (cos/sin of the step's reads) and the step's query
+    energy (what key widths are allocated from): both emptied when the step ends, so 0 between steps."""
     return cache._rotary.nbytes() + sum(_nbytes(layer.query_energy) for layer in cache.layers)
 
 
 def allocated_bytes(cache) -> int:
     """Every tensor of the stores and the layout, spare capacity included."""
-    total = _nbytes(cache.layout.positions) + _nbytes(cache.layout.rect_to_local)
+    total = sum(_nbytes(t) for t in cache.layout.tables or ())
     for layer in cache.layers:
+        if layer.dense is not None:
+            total += layer.dense.nbytes()
         for stream in layer.streams:
             total += stream.sink.nbytes() + stream.buffer.nbytes() + _nbytes(stream.channel_bits)
             for store in (stream.prefill, stream.decode):
@@ -93,6 +119,9 @@ def _elements(cache) -> int:
     held = sum(layout.counts.held(layout.chunk_len))
     total = 0
     for layer in cache.layers:
+        if layer.dense is not None:
+            total += sum(_window_tokens(layout, layer)) * H * d * 2
+            continue
         gone = sum(p for p in layout.counts.prompt) if layer.released.prompt else 0
         gone += layer.released.chunks * layout.chunk_len * layout.batch
         total += (held - gone) * H * d * 2
@@ -113,7 +142,7 @@ def memory_report(cache) -> dict:
     dtype_bits = torch.finfo(dtype).bits if dtype is not None else 16
     per_element = 8 / elements if elements else 0.0
     dense = elements * dtype_bits // 8
-    return {
+    report = {
         **held,
         "owned_bytes": owned,  # every tensor the cache keeps alive: the headline
         "held_bytes": held_bytes,  # by tokens (the components above)
@@ -136,26 +165,38 @@ def memory_report(cache) -> dict:
         "key_bits_allocated": _key_bits_allocated(cache),
         "key_bits": cache.gear_config.key_bits if cache.gear_config.compresses else None,
         "head_dim": cache.shape[1] if cache.shape is not None else None,
-        "above_dense": _above_dense_reasons(cache) if owned > dense else [],
+        "dense_layers": _dense_layers(cache),  # {why: [layer index]}: layers that store what dense would
     }
+    report["above_dense"] = _above_dense_reasons(cache, report) if owned > dense else []
+    return report
 
 
-def _above_dense_reasons(cache) -> list[str]:
-    """Why the cache owns more than the dense cache of the same tokens would (issue 25: said, not hidden)."""
+def _dense_layers(cache) -> dict[str, list[int]]:
+    """The layers that store dense (`GearLayer.dense_why`), grouped by why."""
+    out: dict[str, list[int]] = {}
+    for i, layer in enumerate(cache.layers):
+        if layer.dense_why:
+            out.setdefault(layer.dense_why, []).append(i)
+    return out
+
+
+def _above_dense_reasons(cache, report: dict) -> list[str]:
+    """Why the cache owns more than the dense cache of the same tokens (real ones: no padding) would, from what the
+    report counted (issue 25: said, not hidden). A dense cache of a left-padded batch owns its padding columns too."""
     config, counts = cache.gear_config, cache.layout.counts
     reasons = []
-    if not config.compresses:
-        reasons.append("nothing is compressed (fp16): positions are kept beside the tokens")
-    elif not any(counts.prompt) and not any(counts.chunks):
-        reasons.append(f"no token compressed yet (a prompt chunk needs {config.prompt_granule} tokens after the "
-                       f"{config.sink_tokens} sinks, a decode chunk {config.buffer_size}): every token is in the "
-                       "buffer, with the positions and key-allocation statistics beside it")
-    short = sorted({layer.sliding_window for layer in cache.layers
-                    if layer.sliding_window and layer.sliding_window <= config.buffer_size})
-    if short:
-        reasons.append(f"sliding window {'/'.join(map(str, short))} not longer than the buffer ({config.buffer_size} "
-                       "tokens): those layers keep up to a buffer of tokens where dense keeps a window")
-    return reasons or ["bookkeeping (positions, statistics) beside few compressed tokens"]
+    if report["positions"]:
+        reasons.append("positions stored beside the tokens (a mask with holes, or position_ids other than each row's "
+                       "token index)")
+    if report["spare_bytes"] and len(set(counts.held(cache.layout.chunk_len))) > 1:
+        reasons.append("rows of unequal length: the full-precision buffer and the dense windows are as long as the "
+                       "longest row's, as a padded dense cache is")
+    if report["workspace_bytes"] or report["kernel_state_bytes"]:
+        reasons.append("kernel state and workspaces beside the tokens")
+    if config.compresses and (any(counts.prompt) or any(counts.chunks)) and report["scales"] + report["lowrank"] \
+            + report["sparse_values"] + report["sparse_indices"] + report["codes"] > 0:
+        reasons.append("compressed chunks beside a full-precision buffer")
+    return reasons or [f"spare capacity ({report['spare_bytes']} bytes)"]
 
 
 def _key_bits_allocated(cache) -> float | None:
@@ -179,7 +220,13 @@ def summary(report: dict) -> str:
             f"bits/element ({report['bits_per_element_16bit']:.2f} with 16-bit floats) = "
             f"{100 * report['vs_model_dtype']:.1f}% of {report['model_dtype']} KV, "
             f"{report['owned_bytes'] / mib:.2f} MiB; " + ", ".join(rest) + _allocation_note(report)
+            + "".join(f"; {_layers(idx)} dense (why: {why})" for why, idx in report.get("dense_layers", {}).items())
             + "".join(f"; more than the dense cache: {why}" for why in report.get("above_dense", [])))
+
+
+def _layers(indices: list[int]) -> str:
+    many = len(indices) > 1
+    return f"layer{'s' if many else ''} {', '.join(map(str, indices))} store{'' if many else 's'}"
 
 
 def _allocation_note(report: dict) -> str:

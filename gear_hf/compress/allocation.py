@@ -35,8 +35,11 @@ def query_pair_energy(query: torch.Tensor, kv_heads: int, valid: torch.Tensor) -
     energy is the same), valid [B,q] bool (real tokens) -> [B,Hkv,d] float64, summed over the valid tokens and over
     the query heads that share each key head (each channel of a pair gets the pair's mean)."""
     B, Hq, q, d = query.shape
-    energy = query.double().square().mul_(valid[:, None, :, None])  # [B,Hq,q,d]
-    energy = energy.sum(dim=2).view(B, kv_heads, Hq // kv_heads, d).sum(dim=2)  # [B,Hkv,d]
+    sums = torch.empty(B, Hq, d, dtype=torch.float64, device=query.device)
+    mask = valid[:, None, :, None]
+    for h in range(Hq):  # one query head at a time: a float64 copy of one head [B,1,q,d], not of every query
+        torch.sum(query[:, h : h + 1].double().square_().mul_(mask), dim=2, out=sums[:, h : h + 1])
+    energy = sums.view(B, kv_heads, Hq // kv_heads, d).sum(dim=2)  # [B,Hkv,d]
     half = d // 2
     pair = (energy[..., :half] + energy[..., half:]) / 2
     return torch.cat([pair, pair], dim=-1)
@@ -63,8 +66,9 @@ def allocate_channel_bits(weight: torch.Tensor, x: torch.Tensor, group: int, mea
     head_bit_budget(mean_bits, d) over every row and head."""
     B, H, n, d = x.shape
     total = head_bit_budget(mean_bits, d)
-    grouped = x.view(B, H, n // group, group, d).double()
-    spread = (grouped.amax(dim=3) - grouped.amin(dim=3)).square_().mean(dim=2)  # [B,H,d] mean squared group range
+    grouped = x.view(B, H, n // group, group, d)
+    # (max and min are exact in the keys' dtype: taken before the float64 cast, with no float64 copy of the chunk)
+    spread = (grouped.amax(dim=3).double() - grouped.amin(dim=3).double()).square_().mean(dim=2)  # [B,H,d]
     steps = torch.arange(MIN_CHANNEL_BITS, MAX_CHANNEL_BITS, dtype=torch.float64, device=x.device)  # b -> b+1
     error_drop = (2.0 ** steps - 1).pow(-2) - (2.0 ** (steps + 1) - 1).pow(-2)  # [7]
     gains = (weight.double() * spread).unsqueeze(-1) * error_drop  # [B,H,d,7]

@@ -343,7 +343,8 @@ def tc_sass_report(arch: int = 90) -> None:
 
 def reconstruct_report(arch: int = 90) -> int:
     """The reconstruction kernel's section of the report (`sass_reconstruct`): instructions per element of its main
-    loop per store kind, and spills, for GearConfig() and gear-2. Returns the exit status."""
+    loop per store kind, and spills, for every shipped configuration (`sass_reconstruct.cases`). Returns the exit
+    status."""
     from .sass_reconstruct import reconstruct_sass_report
 
     reconstruct_sass_report(arch)

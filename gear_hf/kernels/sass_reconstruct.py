@@ -1,41 +1,55 @@
 """The reconstruction kernel's part of `python -m gear_hf.kernels.compile_check --sass-report`: SASS instructions
 per element it writes, per store kind (keys / values, prompt chunk / decode chunks), and spills.
 
-Each store of a cache built at Llama-3-8B head shapes (head_dim 128, bf16; GearConfig() and gear-2) is planned
-through `reconstruct_run` (keys with the model's cos/sin), compiled for sm_<arch> and disassembled with the
-machinery of `compile_check`. The figure is the kernel's main loop (its largest loop: one BN-token tile of all
-head_dim channels per iteration) per element and thread,
+Each store of a cache built at Llama-3-8B head shapes (head_dim 128, bf16) of every configuration the library ships
+(`cases`: GearConfig(), the recommended names, every paper preset; a launch compiled once however many
+configurations share it) is planned through `reconstruct_run` (keys with the model's cos/sin), compiled for
+sm_<arch> and disassembled with the machinery of `compile_check`. The figure is the kernel's main loop (its largest
+loop: one BN-token tile of all head_dim channels per iteration) per element and thread,
 
     instructions/element = loop-body SASS x threads per program / (BN x head_dim)
 
 a static count like the decode kernel's (every instruction of the body once; both sides of a branch; an inner
-loop once). Also printed: the whole kernel's SASS and the same per element at the tokens one program covers
-(the loop run for each of its tiles, the setup once), and LDL/STL spill instructions.
+loop once). Key outliers stored per channel are scattered after the tiles (a loop over the program's outliers, not
+in the main loop: the whole-kernel figure counts its body once). Also printed: the whole kernel's SASS and the same
+per element at the tokens one program covers (the loop run for each of its tiles, the setup once), and LDL/STL
+spill instructions.
 """
 
 from __future__ import annotations
 
 import torch
 
-# What the report compiles: (label, GearConfig factory); the last line of the section is the worst figure
-CASES = ("default", "gear2")
+
+# What the report compiles: every configuration the library ships (GearConfig(), the other RECOMMENDED names, and
+# every paper preset METHOD-BITS but fp16, which stores nothing compressed), each once; the last line of the section
+# is the worst figure over all of them
+def cases() -> list[tuple[str, object]]:
+    """[(label, GearConfig)]: "default" (GearConfig(), = recommended "accurate"), "gear2" (preset gear-2; the cost
+    model's two keys), then the other recommended names ("rec:NAME") and paper presets ("METHOD-BITS"), a config
+    listed once under its first label."""
+    from ..compress.quant import BITS
+    from ..config import RECOMMENDED, GearConfig
+    from ..preset_names import METHODS
+
+    named = [("default", GearConfig()), ("gear2", GearConfig.preset("gear", bits=2))]
+    named += [(f"rec:{name}", GearConfig.recommended(name=name)) for name, _, _ in RECOMMENDED]
+    named += [(f"{m}-{b}", GearConfig.preset(m, bits=b)) for m in METHODS if m != "fp16" for b in BITS]
+    out = []
+    for label, cfg in named:
+        if all(cfg != c for _, c in out):
+            out.append((label, cfg))
+    return out
 
 
-def _config(label: str):
-    from ..config import GearConfig
-
-    return GearConfig() if label == "default" else GearConfig.preset("gear", bits=2)
-
-
-def planned_reconstructions(label: str):
+def planned_reconstructions(cfg):
     """[(store kind, tokens per chunk, kernel, grid, args, kwargs)] of the reconstruction launches of one layer's
-    stores (prompt chunk and decode chunks, keys and values) of a CPU cache at Llama-3-8B head shapes (bf16,
-    head_dim 128)."""
+    stores (prompt chunk and decode chunks, keys and values) of a CPU cache of GearConfig `cfg` at Llama-3-8B head
+    shapes (bf16, head_dim 128)."""
     from ..cache.fused import build_cache
     from . import reconstruct_run
     from .views import ChunkRunView
 
-    cfg = _config(label)
     nb = cfg.buffer_size
     cache, _, _ = build_cache(cfg, batch=1, kv_heads=2, head_dim=128, steps=[max(300, 2 * nb + 30), nb + 10, 1],
                               dtype=torch.bfloat16)
@@ -77,17 +91,30 @@ def reconstruct_figures(kernel, args, kwargs, arch: int, chunk_len: int) -> dict
             "usage": _resource_usage(compiled.asm["cubin"]), "threads": threads}
 
 
+def _launch_key(kernel, args, kwargs, chunk_len: int):
+    """What a compile and its figures depend on: the constexprs, and each argument's type and 16-divisibility (the
+    specialization) -- launches equal here compile to the same code."""
+    import torch as _torch
+
+    spec = tuple((str(a.dtype), a.data_ptr() % 16 == 0) if isinstance(a, _torch.Tensor) else
+                 (type(a).__name__, isinstance(a, int) and a % 16 == 0, a == 1) for a in args)
+    return kernel.fn.__name__, tuple(sorted(kwargs.items(), key=lambda kv: kv[0])), spec, chunk_len
+
+
 def reconstruct_sass_report(arch: int = 90) -> float:
-    """Print the reconstruction kernel's figures for GearConfig() and gear-2; returns the largest per-element
-    figure (over both configurations and every store kind)."""
-    worst = 0.0
-    for label in CASES:
-        for kind, chunk_len, kernel, _grid, args, kwargs in planned_reconstructions(label):
-            f = reconstruct_figures(kernel, args, kwargs, arch, chunk_len)
+    """Print the reconstruction kernel's figures for every shipped configuration (`cases`); returns the largest
+    per-element figure of a main loop (over every configuration and store kind)."""
+    worst, seen = 0.0, {}
+    for label, cfg in cases():
+        for kind, chunk_len, kernel, _grid, args, kwargs in planned_reconstructions(cfg):
+            key = _launch_key(kernel, args, kwargs, chunk_len)
+            if key not in seen:
+                seen[key] = reconstruct_figures(kernel, args, kwargs, arch, chunk_len)
+            f = seen[key]
             worst = max(worst, f["per_element"])
             print(f"reconstruct {label} {kind} sm_{arch}: {f['per_element']:.1f} instructions/element "
                   f"(main loop {f['body']} SASS x {f['threads']} threads / {kwargs['BN']}x{kwargs['D']} elements; "
                   f"whole kernel {f['total']} SASS: {f['per_element_program']:.1f}/element over the "
-                  f"{f['program_tokens']} tokens of a program), spill ops {f['spills']}, {f['usage']}")
+                  f"{f['program_tokens']} tokens of a program), spill ops {f['spills']}, {f['usage']}", flush=True)
     print(f"reconstruct instructions/element (worst store): {worst:.1f}")
     return worst

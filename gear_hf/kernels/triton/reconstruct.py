@@ -53,8 +53,7 @@ def reconstruct_run(run: ChunkRunView, chunks: int, out: torch.Tensor, rotary=No
     if n % unit:
         raise NotImplementedError(f"reconstruction kernel: {n} tokens per chunk is not a whole number of packing "
                                   f"units of {unit} codes")
-    if spec.bits != 3 or spec.allocated or not by_channel:  # (3-bit values: rows of words too)
-        _check_words(f["codes"], "run.codes")
+    _check_words(f["codes"], "run.codes")  # (every layout is read as 32-bit words)
     rank = f["lowrank_a"].shape[-1]
     if rank > 16:
         raise NotImplementedError(f"reconstruction kernel: low-rank rank {rank} > 16")

@@ -4,14 +4,17 @@ One program per (row, head, chunk, TILES x BN tokens) decodes, tile after tile, 
 registers, with the tiles of the fused decode kernel (`tiles`, `unpack`, `ops`), and writes each BN-token tile once
 in the output's dtype; what depends only on the chunk (low-rank Bᵀ, the Hadamard table) is read once, before the loop:
 
-    backbone     codes of 2/3/4/8 bits, per channel over token groups (keys) or per token over channel groups
-                 (values), or allocated per-channel key widths stored as bit planes; scale/minimum
+    backbone     codes of 2/3/4/8 bits, per channel over token groups (keys: masked in place in 32-bit words,
+                 `_word_channel_tile`) or per token over channel groups (values), or allocated per-channel key
+                 widths stored as bit planes; scale/minimum
     outliers     per token (values): each token's k slots; per channel over tokens (keys): the chunk's outliers
                  sorted by token (`views.prepare_derived`, the store's derived state). Unrotated runs: added after
-                 the tile is written, a read-modify-write of the outlier's entry (and, with RoPE, of its rotary
-                 partner), a cost per outlier, not per element and slot. Rotated runs (an outlier spreads over
-                 every channel once un-rotated): added in registers before the un-rotation
-    low-rank     A·Bᵀ as one 16-wide tensor-core dot per tile (16-bit or int8 factors with per-column scales)
+                 the program's tiles are written (per token: after each tile), a read-modify-write of the outlier's
+                 entry (and, with RoPE, of its rotary partner), a cost per outlier, not per element and slot.
+                 Rotated runs (an outlier spreads over every channel once un-rotated): added in registers before
+                 the un-rotation
+    low-rank     A·Bᵀ as one 16-wide tensor-core dot per tile (16-bit or int8 factors with per-column scales), or,
+                 for keys of rank <= 2 in 2/4/8-bit words, R float32 multiply-adds per element (B's columns once)
     rotation     the Walsh–Hadamard basis undone ([x1 x2]·H_D from the half Sylvester table; 3-bit values: D^-1/2
                  folded into the statistics, codes read as 32-bit words)
     RoPE         keys stored before RoPE rotated with the model's own cos/sin at each token's column: in float32, or,
@@ -29,10 +32,12 @@ import triton
 import triton.language as tl
 
 from .ops import _dot, _lowrank_a, _lowrank_bt, _lowrank_dot, _sylvester_halves, _unrotate_halves
-from .tiles import _channel_stats, _per_channel_tile, _token_stats, _value_tile
-from .unpack import _plane_bytes, _plane_masks, _plane_offsets, _plane_words, _planes_to_codes, _unpack_3bit_words
+from .reconstruct_tiles import _factor_row, _lowrank_fma, _plane_tile, _word_channel_tile
+from .tiles import _token_stats, _value_tile
+from .unpack import _plane_masks, _plane_offsets, _unpack_3bit_words
 
-OUTLIERS_PER_STEP = tl.constexpr(32)  # key outliers read per step (one-hot dot, or scatter)
+OUTLIERS_PER_STEP = tl.constexpr(32)  # key outliers read per step of the one-hot dot (rotated runs)
+SCATTER_STEP = tl.constexpr(32)  # key outliers scattered per step (after the tiles: a cost per outlier)
 
 # Sizes that differ per call: never specialized on (no recompiles). Strides are (their divisibility by 16 lets
 # the compiler issue 16-byte loads and stores of rows; GEAR's storage and the workspace keep it).
@@ -176,25 +181,6 @@ def _scatter_outliers(o_b, so_t, cos_b, sin_b, sr_t, slot, ch, val, live, HALF: 
         tl.store(o, (tl.load(o, mask=live, other=0.0).to(tl.float32) + val).to(ty), mask=live)
 
 
-@triton.jit
-def _plane_tile(codes_b, scale_b, min_b, widths, offset, need1, need2, mlo, mhi, slot, slot0, slot_end, tvalid, ch,
-                ch0, a, bt, ROW: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr,
-                STATS_ROW: tl.constexpr, DT: tl.constexpr):
-    """`tiles._per_channel_tile` of bit planes, with the chunk's plane offsets and masks read once
-    (`unpack._plane_offsets`, `_plane_masks`): float32 [BN, C]."""
-    BN: tl.constexpr = slot.shape[0]
-    C: tl.constexpr = ch.shape[0]
-    if ROW % 4 == 0:  # rows of whole words
-        lo, hi = _plane_words(codes_b, ROW, offset, need1, need2, mlo, mhi, slot0, slot_end, BN, C)
-    else:
-        lo, hi = _plane_bytes(codes_b, ROW, widths, offset, slot0, slot_end, BN, C)
-    sc, mn = _channel_stats(scale_b, min_b, D, slot, slot0, tvalid, ch, ch0, GROUP, STATS_ROW)
-    k = _planes_to_codes(lo, hi, BN, C).to(tl.float32) * sc + mn
-    if R > 0:
-        k = _lowrank_dot(a, bt, k, DT)
-    return k
-
-
 @triton.jit(do_not_specialize=_DYNAMIC)
 def _reconstruct_kernel(
     out_ptr, so_b, so_h, so_t,  # [B,H,chunks*N,D] (strides; a slice of the step's workspace)
@@ -232,7 +218,27 @@ def _reconstruct_kernel(
     # values of 3 bits without outliers in registers: codes from words, and a rotation's D^-1/2 in the statistics
     WORDS3: tl.constexpr = not BY_CHANNEL and BITS == 3 and (K2 == 0 or SCATTER)
     NORM = 1.0 / tl.sqrt_rn(tl.full([], D, tl.float32)) if ROT else 1.0
-    if R > 0:
+    # keys of 2/4/8 bits and rank <= 2 (decode chunks): the low-rank term as R float32 multiply-adds per element,
+    # the tile staying in the layout its words were read in (no tensor-core layout to move it into and out of).
+    # Measured (compile report): better at rank 2 (gear-2 keys decode 10.70 -> 10.27), worse at rank 4 (gear-2
+    # keys prompt 11.48 -> 12.67) and for 3-bit words (gear-3 keys decode 10.55 with the dot, 12.00 without)
+    LR_FMA: tl.constexpr = BY_CHANNEL and not PLANES and 0 < R <= 2 and BITS != 3
+    if LR_FMA:
+        lb_b = lb + bh64 * s_lb
+        rows1 = chunk * D + h_offs
+        p0 = _factor_row(lb_b, R, rows1, las + bh64 * s_ls, lbs + bh64 * s_ls, chunk, 0, R)
+        p1 = _factor_row(lb_b, R, rows1, las + bh64 * s_ls, lbs + bh64 * s_ls, chunk, 1, R)
+        p2 = _factor_row(lb_b, R, rows1, las + bh64 * s_ls, lbs + bh64 * s_ls, chunk, 2, R)
+        p3 = _factor_row(lb_b, R, rows1, las + bh64 * s_ls, lbs + bh64 * s_ls, chunk, 3, R)
+        q0 = _factor_row(lb_b, R, rows1 + HALF, las + bh64 * s_ls, lbs + bh64 * s_ls, chunk, 0, R)
+        q1 = _factor_row(lb_b, R, rows1 + HALF, las + bh64 * s_ls, lbs + bh64 * s_ls, chunk, 1, R)
+        q2 = _factor_row(lb_b, R, rows1 + HALF, las + bh64 * s_ls, lbs + bh64 * s_ls, chunk, 2, R)
+        q3 = _factor_row(lb_b, R, rows1 + HALF, las + bh64 * s_ls, lbs + bh64 * s_ls, chunk, 3, R)
+    # words of 2/4/8-bit keys through the tensor-core dot: a thread holds 2 (2, 4 bits) or 4 (8 bits) rows of a word
+    # column (measured: gear-2 keys prompt 11.48 -> 10.11, gear-4 12.39 -> 11.61; 4 sets of 2-bit rows: 28.6); one
+    # set with the multiply-adds or without a low-rank term (gear-4 keys decode 10.92 -> 11.34, kivi-4 8.59 -> 8.86)
+    SETS: tl.constexpr = (2 if UNIT == 4 else 4 // UNIT) if BY_CHANNEL and UNIT <= 4 and R > 0 and not LR_FMA else 1
+    if R > 0 and not LR_FMA:
         if BY_CHANNEL:
             bt1 = _lowrank_bt(lb + bh64 * s_lb, R, chunk * D + h_offs, las + bh64 * s_ls, lbs + bh64 * s_ls, chunk,
                               R, DT)
@@ -247,12 +253,15 @@ def _reconstruct_kernel(
         n11, n12, mlo1, mhi1 = _plane_masks(w1_, off1)
         n21, n22, mlo2, mhi2 = _plane_masks(w2_, off2)
     first = part * TILES
+    if SCATTER and CH_SPARSE:  # [lo_p, hi_p): the program's key outliers in the chunk's list (sorted by token)
+        lo_p = tl.load(ot_b + first * (BN // 16))
+        hi_p = tl.load(ot_b + tl.minimum(tl.minimum(first + TILES, tl.cdiv(N, BN)) * (BN // 16), N_TILES))
     for blk in range(first, tl.minimum(first + TILES, tl.cdiv(N, BN))):
         tok0 = blk * BN  # chunk-local
         slot0 = chunk * N + tok0  # along the store's token axis (chunks one after the other)
         slot = slot0 + tl.arange(0, BN)
         tvalid = tok0 + tl.arange(0, BN) < N
-        a16 = _lowrank_a(la_b, R, slot, tvalid, R, DT) if R > 0 else 0  # [BN, 16]
+        a16 = _lowrank_a(la_b, R, slot, tvalid, R, DT) if R > 0 and not LR_FMA else 0  # [BN, 16]
         if BY_CHANNEL:  # codes packed along tokens, a row of statistics per token group: a half of the head at a time
             if PLANES:
                 x1 = _plane_tile(codes_b, scale_b, min_b, w1_, off1, n11, n12, mlo1, mhi1, slot, slot0, chunk * N + N,
@@ -261,11 +270,15 @@ def _reconstruct_kernel(
                                  tvalid, h_offs + HALF, HALF, a16, bt2 if R > 0 else 0, ROW, D, GROUP, R, STATS_ROW,
                                  DT)
             else:
-                x1 = _per_channel_tile(codes_b, scale_b, min_b, ROW, D, slot, slot0, chunk * N + N, tvalid, h_offs, 0,
-                                       a16, bt1 if R > 0 else 0, widths_b, BITS, UNIT, GROUP, R, STATS_ROW, DT, PLANES)
-                x2 = _per_channel_tile(codes_b, scale_b, min_b, ROW, D, slot, slot0, chunk * N + N, tvalid,
-                                       h_offs + HALF, HALF, a16, bt2 if R > 0 else 0, widths_b, BITS, UNIT, GROUP, R,
-                                       STATS_ROW, DT, PLANES)
+                x1 = _word_channel_tile(codes_b, scale_b, min_b, ROW, D, slot, slot0, chunk * N + N, tvalid, h_offs,
+                                        0, BITS, UNIT, GROUP, STATS_ROW, SETS)
+                x2 = _word_channel_tile(codes_b, scale_b, min_b, ROW, D, slot, slot0, chunk * N + N, tvalid,
+                                        h_offs + HALF, HALF, BITS, UNIT, GROUP, STATS_ROW, SETS)
+                if LR_FMA:
+                    x1, x2 = _lowrank_fma(x1, x2, la_b, R, slot, tvalid, p0, q0, p1, q1, p2, q2, p3, q3, R)
+                elif R > 0:  # + A·Bᵀ on the tensor cores (rank padded to 16 with zeros)
+                    x1 = _lowrank_dot(a16, bt1, x1, DT)
+                    x2 = _lowrank_dot(a16, bt2, x2, DT)
             if CH_SPARSE and not SCATTER:
                 u0 = tok0 // 16
                 lo = tl.load(ot_b + u0)
@@ -296,17 +309,6 @@ def _reconstruct_kernel(
         ty = out_ptr.dtype.element_ty
         tl.store(o, x1.to(ty), mask=m2)
         tl.store(o + HALF, x2.to(ty), mask=m2)
-        if SCATTER and CH_SPARSE:  # the tile's outliers: [lo, hi) of the chunk's list, sorted by token
-            u0 = tok0 // 16
-            lo = tl.load(ot_b + u0)
-            hi = tl.load(ot_b + tl.minimum(u0 + BN // 16, N_TILES))
-            LOG2D: tl.constexpr = D.bit_length() - 1
-            for e0 in range(lo, hi, OUTLIERS_PER_STEP):
-                e = e0 + tl.arange(0, OUTLIERS_PER_STEP)
-                where = tl.load(ow + seg + e, mask=e < hi, other=0)
-                val = tl.load(ov + seg + e, mask=e < hi, other=0.0).to(tl.float32)
-                _scatter_outliers(o_b, so_t, cos_b, sin_b, sr_t, chunk * N + (where >> LOG2D), where & (D - 1), val,
-                                  (e < hi) & (val != 0.0), HALF, ROPE)
         if SCATTER and K2 > 0:  # each token's K2 slots (distinct channels; empty slots hold 0)
             K2P: tl.constexpr = 1 << (K2 - 1).bit_length()
             s = tl.arange(0, K2P)[None, :]
@@ -316,3 +318,11 @@ def _reconstruct_kernel(
             ch = tl.load(spi + bh64 * s_sp + slot[:, None] * K2 + s, mask=m, other=0).to(tl.int32)
             _scatter_outliers(o_b, so_t, cos_b, sin_b, sr_t, slot[:, None] + 0 * s, ch, val, m & (val != 0.0), HALF,
                               ROPE)
+    if SCATTER and CH_SPARSE:  # the outliers of the program's tiles (`lo_p`, `hi_p`), after them
+        LOG2D: tl.constexpr = D.bit_length() - 1
+        for e0 in range(lo_p, hi_p, SCATTER_STEP):
+            e = e0 + tl.arange(0, SCATTER_STEP)
+            where = tl.load(ow + seg + e, mask=e < hi_p, other=0)
+            val = tl.load(ov + seg + e, mask=e < hi_p, other=0.0).to(tl.float32)
+            _scatter_outliers(o_b, so_t, cos_b, sin_b, sr_t, chunk * N + (where >> LOG2D), where & (D - 1), val,
+                              (e < hi_p) & (val != 0.0), HALF, ROPE)

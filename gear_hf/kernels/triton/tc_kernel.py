@@ -77,12 +77,15 @@ def _tc_decode_kernel(
     acc = tl.zeros([16, D], tl.float32)
 
     if HAS_SINK:
+        # the few sink tokens in 16-token steps (a BN-token dense tile would set the kernel's register peak)
+        s_offs = tl.arange(0, 16)
         for blk in range(lo, tl.minimum(hi, e1)):
-            slot = blk * BN + n_offs
-            tvalid = slot < s_len
-            m_i, l_i, acc = _dense_block(q1, q2, sink_k + bh64 * s_sink_h, sink_v + bh64 * s_sink_h, D, slot,
-                                         slot, tvalid, pos_b, freq, limit, mvalid,
-                                         window, m_i, l_i, acc, had_ptr, D, HALF, DT, FAST, ROT_V)
+            for sub in range(blk * BN, tl.minimum(blk * BN + BN, s_len), 16):
+                slot = sub + s_offs
+                tvalid = slot < s_len
+                m_i, l_i, acc = _dense_block(q1, q2, sink_k + bh64 * s_sink_h, sink_v + bh64 * s_sink_h, D, slot,
+                                             slot, tvalid, pos_b, freq, limit, mvalid,
+                                             window, m_i, l_i, acc, had_ptr, D, HALF, DT, FAST, ROT_V)
 
     if P_K_BITS > 0:
         # the prompt chunk's Bᵀ (keys: two halves, values) is the same for every block: loaded once

@@ -5,7 +5,8 @@ What differs from the register kernel's `tiles._compressed_block` (same storage,
 
 * values per token with one group per token (STATS_W == 1, no value outliers: `GearConfig()`): the scale and
   minimum are folded into the probabilities, P·(code·s + m) = (P·diag(s))·code + (P·m)·1ᵀ, so the value tile is
-  the codes converted once to the dot dtype (exact: codes <= 255) — no per-element dequantization;
+  the codes converted once to the dot dtype (exact: codes <= 255) — no per-element dequantization; 3-bit codes are
+  built two per 32-bit word straight as magic 16-bit floats (`tc_codes`), the magic taken out once per row of P;
 * key widths allocated per channel (bit planes): each channel's plane offset (a cumulative sum over the widths) is
   computed once per chunk (`tc_plane_layout`), not per block;
 * outliers (keys: the sorted lists of `views.prepare_derived`; values: K2 per token) are scattered, one store
@@ -21,6 +22,7 @@ import triton
 import triton.language as tl
 
 from .ops import _dot, _lowrank_a, _lowrank_dot, _lowrank_values, _rope, _sincos, _softmax_weights, _unrotate_halves
+from .tc_codes import magic_of, value_codes_magic
 from .tiles import _per_channel_tile, _value_tile
 from .unpack import _plane_bytes, _planes_to_codes, _unpack_3bit_units, _unpack_words
 
@@ -97,7 +99,22 @@ def _tc_plane_key_half(codes_b, scale_b, min_b, s_codes, s_scale, slot, slot0, s
 
 
 @triton.jit
-def _tc_scatter_key_outliers(scr, ow_b, ov_b, ot_b, n_tiles, seg, tok0, D: tl.constexpr, BN: tl.constexpr):
+def _tc_lowrank_a(a_b, s_a, slot, tvalid, R: tl.constexpr, DT: tl.constexpr):
+    """`ops._lowrank_a` loaded straight as [BN, 16]: column j reads rank j // (16/RP) where j is a multiple of 16/RP and
+    the rank is real, else a masked 0 (no zero tile joined and reshaped after the load)."""
+    RP: tl.constexpr = 1 << (R - 1).bit_length()
+    cols = tl.arange(0, 16)
+    rank = cols // (16 // RP)
+    keep = ((cols % (16 // RP)) == 0) & (rank < R)
+    a = tl.load(a_b + slot[:, None] * s_a + rank[None, :], mask=tvalid[:, None] & keep[None, :], other=0)
+    if a.dtype == tl.int8:  # (through float32: the CPU interpreter has no direct int8 -> bf16 conversion)
+        a = a.to(tl.float32).to(DT)
+    return a
+
+
+@triton.jit
+def _tc_scatter_key_outliers(scr, ow_b, ov_b, ot_b, n_tiles, seg, tok0, D: tl.constexpr, BN: tl.constexpr,
+                             FAST: tl.constexpr):
     """Store the key outliers of chunk-local tokens [tok0, tok0 + BN) (the sorted lists of `views.prepare_derived`:
     entry token * D + channel, per-16-token offsets ot_b) into the block's scratch tile scr [BN, D] float32: one store
     per outlier, whatever the tile's size."""
@@ -107,6 +124,9 @@ def _tc_scatter_key_outliers(scr, ow_b, ov_b, ot_b, n_tiles, seg, tok0, D: tl.co
     hi = tl.load(ot_b + tl.minimum(u0 + BN // 16, n_tiles))
     for e0 in tl.range(lo, hi, OE, loop_unroll_factor=1):
         e = e0 + tl.arange(0, OE)
+        if FAST:  # ptxas: do not unroll this loop (about one trip per block; unrolled 4x: ~130 static instructions)
+            e = tl.inline_asm_elementwise('.pragma "nounroll";\n\tmov.b32 $0, $1;', "=r,r", [e], dtype=tl.int32,
+                                          is_pure=True, pack=1)
         ev = e < hi
         where = tl.load(ow_b + seg + e, mask=ev, other=0)
         val = tl.load(ov_b + seg + e, mask=ev, other=0.0).to(tl.float32)
@@ -162,12 +182,19 @@ def tc_compressed_block(
     n_offs = tl.arange(0, BN)
     SCATTER: tl.constexpr = K_SPARSE or (V_K2 > 0)
     if K_SPARSE:
-        _tc_scatter_key_outliers(scr, ow, ov, ot, n_tiles, seg, tok0, D, BN)
+        _tc_scatter_key_outliers(scr, ow, ov, ot, n_tiles, seg, tok0, D, BN, FAST)
     if V_K2 > 0:
         _tc_scatter_value_outliers(scr + BN * D, vsv, vsi, s_vsp, slot, tvalid, D, V_K2)
     if SCATTER:
         tl.debug_barrier()
-    ka16 = _lowrank_a(ka, s_ka, slot, tvalid, K_R, DT) if K_R > 0 else 0  # shared by both halves
+    # A as the [BN, 16] operand straight from a masked load where the format has outliers (gear-2: 1539 -> 1524 SASS,
+    # 6 fewer registers); else `ops._lowrank_a` (gear-l-2 spills 8 ops with the masked load against 4 without)
+    ka16 = 0  # shared by both halves
+    if K_R > 0:
+        if SCATTER:
+            ka16 = _tc_lowrank_a(ka, s_ka, slot, tvalid, K_R, DT)
+        else:
+            ka16 = _lowrank_a(ka, s_ka, slot, tvalid, K_R, DT)
     if K_PLANES:
         k1 = _tc_plane_key_half(kc, ks, km, s_kc, s_ks, slot, slot0, slot_end, tvalid, h_offs, 0, koff1, kw1, ka16,
                                 kbt1, K_GROUP, K_R, K_STATS_ROW, DT, s_kc)
@@ -196,8 +223,15 @@ def tc_compressed_block(
     if V_FOLD:  # P·(code·s + m) = (P·diag(s))·code + (P·m)·1ᵀ, s and m one per token
         sc = tl.load(vs + slot * s_vs, mask=tvalid, other=0.0).to(tl.float32)
         mn = tl.load(vm + slot * s_vs, mask=tvalid, other=0.0).to(tl.float32)
-        code = _tc_value_codes(vc, s_vc, slot, tvalid, D, V_BITS, V_UNIT)
-        acc = _dot(p * sc[None, :], code.to(DT), DT) + acc + tl.sum(p * mn[None, :], axis=1)[:, None]
+        MT: tl.constexpr = q_rows.dtype.element_ty  # the model's 16-bit dtype
+        if (V_BITS == 3) and (D % 32 == 0):  # codes as magic floats (magic + code): P·code = P·v - magic·rowsum(P)
+            MAGIC: tl.constexpr = magic_of(MT, V_BITS)[1]
+            ps = (p * sc[None, :]).to(DT)
+            v = value_codes_magic(vc, s_vc, slot, tvalid, D, V_BITS, MT)
+            acc = _dot(ps, v.to(DT), DT) + acc + tl.sum(p * mn[None, :] - MAGIC * ps.to(tl.float32), axis=1)[:, None]
+        else:
+            code = _tc_value_codes(vc, s_vc, slot, tvalid, D, V_BITS, V_UNIT)
+            acc = _dot(p * sc[None, :], code.to(DT), DT) + acc + tl.sum(p * mn[None, :], axis=1)[:, None]
     else:
         if V_BY_CHANNEL:
             v = _per_channel_tile(vc, vs, vm, s_vc, s_vs, slot, slot0, slot_end, tvalid, tl.arange(0, D), 0, 0, 0,
@@ -216,5 +250,6 @@ def tc_compressed_block(
             tl.store(scr + BN * D + n_offs[:, None] * D + tl.arange(0, D)[None, :], tl.zeros([BN, D], tl.float32))
         tl.debug_barrier()
     if V_R > 0:
-        acc = _lowrank_values(acc, p, _lowrank_a(va, s_va, slot, tvalid, V_R, DT), vbt, DT)
+        acc = _lowrank_values(acc, p, _tc_lowrank_a(va, s_va, slot, tvalid, V_R, DT) if SCATTER else
+                              _lowrank_a(va, s_va, slot, tvalid, V_R, DT), vbt, DT)
     return m_i, l_i, acc
