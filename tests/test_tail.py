@@ -267,10 +267,10 @@ def test_caches_hold_the_same_coded_buffer_on_both_backends(d, kv_heads, group, 
             assert torch.equal(numba_fields[name].view(torch.uint8), t.view(torch.uint8)), name
 
 
-def test_the_default_buffer_is_encoded_by_the_kernel_whatever_compresses_the_chunks(monkeypatch):
-    """GearConfig()'s chunks use range search, which the numba compress does not serve (the torch backend compresses
-    them), yet its 8-bit keys and 4-bit rotated values are encoded by the numba kernel (any backend of the plan that
-    has one): bit for bit what the torch backend's cache holds."""
+def test_the_coded_buffer_is_encoded_by_the_kernel_whatever_compresses_the_chunks(monkeypatch):
+    """'lean''s chunks use range search, which the numba compress does not serve (the torch backend compresses them),
+    yet its buffer (GearConfig()'s: 8-bit keys, 4-bit rotated values) is encoded by the numba kernel (any backend of
+    the plan that has one): bit for bit what the torch backend's cache holds."""
     pytest.importorskip("numba")
     import gear_hf.kernels.cpu as cpu
     from gear_hf.cache.fused import build_cache
@@ -281,7 +281,7 @@ def test_the_default_buffer_is_encoded_by_the_kernel_whatever_compresses_the_chu
     held = {}
     for backend in ("torch", "auto"):
         with torch.inference_mode():
-            cache, _, _ = build_cache(GearConfig(backend=backend), batch=2, kv_heads=2, head_dim=64,
+            cache, _, _ = build_cache(GearConfig.recommended(name="lean", backend=backend), batch=2, kv_heads=2, head_dim=64,
                                       steps=[150, 1, 1, 2], pad=[0, 9], dtype=torch.bfloat16)
         held[backend] = [dict(stream.buffer.fields) for stream in cache.layers[0].streams]
         if backend == "auto":
