@@ -281,8 +281,8 @@ def test_the_coded_buffer_is_encoded_by_the_kernel_whatever_compresses_the_chunk
     held = {}
     for backend in ("torch", "auto"):
         with torch.inference_mode():
-            cache, _, _ = build_cache(GearConfig.recommended(name="lean", backend=backend), batch=2, kv_heads=2, head_dim=64,
-                                      steps=[150, 1, 1, 2], pad=[0, 9], dtype=torch.bfloat16)
+            cache, _, _ = build_cache(GearConfig.recommended(name="lean", backend=backend), batch=2, kv_heads=2,
+                                      head_dim=64, steps=[150, 1, 1, 2], pad=[0, 9], dtype=torch.bfloat16)
         held[backend] = [dict(stream.buffer.fields) for stream in cache.layers[0].streams]
         if backend == "auto":
             assert cache.backend_names["compress"] == "torch" and cache.backend_names["attend"] == "numba"
