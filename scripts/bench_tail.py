@@ -83,10 +83,7 @@ def main(argv=None) -> int:
     import gear_hf
     from gear_hf import diagnostics as D
 
-    names = args.configs.split(",")
-    for name in names:
-        if name not in CONFIGS:
-            raise SystemExit(f"--configs: {name!r} is not one of {', '.join(CONFIGS)}")
+    names = benchlib.config_names(args.configs, CONFIGS)
     cond = benchlib.Conditions(extra={"model": args.model, "dtype": args.dtype, "text": args.text,
                                       "prompt": args.prompt, "steps": args.steps})
     benchlib.print_conditions(cond)

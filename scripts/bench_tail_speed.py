@@ -74,10 +74,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     from gear_hf import GearConfig
 
-    names = args.configs.split(",")
-    for name in names:
-        if name not in CONFIGS:
-            raise SystemExit(f"--configs: {name!r} is not one of {', '.join(CONFIGS)}")
+    names = benchlib.config_names(args.configs, CONFIGS)
     cond = benchlib.Conditions(extra={"model": args.model, "dtype": args.dtype, "text": args.text,
                                       "prompt": args.prompt, "new_tokens": args.new_tokens})
     benchlib.print_conditions(cond)

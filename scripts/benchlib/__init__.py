@@ -10,7 +10,7 @@
 
 from pathlib import Path  # noqa: F401  (scripts use benchlib.Path)
 
-from .cli import OUT, REPO, add_out_argument, parse_bench_args
+from .cli import OUT, REPO, add_out_argument, config_names, parse_bench_args
 from .conditions import Conditions, cpu_model, load_average, print_conditions
 from .data import data_dir, fixed_length_batch, gsm8k_prompts, gsm8k_text, load_model, long_text
 from .memory import PeakRSS, release_free_memory, tensor_bytes

@@ -23,3 +23,12 @@ def parse_bench_args(parser, argv, name: str):
     if unknown:
         print(f"{name}: ignoring options meant for other benchmarks: {unknown}", file=sys.stderr)
     return args
+
+
+def config_names(arg: str, known) -> list[str]:
+    """The comma list of --configs, each one of `known` (else exit naming the bad one and what is allowed)."""
+    names = arg.split(",")
+    for name in names:
+        if name not in known:
+            raise SystemExit(f"--configs: {name!r} is not one of {', '.join(known)}")
+    return names
