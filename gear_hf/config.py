@@ -16,6 +16,7 @@ from .compress.quant import BITS, PLANE_TOKENS, codes_per_unit  # codes are pack
 from .compress.spec import FACTOR_BITS
 from .compress.terms import METHOD_TERMS, registered_terms
 from .preset_names import METHODS, parse_preset_name  # (parse_preset_name: also gear_hf.config's)
+from .recommended import DEFAULT_RECOMMENDED, RECOMMENDED  # (RECOMMENDED: also gear_hf.config's)
 
 ROTATIONS = ("none", "keys", "values", "both")
 AXES = ("channel", "token")
@@ -34,55 +35,6 @@ PAPER_FIELDS: dict[str, Any] = dict(key_bits=4, value_bits=4, group_size=64, ran
                                     value_group_size=None, rotation="none", factor_bits=8, range_search="none",
                                     prompt_group_size=None, key_bit_allocation="uniform", key_buffer="full",
                                     value_buffer="full")
-
-
-# What the measured frontier says to pick (scripts/frontier.py; SmolLM2-135M and Qwen2.5-0.5B in bf16, head_dim 64,
-# teacher-forced next-token KL over the last 128 tokens of three GSM8K texts, T=1028 = 4 sinks + 1024; docs/results.md
-# "Accuracy per byte", results/frontier/frontier_texts.md): (name, bits/element OWNED, fields over the paper's with
-# int8 low-rank factors), cheapest first. The bits are the mean of `memory_report()["bits_per_element"]` (held +
-# spare + workspaces) over the decode steps from T=1024 to 4096 after a 1024-token prompt, bf16, head_dim 64
-# (`python scripts/bench_footprint.py`, results/footprint/; head_dim 128 owns 0.1-0.4 less, gear-4 0.4 less), so
-# `recommended(bits_per_element=b)` returns a configuration owning <= b on average over such a run (the positions,
-# which follow from the pads in such a run, are not stored: issue 25 item 5). At T~1k a 16-bit buffer (up to
-# buffer_size tokens) adds up to 1.2 bits more (results/footprint/ "max owned").
-# The buffer's format (key_buffer/value_buffer, issue 25) measured as points (scripts/bench_tail.py, SmolLM2 bf16,
-# 1024-token prompt + 96 teacher-forced steps through the 30-layer cache, GSM8K texts 0 / 1 / 200; results/tail/),
-# bits owned mean / max over the steps, KL per text:
-#   "accurate", 16-bit buffer (GearConfig() of config version 1)   4.018 / 5.011  0.0084 / 0.0038 / 0.0074
-#   "accurate", 8-bit keys + 4-bit rotated values in the buffer    3.590 / 3.830  0.0107 / 0.0094 / 0.0085
-#   "lean" (k2.875, values per channel, ranges searched; same buffer) 3.313 / 3.571  0.0128 / 0.0151 / 0.0113
-#   kivi-4 (paper preset, 16-bit buffer)                            4.789 / 5.172  0.0113 / 0.0096 / 0.0132
-# GearConfig() (config version 2) is "accurate" with that buffer: below kivi-4's KL on all three texts at 0.75x its
-# bits, 3.55 on average from T=1024 to 4096, but above 3.6 while its buffer is more than about half full (up to 3.83
-# at T~1.1k, 3.69 on head_dim 128). "lean" owns <= 3.6 at every step and
-# pays for it in KL (above kivi-4's on texts 0 and 1). No point measured does both (results/tail/). 4-bit keys in the
-# buffer (re-quantized into every chunk) raised KL 5x; a 64-token buffer raised it 1.4x.
-# All keep 4 attention-sink tokens exact, group keys by 128 tokens and rotate the values (Walsh–Hadamard). All
-# but "small" give each key channel its own width, chosen
-# from the prompt's queries (key_bit_allocation="query", keys unrotated: measured at the same bits, it cut KL 2-4x
-# against one width for every channel, e.g. k3v3 0.0271 -> 0.0073 on SmolLM2 and 0.0140 -> 0.0048 on Qwen, text 0).
-# All group the prompt chunk by 256 tokens (prompt_group_size). "compact" and "balanced" store values like keys
-# (per channel over token groups, value_axis="channel", ranges searched): statistics of 1/8 + 1/8 bit per element on
-# the prompt ("lean" too). "accurate" (the default) and "precise" keep 3-bit values per token
-# with min/max ranges, nothing searched at compress time (the search costs ~50x a min/max quantization of the same
-# chunk): "accurate" is below kivi-4's KL
-# on all six model/text pairs and at T=4100 with 1.1 bit less (measured with the 16-bit buffer); with values per
-# channel and searched at the same bits (k3.5v3) the KL was lower on one pair of six.
-_ALLOCATED = dict(method="kivi", key_bit_allocation="query", rotation="values", group_size=128, sink_tokens=4,
-                  prompt_group_size=256)
-_COMPACT = dict(_ALLOCATED, value_axis="channel", range_search="values")
-RECOMMENDED: tuple[tuple[str, float, dict[str, Any]], ...] = (
-    ("small", 2.79, dict(method="kivi", key_bits=2, value_bits=2, rotation="values", range_search="values",
-                         group_size=128, sink_tokens=4)),
-    ("compact", 2.89, dict(_COMPACT, key_bits=2.5, value_bits=2)),
-    ("balanced", 3.13, dict(_COMPACT, key_bits=3, value_bits=2)),
-    ("lean", 3.28, dict(_COMPACT, key_bits=2.875, value_bits=3, key_buffer="int8", value_buffer="int4")),
-    ("accurate", 3.55, dict(_ALLOCATED, key_bits=3.125, value_bits=3, key_buffer="int8", value_buffer="int4")),
-    ("precise", 4.00, dict(_ALLOCATED, key_bits=3.5, value_bits=3)),
-    ("kivi-4", 4.68, dict(method="kivi", key_bits=4, value_bits=4)),
-    ("gear-4", 6.12, dict(method="gear", key_bits=4, value_bits=4, factor_bits=16)),
-)
-DEFAULT_RECOMMENDED = "accurate"  # what GearConfig() and gear_hf.enable(model) use
 
 
 def _fail(field: str, value: Any, allowed: str) -> None:

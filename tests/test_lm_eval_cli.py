@@ -14,6 +14,7 @@ import pytest
 
 pytest.importorskip("lm_eval")
 
+from gear_hf.config import CONFIG_VERSION  # noqa: E402
 from gear_hf.lm_eval import answers as A  # noqa: E402
 from gear_hf.lm_eval.task_utils import DATA_DIR_ENV  # noqa: E402
 
@@ -89,7 +90,7 @@ def test_every_task_end_to_end(tiny_model, data_dir, tmp_path):
     stats = config["gear_stats"]
     assert stats["sequences"] == 58 and stats["new_tokens"] > 0 and stats["tokens_per_second"] > 0
     assert stats["kv_reports"] == stats["calls"] and stats["kv_bits_per_element"] is not None
-    assert stats["warmup_seconds"] > 0 and config["gear_config"]["gear_config_version"] == 1
+    assert stats["warmup_seconds"] > 0 and config["gear_config"]["gear_config_version"] == CONFIG_VERSION
 
 
 @pytest.mark.slow

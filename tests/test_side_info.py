@@ -235,7 +235,8 @@ def test_recommended_follows_the_measured_frontier():
         assert all(getattr(config, k) == v for k, v in fields.items())
     assert gear_hf.GearConfig.recommended(3.2) == gear_hf.GearConfig.recommended(name="balanced")
     assert gear_hf.GearConfig.recommended(3.5) == gear_hf.GearConfig.recommended(name="lean")
-    assert gear_hf.GearConfig.recommended(3.6) == gear_hf.GearConfig.recommended(name="accurate") == gear_hf.GearConfig()
+    accurate = gear_hf.GearConfig.recommended(name="accurate")
+    assert gear_hf.GearConfig.recommended(3.6) == accurate == gear_hf.GearConfig()
     compact = gear_hf.GearConfig.recommended(3.1)  # values per channel; the prompt chunk alone in 256-token groups
     assert (compact.value_axis, compact.key_group, compact.value_group, compact.prompt_group_size,
             compact.buffer_size, compact.key_bits, compact.key_bit_allocation) == \
@@ -245,7 +246,8 @@ def test_recommended_follows_the_measured_frontier():
             default.key_buffer, default.value_buffer, default.buffer_size, default.sink_tokens) == \
         (3.125, 3, "token", "none", "values", "int8", "int4", 128, 4)
     lean = gear_hf.GearConfig.recommended(name="lean")  # values per channel with searched ranges, keys 2.875 bits
-    assert (lean.key_bits, lean.value_axis, lean.range_search, lean.value_buffer) == (2.875, "channel", "values", "int4")
+    assert (lean.key_bits, lean.value_axis, lean.range_search, lean.value_buffer) == \
+        (2.875, "channel", "values", "int4")
     with pytest.raises(ValueError, match="bits_per_element=2.5"):
         gear_hf.GearConfig.recommended(2.5)
     with pytest.raises(ValueError, match="tiny"):
