@@ -90,6 +90,12 @@ class TritonBackend(Backend):
 
         return step_reason(head_dim, query_len, rotary_dim, softcap)
 
+    def reads_tail(self, spec, head_dim):
+        from ..kernels.views import tail_format  # no triton import
+
+        # 8-bit codes, 4-bit codes of the rotated vector (`tiles._buffer_block`), at the kernels' head_dims
+        return tail_format(spec, head_dim) and head_dim >= 32 and not head_dim & (head_dim - 1)
+
     def attend(self, query, keys, values, layout, *, scaling, inv_freq, attention_scaling, sliding_window, shared):
         from ..kernels import tensor_core_reason
         from ..kernels.decode import decode_attention  # imports triton: only on this path

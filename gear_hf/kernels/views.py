@@ -80,6 +80,20 @@ class CodedTailView:
     rotated: bool = False  # codes of the rotated vector (INT4_TOKENS)
 
 
+TAIL_FORMATS = ((8, False), (4, True))  # the per-token buffer formats the fused kernels read: (bits, rotated)
+
+
+def tail_format(spec, head_dim: int) -> bool:
+    """True when spec (a `compress.ChunkSpec`) stores each token as codes of one group over the head vector with a
+    scale and minimum, and nothing else: 8-bit codes, or 4-bit codes of the Walsh–Hadamard-rotated vector
+    (`format.INT8_TOKENS`, `INT4_TOKENS`: what the CPU kernel encodes and the fused kernels read as a `CodedTailView`;
+    any head_dim here: the rotation's blocks are its largest power-of-two divisor, and an odd one's last byte holds
+    one code; a kernel may ask more of head_dim)."""
+    return ((spec.bits, bool(spec.rotate)) in TAIL_FORMATS and head_dim >= 1 and spec.axis == "token"
+            and spec.group_for(1, head_dim) >= head_dim
+            and not (spec.outlier_ratio or spec.rank or spec.range_search or spec.allocated or spec.extra_terms))
+
+
 @dataclass(frozen=True, eq=False)
 class StreamView:
     buffer: torch.Tensor  # [B, H, cap, d] full-precision tokens (this step's own tokens included); with a coded tail:

@@ -21,25 +21,13 @@ import numpy as np
 import torch
 
 from ...compress import ChunkSpec, rotate, side_dtype
+from ..views import tail_format
 from .bf16 import side_value as _value
 from .pack import _pack
 from .quantize import _code, _stats
 
 _F32 = np.float32
 _INF = _F32(np.inf)
-_FORMATS = ((8, False), (4, True))  # the per-token formats covered: (bits, rotated)
-
-
-def tail_format(spec: ChunkSpec, head_dim: int) -> bool:
-    """True when spec stores each token as codes of one group over the head vector with a scale and minimum, and
-    nothing else: 8-bit codes, or 4-bit codes of the Walsh–Hadamard-rotated vector (the formats `encode_staged` writes
-    and the fused CPU attention reads; any head_dim: the rotation's blocks are its largest power-of-two divisor, and
-    an odd one's last byte holds one code)."""
-    return ((spec.bits, bool(spec.rotate)) in _FORMATS and head_dim >= 1 and spec.axis == "token"
-            and spec.group_for(1, head_dim) >= head_dim
-            and not (spec.outlier_ratio or spec.rank or spec.range_search or spec.allocated or spec.extra_terms))
-
-
 def encode_supported(spec: ChunkSpec, exact: torch.Tensor) -> bool:
     """True when `encode_staged` covers this format and staged tensor exact [B,H,cap,d]."""
     return (tail_format(spec, exact.shape[-1]) and exact.device.type == "cpu"

@@ -4,7 +4,8 @@
 and turn it into a named structure of pointers, head strides and constexprs; its `kernel_args(run)` names them as
 `_decode_attention_kernel`'s parameters of that run ("p": the prompt chunk, "d": the decode chunks; e.g. the prompt
 keys' codes are `pkc`, their head stride `s_pkc`, their bits `P_K_BITS`). A run not in use gets placeholders (the
-`dummy` tensor, zero strides) and constexprs that switch it off.
+`dummy` tensor, zero strides) and constexprs that switch it off. `tail_args` does the same for a buffer held per token
+(`views.CodedTailView`: "k"/"v", e.g. the key codes `tkc`, `T_K_BITS`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import NamedTuple
 import torch
 
 from ...compress.quant import MAX_CHANNEL_BITS, codes_per_unit, pack_unit
-from ..views import MAX_FUSED_RANK, OUTLIER_TILE, ChunkRunView, key_outlier_count, prepare_derived
+from ..views import MAX_FUSED_RANK, OUTLIER_TILE, ChunkRunView, StreamView, key_outlier_count, prepare_derived
 
 
 def _check(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -245,3 +246,73 @@ def _rotated(runs: list, what: str) -> bool:
         raise ValueError(f"fused kernel: the prompt and decode chunks disagree on whether {what} are rotated")
     return flags == {True}
 
+
+
+_TAIL_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class TailArgs(NamedTuple):
+    """A stream's buffer held per token (`views.CodedTailView`) as the kernel reads it: codes, scale, minimum, this
+    step's exact tokens and which they are, their strides (codes, statistics, exact tokens: dim 1; staged: dim 0),
+    how many slots have staged flags, constexprs BITS (0: the buffer is full precision) and ROT."""
+
+    codes: torch.Tensor  # uint8 [B,H,cap,d*bits/8]
+    scale: torch.Tensor  # [B,H,cap,1]
+    minimum: torch.Tensor
+    exact: torch.Tensor  # [B,H,cap,d] (staged tokens), or a placeholder when none is staged
+    staged: torch.Tensor  # uint8 [B,cap] (1: read from exact), or a placeholder
+    s_codes: int
+    s_scale: int  # (the minimum's too)
+    s_exact: int
+    s_staged: int
+    staged_n: int  # slots with staged flags: capacity, or 0 when none is staged
+    constexprs: dict
+
+    def kernel_args(self, stream: str) -> tuple[dict, dict]:
+        """(runtime arguments, constexprs) named as the kernel's parameters of stream "k" or "v"."""
+        t = f"t{stream}"
+        args = {f"{t}c": self.codes, f"{t}s": self.scale, f"{t}m": self.minimum, f"{t}e": self.exact,
+                f"{t}g": self.staged, f"s_{t}c": self.s_codes, f"s_{t}s": self.s_scale, f"s_{t}e": self.s_exact,
+                f"s_{t}g": self.s_staged, f"{t}_n": self.staged_n}
+        return args, {f"T_{stream.upper()}_{k}": v for k, v in self.constexprs.items()}
+
+
+def tail_args(view: StreamView, dummy: torch.Tensor, batch: int, heads: int, head_dim: int, name: str) -> TailArgs:
+    """The kernel's arguments of a stream's coded buffer (`view.tail`), checked; placeholders and BITS=0 when the
+    buffer is full precision (`view.buffer`). name: the stream in errors ("keys", "values")."""
+    tail = view.tail
+    if tail is None:
+        return TailArgs(*[dummy] * 5, s_codes=0, s_scale=0, s_exact=0, s_staged=0, staged_n=0,
+                        constexprs={"BITS": 0, "ROT": False})
+    bits = int(tail.bits)
+    if bits not in (4, 8):
+        raise ValueError(f"{name}.tail.bits = {tail.bits}: the Triton decode kernels read 8-bit codes or 4-bit codes "
+                         "two a byte (format.INT8_TOKENS, INT4_TOKENS)")
+    cap = tail.codes.shape[2] if tail.codes.dim() == 4 else -1
+    want = {"codes": ((batch, heads, cap, head_dim * bits // 8), (torch.uint8,)),
+            "scale": ((batch, heads, cap, 1), _TAIL_FLOATS), "minimum": ((batch, heads, cap, 1), _TAIL_FLOATS)}
+    for field, (shape, dtypes) in want.items():
+        t = getattr(tail, field)
+        if tuple(t.shape) != shape or t.dtype not in dtypes or t.device != dummy.device:
+            raise ValueError(f"{name}.tail.{field} must be {[str(d) for d in dtypes]} {list(shape)} ([B, H, capacity, "
+                             f"{'d*bits/8' if field == 'codes' else '1'}]) on {dummy.device}, got {t.dtype} "
+                             f"{list(t.shape)} on {t.device}")
+        _check(t, f"{name}.tail.{field}")
+    _check_words(tail.codes, f"{name}.tail.codes")  # (rows read as 32-bit words)
+    if tail.staged is None:
+        exact, staged, s_exact, s_staged, n = dummy, dummy, 0, 0, 0
+    else:
+        staged, exact = tail.staged, view.buffer
+        if tuple(staged.shape) != (batch, cap) or staged.dtype != torch.bool or staged.device != dummy.device:
+            raise ValueError(f"{name}.tail.staged must be bool [B, capacity] = {[batch, cap]} on {dummy.device}, got "
+                             f"{staged.dtype} {list(staged.shape)} on {staged.device}")
+        if tuple(exact.shape) != (batch, heads, cap, head_dim) or exact.dtype not in _TAIL_FLOATS:
+            raise ValueError(f"{name}.buffer (this step's exact tokens beside a coded tail) must be a float "
+                             f"[B, H, capacity, d] = {[batch, heads, cap, head_dim]}, got {exact.dtype} "
+                             f"{list(exact.shape)}")
+        _check_words(_check(exact, f"{name}.buffer"), f"{name}.buffer")
+        staged = _check(staged, f"{name}.tail.staged").view(torch.uint8)
+        s_exact, s_staged, n = exact.stride(1), staged.stride(0), cap
+    return TailArgs(tail.codes, tail.scale, tail.minimum, exact, staged, s_codes=tail.codes.stride(1),
+                    s_scale=tail.scale.stride(1), s_exact=s_exact, s_staged=s_staged, staged_n=n,
+                    constexprs={"BITS": bits, "ROT": bool(tail.rotated)})

@@ -14,7 +14,7 @@ import triton.language as tl
 
 from .. import interpreting
 from ..views import DecodeLayout, StreamView, key_outlier_count
-from .args import _check, _check_words, _rotated, key_run_args, value_run_args
+from .args import _check, _check_words, _rotated, key_run_args, tail_args, value_run_args
 from .decode_kernel import _combine_kernel, _decode_attention_kernel
 from .ops import _libdevice
 from .sizing import _RESIDENT, _num_splits, _resident_programs, hadamard_table
@@ -65,8 +65,9 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
                      _plan: list | None = None) -> torch.Tensor:
     """Attention of `query` [B,Hq,q,d] (already rotated) over one layer's compressed keys/values.
 
-    keys/values: where the layer's tokens live (`views.StreamView`); layout: per-row lengths and positions
-    (`views.DecodeLayout`). Returns out [B, q, Hq, d] in query's dtype (HF's attention-function layout).
+    keys/values: where the layer's tokens live (`views.StreamView`; a buffer held per token, `StreamView.tail`, is
+    read as stored: 8-bit codes or 4-bit ones, rotated or not, this step's staged tokens exact from `buffer`);
+    layout: per-row lengths and positions (`views.DecodeLayout`). Returns out [B, q, Hq, d] in query's dtype (HF's attention-function layout).
     Tuning: num_splits (flash-decoding splits; default sized to whole waves), block_n (tokens per block),
     num_warps, num_stages. workspace: (device, numel) -> a float32 buffer of >= numel elements the caller keeps
     (the cache shares one across its layers), else one is allocated for the call; tables: (key, build) -> the
@@ -85,12 +86,16 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
     B, Hq, QL, D = query.shape
     if D < 32 or D & (D - 1):
         raise NotImplementedError(f"fused kernel: head_dim {D} must be a power of two >= 32")
-    if keys.tail is not None or values.tail is not None:
-        raise ValueError("the Triton decode kernels read a full-precision buffer: build the views with no reader "
-                         "(GearCache.kernel_views(..., reader=None) hands them the coded buffer decoded)")
     buf_k = _check_words(_check(keys.buffer, "buffer keys"), "buffer keys")
     buf_v = _check_words(_check(values.buffer, "buffer values"), "buffer values")
     Hkv = buf_k.shape[1]
+    # a buffer held per token (StreamView.tail) is read as stored; the full-precision ones share a head stride
+    tails = {"k": tail_args(keys, query, B, Hkv, D, "keys"), "v": tail_args(values, query, B, Hkv, D, "values")}
+    full = [buf for buf, stream in ((buf_k, "k"), (buf_v, "v")) if not tails[stream].constexprs["BITS"]]
+    if len(full) == 2 and buf_k.stride(1) != buf_v.stride(1):
+        raise ValueError(f"buffer keys and values must have the same head stride, got {buf_k.stride(1)} and "
+                         f"{buf_v.stride(1)} (shapes {list(buf_k.shape)}, {list(buf_v.shape)})")
+    s_buf_h = full[0].stride(1) if full else 0
     if Hq % Hkv:
         raise ValueError(f"{Hq} query heads do not split into {Hkv} KV heads")
     G = Hq // Hkv
@@ -149,6 +154,10 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
         for args, constexprs in (key_args.kernel_args(run), value_args.kernel_args(run)):
             run_args.update(args)
             run_constexprs.update(constexprs)
+    for stream, args in tails.items():
+        args, constexprs = args.kernel_args(stream)
+        run_args.update(args)
+        run_constexprs.update(constexprs)
 
     max_blocks = (-(-layout.max_sink // block_n) + -(-layout.max_prompt // block_n)
                   + layout.max_decode_chunks * (NB // block_n) + -(-layout.max_buffer // block_n))
@@ -173,7 +182,8 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
             num_stages = 1
         kernel = _tc_decode_kernel if tensor_core else _decode_attention_kernel
         resident_key = (kernel.fn.__name__, query.device.index, num_warps, block_n, dtype, run_constexprs["P_K_BITS"],
-                        run_constexprs["P_V_BITS"], run_constexprs["D_K_BITS"], run_constexprs["D_V_BITS"])
+                        run_constexprs["P_V_BITS"], run_constexprs["D_K_BITS"], run_constexprs["D_V_BITS"],
+                        run_constexprs["T_K_BITS"], run_constexprs["T_V_BITS"])
         nsplit = num_splits or _num_splits(max_blocks, programs, query.device, _RESIDENT.get(resident_key, 1))
         nsplit = max(1, min(int(nsplit), 64))
         n_acc = programs * nsplit * M_TILE * D
@@ -187,7 +197,8 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
             raise ValueError(f"out must be [B, q, Hq, d] = {(B, QL, Hq, D)} with a contiguous last dim")
         window = int(sliding_window or 0)
         build = lambda: hadamard_table(HALF, dot_dt, query.device)  # noqa: E731
-        had = query if not (rot_k or rot_v) else \
+        rot_tail = run_constexprs["T_K_ROT"] or run_constexprs["T_V_ROT"]  # (a coded tail of rotated vectors)
+        had = query if not (rot_k or rot_v or rot_tail) else \
             tables(("hadamard", HALF, str(dot_dt), str(query.device)), build) if tables is not None else build()
         options = {"num_warps": num_warps, "num_stages": num_stages}
         constexprs = dict(G=G, QL=QL, D=D, HALF=HALF, BN=block_n, NB=NB, DT=dot_dt, FAST=fast, HAS_SINK=has_sink,
@@ -206,7 +217,7 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
                      sm_scale=float(scaling) * LOG2E, window=window,
                      sink_k=keys.sink if has_sink else query, sink_v=values.sink if has_sink else query,
                      s_sink_h=keys.sink.stride(1) if has_sink else 0, buf_k=buf_k, buf_v=buf_v,
-                     s_buf_h=buf_k.stride(1), **run_args, had_ptr=had, acc_ptr=acc_ws, ml_ptr=ml_ws, H_KV=Hkv,
+                     s_buf_h=s_buf_h, **run_args, had_ptr=had, acc_ptr=acc_ws, ml_ptr=ml_ws, H_KV=Hkv,
                      M_TILES=m_tiles, NSPLIT=nsplit)
         if tensor_core:
             named["scr_ptr"] = scr

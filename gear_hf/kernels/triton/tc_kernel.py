@@ -12,13 +12,17 @@ import triton.language as tl
 from .decode_kernel import _MAIN_DYNAMIC
 from .ops import _lowrank_bt
 from .tc_tiles import tc_compressed_block, tc_plane_layout
-from .tiles import _dense_block, _query_tile, _row_blocks, _split_blocks
+from .tiles import _buffer_block, _dense_block, _query_tile, _row_blocks, _split_blocks
 
 
 @triton.jit(do_not_specialize=_MAIN_DYNAMIC)
 def _tc_decode_kernel(
     q_ptr, sqb, sqh, sqq, lim_ptr, rows_ptr, pos_ptr, spos, freq_ptr, attn_scale, sm_scale, window,
     sink_k, sink_v, s_sink_h, buf_k, buf_v, s_buf_h,
+    # a buffer held per token (T_K_BITS / T_V_BITS > 0, `tiles._buffer_block`): codes, scale, minimum, this step's
+    # exact tokens, which they are (per row) and how many slots have flags (0: none staged); else placeholders
+    tkc, tks, tkm, tke, tkg, s_tkc, s_tks, s_tke, s_tkg, tk_n, tvc, tvs, tvm, tve, tvg, s_tvc, s_tvs, s_tve, s_tvg,
+    tv_n,
     # prompt chunk: keys (codes, scale, min, A, B) + sorted outliers (where, value, tile offsets), values
     pkc, pks, pkm, pka, pkb, s_pkc, s_pks, s_pka, s_pkb, pow_, pov, pot, s_pow, s_pot, p_tiles, p_seg,
     pkas, pkbs, s_pkas,  # int8 factors: per-column scales of A and B (unused with 16-bit factors)
@@ -33,6 +37,7 @@ def _tc_decode_kernel(
     G: tl.constexpr, QL: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
     BN: tl.constexpr, NB: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr, HAS_SINK: tl.constexpr,
     ROT_K: tl.constexpr, ROT_V: tl.constexpr,
+    T_K_BITS: tl.constexpr, T_K_ROT: tl.constexpr, T_V_BITS: tl.constexpr, T_V_ROT: tl.constexpr,
     P_K_BITS: tl.constexpr, P_K_UNIT: tl.constexpr, P_K_GROUP: tl.constexpr, P_K_R: tl.constexpr,
     P_K_SPARSE: tl.constexpr, P_K_STATS_ROW: tl.constexpr, P_K_PLANES: tl.constexpr, P_K_ROW: tl.constexpr,
     P_V_BITS: tl.constexpr, P_V_UNIT: tl.constexpr,
@@ -163,9 +168,12 @@ def _tc_decode_kernel(
         slot = (blk - e3) * BN + n_offs
         tvalid = slot < f_len
         t = s_len + p_len + c_cnt * NB + slot
-        m_i, l_i, acc = _dense_block(q1, q2, buf_k + bh64 * s_buf_h, buf_v + bh64 * s_buf_h, D, t, slot, tvalid,
-                                     pos_b, freq, limit, mvalid, window,
-                                     m_i, l_i, acc, had_ptr, D, HALF, DT, FAST, ROT_V)
+        m_i, l_i, acc = _buffer_block(q1, q2, buf_k + bh64 * s_buf_h, buf_v + bh64 * s_buf_h, D, t, slot, tvalid,
+                                      pos_b, freq, limit, mvalid, window, m_i, l_i, acc, had_ptr,
+                                      tkc + bh64 * s_tkc, tks + bh64 * s_tks, tkm + bh64 * s_tks, tke + bh64 * s_tke,
+                                      tkg + b64 * s_tkg, tk_n, tvc + bh64 * s_tvc, tvs + bh64 * s_tvs,
+                                      tvm + bh64 * s_tvs, tve + bh64 * s_tve, tvg + b64 * s_tvg, tv_n,
+                                      D, HALF, DT, FAST, ROT_V, T_K_BITS, T_K_ROT, T_V_BITS, T_V_ROT)
 
     ws = pid.to(tl.int64) * NSPLIT + split
     r16 = tl.arange(0, 16)
