@@ -67,7 +67,8 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
 
     keys/values: where the layer's tokens live (`views.StreamView`; a buffer held per token, `StreamView.tail`, is
     read as stored: 8-bit codes or 4-bit ones, rotated or not, this step's staged tokens exact from `buffer`);
-    layout: per-row lengths and positions (`views.DecodeLayout`). Returns out [B, q, Hq, d] in query's dtype (HF's attention-function layout).
+    layout: per-row lengths and positions (`views.DecodeLayout`). Returns out [B, q, Hq, d] in query's dtype (HF's
+    attention-function layout).
     Tuning: num_splits (flash-decoding splits; default sized to whole waves), block_n (tokens per block),
     num_warps, num_stages. workspace: (device, numel) -> a float32 buffer of >= numel elements the caller keeps
     (the cache shares one across its layers), else one is allocated for the call; tables: (key, build) -> the

@@ -230,9 +230,9 @@ def _tail_halves(codes_b, scale_b, min_b, exact_b, staged_b, staged_n, slot, tva
                  BITS: tl.constexpr, ROT_CODED: tl.constexpr, ROT_EXACT: tl.constexpr, DT: tl.constexpr):
     """The halves float32 [BN, D/2] of the tokens at slots `slot` of a buffer held per token (`views.CodedTailView`):
     code * scale + minimum (one scale and minimum per token), times H when ROT_CODED, except the staged tokens
-    (staged_b [staged_n] uint8: flags of the slots below staged_n, 0 when none is staged), read exact from exact_b (rows of D elements), times H when ROT_EXACT
-    (H: the Walsh–Hadamard rotation, its own inverse). At most one rotation per tile: the coded and the exact
-    tokens occupy disjoint rows (zeros in the other's tile)."""
+    (staged_b [staged_n] uint8: flags of the slots below staged_n, 0 when none is staged), read exact from exact_b
+    (rows of D elements), times H when ROT_EXACT (H: the Walsh–Hadamard rotation, its own inverse). At most one
+    rotation per tile: the coded and the exact tokens occupy disjoint rows (zeros in the other's tile)."""
     HALF: tl.constexpr = D // 2
     staged = tl.load(staged_b + slot, mask=tvalid & (slot < staged_n), other=0) != 0
     coded = tvalid & (staged == 0)

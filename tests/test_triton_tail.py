@@ -1,0 +1,225 @@
+"""The Triton decode kernels (register and tensor-core) read a buffer held per token as stored (`StreamView.tail`:
+`GearConfig()`'s 8-bit keys and 4-bit rotated values, 8-bit values, 4-bit rotated keys), this step's own tokens exact,
+and attend as the float32 oracle (`reference_decode_attention`: the buffer decoded by `decompress`) and as the same
+kernel handed the buffer decoded (`kernel_views(..., reader=None)`). Values are attended in the rotated basis when the
+compressed values are rotated (ROT_V: a rotated tail as stored, an 8-bit one rotated in the kernel) and in the plain
+one otherwise (a rotated tail rotated back). Without CUDA the kernels run in Triton's interpreter; shapes stay small.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # (set before gear_hf.kernels.decode imports triton's kernels)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from gear_hf import GearConfig  # noqa: E402
+from gear_hf.backends.triton_backend import TritonBackend  # noqa: E402
+from gear_hf.cache.fused import build_cache, reference_decode_attention  # noqa: E402
+from gear_hf.format import INT4_TOKENS, INT8_TOKENS, layer_formats  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+PAD = [0, 11]  # row 1 left-padded
+
+
+def _inv_freq(d, theta=10000.0):
+    return 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+
+
+def _config(name: str) -> GearConfig:
+    """Test-sized configurations: (compressed values rotated?, key tail, value tail)."""
+    gear4 = dict(bits=4, group_size=16, buffer_size=32, outlier_ratio=0.1)
+    return {
+        # GearConfig(): rotated 3-bit values (ROT_V), 8-bit keys and 4-bit rotated values in the buffer
+        "default": GearConfig(group_size=32, buffer_size=32, prompt_group_size=64),
+        "default-int8": GearConfig(group_size=32, buffer_size=32, prompt_group_size=64, value_buffer="int8"),
+        # unrotated compressed values: a rotated tail is rotated back in the kernel
+        "gear4-int8-int4": GearConfig.preset("gear", **gear4, key_buffer="int8", value_buffer="int4"),
+        "gear4-int8": GearConfig.preset("gear", **gear4, key_buffer="int8", value_buffer="int8"),
+        "gear4-int4": GearConfig.preset("gear", **gear4, key_buffer="int4", value_buffer="int4"),
+        # one stream coded, the other handed full precision (the "final" values are decoded by the oracle)
+        "default-final": GearConfig(group_size=32, buffer_size=32, prompt_group_size=64, value_buffer="final"),
+        "gear4-full-int4": GearConfig.preset("gear", **gear4, key_buffer="full", value_buffer="int4"),
+    }[name]
+
+
+def _mask_of(steps, pad):
+    mask = torch.ones(len(pad), sum(steps), dtype=torch.long)
+    for b, p in enumerate(pad):
+        mask[b, :p] = 0
+    return mask
+
+
+def _cache(cfg, *, d, kv_heads, steps, q_len, in_step, dtype, seed=0):
+    """A random cache (batch 2, row 1 left-padded) after `steps`; in_step: one more step of q_len tokens stored (its
+    tokens staged, exact) and not yet flushed."""
+    cache, _, _ = build_cache(cfg, batch=2, kv_heads=kv_heads, head_dim=d, steps=list(steps), pad=PAD, dtype=dtype,
+                              device=DEVICE, seed=seed)
+    if in_step:
+        g = torch.Generator().manual_seed(seed + 7)
+        mask = torch.cat([_mask_of(steps, PAD), torch.ones(2, q_len, dtype=torch.long)], dim=1)
+        pos = (mask.cumsum(1) - 1)[:, -q_len:]
+        cache.observe_attention_mask(mask.to(DEVICE))
+        k, v = (torch.randn(2, kv_heads, q_len, d, generator=g).to(dtype).to(DEVICE) for _ in range(2))
+        cache.store(0, k, v, pos.to(DEVICE))
+    return cache
+
+
+def _attend(cache, q, *, tensor_core, reader):
+    from gear_hf.kernels.decode import decode_attention
+
+    d = q.shape[-1]
+    keys, values, layout = cache.kernel_views(0, q.shape[2], q.device, reader=reader)
+    out = decode_attention(q, keys, values, layout, scaling=d ** -0.5, inv_freq=_inv_freq(d),
+                           tensor_core=tensor_core)
+    return out, keys, values, layout
+
+
+def _err(out, ref):
+    return ((out.float() - ref.float()).abs().max() / ref.abs().max()).item()
+
+
+# (config, head_dim, KV heads, GQA group, history steps, query tokens, staged, tensor core, dtype)
+CASES = [
+    ("default", 64, 2, 4, (77, 40), 1, True, False, torch.float32),
+    ("default", 128, 1, 4, (77, 40), 2, True, True, torch.float16),
+    ("default", 64, 2, 1, (77, 40), 1, False, True, torch.bfloat16),
+    ("default", 64, 2, 4, (20,), 1, True, True, torch.float16),  # no chunk yet: ROT_V off, a rotated tail
+    ("default-int8", 128, 1, 4, (77, 40), 1, True, False, torch.bfloat16),
+    ("default-int8", 64, 2, 1, (77, 40), 2, False, True, torch.float16),
+    ("gear4-int8-int4", 64, 2, 4, (77, 40), 2, True, False, torch.float32),
+    ("gear4-int8-int4", 128, 1, 1, (77, 40), 1, False, True, torch.float16),
+    ("gear4-int8", 64, 2, 4, (77, 40), 1, True, True, torch.float16),
+    ("gear4-int8", 128, 1, 1, (77, 40), 1, False, False, torch.float32),
+    ("gear4-int4", 64, 2, 4, (77, 40), 1, True, False, torch.float32),
+    ("default-final", 64, 2, 4, (77, 40), 1, True, True, torch.float16),
+    ("gear4-full-int4", 64, 2, 4, (77, 40), 2, True, False, torch.float32),
+]
+
+
+@pytest.mark.parametrize("name,d,kv_heads,group,steps,q_len,in_step,tensor_core,dtype", CASES,
+                         ids=[f"{c[0]}-d{c[1]}-kv{c[2]}-g{c[3]}-{'x'.join(map(str, c[4]))}-q{c[5]}"
+                              f"{'-staged' if c[6] else ''}-{'tc' if c[7] else 'reg'}-{str(c[8])[6:]}" for c in CASES])
+def test_kernels_read_the_coded_buffer_as_the_oracle(name, d, kv_heads, group, steps, q_len, in_step, tensor_core,
+                                                     dtype):
+    cfg = _config(name)
+    fmt = layer_formats(cfg)
+    with torch.inference_mode():
+        cache = _cache(cfg, d=d, kv_heads=kv_heads, steps=steps if in_step else (*steps, q_len), q_len=q_len,
+                       in_step=in_step, dtype=dtype)
+        q = torch.randn(2, kv_heads * group, q_len, d, generator=torch.Generator().manual_seed(d + q_len))
+        q = q.to(dtype).to(DEVICE)
+        out, keys, values, layout = _attend(cache, q, tensor_core=tensor_core, reader=TritonBackend())
+        decoded, *_ = _attend(cache, q, tensor_core=tensor_core, reader=None)
+        ref = reference_decode_attention(cache, 0, q, scaling=d ** -0.5, inv_freq=_inv_freq(d))
+    # the views carry the codes as stored (not a decoded copy) for each coded stream, and no tail for the others
+    for view, choice in ((keys, cfg.key_buffer), (values, cfg.value_buffer)):
+        coded = choice in ("int8", "int4")
+        assert (view.tail is not None) == coded, (choice, view.tail)
+        if coded:
+            assert view.tail.bits == int(choice[3:]) and view.tail.rotated == (choice == "int4")
+            assert view.tail.codes.dtype == torch.uint8 and view.tail.codes.shape[-1] == d * view.tail.bits // 8
+            assert (view.tail.staged is not None) == in_step
+            assert view.buffer.shape[2] == (view.tail.codes.shape[2] if in_step else 0)  # only the staged tokens
+            if in_step:
+                assert int(view.tail.staged.sum()) == 2 * q_len  # this step's tokens, both rows
+    assert (layout.rows[:, 3] > q_len).all() and int(layout.rows[:, 3].max()) < cfg.buffer_size  # partly filled
+    rot_v = any(run is not None and run.spec.rotate for run in (values.prompt, values.decode)) and \
+        (layout.max_prompt > 0 or layout.max_decode_chunks > 0)
+    assert rot_v == (name.startswith("default") and len(steps) > 1)  # (the case covers what its name says)
+    assert bool(fmt[1].decode.rotate) == name.startswith("default")
+    assert out.shape == ref.shape and torch.isfinite(out).all()
+    assert _err(out, ref) < TOL[dtype], _err(out, ref)
+    assert _err(out, decoded) < TOL[dtype], _err(out, decoded)
+
+
+def test_a_wrong_code_changes_the_output():
+    """The kernel really reads the tail: zeroed value codes of the coded tokens change the output (the exact staged
+    tokens do not come from the codes: zeroing those bytes alone changes nothing)."""
+    cfg = _config("default")
+    with torch.inference_mode():
+        cache = _cache(cfg, d=64, kv_heads=2, steps=(77, 40), q_len=1, in_step=True, dtype=torch.float32)
+        q = torch.randn(2, 8, 1, 64, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+        out, keys, values, layout = _attend(cache, q, tensor_core=False, reader=TritonBackend())
+        from gear_hf.kernels.decode import decode_attention
+
+        kw = dict(scaling=0.125, inv_freq=_inv_freq(64))
+        tail = values.tail
+        staged_codes = tail.codes.clone()
+        staged_codes[tail.staged[:, None, :, None].expand_as(staged_codes)] = 0
+        same = decode_attention(q, keys, dataclasses.replace(values, tail=dataclasses.replace(
+            tail, codes=staged_codes)), layout, **kw)
+        zero = decode_attention(q, keys, dataclasses.replace(values, tail=dataclasses.replace(
+            tail, codes=torch.zeros_like(tail.codes))), layout, **kw)
+    assert torch.equal(same, out)
+    assert _err(zero, out) > 1e-2
+
+
+def test_triton_backend_reads_the_formats_its_kernels_read():
+    backend = TritonBackend()
+    for d in (32, 64, 128):
+        assert backend.reads_tail(INT8_TOKENS, d) and backend.reads_tail(INT4_TOKENS, d)
+    assert not backend.reads_tail(INT8_TOKENS, 80) and not backend.reads_tail(INT4_TOKENS, 96)  # (no fused kernel)
+    final = layer_formats(GearConfig(value_buffer="final"))[1].tail
+    assert final is not None and not backend.reads_tail(final, 128)  # the "final" buffer is handed decoded
+    assert not backend.reads_tail(dataclasses.replace(INT8_TOKENS, group=32), 128)
+
+
+def test_bad_tails_say_what_is_wrong():
+    from gear_hf.kernels.decode import decode_attention
+
+    cfg = _config("default")
+    with torch.inference_mode():
+        cache = _cache(cfg, d=64, kv_heads=2, steps=(77, 40), q_len=1, in_step=True, dtype=torch.float32)
+        q = torch.zeros(2, 8, 1, 64, device=DEVICE)
+        keys, values, layout = cache.kernel_views(0, 1, q.device, reader=TritonBackend())
+        tail = keys.tail
+        bad = [(dict(bits=2), "keys.tail.bits = 2"),
+               (dict(codes=tail.codes[..., :32].contiguous()), r"keys.tail.codes must be \['torch.uint8'\]"),
+               (dict(scale=tail.scale.float()[:, :1]), "keys.tail.scale must be"),
+               (dict(staged=tail.staged[:1]), "keys.tail.staged must be bool"),
+               (dict(codes=tail.codes.transpose(0, 1).contiguous().transpose(0, 1)), "keys.tail.codes must be "
+                                                                                       "contiguous")]
+        for change, match in bad:
+            with pytest.raises(ValueError, match=match):
+                decode_attention(q, dataclasses.replace(keys, tail=dataclasses.replace(tail, **change)), values,
+                                 layout, scaling=0.125, inv_freq=_inv_freq(64))
+        with pytest.raises(ValueError, match=r"values.buffer \(this step's exact tokens"):
+            decode_attention(q, keys, dataclasses.replace(values, buffer=values.buffer[:, :, :5].contiguous()), layout,
+                             scaling=0.125, inv_freq=_inv_freq(64))
+
+
+def test_generation_through_the_triton_backend_reads_the_coded_buffer():
+    """generate (batch 2, left-padded, GQA 2, head_dim 32) with GearConfig()'s buffers forced through the Triton
+    backend under inference_mode: every decode step runs the fused kernel, its views carry the codes, and the logits
+    equal the torch oracle path's."""
+    import gear_hf
+    from tiny_models import CACHE_ARG, tiny_model
+
+    model = tiny_model("llama3", dtype=torch.float32, head_dim=32).to(DEVICE)
+    ids = torch.randint(3, 128, (2, 45), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    cfg = GearConfig(group_size=16, buffer_size=16, prompt_group_size=32)
+    out = {}
+    for backend in ("torch", "triton"):
+        gear_hf.enable(model, cfg.replace(backend=backend))
+        cache = gear_hf.GearCache(model)
+        with torch.inference_mode():
+            result = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                    pad_token_id=0, output_scores=True, return_dict_in_generate=True,
+                                    **{CACHE_ARG: cache})
+        gear_hf.disable(model)
+        out[backend] = (torch.stack(result.scores).float(), dict(cache.step_paths), cache)
+    assert out["triton"][1].get("fused", 0) > 0 and "fused" not in out["torch"][1]
+    triton_cache = out["triton"][2]
+    keys, values, _ = triton_cache.kernel_views(0, 1, DEVICE, reader=triton_cache.plan.attend)
+    assert keys.tail is not None and values.tail is not None and values.tail.rotated
+    torch.testing.assert_close(out["triton"][0], out["torch"][0], atol=2e-4, rtol=1e-4)
