@@ -130,6 +130,8 @@ def test_kernels_read_the_coded_buffer_as_the_oracle(name, d, kv_heads, group, s
             assert view.buffer.shape[2] == (view.tail.codes.shape[2] if in_step else 0)  # only the staged tokens
             if in_step:
                 assert int(view.tail.staged.sum()) == 2 * q_len  # this step's tokens, both rows
+    if keys.tail is not None and values.tail is not None and in_step:  # (the kernel reads one set of flags)
+        assert torch.equal(keys.tail.staged, values.tail.staged)
     assert (layout.rows[:, 3] > q_len).all() and int(layout.rows[:, 3].max()) < cfg.buffer_size  # partly filled
     rot_v = any(run is not None and run.spec.rotate for run in (values.prompt, values.decode)) and \
         (layout.max_prompt > 0 or layout.max_decode_chunks > 0)
@@ -191,6 +193,9 @@ def test_bad_tails_say_what_is_wrong():
             with pytest.raises(ValueError, match=match):
                 decode_attention(q, dataclasses.replace(keys, tail=dataclasses.replace(tail, **change)), values,
                                  layout, scaling=0.125, inv_freq=_inv_freq(64))
+        with pytest.raises(ValueError, match="keys.tail.staged and values.tail.staged disagree"):
+            decode_attention(q, keys, dataclasses.replace(values, tail=dataclasses.replace(values.tail, staged=None)),
+                             layout, scaling=0.125, inv_freq=_inv_freq(64))
         with pytest.raises(ValueError, match=r"values.buffer \(this step's exact tokens"):
             decode_attention(q, keys, dataclasses.replace(values, buffer=values.buffer[:, :, :5].contiguous()), layout,
                              scaling=0.125, inv_freq=_inv_freq(64))

@@ -22,13 +22,14 @@ from ..rope import rope_tables, rotate_half
 
 def cache_decode_attention(cache, layer_idx: int, query: torch.Tensor, *, scaling: float,
                            inv_freq: torch.Tensor, attention_scaling: float = 1.0,
-                           sliding_window: int | None = None, out: torch.Tensor | None = None,
+                           sliding_window: int | None = None, out: torch.Tensor | None = None, reader=None,
                            **tuning) -> torch.Tensor:
     """Fused attention of `query` [B,Hq,q,d] over layer `layer_idx` of a GearCache (`GearCache.kernel_views`:
-    during a step what it attends to, between steps what the layer holds). Returns [B, q, Hq, d]."""
+    during a step what it attends to, between steps what the layer holds). Returns [B, q, Hq, d]. reader: a backend
+    whose `reads_tail` hands a coded buffer as stored (the Triton backend's), else it is handed decoded."""
     from ..kernels.decode import decode_attention  # imports triton: only on this path
 
-    keys, values, layout = cache.kernel_views(layer_idx, query.shape[2], query.device)
+    keys, values, layout = cache.kernel_views(layer_idx, query.shape[2], query.device, reader=reader)
     shared = cache.kernel_state  # the cache's workspace and tables, as its own fused steps use them
     return decode_attention(query, keys, values, layout, scaling=scaling, inv_freq=inv_freq,
                             attention_scaling=attention_scaling, sliding_window=sliding_window, out=out,

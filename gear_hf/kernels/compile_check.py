@@ -353,6 +353,7 @@ def reconstruct_report(arch: int = 90) -> int:
 
 def planned_launches(quick: bool = False):
     """(label, kernel, args, kwargs) for representative configurations, planned on CPU tensors."""
+    from ..backends.triton_backend import TritonBackend
     from ..cache.fused import build_cache, cache_decode_attention
     from ..config import GearConfig
     from .quant import quantize_pack
@@ -371,15 +372,32 @@ def planned_launches(quick: bool = False):
         ("kivi k3.5v3 allocated bf16 d128 G4 q1", dict(method="kivi", bits=3, dtype=torch.bfloat16, d=128, group=4, q=1,
                                                       sink=4, key_bits=3.5, key_bit_allocation="query")),
     ]
+    # the buffer read as stored (`StreamView.tail`, the Triton backend's reader): GearConfig()'s 8-bit keys and 4-bit
+    # rotated values (values attended rotated), and 8-bit keys and values beside unrotated chunks
+    tail_cases = [
+        ("GearConfig() coded buffer bf16 d128 G4 q1", dict(config=GearConfig(), dtype=torch.bfloat16, d=128, group=4,
+                                                           q=1)),
+        ("GearConfig() coded buffer tensor-core fp16 d128 G4 q2", dict(config=GearConfig(), dtype=torch.float16,
+                                                                       d=128, group=4, q=2, tensor_core=True)),
+        ("gear4 int8 buffers fp16 d64 G7 q1", dict(config=GearConfig.preset("gear", bits=4, key_buffer="int8",
+                                                                          value_buffer="int8"),
+                                                   dtype=torch.float16, d=64, group=7, q=1)),
+    ]
     if quick:
-        decode_cases = decode_cases[:1]
-    for label, c in decode_cases:
+        decode_cases, tail_cases = decode_cases[:1], tail_cases[:1]
+    for label, c in decode_cases + tail_cases:
         extra = {k: c[k] for k in ("key_bits", "key_bit_allocation") if k in c}
-        cfg = GearConfig.preset(c["method"], bits=c["bits"], sink_tokens=c["sink"], **extra)
+        cfg = c["config"] if "config" in c else \
+            GearConfig.preset(c["method"], bits=c["bits"], sink_tokens=c["sink"], **extra)
         cache, _, _ = build_cache(cfg, batch=2, kv_heads=2, head_dim=c["d"], steps=[150, 70, c["q"]], dtype=c["dtype"])
         q = torch.zeros(2, 2 * c["group"], c["q"], c["d"], dtype=c["dtype"])
         plan = []
-        cache_decode_attention(cache, 0, q, scaling=1.0, inv_freq=torch.ones(c["d"] // 2), _plan=plan)
+        reader = TritonBackend() if "config" in c else None
+        cache_decode_attention(cache, 0, q, scaling=1.0, inv_freq=torch.ones(c["d"] // 2), _plan=plan, reader=reader,
+                               tensor_core=c.get("tensor_core", False))
+        if reader is not None:  # (the views carried the codes)
+            keys, values, _ = cache.kernel_views(0, c["q"], q.device, reader=reader)
+            assert keys.tail is not None and values.tail is not None, label
         add(label, plan)
     quant_cases = [("bf16 channel 2b", torch.bfloat16, "channel", 2, 128),
                    ("fp16 token 4b", torch.float16, "token", 4, 128),

@@ -269,12 +269,24 @@ class TailArgs(NamedTuple):
     constexprs: dict
 
     def kernel_args(self, stream: str) -> tuple[dict, dict]:
-        """(runtime arguments, constexprs) named as the kernel's parameters of stream "k" or "v"."""
+        """(runtime arguments, constexprs) named as the kernel's parameters of stream "k" or "v" (the staged flags:
+        `staged_args`)."""
         t = f"t{stream}"
         args = {f"{t}c": self.codes, f"{t}s": self.scale, f"{t}m": self.minimum, f"{t}e": self.exact,
-                f"{t}g": self.staged, f"s_{t}c": self.s_codes, f"s_{t}s": self.s_scale, f"s_{t}e": self.s_exact,
-                f"s_{t}g": self.s_staged, f"{t}_n": self.staged_n}
+                f"s_{t}c": self.s_codes, f"s_{t}s": self.s_scale, f"s_{t}e": self.s_exact}
         return args, {f"T_{stream.upper()}_{k}": v for k, v in self.constexprs.items()}
+
+
+def staged_args(keys: TailArgs, values: TailArgs) -> dict:
+    """The kernel's one set of staged flags (stg, s_stg, stg_n) for both streams, from a coded one: this step's own
+    tokens are the same in the key and the value store (written by the same steps), so keys' and values' flags
+    agree (`CodedTokenStore.write`); a pair where one stream has staged tokens and the other none is refused."""
+    coded = [t for t in (keys, values) if t.constexprs["BITS"]]
+    if len({t.staged_n for t in coded}) > 1:
+        raise ValueError(f"keys.tail.staged and values.tail.staged disagree: staged flags for "
+                         f"{[t.staged_n for t in coded]} slots (both None, or both [B, capacity])")
+    src = coded[0] if coded else keys
+    return {"stg": src.staged, "s_stg": src.s_staged, "stg_n": src.staged_n}
 
 
 def tail_args(view: StreamView, dummy: torch.Tensor, batch: int, heads: int, head_dim: int, name: str) -> TailArgs:

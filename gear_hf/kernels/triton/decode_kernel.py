@@ -17,7 +17,7 @@ _MAIN_DYNAMIC = ["sqb", "sqh", "sqq", "spos", "window", "s_sink_h", "s_buf_h",
                  "s_dkc", "s_dks", "s_dka", "s_dkb", "d_seg", "s_dow", "s_dot", "s_pow", "s_pot",
                  "s_dvc", "s_dvs", "s_dvsp", "s_dva", "s_dvb", "H_KV", "M_TILES", "NSPLIT",
                  "s_pkas", "s_pvas", "s_dkas", "s_dvas", "s_pkw", "s_dkw",
-                 "s_tkc", "s_tks", "s_tke", "s_tkg", "tk_n", "s_tvc", "s_tvs", "s_tve", "s_tvg", "tv_n"]
+                 "s_tkc", "s_tks", "s_tke", "s_tvc", "s_tvs", "s_tve", "s_stg", "stg_n"]
 
 
 @triton.jit(do_not_specialize=_MAIN_DYNAMIC)
@@ -25,9 +25,8 @@ def _decode_attention_kernel(
     q_ptr, sqb, sqh, sqq, lim_ptr, rows_ptr, pos_ptr, spos, freq_ptr, attn_scale, sm_scale, window,
     sink_k, sink_v, s_sink_h, buf_k, buf_v, s_buf_h,
     # a buffer held per token (T_K_BITS / T_V_BITS > 0, `tiles._buffer_block`): codes, scale, minimum, this step's
-    # exact tokens, which they are (per row) and how many slots have flags (0: none staged); else placeholders
-    tkc, tks, tkm, tke, tkg, s_tkc, s_tks, s_tke, s_tkg, tk_n, tvc, tvs, tvm, tve, tvg, s_tvc, s_tvs, s_tve, s_tvg,
-    tv_n,
+    # exact tokens; which they are (per row: stg [B, stg_n]; stg_n = 0: none staged); else placeholders
+    tkc, tks, tkm, tke, s_tkc, s_tks, s_tke, tvc, tvs, tvm, tve, s_tvc, s_tvs, s_tve, stg, s_stg, stg_n,
     # prompt chunk: keys (codes, scale, min, A, B) + sorted outliers (where, value, tile offsets), values
     pkc, pks, pkm, pka, pkb, s_pkc, s_pks, s_pka, s_pkb, pow_, pov, pot, s_pow, s_pot, p_tiles, p_seg,
     pkas, pkbs, s_pkas,  # int8 factors: per-column scales of A and B (unused with 16-bit factors)
@@ -152,8 +151,8 @@ def _decode_attention_kernel(
         m_i, l_i, acc = _buffer_block(q1, q2, buf_k + bh64 * s_buf_h, buf_v + bh64 * s_buf_h, D, t, slot, tvalid,
                                       pos_b, freq, limit, mvalid, window, m_i, l_i, acc, had_ptr,
                                       tkc + bh64 * s_tkc, tks + bh64 * s_tks, tkm + bh64 * s_tks, tke + bh64 * s_tke,
-                                      tkg + b64 * s_tkg, tk_n, tvc + bh64 * s_tvc, tvs + bh64 * s_tvs,
-                                      tvm + bh64 * s_tvs, tve + bh64 * s_tve, tvg + b64 * s_tvg, tv_n,
+                                      tvc + bh64 * s_tvc, tvs + bh64 * s_tvs, tvm + bh64 * s_tvs, tve + bh64 * s_tve,
+                                      stg + b64 * s_stg, stg_n,
                                       D, HALF, DT, FAST, ROT_V, T_K_BITS, T_K_ROT, T_V_BITS, T_V_ROT)
 
     ws = pid.to(tl.int64) * NSPLIT + split

@@ -14,7 +14,7 @@ import triton.language as tl
 
 from .. import interpreting
 from ..views import DecodeLayout, StreamView, key_outlier_count
-from .args import _check, _check_words, _rotated, key_run_args, tail_args, value_run_args
+from .args import _check, _check_words, _rotated, key_run_args, staged_args, tail_args, value_run_args
 from .decode_kernel import _combine_kernel, _decode_attention_kernel
 from .ops import _libdevice
 from .sizing import _RESIDENT, _num_splits, _resident_programs, hadamard_table
@@ -159,6 +159,7 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
         args, constexprs = args.kernel_args(stream)
         run_args.update(args)
         run_constexprs.update(constexprs)
+    run_args.update(staged_args(tails["k"], tails["v"]))
 
     max_blocks = (-(-layout.max_sink // block_n) + -(-layout.max_prompt // block_n)
                   + layout.max_decode_chunks * (NB // block_n) + -(-layout.max_buffer // block_n))

@@ -20,9 +20,8 @@ def _tc_decode_kernel(
     q_ptr, sqb, sqh, sqq, lim_ptr, rows_ptr, pos_ptr, spos, freq_ptr, attn_scale, sm_scale, window,
     sink_k, sink_v, s_sink_h, buf_k, buf_v, s_buf_h,
     # a buffer held per token (T_K_BITS / T_V_BITS > 0, `tiles._buffer_block`): codes, scale, minimum, this step's
-    # exact tokens, which they are (per row) and how many slots have flags (0: none staged); else placeholders
-    tkc, tks, tkm, tke, tkg, s_tkc, s_tks, s_tke, s_tkg, tk_n, tvc, tvs, tvm, tve, tvg, s_tvc, s_tvs, s_tve, s_tvg,
-    tv_n,
+    # exact tokens; which they are (per row: stg [B, stg_n]; stg_n = 0: none staged); else placeholders
+    tkc, tks, tkm, tke, s_tkc, s_tks, s_tke, tvc, tvs, tvm, tve, s_tvc, s_tvs, s_tve, stg, s_stg, stg_n,
     # prompt chunk: keys (codes, scale, min, A, B) + sorted outliers (where, value, tile offsets), values
     pkc, pks, pkm, pka, pkb, s_pkc, s_pks, s_pka, s_pkb, pow_, pov, pot, s_pow, s_pot, p_tiles, p_seg,
     pkas, pkbs, s_pkas,  # int8 factors: per-column scales of A and B (unused with 16-bit factors)
@@ -164,16 +163,20 @@ def _tc_decode_kernel(
                     D_V_BY_CHANNEL, D_V_STATS_ROW,
                     D_V_FOLD, scr, ROPE_Q)
 
+    # a buffer held per token in 32-token steps (its tiles decoded in registers at 64 tokens set the kernel's
+    # register peak and spill); a full-precision one in BN-token blocks
+    TAIL_BN: tl.constexpr = 32 if (T_K_BITS + T_V_BITS > 0) and BN > 32 else BN
+    f_offs = tl.arange(0, TAIL_BN)
     for blk in range(tl.maximum(lo, e3), hi):
-        slot = (blk - e3) * BN + n_offs
-        tvalid = slot < f_len
-        t = s_len + p_len + c_cnt * NB + slot
-        m_i, l_i, acc = _buffer_block(q1, q2, buf_k + bh64 * s_buf_h, buf_v + bh64 * s_buf_h, D, t, slot, tvalid,
-                                      pos_b, freq, limit, mvalid, window, m_i, l_i, acc, had_ptr,
-                                      tkc + bh64 * s_tkc, tks + bh64 * s_tks, tkm + bh64 * s_tks, tke + bh64 * s_tke,
-                                      tkg + b64 * s_tkg, tk_n, tvc + bh64 * s_tvc, tvs + bh64 * s_tvs,
-                                      tvm + bh64 * s_tvs, tve + bh64 * s_tve, tvg + b64 * s_tvg, tv_n,
-                                      D, HALF, DT, FAST, ROT_V, T_K_BITS, T_K_ROT, T_V_BITS, T_V_ROT)
+        for sub in tl.static_range(BN // TAIL_BN):
+            slot = (blk - e3) * BN + sub * TAIL_BN + f_offs
+            tvalid = slot < f_len
+            t = s_len + p_len + c_cnt * NB + slot
+            m_i, l_i, acc = _buffer_block(
+                q1, q2, buf_k + bh64 * s_buf_h, buf_v + bh64 * s_buf_h, D, t, slot, tvalid, pos_b, freq, limit,
+                mvalid, window, m_i, l_i, acc, had_ptr, tkc + bh64 * s_tkc, tks + bh64 * s_tks, tkm + bh64 * s_tks,
+                tke + bh64 * s_tke, tvc + bh64 * s_tvc, tvs + bh64 * s_tvs, tvm + bh64 * s_tvs, tve + bh64 * s_tve,
+                stg + b64 * s_stg, stg_n, D, HALF, DT, FAST, ROT_V, T_K_BITS, T_K_ROT, T_V_BITS, T_V_ROT)
 
     ws = pid.to(tl.int64) * NSPLIT + split
     r16 = tl.arange(0, 16)

@@ -196,8 +196,8 @@ def _dense_block(q1, q2, k_b, v_b, s_tok, t, slot, tvalid, pos_b, freq, limit,
                  mvalid, window, m_i, l_i, acc, had_ptr, D: tl.constexpr, HALF: tl.constexpr, DT: tl.constexpr,
                  FAST: tl.constexpr, ROT_V: tl.constexpr):
     """Full-precision tokens (sink or buffer) at store slots `slot`."""
-    return _buffer_block(q1, q2, k_b, v_b, s_tok, t, slot, tvalid, pos_b, freq, limit, mvalid, window, m_i, l_i, acc,
-                         had_ptr, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, D, HALF, DT, FAST, ROT_V, 0, False, 0, False)
+    return _tile_block(q1, q2, k_b, v_b, s_tok, t, slot, tvalid, pos_b, freq, limit, mvalid, window, m_i, l_i, acc,
+                       had_ptr, 0, 0, 0, 0, 0, 0, D, HALF, DT, FAST, ROT_V, 0, False, 0, False)
 
 
 @triton.jit
@@ -215,64 +215,55 @@ def _dense_values(v_b, rows, m2, had_ptr, D: tl.constexpr, HALF: tl.constexpr, D
 
 
 @triton.jit
-def _tail_codes(codes_b, slot, mask, CH0: tl.constexpr, C: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
-    """Codes of channels [CH0, CH0 + C) of the tokens at slots `slot` [BN] of a buffer held per token (rows of
-    D*BITS/8 bytes: 8-bit codes, or 4-bit codes two a byte, the even channel in the low nibble), read as 32-bit
-    words: float32 [BN, C], 0 where not mask [BN, 1]."""
-    BN: tl.constexpr = slot.shape[0]
-    rows = (codes_b + slot[:, None] * (D * BITS // 8)).to(tl.pointer_type(tl.int32))
-    w = tl.load(rows + (CH0 * BITS // 32 + tl.arange(0, C * BITS // 32))[None, :], mask=mask, other=0)
-    return tl.reshape(_unpack_words(w, BITS), [BN, C]).to(tl.float32)
-
-
-@triton.jit
-def _tail_halves(codes_b, scale_b, min_b, exact_b, staged_b, staged_n, slot, tvalid, had_ptr, D: tl.constexpr,
-                 BITS: tl.constexpr, ROT_CODED: tl.constexpr, ROT_EXACT: tl.constexpr, DT: tl.constexpr):
-    """The halves float32 [BN, D/2] of the tokens at slots `slot` of a buffer held per token (`views.CodedTailView`):
-    code * scale + minimum (one scale and minimum per token), times H when ROT_CODED, except the staged tokens
-    (staged_b [staged_n] uint8: flags of the slots below staged_n, 0 when none is staged), read exact from exact_b
-    (rows of D elements), times H when ROT_EXACT (H: the Walsh–Hadamard rotation, its own inverse). At most one
-    rotation per tile: the coded and the exact tokens occupy disjoint rows (zeros in the other's tile)."""
+def _tail_halves(codes_b, scale_b, min_b, slot, coded, had_ptr, D: tl.constexpr, BITS: tl.constexpr,
+                 ROT: tl.constexpr, DT: tl.constexpr):
+    """The coded tokens (mask coded [BN]) at slots `slot` of a buffer held per token (`views.CodedTailView`) as
+    halves float32 [BN, D/2]: code * scale + minimum (one scale and minimum per token), times H when ROT (the
+    Walsh–Hadamard rotation, its own inverse: codes of x·H back to x, or codes of x to x·H). A half's codes are
+    32-bit words of D*BITS/64 bytes (8-bit codes, or 4-bit codes two a byte, the even channel in the low nibble)."""
     HALF: tl.constexpr = D // 2
-    staged = tl.load(staged_b + slot, mask=tvalid & (slot < staged_n), other=0) != 0
-    coded = tvalid & (staged == 0)
+    BN: tl.constexpr = slot.shape[0]
     sc = tl.load(scale_b + slot, mask=coded, other=0.0).to(tl.float32)[:, None]
     mn = tl.load(min_b + slot, mask=coded, other=0.0).to(tl.float32)[:, None]
-    c1 = _tail_codes(codes_b, slot, coded[:, None], 0, HALF, D, BITS) * sc + mn
-    c2 = _tail_codes(codes_b, slot, coded[:, None], HALF, HALF, D, BITS) * sc + mn
-    rows = slot * D
-    e1 = _load_rows(exact_b + rows, staged[:, None], HALF)
-    e2 = _load_rows(exact_b + rows + HALF, staged[:, None], HALF)
-    if ROT_CODED == ROT_EXACT:
-        x1 = c1 + e1
-        x2 = c2 + e2
-        if ROT_CODED:
-            x1, x2 = _unrotate_halves(x1, x2, had_ptr, D, DT)
-    elif ROT_CODED:
-        r1, r2 = _unrotate_halves(c1, c2, had_ptr, D, DT)
-        x1 = r1 + e1
-        x2 = r2 + e2
-    else:
-        r1, r2 = _unrotate_halves(e1, e2, had_ptr, D, DT)
-        x1 = c1 + r1
-        x2 = c2 + r2
-    return x1, x2
+    words = (codes_b + slot[:, None] * (D * BITS // 8)).to(tl.pointer_type(tl.int32))
+    w_offs = tl.arange(0, HALF * BITS // 32)[None, :]
+    w1 = tl.load(words + w_offs, mask=coded[:, None], other=0)
+    w2 = tl.load(words + HALF * BITS // 32 + w_offs, mask=coded[:, None], other=0)
+    k1 = tl.reshape(_unpack_words(w1, BITS), [BN, HALF]).to(tl.float32) * sc + mn
+    k2 = tl.reshape(_unpack_words(w2, BITS), [BN, HALF]).to(tl.float32) * sc + mn
+    if ROT:
+        k1, k2 = _unrotate_halves(k1, k2, had_ptr, D, DT)
+    return k1, k2
 
 
 @triton.jit
-def _buffer_block(q1, q2, k_b, v_b, s_tok, t, slot, tvalid, pos_b, freq, limit, mvalid, window, m_i, l_i, acc,
-                  had_ptr, tkc, tks, tkm, tke, tkg, tk_n, tvc, tvs, tvm, tve, tvg, tv_n, D: tl.constexpr,
-                  HALF: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr, ROT_V: tl.constexpr,
-                  T_K_BITS: tl.constexpr, T_K_ROT: tl.constexpr, T_V_BITS: tl.constexpr, T_V_ROT: tl.constexpr):
-    """Buffer (or sink) tokens at store slots `slot`: full precision at k_b/v_b (rows of s_tok elements), or, for a
-    stream whose buffer is held per token (T_K_BITS / T_V_BITS > 0: the head's codes, scale, minimum, exact tokens
-    and the row's staged flags, `_tail_halves`), decoded in registers: keys pre-RoPE (rotated back when T_K_ROT),
-    values in the basis the kernel attends them in (rotated when ROT_V: a rotated tail (T_V_ROT) as stored, else
-    rotated here; exact staged tokens as full-precision ones)."""
+def _tail_values(codes_b, scale_b, min_b, slot, coded, had_ptr, D: tl.constexpr, BITS: tl.constexpr,
+                 ROT: tl.constexpr, ROT_V: tl.constexpr, DT: tl.constexpr):
+    """Values of the coded tokens (mask coded [BN]) at slots `slot` of a buffer held per token, float32 [BN, D] in
+    the basis the kernel attends values in (ROT_V: rotated): as stored when ROT == ROT_V (ROT: codes of v·H; one
+    group per token, read as `_value_tile` reads a run of values per token), else turned by halves
+    (`_tail_halves`)."""
+    if ROT == ROT_V:
+        v = _value_tile(codes_b, scale_b, min_b, scale_b, scale_b, D * BITS // 8, 1, 0, slot, coded, D, BITS, 1, D,
+                        0, 1)
+    else:
+        v1, v2 = _tail_halves(codes_b, scale_b, min_b, slot, coded, had_ptr, D, BITS, True, DT)
+        v = tl.reshape(tl.permute(tl.join(v1, v2), (0, 2, 1)), [v1.shape[0], D])
+    return v
+
+
+@triton.jit
+def _tile_block(q1, q2, k_b, v_b, s_tok, t, slot, tvalid, pos_b, freq, limit, mvalid, window, m_i, l_i, acc,
+                had_ptr, tkc, tks, tkm, tvc, tvs, tvm, D: tl.constexpr, HALF: tl.constexpr, DT: tl.constexpr,
+                FAST: tl.constexpr, ROT_V: tl.constexpr, T_K_BITS: tl.constexpr, T_K_ROT: tl.constexpr,
+                T_V_BITS: tl.constexpr, T_V_ROT: tl.constexpr):
+    """The tokens at store slots `slot` (mask tvalid): keys and values at full precision at k_b/v_b (rows of s_tok
+    elements), or, for a stream whose buffer is held per token (T_K_BITS / T_V_BITS > 0: the head's codes, scale and
+    minimum), decoded in registers (keys: `_tail_halves`, values: `_tail_values`)."""
     m2 = tvalid[:, None]
     rows = slot * s_tok  # [BN]
     if T_K_BITS > 0:
-        k1, k2 = _tail_halves(tkc, tks, tkm, tke, tkg, tk_n, slot, tvalid, had_ptr, D, T_K_BITS, T_K_ROT, False, DT)
+        k1, k2 = _tail_halves(tkc, tks, tkm, slot, tvalid, had_ptr, D, T_K_BITS, T_K_ROT, DT)
     else:
         k1 = _load_rows(k_b + rows, m2, HALF)
         k2 = _load_rows(k_b + rows + HALF, m2, HALF)
@@ -280,12 +271,43 @@ def _buffer_block(q1, q2, k_b, v_b, s_tok, t, slot, tvalid, pos_b, freq, limit, 
     k1, k2 = _rope(k1, k2, pos, freq, FAST)
     s = _dot(q1, tl.trans(k1), DT) + _dot(q2, tl.trans(k2), DT)
     if T_V_BITS > 0:
-        v1, v2 = _tail_halves(tvc, tvs, tvm, tve, tvg, tv_n, slot, tvalid, had_ptr, D, T_V_BITS, T_V_ROT != ROT_V,
-                              ROT_V, DT)
-        v = tl.reshape(tl.permute(tl.join(v1, v2), (0, 2, 1)), [v1.shape[0], D])
+        v = _tail_values(tvc, tvs, tvm, slot, tvalid, had_ptr, D, T_V_BITS, T_V_ROT, ROT_V, DT)
     else:
         v = _dense_values(v_b, rows, m2, had_ptr, D, HALF, DT, ROT_V)
     m_i, l_i, acc, p = _softmax_step(s, t, tvalid, limit, mvalid, window, m_i, l_i, acc, v, DT)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _buffer_block(q1, q2, k_b, v_b, s_tok, t, slot, tvalid, pos_b, freq, limit, mvalid, window, m_i, l_i, acc,
+                  had_ptr, tkc, tks, tkm, tke, tvc, tvs, tvm, tve, stg_b, stg_n, D: tl.constexpr, HALF: tl.constexpr,
+                  DT: tl.constexpr, FAST: tl.constexpr, ROT_V: tl.constexpr, T_K_BITS: tl.constexpr,
+                  T_K_ROT: tl.constexpr, T_V_BITS: tl.constexpr, T_V_ROT: tl.constexpr):
+    """Buffer tokens at store slots `slot`: full precision at k_b/v_b (`_dense_block`), or, where a stream's buffer is
+    held per token (T_K_BITS / T_V_BITS > 0; `views.CodedTailView`), in two steps of the online softmax, each with
+    one kind of tile (two would double the block's registers): the coded tokens, decoded in registers
+    (`_tile_block`), then, in blocks that hold any, this step's own tokens (stg_b [stg_n] uint8 flags of the row's
+    slots, stg_n = 0 when none is staged), exact from tke/tve (rows of s_tok elements, as k_b/v_b) as full-precision
+    tokens."""
+    if T_K_BITS + T_V_BITS == 0:
+        m_i, l_i, acc = _dense_block(q1, q2, k_b, v_b, s_tok, t, slot, tvalid, pos_b, freq, limit, mvalid, window,
+                                     m_i, l_i, acc, had_ptr, D, HALF, DT, FAST, ROT_V)
+    else:
+        staged = tl.load(stg_b + slot, mask=tvalid & (slot < stg_n), other=0) != 0
+        m_i, l_i, acc = _tile_block(q1, q2, k_b, v_b, s_tok, t, slot, tvalid & (staged == 0), pos_b, freq, limit,
+                                    mvalid, window, m_i, l_i, acc, had_ptr, tkc, tks, tkm, tvc, tvs, tvm, D, HALF, DT,
+                                    FAST, ROT_V, T_K_BITS, T_K_ROT, T_V_BITS, T_V_ROT)
+        if tl.max(staged.to(tl.int32), axis=0) > 0:
+            if T_K_BITS > 0:
+                k_exact = tke
+            else:
+                k_exact = k_b
+            if T_V_BITS > 0:
+                v_exact = tve
+            else:
+                v_exact = v_b
+            m_i, l_i, acc = _dense_block(q1, q2, k_exact, v_exact, s_tok, t, slot, staged, pos_b, freq, limit,
+                                         mvalid, window, m_i, l_i, acc, had_ptr, D, HALF, DT, FAST, ROT_V)
     return m_i, l_i, acc
 
 
