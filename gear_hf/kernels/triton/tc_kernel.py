@@ -12,7 +12,7 @@ import triton.language as tl
 from .decode_kernel import _MAIN_DYNAMIC
 from .ops import _lowrank_bt
 from .tc_tiles import tc_compressed_block, tc_plane_layout
-from .tiles import _buffer_block, _dense_block, _query_tile, _row_blocks, _split_blocks
+from .tiles import TAIL_TOKENS, _buffer_block, _dense_block, _query_tile, _row_blocks, _split_blocks
 
 
 @triton.jit(do_not_specialize=_MAIN_DYNAMIC)
@@ -163,12 +163,12 @@ def _tc_decode_kernel(
                     D_V_BY_CHANNEL, D_V_STATS_ROW,
                     D_V_FOLD, scr, ROPE_Q)
 
-    # a buffer held per token in 32-token steps (its tiles decoded in registers at 64 tokens set the kernel's
-    # register peak and spill); a full-precision one in BN-token blocks
-    TAIL_BN: tl.constexpr = 32 if (T_K_BITS + T_V_BITS > 0) and BN > 32 else BN
+    # a buffer held per token in TAIL_TOKENS-token steps (its tiles decoded in registers set the kernel's register
+    # peak); a full-precision one in BN-token blocks
+    TAIL_BN: tl.constexpr = TAIL_TOKENS if (T_K_BITS + T_V_BITS > 0) and BN > TAIL_TOKENS else BN
     f_offs = tl.arange(0, TAIL_BN)
     for blk in range(tl.maximum(lo, e3), hi):
-        for sub in tl.static_range(BN // TAIL_BN):
+        for sub in range(0, BN // TAIL_BN):
             slot = (blk - e3) * BN + sub * TAIL_BN + f_offs
             tvalid = slot < f_len
             t = s_len + p_len + c_cnt * NB + slot

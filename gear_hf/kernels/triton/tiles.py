@@ -11,6 +11,7 @@ from .ops import _dot, _lowrank_a, _lowrank_dot, _lowrank_values, _rope, _sincos
 from .unpack import _load_rows, _plane_codes, _unpack_3bit_units, _unpack_words
 
 OUTLIERS_PER_STEP = tl.constexpr(32)  # key outliers applied per one-hot dot
+TAIL_TOKENS = tl.constexpr(16)  # tokens per step of a buffer held per token (`_buffer_block`)
 
 
 @triton.jit
