@@ -2,7 +2,9 @@
 (`gear_hf.kernels.quant`) inside compression, and the reconstruction kernel (`gear_hf.kernels.triton.reconstruct`):
 one launch per store and layer-step writes the store's chunks decompressed, keys rotated, in the model dtype, into
 the step's workspace (the reference path's reads, and the memory-bound fallback the cost model picks on decode
-steps, `gear_hf.backends.cost`). Full-precision tokens (sink, buffer) are rotated by torch.
+steps, `gear_hf.backends.cost`). Full-precision tokens (sink, buffer) are rotated by torch. The fused attention reads
+a buffer held per token in the 8-bit or rotated 4-bit format as stored (`reads_tail`); the reconstruction path reads
+it decoded by the oracle (`CodedTokenStore.tokens`).
 
 Without a GPU the kernels run only in Triton's interpreter (TRITON_INTERPRET=1 set before they are imported: tests).
 """

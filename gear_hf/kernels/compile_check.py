@@ -14,8 +14,9 @@ registers and stack (local memory) per thread from the cubin.
 
 --sass-report compiles the main decode kernel for sm_90 at Llama-3-8B shapes (32 query heads, 8 KV heads,
 head_dim 128, bf16, q_len 1: GEAR 4, 3 and 2 bits with the paper's groups, buffer and ranks, and GearConfig() —
-the recommended default: kivi, 4-bit keys, 2-bit values, rotated, key groups of 128, 4 sinks — and the
-"compact" recommendation, values read like keys), disassembles it with
+the recommended default: kivi, 4-bit keys, 2-bit values, rotated, key groups of 128, 4 sinks; its buffer handed
+decoded, and again read as stored, "default-coded-buffer" — and the "compact" recommendation, values read like
+keys), disassembles it with
 the cuobjdump of the installed Triton and counts, for each loop over compressed blocks (found by its backward
 branch), the SASS instructions of the loop body; per token and KV head that is body x num_warps / block
 tokens (a static count: every instruction of the body once, both sides of a branch included, an inner loop
@@ -235,13 +236,15 @@ def sass_report(arch: int = 90, breakdown: bool = False) -> int:
     """Print the main-loop SASS figures of the decode kernel at Llama-3-8B shapes; the last line is
     `instructions/token/kv-head: N` for 2-bit GEAR. breakdown: also the main loop's instructions per source
     function and per GEAR term. Returns the exit status."""
+    from ..backends.triton_backend import TritonBackend
     from ..cache.fused import build_cache, cache_decode_attention
     from ..config import GearConfig
 
     figure = None
     # the presets store int8 low-rank factors; gear2-f16 keeps the paper's 16-bit ones (the figure before int8)
     cases = [("gear4", GearConfig.preset("gear", bits=4)), ("gear3", GearConfig.preset("gear", bits=3)),
-             ("default", GearConfig()), ("gear2-f16", GearConfig.preset("gear", bits=2, factor_bits=16)),
+             ("default", GearConfig()), ("default-coded-buffer", GearConfig()),
+             ("gear2-f16", GearConfig.preset("gear", bits=2, factor_bits=16)),
              ("compact", GearConfig.recommended(name="compact")),
              ("gear2", GearConfig.preset("gear", bits=2))]
     for label, cfg in cases:
@@ -250,7 +253,10 @@ def sass_report(arch: int = 90, breakdown: bool = False) -> int:
         cache, _, _ = build_cache(cfg, batch=1, kv_heads=2, head_dim=128, steps=steps, dtype=torch.bfloat16)
         q = torch.zeros(1, 8, 1, 128, dtype=torch.bfloat16)  # GQA 4, q_len 1
         plan = []
-        cache_decode_attention(cache, 0, q, scaling=128 ** -0.5, inv_freq=torch.ones(64), _plan=plan)
+        # "default": the buffer handed decoded (full precision); "-coded-buffer": read as stored, as the Triton
+        # backend hands it (`reads_tail`: its loop is the last, in 16-token steps)
+        reader = TritonBackend() if label.endswith("-coded-buffer") else None
+        cache_decode_attention(cache, 0, q, scaling=128 ** -0.5, inv_freq=torch.ones(64), _plan=plan, reader=reader)
         totals = {"spill_ops": 0, "fences": 0, "atomics": 0}
         for kernel, _grid, kargs, kwargs in plan:
             compiled = _compile(kernel, kargs, kwargs, arch)

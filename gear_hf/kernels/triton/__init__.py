@@ -3,7 +3,7 @@
 For each (row, KV head, 16-row tile of the M = group * q_len query rows) one program (or `num_splits` programs,
 flash-decoding style) streams over that row's tokens in row-local order
 
-    [ sink (full precision) | prompt chunk | decode chunks of n_b | buffer (full precision) ]
+    [ sink (full precision) | prompt chunk | decode chunks of n_b | buffer (full precision, or per token) ]
 
 and a second small kernel merges the splits: two launches per layer-step, no allocation (workspaces are cached
 per device and size), no memset. Compressed blocks are decoded in registers, never written back:
@@ -26,6 +26,10 @@ per device and size), no memset. Compressed blocks are decoded in registers, nev
   loaded once per group, add the token's outliers, accumulate P·V̂ with tl.dot and the low-rank term as
   (P·A)·Bᵀ, two small dots (never A·Bᵀ); rotated values are attended in the rotated basis (the sink and buffer
   values rotated on the fly) and the output is un-rotated once per row in the merge kernel (P·V·H·H = P·V);
+* a buffer held per token (`views.CodedTailView`: 8-bit codes, or 4-bit codes of the rotated vector, one scale
+  and minimum per token) is read as stored, in 16-token steps (`tiles._buffer_block`): keys code*scale+min then
+  RoPE, values in the attended basis (a rotated tail as stored when values are attended rotated); this step's own
+  tokens, exact in `StreamView.buffer`, in a second online-softmax step of the blocks that hold any;
 * online softmax in float32 (exp2), causal inside the new tokens and the sliding window on row-local indices
   (padding is not stored, so a row's indices are exactly its real tokens); blocks wholly outside the window
   are skipped, not just masked;

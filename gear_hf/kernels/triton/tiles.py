@@ -230,11 +230,11 @@ def _tail_halves(codes_b, scale_b, min_b, slot, coded, had_ptr, D: tl.constexpr,
     w_offs = tl.arange(0, HALF * BITS // 32)[None, :]
     w1 = tl.load(words + w_offs, mask=coded[:, None], other=0)
     w2 = tl.load(words + HALF * BITS // 32 + w_offs, mask=coded[:, None], other=0)
-    k1 = tl.reshape(_unpack_words(w1, BITS), [BN, HALF]).to(tl.float32) * sc + mn
-    k2 = tl.reshape(_unpack_words(w2, BITS), [BN, HALF]).to(tl.float32) * sc + mn
+    x1 = tl.reshape(_unpack_words(w1, BITS), [BN, HALF]).to(tl.float32) * sc + mn
+    x2 = tl.reshape(_unpack_words(w2, BITS), [BN, HALF]).to(tl.float32) * sc + mn
     if ROT:
-        k1, k2 = _unrotate_halves(k1, k2, had_ptr, D, DT)
-    return k1, k2
+        x1, x2 = _unrotate_halves(x1, x2, had_ptr, D, DT)
+    return x1, x2
 
 
 @triton.jit
@@ -285,8 +285,9 @@ def _buffer_block(q1, q2, k_b, v_b, s_tok, t, slot, tvalid, pos_b, freq, limit, 
                   DT: tl.constexpr, FAST: tl.constexpr, ROT_V: tl.constexpr, T_K_BITS: tl.constexpr,
                   T_K_ROT: tl.constexpr, T_V_BITS: tl.constexpr, T_V_ROT: tl.constexpr):
     """Buffer tokens at store slots `slot`: full precision at k_b/v_b (`_dense_block`), or, where a stream's buffer is
-    held per token (T_K_BITS / T_V_BITS > 0; `views.CodedTailView`), in two steps of the online softmax, each with
-    one kind of tile (two would double the block's registers): the coded tokens, decoded in registers
+    held per token (T_K_BITS / T_V_BITS > 0; `views.CodedTailView`; the kernels pass TAIL_TOKENS-token steps), in two
+    steps of the online softmax, each with one kind of tile (two would double its registers): the coded tokens,
+    decoded in registers
     (`_tile_block`), then, in blocks that hold any, this step's own tokens (stg_b [stg_n] uint8 flags of the row's
     slots, stg_n = 0 when none is staged), exact from tke/tve (rows of s_tok elements, as k_b/v_b) as full-precision
     tokens."""
