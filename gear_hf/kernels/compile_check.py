@@ -12,18 +12,16 @@ registers and stack (local memory) per thread from the cubin.
     python -m gear_hf.kernels.compile_check --sass-report --breakdown  # ... and where the loop's SASS goes
     python -m gear_hf.kernels.compile_check --reconstruct-report  # the reconstruction kernel's section alone
 
---sass-report compiles the main decode kernel for sm_90 at Llama-3-8B shapes (32 query heads, 8 KV heads,
-head_dim 128, bf16, q_len 1: GEAR 4, 3 and 2 bits with the paper's groups, buffer and ranks, and GearConfig() —
-the recommended default: kivi, 4-bit keys, 2-bit values, rotated, key groups of 128, 4 sinks; its buffer handed
-decoded, and again read as stored, "default-coded-buffer" — and the "compact" recommendation, values read like
-keys), disassembles it with
-the cuobjdump of the installed Triton and counts, for each loop over compressed blocks (found by its backward
-branch), the SASS instructions of the loop body; per token and KV head that is body x num_warps / block
-tokens (a static count: every instruction of the body once, both sides of a branch included, an inner loop
-once). It also counts local-memory spills (LDL/STL), fenced atomics (MEMBAR / ATOM / RED) in every kernel of
-the step, and registers; then the reconstruction kernel's section (`sass_reconstruct`: instructions per element of
-its main loop per store kind, GearConfig() and gear-2, and spills). The last line printed is
-`instructions/token/kv-head: N` for 2-bit GEAR.
+--sass-report compiles the main decode kernel for sm_90 at Llama-3-8B shapes (32 query heads, 8 KV heads, head_dim
+128, bf16, q_len 1: GEAR 4, 3 and 2 bits with the paper's groups, buffer and ranks, and GearConfig() — the recommended
+default: kivi, 4-bit keys, 2-bit values, rotated, key groups of 128, 4 sinks; also with its buffer read as stored —
+and the "compact" recommendation, values read like keys), disassembles it with the cuobjdump of the installed Triton
+and counts, for each loop over compressed blocks (found by its backward branch), the SASS instructions of the loop
+body; per token and KV head that is body x num_warps / block tokens (a static count: every instruction of the body
+once, both sides of a branch included, an inner loop once). It also counts local-memory spills (LDL/STL), fenced
+atomics (MEMBAR / ATOM / RED) in every kernel of the step, and registers; then the reconstruction kernel's section
+(`sass_reconstruct`: instructions per element of its main loop per store kind, GearConfig() and gear-2, and spills).
+The last line printed is `instructions/token/kv-head: N` for 2-bit GEAR.
 --breakdown adds, per case, the main loop's instructions attributed to the kernel's functions (`_value_tile`,
 `_rope`, ...) through the line table triton embeds (nvdisasm -g), and for every case with them what each GEAR term
 costs: the main loop compiled again without the value outliers, the key outliers, the keys' or the values'
@@ -44,6 +42,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+from ..backends.triton_backend import TritonBackend  # (no triton import: what reads a coded buffer as stored)
 
 _TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.uint8: "u8", torch.int8: "i8",
           torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
@@ -236,16 +236,14 @@ def sass_report(arch: int = 90, breakdown: bool = False) -> int:
     """Print the main-loop SASS figures of the decode kernel at Llama-3-8B shapes; the last line is
     `instructions/token/kv-head: N` for 2-bit GEAR. breakdown: also the main loop's instructions per source
     function and per GEAR term. Returns the exit status."""
-    from ..backends.triton_backend import TritonBackend
     from ..cache.fused import build_cache, cache_decode_attention
     from ..config import GearConfig
 
     figure = None
     # the presets store int8 low-rank factors; gear2-f16 keeps the paper's 16-bit ones (the figure before int8)
     cases = [("gear4", GearConfig.preset("gear", bits=4)), ("gear3", GearConfig.preset("gear", bits=3)),
-             ("default", GearConfig()), ("default-coded-buffer", GearConfig()),
-             ("gear2-f16", GearConfig.preset("gear", bits=2, factor_bits=16)),
-             ("compact", GearConfig.recommended(name="compact")),
+             ("default", GearConfig()), ("gear2-f16", GearConfig.preset("gear", bits=2, factor_bits=16)),
+             ("compact", GearConfig.recommended(name="compact")), ("default-coded-buffer", GearConfig()),
              ("gear2", GearConfig.preset("gear", bits=2))]
     for label, cfg in cases:
         nb = cfg.buffer_size  # a prompt chunk and a decode chunk for every buffer size
@@ -253,10 +251,8 @@ def sass_report(arch: int = 90, breakdown: bool = False) -> int:
         cache, _, _ = build_cache(cfg, batch=1, kv_heads=2, head_dim=128, steps=steps, dtype=torch.bfloat16)
         q = torch.zeros(1, 8, 1, 128, dtype=torch.bfloat16)  # GQA 4, q_len 1
         plan = []
-        # "default": the buffer handed decoded (full precision); "-coded-buffer": read as stored, as the Triton
-        # backend hands it (`reads_tail`: its loop is the last, in 16-token steps)
-        reader = TritonBackend() if label.endswith("-coded-buffer") else None
-        cache_decode_attention(cache, 0, q, scaling=128 ** -0.5, inv_freq=torch.ones(64), _plan=plan, reader=reader)
+        cache_decode_attention(cache, 0, q, scaling=128 ** -0.5, inv_freq=torch.ones(64), _plan=plan,
+                               reader=TritonBackend() if label == "default-coded-buffer" else None)
         totals = {"spill_ops": 0, "fences": 0, "atomics": 0}
         for kernel, _grid, kargs, kwargs in plan:
             compiled = _compile(kernel, kargs, kwargs, arch)
@@ -359,7 +355,6 @@ def reconstruct_report(arch: int = 90) -> int:
 
 def planned_launches(quick: bool = False):
     """(label, kernel, args, kwargs) for representative configurations, planned on CPU tensors."""
-    from ..backends.triton_backend import TritonBackend
     from ..cache.fused import build_cache, cache_decode_attention
     from ..config import GearConfig
     from .quant import quantize_pack
@@ -377,33 +372,18 @@ def planned_launches(quick: bool = False):
         ("fp16 bf16 d128 G4 q1", dict(method="fp16", bits=4, dtype=torch.bfloat16, d=128, group=4, q=1, sink=0)),
         ("kivi k3.5v3 allocated bf16 d128 G4 q1", dict(method="kivi", bits=3, dtype=torch.bfloat16, d=128, group=4, q=1,
                                                       sink=4, key_bits=3.5, key_bit_allocation="query")),
-    ]
-    # the buffer read as stored (`StreamView.tail`, the Triton backend's reader): GearConfig()'s 8-bit keys and 4-bit
-    # rotated values (values attended rotated), and 8-bit keys and values beside unrotated chunks
-    tail_cases = [
-        ("GearConfig() coded buffer bf16 d128 G4 q1", dict(config=GearConfig(), dtype=torch.bfloat16, d=128, group=4,
-                                                           q=1)),
-        ("GearConfig() coded buffer tensor-core fp16 d128 G4 q2", dict(config=GearConfig(), dtype=torch.float16,
-                                                                       d=128, group=4, q=2, tensor_core=True)),
-        ("gear4 int8 buffers fp16 d64 G7 q1", dict(config=GearConfig.preset("gear", bits=4, key_buffer="int8",
-                                                                          value_buffer="int8"),
-                                                   dtype=torch.float16, d=64, group=7, q=1)),
+        ("GearConfig() coded buffer tc fp16 d128 G4 q2", dict(config=GearConfig(), dtype=torch.float16, d=128, group=4,
+                                                              q=2, kw=dict(tensor_core=True, reader=TritonBackend()))),
     ]
     if quick:
-        decode_cases, tail_cases = decode_cases[:1], tail_cases[:1]
-    for label, c in decode_cases + tail_cases:
+        decode_cases = decode_cases[:1]
+    for label, c in decode_cases:
         extra = {k: c[k] for k in ("key_bits", "key_bit_allocation") if k in c}
-        cfg = c["config"] if "config" in c else \
-            GearConfig.preset(c["method"], bits=c["bits"], sink_tokens=c["sink"], **extra)
+        cfg = c.get("config") or GearConfig.preset(c["method"], bits=c["bits"], sink_tokens=c["sink"], **extra)
         cache, _, _ = build_cache(cfg, batch=2, kv_heads=2, head_dim=c["d"], steps=[150, 70, c["q"]], dtype=c["dtype"])
         q = torch.zeros(2, 2 * c["group"], c["q"], c["d"], dtype=c["dtype"])
         plan = []
-        reader = TritonBackend() if "config" in c else None
-        cache_decode_attention(cache, 0, q, scaling=1.0, inv_freq=torch.ones(c["d"] // 2), _plan=plan, reader=reader,
-                               tensor_core=c.get("tensor_core", False))
-        if reader is not None:  # (the views carried the codes)
-            keys, values, _ = cache.kernel_views(0, c["q"], q.device, reader=reader)
-            assert keys.tail is not None and values.tail is not None, label
+        cache_decode_attention(cache, 0, q, scaling=1, inv_freq=torch.ones(c["d"] // 2), _plan=plan, **c.get("kw", {}))
         add(label, plan)
     quant_cases = [("bf16 channel 2b", torch.bfloat16, "channel", 2, 128),
                    ("fp16 token 4b", torch.float16, "token", 4, 128),
