@@ -62,7 +62,7 @@ def test_sass_report_counts_the_main_loop():
         line = next(x for x in out.splitlines() if x.startswith(f"gear{bits}: main loop"))
         assert "spill ops 0," in line and "fenced atomics 0 " in line and "stack 0B" in line, line
     breakdowns = [x for x in out.splitlines() if "main loop by source" in x]
-    assert len(breakdowns) == 7, out  # (GearConfig() twice: its buffer handed decoded, and read as stored)
+    assert len(breakdowns) == 6, out
     for line in breakdowns:
         total, parts = re.search(r"\((\d+) instructions\): (.*)$", line).groups()
         counts = {name: int(n) for name, n in (part.rsplit(" ", 1) for part in parts.split(", "))}

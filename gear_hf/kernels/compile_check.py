@@ -14,8 +14,8 @@ registers and stack (local memory) per thread from the cubin.
 
 --sass-report compiles the main decode kernel for sm_90 at Llama-3-8B shapes (32 query heads, 8 KV heads, head_dim
 128, bf16, q_len 1: GEAR 4, 3 and 2 bits with the paper's groups, buffer and ranks, and GearConfig() — the recommended
-default: kivi, 4-bit keys, 2-bit values, rotated, key groups of 128, 4 sinks; also with its buffer read as stored —
-and the "compact" recommendation, values read like keys), disassembles it with the cuobjdump of the installed Triton
+default: kivi, 4-bit keys, 2-bit values, rotated, key groups of 128, 4 sinks, its buffer handed decoded — and the
+"compact" recommendation, values read like keys), disassembles it with the cuobjdump of the installed Triton
 and counts, for each loop over compressed blocks (found by its backward branch), the SASS instructions of the loop
 body; per token and KV head that is body x num_warps / block tokens (a static count: every instruction of the body
 once, both sides of a branch included, an inner loop once). It also counts local-memory spills (LDL/STL), fenced
@@ -42,8 +42,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-
-from ..backends.triton_backend import TritonBackend  # (no triton import: what reads a coded buffer as stored)
 
 _TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.uint8: "u8", torch.int8: "i8",
           torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
@@ -243,7 +241,7 @@ def sass_report(arch: int = 90, breakdown: bool = False) -> int:
     # the presets store int8 low-rank factors; gear2-f16 keeps the paper's 16-bit ones (the figure before int8)
     cases = [("gear4", GearConfig.preset("gear", bits=4)), ("gear3", GearConfig.preset("gear", bits=3)),
              ("default", GearConfig()), ("gear2-f16", GearConfig.preset("gear", bits=2, factor_bits=16)),
-             ("compact", GearConfig.recommended(name="compact")), ("default-coded-buffer", GearConfig()),
+             ("compact", GearConfig.recommended(name="compact")),
              ("gear2", GearConfig.preset("gear", bits=2))]
     for label, cfg in cases:
         nb = cfg.buffer_size  # a prompt chunk and a decode chunk for every buffer size
@@ -251,8 +249,7 @@ def sass_report(arch: int = 90, breakdown: bool = False) -> int:
         cache, _, _ = build_cache(cfg, batch=1, kv_heads=2, head_dim=128, steps=steps, dtype=torch.bfloat16)
         q = torch.zeros(1, 8, 1, 128, dtype=torch.bfloat16)  # GQA 4, q_len 1
         plan = []
-        cache_decode_attention(cache, 0, q, scaling=128 ** -0.5, inv_freq=torch.ones(64), _plan=plan,
-                               reader=TritonBackend() if label == "default-coded-buffer" else None)
+        cache_decode_attention(cache, 0, q, scaling=128 ** -0.5, inv_freq=torch.ones(64), _plan=plan)
         totals = {"spill_ops": 0, "fences": 0, "atomics": 0}
         for kernel, _grid, kargs, kwargs in plan:
             compiled = _compile(kernel, kargs, kwargs, arch)
@@ -354,7 +351,8 @@ def reconstruct_report(arch: int = 90) -> int:
 
 
 def planned_launches(quick: bool = False):
-    """(label, kernel, args, kwargs) for representative configurations, planned on CPU tensors."""
+    """(label, kernel, args, kwargs) for representative configurations (a buffer read as stored too), on CPU tensors."""
+    from ..backends.triton_backend import TritonBackend
     from ..cache.fused import build_cache, cache_decode_attention
     from ..config import GearConfig
     from .quant import quantize_pack
@@ -372,6 +370,8 @@ def planned_launches(quick: bool = False):
         ("fp16 bf16 d128 G4 q1", dict(method="fp16", bits=4, dtype=torch.bfloat16, d=128, group=4, q=1, sink=0)),
         ("kivi k3.5v3 allocated bf16 d128 G4 q1", dict(method="kivi", bits=3, dtype=torch.bfloat16, d=128, group=4, q=1,
                                                       sink=4, key_bits=3.5, key_bit_allocation="query")),
+        ("GearConfig() coded buffer bf16 d128 G4 q1", dict(config=GearConfig(), dtype=torch.bfloat16, d=128, group=4,
+                                                          q=1, kw=dict(reader=TritonBackend()))),
         ("GearConfig() coded buffer tc fp16 d128 G4 q2", dict(config=GearConfig(), dtype=torch.float16, d=128, group=4,
                                                               q=2, kw=dict(tensor_core=True, reader=TritonBackend()))),
     ]
