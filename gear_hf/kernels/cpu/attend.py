@@ -31,6 +31,7 @@ from ...format import stream_specs
 from ...rope import rope_angles
 from .bf16 import side_value as _side
 from .dequant import _assemble, _hadamard_rows, _scratch
+from .jit import kernel
 from .read import _NO_FACTORS, _NO_ROTATION, _side_array, decompress_supported, prepared
 
 _F32 = np.float32
@@ -207,7 +208,7 @@ def _weighted_rows(acc, probs, vals, first, last):
                 acc[m, k] += w * vals[u, k]
 
 
-@numba.njit(cache=True, nogil=True, fastmath=_FAST)
+@kernel(fastmath=_FAST)
 def _attend(q, limits, rows, cos, sin, window, nb, sink_k, sink_v, buf_k, buf_v, tail_k, tail_v,
             pk, pk_factors, pv, pv_factors, dk, dk_factors, dv, dv_factors, rotated_keys, rotated_values, out):
     """q [B,Hq,QL,d] float32 (softmax scale and rotary attention_scaling folded in); limits [B,QL] (row-local index

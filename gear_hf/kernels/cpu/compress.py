@@ -20,7 +20,6 @@ residual (`quantize`), packing (`pack`); here the loop over planes (`_compress`)
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 import torch
 
@@ -28,6 +27,7 @@ from ...compress import ChunkSpec, outliers, quant
 from ...compress.gear import Backbone, check_channel_bits, side_dtype
 from ...compress.rotation import rotate
 from . import arrays
+from .jit import kernel
 from .outlier_select import _MAX_LANE_SLOTS, _choose
 from .pack import _pack, _pack_planes
 from .quantize import _exact_entries, _quantize_channel, _quantize_token, _residual
@@ -36,7 +36,7 @@ _F32 = np.float32
 
 
 # -- one chunk ------------------------------------------------------------------------------------------------
-@numba.njit(cache=True, nogil=True)
+@kernel()
 def _compress(x, bits, widths, channel_axis, group, k, model_bf16, packed, scale, minimum, sparse, index, residual):
     """x [B,H,n,d] float32 -> packed codes [B,H,P(n),d] / [B,H,n,P(d')], scale/minimum (bf16 bits) [B,H,n/g,d] /
     [B,H,n,G], sparse (bf16 bits) and index (int64) [B,H,k,d] / [B,H,n,k] (0 at unused slots), and, when residual
@@ -150,7 +150,7 @@ _EXPONENT = {torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.int16,
              torch.float32: (torch.int32, 0x7F800000)}
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel()
 def _count_nonfinite(bits, at, N, exponent):
     """Entries of rows [at, at+N) of bits [B,H,T,d] (a float tensor's bits as integers) with every exponent bit set."""
     count = 0

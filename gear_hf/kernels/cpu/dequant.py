@@ -21,6 +21,7 @@ import numpy as np
 from .bf16 import bf16_value as _f32
 from .bf16 import round_bf16 as _bf16
 from .bf16 import side_value as _side
+from .jit import kernel
 from .pack import transpose_bits8
 
 _F32 = np.float32
@@ -33,7 +34,7 @@ _F32 = np.float32
 # C-contiguous (LLVM then knows the unit stride).
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel()
 def _dequant_channel(codes, bits, group, scale, minimum, b, h, N, plane, rotate_rows, cos, sin, cos_at):
     """Keys-style codes packed along tokens, codes [B,H,>=P(N),d] -> plane [N,d] = code*scale + minimum, with
     scale/minimum [B,H,>=N/group,d] (`_side_array`; groups run along tokens). rotate_rows: each row then rotated in
@@ -64,7 +65,7 @@ def _dequant_channel(codes, bits, group, scale, minimum, b, h, N, plane, rotate_
                 plane[t, i + half] = x2 * cos[cb, 0, ct, i + half] + x1 * sin[cb, 0, ct, i + half]
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel()
 def _spread_codes(codes, bits, b, h, N, out):
     """Codes packed along channels, codes [B,H,>=N,P] -> one code per byte, out uint8 [N, W] (W: P's codes rounded
     up to 8): each byte's (or 3-bit unit's) fields spread over the bytes of a wider integer (little-endian).
@@ -101,7 +102,7 @@ def _spread_codes(codes, bits, b, h, N, out):
                 out64[t, u] = lo0 | (lo1 << np.uint64(32)) | (hi << np.uint64(2))
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel()
 def _dequant_token(spread, scale, minimum, b, h, N, plane):
     """Values-style: spread codes [N, G, >=g] (`_spread_codes`) -> plane [N, G, g] (the d channels as G groups of
     g) = code*scale + minimum, scale/minimum [B,H,N,G] float32. (Inner loops start at 0: LLVM vectorizes them; an
@@ -114,7 +115,7 @@ def _dequant_token(spread, scale, minimum, b, h, N, plane):
                 plane[t, k, c] = _F32(spread[t, k, c]) * s + m
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel()
 def _add_lowrank(a, a_scale, b_raw, b_scale, b, h, n, N, plane, bt, weights):
     """plane [N,d] += A Bᵀ of each chunk of n tokens, factors as stored (`CompressedChunk`): a [B,H,N,r], b
     [B,H,C*d,r] (int8, or float32 cast from 16 bits) with per-chunk column scales [B,H,C,r] float32 (ones for
@@ -139,7 +140,7 @@ def _add_lowrank(a, a_scale, b_raw, b_scale, b, h, n, N, plane, bt, weights):
                     row[c] += (w0 * b0[c] + w1 * b1[c]) + (w2 * b2[c] + w3 * b3[c])
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel()
 def _add_outliers(values, index, channel_axis, b, h, n, N, plane):
     """plane [N,d] += S: values/index [B,H,C*k,d] (channel axis: token index within its chunk of n) or
     [B,H,N,k] (token axis: channel index). Unused slots hold value 0, adding nothing."""
@@ -156,7 +157,7 @@ def _add_outliers(values, index, channel_axis, b, h, n, N, plane):
                 plane[t, index[b, h, t, k]] += _side(values[b, h, t, k])
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel()
 def _write(plane, b, h, N, out, at, cos, sin, cos_at):
     """out[b, h, at:at+N] = plane [N,d], rotated by cos/sin [B|1,1,>=cos_at+N,d] as `apply_rotary` rotates, per half
     x1*c1 - x2*s1 and x2*c2 + x1*s2, bit for bit (an empty dim 2: as is)."""
@@ -175,7 +176,7 @@ def _write(plane, b, h, N, out, at, cos, sin, cos_at):
             out[b, h, at + t, i + half] = x2 * cos[cb, 0, ct, i + half] + x1 * sin[cb, 0, ct, i + half]
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel()
 def _dequant_planes(codes, widths, group, scale, minimum, b, h, n, N, plane, tile):
     """Keys with a width per channel (`quant.pack_planes`): codes [B,H,>=N/8,S], per 8 tokens channel c's planes
     (bit t of plane j = bit j of token t's code) at bytes [start_c, start_c + widths[c]) with start_c the sum of
@@ -202,7 +203,7 @@ def _dequant_planes(codes, widths, group, scale, minimum, b, h, n, N, plane, til
                     plane[token, c] = _F32(tile[t, c]) * _side(scale[b, h, g, c]) + _side(minimum[b, h, g, c])
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel()
 def _hadamard_rows(x, N, tile):
     """Rows of x [N, d] times the block-diagonal normalized Sylvester matrix (blocks of b = d's largest power-of-two
     divisor), as `compress.rotation.rotate`: butterflies on tiles of rows held transposed in tile [d, L] (a tile's
@@ -263,7 +264,7 @@ def _assemble(codes, bits, group, channel_axis, scale, minimum, a, a_scale, b_ra
         _hadamard_rows(target, N, tile)
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel()
 def _decompress(codes, bits, group, channel_axis, scale, minimum, a, a_scale, b_raw, b_scale, values, index, n, N,
                 hadamard, widths, out, at, cos, sin, cos_at):
     """A run of N = C*n tokens (the arrays of `decompress_into`) into out[:, :, at:at+N] float32, plane by plane;
@@ -285,7 +286,7 @@ def _decompress(codes, bits, group, channel_axis, scale, minimum, a, a_scale, b_
                 _write(plane, b, h, N, out, at, cos, sin, cos_at)
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel()
 def _decompress_bf16(codes, bits, group, channel_axis, scale, minimum, a, a_scale, b_raw, b_scale, values, index, n,
                      N, hadamard, widths, out, at, cos, sin, cos_at):
     """`_decompress` into out [B,H,>=at+N,d] of bf16 bits (int16), with cos/sin in bf16 bits: each plane assembled in
@@ -300,7 +301,7 @@ def _decompress_bf16(codes, bits, group, channel_axis, scale, minimum, a, a_scal
             _write_bf16(plane, b, h, N, out, at, cos, sin, cos_at)
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel()
 def _write_bf16(plane, b, h, N, out, at, cos, sin, cos_at):
     """out[b, h, at:at+N] = plane [N,d] in bf16 bits (rounded to nearest even), rotated by cos/sin [B|1,1,..,d] bf16
     bits (an empty dim 2: as is) as `apply_rotary` computes on bf16 tensors: rne(rne(x1*c1) - rne(x2*s1)) and
@@ -323,7 +324,7 @@ def _write_bf16(plane, b, h, N, out, at, cos, sin, cos_at):
             out[b, h, at + t, j] = _bf16(_f32(_bf16(x2 * c2)) + _f32(_bf16(x1 * s2)))
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel()
 def _rotate(x, x_at, cos, sin, cos_at, T, out, out_at):
     """out[:, :, out_at:+T] = x[:, :, x_at:+T] rotated as `_write` rotates (`apply_rotary`); cos/sin
     [B|1,1,>=cos_at+T,d]. (Not in place: LLVM vectorizes distinct arrays.)"""

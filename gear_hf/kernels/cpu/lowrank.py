@@ -9,7 +9,6 @@ B's columns flip together: A Bᵀ is the same; the int8 codes of a flipped colum
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 import torch
 
@@ -17,6 +16,7 @@ from ...compress import ChunkSpec
 from ...compress.lowrank import _initial_basis
 from .bf16 import bf16_value as _f32
 from .bf16 import round_bf16 as _bf16
+from .jit import kernel
 
 _F32 = np.float32
 _FAST = {"reassoc", "contract"}  # sums reordered and vectorized (this step is equal to float32 rounding anyway)
@@ -25,7 +25,7 @@ _PINV_RTOL = _F32(np.finfo(np.float32).eps)
 _BF16_MAX = _F32(torch.finfo(torch.bfloat16).max)
 
 
-@numba.njit(cache=True, nogil=True, fastmath=_FAST)
+@kernel(fastmath=_FAST)
 def _project(R, basis_t, left_t):
     """left_t [r, n] = (R [n, d] @ basis)ᵀ, basis given as basis_t [r, d]."""
     n, d = R.shape
@@ -37,7 +37,7 @@ def _project(R, basis_t, left_t):
             left_t[j, t] = acc
 
 
-@numba.njit(cache=True, nogil=True, fastmath=_FAST)
+@kernel(fastmath=_FAST)
 def _project_back(R, left_t, basis_t):
     """basis_t [r, d] = (Rᵀ @ left)ᵀ, left given as left_t [r, n]."""
     n, d = R.shape
@@ -49,7 +49,7 @@ def _project_back(R, left_t, basis_t):
                 basis_t[j, c] += w * R[t, c]
 
 
-@numba.njit(cache=True, nogil=True, fastmath=_FAST)
+@kernel(fastmath=_FAST)
 def _orthonormalize(rows):
     """The rows of rows [r, m] made orthonormal in order (Gram-Schmidt, each projection done twice); a row that
     vanishes becomes 0 (its column of the fit then carries nothing)."""
@@ -71,7 +71,7 @@ def _orthonormalize(rows):
             rows[j, t] *= inverse
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel()
 def _quantize_rows(rows, codes, scale):
     """Each row of rows [r, m] (a factor's column) as int8 codes [m, r] (transposed back) with scale[j] = its absmax
     / 127 in bf16 bits, as `compress.gear._quantize_factor`; rows then hold the dequantized values."""
@@ -89,7 +89,7 @@ def _quantize_rows(rows, codes, scale):
             rows[j, t] = _F32(code) * s
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel()
 def _to_bf16(rows, out):
     """rows [r, m] -> out [m, r] bf16 bits, clamped to bf16's finite range (`lowrank.to_finite`)."""
     for j in range(rows.shape[0]):
@@ -97,7 +97,7 @@ def _to_bf16(rows, out):
             out[t, j] = _bf16(min(max(rows[j, t], -_BF16_MAX), _BF16_MAX))
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel()
 def _pseudo_inverse(gram, inverse):
     """inverse = pinv(gram + 1e-12 I) for gram = AᵀA [r, r] of nearly orthogonal columns (a fit's quantized A):
     columns whose squared norm is below pinv's cutoff (eps * r times the largest) are dropped (rows and columns of
@@ -137,7 +137,7 @@ def _pseudo_inverse(gram, inverse):
             inverse[i, j] = work[i, r + j] if kept[i] and kept[j] else 0.0
 
 
-@numba.njit(cache=True, nogil=True, fastmath=_FAST)
+@kernel(fastmath=_FAST)
 def _fit(residual, basis0_t, iters, eight_bit, a_out, b_out, a_scale, b_scale):
     """Every plane's factors (`fit_factors`): residual [B,H,n,d] float32, basis0_t [r, d] the starting basis.
     Out: a_out [B,H,n,r], b_out [B,H,d,r] (int8 codes with bf16-bit scales [B,H,1,r], or bf16 bits)."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from .jit import kernel
+
 _F32 = np.float32
 _FLT_MAX = _F32(np.finfo(np.float32).max)
 _INF = _F32(np.inf)
@@ -29,7 +31,7 @@ def _insert(v, p, filled, count, kept_v, kept_i, largest):
     return kept_v[count - 1]
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel()
 def _extremes(vec, L, k, top_v, top_i, bottom_v, bottom_i, taken, blocks):
     """vec[:L]'s k+1 largest (top, largest first) and, once the k largest are taken, the min(k+1, L-k) smallest of
     the rest (bottom, smallest first), equal values by position, as `outliers._extremes`; two passes, each entry
@@ -93,7 +95,7 @@ def _ranked_at(values, m, k, ranked, largest):
     return ranked[k]
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel()
 def _split(top_v, bottom_v, k, L, bottom_count):
     """How many of the k outliers come from the top: the split that leaves the narrowest range, the first on ties
     (select_outliers' widths, both of its branches)."""
@@ -126,7 +128,7 @@ _LOW = 0xFFFFFFFF
 _KEY_MIN, _KEY_MAX = np.iinfo(np.int64).min, np.iinfo(np.int64).max
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel()
 def _rank_keys(row, p, top_key, low_key):
     """Entry p of every vector (row [N]): top_key (the largest ranks first) and low_key (the smallest first)."""
     for j in range(row.shape[0]):
@@ -137,20 +139,20 @@ def _rank_keys(row, p, top_key, low_key):
         low_key[j] = order | p
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel()
 def _keep_largest(prev, cur, key):
     """One slot of ranked lists (slot s-1: prev, slot s: cur) after `key` came in, by min/max (vectorizes)."""
     for j in range(key.shape[0]):
         cur[j] = max(cur[j], min(prev[j], key[j]))
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel()
 def _keep_smallest(prev, cur, key):
     for j in range(key.shape[0]):
         cur[j] = min(cur[j], max(prev[j], key[j]))
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel()
 def _key_value(key):
     """The float32 value a ranking key holds (-0.0 reads as +0.0)."""
     order = key >> 32
@@ -158,7 +160,7 @@ def _key_value(key):
     return np.uint32(np.uint32(abs(order)) | sign).view(_F32)
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel()
 def _extremes_lanes(xt, top_key, low_key, top_in, low_in):
     """Ranked lists for N vectors at once, vector j in column j of xt [L, N]: its k+1 largest (top_key [k+1, N])
     and its min(2k+1, L) smallest (low_key [.., N]), as ranking keys. Every entry goes through every slot (a min
@@ -192,7 +194,7 @@ def _lane_lists(top_key, low_key, k, j, bottom_count, top_v, top_i, bottom_v, bo
             b += 1
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel()
 def _slots(top_v, top_i, bottom_v, bottom_i, bottom_count, k, L, slot_index, slot_used):
     """select_outliers' slots of one vector: slot s holds the s-th largest while s < the split, then the smallest."""
     from_top = _split(top_v, bottom_v, k, L, bottom_count)

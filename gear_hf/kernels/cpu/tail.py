@@ -23,6 +23,7 @@ import torch
 from ...compress import ChunkSpec, rotate, side_dtype
 from ..views import tail_format
 from .bf16 import side_value as _value
+from .jit import kernel
 from .pack import _pack
 from .quantize import _code, _stats
 
@@ -53,7 +54,7 @@ def _encode_token(vector, bits, spread, packed):
     return m_bits, s_bits
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel()
 def _encode(exact, written, bits, codes, scale, minimum):
     """Every token (b, t) with written[b, t], of every head: exact [B,H,cap,d] (bf16 bits as int16, or float32) ->
     codes [B,H,cap,P] uint8, scale/minimum [B,H,cap,1] bf16 bits, in place (unrotated formats)."""
@@ -70,7 +71,7 @@ def _encode(exact, written, bits, codes, scale, minimum):
                 minimum[b, h, t, 0], scale[b, h, t, 0] = _encode_token(vector, bits, spread, codes[b, h, t : t + 1])
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel()
 def _encode_rows(work, rows, columns, bits, codes, scale, minimum):
     """Token j of work [N,H,1,d] (float32: the rotated tokens) into column columns[j] of row rows[j] of codes
     [B,H,cap,P] uint8, scale/minimum [B,H,cap,1] bf16 bits, in place."""

@@ -1,0 +1,66 @@
+"""`kernel`: numba.njit for this folder's compiled loops, with the on-disk cache keyed on every source file here.
+
+numba keys a cached function on its own file only: a loop in `attend.py` that inlines a changed helper of
+`dequant.py` would load its stale machine code (a checkout that changed one file gave other decode bits than a
+fresh compile). So every cached kernel of this folder lives in a cache directory named after a hash of all the
+folder's sources: any edit here starts a fresh one.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+from pathlib import Path
+
+import numba
+
+KERNEL_SOURCES = Path(__file__).resolve().parent
+
+
+def sources_key(folder: Path = KERNEL_SOURCES) -> str:
+    """A hash of the names and contents of the .py files in `folder` (16 hex digits)."""
+    digest = hashlib.sha256()
+    for path in sorted(folder.glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def _writable(folder: Path) -> bool:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        return os.access(folder, os.W_OK)
+    except OSError:
+        return False
+
+
+@functools.cache
+def cache_dir() -> str:
+    """Where the kernels' compiled code goes: a `numba-<sources_key>` folder in NUMBA_CACHE_DIR when set, else in
+    this folder's __pycache__ when writable (an installed package may not be), else in the user's cache folder."""
+    if numba.config.CACHE_DIR:
+        base = Path(numba.config.CACHE_DIR)
+    else:
+        base = KERNEL_SOURCES / "__pycache__"
+        if not _writable(base):
+            base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gear_hf"
+    return str(base / f"numba-{_KEY}")
+
+
+_KEY = sources_key()
+
+
+def kernel(**options):
+    """numba.njit(cache=True, nogil=True, **options), cached under `cache_dir()`. numba binds a function's cache
+    location when it is decorated, so NUMBA_CACHE_DIR is pointed there for that moment only (other numba code of the
+    process keeps its own)."""
+
+    def decorate(func):
+        previous = numba.config.CACHE_DIR
+        numba.config.CACHE_DIR = cache_dir()
+        try:
+            return numba.njit(cache=True, nogil=True, **options)(func)
+        finally:
+            numba.config.CACHE_DIR = previous
+
+    return decorate

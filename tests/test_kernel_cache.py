@@ -1,0 +1,52 @@
+"""The numba kernels' on-disk cache is keyed on every source of gear_hf/kernels/cpu (`kernels.cpu.jit`): numba keys
+a cached function on its own file only, so a loop inlining a changed helper of another file would load stale code."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+numba = pytest.importorskip("numba")
+
+from gear_hf.kernels.cpu import attend, dequant, jit, tail  # noqa: E402
+
+
+def test_the_key_changes_with_any_source_of_the_folder(tmp_path):
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "b.py").write_text("y = 2\n")
+    (tmp_path / "notes.txt").write_text("not a source")
+    key = jit.sources_key(tmp_path)
+    assert jit.sources_key(tmp_path) == key and len(key) == 16
+    (tmp_path / "notes.txt").write_text("still not a source")
+    assert jit.sources_key(tmp_path) == key
+    (tmp_path / "b.py").write_text("y = 3\n")  # a callee's file, not the caller's
+    changed = jit.sources_key(tmp_path)
+    assert changed != key
+    (tmp_path / "c.py").write_text("")
+    assert jit.sources_key(tmp_path) != changed
+    (tmp_path / "c.py").rename(tmp_path / "d.py")
+    assert jit.sources_key(tmp_path) != changed
+
+
+def test_every_cached_kernel_lives_under_the_folders_key():
+    expected = Path(jit.cache_dir())
+    assert expected.name == f"numba-{jit.sources_key()}"
+    kernels = [attend._attend, dequant._decompress, tail._encode_rows]
+    for dispatcher in kernels:
+        assert dispatcher._cache is not None and type(dispatcher._cache).__name__ != "NullCache", dispatcher
+        path = Path(dispatcher._cache._cache_path)
+        assert expected in (path, *path.parents), (dispatcher, path)
+
+
+def test_other_numba_code_keeps_its_own_cache_location(tmp_path, monkeypatch):
+    before = numba.config.CACHE_DIR
+
+    @jit.kernel()
+    def add_one(x):
+        return x + 1
+
+    assert numba.config.CACHE_DIR == before
+    assert add_one(1) == 2
+    assert os.path.isdir(jit.cache_dir())
