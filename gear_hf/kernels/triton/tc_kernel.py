@@ -12,7 +12,7 @@ import triton.language as tl
 from .decode_kernel import _MAIN_DYNAMIC
 from .ops import _lowrank_bt
 from .tc_tiles import tc_compressed_block, tc_plane_layout
-from .tiles import TAIL_TOKENS, _buffer_block, _dense_block, _query_tile, _row_blocks, _split_blocks
+from .tiles import _buffer_blocks, _dense_block, _query_tile, _row_blocks, _split_blocks
 
 
 @triton.jit(do_not_specialize=_MAIN_DYNAMIC)
@@ -163,20 +163,12 @@ def _tc_decode_kernel(
                     D_V_BY_CHANNEL, D_V_STATS_ROW,
                     D_V_FOLD, scr, ROPE_Q)
 
-    # a buffer held per token in TAIL_TOKENS-token steps (its tiles decoded in registers set the kernel's register
-    # peak); a full-precision one in BN-token blocks
-    TAIL_BN: tl.constexpr = TAIL_TOKENS if (T_K_BITS + T_V_BITS > 0) and BN > TAIL_TOKENS else BN
-    f_offs = tl.arange(0, TAIL_BN)
-    for blk in range(tl.maximum(lo, e3), hi):
-        for sub in range(0, BN // TAIL_BN):
-            slot = (blk - e3) * BN + sub * TAIL_BN + f_offs
-            tvalid = slot < f_len
-            t = s_len + p_len + c_cnt * NB + slot
-            m_i, l_i, acc = _buffer_block(
-                q1, q2, buf_k + bh64 * s_buf_h, buf_v + bh64 * s_buf_h, D, t, slot, tvalid, pos_b, freq, limit,
-                mvalid, window, m_i, l_i, acc, had_ptr, tkc + bh64 * s_tkc, tks + bh64 * s_tks, tkm + bh64 * s_tks,
-                tke + bh64 * s_tke, tvc + bh64 * s_tvc, tvs + bh64 * s_tvs, tvm + bh64 * s_tvs, tve + bh64 * s_tve,
-                stg + b64 * s_stg, stg_n, D, HALF, DT, FAST, ROT_V, T_K_BITS, T_K_ROT, T_V_BITS, T_V_ROT)
+    m_i, l_i, acc = _buffer_blocks(
+        lo, hi, e3, s_len, p_len, c_cnt, f_len, q1, q2, buf_k + bh64 * s_buf_h, buf_v + bh64 * s_buf_h, pos_b,
+        freq, limit, mvalid, window, m_i, l_i, acc, had_ptr, tkc + bh64 * s_tkc, tks + bh64 * s_tks,
+        tkm + bh64 * s_tks, tke + bh64 * s_tke, tvc + bh64 * s_tvc, tvs + bh64 * s_tvs, tvm + bh64 * s_tvs,
+        tve + bh64 * s_tve, stg + b64 * s_stg, stg_n, D, HALF, BN, NB, DT, FAST, ROT_V, T_K_BITS, T_K_ROT, T_V_BITS,
+        T_V_ROT)
 
     ws = pid.to(tl.int64) * NSPLIT + split
     r16 = tl.arange(0, 16)

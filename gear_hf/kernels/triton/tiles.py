@@ -314,6 +314,30 @@ def _buffer_block(q1, q2, k_b, v_b, s_tok, t, slot, tvalid, pos_b, freq, limit, 
 
 
 @triton.jit
+def _buffer_blocks(lo, hi, e3, s_len, p_len, c_cnt, f_len, q1, q2, buf_k, buf_v, pos_b, freq, limit, mvalid, window,
+                   m_i, l_i, acc, had_ptr, tkc, tks, tkm, tke, tvc, tvs, tvm, tve, stg_b, stg_n, D: tl.constexpr,
+                   HALF: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr,
+                   ROT_V: tl.constexpr, T_K_BITS: tl.constexpr, T_K_ROT: tl.constexpr, T_V_BITS: tl.constexpr,
+                   T_V_ROT: tl.constexpr):
+    """This split's buffer blocks [max(lo, e3), hi) (`_buffer_block`): the row's f_len buffer tokens (rows of D
+    elements) follow its s_len sink, p_len prompt-chunk and c_cnt x NB decode-chunk tokens. A buffer held per token
+    is attended in TAIL_TOKENS-token steps (its tiles decoded in registers set the kernel's register peak), a
+    full-precision one in BN-token blocks."""
+    TAIL_BN: tl.constexpr = TAIL_TOKENS if (T_K_BITS + T_V_BITS > 0) and BN > TAIL_TOKENS else BN
+    f_offs = tl.arange(0, TAIL_BN)
+    for blk in range(tl.maximum(lo, e3), hi):
+        for sub in range(0, BN // TAIL_BN):
+            slot = (blk - e3) * BN + sub * TAIL_BN + f_offs
+            tvalid = slot < f_len
+            t = s_len + p_len + c_cnt * NB + slot
+            m_i, l_i, acc = _buffer_block(
+                q1, q2, buf_k, buf_v, D, t, slot, tvalid, pos_b, freq, limit, mvalid, window, m_i, l_i, acc,
+                had_ptr, tkc, tks, tkm, tke, tvc, tvs, tvm, tve, stg_b, stg_n, D, HALF, DT, FAST, ROT_V, T_K_BITS,
+                T_K_ROT, T_V_BITS, T_V_ROT)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _blocks_before(t_min, start, length, BN: tl.constexpr):
     """How many BN-token blocks of the segment [start, start+length) end at or before token t_min."""
     n = tl.cdiv(length, BN)
