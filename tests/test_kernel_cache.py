@@ -50,3 +50,15 @@ def test_other_numba_code_keeps_its_own_cache_location(tmp_path, monkeypatch):
     assert numba.config.CACHE_DIR == before
     assert add_one(1) == 2
     assert os.path.isdir(jit.cache_dir())
+
+
+def test_where_the_cache_goes(tmp_path, monkeypatch):
+    where = jit.cache_dir.__wrapped__  # (the memoised one was fixed when the kernels were decorated)
+    name = f"numba-{jit.sources_key()}"
+    monkeypatch.setattr(numba.config, "CACHE_DIR", str(tmp_path / "user"))  # NUMBA_CACHE_DIR set: under it
+    assert Path(where()) == tmp_path / "user" / name
+    monkeypatch.setattr(numba.config, "CACHE_DIR", "")
+    assert Path(where()) == jit.KERNEL_SOURCES / "__pycache__" / name  # the package's own __pycache__
+    monkeypatch.setattr(jit, "_writable", lambda folder: False)  # a read-only install: the user's cache folder
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert Path(where()) == tmp_path / "xdg" / "gear_hf" / name
