@@ -11,10 +11,12 @@
 * `tail` - the buffer held per token, 8 bits or 4 bits rotated: the step's tokens encoded into it (`encode_staged`,
   bit for bit `compress` with `format.INT8_TOKENS` / `INT4_TOKENS`); `attend` reads its codes directly
 * `arrays` - torch tensors as the numpy arrays the loops read
+* `jit` - `kernel`, the loops' numba.njit, cached on disk under a hash of every source here (numba alone keys a
+  function on its own file, missing a changed helper of another)
 
 Each entry point has a `*_supported` check (or returns None) for what it covers; the torch code is the oracle they
 equal (bit for bit, except where a low-rank term is summed or fitted: to float32 rounding). numba is imported on
-first use only (`import gear_hf` stays light); compiled loops are cached on disk.
+first use only (`import gear_hf` stays light); compiled loops are cached on disk (`jit`).
 """
 
 from .attend import decode_attention
