@@ -297,16 +297,24 @@ class GearConfig:
         return cls(**fields)
 
     @classmethod
-    def recommended(cls, bits_per_element: float | None = None, *, name: str | None = None,
+    def recommended(cls, bits_per_element: float | str | None = None, *, name: str | None = None,
                     **overrides: Any) -> "GearConfig":
         """What the measured frontier says to pick (RECOMMENDED): the configuration owning the most bits per element
-        not above `bits_per_element`, or the one called `name`; neither: the default (= GearConfig()).
+        not above `bits_per_element`, or the one called `name` (also taken positionally: recommended("lean"));
+        neither: the default (= GearConfig()).
 
         The bits are what the cache owns on average over a bf16 generation from T=1024 to 4096, on head_dim 64 (per-
         group side information weighs more on smaller heads; at shorter T the buffer of up to buffer_size 16-bit
         tokens weighs more: see RECOMMENDED's comment)."""
+        if isinstance(bits_per_element, str):  # recommended("lean"): a name
+            bits_per_element, name = (None, bits_per_element) if name is None else (bits_per_element, name)
         if bits_per_element is not None and name is not None:
             raise ValueError("GearConfig.recommended takes bits_per_element or name, not both")
+        if bits_per_element is not None and (isinstance(bits_per_element, bool) or not isinstance(
+                bits_per_element, (int, float)) or math.isnan(bits_per_element)):
+            _fail("recommended bits_per_element", bits_per_element,
+                  f"a number >= {RECOMMENDED[0][1]} (the cheapest measured configuration), or a name: "
+                  + " | ".join(n for n, _, _ in RECOMMENDED))
         names = [n for n, _, _ in RECOMMENDED]
         if name is None and bits_per_element is None:
             name = DEFAULT_RECOMMENDED
@@ -316,7 +324,7 @@ class GearConfig:
             fields = next(f for n, _, f in RECOMMENDED if n == name)
         else:
             fitting = [f for _, bits, f in RECOMMENDED if bits <= bits_per_element]
-            if isinstance(bits_per_element, bool) or not fitting:
+            if not fitting:
                 _fail("recommended bits_per_element", bits_per_element,
                       f"a number >= {RECOMMENDED[0][1]} (the cheapest measured configuration)")
             fields = fitting[-1]

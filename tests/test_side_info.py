@@ -252,6 +252,14 @@ def test_recommended_follows_the_measured_frontier():
         gear_hf.GearConfig.recommended(2.5)
     with pytest.raises(ValueError, match="tiny"):
         gear_hf.GearConfig.recommended(name="tiny")
+    assert gear_hf.GearConfig.recommended("lean") == lean  # a name given positionally
+    with pytest.raises(ValueError, match="tiny"):
+        gear_hf.GearConfig.recommended("tiny")
+    with pytest.raises(ValueError, match="not both"):
+        gear_hf.GearConfig.recommended(3.5, name="lean")
+    for bad in (True, [3.5], float("nan")):  # not a number of bits: named, with what is allowed (no TypeError)
+        with pytest.raises(ValueError, match="bits_per_element=.*a number >= 2.79.*accurate"):
+            gear_hf.GearConfig.recommended(bad)
     # the paper's presets stay the paper's whatever the defaults
     paper = gear_hf.GearConfig.preset("gear", bits=2)
     assert (paper.rotation, paper.factor_bits, paper.key_group, paper.buffer_size) == ("none", 8, 64, 64)
