@@ -24,7 +24,7 @@ import torch
 
 from .attention import AttentionPatch, gear_attention_forward
 from .cache import GearCache
-from .config import GearConfig
+from .config import GearConfig, expect_config
 from .hf_compat import cache_kwarg, install_cache_implementation_hint, passed_cache
 from .step_ref import StepRef
 
@@ -67,8 +67,7 @@ def _check_backend(model, config: GearConfig) -> None:
 
 
 def _check_config(model, rotaries: list, config: GearConfig) -> None:
-    if not isinstance(config, GearConfig):
-        raise TypeError(f"config must be a gear_hf.GearConfig, got {type(config).__name__}")
+    expect_config(config, "config")
     for rotary in rotaries:
         _check_rope(rotary, config)
     _check_backend(model, config)

@@ -414,3 +414,13 @@ def _token_granule(fields: dict[str, Any], key_group: int, value_group: int) -> 
 def _code_unit(fields: dict[str, Any], prefix: str) -> int:
     """Codes of stream `prefix` ("key"/"value") per packing unit along tokens: widths per channel take bit planes."""
     return codes_per_unit(fields[f"{prefix}_bits"], prefix == "key" and fields["key_bit_allocation"] == "query")
+
+
+def expect_config(value: Any, argument: str) -> None:
+    """A TypeError naming `argument` unless value is a GearConfig, with the way to make one from what was given."""
+    if isinstance(value, GearConfig):
+        return
+    hint = {str: f" (a name: GearConfig.preset({value!r}) or GearConfig.recommended(name={value!r}))",
+            dict: " (a dict: GearConfig(**fields), or GearConfig.from_dict(d) for one from to_dict())"}
+    raise TypeError(f"{argument} must be a gear_hf.GearConfig, got {type(value).__name__}"
+                    + hint.get(type(value), ""))

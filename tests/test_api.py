@@ -99,8 +99,14 @@ def test_bad_preset_and_overrides():
 
 
 def test_enable_rejects_a_non_config():
-    with pytest.raises(TypeError, match="GearConfig"):
-        gear_hf.enable(tiny_model("llama2"), {"method": "gear"})
+    model = tiny_model("llama2")
+    with pytest.raises(TypeError, match=r"got dict \(a dict: GearConfig\(\*\*fields\)"):
+        gear_hf.enable(model, {"method": "gear"})
+    with pytest.raises(TypeError, match=r"got str \(a name: GearConfig.preset\('gear-2'\)"):  # says how to make one
+        gear_hf.enable(model, "gear-2")
+    with pytest.raises(TypeError, match=r"gear_config must be a gear_hf.GearConfig, got int$"):
+        gear_hf.GearCache(model, 3)
+    assert not hasattr(model, "_gear_hf_state") or model._gear_hf_state is None  # nothing half-enabled
 
 
 def test_dynamic_rope_needs_post_rope_mode():

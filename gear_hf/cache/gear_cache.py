@@ -15,7 +15,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from .. import backends  # light: triton and numba are imported only when a kernel runs
-from ..config import GearConfig
+from ..config import GearConfig, expect_config
 from ..rope import RotaryMemo
 from ..step_ref import StepRef
 from .fused_path import FusedPath
@@ -78,8 +78,7 @@ class GearCache(FusedPath, Cache):
                             "GearCache(config=model.config)")
         if gear_config is None:
             gear_config = getattr(getattr(model_or_config, "_gear_hf_state", None), "config", None) or GearConfig()
-        if not isinstance(gear_config, GearConfig):
-            raise TypeError(f"gear_config must be a gear_hf.GearConfig, got {type(gear_config).__name__}")
+        expect_config(gear_config, "gear_config")
         self.gear_config = gear_config
         self.expected_length = expected_length
         windows = _sliding_windows(_text_config(model_or_config))
