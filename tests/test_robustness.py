@@ -235,9 +235,16 @@ def test_beam_search_and_sampling_as_stock_and_finite_when_compressed():
         assert sampled.shape == stock_sample.shape and int(sampled.max()) < VOCAB
 
 
+def _is_tensor(o) -> bool:
+    try:
+        return isinstance(o, torch.Tensor)
+    except ReferenceError:  # a weakref.proxy whose object is gone (numba's compiler leaves some): not a tensor
+        return False
+
+
 def _live_tensors() -> tuple[int, int]:
     gc.collect()
-    tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    tensors = [o for o in gc.get_objects() if _is_tensor(o)]
     storages = {}
     for t in tensors:
         try:
