@@ -44,10 +44,7 @@ def cache_dir() -> str:
         base = KERNEL_SOURCES / "__pycache__"
         if not _writable(base):
             base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gear_hf"
-    return str(base / f"numba-{_KEY}")
-
-
-_KEY = sources_key()
+    return str(base / f"numba-{sources_key()}")
 
 
 def kernel(**options):
