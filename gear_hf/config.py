@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .backends import BACKEND_NAMES as BACKENDS
-from .compress.quant import BITS, PLANE_TOKENS, codes_per_unit  # codes are packed in whole units: groups hold them
+from .compress.quant import BITS, PLANE_TOKENS, STATS, codes_per_unit  # (codes fill whole units: groups hold them)
 from .compress.spec import FACTOR_BITS
 from .compress.terms import METHOD_TERMS, registered_terms
 from .preset_names import METHODS, parse_preset_name  # (parse_preset_name: also gear_hf.config's)
@@ -79,6 +79,9 @@ class GearConfig:
     rotation:      "none" | "keys" | "values" | "both": an orthonormal Walsh–Hadamard rotation along head_dim
                    before compressing (of the stored pre-RoPE keys), undone at reconstruction (before RoPE)
     factor_bits:   16 (low-rank factors in 16 bits) or 8 (int8, one 16-bit absmax scale per column)
+    value_statistics: "16" (each value group's scale and minimum in 16 bits) or "8" (beyond GEAR: an 8-bit scale on
+                   a 2^(1/8) grid and an 8-bit zero point, `compress.quant.stats8`: 0.25 bit/element less on d=64
+                   heads; values grouped per token, min/max ranges; read by the torch backend only so far)
     range_search:  "none" | "keys" | "values" | "both": choose each quantization group's range (scale, minimum)
                    among clipped candidates for the least squared error of its entries instead of its min/max
                    (beyond GEAR; same stored format)
@@ -113,6 +116,7 @@ class GearConfig:
     extra_terms: tuple[str, ...] = ()  # registered terms beyond GEAR's (gear_hf.compress.terms), both streams
     key_buffer: str = "int8"
     value_buffer: str = "int4"
+    value_statistics: str = "16"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -184,6 +188,15 @@ class GearConfig:
                                                or self.extra_terms):
             _fail("value_buffer", self.value_buffer, "'full' unless values are grouped per token (value_axis="
                   "'token') with no low-rank term or extra term (each value must be stored on its own)")
+        if isinstance(self.value_statistics, int) and not isinstance(self.value_statistics, bool) \
+                and str(self.value_statistics) in STATS:
+            object.__setattr__(self, "value_statistics", str(self.value_statistics))  # 8 is "8" (lm-eval may pass ints)
+        if self.value_statistics not in STATS:
+            _fail("value_statistics", self.value_statistics, " | ".join(repr(s) for s in STATS))
+        if self.compresses and self.value_statistics == "8" and (
+                self.value_axis != "token" or self.range_search in ("values", "both") or self.value_buffer == "final"):
+            _fail("value_statistics", self.value_statistics, "'16' unless values are grouped per token (value_axis="
+                  "'token') with min/max ranges (range_search not 'values' / 'both') and a buffer other than 'final'")
 
     def _check_extra_terms(self) -> None:
         if isinstance(self.extra_terms, (list, str)):
@@ -385,18 +398,23 @@ _DEFAULT_BUFFER = GearConfig.__dataclass_fields__["buffer_size"].default
 # as they are, a new field getting the value that keeps an older dict's meaning); tests/test_config_dict.py fails
 # until the newest entry matches GearConfig()'s fields and defaults.
 VERSION_KEY = "gear_config_version"
-CONFIG_VERSION = 2
+CONFIG_VERSION = 3
 DEFAULTS_BY_VERSION: dict[int, dict[str, Any]] = {
     1: dict(method="kivi", key_bits=3.125, value_bits=3, group_size=128, rank_prefill=4, rank_decode=2, power_iters=3,
             outlier_ratio=0.02, buffer_size=128, sink_tokens=4, key_axis="channel", value_axis="token",
             pre_rope=True, backend="auto", key_group_size=None, value_group_size=None, rotation="values",
             factor_bits=8, range_search="none", prompt_group_size=256, key_bit_allocation="query", extra_terms=(),
-            key_buffer="full", value_buffer="full"),
+            key_buffer="full", value_buffer="full", value_statistics="16"),
     2: dict(method="kivi", key_bits=3.125, value_bits=3, group_size=128, rank_prefill=4, rank_decode=2, power_iters=3,
             outlier_ratio=0.02, buffer_size=128, sink_tokens=4, key_axis="channel", value_axis="token",
             pre_rope=True, backend="auto", key_group_size=None, value_group_size=None, rotation="values",
             factor_bits=8, range_search="none", prompt_group_size=256, key_bit_allocation="query", extra_terms=(),
-            key_buffer="int8", value_buffer="int4"),
+            key_buffer="int8", value_buffer="int4", value_statistics="16"),
+    3: dict(method="kivi", key_bits=3.125, value_bits=3, group_size=128, rank_prefill=4, rank_decode=2, power_iters=3,
+            outlier_ratio=0.02, buffer_size=128, sink_tokens=4, key_axis="channel", value_axis="token",
+            pre_rope=True, backend="auto", key_group_size=None, value_group_size=None, rotation="values",
+            factor_bits=8, range_search="none", prompt_group_size=256, key_bit_allocation="query", extra_terms=(),
+            key_buffer="int8", value_buffer="int4", value_statistics="16"),
 }
 
 

@@ -49,8 +49,9 @@ def stream_specs(cfg, stream: str) -> tuple[ChunkSpec, ChunkSpec]:
     rotate = cfg.rotation in ("both", stream + "s") and cfg.compresses  # (fp16 stores no chunk: checks skipped)
     range_search = cfg.range_search in ("both", stream + "s")
     allocated = stream == "key" and cfg.key_bit_allocation == "query"
+    stats = cfg.value_statistics if stream == "value" else "16"
     return tuple(ChunkSpec(bits, axis, group, ratio, rank, cfg.power_iters, rotate, cfg.factor_bits,
-                           range_search, allocated, tuple(cfg.extra_terms))
+                           range_search, allocated, tuple(cfg.extra_terms), stats)
                  for group, rank in zip(groups, ranks))
 
 

@@ -177,7 +177,7 @@ class ChunkStore:
 
     def _allocate(self, example: CompressedChunk, batch: int, chunks: int) -> None:
         H, d = example.codes.shape[1], example.lowrank_b.shape[2]
-        side = example.scale.dtype
+        side = example.sparse_values.dtype  # the side dtype (a scale may hold 8-bit codes)
         for f in chunk_fields(self.spec, self.chunk_len, d, side):
             self.extent[f.name] = f.shape[0]
             self.component[f.name] = f.component
@@ -246,7 +246,7 @@ class ChunkStore:
     def _adopt(self, chunk: CompressedChunk) -> None:
         """Take a compressed chunk of every row as the store's one chunk: its tensors become the fields (those
         that own their memory exactly; others are copied), with no zero-filled allocation and no copy."""
-        d, side = chunk.lowrank_b.shape[2], chunk.scale.dtype
+        d, side = chunk.lowrank_b.shape[2], chunk.sparse_values.dtype
         for f in chunk_fields(self.spec, self.chunk_len, d, side):
             t = getattr(chunk, f.name)
             owns = t.is_contiguous() and t.storage_offset() == 0 \

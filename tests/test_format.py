@@ -22,6 +22,9 @@ SPECS = [ChunkSpec(bits, axis, group, ratio, rank, factor_bits=factor_bits, rota
          if not (group == 24 and axis == "channel")]
 SPECS += [ChunkSpec(3.125, "channel", 16, 0.0, 0, allocated=True), ChunkSpec(2.5, "channel", 32, 0.0, 2,
                                                                              allocated=True, factor_bits=8)]
+SPECS += [ChunkSpec(bits, "token", group, ratio, rank, rotate=rotate, stats="8")  # 8-bit value statistics
+          for bits, group, ratio, rank, rotate in itertools.product((2, 3, 4, 8), (0, 16, 24), (0.0, 0.05), (0, 3),
+                                                                    (False, True))]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

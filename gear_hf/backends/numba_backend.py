@@ -43,6 +43,11 @@ class NumbaBackend(Backend):
         extra = sorted({name for spec in specs for name in spec.extra_terms})
         if extra:
             return f"the CPU kernels do not implement the term(s) {extra}"
+        from ..kernels import statistics_reason  # (light: no kernel import)
+
+        for spec in specs:
+            if statistics_reason(spec):
+                return statistics_reason(spec)
         if op == "attend":
             return _kernels().attend_supported(config, head_dim, dtype)
         if op == "compress":

@@ -9,6 +9,9 @@ along channels for axis="token". 2/4/8 bits: 8/bits codes per byte, low bits fir
 bytes, a 2-bit plane (two bytes, as 2-bit packing) followed by a 1-bit plane (one byte: the high bit of code j
 at bit j).
 Codes of per-channel widths (`pack_planes`, keys with bits allocated per channel): bit planes of 8 tokens.
+Statistics (`STATS`): "16" = a scale and a minimum per group in the 16-bit side dtype; "8" = two uint8 codes per group,
+a scale on a logarithmic grid (`LOG_SCALES`) and a zero point (`stats8`), for groups whose range contains 0 or lies
+near it (values per token).
 """
 
 from __future__ import annotations
@@ -18,6 +21,12 @@ import sys
 import torch
 
 BITS = (2, 3, 4, 8)
+STATS = ("16", "8")
+
+# The scale codes of 8-bit statistics: code 0 = scale 0 (an empty or constant-zero group), code k >= 1 =
+# 2^((k - 161) / 8): 2^-20 .. 2^11.75 in steps of 2^(1/8) (9%). A table, not exp2, so every reader decodes the same
+# float32 values.
+LOG_SCALES = torch.cat([torch.zeros(1), torch.exp2((torch.arange(1, 256, dtype=torch.float64) - 161) / 8).float()])
 
 
 def levels(bits: int) -> int:
@@ -247,6 +256,42 @@ def _stored_stats(lo: torch.Tensor, hi: torch.Tensor, top, stats_dtype: torch.dt
     return minimum, scale
 
 
+def _zero_point_step(top) -> float | torch.Tensor:
+    """The grid of 8-bit zero points: z = code * top / 255 (code 0..255 spans [0, top])."""
+    return top / 255
+
+
+def decode_stats8(scale_code: torch.Tensor, zero_code: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(minimum, scale) float32 of 8-bit statistics: scale = LOG_SCALES[scale_code], minimum = -(zero_code * top
+    / 255) * scale, in that order of float32 operations (the kernels decode the same way)."""
+    scale = LOG_SCALES.to(scale_code.device)[scale_code.long()]
+    zero = zero_code.float() * top / 255
+    return -(zero * scale), scale
+
+
+def stats8(lo: torch.Tensor, hi: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale code, zero-point code), uint8, of groups spanning [lo, hi] (float32): the smallest grid scale with a
+    zero point whose decoded range covers [lo, hi] (as `_stored_stats`: every entry within half a step of its code).
+    A range of one sign takes zero point 0 (all >= 0) or top (all <= 0): coarse when it lies far from 0 (why keys,
+    grouped per channel, keep 16-bit statistics). A range wider than the grid's largest scale raises a ValueError."""
+    step = _zero_point_step(top)
+    need = torch.where(lo > 0, hi / top, torch.where(hi < 0, -lo / top, (hi - lo) / (top - step)))
+    table = LOG_SCALES.to(lo.device)
+    if bool((need > table[-1]).any()):
+        raise ValueError(f"8-bit statistics (value_statistics='8') cover ranges up to {top * table[-1].item():.4g} "
+                         f"per group; a group spans {(hi - lo).max().item():.4g}: use value_statistics='16'")
+    scale_code = torch.searchsorted(table, need.contiguous())  # the first code whose scale >= need (0 for need 0)
+    for _ in range(3):  # float32 rounding of the decoded range: one code up where it falls short
+        scale = table[scale_code]
+        zero_code = torch.ceil((-lo / torch.where(scale > 0, scale, 1.0)).clamp(0, top) / step).clamp_(max=255)
+        minimum, scale = decode_stats8(scale_code, zero_code, top)
+        short = ((minimum > lo) | (minimum + top * scale < hi)) & (scale_code < 255)
+        if not bool(short.any()):
+            break
+        scale_code = torch.where(short, scale_code + 1, scale_code)
+    return scale_code.to(torch.uint8), zero_code.to(torch.uint8)
+
+
 def _group_error(xg: torch.Tensor, eg: torch.Tensor, member: int, minimum: torch.Tensor, scale: torch.Tensor,
                  top) -> torch.Tensor:
     """Squared quantization error of each group (excluded entries not counted) with these stored stats."""
@@ -291,7 +336,7 @@ def _clamp_codes(codes: torch.Tensor, top, member: int) -> torch.Tensor:
 
 
 def quantize(x: torch.Tensor, bits, axis: str, group: int, exclude: torch.Tensor | None = None,
-             stats_dtype: torch.dtype | None = None, range_search: bool = False):
+             stats_dtype: torch.dtype | None = None, range_search: bool = False, stats: str = "16"):
     """Quantize x [B,H,n,d]; entries where `exclude` is True take no part in min/max (outliers, padding).
     bits: one width, or per-channel widths (uint8 [B,H,1,d], axis="channel" only: `pack_planes` stores them).
 
@@ -300,6 +345,8 @@ def quantize(x: torch.Tensor, bits, axis: str, group: int, exclude: torch.Tensor
     to what was decided here.
     range_search: choose each group's range (scale, minimum) among clipped candidates for the least squared
     error of its entries instead of taking min/max (`_searched_stats`); same stored format.
+    stats="8": 8-bit statistics (`stats8`, one width, min/max ranges): scale and minimum are then the decoded float32
+    values the codes were computed against, and `quantize` returns (codes, scale, minimum, scale code, zero code).
     """
     stats_dtype = stats_dtype or x.dtype
     n, d = x.shape[-2:]
@@ -323,7 +370,14 @@ def quantize(x: torch.Tensor, bits, axis: str, group: int, exclude: torch.Tensor
     if not isinstance(bits, int) and axis != "channel":
         raise ValueError(f"per-channel bit widths need axis='channel', got axis={axis!r}")
     top = top_code(bits)
-    if range_search:
+    codes8 = None
+    if stats == "8":
+        if range_search or not isinstance(bits, int):
+            raise ValueError("8-bit statistics take one width and min/max ranges (no range_search, no per-channel "
+                             "widths)")
+        codes8 = stats8(lo, hi, top)
+        minimum, scale = decode_stats8(*codes8, top)
+    elif range_search:
         eg = torch.zeros_like(xg, dtype=torch.bool) if eg is None else eg
         minimum, scale = _searched_stats(xg, eg, member, lo, hi, top, stats_dtype)
     else:
@@ -333,6 +387,8 @@ def quantize(x: torch.Tensor, bits, axis: str, group: int, exclude: torch.Tensor
     # (xg promoted to float32 inside the subtraction: no float32 copy of x)
     codes = codes.div_(safe_scale.unsqueeze(member)).round_()
     codes = _clamp_codes(codes, top, member).to(torch.uint8).reshape(*x.shape[:2], n, -1)
+    if codes8 is not None:
+        return codes[..., :d], scale, minimum, *codes8
     return codes[..., :d], scale, minimum  # padded channels (a short last value group) are not codes
 
 

@@ -35,6 +35,7 @@ class ChunkSpec:
     range_search: bool = False  # each group's range searched for the least squared error (quant.quantize)
     allocated: bool = False  # widths per channel (compress's channel_bits, allocation.py), stored as bit planes
     extra_terms: tuple[str, ...] = ()  # registered terms beyond the built-in ones (compress.terms), by name
+    stats: str = "16"  # the groups' scale and minimum: "16" in the side dtype, "8" as two uint8 codes (quant.stats8)
 
     def __post_init__(self) -> None:
         if self.allocated:
@@ -44,6 +45,12 @@ class ChunkSpec:
                                  f"rotate={self.rotate}")
         else:
             quant.pack_unit(self.bits)  # raises on unsupported bits
+        if self.stats not in quant.STATS:
+            raise ValueError(f"ChunkSpec.stats={self.stats!r}; allowed: {' | '.join(quant.STATS)}")
+        if self.stats == "8" and (self.axis != "token" or self.range_search or self.allocated):
+            raise ValueError("ChunkSpec.stats='8' (8-bit statistics) needs axis='token' (a group's range then holds 0 "
+                             f"or lies near it), min/max ranges and one width; got axis={self.axis!r}, range_search="
+                             f"{self.range_search}, allocated={self.allocated}")
         if self.factor_bits not in FACTOR_BITS:
             raise ValueError(f"ChunkSpec.factor_bits={self.factor_bits!r}; allowed: 8 or 16")
 

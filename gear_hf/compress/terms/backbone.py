@@ -4,7 +4,8 @@ Fields (x [B,H,n,d], g the group, P(m) the bytes of m packed codes, S the alloca
     codes         uint8  [P(n), d] (axis="channel"), [n, P(d rounded up to a packing unit)] (axis="token"),
                          or [n/8, S] bit planes (widths allocated per channel)
     channel_bits  uint8  [1, d] each channel's width (allocated specs), else [0, d]
-    scale/minimum side   [n/g, d] (axis="channel") or [n, ceil(d/g)] (axis="token")
+    scale/minimum side   [n/g, d] (axis="channel") or [n, ceil(d/g)] (axis="token"); with 8-bit statistics
+                  uint8: the scale's and the zero point's codes (`quant.stats8`)
 """
 
 from __future__ import annotations
@@ -46,10 +47,11 @@ class QuantizedBackbone(Term):
             unit = quant.pack_unit(spec.bits)[0]
             codes = (n, quant.packed_length(-(-d // unit) * unit, spec.bits))
         stats = (n // group, d) if spec.axis == "channel" else (n, -(-d // group))
+        stats_dtype = torch.uint8 if spec.stats == "8" else side
         return (Field("codes", codes, torch.uint8, "codes"),
                 Field("channel_bits", (1 if spec.allocated else 0, d), torch.uint8, "scales"),
-                Field("scale", stats, side, "scales"),
-                Field("minimum", stats, side, "scales"))
+                Field("scale", stats, stats_dtype, "scales"),
+                Field("minimum", stats, stats_dtype, "scales"))
 
     def quantize(self, st: EncodeState) -> None:
         spec = st.spec
@@ -58,6 +60,11 @@ class QuantizedBackbone(Term):
             st.exclude = padding.expand(st.x.shape) if st.exclude is None else st.exclude | padding
         check_channel_bits(spec, st.channel_bits)
         bits = spec.bits if st.channel_bits is None else st.channel_bits.unsqueeze(2)  # [B,H,1,d]
+        if spec.stats == "8":  # (the encode state keeps the decoded statistics: later terms read floats)
+            st.codes, st.scale, st.minimum, scale_code, zero_code = quant.quantize(
+                st.work, bits, spec.axis, st.group, exclude=st.exclude, stats="8")
+            st.out["scale"], st.out["minimum"] = scale_code, zero_code
+            return
         if st.quantize_pack is None or spec.range_search or spec.allocated:  # (the accelerated one: min/max, one width)
             st.codes, st.scale, st.minimum = quant.quantize(st.work, bits, spec.axis, st.group, exclude=st.exclude,
                                                             stats_dtype=st.side, range_search=spec.range_search)
@@ -90,5 +97,8 @@ class QuantizedBackbone(Term):
             else:
                 codes = quant.unpack_codes(chunk.codes, spec.bits, spec.pack_dim)[..., : ds.d]
         out = ds.out if ds.direct else None
-        ds.x = quant.dequantize(codes, chunk.scale, chunk.minimum, spec.axis, ds.group, ds.d, torch.float32,
+        scale, minimum = chunk.scale, chunk.minimum
+        if spec.stats == "8":
+            minimum, scale = quant.decode_stats8(scale, minimum, quant.top_code(spec.bits))
+        ds.x = quant.dequantize(codes, scale, minimum, spec.axis, ds.group, ds.d, torch.float32,
                                 out=out)  # [B,H,C*n,d]

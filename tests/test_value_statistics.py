@@ -1,0 +1,141 @@
+"""8-bit value statistics (GearConfig.value_statistics="8", issue 25): a scale on a 2^(1/8) grid and an 8-bit zero
+point per value group instead of a 16-bit scale and minimum. The oracle (`compress.quant.stats8`) covers every group's
+range as the 16-bit statistics do; the cache stores two uint8 codes per group, counts them, reads them back through
+the torch backend, and the kernels decline them with a reason."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import gear_hf
+from gear_hf import GearConfig
+from gear_hf.backends import resolve
+from gear_hf.compress import ChunkSpec, compress, decompress, quant
+from gear_hf.format import layer_formats
+from memory_walk import walk
+from tiny_models import tiny_model
+
+
+def _groups(d: int = 64, n: int = 40, edges: bool = True) -> torch.Tensor:
+    """Value-like vectors [2,3,n,d] with per-token magnitudes over 4 decades and (edges) the edge cases: a zero
+    vector, a constant one, all-positive, all-negative, one huge entry."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, n, d) * torch.logspace(-3, 1, n).view(1, 1, n, 1)
+    if not edges:
+        return x
+    x[0, 0, 0] = 0.0
+    x[0, 0, 1] = 0.37
+    x[0, 1, 2] = x[0, 1, 2].abs() + 5.0
+    x[0, 1, 3] = -x[0, 1, 3].abs() - 0.01
+    x[1, 2, 4, 7] = 300.0
+    return x
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_entry_is_within_half_a_step_of_its_code(bits, dtype):
+    x = _groups().to(dtype)
+    codes, scale, minimum, scale_code, zero_code = quant.quantize(x, bits, "token", 64, stats="8")
+    assert scale_code.dtype == zero_code.dtype == torch.uint8 and scale_code.shape == (2, 3, 40, 1)
+    assert torch.equal(quant.decode_stats8(scale_code, zero_code, quant.top_code(bits))[1], scale)
+    y = quant.dequantize(codes, scale, minimum, "token", 64, 64, torch.float32)
+    err = (y - x.float()).abs()
+    assert bool((err <= scale * 0.5 * (1 + 1e-5) + 1e-30).all())
+    assert float(scale[0, 0, 0, 0]) == 0.0 and float(err[0, 0, 0].max()) == 0.0  # the zero vector is exact
+    # the grid costs precision (the scale is rounded up by < 9%), not much: on ordinary vectors (ranges around 0)
+    # the mean squared error relative to each vector's energy within 1.25x 16-bit statistics'
+    x = _groups(edges=False).to(dtype)
+    energy = x.float().square().mean(-1, keepdim=True)
+    c8, s8, m8 = quant.quantize(x, bits, "token", 64, stats="8")[:3]
+    c16, s16, m16 = quant.quantize(x, bits, "token", 64)
+    err8 = quant.dequantize(c8, s8, m8, "token", 64, 64, torch.float32) - x.float()
+    err16 = quant.dequantize(c16, s16, m16, "token", 64, 64, torch.float32) - x.float()
+    assert (err8.square() / energy).mean() <= 1.25 * (err16.square() / energy).mean()
+
+
+def test_a_range_beyond_the_grid_is_refused_with_the_way_out():
+    x = torch.zeros(1, 1, 2, 64)
+    x[0, 0, 1, 0] = 1e6
+    with pytest.raises(ValueError, match=r"8-bit statistics \(value_statistics='8'\) cover ranges up to .*"
+                                         r"use value_statistics='16'"):
+        quant.quantize(x, 3, "token", 64, stats="8")
+
+
+def test_chunk_spec_takes_8bit_statistics_for_values_per_token_only():
+    spec = ChunkSpec(3, "token", 64, 0.0, 0, rotate=True, stats="8")
+    ref = _groups(edges=False)
+    chunk = compress(ref, spec)
+    assert chunk.scale.dtype == chunk.minimum.dtype == torch.uint8
+    y = decompress(chunk, spec, 40, 64, torch.float32)
+    spec16 = ChunkSpec(3, "token", 64, 0.0, 0, rotate=True)
+    y16 = decompress(compress(ref, spec16), spec16, 40, 64, torch.float32)
+    energy = ref.square().mean(-1, keepdim=True)
+    assert ((y - ref).square() / energy).mean() <= 1.25 * ((y16 - ref).square() / energy).mean()
+    for bad in (dict(axis="channel"), dict(range_search=True)):
+        with pytest.raises(ValueError, match=r"ChunkSpec.stats='8' \(8-bit statistics\) needs axis='token'"):
+            ChunkSpec(**{**dict(bits=3, axis="token", group=64, outlier_ratio=0.0, rank=0, stats="8"), **bad})
+    with pytest.raises(ValueError, match=r"ChunkSpec.stats='4'; allowed: 16 \| 8"):
+        ChunkSpec(3, "token", 64, 0.0, 0, stats="4")
+
+
+def test_config_validates_and_only_values_take_it():
+    assert GearConfig(value_statistics=8).value_statistics == "8"  # (lm-eval may pass an int)
+    keys, values = layer_formats(GearConfig(value_statistics="8"))
+    assert {s.stats for s in values.specs} == {"8"} and {s.stats for s in keys.specs} == {"16"}
+    assert values.tail.stats == "16"  # the 4-bit buffer keeps its 16-bit statistics
+    for bad, match in ((dict(value_statistics="4"), r"value_statistics='4' is invalid; allowed: '16' \| '8'"),
+                       (dict(value_statistics=True), r"value_statistics=True is invalid"),
+                       (dict(value_statistics="8", value_axis="channel"), r"unless values are grouped per token"),
+                       (dict(value_statistics="8", range_search="both"), r"range_search not 'values' / 'both'"),
+                       (dict(value_statistics="8", value_buffer="final"), r"a buffer other than 'final'")):
+        with pytest.raises(ValueError, match=match):
+            GearConfig(**bad)
+    saved = GearConfig(value_statistics="8").to_dict()
+    assert GearConfig.from_dict(saved) == GearConfig(value_statistics="8")
+
+
+def test_kernels_decline_it_with_the_reason():
+    config = GearConfig(value_statistics="8")
+    plan = resolve(config, 64, torch.bfloat16, torch.device("cpu"))
+    assert plan.names() == {"compress": "torch", "reconstruct": "torch", "attend": "reference"}
+    from gear_hf.kernels import fused_supported, reconstruct_supported
+
+    reason = "8-bit statistics (GearConfig.value_statistics='8') are read by the torch backend only"
+    assert fused_supported(config, 64, 1) == reason
+    assert reconstruct_supported(layer_formats(config)[1].decode, 64) == reason
+    if "numba" in dict(plan.skipped.get("compress", ())):
+        assert dict(plan.skipped["compress"])["numba"] == reason
+
+
+def _generate(model, config, ids):
+    model = copy.deepcopy(model)
+    gear_hf.enable(model, config)
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=100, do_sample=False, return_dict_in_generate=True)
+    return out.sequences, out.past_key_values
+
+
+def test_generate_stores_and_counts_two_bytes_less_per_value_group():
+    """Same layout as the torch backend's GearConfig(): the report differs by exactly 2 bytes per value group
+    allocated (a uint8 scale and zero point instead of two 16-bit numbers), the walk of the stores equals the report,
+    and the first tokens (before anything is compressed) are the 16-bit statistics' own."""
+    model = tiny_model("llama3", dtype=torch.bfloat16)
+    torch.manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (2, 300))  # a 256-token prompt group, then a decode chunk
+    seq16, cache16 = _generate(model, GearConfig(backend="torch"), ids)
+    seq8, cache8 = _generate(model, GearConfig(value_statistics="8"), ids)
+    assert torch.equal(seq8[:, :301], seq16[:, :301])  # the prompt step reads the model's own values
+    assert all(layer.value_stream.decode.fields for layer in cache8.layers)  # a decode chunk was compressed too
+    groups = sum(store.fields["scale"].numel() for layer in cache8.layers
+                 for store in (layer.value_stream.prefill, layer.value_stream.decode)
+                 if store is not None and store.fields)
+    r16, r8 = cache16.memory_report(), cache8.memory_report()
+    assert r16["elements"] == r8["elements"]
+    assert r16["owned_bytes"] - r8["owned_bytes"] == 2 * groups
+    stores = walk({"layers": cache8.layers, "tables": cache8.layout.tables, "kernel_state": cache8.kernel_state,
+                   "rotary": cache8._rotary})
+    assert stores.total == r8["owned_bytes"]
+    assert cache8.step_paths.get("reference", 0) > 0
