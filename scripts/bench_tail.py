@@ -42,6 +42,7 @@ CONFIGS = {
     "vc3k2.875+keys-int8+values-int4": dict(_VC3, key_bits=2.875, key_buffer="int8", value_buffer="int4"),
     "vc3s1+keys-int8+values-int4": dict(_VC3, sink_tokens=1, key_buffer="int8", value_buffer="int4"),
     "default": {},  # today's GearConfig()
+    "value-stats8": dict(key_buffer="int8", value_buffer="int4", value_statistics="8"),  # GearConfig()'s, 8-bit stats
     "kivi-4": None,
 }
 
@@ -57,8 +58,9 @@ def config_of(name: str):
     return GearConfig.from_dict({"gear_config_version": 1, **fields})
 
 
-def run(model, ids: torch.Tensor, prompt: int, cache) -> tuple[torch.Tensor, list[float]]:
-    """Next-token logits [steps, V] predicting ids[prompt:], and the owned bits after each decode step."""
+def run(model, ids: torch.Tensor, prompt: int, cache, note=None) -> tuple[torch.Tensor, list[float]]:
+    """Next-token logits [steps, V] predicting ids[prompt:], and the owned bits after each decode step.
+    note: called after each decode step as note(cache, its memory report) (probes read the stores there)."""
     from gear_hf.hf_compat import model_cache_kwarg
 
     name = model_cache_kwarg(model)
@@ -66,7 +68,10 @@ def run(model, ids: torch.Tensor, prompt: int, cache) -> tuple[torch.Tensor, lis
     for t in range(prompt, ids.shape[1] - 1):
         logits.append(model(input_ids=ids[:, t : t + 1], **{name: cache}).logits[0])
         if hasattr(cache, "memory_report"):
-            bits.append(cache.memory_report()["bits_per_element"])
+            report = cache.memory_report()
+            bits.append(report["bits_per_element"])
+            if note is not None:
+                note(cache, report)
     return torch.cat(logits).float(), bits
 
 

@@ -120,7 +120,9 @@ def main(argv=None) -> int:
             try:
                 gear_hf.enable(model, config)
                 cache = gear_hf.GearCache(model, config)
-                logits, bits, key_tail = run_counting(model, ids, args.prompt, cache)
+                key_tail = []  # (key-buffer elements, key + value elements held) after each decode step
+                logits, bits = run(model, ids, args.prompt, cache, note=lambda c, report, key_tail=key_tail:
+                                   key_tail.append((buffered_key_elements(c), report["elements"])))
             finally:
                 CodedTokenStore.encode = encode
                 gear_hf.disable(model)
@@ -151,25 +153,10 @@ def main(argv=None) -> int:
     return 0
 
 
-def run_counting(model, ids: torch.Tensor, prompt: int, cache):
-    """`bench_tail.run`, also noting after each decode step (key-buffer elements, key + value elements held): the
-    8-bit key buffer's codes (one byte an element) across layers, read from the cache's own stores."""
-    key_tail = []
-    report = cache.memory_report
-
-    def counting():
-        out = report()
-        n = sum(layer.key_stream.buffer.fields["codes"].numel() for layer in cache.layers
-                if hasattr(layer, "key_stream") and layer.key_stream.buffer.fields)
-        key_tail.append((n, out["elements"]))
-        return out
-
-    cache.memory_report = counting
-    try:
-        logits, bits = run(model, ids, prompt, cache)
-    finally:
-        del cache.memory_report
-    return logits, bits, key_tail
+def buffered_key_elements(cache) -> int:
+    """The 8-bit key buffer's codes (one byte an element) across layers, read from the cache's own stores."""
+    return sum(layer.key_stream.buffer.fields["codes"].numel() for layer in cache.layers
+               if hasattr(layer, "key_stream") and layer.key_stream.buffer.fields)
 
 
 if __name__ == "__main__":

@@ -152,7 +152,9 @@ def main(argv=None) -> int:
             try:
                 gear_hf.enable(model, config)
                 cache = gear_hf.GearCache(model, config)
-                logits, bits, pairs = run_counting(model, ids, args.prompt, cache)
+                pairs = []  # ({group kind: pairs}, key + value elements held) after each decode step
+                logits, bits = run(model, ids, args.prompt, cache, note=lambda c, report, pairs=pairs:
+                                   pairs.append((scale_pairs(c), report["elements"])))
             finally:
                 quant._stored_stats = stored_stats
                 gear_hf.disable(model)
@@ -185,36 +187,21 @@ def main(argv=None) -> int:
     return 0
 
 
-def run_counting(model, ids: torch.Tensor, prompt: int, cache):
-    """`bench_tail.run`, also noting after each decode step ({group kind: (scale, minimum) pairs allocated}, key +
-    value elements held): the "scale" fields of every layer's stores (v: the value stream's chunks and buffer, k: the
-    key stream's chunks, b: its buffer), allocated capacity included as the report counts it."""
-    pairs = []
-    report = cache.memory_report
-
+def scale_pairs(cache) -> dict[str, int]:
+    """{group kind: (scale, minimum) pairs allocated} over layers: the "scale" fields of each layer's stores (v: the
+    value stream's chunks and buffer, k: the key stream's chunks, b: its buffer), spare capacity included as the report
+    counts it."""
     def scales(store) -> int:
         return store.fields["scale"].numel() if store is not None and "scale" in store.fields else 0
 
-    def counting():
-        out = report()
-        n = {"v": 0, "k": 0, "b": 0}
-        for layer in cache.layers:
-            for kind, stream in (("v", getattr(layer, "value_stream", None)), ("k", getattr(layer, "key_stream", None))):
-                if stream is None:
-                    continue
-                chunks = scales(stream.prefill) + scales(stream.decode)
-                n[kind] += chunks + (scales(stream.buffer) if kind == "v" else 0)
-                if kind == "k":
-                    n["b"] += scales(stream.buffer)
-        pairs.append((n, out["elements"]))
-        return out
-
-    cache.memory_report = counting
-    try:
-        logits, bits = run(model, ids, prompt, cache)
-    finally:
-        del cache.memory_report
-    return logits, bits, pairs
+    n = {"v": 0, "k": 0, "b": 0}
+    for layer in cache.layers:
+        if hasattr(layer, "value_stream"):
+            values, keys = layer.value_stream, layer.key_stream
+            n["v"] += scales(values.prefill) + scales(values.decode) + scales(values.buffer)
+            n["k"] += scales(keys.prefill) + scales(keys.decode)
+            n["b"] += scales(keys.buffer)
+    return n
 
 
 if __name__ == "__main__":
