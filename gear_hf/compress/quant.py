@@ -256,11 +256,6 @@ def _stored_stats(lo: torch.Tensor, hi: torch.Tensor, top, stats_dtype: torch.dt
     return minimum, scale
 
 
-def _zero_point_step(top) -> float | torch.Tensor:
-    """The grid of 8-bit zero points: z = code * top / 255 (code 0..255 spans [0, top])."""
-    return top / 255
-
-
 def decode_stats8(scale_code: torch.Tensor, zero_code: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(minimum, scale) float32 of 8-bit statistics: scale = LOG_SCALES[scale_code], minimum = -(zero_code * top
     / 255) * scale, in that order of float32 operations (the kernels decode the same way)."""
@@ -274,21 +269,27 @@ def stats8(lo: torch.Tensor, hi: torch.Tensor, top: int) -> tuple[torch.Tensor, 
     zero point whose decoded range covers [lo, hi] (as `_stored_stats`: every entry within half a step of its code).
     A range of one sign takes zero point 0 (all >= 0) or top (all <= 0): coarse when it lies far from 0 (why keys,
     grouped per channel, keep 16-bit statistics). A range wider than the grid's largest scale raises a ValueError."""
-    step = _zero_point_step(top)
+    step = top / 255  # the zero points' grid: z = code * top / 255, codes 0..255 spanning [0, top]
     need = torch.where(lo > 0, hi / top, torch.where(hi < 0, -lo / top, (hi - lo) / (top - step)))
     table = LOG_SCALES.to(lo.device)
     if bool((need > table[-1]).any()):
         raise ValueError(f"8-bit statistics (value_statistics='8') cover ranges up to {top * table[-1].item():.4g} "
                          f"per group; a group spans {(hi - lo).max().item():.4g}: use value_statistics='16'")
+
+    def zero_point(scale_code: torch.Tensor) -> torch.Tensor:  # the smallest grid zero point with minimum <= lo
+        scale = table[scale_code]
+        return torch.ceil((-lo / torch.where(scale > 0, scale, 1.0)).clamp(0, top) / step).clamp_(max=255)
+
     scale_code = torch.searchsorted(table, need.contiguous())  # the first code whose scale >= need (0 for need 0)
     for _ in range(3):  # float32 rounding of the decoded range: one code up where it falls short
-        scale = table[scale_code]
-        zero_code = torch.ceil((-lo / torch.where(scale > 0, scale, 1.0)).clamp(0, top) / step).clamp_(max=255)
+        zero_code = zero_point(scale_code)
         minimum, scale = decode_stats8(scale_code, zero_code, top)
         short = ((minimum > lo) | (minimum + top * scale < hi)) & (scale_code < 255)
         if not bool(short.any()):
             break
         scale_code = torch.where(short, scale_code + 1, scale_code)
+    else:
+        zero_code = zero_point(scale_code)
     return scale_code.to(torch.uint8), zero_code.to(torch.uint8)
 
 
