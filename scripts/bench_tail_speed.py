@@ -24,7 +24,8 @@ import benchlib
 import torch
 
 CONFIGS = {"full": dict(key_buffer="full", value_buffer="full"), "int8": dict(key_buffer="int8", value_buffer="int8"),
-           "default": {}, "int4": dict(key_buffer="int4", value_buffer="int4")}  # (fields over GearConfig()'s)
+           "default": {}, "int4": dict(key_buffer="int4", value_buffer="int4"),
+           "stats8": dict(value_statistics="8")}  # (fields over GearConfig()'s)
 
 
 class _StepClock:

@@ -1,7 +1,8 @@
 """8-bit value statistics (GearConfig.value_statistics="8", issue 25): a scale on a 2^(1/8) grid and an 8-bit zero
 point per value group instead of a 16-bit scale and minimum. The oracle (`compress.quant.stats8`) covers every group's
 range as the 16-bit statistics do; the cache stores two uint8 codes per group, counts them, reads them back through
-the torch backend, and the kernels decline them with a reason."""
+the torch backend and the numba kernels (decoded per step: no float32 copy is kept), and the Triton kernels decline them
+with a reason."""
 
 from __future__ import annotations
 
@@ -97,17 +98,28 @@ def test_config_validates_and_only_values_take_it():
     assert GearConfig.from_dict(saved) == GearConfig(value_statistics="8")
 
 
-def test_kernels_decline_it_with_the_reason():
+def test_triton_declines_it_and_numba_reads_it_with_torch_compressing():
     config = GearConfig(value_statistics="8")
-    plan = resolve(config, 64, torch.bfloat16, torch.device("cpu"))
-    assert plan.names() == {"compress": "torch", "reconstruct": "torch", "attend": "reference"}
     from gear_hf.kernels import fused_supported, reconstruct_supported
 
-    reason = "8-bit statistics (GearConfig.value_statistics='8') are read by the torch backend only"
-    assert fused_supported(config, 64, 1) == reason
-    assert reconstruct_supported(layer_formats(config)[1].decode, 64) == reason
-    if "numba" in dict(plan.skipped.get("compress", ())):
-        assert dict(plan.skipped["compress"])["numba"] == reason
+    reason = "8-bit statistics (GearConfig.value_statistics='8') are not read by the Triton kernels"
+    assert fused_supported(config, 64, 1).startswith(reason)
+    assert reconstruct_supported(layer_formats(config)[1].decode, 64).startswith(reason)
+    pytest.importorskip("numba")
+    plan = resolve(config, 64, torch.bfloat16, torch.device("cpu"))
+    assert plan.names() == {"compress": "torch", "reconstruct": "numba", "attend": "numba"}
+    assert "the CPU compression kernels write 16-bit ones" in dict(plan.skipped["compress"])["numba"]
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_numba_reads_chunks_bit_for_bit_as_the_oracle(out_dtype):
+    cpu = pytest.importorskip("gear_hf.kernels.cpu")
+    for spec in (ChunkSpec(3, "token", 64, 0.0, 0, rotate=True, stats="8"),
+                 ChunkSpec(4, "token", 16, 0.0, 0, stats="8")):
+        chunk = compress(_groups().to(torch.bfloat16), spec)
+        out = torch.empty(2, 3, 40, 64, dtype=out_dtype)
+        assert cpu.decompress_supported(spec, 64, out)
+        assert torch.equal(cpu.decompress_into(chunk, spec, 40, 64, 1, out), decompress(chunk, spec, 40, 64, out_dtype))
 
 
 def _generate(model, config, ids):
@@ -119,14 +131,14 @@ def _generate(model, config, ids):
 
 
 def test_generate_stores_and_counts_two_bytes_less_per_value_group():
-    """Same layout as the torch backend's GearConfig(): the report differs by exactly 2 bytes per value group
+    """Same layout as GearConfig()'s (both on the torch backend): the report differs by exactly 2 bytes per value group
     allocated (a uint8 scale and zero point instead of two 16-bit numbers), the walk of the stores equals the report,
     and the first tokens (before anything is compressed) are the 16-bit statistics' own."""
     model = tiny_model("llama3", dtype=torch.bfloat16)
     torch.manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (2, 300))  # a 256-token prompt group, then a decode chunk
     seq16, cache16 = _generate(model, GearConfig(backend="torch"), ids)
-    seq8, cache8 = _generate(model, GearConfig(value_statistics="8"), ids)
+    seq8, cache8 = _generate(model, GearConfig(value_statistics="8", backend="torch"), ids)
     assert torch.equal(seq8[:, :301], seq16[:, :301])  # the prompt step reads the model's own values
     assert all(layer.value_stream.decode.fields for layer in cache8.layers)  # a decode chunk was compressed too
     groups = sum(store.fields["scale"].numel() for layer in cache8.layers
@@ -135,7 +147,36 @@ def test_generate_stores_and_counts_two_bytes_less_per_value_group():
     r16, r8 = cache16.memory_report(), cache8.memory_report()
     assert r16["elements"] == r8["elements"]
     assert r16["owned_bytes"] - r8["owned_bytes"] == 2 * groups
-    stores = walk({"layers": cache8.layers, "tables": cache8.layout.tables, "kernel_state": cache8.kernel_state,
-                   "rotary": cache8._rotary})
-    assert stores.total == r8["owned_bytes"]
-    assert cache8.step_paths.get("reference", 0) > 0
+    assert _store_walk(cache8) == r8["owned_bytes"]
+
+
+def _store_walk(cache) -> int:
+    return walk({"layers": cache.layers, "tables": cache.layout.tables, "kernel_state": cache.kernel_state,
+                 "rotary": cache._rotary}).total
+
+
+def test_the_numba_path_generates_the_torch_paths_tokens_and_keeps_no_decoded_copy():
+    """float32 model: in bf16 the two paths' attention rounds differently (16-bit statistics' tokens part too)."""
+    pytest.importorskip("numba")
+    model = tiny_model("qwen2", dtype=torch.float32)
+    torch.manual_seed(2)
+    ids = torch.randint(1, model.config.vocab_size, (3, 290))
+    mask = torch.ones_like(ids)
+    mask[1, :37] = 0  # left-padded rows
+    mask[2, :200] = 0
+    outs = {}
+    for backend in ("torch", "auto"):
+        config = GearConfig(value_statistics="8", backend=backend)
+        enabled = copy.deepcopy(model)
+        gear_hf.enable(enabled, config)
+        with torch.inference_mode():
+            out = enabled.generate(ids, attention_mask=mask, max_new_tokens=150, do_sample=False,
+                                   return_dict_in_generate=True)
+        outs[backend] = out
+    cache = outs["auto"].past_key_values
+    assert cache.step_paths.get("fused", 0) > 0 and not cache.step_paths.get("reference", 0)
+    assert torch.equal(outs["auto"].sequences, outs["torch"].sequences)
+    report = cache.memory_report()
+    assert _store_walk(cache) == report["owned_bytes"]
+    assert not any(key[0] == "numba" for layer in cache.layers for store in (layer.value_stream.prefill,
+                   layer.value_stream.decode) if store is not None for key in store.derived)

@@ -43,11 +43,6 @@ class NumbaBackend(Backend):
         extra = sorted({name for spec in specs for name in spec.extra_terms})
         if extra:
             return f"the CPU kernels do not implement the term(s) {extra}"
-        from ..kernels import statistics_reason  # (light: no kernel import)
-
-        for spec in specs:
-            if statistics_reason(spec):
-                return statistics_reason(spec)
         if op == "attend":
             return _kernels().attend_supported(config, head_dim, dtype)
         if op == "compress":
@@ -56,6 +51,9 @@ class NumbaBackend(Backend):
             for spec in specs:
                 if spec.range_search:
                     return "range_search: the CPU compression kernels take min/max ranges"
+                if spec.stats != "16":
+                    return (f"{spec.stats}-bit statistics (value_statistics={spec.stats!r}): the CPU compression "
+                            "kernels write 16-bit ones (the torch oracle compresses; the CPU kernels read them)")
                 if not spec.allocated and spec.bits not in BITS:
                     return f"{spec.bits}-bit codes"
             return None
@@ -122,6 +120,8 @@ class NumbaBackend(Backend):
         return {"numba_run": self.prepared(store, chunks)}
 
     def prepared(self, store, chunks: int):
+        if store.spec.stats != "16":  # decoded for this call: a float32 copy kept would outweigh the 8-bit saving
+            return _kernels().prepare(store.run(chunks), store.spec, store.chunk_len, store.head_dim, chunks)
         key = (self.name, chunks)
         entry = store.derived.get(key)
         if entry is None or entry[0] != store.version:

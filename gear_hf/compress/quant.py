@@ -24,10 +24,11 @@ BITS = (2, 3, 4, 8)
 STATS = ("16", "8")
 
 # The scale codes of 8-bit statistics: code 0 = scale 0 (an empty or constant-zero group), code k >= 1 =
-# 2^((k - 161) / 8): 2^-20 .. 2^11.75 in steps of 2^(1/8) (9%). A table, not exp2, so every reader decodes the same
-# float32 values.
-LOG_SCALES = torch.cat([torch.zeros(1), torch.exp2((torch.arange(1, 256, dtype=torch.float64) - 161) / 8).float()])
-
+# 2^((k - 161) / 8) rounded to bf16: 2^-20 .. 2^11.75 in steps of 2^(1/8) (9%). A table, not exp2, so every reader
+# decodes the same values; in bf16 (as `decode_stats8`'s minimum) so code x scale is exact in float32, and a kernel's
+# FMA gives the oracle's multiply-then-add bit for bit, as with 16-bit statistics.
+LOG_SCALES = torch.cat([torch.zeros(1), torch.exp2((torch.arange(1, 256, dtype=torch.float64) - 161) / 8)]) \
+    .to(torch.bfloat16).float()
 
 def levels(bits: int) -> int:
     return (1 << bits) - 1
@@ -258,10 +259,14 @@ def _stored_stats(lo: torch.Tensor, hi: torch.Tensor, top, stats_dtype: torch.dt
 
 def decode_stats8(scale_code: torch.Tensor, zero_code: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(minimum, scale) float32 of 8-bit statistics: scale = LOG_SCALES[scale_code], minimum = -(zero_code * top
-    / 255) * scale, in that order of float32 operations (the kernels decode the same way)."""
+    / 255) * scale (float32 operations in that order) rounded down to a bf16 value, so that it stays <= the range
+    the zero point was chosen to cover."""
     scale = LOG_SCALES.to(scale_code.device)[scale_code.long()]
-    zero = zero_code.float() * top / 255
-    return -(zero * scale), scale
+    exact = -(zero_code.float() * top / 255 * scale)
+    minimum = exact.to(torch.bfloat16)
+    minimum = torch.where(minimum.float() > exact, torch.nextafter(minimum, torch.full_like(minimum, float("-inf"))),
+                          minimum)
+    return minimum.float(), scale
 
 
 def stats8(lo: torch.Tensor, hi: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -108,10 +108,10 @@ def step_reason(head_dim: int, query_len: int, rotary_dim: int | None, softcap: 
 
 
 def statistics_reason(spec) -> str | None:
-    """Why no kernel (Triton or numba) reads chunks of this ChunkSpec's statistics, or None: they read 16-bit ones."""
+    """Why the Triton kernels do not read chunks of this ChunkSpec's statistics, or None: they read 16-bit ones."""
     if spec.stats != "16":
-        return (f"{spec.stats}-bit statistics (GearConfig.value_statistics={spec.stats!r}) are read by the torch "
-                "backend only")
+        return (f"{spec.stats}-bit statistics (GearConfig.value_statistics={spec.stats!r}) are not read by the Triton "
+                "kernels (the torch backend, or numba on CPU)")
     return None
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from ...compress import ChunkSpec, CompressedChunk
+from ...compress.quant import decode_stats8, top_code
 from ...compress.terms import BUILTIN_FIELDS
 from . import arrays
 from .dequant import _decompress, _decompress_bf16, _rotate
@@ -59,9 +60,12 @@ def prepare(chunk: CompressedChunk, spec: ChunkSpec, n: int, d: int, chunks: int
     outliers = (_side_array(chunk.sparse_values, whole=False), _stored(chunk.sparse_index, whole=False)) \
         if chunk.sparse_index.numel() else _NO_OUTLIERS
     group = spec.group_for(n, d) if spec.axis == "channel" else min(spec.group_for(n, d), d)  # (> d: one group)
+    if spec.stats == "8":  # decoded to float32 (a copy: the caller keeps it no longer than a step)
+        minimum, scale = (t.numpy() for t in decode_stats8(chunk.scale, chunk.minimum, top_code(spec.bits)))
+    else:
+        scale, minimum = _side_array(chunk.scale), _side_array(chunk.minimum)
     return Run(codes=_stored(chunk.codes), bits=0 if spec.allocated else int(spec.bits), group=group,
-               channel_axis=spec.axis == "channel", scale=_side_array(chunk.scale),
-               minimum=_side_array(chunk.minimum),
+               channel_axis=spec.axis == "channel", scale=scale, minimum=minimum,
                factors=_factors(chunk, chunks) if chunk.lowrank_a.shape[-1] else _NO_FACTORS, outliers=outliers,
                n=n, tokens=chunks * n, hadamard=spec.rotate, widths=chunk.channel_bits.contiguous().numpy())
 
