@@ -34,6 +34,7 @@ import time
 import benchlib
 import torch
 from bench_tail import run
+from benchlib import probe
 
 
 def _round_per_token(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -76,10 +77,7 @@ def candidate(name: str):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--texts", type=int, nargs="+", default=[0, 1, 200])
-    parser.add_argument("--prompt", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=96)
+    probe.add_text_arguments(parser)
     parser.add_argument("--candidates", default="int8,k4n,k5n,k6")
     benchlib.add_out_argument(parser, "probe.csv/.md")
     args = benchlib.parse_bench_args(parser, argv, "probe-key-tail")
@@ -87,7 +85,6 @@ def main(argv=None) -> int:
 
     import gear_hf
     from gear_hf import GearConfig
-    from gear_hf import diagnostics as D
     from gear_hf.coded_store import CodedTokenStore
     from gear_hf.format import INT8_TOKENS
 
@@ -129,12 +126,7 @@ def main(argv=None) -> int:
             # what a candidate of b bits would own: the key buffer's elements at b instead of 8 bits
             b = rounding.bits if rounding is not None else 8
             owned = [bits_i - (8 - b) * n / elements for bits_i, (n, elements) in zip(bits, key_tail)]
-            kl = D.kl_divergence(reference, logits)
-            rows.append({"text": text, "candidate": name, "simulated": rounding is not None,
-                         "mean_owned": sum(owned) / len(owned), "max_owned": max(owned),
-                         "mean_kl": kl.mean().item(), "max_kl": kl.max().item(),
-                         "top1_agreement": (reference.argmax(-1) == logits.argmax(-1)).float().mean().item(),
-                         "seconds": round(time.perf_counter() - started)})
+            rows.append(probe.result_row(text, name, rounding is not None, owned, reference, logits, started))
             print(rows[-1], flush=True)
             benchlib.write_csv(benchlib.Path(args.out) / "probe.csv", rows)
     cond.finish()

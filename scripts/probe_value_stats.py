@@ -39,6 +39,7 @@ import time
 import benchlib
 import torch
 from bench_tail import run
+from benchlib import probe
 
 SAVED_BITS = {"base": 0, "sym": 16, "z8": 8, "log8z8": 16, "m16s8": 8}  # bits saved per (scale, minimum) pair
 
@@ -117,10 +118,7 @@ def candidate_stats(name: str, stored_stats):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--texts", type=int, nargs="+", default=[0, 1, 200])
-    parser.add_argument("--prompt", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=96)
+    probe.add_text_arguments(parser)
     parser.add_argument("--candidates", default=",".join(SAVED_BITS))
     benchlib.add_out_argument(parser, "probe.csv/.md")
     args = benchlib.parse_bench_args(parser, argv, "probe-value-stats")
@@ -128,7 +126,6 @@ def main(argv=None) -> int:
 
     import gear_hf
     from gear_hf import GearConfig
-    from gear_hf import diagnostics as D
     from gear_hf.compress import quant
 
     names = [n.strip() for n in args.candidates.split(",") if n.strip()]
@@ -160,12 +157,7 @@ def main(argv=None) -> int:
                 gear_hf.disable(model)
             saved = {g: SAVED_BITS[fmt] for g, fmt in parse_candidate(name).items()}
             owned = [b - sum(saved[g] * p[g] for g in saved) / elements for b, (p, elements) in zip(bits, pairs)]
-            kl = D.kl_divergence(reference, logits)
-            rows.append({"text": text, "candidate": name, "simulated": name != "base",
-                         "mean_owned": sum(owned) / len(owned), "max_owned": max(owned),
-                         "mean_kl": kl.mean().item(), "max_kl": kl.max().item(),
-                         "top1_agreement": (reference.argmax(-1) == logits.argmax(-1)).float().mean().item(),
-                         "seconds": round(time.perf_counter() - started)})
+            rows.append(probe.result_row(text, name, name != "base", owned, reference, logits, started))
             print(rows[-1], flush=True)
             benchlib.write_csv(benchlib.Path(args.out) / "probe.csv", rows)
     cond.finish()
