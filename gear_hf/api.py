@@ -45,6 +45,7 @@ class _GearState:
     cache_kwarg: str = "cache"
     last_cache: object = None  # the GearCache the last generate used (None when it used none)
     warned: set = field(default_factory=set)  # reasons already warned about (once per model)
+    generating: int = 0  # GEAR generate calls in progress (assistant_early_exit drafts inside its own verifier's)
 
 
 def _check_rope(rotary: torch.nn.Module, config: GearConfig) -> None:
@@ -138,12 +139,16 @@ def _gear_generate(model, *args, **kwargs):
     gen_config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
     if _speculation(model, kwargs) == "draft":
         # a draft's cache is cropped back over several of its own steps, which compressed chunks cannot undo
-        state.last_cache = None
-        if "draft" not in state.warned:
-            state.warned.add("draft")
-            warnings.warn("gear_hf: this model drafts for another (assistant_model=): its draft cache is "
-                          "transformers' own, uncompressed; the verifying model's cache stays GEAR", UserWarning,
-                          stacklevel=2)
+        if state.generating:  # assistant_early_exit: the model drafts for itself, inside its own GEAR generate
+            key, message = "early_exit", ("assistant_early_exit: this model's draft (its first layers) keeps "
+                                          "transformers' own cache, uncompressed; the verifying cache stays GEAR")
+        else:
+            state.last_cache = None
+            key, message = "draft", ("this model drafts for another (assistant_model=): its draft cache is "
+                                     "transformers' own, uncompressed; the verifying model's cache stays GEAR")
+        if key not in state.warned:
+            state.warned.add(key)
+            warnings.warn(f"gear_hf: {message}", UserWarning, stacklevel=2)
         return original(*args, **kwargs)
     reason = _not_gear_reason(kwargs, gen_config)
     if reason is not None:
@@ -207,7 +212,11 @@ def _generate_with(model, state: _GearState, original, config: GearConfig, args,
                           speculative=_speculation(model, kwargs) == "verifier")
         kwargs[state.cache_kwarg] = cache
     state.last_cache = cache
-    return original(*args, **kwargs)
+    state.generating += 1
+    try:
+        return original(*args, **kwargs)
+    finally:
+        state.generating -= 1
 
 
 def _wrap_generate(model, state: _GearState) -> None:

@@ -177,6 +177,20 @@ def test_fit_factors_equals_torch_fit(n, d, rank, factor_bits):
     assert abs((residual - p_got).norm() - fit_error) <= 1e-3 * residual.norm()
 
 
+@pytest.mark.parametrize("seed,n,d,rank,factor_bits", [(6, 16, 64, 4, 8), (6, 64, 64, 2, 16), (21, 16, 64, 4, 8)])
+def test_fit_factors_of_a_residual_of_lower_rank_than_asked(seed, n, d, rank, factor_bits):
+    """Every token the same vector (a generation looping on one token leaves such a chunk, its residual of rank 1):
+    Gram-Schmidt leaves the columns beyond the rank as float32 rounding, alike in every entry, which normalized
+    came back as the first column; A then held it twice (A Bᵀ twice the fit, the int8 refit's Gram matrix
+    singular): a fit error 100-300x torch's, found on a Qwen3 beam search. Such a column must carry nothing."""
+    torch.manual_seed(seed)
+    spec = ChunkSpec(2, "channel", 0, 0.0, rank, factor_bits=factor_bits)
+    residual = (torch.ones(1, 2, n, 1) * (torch.randn(1, 2, 1, d) * 0.05)).contiguous()
+    expected, got = fit_factors(residual, spec, torch.bfloat16), cpu.fit_factors(residual, spec, torch.bfloat16)
+    fit_error = (residual - _product(*expected)).norm()
+    assert abs((residual - _product(*got)).norm() - fit_error) <= 1e-3 * residual.norm()
+
+
 def test_fit_factors_of_zeros_and_a_fp16_side_dtype():
     spec = ChunkSpec(2, "channel", 0, 0.0, 2, factor_bits=8)
     a, b, a_scale, b_scale = cpu.fit_factors(torch.zeros(1, 2, 64, 64), spec, torch.bfloat16)

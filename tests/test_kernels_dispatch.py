@@ -139,6 +139,8 @@ def _tiny(arch: str, dtype=torch.float32):
         MistralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
     )
 
     # head_dim 32 (the fused kernel needs a power of two >= 32), GQA 2
@@ -151,6 +153,9 @@ def _tiny(arch: str, dtype=torch.float32):
     elif arch == "mistral":
         # (a window > 2 x buffer_size 16: a shorter one is stored dense, nothing compressed: gear_hf/cache/window.py)
         config, cls = MistralConfig(sliding_window=36, **common), MistralForCausalLM
+    elif arch == "qwen3":  # layer 0 full, layer 1 sliding (window 36), one rotary module for both
+        config = Qwen3Config(head_dim=32, use_sliding_window=True, sliding_window=36, max_window_layers=1, **common)
+        cls = Qwen3ForCausalLM
     else:
         config, cls = Qwen2Config(**common), Qwen2ForCausalLM
     config._attn_implementation = "sdpa"
@@ -226,6 +231,15 @@ def test_sliding_layer_releases_chunks_and_fused_still_equals_torch(fused):
     row's window and are released; the kernel reads [sink | live chunks | buffer] with remapped indices."""
     cache = _compare("mistral", 56, group_size=8, backend=fused)
     assert all(layer.released.prompt and layer.released.chunks > 0 for layer in cache.layers)
+
+
+def test_full_and_sliding_layers_sharing_a_rotary_module_fused_equals_torch(fused):
+    """Qwen3 with a full layer and a sliding one that released its prompt and leading chunks, sharing one rotary
+    module: the sliding layer's kernel positions skip what it released, so the rotary halves of a step are not the
+    full layer's (the numba kernel once rotated the sliding layer's keys at the full layer's positions)."""
+    cache = _compare("qwen3", 56, group_size=8, backend=fused)
+    full, sliding = cache.layers
+    assert not full.released.prompt and sliding.released.prompt and sliding.released.chunks > 0
 
 
 @pytest.mark.slow

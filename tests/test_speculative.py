@@ -93,3 +93,21 @@ def test_crop_into_compressed_chunks_raises_clearly(models):
     cache.crop(0)
     cache.crop(length + 5)  # (the older convention: keep the first m; more than held is a no-op)
     assert cache.get_seq_length() == length
+
+
+def test_early_exit_self_speculation_keeps_the_verifiers_gear_cache(models):
+    """assistant_early_exit: the model drafts with its own first layers inside its own generate. That nested draft
+    call keeps transformers' cache (and says so once), but last_cache() is still the verifying call's GearCache (it
+    was once reset to None by the nested draft call), and the tokens are the config's greedy output."""
+    model = copy.deepcopy(models[0])
+    with gear_hf.enabled(model, COMPRESSING):
+        plain = _greedy(model)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            speculated = _greedy(model, assistant_early_exit=1)
+        cache = gear_hf.last_cache(model)
+    assert isinstance(cache, gear_hf.GearCache) and cache.speculative
+    assert cache.get_seq_length() == speculated.shape[1] - 1 and max(cache.decode_chunks) > 0
+    assert torch.equal(plain, speculated)
+    drafts = [str(w.message) for w in seen if "gear_hf" in str(w.message)]
+    assert len(drafts) == 1 and "assistant_early_exit" in drafts[0], drafts

@@ -68,6 +68,18 @@ def test_caller_gear_cache_is_the_last_cache():
     assert gear_hf.last_cache(model) is cache
 
 
+@pytest.mark.parametrize("cache_layers", [1, 3])
+def test_a_gear_cache_built_for_another_model_is_a_clear_error(cache_layers):
+    """A GearCache built from a model with other layers than the one generating: a ValueError that says so (it was
+    an IndexError with more model layers; with fewer, silently a cache whose last layer never stored, its steps never
+    ended and its memory report counted a layer of nothing)."""
+    model = _enabled_model()
+    ids, mask = prompts(1)
+    cache = gear_hf.GearCache(tiny_model("llama2", layers=cache_layers))
+    with pytest.raises(ValueError, match=r"GearCache belongs to the model it was built from"):
+        greedy(model, ids, mask, 3, **{CACHE_ARG: cache})
+
+
 def test_cache_implementation_gear_with_cache_config():
     model = _enabled_model()
     ids, mask = prompts(2)

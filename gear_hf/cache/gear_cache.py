@@ -118,6 +118,9 @@ class GearCache(FusedPath, Cache):
             raise RuntimeError("GearCache stores compressed keys/values without autograd; run generation under "
                                "torch.no_grad() or torch.inference_mode() (model.generate does), or pass "
                                "use_cache=False to train")
+        if not 0 <= layer_idx < len(self.layers):
+            raise ValueError(f"layer {layer_idx} stored into a GearCache of {len(self.layers)} layers: a GearCache "
+                             "belongs to the model it was built from; build one for this model (GearCache(model))")
         layer = self.layers[layer_idx]
         layout = self.layout
         if layer.steps == layout.steps:
@@ -141,6 +144,11 @@ class GearCache(FusedPath, Cache):
             layer.bind(self.plan)
 
     def _plan_step(self, key_states: torch.Tensor, position_ids: torch.Tensor | None) -> None:
+        if self.layout.steps and self.layers[-1].flushed_step != self.layout.steps:
+            stored = sum(layer.steps == self.layout.steps for layer in self.layers)
+            raise ValueError(f"the last step stored into {stored} of this GearCache's {len(self.layers)} layers (or "
+                             "failed part way): a GearCache belongs to the model it was built from; build one for "
+                             "this model (GearCache(model))")
         self._check_finite()  # a previous step whose last layer was not patched
         B, _, q, _ = key_states.shape
         rect_before = self.layout.rect_length

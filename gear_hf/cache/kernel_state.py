@@ -1,8 +1,8 @@
 """`KernelState`: what the fused kernels need beyond one store's data, owned by the cache and counted by its report.
 
     rope_halves  cos/sin of the half angles at the step's row-local positions (CPU kernel), computed once per step
-                 and shared by its layers; dropped when the step ends (`end_step`): a table proportional to T is
-                 not kept between steps
+                 and positions table, shared by the layers that read the same one; dropped when the step ends
+                 (`end_step`): a table proportional to T is not kept between steps
     workspace    the split-KV partial results of the Triton kernel: one buffer shared by every layer, sized to the
                  largest step so far
     scratch      the Triton tensor-core kernel's outlier tiles: one zeroed buffer shared the same way
@@ -20,7 +20,8 @@ from ..rope import rope_angles
 
 class KernelState:
     def __init__(self) -> None:
-        self._rope: dict = {}  # this step's {id(inv_freq): (cos, sin)} (no reference to the model's tensors)
+        # this step's {(id(inv_freq), id(positions)): (positions, cos, sin)} (no reference to the model's tensors)
+        self._rope: dict = {}
         self._rope_step = -1
         self._workspaces: dict[tuple, torch.Tensor] = {}
         self._tables: dict[tuple, torch.Tensor] = {}
@@ -32,15 +33,18 @@ class KernelState:
 
     def rope_halves(self, positions: torch.Tensor, inv_freq: torch.Tensor):
         """cos/sin [B, T, d/2] float32 numpy arrays at `positions` (as the rotary module computes them), once per
-        step and rotary module (the layout gives every layer of a step the same positions; a model may have two
-        rotary modules, local and global)."""
+        step, rotary module (a model may have two, local and global) and positions tensor: the layers of a step
+        share the layout's positions, except a sliding layer that released chunks, whose kernel positions skip them
+        (`RowLayout.kernel_inputs`: same shape, other values). The entry keeps its positions tensor, so its id
+        cannot be reused by another one within the step."""
         if self._rope_step != self.step:
             self._rope, self._rope_step = {}, self.step
-        key = (id(inv_freq), tuple(positions.shape))
-        if key not in self._rope:
+        key = (id(inv_freq), id(positions))
+        entry = self._rope.get(key)
+        if entry is None or entry[0] is not positions:
             angles = rope_angles(positions, inv_freq)
-            self._rope[key] = (angles.cos().numpy(), angles.sin().numpy())
-        return self._rope[key]
+            entry = self._rope[key] = (positions, angles.cos().numpy(), angles.sin().numpy())
+        return entry[1:]
 
     def end_step(self) -> None:
         """The step ended: drop its rotary halves."""
@@ -74,5 +78,5 @@ class KernelState:
 
     def nbytes(self) -> int:
         tensors = list(self._workspaces.values()) + list(self._tables.values())
-        rope = sum(cos.nbytes + sin.nbytes for cos, sin in self._rope.values())
+        rope = sum(cos.nbytes + sin.nbytes for _, cos, sin in self._rope.values())
         return sum(t.numel() * t.element_size() for t in tensors) + rope

@@ -23,6 +23,9 @@ _FAST = {"reassoc", "contract"}  # sums reordered and vectorized (this step is e
 # singular values below this times the largest (times the rank) are dropped, as torch.linalg.pinv's default rtol
 _PINV_RTOL = _F32(np.finfo(np.float32).eps)
 _BF16_MAX = _F32(torch.finfo(torch.bfloat16).max)
+# a row whose part orthogonal to the earlier rows is below this fraction of its norm is taken as dependent on them
+# (float32 rounding, ~eps each, over a few hundred entries; a real direction this weak carries nothing of the fit)
+_DEPENDENT = _F32(64 * np.finfo(np.float32).eps)
 
 
 @kernel(fastmath=_FAST)
@@ -52,9 +55,15 @@ def _project_back(R, left_t, basis_t):
 @kernel(fastmath=_FAST)
 def _orthonormalize(rows):
     """The rows of rows [r, m] made orthonormal in order (Gram-Schmidt, each projection done twice); a row that
-    vanishes becomes 0 (its column of the fit then carries nothing)."""
+    vanishes becomes 0 (its column of the fit then carries nothing). Vanishes: what is left after the projections
+    is float32 rounding of the row (<= _DEPENDENT of its norm). Normalized, that rounding is no new direction: on
+    a residual of rank 1 (one token repeated) every entry of the row rounds alike and it came back as the previous
+    row, so A held one column twice and A Bᵀ twice the fit (LAPACK's QR, torch's, gives an orthogonal column)."""
     r, m = rows.shape
     for j in range(r):
+        before = _F32(0.0)
+        for t in range(m):
+            before += rows[j, t] * rows[j, t]
         for _ in range(2):
             for i in range(j):
                 dot = _F32(0.0)
@@ -66,7 +75,7 @@ def _orthonormalize(rows):
         for t in range(m):
             norm += rows[j, t] * rows[j, t]
         norm = np.sqrt(norm)
-        inverse = _F32(1.0) / norm if norm > 0 else _F32(0.0)
+        inverse = _F32(1.0) / norm if norm > _DEPENDENT * np.sqrt(before) else _F32(0.0)
         for t in range(m):
             rows[j, t] *= inverse
 
