@@ -351,8 +351,8 @@ def quantize(x: torch.Tensor, bits, axis: str, group: int, exclude: torch.Tensor
     to what was decided here.
     range_search: choose each group's range (scale, minimum) among clipped candidates for the least squared
     error of its entries instead of taking min/max (`_searched_stats`); same stored format.
-    stats="8": 8-bit statistics (`stats8`, one width, min/max ranges): scale and minimum are then the decoded float32
-    values the codes were computed against, and `quantize` returns (codes, scale, minimum, scale code, zero code).
+    stats="8": 8-bit statistics (`stats8`, one width, min/max ranges): scale and minimum are then their stored uint8
+    codes (scale code, zero-point code; `decode_stats8` gives the values the codes were computed against).
     """
     stats_dtype = stats_dtype or x.dtype
     n, d = x.shape[-2:]
@@ -376,13 +376,13 @@ def quantize(x: torch.Tensor, bits, axis: str, group: int, exclude: torch.Tensor
     if not isinstance(bits, int) and axis != "channel":
         raise ValueError(f"per-channel bit widths need axis='channel', got axis={axis!r}")
     top = top_code(bits)
-    codes8 = None
+    stored = None
     if stats == "8":
         if range_search or not isinstance(bits, int):
             raise ValueError("8-bit statistics take one width and min/max ranges (no range_search, no per-channel "
                              "widths)")
-        codes8 = stats8(lo, hi, top)
-        minimum, scale = decode_stats8(*codes8, top)
+        stored = stats8(lo, hi, top)
+        minimum, scale = decode_stats8(*stored, top)
     elif range_search:
         eg = torch.zeros_like(xg, dtype=torch.bool) if eg is None else eg
         minimum, scale = _searched_stats(xg, eg, member, lo, hi, top, stats_dtype)
@@ -393,8 +393,7 @@ def quantize(x: torch.Tensor, bits, axis: str, group: int, exclude: torch.Tensor
     # (xg promoted to float32 inside the subtraction: no float32 copy of x)
     codes = codes.div_(safe_scale.unsqueeze(member)).round_()
     codes = _clamp_codes(codes, top, member).to(torch.uint8).reshape(*x.shape[:2], n, -1)
-    if codes8 is not None:
-        return codes[..., :d], scale, minimum, *codes8
+    scale, minimum = stored if stored is not None else (scale, minimum)
     return codes[..., :d], scale, minimum  # padded channels (a short last value group) are not codes
 
 

@@ -60,10 +60,11 @@ class QuantizedBackbone(Term):
             st.exclude = padding.expand(st.x.shape) if st.exclude is None else st.exclude | padding
         check_channel_bits(spec, st.channel_bits)
         bits = spec.bits if st.channel_bits is None else st.channel_bits.unsqueeze(2)  # [B,H,1,d]
-        if spec.stats == "8":  # (the encode state keeps the decoded statistics: later terms read floats)
-            st.codes, st.scale, st.minimum, scale_code, zero_code = quant.quantize(
-                st.work, bits, spec.axis, st.group, exclude=st.exclude, stats="8")
+        if spec.stats == "8":  # stored as codes; the encode state keeps their values (later terms read floats)
+            st.codes, scale_code, zero_code = quant.quantize(st.work, bits, spec.axis, st.group, exclude=st.exclude,
+                                                             stats="8")
             st.out["scale"], st.out["minimum"] = scale_code, zero_code
+            st.minimum, st.scale = quant.decode_stats8(scale_code, zero_code, quant.top_code(spec.bits))
             return
         if st.quantize_pack is None or spec.range_search or spec.allocated:  # (the accelerated one: min/max, one width)
             st.codes, st.scale, st.minimum = quant.quantize(st.work, bits, spec.axis, st.group, exclude=st.exclude,
