@@ -81,9 +81,6 @@ def main(argv=None) -> int:
     parser.add_argument("--candidates", default="int8,k4n,k5n,k6")
     benchlib.add_out_argument(parser, "probe.csv/.md")
     args = benchlib.parse_bench_args(parser, argv, "probe-key-tail")
-    from transformers import DynamicCache
-
-    import gear_hf
     from gear_hf import GearConfig
     from gear_hf.coded_store import CodedTokenStore
     from gear_hf.format import INT8_TOKENS
@@ -101,9 +98,7 @@ def main(argv=None) -> int:
     config = GearConfig(backend="torch")  # the oracle encodes the buffer (the probe wraps its encode)
     encode = CodedTokenStore.encode
     rows = []
-    for text in args.texts:
-        ids = tokenizer(benchlib.gsm8k_text(text), return_tensors="pt").input_ids[:, -(args.prompt + args.steps):]
-        reference, _ = run(model, ids, args.prompt, DynamicCache(config=model.config))
+    for text, ids, reference in probe.texts_with_reference(run, model, tokenizer, args):
         for name in names:
             started = time.perf_counter()
             rounding = candidate(name)
@@ -113,16 +108,13 @@ def main(argv=None) -> int:
                     x = rounding(store, x)
                 return encode(store, x)
 
+            key_tail = []  # (key-buffer elements, key + value elements held) after each decode step
             CodedTokenStore.encode = probed
             try:
-                gear_hf.enable(model, config)
-                cache = gear_hf.GearCache(model, config)
-                key_tail = []  # (key-buffer elements, key + value elements held) after each decode step
-                logits, bits = run(model, ids, args.prompt, cache, note=lambda c, report, key_tail=key_tail:
-                                   key_tail.append((buffered_key_elements(c), report["elements"])))
+                logits, bits = probe.run_enabled(run, model, ids, args.prompt, config, lambda c, report:
+                                                 key_tail.append((buffered_key_elements(c), report["elements"])))
             finally:
                 CodedTokenStore.encode = encode
-                gear_hf.disable(model)
             # what a candidate of b bits would own: the key buffer's elements at b instead of 8 bits
             b = rounding.bits if rounding is not None else 8
             owned = [bits_i - (8 - b) * n / elements for bits_i, (n, elements) in zip(bits, key_tail)]

@@ -122,9 +122,6 @@ def main(argv=None) -> int:
     parser.add_argument("--candidates", default=",".join(SAVED_BITS))
     benchlib.add_out_argument(parser, "probe.csv/.md")
     args = benchlib.parse_bench_args(parser, argv, "probe-value-stats")
-    from transformers import DynamicCache
-
-    import gear_hf
     from gear_hf import GearConfig
     from gear_hf.compress import quant
 
@@ -140,21 +137,16 @@ def main(argv=None) -> int:
     config = GearConfig(backend="torch")  # the oracle compresses (the probe wraps its choice of statistics)
     stored_stats = quant._stored_stats
     rows = []
-    for text in args.texts:
-        ids = tokenizer(benchlib.gsm8k_text(text), return_tensors="pt").input_ids[:, -(args.prompt + args.steps):]
-        reference, _ = run(model, ids, args.prompt, DynamicCache(config=model.config))
+    for text, ids, reference in probe.texts_with_reference(run, model, tokenizer, args):
         for name in names:
             started = time.perf_counter()
             quant._stored_stats = candidate_stats(name, stored_stats)
+            pairs = []  # ({group kind: pairs}, key + value elements held) after each decode step
             try:
-                gear_hf.enable(model, config)
-                cache = gear_hf.GearCache(model, config)
-                pairs = []  # ({group kind: pairs}, key + value elements held) after each decode step
-                logits, bits = run(model, ids, args.prompt, cache, note=lambda c, report, pairs=pairs:
-                                   pairs.append((scale_pairs(c), report["elements"])))
+                logits, bits = probe.run_enabled(run, model, ids, args.prompt, config, lambda c, report:
+                                                 pairs.append((scale_pairs(c), report["elements"])))
             finally:
                 quant._stored_stats = stored_stats
-                gear_hf.disable(model)
             saved = {g: SAVED_BITS[fmt] for g, fmt in parse_candidate(name).items()}
             owned = [b - sum(saved[g] * p[g] for g in saved) / elements for b, (p, elements) in zip(bits, pairs)]
             rows.append(probe.result_row(text, name, name != "base", owned, reference, logits, started))

@@ -15,6 +15,18 @@ def add_text_arguments(parser) -> None:
     parser.add_argument("--steps", type=int, default=96)
 
 
+def texts_with_reference(run, model, tokenizer, args):
+    """(text, ids [1, prompt + steps], the stock cache's next-token logits [steps, V]) for each of args.texts: GSM8K
+    test problem N's 8-shot CoT prompt + worked answer, its last prompt + steps tokens."""
+    from transformers import DynamicCache
+
+    from .data import gsm8k_text
+
+    for text in args.texts:
+        ids = tokenizer(gsm8k_text(text), return_tensors="pt").input_ids[:, -(args.prompt + args.steps):]
+        yield text, ids, run(model, ids, args.prompt, DynamicCache(config=model.config))[0]
+
+
 def result_row(text: int, candidate: str, simulated: bool, owned: list[float], reference: torch.Tensor,
                logits: torch.Tensor, started: float) -> dict:
     """Bits owned over the decode steps (mean, max) and the next-token KL(reference || logits) over the predicted
@@ -27,3 +39,15 @@ def result_row(text: int, candidate: str, simulated: bool, owned: list[float], r
             "mean_kl": kl.mean().item(), "max_kl": kl.max().item(),
             "top1_agreement": (reference.argmax(-1) == logits.argmax(-1)).float().mean().item(),
             "seconds": round(time.perf_counter() - started)}
+
+
+def run_enabled(run, model, ids: torch.Tensor, prompt: int, config, note):
+    """`run(model, ids, prompt, cache, note=note)` (bench_tail.run) through a fresh GearCache of `config`, the model
+    enabled for it while it runs."""
+    import gear_hf
+
+    gear_hf.enable(model, config)
+    try:
+        return run(model, ids, prompt, gear_hf.GearCache(model, config), note=note)
+    finally:
+        gear_hf.disable(model)
