@@ -123,23 +123,24 @@ def test_numba_reads_chunks_bit_for_bit_as_the_oracle(out_dtype):
         assert torch.equal(cpu.decompress_into(chunk, spec, 40, 64, 1, out), decompress(chunk, spec, 40, 64, out_dtype))
 
 
-def _generate(model, config, ids):
+def _generate(model, config, ids, context=torch.inference_mode):
     model = copy.deepcopy(model)
     gear_hf.enable(model, config)
-    with torch.inference_mode():
+    with context():
         out = model.generate(ids, max_new_tokens=100, do_sample=False, return_dict_in_generate=True)
     return out.sequences, out.past_key_values
 
 
-def test_generate_stores_and_counts_two_bytes_less_per_value_group():
+@pytest.mark.parametrize("context", [torch.inference_mode, torch.no_grad])
+def test_generate_stores_and_counts_two_bytes_less_per_value_group(context):
     """Same layout as GearConfig()'s (both on the torch backend): the report differs by exactly 2 bytes per value group
     allocated (a uint8 scale and zero point instead of two 16-bit numbers), the walk of the stores equals the report,
     and the first tokens (before anything is compressed) are the 16-bit statistics' own."""
     model = tiny_model("llama3", dtype=torch.bfloat16)
     torch.manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (2, 300))  # a 256-token prompt group, then a decode chunk
-    seq16, cache16 = _generate(model, GearConfig(backend="torch"), ids)
-    seq8, cache8 = _generate(model, GearConfig(value_statistics="8", backend="torch"), ids)
+    seq16, cache16 = _generate(model, GearConfig(backend="torch"), ids, context)
+    seq8, cache8 = _generate(model, GearConfig(value_statistics="8", backend="torch"), ids, context)
     assert torch.equal(seq8[:, :301], seq16[:, :301])  # the prompt step reads the model's own values
     assert all(layer.value_stream.decode.fields for layer in cache8.layers)  # a decode chunk was compressed too
     groups = sum(store.fields["scale"].numel() for layer in cache8.layers
