@@ -123,6 +123,47 @@ def test_numba_reads_chunks_bit_for_bit_as_the_oracle(out_dtype):
         assert torch.equal(cpu.decompress_into(chunk, spec, 40, 64, 1, out), decompress(chunk, spec, 40, 64, out_dtype))
 
 
+@pytest.mark.parametrize("top", [7, 15, 255])
+def test_the_cpu_loops_decode_every_code_pair_as_the_oracle(top):
+    """The numba loops read the uint8 codes in place (`bf16.group_stats`): all 256 x 256 (scale, zero point) pairs
+    decode to decode_stats8's float32 bits, the minimum's rounding down to bf16 included."""
+    pytest.importorskip("numba")
+    import numba
+
+    from gear_hf.kernels.cpu.bf16 import group_stats
+
+    @numba.njit
+    def decode_all(scale, minimum, top, out_scale, out_minimum):
+        for t in range(scale.shape[2]):
+            for k in range(scale.shape[3]):
+                out_scale[0, 0, t, k], out_minimum[0, 0, t, k] = group_stats(scale, minimum, top, 0, 0, t, k)
+
+    codes = torch.arange(256, dtype=torch.uint8)
+    scale_code, zero_code = (c.reshape(1, 1, 256, 256).contiguous() for c in torch.meshgrid(codes, codes, indexing="ij"))
+    out_scale, out_minimum = torch.empty(2, 1, 1, 256, 256).unbind(0)
+    decode_all(scale_code.numpy(), zero_code.numpy(), top, out_scale.numpy(), out_minimum.numpy())
+    minimum, scale = quant.decode_stats8(scale_code, zero_code, top)
+    assert torch.equal(out_scale.view(torch.int32), scale.view(torch.int32))
+    assert torch.equal(out_minimum.view(torch.int32), minimum.view(torch.int32))
+
+
+def test_floor_bf16_is_the_largest_bf16_at_or_below():
+    pytest.importorskip("numba")
+    from gear_hf.kernels.cpu.bf16 import floor_bf16
+
+    torch.manual_seed(0)
+    values = torch.cat([torch.randn(2000) * torch.exp2(torch.randint(-140, 100, (2000,)).float()),
+                        torch.tensor([0.0, -0.0, 1.0, -1.0, 2.0**-133, -(2.0**-133), 3.0e38, -3.0e38])])
+    values = torch.cat([values, values.to(torch.bfloat16).float()])  # values already on the grid stay
+    for v in values.tolist():
+        v32 = torch.tensor(v, dtype=torch.float32)
+        rounded = v32.to(torch.bfloat16)
+        expected = torch.where(rounded.float() > v32, torch.nextafter(rounded, torch.tensor(float("-inf"),
+                                                                       dtype=torch.bfloat16)), rounded).float()
+        got = torch.tensor(floor_bf16(v32.item()), dtype=torch.float32)
+        assert got.view(torch.int32) == expected.view(torch.int32), (v, got.item(), expected.item())
+
+
 def _generate(model, config, ids, context=torch.inference_mode):
     model = copy.deepcopy(model)
     gear_hf.enable(model, config)
@@ -180,5 +221,7 @@ def test_the_numba_path_generates_the_torch_paths_tokens_and_keeps_no_decoded_co
     assert torch.equal(outs["auto"].sequences, outs["torch"].sequences)
     report = cache.memory_report()
     assert _store_walk(cache) == report["owned_bytes"]
-    assert not any(key[0] == "numba" for layer in cache.layers for store in (layer.value_stream.prefill,
-                   layer.value_stream.decode) if store is not None for key in store.derived)
+    # the prepared runs (kept while their fields are unwritten) view the uint8 codes: no decoded float32 copy
+    runs = [entry for layer in cache.layers for store in (layer.value_stream.prefill, layer.value_stream.decode)
+            if store is not None for key, entry in store.derived.items() if key[0] == "numba"]
+    assert runs and all(owned == 0 for _, _, owned in runs)

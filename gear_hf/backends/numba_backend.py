@@ -120,8 +120,6 @@ class NumbaBackend(Backend):
         return {"numba_run": self.prepared(store, chunks)}
 
     def prepared(self, store, chunks: int):
-        if store.spec.stats != "16":  # decoded for this call: a float32 copy kept would outweigh the 8-bit saving
-            return _kernels().prepare(store.run(chunks), store.spec, store.chunk_len, store.head_dim, chunks)
         key = (self.name, chunks)
         entry = store.derived.get(key)
         if entry is None or entry[0] != store.version:

@@ -1,4 +1,5 @@
-"""bf16 as torch rounds it, for the numba loops: float32 -> bf16 bits (nearest even), bits -> float32, one ulp."""
+"""bf16 as torch rounds it, for the numba loops: float32 -> bf16 bits (nearest even), bits -> float32, one ulp,
+float32 -> the bf16 value below; a side-information element or a group's (scale, minimum) as float32."""
 
 from __future__ import annotations
 
@@ -21,6 +22,16 @@ def round_bf16(v):
 def bf16_value(bits):
     """bf16 bits -> float32 (exact)."""
     return np.uint32(np.uint32(bits) << np.uint32(16)).view(np.float32)
+
+
+@numba.njit(inline="always")
+def floor_bf16(v):
+    """float32 -> the largest bf16 value <= v, as float32 (torch: round to nearest, then one ulp toward -inf where that
+    went up): drop the low 16 bits, and where that moved a negative value up, one bf16 ulp further from zero."""
+    exact_bits = np.float32(v).view(np.uint32)
+    kept = np.uint32(exact_bits & np.uint32(0xFFFF0000))
+    away = np.uint32(kept != exact_bits) & (exact_bits >> np.uint32(31))  # (one assignment each: inlined twice)
+    return np.uint32(kept + (away << np.uint32(16))).view(np.float32)
 
 
 @numba.njit(inline="always")
@@ -48,3 +59,37 @@ def _side_value(x):
     if isinstance(x, types.Integer) and x.bitwidth == 16:
         return lambda x: bf16_value(x)
     return lambda x: np.float32(x)
+
+
+# 8-bit statistics (`quant.stats8`): the scale codes' table, a compile-time constant of the loops
+_LOG_SCALES = None
+
+
+def group_stats(scale, minimum, top, b, h, t, k):
+    """(scale, minimum) float32 of group [b, h, t, k]: 16-bit fields (bf16 bits or numbers), or 8-bit statistics
+    (uint8 scale and zero-point codes) decoded as `quant.decode_stats8` decodes them, bit for bit; top: the group's
+    highest code."""
+    raise NotImplementedError("numba only: called from the CPU kernels")
+
+
+@overload(group_stats, inline="always")
+def _group_stats(scale, minimum, top, b, h, t, k):
+    if isinstance(scale.dtype, types.Integer) and scale.dtype.bitwidth == 8:
+        table = _log_scales()
+
+        def decode(scale, minimum, top, b, h, t, k):
+            s = table[scale[b, h, t, k]]
+            # -(zero_code * top / 255 * scale) in float32, in that order, then floored to bf16
+            exact = -((np.float32(minimum[b, h, t, k]) * np.float32(top) / np.float32(255)) * s)
+            return s, floor_bf16(exact)
+        return decode
+    return lambda scale, minimum, top, b, h, t, k: (side_value(scale[b, h, t, k]), side_value(minimum[b, h, t, k]))
+
+
+def _log_scales() -> np.ndarray:
+    global _LOG_SCALES
+    if _LOG_SCALES is None:
+        from ...compress.quant import LOG_SCALES
+
+        _LOG_SCALES = LOG_SCALES.numpy().astype(np.float32)
+    return _LOG_SCALES

@@ -19,6 +19,7 @@ import numba
 import numpy as np
 
 from .bf16 import bf16_value as _f32
+from .bf16 import group_stats as _group_stats
 from .bf16 import round_bf16 as _bf16
 from .bf16 import side_value as _side
 from .jit import kernel
@@ -103,14 +104,15 @@ def _spread_codes(codes, bits, b, h, N, out):
 
 
 @kernel()
-def _dequant_token(spread, scale, minimum, b, h, N, plane):
+def _dequant_token(spread, scale, minimum, top, b, h, N, plane):
     """Values-style: spread codes [N, G, >=g] (`_spread_codes`) -> plane [N, G, g] (the d channels as G groups of
-    g) = code*scale + minimum, scale/minimum [B,H,N,G] float32. (Inner loops start at 0: LLVM vectorizes them; an
-    offset start did not.)"""
+    g) = code*scale + minimum, scale/minimum [B,H,N,G]: 16-bit (`_side_array`), or 8-bit statistics' uint8 codes
+    (`bf16.group_stats`; top: the highest code). (Inner loops start at 0: LLVM vectorizes them; an offset start did
+    not.)"""
     G, g = plane.shape[1], plane.shape[2]
     for t in range(N):
         for k in range(G):
-            s, m = _side(scale[b, h, t, k]), _side(minimum[b, h, t, k])
+            s, m = _group_stats(scale, minimum, top, b, h, t, k)
             for c in range(g):
                 plane[t, k, c] = _F32(spread[t, k, c]) * s + m
 
@@ -255,7 +257,8 @@ def _assemble(codes, bits, group, channel_axis, scale, minimum, a, a_scale, b_ra
     else:
         _spread_codes(codes, bits, b, h, N, spread)
         G = d // group
-        _dequant_token(spread.reshape(N, G, group), scale, minimum, b, h, N, target.reshape(N, G, group))
+        _dequant_token(spread.reshape(N, G, group), scale, minimum, (1 << bits) - 1, b, h, N,
+                       target.reshape(N, G, group))
     if values.shape[2]:  # (D̂ + S) + A Bᵀ, in the oracle's order
         _add_outliers(values, index, channel_axis, b, h, n, N, target)
     if a.shape[3]:

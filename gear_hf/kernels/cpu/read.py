@@ -12,7 +12,6 @@ import numpy as np
 import torch
 
 from ...compress import ChunkSpec, CompressedChunk
-from ...compress.quant import decode_stats8, top_code
 from ...compress.terms import BUILTIN_FIELDS
 from . import arrays
 from .dequant import _decompress, _decompress_bf16, _rotate
@@ -60,8 +59,8 @@ def prepare(chunk: CompressedChunk, spec: ChunkSpec, n: int, d: int, chunks: int
     outliers = (_side_array(chunk.sparse_values, whole=False), _stored(chunk.sparse_index, whole=False)) \
         if chunk.sparse_index.numel() else _NO_OUTLIERS
     group = spec.group_for(n, d) if spec.axis == "channel" else min(spec.group_for(n, d), d)  # (> d: one group)
-    if spec.stats == "8":  # decoded to float32 (a copy: the caller keeps it no longer than a step)
-        minimum, scale = (t.numpy() for t in decode_stats8(chunk.scale, chunk.minimum, top_code(spec.bits)))
+    if spec.stats == "8":  # the uint8 codes in place, decoded by the loops (`bf16.group_stats`)
+        scale, minimum = _stored(chunk.scale), _stored(chunk.minimum)
     else:
         scale, minimum = _side_array(chunk.scale), _side_array(chunk.minimum)
     return Run(codes=_stored(chunk.codes), bits=0 if spec.allocated else int(spec.bits), group=group,
