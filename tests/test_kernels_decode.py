@@ -267,6 +267,10 @@ STORAGE = [
                        dtype=torch.float16)),
     # widths of 6 to 8 bits: planes 4-7 (the kernel transposes the planes as two 32-bit halves)
     ("kivi", 4, dict(key_bits=6.5, key_bit_allocation="query", sink=4)),
+    # 8-bit value statistics (uint8 scale and zero-point codes, decoded in the kernel): 3-bit rotated values, and
+    # 4-bit values with value outliers beside them
+    ("kivi", 3, dict(value_statistics="8", rotation="values", sink=4, dtype=torch.bfloat16)),
+    ("gear", 4, dict(value_statistics="8", value_group_size=32, d=128, dtype=torch.float16)),
 ]
 
 

@@ -62,6 +62,8 @@ CONFIGS = {
     "axes-flipped": dict(method="gear", bits=4, outlier_ratio=0.1, key_axis="token", value_axis="channel"),
     "default": dict(recommended="accurate"),  # allocated key widths (bit planes), 3-bit rotated values, sinks
     "compact": dict(recommended="compact"),  # values per channel, ranges searched
+    "default-stats8": dict(recommended="accurate", value_statistics="8"),  # 3-bit values, 8-bit statistics
+    "kivi4-stats8": dict(method="kivi", bits=4, value_statistics="8"),  # 4-bit values, 8-bit statistics
 }
 
 
@@ -69,8 +71,8 @@ def _config(name: str, **extra) -> GearConfig:
     """The named configuration at test sizes (groups of 16-32 tokens, a buffer of 32)."""
     c = dict(CONFIGS[name])
     if "recommended" in c:
-        return GearConfig.recommended(name=c["recommended"], group_size=32, key_group_size=32, value_group_size=None,
-                                      prompt_group_size=None, buffer_size=32, **extra)
+        return GearConfig.recommended(name=c.pop("recommended"), group_size=32, key_group_size=32,
+                                      value_group_size=None, prompt_group_size=None, buffer_size=32, **c, **extra)
     method, bits = c.pop("method"), c.pop("bits")
     return GearConfig.preset(method, bits=bits, group_size=16, buffer_size=32, **c, **extra)
 
@@ -94,7 +96,8 @@ STORE_CASES = [("gear2", 64, torch.float32, 77), ("gear3-f16", 64, torch.float32
                ("default", 128, torch.bfloat16, 77), ("compact", 64, torch.float32, 77),
                ("gear2", 128, torch.bfloat16, 300), ("default", 64, torch.float32, 300),
                ("kivi8", 64, torch.float32, 77), ("gear3-f16", 128, torch.bfloat16, 300),
-               ("gear8", 128, torch.float16, 300)]
+               ("gear8", 128, torch.float16, 300), ("default-stats8", 64, torch.bfloat16, 300),
+               ("kivi4-stats8", 128, torch.float32, 77)]
 
 
 @pytest.mark.parametrize("name,d,dtype,prompt", STORE_CASES,

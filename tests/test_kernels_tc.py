@@ -26,6 +26,7 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 from gear_hf.kernels.triton.tc_codes import magic_of, value_codes_magic  # noqa: E402
+from gear_hf.kernels.triton.tiles import _load_token_stats  # noqa: E402
 
 
 @triton.jit
@@ -34,6 +35,18 @@ def _magic_codes_kernel(codes_ptr, s_codes, out_ptr, n_valid, D: tl.constexpr, M
     slot = tl.arange(0, 16)
     v = value_codes_magic(codes_ptr, s_codes, slot, slot < n_valid, D, 3, MT)
     tl.store(out_ptr + slot[:, None] * D + tl.arange(0, D)[None, :], v.to(tl.float32) - magic_of(MT, 3)[1])
+
+
+
+@triton.jit
+def _stats8_kernel(scale_ptr, zero_ptr, out_scale, out_minimum, TOP: tl.constexpr):
+    """Every one of 256 x 256 (scale, zero point) code pairs through `tiles._load_token_stats` (uint8 pointers)."""
+    rows = tl.program_id(0) * 16 + tl.arange(0, 16)
+    offsets = rows[:, None] * 256 + tl.arange(0, 256)[None, :]
+    scale, minimum = _load_token_stats(scale_ptr, zero_ptr, offsets, rows[:, None] < 256, TOP)
+    tl.store(out_scale + offsets, scale)
+    tl.store(out_minimum + offsets, minimum)
+
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float16: 5e-3, torch.bfloat16: 2e-2}
@@ -134,6 +147,32 @@ def test_folded_value_statistics_match_the_unfolded_kernel():
     # the variant compile_check counts for comparison (query rotated back per token) computes the same
     query_rotated, _ = _run(cfg, d=64, rope_on_query=True)
     _check(query_rotated, ref, torch.float16)
+
+
+@pytest.mark.parametrize("top", [7, 15])
+def test_eight_bit_statistics_decode_bit_for_bit(top):
+    """The kernels' decode of 8-bit statistics (`tiles._stats8`: the scale table built from eight constants, the
+    zero point's minimum rounded down to bf16) equals `quant.decode_stats8` for every code pair, bit for bit."""
+    from gear_hf.compress.quant import decode_stats8
+
+    codes = torch.arange(256, dtype=torch.uint8)
+    scale_code, zero_code = (c.contiguous().to(DEVICE) for c in torch.meshgrid(codes, codes, indexing="ij"))
+    out_scale, out_minimum = (torch.empty(256, 256, device=DEVICE) for _ in range(2))
+    _stats8_kernel[(16,)](scale_code, zero_code, out_scale, out_minimum, top)
+    minimum, scale = decode_stats8(scale_code, zero_code, top)
+    assert torch.equal(out_scale.view(torch.int32), scale.view(torch.int32))
+    assert torch.equal(out_minimum.view(torch.int32), minimum.view(torch.int32))
+
+
+@pytest.mark.parametrize("d,dtype", [(64, torch.bfloat16), (128, torch.float16)])
+def test_eight_bit_value_statistics_folded_and_per_element(d, dtype):
+    """value_statistics="8": the uint8 scale and zero-point codes decoded in the kernel, folded into P (GearConfig()'s
+    values) and dequantized per element (the fold off), against the oracle."""
+    cfg = _default(value_statistics="8")
+    folded, ref = _run(cfg, d=d, dtype=dtype)
+    plain, _ = _run(cfg, d=d, dtype=dtype, fold_values=False)
+    _check(folded, ref, dtype)
+    _check(plain, ref, dtype)
 
 
 def test_float32_queries_are_declined_with_a_reason():

@@ -107,22 +107,10 @@ def step_reason(head_dim: int, query_len: int, rotary_dim: int | None, softcap: 
     return None
 
 
-def statistics_reason(spec) -> str | None:
-    """Why the Triton kernels do not read chunks of this ChunkSpec's statistics, or None: they read 16-bit ones."""
-    if spec.stats != "16":
-        return (f"{spec.stats}-bit statistics (GearConfig.value_statistics={spec.stats!r}) are not read by the Triton "
-                "kernels (the torch backend, or numba on CPU)")
-    return None
-
-
 def _fused_storage_reason(config) -> str | None:
     """Storage options that the fused decode kernel does not read; the torch path does."""
     from .views import MAX_FUSED_RANK  # no triton import
 
-    if config.compresses and config.value_statistics != "16":
-        from ..format import layer_formats
-
-        return statistics_reason(layer_formats(config)[1].decode)
     if config.uses_lowrank and max(config.rank_prefill, config.rank_decode) > MAX_FUSED_RANK:
         return (f"rank_prefill={config.rank_prefill}/rank_decode={config.rank_decode}: the fused kernel reads "
                 f"low-rank factors of rank <= {MAX_FUSED_RANK}")
@@ -140,8 +128,6 @@ def reconstruct_supported(spec, head_dim: int) -> str | None:
 
     if spec.extra_terms:
         return f"the reconstruction kernel does not implement the term(s) {list(spec.extra_terms)}"
-    if statistics_reason(spec):
-        return statistics_reason(spec)
     if head_dim < 32 or head_dim & (head_dim - 1):
         return f"head_dim={head_dim}: the reconstruction kernel needs a power of two >= 32"
     if spec.rank > MAX_FUSED_RANK:

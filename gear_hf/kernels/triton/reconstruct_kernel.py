@@ -144,7 +144,7 @@ def _value_words_3bit(codes_b, scale_b, min_b, s_codes, s_scale, slot, tvalid, m
     w1 = tl.load(rows + 1, mask=m2, other=0)
     w2 = tl.load(rows + 2, mask=m2, other=0)
     code = tl.reshape(_unpack_3bit_words(w0, w1, w2), [BN, D])
-    sc, mn = _token_stats(scale_b, min_b, s_scale, slot, tvalid, D, GROUP, STATS_W, mult)
+    sc, mn = _token_stats(scale_b, min_b, s_scale, slot, tvalid, D, GROUP, STATS_W, mult, 7)
     return code.to(tl.float32) * sc + mn
 
 

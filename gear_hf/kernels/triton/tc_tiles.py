@@ -23,7 +23,7 @@ import triton.language as tl
 
 from .ops import _dot, _lowrank_a, _lowrank_dot, _lowrank_values, _rope, _sincos, _softmax_weights, _unrotate_halves
 from .tc_codes import magic_of, value_codes_magic
-from .tiles import _per_channel_tile, _value_tile
+from .tiles import _load_token_stats, _per_channel_tile, _value_tile
 from .unpack import _plane_bytes, _planes_to_codes, _unpack_3bit_units, _unpack_words
 
 
@@ -221,8 +221,7 @@ def tc_compressed_block(
     m_i, l_i, alpha, p = _softmax_weights(s, t, tvalid, limit, mvalid, window, m_i, l_i)
     acc = acc * alpha[:, None]
     if V_FOLD:  # P·(code·s + m) = (P·diag(s))·code + (P·m)·1ᵀ, s and m one per token
-        sc = tl.load(vs + slot * s_vs, mask=tvalid, other=0.0).to(tl.float32)
-        mn = tl.load(vm + slot * s_vs, mask=tvalid, other=0.0).to(tl.float32)
+        sc, mn = _load_token_stats(vs, vm, slot * s_vs, tvalid, (1 << V_BITS) - 1)
         MT: tl.constexpr = q_rows.dtype.element_ty  # the model's 16-bit dtype
         if (V_BITS == 3) and (D % 32 == 0):  # codes as magic floats (magic + code): P·code = P·v - magic·rowsum(P)
             MAGIC: tl.constexpr = magic_of(MT, V_BITS)[1]

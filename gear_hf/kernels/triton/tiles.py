@@ -65,23 +65,53 @@ def _per_channel_tile(codes_b, scale_b, min_b, s_codes, s_scale, slot, slot0, sl
 
 
 @triton.jit
+def _stats8(scale_code, zero_code, TOP: tl.constexpr):
+    """(scale, minimum) float32 of 8-bit statistics (uint8 codes, any shape) as `quant.decode_stats8` decodes them,
+    bit for bit: scale = LOG_SCALES[code], minimum = -(zero_code * TOP / 255 * scale) (float32, that order, the division
+    rounded to nearest) rounded down to a bf16 value. LOG_SCALES[k] (k >= 1: 2^((k-161)/8) in bf16) = 2^q times
+    LOG_SCALES[161 + r] for k - 161 = 8q + r: built exactly from eight constants, no table in memory."""
+    k = scale_code.to(tl.int32)
+    q = (k + 7) // 8 - 21  # floor((k - 161) / 8), on non-negative operands
+    r = (k + 7) % 8
+    frac = tl.where(r == 0, 1.0, tl.where(r == 1, 1.09375, tl.where(r == 2, 1.1875, tl.where(
+        r == 3, 1.296875, tl.where(r == 4, 1.4140625, tl.where(r == 5, 1.5390625, tl.where(
+            r == 6, 1.6796875, 1.8359375)))))))
+    scale = tl.where(k == 0, 0.0, frac * ((q + 127) << 23).to(tl.float32, bitcast=True))
+    exact = -(tl.math.div_rn(zero_code.to(tl.float32) * TOP, 255.0) * scale)
+    bits = exact.to(tl.int32, bitcast=True)
+    kept = bits & -65536  # the bf16 toward zero; a negative value with dropped bits: one bf16 ulp further from zero
+    away = ((kept != bits) & (bits < 0)).to(tl.int32)
+    return scale, (kept + (away << 16)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _load_token_stats(scale_b, min_b, offsets, mask, TOP: tl.constexpr):
+    """(scale, minimum) float32 of the groups at `offsets` (any shape): 16-bit fields, or 8-bit statistics' uint8
+    codes (`_stats8`; TOP: the group's highest code)."""
+    if scale_b.dtype.element_ty == tl.uint8:
+        return _stats8(tl.load(scale_b + offsets, mask=mask, other=0), tl.load(min_b + offsets, mask=mask, other=0),
+                       TOP)
+    return tl.load(scale_b + offsets, mask=mask, other=0.0).to(tl.float32), \
+        tl.load(min_b + offsets, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _token_stats(scale_b, min_b, s_scale, slot, tvalid, D: tl.constexpr, GROUP: tl.constexpr, STATS_W: tl.constexpr,
-                 mult):
+                 mult, TOP: tl.constexpr):
     """(scale, minimum) float32 [BN, D] of a run stored per token over channel groups at store slots `slot` [BN],
-    both times `mult` (a factor folded into the dequantization)."""
+    both times `mult` (a factor folded into the dequantization); TOP: the highest code (8-bit statistics)."""
     BN: tl.constexpr = slot.shape[0]
     m2 = tvalid[:, None]
     if STATS_W * GROUP == D:  # whole groups: one load per group, broadcast over its channels in registers
         g = tl.arange(0, STATS_W)
-        srow = slot[:, None] * s_scale + g[None, :]
-        sc = tl.load(scale_b + srow, mask=m2, other=0.0).to(tl.float32) * mult
-        mn = tl.load(min_b + srow, mask=m2, other=0.0).to(tl.float32) * mult
-        sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [BN, STATS_W, GROUP]), [BN, D])
-        mn = tl.reshape(tl.broadcast_to(mn[:, :, None], [BN, STATS_W, GROUP]), [BN, D])
+        sc, mn = _load_token_stats(scale_b, min_b, slot[:, None] * s_scale + g[None, :], m2, TOP)
+        sc = tl.reshape(tl.broadcast_to((sc * mult)[:, :, None], [BN, STATS_W, GROUP]), [BN, D])
+        mn = tl.reshape(tl.broadcast_to((mn * mult)[:, :, None], [BN, STATS_W, GROUP]), [BN, D])
     else:
-        srow = slot[:, None] * s_scale + (tl.arange(0, D) // GROUP)[None, :]
-        sc = tl.load(scale_b + srow, mask=m2, other=0.0).to(tl.float32) * mult
-        mn = tl.load(min_b + srow, mask=m2, other=0.0).to(tl.float32) * mult
+        sc, mn = _load_token_stats(scale_b, min_b, slot[:, None] * s_scale + (tl.arange(0, D) // GROUP)[None, :], m2,
+                                   TOP)
+        sc = sc * mult
+        mn = mn * mult
     return sc, mn
 
 
@@ -101,7 +131,7 @@ def _value_tile(codes_b, scale_b, min_b, spv_b, spi_b, s_codes, s_scale, s_sp, s
         rows = (codes_b + slot[:, None] * s_codes).to(tl.pointer_type(tl.int32))
         w = tl.load(rows + tl.arange(0, WORDS)[None, :], mask=m2, other=0)
         code = tl.reshape(_unpack_words(w, BITS), [BN, D])
-    sc, mn = _token_stats(scale_b, min_b, s_scale, slot, tvalid, D, GROUP, STATS_W, 1.0)
+    sc, mn = _token_stats(scale_b, min_b, s_scale, slot, tvalid, D, GROUP, STATS_W, 1.0, (1 << BITS) - 1)
     v = code.to(tl.float32) * sc + mn
     for s in tl.static_range(K2):  # a token's outliers, added where their channel is (no extra [BN, D] tile)
         idx = tl.load(spi_b + slot * s_sp + s, mask=tvalid, other=-1).to(tl.int32)
