@@ -111,7 +111,8 @@ class RowLayout:
         self.config = config
         self.expected_length = expected_length
         # speculative: a decode step's own tokens stay in the buffer until the next step, so that `crop` can take
-        # back what verification rejected (only tokens of earlier steps are compressed)
+        # back what verification rejected (only tokens of earlier steps are compressed; the first step keeps up to
+        # a buffer's worth of its newest tokens: the prompt's last ones, or drafts)
         self.speculative = speculative
         self.batch = 0
         self.steps = 0
@@ -193,7 +194,11 @@ class RowLayout:
             attend_buffer[i] += len(cols[room:])
             own[i] = len(cols[room:])
         attend = replace(before, sink=tuple(sink), buffer=tuple(attend_buffer))
-        flush, after = self._plan_flush(attend, first, own if self.speculative and not first else None)
+        held_back = None
+        if self.speculative:  # the first step holds the prompt and the first drafted tokens, which cannot be told
+            # apart here: up to a buffer's worth of its newest tokens stay uncompressed, for `crop` to take back
+            held_back = [min(n, self.chunk_len) for n in own] if first else own
+        flush, after = self._plan_flush(attend, first, held_back)
 
         buffer_capacity, self.buffer_capacity = self._buffer_capacities(attend, after)
         run = list(range(buffer_cols[0][0], buffer_cols[0][0] + q)) if buffer_cols[0][0] >= 0 else None
@@ -241,8 +246,9 @@ class RowLayout:
         prompt, chunks, buffer = list(attend.prompt), list(attend.chunks), list(attend.buffer)
         by_length: dict[int, list[int]] = {}
         for i, total in enumerate(attend.buffer):
-            to_prompt = total // self.prompt_multiple * self.prompt_multiple if first else 0
-            decode = (total - to_prompt - (held_back[i] if held_back else 0)) // nb
+            held = held_back[i] if held_back else 0
+            to_prompt = (total - held) // self.prompt_multiple * self.prompt_multiple if first else 0
+            decode = (total - to_prompt - held) // nb
             if not (to_prompt or decode):
                 continue
             if to_prompt:
