@@ -90,6 +90,22 @@ def test_drafts_of_the_first_step_are_not_compressed_with_the_prompt(models, con
         assert torch.equal(plain, speculated)
 
 
+def test_drafts_in_the_sink_of_a_short_prompt_are_taken_back(models):
+    """A prompt shorter than sink_tokens: the first step's drafts fill the sink, and crop raised on a rejected one
+    ("holds only its newest 0 uncompressed", GearConfig() with a 1-3 token prompt and an assistant). A row with
+    nothing compressed gives back sink tokens too; the output is plain greedy's."""
+    model, assistant = copy.deepcopy(models[0]), models[1]
+    config = COMPRESSING.replace(sink_tokens=4)
+    prompt = PROMPT[:, :2]
+    with gear_hf.enabled(model, config), torch.inference_mode():
+        outs = [model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=20,
+                               min_new_tokens=20, do_sample=False, pad_token_id=0, **kwargs)
+                for kwargs in ({}, {"assistant_model": assistant})]
+        cache = gear_hf.last_cache(model)
+    assert cache.speculative and max(cache.decode_chunks) > 0
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_crop_into_compressed_chunks_raises_clearly(models):
     model = copy.deepcopy(models[0])
     gear_hf.enable(model, COMPRESSING)

@@ -405,12 +405,16 @@ class RowLayout:
     # -- crop (speculative decoding) ---------------------------------------------------------------------------
     def crop(self, remove: int) -> None:
         """Take back the last `remove` columns of the padded layout (between steps): each row's tokens among them
-        must still be in its buffer (the newest tokens), else nothing changes and a ValueError says which row."""
+        must still be in its buffer (the newest tokens), or in its sink when the row has nothing compressed (a
+        prompt shorter than sink_tokens, drafts in the sink), else nothing changes and a ValueError says which row."""
         if not 0 < remove <= self.rect_length:
             raise ValueError(f"cannot crop {remove} of the {self.rect_length} tokens a GearCache holds")
         start = self.rect_length - remove
         taken = (self.rect_to_local[:, start : self.rect_length] >= 0).sum(1).tolist()  # per row
-        for row, (n, buffered) in enumerate(zip(taken, self.counts.buffer)):
+        c = self.counts
+        for row, (n, buffered) in enumerate(zip(taken, c.buffer)):
+            if not (c.prompt[row] or c.chunks[row]):  # every token of the row uncompressed: the sink's too
+                buffered += c.sink[row]
             if n > buffered:
                 how = ("build it with GearCache(..., speculative=True), as generate does with assistant_model= or "
                        "prompt_lookup_num_tokens=, so that a step's own tokens stay buffered until the next step"
@@ -419,7 +423,9 @@ class RowLayout:
                 raise ValueError(f"GearCache cannot crop {remove} tokens: row {row} would lose {n} tokens but holds "
                                  f"only its newest {buffered} uncompressed (the rest are in compressed chunks, "
                                  f"which cannot be taken back); {how}")
-        self.counts = replace(self.counts, buffer=tuple(b - n for b, n in zip(self.counts.buffer, taken)))
+        from_buffer = [min(n, b) for n, b in zip(taken, c.buffer)]  # (the newest first; then the sink's)
+        self.counts = replace(c, sink=tuple(s - n + b for s, n, b in zip(c.sink, taken, from_buffer)),
+                              buffer=tuple(b - n for b, n in zip(c.buffer, from_buffer)))
         if self.tables is not None:
             self.tables[1][:, start : self.rect_length] = -1
         self.rect_length = start
