@@ -156,12 +156,13 @@ def test_decompress_of_store_views_and_bf16_side():
                           decompress(run, spec, 16, 64, torch.float32, 4), low_rank=True)
 
 
-@pytest.mark.parametrize("axis", ["channel", "token"])
-def test_prepared_runs_read_the_storage_in_place(axis):
+@pytest.mark.parametrize("axis,factor_bits", [("channel", 8), ("token", 8), ("channel", 16)])
+def test_prepared_runs_read_the_storage_in_place(axis, factor_bits):
     """A prepared run (what a decode step reads every step) holds no second copy of the storage: codes, bf16
-    statistics (as their bits), outliers and int8 factors are views of the store's fields."""
+    statistics (as their bits), outliers and int8 or bf16 factors are views of the store's fields (bf16 factors were
+    copied to float32: 2 bits/element more than gear-4 owns, kept by the numba backend as derived state)."""
     torch.manual_seed(2)
-    spec = ChunkSpec(2, axis, 16, 0.05, 2, factor_bits=8)
+    spec = ChunkSpec(2, axis, 16, 0.05, 2, factor_bits=factor_bits)
     run = _run(torch.randn(2, 3, 64, 64), spec, 16)
     fields = {f: getattr(run, f) for f in BUILTIN_FIELDS}
     stores = {name: torch.cat([t, t], dim=2) for name, t in fields.items()}  # capacity beyond the live chunks
@@ -292,13 +293,15 @@ def _tiny_llama():
     return model
 
 
-def _generate_both(model, ids: torch.Tensor, mask: torch.Tensor, preset: str, new_tokens: int) -> list[tuple]:
+def _generate_both(model, ids: torch.Tensor, mask: torch.Tensor, preset: str, new_tokens: int,
+                   **overrides) -> list[tuple]:
     """(tokens, float32 scores, decode steps per path) of greedy generation with the torch backend, then the numba
-    one ("default": GearConfig()'s storage, shrunk to the tiny prompts)."""
+    one ("default": GearConfig()'s storage, shrunk to the tiny prompts; overrides: other GearConfig fields)."""
     outs = []
     for backend in ("torch", "numba"):
-        config = GearConfig(group_size=16, buffer_size=16, prompt_group_size=32, backend=backend) \
-            if preset == "default" else GearConfig.preset(preset, group_size=16, buffer_size=16, backend=backend)
+        config = GearConfig(group_size=16, buffer_size=16, prompt_group_size=32, backend=backend, **overrides) \
+            if preset == "default" else GearConfig.preset(preset, group_size=16, buffer_size=16, backend=backend,
+                                                          **overrides)
         with gear_hf.enabled(model, config):
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
                                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, output_scores=True,
@@ -360,15 +363,16 @@ def test_generation_numba_reads_equal_torch_bf16(preset, reference_path):
         assert torch.equal(scores, numba_scores)
 
 
-@pytest.mark.parametrize("preset", ["kivi-2", "gear-2", "default"])
-def test_generation_fused_cpu_attention_bf16(preset):
+@pytest.mark.parametrize("preset,factor_bits", [("kivi-2", 8), ("gear-2", 8), ("gear-2", 16), ("default", 8)])
+def test_generation_fused_cpu_attention_bf16(preset, factor_bits):
     """A bf16 model through the fused CPU attention (float32 inside, where the reference path attends in bf16):
     every step's logits within bf16 rounding of the torch backend's for as long as both generated the same tokens
     (observed: one bf16 step, 0.004 at logits ~1; this random model's near ties then let the tokens part after a
-    few steps)."""
+    few steps). factor_bits=16: bf16 factors read in place, as their bits."""
     ids, mask = _left_padded(2, 40, [0, 7], seed=2)
     (tokens, scores, _), (fused_tokens, fused_scores, paths) = _generate_both(_tiny_llama().to(torch.bfloat16), ids,
-                                                                              mask, preset, 12)
+                                                                              mask, preset, 12,
+                                                                              factor_bits=factor_bits)
     assert paths == {"fused": 11 * 2}
     parted = (tokens != fused_tokens).any(0)[ids.shape[1]:].nonzero()
     same_prefix = int(parted[0]) + 1 if parted.numel() else 12  # (the step that parts still had the same inputs)

@@ -269,6 +269,23 @@ def test_missing_queries_fail_loudly():
         cache.store_and_read(0, K, V)
 
 
+def test_a_row_whose_queries_are_all_zero_is_allocated_from_its_key_ranges():
+    """Queries of exactly zero (a model embedding the pad token as zeros, fed as a real token: stock generate runs)
+    were taken for missing queries, and generate raised mid-way. Such a row's widths follow its key ranges alone,
+    as with every channel weighted alike; the other row's stay the queries' (as alone)."""
+    config = _config()
+    K, V, Q = _stream(40, 2)
+    Q[1] = 0.0
+    cache, alone = _cache(config), _cache(config)
+    with torch.inference_mode():
+        _feed(cache, K, V, Q, 37)
+        _feed(alone, K[:1], V[:1], Q[:1], 37)
+    bits = cache.layers[0].key_stream.channel_bits
+    assert torch.equal(bits[0], alone.layers[0].key_stream.channel_bits[0])
+    expected = allocate_channel_bits(torch.ones(1, H, D), K[1:, :, :32], 8, 3.5)  # (its first chunk: the prompt)
+    assert torch.equal(bits[1:], expected)
+
+
 @pytest.mark.parametrize("field, value, match", [
     ("key_bits", 3.3, r"key_bits=3.3 is invalid; allowed: a multiple of 1/8 in \[1, 8\]"),
     ("key_bits", 9, r"key_bits=9 is invalid"),

@@ -37,6 +37,18 @@ def test_strings_are_converted():
     assert parse_gear_args({"method": "kivi", "key_bits": 2, "value_bits": 4}).describe() == "kivi-k2v4"
 
 
+def test_numeric_string_fields_from_the_cli():
+    """lm-eval's CLI parses value_statistics=8 (the field's values are "16" and "8") into the int 8, which was
+    refused ("allowed: a string"): the option could not be set from the command line."""
+    from lm_eval.utils import simple_parse_args_string
+
+    args = simple_parse_args_string("pretrained=/m,value_statistics=8,key_buffer=int4,value_buffer=int8")
+    config, _ = split_model_args(args)
+    assert config == GearConfig(value_statistics="8", key_buffer="int4", value_buffer="int8")
+    with pytest.raises(ModelArgsError, match=r"value_statistics='4' is invalid; allowed: '16' \| '8'"):
+        split_model_args(simple_parse_args_string("pretrained=/m,value_statistics=4"))
+
+
 def test_defaults_and_method_alias():
     assert parse_gear_args({}) == GearConfig()
     assert parse_gear_args({"method": "fp16"}).method == "fp16"

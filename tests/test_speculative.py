@@ -73,6 +73,39 @@ def test_compressed_cache_verifies_and_crops(models, how, monkeypatch):
     assert len(drafts) == (1 if how == "assistant" else 0)
 
 
+@pytest.mark.parametrize("config", [COMPRESSING, gear_hf.GearConfig(group_size=8, buffer_size=8, prompt_group_size=16)],
+                         ids=["kivi-4", "default"])
+def test_drafts_of_the_first_step_are_not_compressed_with_the_prompt(models, config):
+    """The first verifying step holds the prompt and the first drafted tokens together: 25 + 7 tokens filled whole
+    chunks, the drafts were compressed with the prompt, and cropping the rejected ones raised mid-generate (as
+    GearConfig() did on a 385-token prompt with prompt_lookup_num_tokens=10). Up to a buffer's worth of that step's
+    newest tokens now stay uncompressed."""
+    model = copy.deepcopy(models[0])
+    with gear_hf.enabled(model, config):
+        plain = _greedy(model)
+        speculated = _greedy(model, prompt_lookup_num_tokens=7)
+        cache = gear_hf.last_cache(model)
+    assert cache.speculative and max(cache.decode_chunks) > 0
+    if config is COMPRESSING:  # (groups of 8 tokens whichever chunk holds them: the same codes as plain greedy)
+        assert torch.equal(plain, speculated)
+
+
+def test_drafts_in_the_sink_of_a_short_prompt_are_taken_back(models):
+    """A prompt shorter than sink_tokens: the first step's drafts fill the sink, and crop raised on a rejected one
+    ("holds only its newest 0 uncompressed", GearConfig() with a 1-3 token prompt and an assistant). A row with
+    nothing compressed gives back sink tokens too; the output is plain greedy's."""
+    model, assistant = copy.deepcopy(models[0]), models[1]
+    config = COMPRESSING.replace(sink_tokens=4)
+    prompt = PROMPT[:, :2]
+    with gear_hf.enabled(model, config), torch.inference_mode():
+        outs = [model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=20,
+                               min_new_tokens=20, do_sample=False, pad_token_id=0, **kwargs)
+                for kwargs in ({}, {"assistant_model": assistant})]
+        cache = gear_hf.last_cache(model)
+    assert cache.speculative and max(cache.decode_chunks) > 0
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_crop_into_compressed_chunks_raises_clearly(models):
     model = copy.deepcopy(models[0])
     gear_hf.enable(model, COMPRESSING)

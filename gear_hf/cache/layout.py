@@ -111,7 +111,8 @@ class RowLayout:
         self.config = config
         self.expected_length = expected_length
         # speculative: a decode step's own tokens stay in the buffer until the next step, so that `crop` can take
-        # back what verification rejected (only tokens of earlier steps are compressed)
+        # back what verification rejected (only tokens of earlier steps are compressed; the first step keeps up to
+        # a buffer's worth of its newest tokens: the prompt's last ones, or drafts)
         self.speculative = speculative
         self.batch = 0
         self.steps = 0
@@ -193,7 +194,11 @@ class RowLayout:
             attend_buffer[i] += len(cols[room:])
             own[i] = len(cols[room:])
         attend = replace(before, sink=tuple(sink), buffer=tuple(attend_buffer))
-        flush, after = self._plan_flush(attend, first, own if self.speculative and not first else None)
+        held_back = None
+        if self.speculative:  # the first step holds the prompt and the first drafted tokens, which cannot be told
+            # apart here: up to a buffer's worth of its newest tokens stay uncompressed, for `crop` to take back
+            held_back = [min(n, self.chunk_len) for n in own] if first else own
+        flush, after = self._plan_flush(attend, first, held_back)
 
         buffer_capacity, self.buffer_capacity = self._buffer_capacities(attend, after)
         run = list(range(buffer_cols[0][0], buffer_cols[0][0] + q)) if buffer_cols[0][0] >= 0 else None
@@ -241,8 +246,9 @@ class RowLayout:
         prompt, chunks, buffer = list(attend.prompt), list(attend.chunks), list(attend.buffer)
         by_length: dict[int, list[int]] = {}
         for i, total in enumerate(attend.buffer):
-            to_prompt = total // self.prompt_multiple * self.prompt_multiple if first else 0
-            decode = (total - to_prompt - (held_back[i] if held_back else 0)) // nb
+            held = held_back[i] if held_back else 0
+            to_prompt = (total - held) // self.prompt_multiple * self.prompt_multiple if first else 0
+            decode = (total - to_prompt - held) // nb
             if not (to_prompt or decode):
                 continue
             if to_prompt:
@@ -399,12 +405,16 @@ class RowLayout:
     # -- crop (speculative decoding) ---------------------------------------------------------------------------
     def crop(self, remove: int) -> None:
         """Take back the last `remove` columns of the padded layout (between steps): each row's tokens among them
-        must still be in its buffer (the newest tokens), else nothing changes and a ValueError says which row."""
+        must still be in its buffer (the newest tokens), or in its sink when the row has nothing compressed (a
+        prompt shorter than sink_tokens, drafts in the sink), else nothing changes and a ValueError says which row."""
         if not 0 < remove <= self.rect_length:
             raise ValueError(f"cannot crop {remove} of the {self.rect_length} tokens a GearCache holds")
         start = self.rect_length - remove
         taken = (self.rect_to_local[:, start : self.rect_length] >= 0).sum(1).tolist()  # per row
-        for row, (n, buffered) in enumerate(zip(taken, self.counts.buffer)):
+        c = self.counts
+        for row, (n, buffered) in enumerate(zip(taken, c.buffer)):
+            if not (c.prompt[row] or c.chunks[row]):  # every token of the row uncompressed: the sink's too
+                buffered += c.sink[row]
             if n > buffered:
                 how = ("build it with GearCache(..., speculative=True), as generate does with assistant_model= or "
                        "prompt_lookup_num_tokens=, so that a step's own tokens stay buffered until the next step"
@@ -413,7 +423,9 @@ class RowLayout:
                 raise ValueError(f"GearCache cannot crop {remove} tokens: row {row} would lose {n} tokens but holds "
                                  f"only its newest {buffered} uncompressed (the rest are in compressed chunks, "
                                  f"which cannot be taken back); {how}")
-        self.counts = replace(self.counts, buffer=tuple(b - n for b, n in zip(self.counts.buffer, taken)))
+        from_buffer = [min(n, b) for n, b in zip(taken, c.buffer)]  # (the newest first; then the sink's)
+        self.counts = replace(c, sink=tuple(s - n + b for s, n, b in zip(c.sink, taken, from_buffer)),
+                              buffer=tuple(b - n for b, n in zip(c.buffer, from_buffer)))
         if self.tables is not None:
             self.tables[1][:, start : self.rect_length] = -1
         self.rect_length = start

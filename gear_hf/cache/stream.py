@@ -142,12 +142,16 @@ class Stream:
         new = [j for j, row in enumerate(rows) if not self.allocated_rows[row]]
         if new:
             new_rows = [rows[j] for j in new]
-            if query_energy is None or not bool((query_energy[new_rows].sum(dim=(1, 2)) > 0).all()):
+            if query_energy is None:
                 raise RuntimeError("keys with bits allocated per channel (key_bit_allocation='query') are allocated "
                                    "from the queries, and none were seen for some row: pass query= to "
                                    "GearCache.store / store_and_read (the patched attention does)")
+            weight = query_energy[new_rows]  # [J,H,d]
+            # a row whose queries were all zero (e.g. tokens embedded as zeros) says nothing about its channels:
+            # every channel weighs alike, and the key ranges alone set the widths
+            weight = torch.where(weight.sum(dim=(1, 2), keepdim=True) > 0, weight, torch.ones_like(weight))
             self.channel_bits[new_rows] = allocate_channel_bits(
-                query_energy[new_rows], x[new], spec.group_for(x.shape[2], x.shape[3]), spec.bits)
+                weight, x[new], spec.group_for(x.shape[2], x.shape[3]), spec.bits)
             for row in new_rows:
                 self.allocated_rows[row] = True
         return self.channel_bits[rows]

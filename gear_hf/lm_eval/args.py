@@ -117,6 +117,8 @@ def _convert(key: str, value: Any) -> Any:
     if kind == "str":
         if isinstance(value, str):
             return value.strip()
+        if isinstance(value, int) and not isinstance(value, bool):  # lm-eval's CLI turns "8" into 8: as written
+            return str(value)
         raise _bad(key, value, "a string")
     return value
 

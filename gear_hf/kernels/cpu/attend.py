@@ -150,7 +150,7 @@ def _add_value_lowrank(acc, probs, factors, b, h, chunk, n, first, tokens, d, pa
     pa[:, :r] = 0.0
     for t in range(tokens):
         for k in range(r):
-            w = _F32(a[b, h, chunk * n + t, k])
+            w = _side(a[b, h, chunk * n + t, k])
             for m in range(M):
                 pa[m, k] += probs[m, first + t] * w
     for k in range(r):
@@ -158,7 +158,7 @@ def _add_value_lowrank(acc, probs, factors, b, h, chunk, n, first, tokens, d, pa
         for m in range(M):
             weight = pa[m, k] * sa
             for ch in range(d):
-                acc[m, ch] += weight * (_F32(b_raw[b, h, chunk * d + ch, k]) * sb)
+                acc[m, ch] += weight * (_side(b_raw[b, h, chunk * d + ch, k]) * sb)
 
 
 @numba.njit(inline="always")

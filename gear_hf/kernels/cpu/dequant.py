@@ -120,19 +120,19 @@ def _dequant_token(spread, scale, minimum, top, b, h, N, plane):
 @kernel()
 def _add_lowrank(a, a_scale, b_raw, b_scale, b, h, n, N, plane, bt, weights):
     """plane [N,d] += A Bᵀ of each chunk of n tokens, factors as stored (`CompressedChunk`): a [B,H,N,r], b
-    [B,H,C*d,r] (int8, or float32 cast from 16 bits) with per-chunk column scales [B,H,C,r] float32 (ones for
-    16-bit factors), scaled as `compress.gear._factor` does. Four rank terms per pass over a row, summed pairwise
-    (vectorized along d): float32 rounding differs from the matmul's. Scratch: bt [R,d] (the chunk's Bᵀ) and
-    weights [n,R] (its A), R = r rounded up to 4, zero past r."""
+    [B,H,C*d,r] (int8, bf16 as its bits, or float32 cast from fp16: `read._factors`) with per-chunk column scales
+    [B,H,C,r] float32 (ones for 16-bit factors), scaled as `compress.gear._factor` does. Four rank terms per pass
+    over a row, summed pairwise (vectorized along d): float32 rounding differs from the matmul's. Scratch: bt [R,d]
+    (the chunk's Bᵀ) and weights [n,R] (its A), R = r rounded up to 4, zero past r."""
     d, r, terms = plane.shape[1], a.shape[3], bt.shape[0]
     for chunk in range(N // n):
         for k in range(r):
             s = b_scale[b, h, chunk, k]
             for c in range(d):
-                bt[k, c] = _F32(b_raw[b, h, chunk * d + c, k]) * s
+                bt[k, c] = _side(b_raw[b, h, chunk * d + c, k]) * s
         for t in range(n):
             for k in range(r):
-                weights[t, k] = _F32(a[b, h, chunk * n + t, k]) * a_scale[b, h, chunk, k]
+                weights[t, k] = _side(a[b, h, chunk * n + t, k]) * a_scale[b, h, chunk, k]
         for k0 in range(0, terms, 4):
             b0, b1, b2, b3 = bt[k0], bt[k0 + 1], bt[k0 + 2], bt[k0 + 3]
             for t in range(n):

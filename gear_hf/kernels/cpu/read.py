@@ -129,13 +129,13 @@ def decompress_into(chunk: CompressedChunk, spec: ChunkSpec, n: int, d: int, chu
 
 def _factors(chunk: CompressedChunk, chunks: int) -> tuple:
     """(a, a_scale, b, b_scale) as `_add_lowrank` reads them: int8 factors as stored with their per-chunk column
-    scales, 16-bit factors cast to float32 with scales of one."""
+    scales, 16-bit factors as side information (`_side_array`: bf16 in place as its bits) with scales of one."""
     a, b = chunk.lowrank_a, chunk.lowrank_b
     if a.dtype == torch.int8:  # (the factors in place; their scales, [B,H,C,r], cast)
         a_scale, b_scale = chunk.lowrank_a_scale.float().numpy(), chunk.lowrank_b_scale.float().numpy()
         return _stored(a), a_scale, _stored(b), b_scale
     ones = np.ones((a.shape[0], a.shape[1], chunks, a.shape[3]), dtype=np.float32)
-    return a.float().contiguous().numpy(), ones, b.float().contiguous().numpy(), ones
+    return _side_array(a), ones, _side_array(b), ones
 
 
 # no low-rank term / no outliers / no rotation: empty arrays of the kernel's types (rank 0, no entries, no rows)
