@@ -221,7 +221,11 @@ def tc_compressed_block(
     m_i, l_i, alpha, p = _softmax_weights(s, t, tvalid, limit, mvalid, window, m_i, l_i)
     acc = acc * alpha[:, None]
     if V_FOLD:  # P·(code·s + m) = (P·diag(s))·code + (P·m)·1ᵀ, s and m one per token
-        sc, mn = _load_token_stats(vs, vm, slot * s_vs, tvalid, (1 << V_BITS) - 1)
+        if vs.dtype.element_ty == tl.uint8:  # 8-bit statistics, decoded here
+            sc, mn = _load_token_stats(vs, vm, slot * s_vs, tvalid, (1 << V_BITS) - 1)
+        else:  # (loaded here, not through _load_token_stats: GearConfig()'s main loop stays 2056 SASS, not 2065)
+            sc = tl.load(vs + slot * s_vs, mask=tvalid, other=0.0).to(tl.float32)
+            mn = tl.load(vm + slot * s_vs, mask=tvalid, other=0.0).to(tl.float32)
         MT: tl.constexpr = q_rows.dtype.element_ty  # the model's 16-bit dtype
         if (V_BITS == 3) and (D % 32 == 0):  # codes as magic floats (magic + code): P·code = P·v - magic·rowsum(P)
             MAGIC: tl.constexpr = magic_of(MT, V_BITS)[1]
