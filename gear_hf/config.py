@@ -81,8 +81,8 @@ class GearConfig:
     factor_bits:   16 (low-rank factors in 16 bits) or 8 (int8, one 16-bit absmax scale per column)
     value_statistics: "16" (each value group's scale and minimum in 16 bits) or "8" (beyond GEAR: an 8-bit scale on
                    a 2^(1/8) grid and an 8-bit zero point, `compress.quant.stats8`: 0.25 bit/element less on d=64
-                   heads; values grouped per token, min/max ranges; compressed by the torch oracle, read by it and the
-                   numba CPU kernels, not yet by the Triton kernels)
+                   heads; values grouped per token, min/max ranges; compressed by the torch oracle, read by it, the
+                   numba CPU kernels and the Triton kernels)
     range_search:  "none" | "keys" | "values" | "both": choose each quantization group's range (scale, minimum)
                    among clipped candidates for the least squared error of its entries instead of its min/max
                    (beyond GEAR; same stored format)
