@@ -27,7 +27,6 @@ Candidates (per key vector of head_dim channels, before RoPE, as the buffer stor
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
@@ -76,16 +75,11 @@ def candidate(name: str):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    probe.add_text_arguments(parser)
-    parser.add_argument("--candidates", default="int8,k4n,k5n,k6")
-    benchlib.add_out_argument(parser, "probe.csv/.md")
-    args = benchlib.parse_bench_args(parser, argv, "probe-key-tail")
+    args, names = probe.parse_probe_args(__doc__, "int8,k4n,k5n,k6", "probe-key-tail", argv)
     from gear_hf import GearConfig
     from gear_hf.coded_store import CodedTokenStore
     from gear_hf.format import INT8_TOKENS
 
-    names = [n.strip() for n in args.candidates.split(",") if n.strip()]
     for n in names:
         if n != "int8" and not (len(n) >= 2 and n[0] == "k" and n[1] in "2345678" and n[2:] in ("", "n", "nr", "r")):
             raise SystemExit(f"--candidates: {n!r} is not int8 or kB[n][r] with B in 2..8 (e.g. k4n, k5nr, k6)")

@@ -20,7 +20,6 @@ sliding layers (the read's columns are the row's token indices).
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
@@ -104,14 +103,9 @@ def extra_bits(cache) -> float:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    probe.add_text_arguments(parser)
-    parser.add_argument("--candidates", default="base,b64,k64v128")
-    benchlib.add_out_argument(parser, "probe.csv/.md")
-    args = benchlib.parse_bench_args(parser, argv, "probe-split-buffer")
+    args, names = probe.parse_probe_args(__doc__, "base,b64,k64v128", "probe-split-buffer", argv)
     from gear_hf import GearConfig
 
-    names = [n.strip() for n in args.candidates.split(",") if n.strip()]
     unknown = [n for n in names if n not in CANDIDATES]
     if unknown:
         raise SystemExit(f"--candidates: {unknown} unknown; allowed: {', '.join(CANDIDATES)}")

@@ -32,7 +32,6 @@ Formats (per group, [lo, hi] its range):
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
@@ -117,15 +116,10 @@ def candidate_stats(name: str, stored_stats):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    probe.add_text_arguments(parser)
-    parser.add_argument("--candidates", default=",".join(SAVED_BITS))
-    benchlib.add_out_argument(parser, "probe.csv/.md")
-    args = benchlib.parse_bench_args(parser, argv, "probe-value-stats")
+    args, names = probe.parse_probe_args(__doc__, ",".join(SAVED_BITS), "probe-value-stats", argv)
     from gear_hf import GearConfig
     from gear_hf.compress import quant
 
-    names = [n.strip() for n in args.candidates.split(",") if n.strip()]
     for n in names:
         parse_candidate(n)
     cond = benchlib.Conditions(extra={"model": args.model, "dtype": "bfloat16", "texts": args.texts,

@@ -15,6 +15,21 @@ def add_text_arguments(parser) -> None:
     parser.add_argument("--steps", type=int, default=96)
 
 
+def parse_probe_args(doc: str, candidates: str, name: str, argv=None):
+    """(args, candidate names) of a probe script: the text arguments, --candidates (a comma list, default
+    `candidates`) and --out (default out/<name>); doc: the script's docstring (its first paragraph describes it)."""
+    import argparse
+
+    import benchlib
+
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    add_text_arguments(parser)
+    parser.add_argument("--candidates", default=candidates)
+    benchlib.add_out_argument(parser, "probe.csv/.md")
+    args = benchlib.parse_bench_args(parser, argv, name)
+    return args, [n.strip() for n in args.candidates.split(",") if n.strip()]
+
+
 def texts_with_reference(run, model, tokenizer, args):
     """(text, ids [1, prompt + steps], the stock cache's next-token logits [steps, V]) for each of args.texts: GSM8K
     test problem N's 8-shot CoT prompt + worked answer, its last prompt + steps tokens."""
