@@ -8,6 +8,8 @@ import numpy as np
 from numba.core import types
 from numba.extending import overload
 
+from ...compress.quant import LOG_SCALES
+
 
 @numba.njit(inline="always")
 def round_bf16(v):
@@ -61,8 +63,9 @@ def _side_value(x):
     return lambda x: np.float32(x)
 
 
-# 8-bit statistics (`quant.stats8`): the scale codes' table, a compile-time constant of the loops
-_LOG_SCALES = None
+# 8-bit statistics (`quant.stats8`): the scale codes' table, a compile-time constant of the loops (a format constant:
+# the on-disk cache keys on this folder's sources, not on quant.py's)
+_LOG_SCALES = LOG_SCALES.numpy().astype(np.float32)
 
 
 def group_stats(scale, minimum, top, b, h, t, k):
@@ -75,7 +78,7 @@ def group_stats(scale, minimum, top, b, h, t, k):
 @overload(group_stats, inline="always")
 def _group_stats(scale, minimum, top, b, h, t, k):
     if isinstance(scale.dtype, types.Integer) and scale.dtype.bitwidth == 8:
-        table = _log_scales()
+        table = _LOG_SCALES
 
         def decode(scale, minimum, top, b, h, t, k):
             s = table[scale[b, h, t, k]]
@@ -84,12 +87,3 @@ def _group_stats(scale, minimum, top, b, h, t, k):
             return s, floor_bf16(exact)
         return decode
     return lambda scale, minimum, top, b, h, t, k: (side_value(scale[b, h, t, k]), side_value(minimum[b, h, t, k]))
-
-
-def _log_scales() -> np.ndarray:
-    global _LOG_SCALES
-    if _LOG_SCALES is None:
-        from ...compress.quant import LOG_SCALES
-
-        _LOG_SCALES = LOG_SCALES.numpy().astype(np.float32)
-    return _LOG_SCALES
