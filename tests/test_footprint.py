@@ -7,6 +7,7 @@ import torch
 
 import gear_hf
 from gear_hf.config import RECOMMENDED
+from gear_hf.hf_compat import model_cache_kwarg
 from gear_hf.measure import owned_bits_over_decode
 from tiny_models import tiny_model
 
@@ -87,3 +88,13 @@ def test_where_compression_cannot_pay_the_cache_owns_what_dense_would(arch, prom
         else:  # 4 of the 6 tokens are exact sinks; the other 2 held at 8-bit keys / 4-bit values + scale/min
             assert report["owned_bytes"] < report["dense_bytes"]
     gear_hf.disable(model)
+
+
+def test_the_summary_of_an_empty_cache_says_it_is_empty():
+    model = tiny_model("llama3", dtype=torch.float32)
+    gear_hf.enable(model)
+    cache = gear_hf.GearCache(model, gear_hf.GearConfig())
+    assert cache.summary() == "kivi-k3.125v3-query-allocated: empty (nothing stored yet), owns 0.00 MiB"
+    with torch.inference_mode():
+        model(torch.tensor([[5, 6, 7]]), **{model_cache_kwarg(model): cache})
+    assert "3 tokens/layer, owns" in cache.summary() and "None" not in cache.summary()

@@ -211,6 +211,8 @@ def _key_bits_allocated(cache) -> float | None:
 def summary(report: dict) -> str:
     """One line for humans: what the cache owns first, then what it is made of."""
     mib = 1 << 20
+    if report["model_dtype"] is None:  # nothing stored yet: no dtype to compare with
+        return f"{report['method']}: empty (nothing stored yet), owns {report['owned_bytes'] / mib:.2f} MiB"
     rest = [f"held by tokens {report['held_bits_per_element']:.2f} bits ({report['held_bytes'] / mib:.2f} MiB)",
             f"spare capacity {report['spare_bytes'] / mib:.2f} MiB"]
     if report["kernel_state_bytes"] or report["workspace_bytes"]:
