@@ -160,7 +160,7 @@ def test_floor_bf16_is_the_largest_bf16_at_or_below():
         rounded = v32.to(torch.bfloat16)
         expected = torch.where(rounded.float() > v32, torch.nextafter(rounded, torch.tensor(float("-inf"),
                                                                        dtype=torch.bfloat16)), rounded).float()
-        got = torch.tensor(floor_bf16(v32.item()), dtype=torch.float32)
+        got = torch.tensor(int(floor_bf16(v32.item())), dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
         assert got.view(torch.int32) == expected.view(torch.int32), (v, got.item(), expected.item())
 
 

@@ -1,5 +1,5 @@
-"""bf16 as torch rounds it, for the numba loops: float32 -> bf16 bits (nearest even), bits -> float32, one ulp,
-float32 -> the bf16 value below; a side-information element or a group's (scale, minimum) as float32."""
+"""bf16 as torch rounds it, for the numba loops: float32 -> bf16 bits (nearest even, or the value below), bits ->
+float32, one ulp; a side-information element or a group's (scale, minimum) as float32."""
 
 from __future__ import annotations
 
@@ -27,16 +27,6 @@ def bf16_value(bits):
 
 
 @numba.njit(inline="always")
-def floor_bf16(v):
-    """float32 -> the largest bf16 value <= v, as float32 (torch: round to nearest, then one ulp toward -inf where that
-    went up): drop the low 16 bits, and where that moved a negative value up, one bf16 ulp further from zero."""
-    exact_bits = np.float32(v).view(np.uint32)
-    kept = np.uint32(exact_bits & np.uint32(0xFFFF0000))
-    away = np.uint32(kept != exact_bits) & (exact_bits >> np.uint32(31))  # (one assignment each: inlined twice)
-    return np.uint32(kept + (away << np.uint32(16))).view(np.float32)
-
-
-@numba.njit(inline="always")
 def bf16_step(bits, up):
     """The bf16 neighbour one ulp toward +inf (up) or -inf, as torch.nextafter: zero steps to the smallest
     subnormal of that sign, an infinity toward itself stays."""
@@ -49,6 +39,14 @@ def bf16_step(bits, up):
     if away:
         return np.uint16(bits if magnitude == 0x7F80 else bits + 1)
     return np.uint16(bits - 1)
+
+
+@numba.njit(inline="always")
+def floor_bf16(v):
+    """float32 -> bf16 bits of the largest bf16 value <= v: round to nearest, then one ulp toward -inf where that went
+    up (as `quant._stored_stats` rounds a minimum; `quant.decode_stats8` a zero point's)."""
+    nearest = round_bf16(v)
+    return bf16_step(nearest, False) if bf16_value(nearest) > v else nearest
 
 
 def side_value(x):
@@ -84,6 +82,6 @@ def _group_stats(scale, minimum, top, b, h, t, k):
             s = table[scale[b, h, t, k]]
             # -(zero_code * top / 255 * scale) in float32, in that order, then floored to bf16
             exact = -((np.float32(minimum[b, h, t, k]) * np.float32(top) / np.float32(255)) * s)
-            return s, floor_bf16(exact)
+            return s, bf16_value(floor_bf16(exact))
         return decode
     return lambda scale, minimum, top, b, h, t, k: (side_value(scale[b, h, t, k]), side_value(minimum[b, h, t, k]))

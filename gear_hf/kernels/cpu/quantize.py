@@ -10,6 +10,7 @@ import numpy as np
 
 from .bf16 import bf16_step as _bf16_next
 from .bf16 import bf16_value as _f32
+from .bf16 import floor_bf16 as _floor_bf16
 from .bf16 import round_bf16 as _bf16
 
 _F32 = np.float32
@@ -29,9 +30,7 @@ def _stats(lo, hi, top):
     infinite) is [0, 0]."""
     if lo == _INF or lo == -_INF:
         lo, hi = _F32(0.0), _F32(0.0)
-    minimum = _bf16(lo)
-    if _f32(minimum) > lo:
-        minimum = _bf16_next(minimum, False)
+    minimum = _floor_bf16(lo)
     m = _f32(minimum)
     scale = _bf16((hi - m) / _F32(top))
     if m + _F32(top) * _f32(scale) < hi:
