@@ -83,12 +83,7 @@ def main(argv=None) -> int:
     for n in names:
         if n != "int8" and not (len(n) >= 2 and n[0] == "k" and n[1] in "2345678" and n[2:] in ("", "n", "nr", "r")):
             raise SystemExit(f"--candidates: {n!r} is not int8 or kB[n][r] with B in 2..8 (e.g. k4n, k5nr, k6)")
-    cond = benchlib.Conditions(extra={"model": args.model, "dtype": "bfloat16", "texts": args.texts,
-                                      "prompt": args.prompt, "steps": args.steps,
-                                      "simulated": "candidate key rounding applied before the real 8-bit buffer"})
-    benchlib.print_conditions(cond)
-    torch.set_grad_enabled(False)
-    model, tokenizer = benchlib.load_model(args.model, "bfloat16")
+    cond, model, tokenizer = probe.start(args, "candidate key rounding applied before the real 8-bit buffer")
     config = GearConfig(backend="torch")  # the oracle encodes the buffer (the probe wraps its encode)
     encode = CodedTokenStore.encode
     rows = []
@@ -115,19 +110,13 @@ def main(argv=None) -> int:
             rows.append(probe.result_row(text, name, rounding is not None, owned, reference, logits, started))
             print(rows[-1], flush=True)
             benchlib.write_csv(benchlib.Path(args.out) / "probe.csv", rows)
-    cond.finish()
-    body = ["SmolLM2-135M-Instruct bf16, GearConfig(backend='torch'); per text (GSM8K test problem N's 8-shot CoT prompt "
-            f"+ worked answer, its last {args.prompt + args.steps} tokens): {args.prompt} at prefill, {args.steps} "
-            "teacher-forced one per step. KL(DynamicCache || config) of the next-token distribution. **Simulated**: "
-            "every candidate but int8 rounds the buffered keys as it would, then stores them in the real 8-bit buffer; "
-            "its bits are the report's minus (8 - b) per buffered key element (computed, not held).",
-            benchlib.markdown_table(rows, [
-                ("text", "text", "{}"), ("candidate", "key buffer", "{}"), ("mean_owned", "mean owned", "{:.3f}"),
-                ("max_owned", "max owned", "{:.3f}"), ("mean_kl", "mean KL", "{:.4f}"),
-                ("max_kl", "max KL", "{:.3f}"), ("top1_agreement", "top-1", "{:.3f}")])]
-    benchlib.write_summary(benchlib.Path(args.out) / "probe.md", "Probe: a cheaper key buffer (simulated rounding)",
-                           cond, "\n\n".join(body))
-    print((benchlib.Path(args.out) / "probe.md").read_text())
+    description = (
+        "SmolLM2-135M-Instruct bf16, GearConfig(backend='torch'); per text (GSM8K test problem N's 8-shot CoT prompt "
+        f"+ worked answer, its last {args.prompt + args.steps} tokens): {args.prompt} at prefill, {args.steps} "
+        "teacher-forced one per step. KL(DynamicCache || config) of the next-token distribution. **Simulated**: "
+        "every candidate but int8 rounds the buffered keys as it would, then stores them in the real 8-bit buffer; "
+        "its bits are the report's minus (8 - b) per buffered key element (computed, not held).")
+    probe.finish(args, cond, rows, "Probe: a cheaper key buffer (simulated rounding)", description, "key buffer")
     return 0
 
 

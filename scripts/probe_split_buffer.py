@@ -109,13 +109,7 @@ def main(argv=None) -> int:
     unknown = [n for n in names if n not in CANDIDATES]
     if unknown:
         raise SystemExit(f"--candidates: {unknown} unknown; allowed: {', '.join(CANDIDATES)}")
-    cond = benchlib.Conditions(extra={"model": args.model, "dtype": "bfloat16", "texts": args.texts,
-                                      "prompt": args.prompt, "steps": args.steps,
-                                      "simulated": "k64v128: the newest value chunk read as the 4-bit value buffer "
-                                                   "held it"})
-    benchlib.print_conditions(cond)
-    torch.set_grad_enabled(False)
-    model, tokenizer = benchlib.load_model(args.model, "bfloat16")
+    cond, model, tokenizer = probe.start(args, "k64v128: the newest value chunk read as the 4-bit value buffer held it")
     rows = []
     for text, ids, reference in probe.texts_with_reference(run, model, tokenizer, args):
         for name in names:
@@ -135,22 +129,16 @@ def main(argv=None) -> int:
             rows.append(probe.result_row(text, name, simulate, owned, reference, logits, started))
             print(rows[-1], flush=True)
             benchlib.write_csv(benchlib.Path(args.out) / "probe.csv", rows)
-    cond.finish()
-    body = ["SmolLM2-135M-Instruct bf16 (d=64), GearConfig(backend='torch', ...); per text (GSM8K test problem N's "
-            f"8-shot CoT prompt + worked answer, its last {args.prompt + args.steps} tokens): {args.prompt} at "
-            f"prefill, {args.steps} teacher-forced one per step. KL(DynamicCache || config) of the next-token "
-            "distribution. base = GearConfig(); b64 = buffer_size=64, key_group_size=64 (real); s8 = "
-            "value_statistics='8' (real). **Simulated** (k64v128*): b64 with the newest value chunk read as the "
-            "4-bit value buffer held it (values buffered 64..128 tokens, keys 0..64); its bits add that buffer's "
-            "bytes over one value chunk's (computed, not held).",
-            benchlib.markdown_table(rows, [
-                ("text", "text", "{}"), ("candidate", "candidate", "{}"), ("simulated", "simulated", "{}"),
-                ("mean_owned", "mean owned", "{:.3f}"), ("max_owned", "max owned", "{:.3f}"),
-                ("mean_kl", "mean KL", "{:.4f}"), ("max_kl", "max KL", "{:.3f}"),
-                ("top1_agreement", "top-1", "{:.3f}")])]
-    benchlib.write_summary(benchlib.Path(args.out) / "probe.md", "Probe: a 64-token key buffer, values kept 128 "
-                           "(simulated)", cond, "\n\n".join(body))
-    print((benchlib.Path(args.out) / "probe.md").read_text())
+    description = (
+        "SmolLM2-135M-Instruct bf16 (d=64), GearConfig(backend='torch', ...); per text (GSM8K test problem N's "
+        f"8-shot CoT prompt + worked answer, its last {args.prompt + args.steps} tokens): {args.prompt} at "
+        f"prefill, {args.steps} teacher-forced one per step. KL(DynamicCache || config) of the next-token "
+        "distribution. base = GearConfig(); b64 = buffer_size=64, key_group_size=64 (real); s8 = "
+        "value_statistics='8' (real). **Simulated** (k64v128*): b64 with the newest value chunk read as the "
+        "4-bit value buffer held it (values buffered 64..128 tokens, keys 0..64); its bits add that buffer's "
+        "bytes over one value chunk's (computed, not held).")
+    probe.finish(args, cond, rows, "Probe: a 64-token key buffer, values kept 128 (simulated)", description,
+                 "candidate", simulated_column=True)
     return 0
 
 

@@ -122,12 +122,8 @@ def main(argv=None) -> int:
 
     for n in names:
         parse_candidate(n)
-    cond = benchlib.Conditions(extra={"model": args.model, "dtype": "bfloat16", "texts": args.texts,
-                                      "prompt": args.prompt, "steps": args.steps,
-                                      "simulated": "candidate statistics (values, key chunks, key buffer) chosen inside the oracle's quantize"})
-    benchlib.print_conditions(cond)
-    torch.set_grad_enabled(False)
-    model, tokenizer = benchlib.load_model(args.model, "bfloat16")
+    cond, model, tokenizer = probe.start(
+        args, "candidate statistics (values, key chunks, key buffer) chosen inside the oracle's quantize")
     config = GearConfig(backend="torch")  # the oracle compresses (the probe wraps its choice of statistics)
     stored_stats = quant._stored_stats
     rows = []
@@ -146,22 +142,15 @@ def main(argv=None) -> int:
             rows.append(probe.result_row(text, name, name != "base", owned, reference, logits, started))
             print(rows[-1], flush=True)
             benchlib.write_csv(benchlib.Path(args.out) / "probe.csv", rows)
-    cond.finish()
-    body = ["SmolLM2-135M-Instruct bf16 (d=64), GearConfig(backend='torch'); per text (GSM8K test problem N's 8-shot "
-            f"CoT prompt + worked answer, its last {args.prompt + args.steps} tokens): {args.prompt} at prefill, "
-            f"{args.steps} teacher-forced one per step. KL(DynamicCache || config) of the next-token distribution. "
-            "**Simulated**: every candidate but base picks its groups' stored minimum and scale as it could "
-            "represent them (inside the oracle's quantize; groups: v = values, chunks and buffer, k = key chunks, "
-            "b = key buffer); its bits are the report's minus the statistics bits it saves per (scale, minimum) pair "
-            "the cache allocates for those groups (computed, not held).",
-            benchlib.markdown_table(rows, [
-                ("text", "text", "{}"), ("candidate", "statistics (groups)", "{}"),
-                ("mean_owned", "mean owned", "{:.3f}"), ("max_owned", "max owned", "{:.3f}"),
-                ("mean_kl", "mean KL", "{:.4f}"), ("max_kl", "max KL", "{:.3f}"),
-                ("top1_agreement", "top-1", "{:.3f}")])]
-    benchlib.write_summary(benchlib.Path(args.out) / "probe.md", "Probe: cheaper statistics (simulated)",
-                           cond, "\n\n".join(body))
-    print((benchlib.Path(args.out) / "probe.md").read_text())
+    description = (
+        "SmolLM2-135M-Instruct bf16 (d=64), GearConfig(backend='torch'); per text (GSM8K test problem N's 8-shot "
+        f"CoT prompt + worked answer, its last {args.prompt + args.steps} tokens): {args.prompt} at prefill, "
+        f"{args.steps} teacher-forced one per step. KL(DynamicCache || config) of the next-token distribution. "
+        "**Simulated**: every candidate but base picks its groups' stored minimum and scale as it could "
+        "represent them (inside the oracle's quantize; groups: v = values, chunks and buffer, k = key chunks, "
+        "b = key buffer); its bits are the report's minus the statistics bits it saves per (scale, minimum) pair "
+        "the cache allocates for those groups (computed, not held).")
+    probe.finish(args, cond, rows, "Probe: cheaper statistics (simulated)", description, "statistics (groups)")
     return 0
 
 

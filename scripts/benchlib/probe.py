@@ -30,6 +30,33 @@ def parse_probe_args(doc: str, candidates: str, name: str, argv=None):
     return args, [n.strip() for n in args.candidates.split(",") if n.strip()]
 
 
+def start(args, simulated: str):
+    """(conditions, model, tokenizer) of a probe run: its conditions printed (with what it simulates), gradients off,
+    the model loaded in bf16."""
+    import benchlib
+
+    cond = benchlib.Conditions(extra={"model": args.model, "dtype": "bfloat16", "texts": args.texts,
+                                      "prompt": args.prompt, "steps": args.steps, "simulated": simulated})
+    benchlib.print_conditions(cond)
+    torch.set_grad_enabled(False)
+    return (cond, *benchlib.load_model(args.model, "bfloat16"))
+
+
+def finish(args, cond, rows: list[dict], title: str, description: str, candidate_header: str,
+           simulated_column: bool = False) -> None:
+    """Write <out>/probe.md: the conditions, `description` and one table row per (text, candidate); print it."""
+    import benchlib
+
+    cond.finish()
+    columns = [("text", "text", "{}"), ("candidate", candidate_header, "{}")]
+    columns += [("simulated", "simulated", "{}")] if simulated_column else []
+    columns += [("mean_owned", "mean owned", "{:.3f}"), ("max_owned", "max owned", "{:.3f}"),
+                ("mean_kl", "mean KL", "{:.4f}"), ("max_kl", "max KL", "{:.3f}"), ("top1_agreement", "top-1", "{:.3f}")]
+    path = benchlib.Path(args.out) / "probe.md"
+    benchlib.write_summary(path, title, cond, description + "\n\n" + benchlib.markdown_table(rows, columns))
+    print(path.read_text())
+
+
 def texts_with_reference(run, model, tokenizer, args):
     """(text, ids [1, prompt + steps], the stock cache's next-token logits [steps, V]) for each of args.texts: GSM8K
     test problem N's 8-shot CoT prompt + worked answer, its last prompt + steps tokens."""
