@@ -123,6 +123,8 @@ def test_compress_supported_declines():
     assert not compress_supported(ChunkSpec(2.5, "channel", 4, 0.0, 0, allocated=True), x[:, :, :60])  # planes of 8
     assert not compress_supported(ChunkSpec(2, "channel", 48, 0.0, 0), x)  # 48 does not split 64 tokens
     assert not compress_supported(ChunkSpec(3, "channel", 0, 0.0, 0), x[:, :, :60])  # 3-bit units of 8 tokens
+    assert compress_supported(ChunkSpec(3, "token", 64, 0.0, 0), x)
+    assert not compress_supported(ChunkSpec(3, "token", 64, 0.0, 0, stats="8"), x)  # 8-bit statistics: the oracle's
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

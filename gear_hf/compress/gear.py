@@ -71,7 +71,7 @@ def compress(x: torch.Tensor, spec: ChunkSpec, valid: torch.Tensor | None = None
     factors: (residual, spec, store) -> what `fit_factors` returns, equal to float32 rounding.
     """
     st = _encode_state(x, spec, valid, quantize_pack, channel_bits, factors)
-    if backbone is not None and valid is None and spec.stats == "16":  # (Backbone holds 16-bit statistics)
+    if backbone is not None and valid is None:
         part = backbone(x, spec, channel_bits)
         index = part.sparse_index
         length = x.shape[2] if spec.axis == "channel" else x.shape[3]

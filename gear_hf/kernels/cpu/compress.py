@@ -94,8 +94,8 @@ def _compress(x, bits, widths, channel_axis, group, k, model_bf16, packed, scale
 def compress_supported(spec: ChunkSpec, x: torch.Tensor) -> bool:
     """True when `compress_backbone` and `lowrank.fit_factors` cover this spec and chunk x [B,H,n,d] (else
     `compute_backbone` and `gear.fit_factors` run)."""
-    if spec.range_search or (not spec.allocated and spec.bits not in quant.BITS):
-        return False
+    if spec.range_search or spec.stats != "16" or (not spec.allocated and spec.bits not in quant.BITS):
+        return False  # (searched ranges and 8-bit statistics: the torch oracle's)
     if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32) or x.ndim != 4:
         return False
     n, d = x.shape[2], x.shape[3]
