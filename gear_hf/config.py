@@ -74,6 +74,12 @@ class GearConfig:
     value_buffer:  "full" (the model's dtype), "int8" / "int4" (as key_buffer's) or "final" (beyond GEAR: each value
                    stored on arrival in the format its chunk stores, moved into the chunk unchanged: no second
                    rounding; needs values grouped per token with no low-rank term)
+    value_buffer_size: None (values leave the buffer with their keys) or 2 x buffer_size (beyond GEAR): values stay
+                   in value_buffer's per-token format one decode chunk longer than their keys, so the newest
+                   buffer_size..2 x buffer_size values are buffered while keys flush every buffer_size tokens (a short
+                   key buffer costs little; values read from chunks too early cost next-token accuracy:
+                   results/tail); the held chunk is compressed from its buffered codes at the next flush. Needs
+                   value_buffer "int8" or "int4"
     key_axis / value_axis: "channel" (groups run along tokens) or "token" (groups run along channels)
     pre_rope:      compress keys before rotary embedding and rotate them when read
     rotation:      "none" | "keys" | "values" | "both": an orthonormal Walsh–Hadamard rotation along head_dim
@@ -118,6 +124,7 @@ class GearConfig:
     key_buffer: str = "int8"
     value_buffer: str = "int4"
     value_statistics: str = "16"
+    value_buffer_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -198,6 +205,15 @@ class GearConfig:
                 self.value_axis != "token" or self.range_search in ("values", "both") or self.value_buffer == "final"):
             _fail("value_statistics", self.value_statistics, "'16' unless values are grouped per token (value_axis="
                   "'token') with min/max ranges (range_search not 'values' / 'both') and a buffer other than 'final'")
+        held = self.value_buffer_size
+        if held is not None:
+            if isinstance(held, bool) or not isinstance(held, int) or held != 2 * self.buffer_size:
+                _fail("value_buffer_size", held, f"None or 2 x buffer_size = {2 * self.buffer_size} (values held one "
+                                                 "decode chunk longer than keys)")
+            if self.compresses and self.value_buffer not in ("int8", "int4"):
+                _fail("value_buffer_size", held, f"None with value_buffer={self.value_buffer!r} (values are held "
+                                                 "one chunk longer in a per-token format: value_buffer 'int8' or "
+                                                 "'int4')")
 
     def _check_extra_terms(self) -> None:
         if isinstance(self.extra_terms, (list, str)):
@@ -399,7 +415,7 @@ _DEFAULT_BUFFER = GearConfig.__dataclass_fields__["buffer_size"].default
 # as they are, a new field getting the value that keeps an older dict's meaning); tests/test_config_dict.py fails
 # until the newest entry matches GearConfig()'s fields and defaults.
 VERSION_KEY = "gear_config_version"
-CONFIG_VERSION = 3
+CONFIG_VERSION = 4
 DEFAULTS_BY_VERSION: dict[int, dict[str, Any]] = {
     1: dict(method="kivi", key_bits=3.125, value_bits=3, group_size=128, rank_prefill=4, rank_decode=2, power_iters=3,
             outlier_ratio=0.02, buffer_size=128, sink_tokens=4, key_axis="channel", value_axis="token",
@@ -416,6 +432,11 @@ DEFAULTS_BY_VERSION: dict[int, dict[str, Any]] = {
             pre_rope=True, backend="auto", key_group_size=None, value_group_size=None, rotation="values",
             factor_bits=8, range_search="none", prompt_group_size=256, key_bit_allocation="query", extra_terms=(),
             key_buffer="int8", value_buffer="int4", value_statistics="16"),
+    4: dict(method="kivi", key_bits=3.125, value_bits=3, group_size=128, rank_prefill=4, rank_decode=2, power_iters=3,
+            outlier_ratio=0.02, buffer_size=128, sink_tokens=4, key_axis="channel", value_axis="token",
+            pre_rope=True, backend="auto", key_group_size=None, value_group_size=None, rotation="values",
+            factor_bits=8, range_search="none", prompt_group_size=256, key_bit_allocation="query", extra_terms=(),
+            key_buffer="int8", value_buffer="int4", value_statistics="16", value_buffer_size=None),
 }
 
 

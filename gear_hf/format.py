@@ -23,6 +23,9 @@ class StreamFormat:
     decode: ChunkSpec  # each decode chunk (rank_decode)
     chunk_len: int  # tokens per decode chunk (buffer_size)
     tail: ChunkSpec | None = None  # how the buffer stores each token (per token), None: in the model's dtype
+    # the row's newest decode chunk stays at the buffer's front, in the tail format, until the next chunk flushes
+    # (values with GearConfig.value_buffer_size): the stream's decode chunks lag its keys' by one
+    held_chunk: bool = False
 
     @property
     def specs(self) -> tuple[ChunkSpec, ChunkSpec]:
@@ -69,7 +72,8 @@ def stream_format(cfg, stream: str) -> StreamFormat:
     # (fp16 keeps every token as the model made it, whatever the buffer settings)
     choice = (cfg.key_buffer if stream == "key" else cfg.value_buffer) if cfg.compresses else "full"
     tail = decode if choice == "final" else TAIL_SPECS.get(choice)  # (None: "full")
-    return StreamFormat(stream, prompt, decode, cfg.buffer_size, tail)
+    held = stream == "value" and cfg.value_buffer_size is not None and cfg.compresses
+    return StreamFormat(stream, prompt, decode, cfg.buffer_size, tail, held)
 
 
 def layer_formats(cfg) -> tuple[StreamFormat, StreamFormat]:

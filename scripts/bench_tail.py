@@ -20,7 +20,7 @@ import time
 import benchlib
 import torch
 
-# name -> GearConfig fields over config version 1's GearConfig() ("accurate": k3.125v3, keys query-allocated, values
+# name -> GearConfig fields over config version 4's GearConfig() ("accurate": k3.125v3, keys query-allocated, values
 # rotated per token, groups of 128, prompt groups of 256, 4 sinks, a 128-token buffer); None: a paper preset
 _B64 = dict(buffer_size=64, key_group_size=64)  # a 64-token buffer (its decode chunks need 64-token key groups)
 _VC3 = dict(value_bits=3, value_axis="channel", range_search="values", key_bits=3)  # "balanced" with 3-bit values
@@ -43,6 +43,9 @@ CONFIGS = {
     "vc3s1+keys-int8+values-int4": dict(_VC3, sink_tokens=1, key_buffer="int8", value_buffer="int4"),
     "default": {},  # today's GearConfig()
     "value-stats8": dict(key_buffer="int8", value_buffer="int4", value_statistics="8"),  # GearConfig()'s, 8-bit stats
+    # keys flushing every 64 tokens, values one chunk later (value_buffer_size: 64..128 values buffered at 4 bits)
+    "k64v128": dict(_B64, value_buffer_size=128, key_buffer="int8", value_buffer="int4"),
+    "k64v128+stats8": dict(_B64, value_buffer_size=128, key_buffer="int8", value_buffer="int4", value_statistics="8"),
     "kivi-4": None,
 }
 
@@ -55,7 +58,7 @@ def config_of(name: str):
         return GearConfig.preset(name)
     if name == "default":
         return GearConfig()
-    return GearConfig.from_dict({"gear_config_version": 1, **fields})
+    return GearConfig.from_dict({"gear_config_version": 4, **fields})
 
 
 def run(model, ids: torch.Tensor, prompt: int, cache, note=None) -> tuple[torch.Tensor, list[float]]:

@@ -56,8 +56,8 @@ def test_a_version_1_config_loads_as_version_1s_default_whatever_todays():
 @pytest.mark.parametrize("data,match", [
     ({VERSION_KEY: 1, "key_bitz": 3}, r"unknown key\(s\) \['key_bitz'\] for gear_config_version 1"),
     ({VERSION_KEY: CONFIG_VERSION + 1}, rf"gear_config_version={CONFIG_VERSION + 1} is newer than this gear_hf reads; "
-                                        r"allowed: 1, 2, 3 \(upgrade gear_hf"),
-    ({VERSION_KEY: "one"}, r"gear_config_version='one' is invalid; allowed: 1, 2, 3"),
+                                        r"allowed: 1, 2, 3, 4 \(upgrade gear_hf"),
+    ({VERSION_KEY: "one"}, r"gear_config_version='one' is invalid; allowed: 1, 2, 3, 4"),
     ({"method": "kivi"}, r"has no 'gear_config_version'"),
     ([("method", "kivi")], r"takes a dict"),
     ({VERSION_KEY: 1, "value_bits": 5}, r"GearConfig.value_bits=5 is invalid"),  # values still validated

@@ -79,12 +79,18 @@ def test_memo_entries_anchored_on_another_cache_are_not_counted():
     assert _entries_for(shared, storages) is shared
 
 
-@pytest.fixture(scope="module")
-def generated():
-    """(cache, model) after GearConfig() generated NEW tokens after a PROMPT-token prompt, one cache alive."""
+CONFIGS = {"default": gear_hf.GearConfig(),
+           # keys flushing every 64 tokens, values a chunk later (held at the value buffer's front): one flush
+           "held": gear_hf.GearConfig(buffer_size=64, key_group_size=64, value_buffer_size=128,
+                                      value_statistics="8")}
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def generated(request):
+    """(cache, model) after a config generated NEW tokens after a PROMPT-token prompt, one cache alive."""
     gc.collect()  # other tests' caches: their memo entries die with their tensors
     model = tiny_model("llama3", dtype=torch.bfloat16, head_dim=32)  # head_dim 32: the fused CPU decode kernel
-    gear_hf.enable(model, gear_hf.GearConfig())
+    gear_hf.enable(model, CONFIGS[request.param])
     ids = torch.randint(3, 128, (1, PROMPT), generator=torch.Generator().manual_seed(0))
     cache = gear_hf.GearCache(model, expected_length=PROMPT + NEW)
     model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, min_new_tokens=NEW,

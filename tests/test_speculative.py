@@ -43,8 +43,13 @@ def test_fp16_preset_equals_stock_with_speculation(models, how):
     assert torch.equal(stock, out)
 
 
+# values held a chunk longer than keys (value_buffer_size): crops reach the value buffer past its held chunk
+HELD = COMPRESSING.replace(value_buffer="int8", value_buffer_size=16)
+
+
+@pytest.mark.parametrize("config", [COMPRESSING, HELD], ids=["kivi-4", "values-held"])
 @pytest.mark.parametrize("how", ["prompt_lookup", "assistant"])
-def test_compressed_cache_verifies_and_crops(models, how, monkeypatch):
+def test_compressed_cache_verifies_and_crops(models, how, config, monkeypatch):
     """A compressing config: drafted tokens are verified in multi-token steps, the rejected ones cropped (counted
     here), decode chunks flushed, and the result is the config's own greedy output."""
     model, assistant = copy.deepcopy(models[0]), copy.deepcopy(models[1])
@@ -59,7 +64,7 @@ def test_compressed_cache_verifies_and_crops(models, how, monkeypatch):
     kwargs = {"prompt_lookup_num_tokens": 3} if how == "prompt_lookup" else {"assistant_model": assistant}
     if how == "assistant":  # an enabled draft model keeps transformers' cache (and says so once)
         gear_hf.enable(assistant, COMPRESSING)
-    with gear_hf.enabled(model, COMPRESSING):
+    with gear_hf.enabled(model, config):
         plain = _greedy(model)
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
@@ -73,8 +78,10 @@ def test_compressed_cache_verifies_and_crops(models, how, monkeypatch):
     assert len(drafts) == (1 if how == "assistant" else 0)
 
 
-@pytest.mark.parametrize("config", [COMPRESSING, gear_hf.GearConfig(group_size=8, buffer_size=8, prompt_group_size=16)],
-                         ids=["kivi-4", "default"])
+@pytest.mark.parametrize("config", [COMPRESSING, gear_hf.GearConfig(group_size=8, buffer_size=8, prompt_group_size=16),
+                                    gear_hf.GearConfig(group_size=8, buffer_size=8, prompt_group_size=16,
+                                                       value_buffer_size=16)],
+                         ids=["kivi-4", "default", "values-held"])
 def test_drafts_of_the_first_step_are_not_compressed_with_the_prompt(models, config):
     """The first verifying step holds the prompt and the first drafted tokens together: 25 + 7 tokens filled whole
     chunks, the drafts were compressed with the prompt, and cropping the rejected ones raised mid-generate (as

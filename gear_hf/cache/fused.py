@@ -46,13 +46,14 @@ def row_local_tokens(cache, layer_idx: int, dtype=torch.float32):
     for stream in (layer.key_stream, layer.value_stream):
         sink = stream.sink.data.to(dtype) if cfg.sink_tokens and stream.sink.data is not None else None
         prompt = stream.prefill.reconstruct(1, dtype) if stream.prefill is not None and stream.prefill.fields else None
-        chunks = max(cache.decode_chunks) if cache.decode_chunks else 0
+        counts = stream.own(cache.layout.counts)  # (a stream with a held chunk: one chunk fewer, a longer buffer)
+        chunks = max(counts.chunks, default=0)
         decode = stream.decode.reconstruct(chunks, dtype) if chunks else None
-        streams.append((sink, prompt, decode, stream.buffer.tokens().to(dtype)))
+        streams.append((sink, prompt, decode, stream.buffer.tokens().to(dtype), counts))
     for b in range(cache.batch_size_):
-        s, p, c, f = cache.sink_len[b], cache.prefill_len[b], cache.decode_chunks[b], cache.buffer_len[b]
         row = []
-        for sink, prompt, decode, buf in streams:
+        for sink, prompt, decode, buf, counts in streams:
+            s, p, c, f = counts.rows()[b]
             parts = []
             if s:
                 parts.append(sink[b, :, :s])

@@ -70,6 +70,7 @@ class StepPlan:
     query_len: int
     rect_before: int  # columns of the padded layout before this step
     attend: RowCounts  # what this step's attention sees: the buffer holds the step's own tokens
+    after: RowCounts  # what the rows hold after the step's flush
     valid: torch.Tensor  # [B, q] bool: the step's real tokens (padding is stored nowhere)
     sink_writes: TokenWrites | None  # where real tokens go in the sink store (None: no row writes to it)
     buffer_writes: TokenWrites | None  # where real tokens go in the buffer (None: nowhere, or `buffer_run`)
@@ -102,6 +103,13 @@ class SlotPlan:
     buffer: tuple[int, ...]  # per row: its buffered tokens
     local: torch.Tensor
     columns: torch.Tensor
+
+
+def buffer_capacities(current: int, needed: int, kept: int) -> tuple[int, int]:
+    """(during a step, after its flush) of a buffer holding `current` tokens per row that needs `needed` during the
+    step and keeps `kept` (see `RowLayout._buffer_capacities`)."""
+    during = grown_capacity(current, needed, geometric=False)
+    return during, (during if kept == needed else max(kept, 1))  # (never empty: kernels take its pointer)
 
 
 class RowLayout:
@@ -209,7 +217,7 @@ class RowLayout:
         else:
             known = 0
         plan = StepPlan(
-            step=self.steps, query_len=q, rect_before=rect_before, attend=attend, valid=new_valid,
+            step=self.steps, query_len=q, rect_before=rect_before, attend=attend, after=after, valid=new_valid,
             sink_writes=TokenWrites.of(sink_cols, device),
             buffer_writes=None if run is not None else TokenWrites.of(buffer_cols, device), buffer_run=run,
             sink_capacity=max(sink, default=0), buffer_capacity=buffer_capacity,
@@ -231,10 +239,7 @@ class RowLayout:
         (n_b tokens) per layer-step; spare capacity here would cost up to 16 bits per spare token for the whole run
         (issue 25). A cache that compresses nothing (fp16) grows as transformers' DynamicCache does (its torch.cat),
         never sized ahead to a known final length: it would own more than the dense cache until then."""
-        needed = max(attend.buffer, default=0)
-        during = grown_capacity(self.buffer_capacity, needed, geometric=False)
-        kept = max(after.buffer, default=0)
-        return during, (during if kept == needed else max(kept, 1))  # (never empty: kernels take its pointer)
+        return buffer_capacities(self.buffer_capacity, max(attend.buffer, default=0), max(after.buffer, default=0))
 
     def _plan_flush(self, attend: RowCounts, first: bool, held_back: list[int] | None = None
                     ) -> tuple[FlushPlan, RowCounts]:

@@ -45,7 +45,8 @@ def _held_by_component(cache, cap: int | None) -> dict[str, int]:
                                                                           layer.dense.keys, cap)
             continue
         for stream in layer.streams:
-            for store, tokens in ((stream.sink, counts.sink), (stream.buffer, counts.buffer)):
+            own = stream.own(counts)  # (a held chunk: in the buffer, not a decode chunk)
+            for store, tokens in ((stream.sink, own.sink), (stream.buffer, own.buffer)):
                 if store.capacity:
                     out["buffer"] += sum(tokens) * store.token_nbytes(cap)
             if stream.prefill is not None and stream.prefill.fields and not layer.released.prompt:
@@ -53,7 +54,7 @@ def _held_by_component(cache, cap: int | None) -> dict[str, int]:
                     if p:
                         for name, n in stream.prefill.chunk_nbytes(p, cap).items():
                             out[name] = out.get(name, 0) + n  # (an extra term may add a component)
-            live = sum(max(c - layer.released.chunks, 0) for c in counts.chunks)
+            live = sum(max(c - layer.released.chunks, 0) for c in own.chunks)
             if live and stream.decode.fields:
                 for name, n in stream.decode.chunk_nbytes(nb, cap).items():
                     out[name] = out.get(name, 0) + live * n

@@ -5,12 +5,17 @@
     decode  ChunkStore  chunks of n_b tokens (rank_decode); a sliding layer drops the leading ones
     buffer  TokenStore  [B, H, capacity+1, d]  full precision, this step's own tokens included; or a
             CodedTokenStore holding each token in a per-token format (`StreamFormat.tail`)
+
+A stream with a held chunk (`StreamFormat.held_chunk`: values with `GearConfig.value_buffer_size`) keeps each row's
+newest decode chunk at its buffer's front, in the buffer's format, until the row's next chunk flushes: its decode
+chunks lag the layout's by one (`own` gives the counts as this stream stores them), and a chunk is compressed one
+flush after its keys, from its buffered codes.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -18,8 +23,8 @@ import torch
 from ..coded_store import CodedTokenStore
 from ..compress import ChunkSpec
 from ..compress.allocation import allocate_channel_bits
-from ..storage import ChunkStore, TokenStore
-from .layout import RowCounts, RowLayout, SlotPlan, StepPlan
+from ..storage import ChunkStore, TokenStore, TokenWrites
+from .layout import FlushPlan, RowCounts, RowLayout, SlotPlan, StepPlan, buffer_capacities
 
 
 @dataclass(frozen=True)
@@ -43,8 +48,9 @@ class _Segment:
 
 class Stream:
     def __init__(self, prefill_spec: ChunkSpec, decode_spec: ChunkSpec, chunk_len: int, kind: str,
-                 tail: ChunkSpec | None = None) -> None:
+                 tail: ChunkSpec | None = None, held_chunk: bool = False) -> None:
         self.kind = kind  # "key" or "value"
+        self.held_chunk = held_chunk  # the newest decode chunk stays at the buffer's front (module docstring)
         self.prefill_spec, self.decode_spec = prefill_spec, decode_spec
         self.sink = TokenStore()
         self.buffer = TokenStore() if tail is None else CodedTokenStore(tail)
@@ -80,11 +86,12 @@ class Stream:
             self.sink.reserve(x, plan.sink_capacity)
             if plan.sink_writes is not None:
                 self.sink.write(x, plan.sink_writes)
-        self.buffer.reserve(x, plan.buffer_capacity)
-        if plan.buffer_run is not None:  # every row's tokens to the same columns: a plain copy, no index
-            self.buffer.write_run(x, plan.buffer_run)
-        elif plan.buffer_writes is not None:
-            self.buffer.write(x, plan.buffer_writes)
+        self.buffer.reserve(x, self._capacities(plan)[0])
+        front = self._front(plan.attend.chunks)  # (a held chunk before each row's buffered tokens)
+        if plan.buffer_run is not None and len(set(front)) == 1:  # every row's tokens to the same columns: a copy
+            self.buffer.write_run(x, plan.buffer_run + front[0])
+        elif plan.buffer_run is not None or plan.buffer_writes is not None:
+            self.buffer.write(x, self._shifted_writes(plan, front, x))
 
     def flush(self, plan: StepPlan, prompt_capacity: int, batch: int, released_chunks: int = 0,
               reserve_chunks: int = 0, query_energy: torch.Tensor | None = None,
@@ -94,7 +101,7 @@ class Stream:
         chunk_limit: the most decode slots the store will ever need (a sliding layer's);
         query_energy [B,H,d]: what allocated key widths are chosen from (`allocation.query_pair_energy`).
         Returns a device bool, True when every compressed entry was finite (None: nothing compressed)."""
-        flush = plan.flush
+        flush = self._own_flush(plan)
         finite = []
         for rows, length in flush.prompt_groups:
             if self.prefill is None:
@@ -110,8 +117,71 @@ class Stream:
         self.buffer.end_step(flush.keep)  # (a coded buffer encodes the step's tokens that stay)
         for row, start, length in flush.keep:
             self.buffer.keep_tail(row, start, length)
-        self.buffer.reserve(None, plan.buffer_capacity_after)  # (gives back what was compressed)
+        self.buffer.reserve(None, self._capacities(plan)[1])  # (gives back what was compressed)
         return torch.stack(finite).all() if finite else None
+
+    # -- a held chunk (see the module docstring): the layout's plan in this stream's buffer columns ------------------
+    def own(self, counts: RowCounts) -> RowCounts:
+        """The rows' counts as this stream stores them: with a held chunk, each row's newest decode chunk is the
+        first nb tokens of its buffer."""
+        if not self.held_chunk:
+            return counts
+        return replace(counts, chunks=tuple(max(c - 1, 0) for c in counts.chunks),
+                       buffer=tuple(f + h for f, h in zip(counts.buffer, self._front(counts.chunks))))
+
+    def _front(self, chunks) -> list[int]:
+        """Per row, the buffer columns before its buffered tokens: a held chunk (rows with a decode chunk)."""
+        return [self.chunk_len if self.held_chunk and c > 0 else 0 for c in chunks]
+
+    def _capacities(self, plan: StepPlan) -> tuple[int, int]:
+        """(during the step, after its flush): the layout's, or this stream's own with a held chunk."""
+        if not self.held_chunk:
+            return plan.buffer_capacity, plan.buffer_capacity_after
+        current = self.buffer.capacity
+        needed = max(self.own(plan.attend).buffer, default=0)
+        return buffer_capacities(current, needed, max(self.own(plan.after).buffer, default=0))
+
+    def _shifted_writes(self, plan: StepPlan, front: list[int], x: torch.Tensor) -> TokenWrites:
+        """The step's buffer writes with each row's columns moved past its held chunk."""
+        where = plan.buffer_writes
+        if where is None:  # (a run: every row to the same columns)
+            B, q = x.shape[0], x.shape[2]
+            rows = torch.arange(B, device=x.device).repeat_interleave(q)
+            tokens = torch.arange(q, device=x.device).repeat(B)
+            where = TokenWrites(rows, tokens, tokens + plan.buffer_run)
+        shift = torch.tensor(front, dtype=torch.long, device=where.rows.device)
+        return TokenWrites(where.rows, where.tokens, where.columns + shift[where.rows])
+
+    def _own_flush(self, plan: StepPlan) -> FlushPlan:
+        """The layout's flush in this stream's buffer columns. With a held chunk a row's decode chunks leave one
+        flush late: its held chunk (columns [0, nb)) and every new chunk but the last are compressed, and the last
+        one stays at the buffer's front, with what the keys keep after it."""
+        flush = plan.flush
+        if not self.held_chunk:
+            return flush
+        nb = self.chunk_len
+        front = self._front(plan.attend.chunks)
+        new = {}
+        for row, start, chunk in flush.decode_jobs:
+            new.setdefault(row, []).append((start, chunk))
+        jobs, keep = [], []
+        for row, start, length in flush.keep:
+            h = front[row]
+            chunks = new.get(row, [])
+            if not chunks:
+                keep.append((row, start + h, length))
+                continue
+            first_start, first_chunk = chunks[0]
+            if h:  # the held chunk (the row's previous newest) leaves now
+                chunks = [(first_start - nb, first_chunk - 1)] + chunks
+            *leaving, (last_start, _) = chunks
+            jobs += [(row, at + h, chunk) for at, chunk in leaving]
+            if start != last_start + nb:
+                raise AssertionError(f"row {row} keeps buffer columns from {start}, not after its last chunk")
+            keep.append((row, last_start + h, nb + length))
+        if any(front[row] for rows, _ in flush.prompt_groups for row in rows):
+            raise AssertionError("a prompt chunk flushed from a row that holds a decode chunk")
+        return FlushPlan(flush.prompt_groups, jobs, keep)
 
     def _leave(self, store: ChunkStore, rows: list[int], starts: list[int], length: int, slots: list[int],
                batch: int, reserve: int, query_energy: torch.Tensor | None, limit: int | None = None):
@@ -205,6 +275,7 @@ class Stream:
         rotated) when the layout lets every segment land straight in its columns; else None (read, then rotate)."""
         T = layout.rect_length
         B, H, _, d = self.buffer.shape
+        counts = self.own(counts)
         if layout.uniform(counts):  # padded layout == row-local: the segments, end to end, are the columns
             segments = self._segments(counts, released, dtype, sink_tokens, [start] * B)
             first = segments[0].local_start[0]
@@ -272,6 +343,7 @@ class Stream:
                 return into.copy_(source)
             return self.plan.reconstruct.rotate(source, *rotation, into)
 
+        slots = self._own_slots(slots)
         at = 0
         if slots.sink:
             tokens(self.sink.data[:, :, : slots.sink], out[:, :, : slots.sink], cols(0, slots.sink))
@@ -298,6 +370,16 @@ class Stream:
                 tokens(buffer[row : row + 1, :, :n], out[row : row + 1, :, lo : lo + n], cols(lo, lo + n, row))
         return out
 
+    def _own_slots(self, slots: SlotPlan) -> SlotPlan:
+        """The slot layout in this stream's segments: with a held chunk, each row's newest decode chunk is read
+        from the front of its buffer, which starts a chunk earlier."""
+        if not self.held_chunk:
+            return slots
+        front = self._front([at // self.chunk_len for at in slots.buffer_at])
+        return replace(slots, chunks=max(slots.chunks - 1, 0),
+                       buffer_at=tuple(at - h for at, h in zip(slots.buffer_at, front)),
+                       buffer=tuple(n + h for n, h in zip(slots.buffer, front)))
+
     @staticmethod
     def _read_row_with_holes(out, b, layout: RowLayout, segments, taken, start) -> None:
         """A row whose tokens are not one run of columns (a mask with holes): gather through rect_to_local."""
@@ -322,6 +404,8 @@ class Stream:
             derived = self.plan.attend.view_derived(store, view, chunks, self.kind) if self.plan.attend else {}
             return dataclasses.replace(view, derived=derived) if derived else view
 
+        if self.held_chunk:  # (the newest chunk of each row is at its buffer's front)
+            decode_chunks = max(decode_chunks - 1, 0)
         buffer, tail = self.buffer, None
         if isinstance(buffer, CodedTokenStore) and reader is not None and reader.reads_tail(buffer.spec,
                                                                                             buffer.head_dim):
@@ -330,7 +414,7 @@ class Stream:
             tokens = buffer.tokens()
         return StreamView(buffer=tokens, sink=self.sink.data if sink_tokens else None,
                           prompt=run(self.prefill, 1 if prompt else 0), decode=run(self.decode, decode_chunks),
-                          tail=tail)
+                          tail=tail, held_chunk=self.held_chunk)
 
     # -- sliding windows ---------------------------------------------------------------------------------------
     def release(self, before: Released, after: Released, counts: RowCounts) -> None:
@@ -339,7 +423,7 @@ class Stream:
             self.prefill = None
         dropped = after.chunks - before.chunks
         if dropped > 0:
-            self.decode.discard_leading(dropped, max(counts.chunks, default=0) - after.chunks)
+            self.decode.discard_leading(dropped, max(self.own(counts).chunks, default=0) - after.chunks)
 
     # -- rows --------------------------------------------------------------------------------------------------
     def select_rows(self, index: torch.Tensor) -> None:

@@ -102,6 +102,9 @@ class StreamView:
     prompt: ChunkRunView | None = None  # one chunk (the prompt), or None
     decode: ChunkRunView | None = None  # decode chunks of buffer_size tokens, or None
     tail: CodedTailView | None = None  # the buffer's coded tokens (a backend that reads them), or None
+    # each row's newest decode chunk is not in `decode` but the first buffer_size tokens of its buffer (values with
+    # GearConfig.value_buffer_size): the row's (decode chunks, buffer) are (c - 1, buffer_size + f) when c > 0
+    held_chunk: bool = False
 
 
 @dataclass(frozen=True, eq=False)

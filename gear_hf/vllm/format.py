@@ -66,6 +66,10 @@ def block_config(config: GearConfig, block_size: int, head_size: int) -> GearCon
     (`gear_hf.format.layer_formats`) are the page's: the plugin builds no spec of its own."""
     if not config.compresses:
         return config
+    if config.value_buffer_size is not None:
+        raise ValueError(f"GearConfig.value_buffer_size={config.value_buffer_size}: the vLLM plugin compresses a "
+                         "block's keys and values when the block closes (no value held a block longer); allowed: "
+                         "None")
     changes: dict = dict(buffer_size=block_size, sink_tokens=0)
     for name, axis, group in (("key", config.key_axis, config.key_group),
                               ("value", config.value_axis, config.value_group)):

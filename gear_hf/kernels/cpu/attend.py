@@ -210,11 +210,13 @@ def _weighted_rows(acc, probs, vals, first, last):
 
 @kernel(fastmath=_FAST)
 def _attend(q, limits, rows, cos, sin, window, nb, sink_k, sink_v, buf_k, buf_v, tail_k, tail_v,
-            pk, pk_factors, pv, pv_factors, dk, dk_factors, dv, dv_factors, rotated_keys, rotated_values, out):
+            pk, pk_factors, pv, pv_factors, dk, dk_factors, dv, dv_factors, rotated_keys, rotated_values, held_values,
+            out):
     """q [B,Hq,QL,d] float32 (softmax scale and rotary attention_scaling folded in); limits [B,QL] (row-local index
     of each query token, -1: sees nothing); rows [B,4] (sink, prompt, decode chunks, buffer); cos/sin [B,>=L,d/2]
     at the row-local tokens' positions; sink/buffer keys and values [B,H,>=len,d] float32; the buffer's coded
     tokens as `_tail_args` gives them (empty: the buffer is full precision); runs as `_run_args` gives them;
+    held_values: a row's newest value chunk is the front of its value buffer (`views.StreamView.held_chunk`);
     out [B,QL,Hq,d] float32."""
     B, Hq, QL, d = q.shape
     H = buf_k.shape[1]
@@ -263,11 +265,12 @@ def _attend(q, limits, rows, cos, sin, window, nb, sink_k, sink_v, buf_k, buf_v,
                 low = max(0, limit - window + 1) if window > 0 else 0
                 high = min(limit + 1, L)
                 norm[m] = _softmax_row(scores[m], low, high, L, exponents)
-            _plane(sink_v, buf_v, tail_v, b, h, s, p, c, f, nb, pv, _NO_FACTORS, dv, _NO_FACTORS, False, vals, pv_s,
+            cv, fv = (c - 1, f + nb) if held_values and c > 0 else (c, f)  # the values' chunks and buffer
+            _plane(sink_v, buf_v, tail_v, b, h, s, p, cv, fv, nb, pv, _NO_FACTORS, dv, _NO_FACTORS, False, vals, pv_s,
                    dv_s, False, tile)
             acc[:] = 0.0
             plain[:] = 0.0
-            compressed = s + p + c * nb
+            compressed = s + p + cv * nb
             if rotated_values or rotated_tail:  # acc: what is in the rotated basis, added after un-rotating it; plain:
                 # the sink's and the staged tokens' share (and the chunks', when only the buffer is rotated)
                 chunks = acc if rotated_values else plain
@@ -283,7 +286,7 @@ def _attend(q, limits, rows, cos, sin, window, nb, sink_k, sink_v, buf_k, buf_v,
             if p > 0 and pv_factors[0].shape[3]:
                 _add_value_lowrank(chunks, scores, pv_factors, b, h, 0, pv[8], s, p, d, pa)
             if dv_factors[0].shape[3]:
-                for chunk in range(c):
+                for chunk in range(cv):
                     _add_value_lowrank(chunks, scores, dv_factors, b, h, chunk, nb, s + p + chunk * nb, nb, d, pa)
             if rotated_values or rotated_tail:
                 _hadamard_rows(acc, M, tile)  # (P·V·H)·H = P·V
@@ -381,15 +384,20 @@ def decode_attention(query: torch.Tensor, keys, values, layout, *, scaling: floa
         raise ValueError(f"{Hq} query heads do not split into {Hkv} KV heads")
     if inv_freq.numel() != D // 2:
         raise ValueError(f"inv_freq has {inv_freq.numel()} entries, expected head_dim/2 = {D // 2}")
-    if (keys.prompt is None) != (values.prompt is None) or (keys.decode is None) != (values.decode is None):
+    if keys.held_chunk:
+        raise ValueError("keys with a held chunk: only values are held one chunk longer")
+    value_chunks_lag = 1 if values.held_chunk else 0  # (its newest chunk is in the buffer)
+    decode_chunks = layout.max_decode_chunks if keys.decode is not None else 0
+    if (keys.prompt is None) != (values.prompt is None) or \
+            (values.decode is not None) != (decode_chunks > value_chunks_lag):
         raise ValueError("keys and values disagree on which chunk runs exist")
     prompt_chunks = 1 if keys.prompt is not None and layout.max_prompt > 0 else 0
-    decode_chunks = layout.max_decode_chunks if keys.decode is not None else 0
+    value_chunks = max(decode_chunks - value_chunks_lag, 0)
     pk, pk_factors, rot_k = _run_args(keys.prompt, prompt_chunks, D)
     dk, dk_factors, rot_dk = _run_args(keys.decode, decode_chunks, D)
     pv, pv_factors, rot_v = _run_args(values.prompt, prompt_chunks, D)
-    dv, dv_factors, rot_dv = _run_args(values.decode, decode_chunks, D)
-    if (prompt_chunks and decode_chunks) and (rot_k != rot_dk or rot_v != rot_dv):
+    dv, dv_factors, rot_dv = _run_args(values.decode, value_chunks, D)
+    if (prompt_chunks and decode_chunks and rot_k != rot_dk) or (prompt_chunks and value_chunks and rot_v != rot_dv):
         raise ValueError("the prompt and decode chunks disagree on whether they are rotated")
     cos, sin = rope_tables if rope_tables is not None else _rope_halves(layout.positions, inv_freq)
     q = (query.float() * (scaling * attention_scaling)).contiguous().numpy()
@@ -398,7 +406,8 @@ def decode_attention(query: torch.Tensor, keys, values, layout, *, scaling: floa
     _attend(q, layout.limits.numpy(), layout.rows.numpy(), cos, sin, int(sliding_window or 0), layout.buffer_size,
             _float32(sink_k, keys.buffer), _float32(sink_v, values.buffer), _float32(keys.buffer, keys.buffer),
             _float32(values.buffer, values.buffer), _tail_args(keys), _tail_args(values), pk, pk_factors, pv,
-            pv_factors, dk, dk_factors, dv, dv_factors, rot_k or rot_dk, rot_v or rot_dv, result)
+            pv_factors, dk, dk_factors, dv, dv_factors, rot_k or rot_dk, rot_v or rot_dv, bool(values.held_chunk),
+            result)
     result = torch.from_numpy(result)
     if out is None:
         return result.to(query.dtype)

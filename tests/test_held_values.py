@@ -1,0 +1,212 @@
+"""Values held one chunk longer than their keys (`GearConfig.value_buffer_size`): what the cache holds, token by
+token, against the torch oracle (`gear_hf.compress`), and the paths that must agree on it (reference, slot layout,
+numba fused, sliding windows, beams, speculative crops, the memory report)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+import gear_hf
+from gear_hf import GearConfig
+from gear_hf.cache import GearCache
+from gear_hf.cache.fused import row_local_tokens
+from gear_hf.compress import compress, decompress
+from gear_hf.format import layer_formats
+
+D, H = 32, 2
+# a small GearConfig() (value_buffer "int4": rotated per-token codes), keys flushing every 16 tokens
+HELD = dict(group_size=16, buffer_size=16, prompt_group_size=32, value_buffer_size=32, key_bit_allocation="uniform",
+            key_bits=3)
+
+
+def _fill(config: GearConfig, steps: list[int], seed: int = 0):
+    """One row, one layer: a prompt of steps[0] tokens, then steps[1:] (returns the cache and every value stored)."""
+    gen = torch.Generator().manual_seed(seed)
+    cache = GearCache(types.SimpleNamespace(num_hidden_layers=1), config)
+    values, seen = [], 0
+    for q in steps:
+        k = torch.randn(1, H, q, D, generator=gen)
+        v = torch.randn(1, H, q, D, generator=gen)
+        cache.observe_attention_mask(torch.ones(1, seen + q, dtype=torch.long))
+        cache.store_and_read(0, k, v, torch.arange(seen, seen + q)[None])
+        values.append(v)
+        seen += q
+    return cache, torch.cat(values, 2)
+
+
+def _coded(x: torch.Tensor, spec) -> torch.Tensor:
+    """x [1,H,n,d] through a format and back (the oracle)."""
+    return decompress(compress(x, spec), spec, x.shape[2], D, x.dtype)
+
+
+@pytest.mark.parametrize("steps", [[40] + [1] * 45, [75] + [1] * 20, [5] + [1] * 50 + [7, 3]])
+@pytest.mark.parametrize("value_buffer", ["int4", "int8"])
+def test_values_held_a_chunk_longer_token_by_token(steps, value_buffer):
+    """Keys are stored exactly as without value_buffer_size; each value is where the oracle says: the prompt chunk
+    and chunks flushed with it compressed from the exact values, later chunks from their buffered codes one flush
+    after their keys, and the newest chunk with the buffer in the buffer's format."""
+    config = GearConfig(**HELD, value_buffer=value_buffer)
+    held, x = _fill(config, steps)
+    plain, _ = _fill(GearConfig(**{**HELD, "value_buffer_size": None}, value_buffer=value_buffer), steps)
+    (keys, values), = row_local_tokens(held, 0)
+    (plain_keys, _), = row_local_tokens(plain, 0)
+    assert torch.equal(keys, plain_keys)
+
+    nb, (s,), (p,), (c,), (f,) = 16, held.sink_len, held.prefill_len, held.decode_chunks, held.buffer_len
+    fmt = layer_formats(config)[1]
+    expected = [x[:, :, :s]]
+    if p:
+        expected.append(_coded(x[:, :, s : s + p], fmt.prompt))
+    prompt_chunks = (steps[0] - s - p) // nb  # chunks the prompt step flushed (the last of them was held)
+    for j in range(c - 1):
+        chunk = x[:, :, s + p + j * nb : s + p + (j + 1) * nb]
+        source = chunk if j < prompt_chunks - 1 else _coded(chunk, fmt.tail)
+        expected.append(_coded(source, fmt.decode))
+    if c:
+        expected.append(_coded(x[:, :, s + p + (c - 1) * nb :], fmt.tail))
+    else:
+        expected.append(x[:, :, s + p :])  # (a buffer with no chunk before it: the step's own tokens exact)
+    expected = torch.cat(expected, 2)[0]
+    assert values.shape == expected.shape
+    torch.testing.assert_close(values, expected, rtol=0, atol=1e-6)
+    assert held.layers[0].value_stream.buffer.capacity >= f + (nb if c else 0)
+
+
+def test_config_rejects_what_cannot_hold():
+    small = dict(group_size=64, buffer_size=64)
+    for bad, allowed in ((dict(value_buffer_size=64), "None or 2 x buffer_size = 128"),
+                         (dict(value_buffer_size=True), "None or 2 x buffer_size = 128"),
+                         (dict(value_buffer_size=128, value_buffer="full"), "value_buffer 'int8' or 'int4'"),
+                         (dict(value_buffer_size=128, value_buffer="final"), "value_buffer 'int8' or 'int4'")):
+        with pytest.raises(ValueError, match="value_buffer_size") as err:
+            GearConfig(**small, **bad)
+        assert allowed in str(err.value)
+    assert GearConfig(**small, value_buffer_size=128, value_buffer="int8").value_buffer_size == 128
+
+
+def _generate(model, ids, mask, config, steps: int, **kwargs):
+    """(tokens, float32 logits [B, steps, V], step paths, cache) of greedy generation under inference mode."""
+    with gear_hf.enabled(model, config), torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
+                             do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True,
+                             **kwargs)
+        cache = gear_hf.last_cache(model)
+    return out.sequences, torch.stack(out.scores, 1).float(), dict(cache.step_paths), cache
+
+
+def _left_padded(batch: int, length: int, pads: list[int], seed: int):
+    ids = torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate(pads):
+        mask[row, :pad] = 0
+    ids[mask == 0] = 0
+    return ids, mask
+
+
+FUSED = dict(group_size=16, buffer_size=16, prompt_group_size=32, value_buffer_size=32)
+
+
+GEAR_2 = dict(method="gear", key_bits=2, value_bits=2, key_bit_allocation="uniform", outlier_ratio=0.05)
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(value_buffer="int8"), dict(value_statistics="8"),
+                                       dict(GEAR_2, value_buffer="int8")],
+                         ids=["default", "int8", "stats8", "gear"])
+def test_fused_cpu_attention_reads_the_held_chunk_as_the_reference_path(overrides):
+    """A left-padded batch whose rows flush on different steps (the slot layout on the reference path), 40 decode
+    steps (several flushes): the numba fused attention gives the torch backend's tokens and logits (float32
+    rounding), every decode step fused."""
+    from tiny_models import tiny_model
+
+    model = tiny_model("llama3", head_dim=32)
+    ids, mask = _left_padded(3, 45, [0, 9, 20], seed=1)
+    runs = [_generate(model, ids, mask, GearConfig(**FUSED, backend=backend, **overrides), 40)
+            for backend in ("torch", "auto")]
+    (tokens, scores, paths, cache), (fused_tokens, fused_scores, fused_paths, _) = runs
+    assert max(cache.decode_chunks) >= 3 and paths == {"reference": 39 * 2} and fused_paths == {"fused": 39 * 2}
+    assert torch.equal(tokens, fused_tokens)
+    assert (scores - fused_scores).abs().max().item() < 1e-4
+
+
+def test_sliding_window_releases_around_the_held_chunk():
+    """A sliding layer (window 40 > 2 x buffer_size) releases leading chunks of keys and values alike while the
+    values' newest chunk is held: the torch and numba paths agree step by step, and memory stops growing."""
+    from tiny_models import tiny_model
+
+    model = tiny_model("mistral", head_dim=32, window=40)
+    ids, mask = _left_padded(2, 30, [0, 5], seed=3)
+    runs = [_generate(model, ids, mask, GearConfig(**FUSED, backend=backend), 70) for backend in ("torch", "auto")]
+    (tokens, scores, _, cache), (fused_tokens, fused_scores, fused_paths, _) = runs
+    layer = cache.layers[0]
+    assert layer.is_sliding and layer.dense is None and layer.released.chunks >= 2
+    assert layer.value_stream.decode.capacity <= -(-40 // 16) + 2  # (bounded by the window, as the keys')
+    assert fused_paths == {"fused": 69 * 2}
+    assert torch.equal(tokens, fused_tokens)
+    assert (scores - fused_scores).abs().max().item() < 1e-4
+
+
+def _fill_rows(config: GearConfig, histories: list[torch.Tensor]):
+    """A batch cache fed row b's (keys, values) history [2, H, T, d] step by step (steps of 1 after a prompt)."""
+    cache = GearCache(types.SimpleNamespace(num_hidden_layers=1), config)
+    T = histories[0].shape[2]
+    for lo, hi in [(0, 21)] + [(t, t + 1) for t in range(21, T)]:
+        kv = torch.stack([h[:, :, lo:hi] for h in histories], 1)  # [2, B, H, q, d]
+        cache.observe_attention_mask(torch.ones(len(histories), hi, dtype=torch.long))
+        cache.store_and_read(0, kv[0], kv[1], torch.arange(lo, hi)[None].expand(len(histories), -1))
+    return cache
+
+
+def test_reordered_rows_keep_their_held_chunks():
+    """Beam search reorders rows (`reorder_cache`): each row then continues as a cache that held its source row's
+    history alone would (rows are independent; the held chunk travels with its row)."""
+    config = GearConfig(**HELD)
+    gen = torch.Generator().manual_seed(5)
+    first = [torch.randn(2, 1, H, 50, D, generator=gen)[:, 0] for _ in range(3)]
+    cache = _fill_rows(config, first)
+    order = [2, 0, 0]
+    cache.reorder_cache(torch.tensor(order))
+    more = [torch.randn(2, H, 30, D, generator=gen) for _ in range(3)]
+    for t in range(30):
+        kv = torch.stack([m[:, :, t : t + 1] for m in more], 1)
+        cache.observe_attention_mask(torch.ones(3, 51 + t, dtype=torch.long))
+        cache.store_and_read(0, kv[0], kv[1], torch.full((3, 1), 50 + t))
+    for row, source in enumerate(order):
+        alone = _fill_rows(config, [torch.cat([first[source], more[row]], 2)])
+        (keys, values), = row_local_tokens(alone, 0)
+        got_keys, got_values = row_local_tokens(cache, 0)[row]
+        assert max(cache.decode_chunks) >= 3
+        torch.testing.assert_close(got_keys, keys, rtol=0, atol=1e-6)
+        torch.testing.assert_close(got_values, values, rtol=0, atol=1e-6)
+
+
+def test_memory_report_counts_the_held_chunk_once():
+    """The held chunk is buffer tokens in the buffer's format: held bytes = keys' and values' stores as the oracle
+    sizes them, and the value buffer owns exactly the held chunk + the buffered tokens (no spare) on one row."""
+    cache, _ = _fill(GearConfig(**HELD), [40] + [1] * 45)
+    report = cache.memory_report()
+    stream = cache.layers[0].value_stream
+    (f,), (c,) = cache.buffer_len, cache.decode_chunks
+    assert c >= 2 and stream.buffer.capacity == f + 16
+    assert report["spare_bytes"] == 0 or report["spare_bytes"] < 0.1 * report["held_bytes"]
+    assert report["buffer"] == sum(s.buffer.token_nbytes() * n for s, n in zip(cache.layers[0].streams,
+                                                                                 (f, f + 16))) \
+        + sum(s.sink.token_nbytes() * cache.sink_len[0] for s in cache.layers[0].streams)
+
+
+def test_engines_without_held_values_say_so():
+    """The Triton kernels and the vLLM plugin do not hold values: a forced Triton backend and the plugin's block
+    format refuse with the field's name; backend="auto" on CUDA attends on the reference path."""
+    pytest.importorskip("triton")
+    from gear_hf.backends import resolve
+    from gear_hf.vllm.format import block_config
+
+    config = GearConfig(**FUSED)
+    with pytest.raises(ValueError, match="value_buffer_size=32"):
+        block_config(config, 16, D)
+    auto = resolve(config, D, torch.float32, "cuda")
+    assert auto.attend is None and any("value_buffer_size" in why for _, why in auto.skipped["attend"])
+    with pytest.raises(ValueError, match="value_buffer_size=32"):
+        resolve(config.replace(backend="triton"), D, torch.float32, "cuda")
