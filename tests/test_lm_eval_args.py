@@ -49,6 +49,21 @@ def test_numeric_string_fields_from_the_cli():
         split_model_args(simple_parse_args_string("pretrained=/m,value_statistics=4"))
 
 
+def test_optional_integer_fields_from_strings_and_the_cli():
+    """Fields that are None or an integer (key_group_size, value_buffer_size): "None" and numbers as strings, as the
+    Python API or lm-eval's CLI may hand them, become None and ints; anything else names the key."""
+    from lm_eval.utils import simple_parse_args_string
+
+    args = simple_parse_args_string("pretrained=/m,group_size=64,buffer_size=64,value_buffer_size=128,"
+                                    "key_group_size=None")
+    config, _ = split_model_args(args)
+    assert config == GearConfig(group_size=64, buffer_size=64, value_buffer_size=128)
+    assert parse_gear_args({"group_size": "64", "buffer_size": "64", "value_buffer_size": "128",
+                            "key_group_size": "none"}) == config
+    with pytest.raises(ModelArgsError, match=r"value_buffer_size='twice' is invalid; allowed: an integer"):
+        parse_gear_args({"value_buffer_size": "twice"})
+
+
 def test_defaults_and_method_alias():
     assert parse_gear_args({}) == GearConfig()
     assert parse_gear_args({"method": "fp16"}).method == "fp16"

@@ -56,7 +56,8 @@ def planned_reconstructions(cfg):
     layer = cache.layers[0]
     launches = []
     for stream in layer.streams:
-        stores = [("prompt", stream.prefill, 1), ("decode", stream.decode, max(cache.decode_chunks))]
+        chunks = max(stream.own(cache.layout.counts).chunks)  # (a stream with a held chunk stores one fewer)
+        stores = [("prompt", stream.prefill, 1), ("decode", stream.decode, chunks)]
         for where, store, chunks in stores:
             if store is None or not store.fields or not chunks:
                 continue
