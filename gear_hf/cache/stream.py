@@ -102,6 +102,8 @@ class Stream:
         query_energy [B,H,d]: what allocated key widths are chosen from (`allocation.query_pair_energy`).
         Returns a device bool, True when every compressed entry was finite (None: nothing compressed)."""
         flush = self._own_flush(plan)
+        if self.held_chunk:  # (the rows' newest chunk stays in the buffer: one slot fewer is ever used)
+            reserve_chunks -= 1
         finite = []
         for rows, length in flush.prompt_groups:
             if self.prefill is None:
