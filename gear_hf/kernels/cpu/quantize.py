@@ -77,13 +77,15 @@ def _stats8(lo, hi, top):
         else:
             end = mid
     code = min(start, 255)
+    zero = _zero_point(lo, code, t, step)
     for _ in range(3):  # the decoded range in float32 may fall short of [lo, hi]: one code up
-        s, m = _decode_stats8(code, _zero_point(lo, code, t, step), top)
+        s, m = _decode_stats8(code, zero, top)
         if (m > lo or m + t * s < hi) and code < 255:
             code += 1
+            zero = _zero_point(lo, code, t, step)
         else:
             break
-    return np.uint8(code), _zero_point(lo, code, t, step), fits
+    return np.uint8(code), zero, fits
 
 
 @numba.njit(inline="always")
