@@ -124,7 +124,73 @@ def test_compress_supported_declines():
     assert not compress_supported(ChunkSpec(2, "channel", 48, 0.0, 0), x)  # 48 does not split 64 tokens
     assert not compress_supported(ChunkSpec(3, "channel", 0, 0.0, 0), x[:, :, :60])  # 3-bit units of 8 tokens
     assert compress_supported(ChunkSpec(3, "token", 64, 0.0, 0), x)
-    assert not compress_supported(ChunkSpec(3, "token", 64, 0.0, 0, stats="8"), x)  # 8-bit statistics: the oracle's
+    assert compress_supported(ChunkSpec(3, "token", 64, 0.0, 0, stats="8"), x)  # 8-bit statistics (values)
+
+
+def _values(kind: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """Value chunks [B,H,n,d] (n >= 8) whose groups 8-bit statistics' grid covers (`quant.stats8`), with its edge
+    cases: magnitudes from below the grid's smallest scale (2^-20) to near its largest range, zero and constant
+    rows, a zero group, rows of one sign far from 0, ties."""
+    g = torch.Generator().manual_seed(len(kind))
+    n, d = shape[2], shape[3]
+    if kind == "decades":  # per-token magnitudes over 9 decades
+        return (torch.randn(shape, generator=g) * torch.logspace(-7, 2, n).view(1, 1, n, 1)).to(dtype)
+    if kind == "ties":  # few distinct values: every ranking decided by position
+        return (torch.randint(-3, 3, shape, generator=g).float() * 0.5).to(dtype)
+    x = torch.randn(shape, generator=g)
+    x[..., 0, :] = 0.0  # a zero row (scale code 0)
+    x[..., 1, :] = 0.37  # constant rows of either sign
+    x[..., 2, :] = -2.5
+    x[..., 3, :] = x[..., 3, :].abs() + 5.0  # one sign, far from 0 (zero point 0 / top)
+    x[..., 4, :] = -x[..., 4, :].abs() - 0.01
+    x[..., 5, : d // 2] = 0.0  # a zero group (groups of <= d/2 channels) beside a non-zero one
+    x[..., 6, :] *= 1000.0  # large magnitudes: a range of ~6000, near the grid's largest at 2 bits (~10290)
+    x[..., 6, 1] = 3000.0
+    x[..., 7, :] = torch.rand(d, generator=g) * 9000.0 + 1000.0  # all positive up to ~10000 (2 bits: <= 10332)
+    return x.to(dtype)
+
+
+# (n, d, group): a square chunk, head_dim 128 with groups of 32, a non-power-of-two head_dim with a short last group
+# (64 + 16), an odd one (groups 16, 16, 1), one group per whole vector (KCVT)
+STATS8_SHAPES = [(64, 64, 64), (33, 128, 32), (17, 80, 64), (24, 33, 16), (8, 96, 0)]
+# (outlier ratio, rank, rotate): backbone only, outliers, low-rank, both, and rotated (GearConfig()'s values)
+STATS8_TERMS = [(0.0, 0, False), (0.1, 0, False), (0.0, 2, False), (0.02, 4, False), (0.05, 2, True)]
+
+
+@pytest.mark.parametrize("n,d,group", STATS8_SHAPES)
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_compress_backbone_with_8bit_statistics_equals_compute_backbone(n, d, group, bits, dtype):
+    """Values with 8-bit statistics: the same uint8 scale and zero-point codes as `quant.stats8` chooses, the codes
+    quantized against their decoded values, the exact outliers and the residual of the decoded backbone."""
+    for kind, (ratio, rank, rotate) in itertools.product(("decades", "edges", "ties"), STATS8_TERMS):
+        if rotate and d & (d - 1):
+            continue  # (the Hadamard rotation needs a power-of-two head_dim)
+        spec = ChunkSpec(bits, "token", group, ratio, rank, rotate=rotate, stats="8")
+        x = _values(kind, (2, 3, n, d), dtype)
+        assert compress_supported(spec, x)
+        expected, got = compute_backbone(x, spec), compress_backbone(x, spec)
+        assert got.scale.dtype == got.minimum.dtype == torch.uint8
+        _assert_same(expected, got)
+
+
+@pytest.mark.parametrize("context", [torch.inference_mode, torch.no_grad])
+def test_compress_with_8bit_statistics_and_the_kernel_equals_compress(context):
+    """Whole chunks (a slice of a wider buffer): the low-rank fit runs on the kernel's residual, so every stored
+    field is the same, under inference_mode too."""
+    spec = ChunkSpec(3, "token", 32, 0.02, 4, factor_bits=8, stats="8")
+    with context():
+        x = _values("edges", (2, 3, 96, 64), torch.bfloat16)[:, :, 16:80]
+        _assert_same(compress(x, spec), compress(x, spec, backbone=compress_backbone))
+
+
+def test_8bit_statistics_beyond_the_grid_raise_the_oracles_error():
+    x = _values("decades", (1, 2, 16, 64), torch.float32)
+    x[0, 1, 9, 3] = 1e6
+    spec = ChunkSpec(2, "token", 64, 0.0, 0, stats="8")
+    with pytest.raises(ValueError, match=r"8-bit statistics \(value_statistics='8'\) cover ranges up to .*"
+                                         r"use value_statistics='16'"):
+        compress_backbone(x, spec)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

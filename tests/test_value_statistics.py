@@ -2,7 +2,8 @@
 point per value group instead of a 16-bit scale and minimum. The oracle (`compress.quant.stats8`) covers every group's
 range as the 16-bit statistics do; the cache stores two uint8 codes per group, counts them, reads them back through
 the torch backend, the numba kernels and the Triton kernels (each decoding the codes in place: no float32 copy is kept),
-bit for bit as the oracle decodes them."""
+bit for bit as the oracle decodes them. On CPU the numba kernel also writes them (`test_cpu_compress`: bit for bit the
+oracle's)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import gear_hf
 from gear_hf import GearConfig
 from gear_hf.backends import resolve
 from gear_hf.compress import ChunkSpec, compress, decompress, quant
+from gear_hf.compress.gear import add_lowrank
 from gear_hf.format import layer_formats
 from memory_walk import walk
 from tiny_models import tiny_model
@@ -99,16 +101,62 @@ def test_config_validates_and_only_values_take_it():
     assert GearConfig.from_dict(saved) == GearConfig(value_statistics="8")
 
 
-def test_the_kernels_read_it_with_torch_compressing():
+def test_the_kernels_compress_read_and_attend_it():
     config = GearConfig(value_statistics="8")
     from gear_hf.kernels import fused_supported, reconstruct_supported
 
     assert fused_supported(config, 64, 1) is None
     assert reconstruct_supported(layer_formats(config)[1].decode, 64) is None
     pytest.importorskip("numba")
-    plan = resolve(config, 64, torch.bfloat16, torch.device("cpu"))
-    assert plan.names() == {"compress": "torch", "reconstruct": "numba", "attend": "numba"}
-    assert "the CPU compression kernels write 16-bit ones" in dict(plan.skipped["compress"])["numba"]
+    for dtype in (torch.bfloat16, torch.float32):
+        plan = resolve(config, 64, dtype, torch.device("cpu"))
+        assert plan.names() == {"compress": "numba", "reconstruct": "numba", "attend": "numba"}
+        assert "numba" not in dict(plan.skipped.get("compress", ()))
+
+
+def _lowrank_term(store) -> torch.Tensor:
+    """Each chunk's A Bᵀ of a store's stored factors (dequantized) [B,H,capacity*n,d] (zero-filled unused slots: 0)."""
+    B, H = store.fields["codes"].shape[:2]
+    x = torch.zeros(B, H, store.capacity * store.chunk_len, store.head_dim)
+    return add_lowrank(x, store.run(store.capacity), store.chunk_len, store.head_dim, store.capacity)
+
+
+# GearConfig()'s values with 8-bit statistics (3 bits, rotated), and 2-bit values with outliers and low-rank factors
+E2E_CONFIGS = {"default": lambda **kw: GearConfig(value_statistics="8", group_size=16, buffer_size=32,
+                                                   prompt_group_size=64, **kw),
+               "gear-2": lambda **kw: GearConfig.preset("gear", bits=2, value_statistics="8", group_size=16,
+                                                        buffer_size=32, **kw)}
+
+
+@pytest.mark.parametrize("d", [64, 80])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(E2E_CONFIGS))
+def test_numba_compresses_the_chunks_the_torch_backend_stores(name, dtype, d):
+    """backend="auto" on CPU compresses value chunks with 8-bit statistics by the numba kernel: after the same steps
+    (batch 2, a left-padded row, prompt and decode chunks) both caches store the same codes, statistics and outliers
+    bit for bit, and the same low-rank term to float32 rounding (numba fits it: `test_cpu_compress`' tolerance)."""
+    pytest.importorskip("numba")
+    from gear_hf.cache.fused import build_cache
+
+    stores = {}
+    for backend in ("torch", "auto"):
+        config = E2E_CONFIGS[name](backend=backend)
+        with torch.inference_mode():
+            cache, _, _ = build_cache(config, batch=2, kv_heads=2, head_dim=d, steps=[150, 40, 1, 33], pad=[0, 9],
+                                      dtype=dtype)
+        assert cache.backend_names["compress"] == ("torch" if backend == "torch" else "numba")
+        stores[backend] = [store for layer in cache.layers for store in (layer.value_stream.prefill,
+                                                                         layer.value_stream.decode)
+                           if store is not None and store.fields]
+    assert len(stores["torch"]) == len(stores["auto"]) == 2  # a prompt and a decode store
+    for expected, got in zip(stores["torch"], stores["auto"]):
+        assert expected.spec.stats == "8" and expected.fields.keys() == got.fields.keys()
+        for field, t in expected.fields.items():
+            if not field.startswith("lowrank"):
+                assert torch.equal(got.fields[field], t), field
+        if expected.spec.rank:
+            p_expected, p_got = _lowrank_term(expected), _lowrank_term(got)
+            assert p_expected.norm() > 0 and (p_got - p_expected).norm() <= 1e-2 * p_expected.norm()
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
@@ -199,7 +247,8 @@ def _store_walk(cache) -> int:
 
 
 def test_the_numba_path_generates_the_torch_paths_tokens_and_keeps_no_decoded_copy():
-    """float32 model: in bf16 the two paths' attention rounds differently (16-bit statistics' tokens part too)."""
+    """The numba backend compresses, reads and attends: the torch backend's tokens and logits (float32 model: in bf16
+    the two paths' attention rounds differently, 16-bit statistics' tokens part too)."""
     pytest.importorskip("numba")
     model = tiny_model("qwen2", dtype=torch.float32)
     torch.manual_seed(2)
@@ -214,11 +263,15 @@ def test_the_numba_path_generates_the_torch_paths_tokens_and_keeps_no_decoded_co
         gear_hf.enable(enabled, config)
         with torch.inference_mode():
             out = enabled.generate(ids, attention_mask=mask, max_new_tokens=150, do_sample=False,
-                                   return_dict_in_generate=True)
+                                   return_dict_in_generate=True, output_scores=True)
         outs[backend] = out
     cache = outs["auto"].past_key_values
+    assert cache.backend_names == {"compress": "numba", "reconstruct": "numba", "attend": "numba"}
     assert cache.step_paths.get("fused", 0) > 0 and not cache.step_paths.get("reference", 0)
     assert torch.equal(outs["auto"].sequences, outs["torch"].sequences)
+    # the fused attention's logits to float32 rounding, as with 16-bit statistics (test_cpu_kernels: < 1e-4)
+    scores = {backend: torch.stack(out.scores, 1) for backend, out in outs.items()}
+    assert (scores["auto"] - scores["torch"]).abs().max().item() < 1e-4
     report = cache.memory_report()
     assert _store_walk(cache) == report["owned_bytes"]
     # the prepared runs (kept while their fields are unwritten) view the uint8 codes: no decoded float32 copy

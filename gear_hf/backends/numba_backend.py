@@ -51,9 +51,6 @@ class NumbaBackend(Backend):
             for spec in specs:
                 if spec.range_search:
                     return "range_search: the CPU compression kernels take min/max ranges"
-                if spec.stats != "16":
-                    return (f"{spec.stats}-bit statistics (value_statistics={spec.stats!r}): the CPU compression "
-                            "kernels write 16-bit ones (the torch oracle compresses; the CPU kernels read them)")
                 if not spec.allocated and spec.bits not in BITS:
                     return f"{spec.bits}-bit codes"
             return None

@@ -38,7 +38,7 @@ class Backbone:
 
     codes: torch.Tensor  # packed as CompressedChunk.codes
     channel_bits: torch.Tensor
-    scale: torch.Tensor
+    scale: torch.Tensor  # as stored (CompressedChunk.scale): 8-bit statistics' uint8 codes
     minimum: torch.Tensor
     sparse_values: torch.Tensor  # side dtype, 0 at unused slots
     sparse_index: torch.Tensor  # int64, select_outliers' layout
@@ -95,8 +95,9 @@ def compute_backbone(x: torch.Tensor, spec: ChunkSpec, valid: torch.Tensor | Non
     _run(st, _BACKBONE_STAGES)
     lowrank = next((t for t in st.terms if t.name == "lowrank"), None)
     residual = st.residual(lowrank) if spec.rank and lowrank is not None else None
-    return Backbone(codes=st.out["codes"], channel_bits=st.out["channel_bits"], scale=st.scale, minimum=st.minimum,
-                    sparse_values=st.out["sparse_values"], sparse_index=st.index, residual=residual)
+    return Backbone(codes=st.out["codes"], channel_bits=st.out["channel_bits"], scale=st.out["scale"],
+                    minimum=st.out["minimum"], sparse_values=st.out["sparse_values"], sparse_index=st.index,
+                    residual=residual)
 
 
 def decompress(chunk: CompressedChunk, spec: ChunkSpec, n: int, d: int, out_dtype: torch.dtype,

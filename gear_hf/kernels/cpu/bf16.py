@@ -66,22 +66,30 @@ def _side_value(x):
 _LOG_SCALES = LOG_SCALES.numpy().astype(np.float32)
 
 
-def group_stats(scale, minimum, top, b, h, t, k):
-    """(scale, minimum) float32 of group [b, h, t, k]: 16-bit fields (bf16 bits or numbers), or 8-bit statistics
-    (uint8 scale and zero-point codes) decoded as `quant.decode_stats8` decodes them, bit for bit; top: the group's
-    highest code."""
+@numba.njit(inline="always")
+def decode_stats8(scale_code, zero_code, top):
+    """(scale, minimum) float32 of 8-bit statistics' uint8 codes, as `quant.decode_stats8` decodes them, bit for bit:
+    -(zero_code * top / 255 * scale) in float32, in that order, then floored to bf16; top: the group's highest code."""
+    s = _LOG_SCALES[scale_code]
+    exact = -((np.float32(zero_code) * np.float32(top) / np.float32(255)) * s)
+    return s, bf16_value(floor_bf16(exact))
+
+
+def stats_value(scale, minimum, top):
+    """(scale, minimum) float32 of one group's stored statistics: 16-bit fields (bf16 bits or numbers), or 8-bit
+    statistics' uint8 scale and zero-point codes (`decode_stats8`); top: the group's highest code."""
     raise NotImplementedError("numba only: called from the CPU kernels")
 
 
-@overload(group_stats, inline="always")
-def _group_stats(scale, minimum, top, b, h, t, k):
-    if isinstance(scale.dtype, types.Integer) and scale.dtype.bitwidth == 8:
-        table = _LOG_SCALES
+@overload(stats_value)
+def _stats_value(scale, minimum, top):
+    if isinstance(scale, types.Integer) and scale.bitwidth == 8:
+        return lambda scale, minimum, top: decode_stats8(scale, minimum, top)
+    return lambda scale, minimum, top: (side_value(scale), side_value(minimum))
 
-        def decode(scale, minimum, top, b, h, t, k):
-            s = table[scale[b, h, t, k]]
-            # -(zero_code * top / 255 * scale) in float32, in that order, then floored to bf16
-            exact = -((np.float32(minimum[b, h, t, k]) * np.float32(top) / np.float32(255)) * s)
-            return s, bf16_value(floor_bf16(exact))
-        return decode
-    return lambda scale, minimum, top, b, h, t, k: (side_value(scale[b, h, t, k]), side_value(minimum[b, h, t, k]))
+
+@numba.njit(inline="always")
+def group_stats(scale, minimum, top, b, h, t, k):
+    """(scale, minimum) float32 of group [b, h, t, k] (`stats_value`): 16-bit fields, or 8-bit statistics decoded as
+    `quant.decode_stats8` decodes them, bit for bit."""
+    return stats_value(scale[b, h, t, k], minimum[b, h, t, k], top)

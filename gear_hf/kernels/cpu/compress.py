@@ -10,9 +10,10 @@ is read a few times while it is in cache.
 Exactness: the same float32 operations in the same order (no fused multiply-adds), 16-bit values rounded to
 nearest even as torch converts them, ties ranked by position as `select_outliers` ranks them. Covered
 (`compress_supported`): bf16 and float32 models (side information in bf16), widths 2/3/4/8 or one per channel
-(keys), either axis, Hadamard rotation (the chunk rotated first, as the oracle does), no padding mask, no range
-search; anything else takes the torch path. Non-finite input gives unspecified outputs (the cache refuses it once
-per step), never a crash.
+(keys), either axis, 16-bit statistics or 8-bit ones (values: `quant.stats8`'s uint8 codes, the downstream stages
+reading them decoded as `quant.decode_stats8` decodes them), Hadamard rotation (the chunk rotated first, as the
+oracle does), no padding mask, no range search; anything else takes the torch path. Non-finite input gives
+unspecified outputs (the cache refuses it once per step), never a crash.
 
 The stages, each in its module: the outlier choice (`outlier_select`), statistics, codes, exact outliers and the
 residual (`quantize`), packing (`pack`); here the loop over planes (`_compress`) and the entry points.
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 
 from ...compress import ChunkSpec, outliers, quant
-from ...compress.gear import Backbone, check_channel_bits, side_dtype
+from ...compress.gear import Backbone, check_channel_bits, compute_backbone, side_dtype
 from ...compress.rotation import rotate
 from . import arrays
 from .jit import kernel
@@ -38,10 +39,12 @@ _F32 = np.float32
 # -- one chunk ------------------------------------------------------------------------------------------------
 @kernel()
 def _compress(x, bits, widths, channel_axis, group, k, model_bf16, packed, scale, minimum, sparse, index, residual):
-    """x [B,H,n,d] float32 -> packed codes [B,H,P(n),d] / [B,H,n,P(d')], scale/minimum (bf16 bits) [B,H,n/g,d] /
-    [B,H,n,G], sparse (bf16 bits) and index (int64) [B,H,k,d] / [B,H,n,k] (0 at unused slots), and, when residual
-    has rows, residual [B,H,n,d] = X - D̂ - S in float32. widths [B,H,d] uint8: a width per channel (keys; codes
-    packed as bit planes [B,H,n/8,S], `_pack_planes`), or [0,0,0]: `bits` for all."""
+    """x [B,H,n,d] float32 -> packed codes [B,H,P(n),d] / [B,H,n,P(d')], scale/minimum [B,H,n/g,d] / [B,H,n,G]
+    (bf16 bits, or uint8 codes of 8-bit statistics: values), sparse (bf16 bits) and index (int64) [B,H,k,d] /
+    [B,H,n,k] (0 at unused slots), and, when residual has rows, residual [B,H,n,d] = X - D̂ - S in float32. widths
+    [B,H,d] uint8: a width per channel (keys; codes packed as bit planes [B,H,n/8,S], `_pack_planes`), or [0,0,0]:
+    `bits` for all. Returns whether every group's range fits (8-bit statistics' grid; else the outputs are
+    unspecified)."""
     B, H, n, d = x.shape
     V, L = (d, n) if channel_axis else (n, d)
     top = (1 << bits) - 1
@@ -57,6 +60,7 @@ def _compress(x, bits, widths, channel_axis, group, k, model_bf16, packed, scale
     top_key, low_key = np.empty((k + 1, W), np.int64), np.empty((min(2 * k + 1, L), W), np.int64)
     top_in, low_in = np.empty(W, np.int64), np.empty(W, np.int64)
     slot_index, slot_used = np.zeros((V, max(k, 1)), np.int64), np.zeros((V, max(k, 1)), np.bool_)
+    fits = True
     for b in range(B):
         for h in range(H):
             plane = x[b, h]
@@ -76,7 +80,7 @@ def _compress(x, bits, widths, channel_axis, group, k, model_bf16, packed, scale
             if channel_axis:
                 _quantize_channel(plane, excluded, group, tops, scale[b, h], minimum[b, h], codes)
             else:
-                _quantize_token(plane, excluded, group, top, scale[b, h], minimum[b, h], codes)
+                fits &= _quantize_token(plane, excluded, group, top, scale[b, h], minimum[b, h], codes)
             if k:
                 _exact_entries(plane, codes, channel_axis, group, k, top, model_bf16, scale[b, h], minimum[b, h],
                                slot_index, slot_used, sparse[b, h], index[b, h])
@@ -86,16 +90,17 @@ def _compress(x, bits, widths, channel_axis, group, k, model_bf16, packed, scale
             else:
                 _pack(codes, bits, channel_axis, packed[b, h])
             if residual.shape[2]:
-                _residual(plane, codes, channel_axis, group, scale[b, h], minimum[b, h], k, slot_index, slot_used,
-                          sparse[b, h], residual[b, h])
+                _residual(plane, codes, channel_axis, group, top, scale[b, h], minimum[b, h], k, slot_index,
+                          slot_used, sparse[b, h], residual[b, h])
+    return fits
 
 
 # -- torch-facing entry points --------------------------------------------------------------------------------
 def compress_supported(spec: ChunkSpec, x: torch.Tensor) -> bool:
     """True when `compress_backbone` and `lowrank.fit_factors` cover this spec and chunk x [B,H,n,d] (else
     `compute_backbone` and `gear.fit_factors` run)."""
-    if spec.range_search or spec.stats != "16" or (not spec.allocated and spec.bits not in quant.BITS):
-        return False  # (searched ranges and 8-bit statistics: the torch oracle's)
+    if spec.range_search or (not spec.allocated and spec.bits not in quant.BITS):
+        return False  # (searched ranges: the torch oracle's)
     if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32) or x.ndim != 4:
         return False
     n, d = x.shape[2], x.shape[3]
@@ -107,7 +112,8 @@ def compress_supported(spec: ChunkSpec, x: torch.Tensor) -> bool:
 
 def compress_backbone(x: torch.Tensor, spec: ChunkSpec, channel_bits: torch.Tensor | None = None) -> Backbone:
     """`gear_hf.compress.gear.compute_backbone(x, spec, channel_bits=channel_bits)`, bit for bit, for what
-    `compress_supported` covers. channel_bits [B,H,d] uint8: the widths of an allocated spec (and only then)."""
+    `compress_supported` covers. channel_bits [B,H,d] uint8: the widths of an allocated spec (and only then).
+    A chunk with a group too wide for 8-bit statistics' grid is the oracle's, which raises its ValueError."""
     check_channel_bits(spec, channel_bits)
     B, H, n, d = x.shape
     channel_axis = spec.axis == "channel"
@@ -129,20 +135,28 @@ def compress_backbone(x: torch.Tensor, spec: ChunkSpec, channel_bits: torch.Tens
         unit = quant.pack_unit(bits)[0]
         packed = torch.empty(B, H, n, quant.packed_length(-(-d // unit) * unit, bits), dtype=torch.uint8)
         stats_shape, slots_shape = (B, H, n, -(-d // group)), (B, H, n, k)
-    scale, minimum = torch.empty(stats_shape, dtype=side), torch.empty(stats_shape, dtype=side)
+    stats_dtype = torch.uint8 if spec.stats == "8" else side  # 8-bit statistics: uint8 codes (`quant.stats8`)
+    scale, minimum = torch.empty(stats_shape, dtype=stats_dtype), torch.empty(stats_shape, dtype=stats_dtype)
     sparse, index = torch.empty(slots_shape, dtype=side), torch.empty(slots_shape, dtype=torch.long)
     residual = torch.empty(B, H, n, d) if spec.rank else torch.empty(B, H, 0, 0)
     # a rotating spec compresses the rotated chunk (rotated as the oracle rotates it), whose entries are float32 sums
     work = rotate(x) if spec.rotate else x.float()
-    _compress(work.contiguous().numpy(), bits, widths if isinstance(widths, np.ndarray) else widths.numpy(),
-              channel_axis, group, k, x.dtype == torch.bfloat16 and not spec.rotate, packed.numpy(),
-              *(t.view(torch.int16).numpy() for t in (scale, minimum, sparse)), index.numpy(), residual.numpy())
+    fits = _compress(work.contiguous().numpy(), bits, widths if isinstance(widths, np.ndarray) else widths.numpy(),
+                     channel_axis, group, k, x.dtype == torch.bfloat16 and not spec.rotate, packed.numpy(),
+                     *(_bits(t) for t in (scale, minimum, sparse)), index.numpy(), residual.numpy())
+    if not fits:  # (the oracle raises: a range beyond 8-bit statistics' grid)
+        return compute_backbone(x, spec, channel_bits=channel_bits)
     stored_bits = channel_bits.unsqueeze(2) if spec.allocated else torch.zeros(B, H, 0, d, dtype=torch.uint8)
     return Backbone(codes=packed, channel_bits=stored_bits, scale=scale, minimum=minimum, sparse_values=sparse,
                     sparse_index=index, residual=residual if spec.rank else None)
 
 
 _UNIFORM = np.zeros((0, 0, 0), dtype=np.uint8)  # no widths per channel
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    """A side field as the loops write it: bf16 as its bits (int16), uint8 codes as they are."""
+    return t.numpy() if t.dtype == torch.uint8 else t.view(torch.int16).numpy()
 
 
 # the exponent bits of a float dtype (all set: inf or NaN), and the integer dtype its bits are read as
