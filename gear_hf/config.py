@@ -363,6 +363,8 @@ class GearConfig:
             groups = (merged["key_group_size"] or merged["group_size"],
                       merged["value_group_size"] or merged["group_size"])
             merged["buffer_size"] = math.lcm(PAPER_FIELDS["buffer_size"], _token_granule(merged, *groups))
+        if merged.get("value_buffer_size") is not None and "value_buffer_size" not in overrides:
+            merged["value_buffer_size"] = 2 * merged["buffer_size"]  # (values held a chunk longer, whatever the chunk)
         return cls(**merged)
 
     # Saving and loading ------------------------------------------------------------------------------------------

@@ -47,6 +47,8 @@ RECOMMENDED: tuple[tuple[str, float, dict[str, Any]], ...] = (
     ("compact", 2.89, dict(_COMPACT, key_bits=2.5, value_bits=2)),
     ("balanced", 3.13, dict(_COMPACT, key_bits=3, value_bits=2)),
     ("lean", 3.28, dict(_COMPACT, key_bits=2.875, value_bits=3, key_buffer="int8", value_buffer="int4")),
+    ("steady", 3.51, dict(_ALLOCATED, key_bits=3.125, value_bits=3, key_buffer="int8", value_buffer="int4",
+                          buffer_size=64, key_group_size=64, value_buffer_size=128, value_statistics="8")),
     ("accurate", 3.55, dict(_ALLOCATED, key_bits=3.125, value_bits=3, key_buffer="int8", value_buffer="int4")),
     ("precise", 4.00, dict(_ALLOCATED, key_bits=3.5, value_bits=3)),
     ("kivi-4", 4.68, dict(method="kivi", key_bits=4, value_bits=4)),
