@@ -25,6 +25,7 @@ from gear_hf.config import GearConfig  # noqa: E402
 from gear_hf.kernels import cpu  # noqa: E402
 from gear_hf.rope import RotaryMemo, apply_rotary  # noqa: E402
 from reference_match import assert_matches_oracle  # noqa: E402
+from tiny_models import prompts  # noqa: E402
 
 
 def _run(x: torch.Tensor, spec: ChunkSpec, n: int) -> CompressedChunk:
@@ -311,15 +312,6 @@ def _generate_both(model, ids: torch.Tensor, mask: torch.Tensor, preset: str, ne
     return outs
 
 
-def _left_padded(batch: int, length: int, pads: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
-    mask = torch.ones_like(ids)
-    for row, pad in enumerate(pads):
-        mask[row, :pad] = 0
-    ids[mask == 0] = 0
-    return ids, mask
-
-
 PRESETS = ["kivi-2", "outlier-4", "gear-2", "gear-l-k4v2", "fp16", "default"]
 
 
@@ -328,7 +320,7 @@ def test_generation_numba_reads_equal_torch(preset, reference_path):
     """A left-padded batch (rows flush on different steps: the slot layout), decode chunks flushed on the way: the
     reference path with the numba read kernels gives the torch backend's tokens, and its logits exactly (to float32
     rounding with a low-rank term, which numba fits and sums in another order, or a rotation: observed < 1e-5)."""
-    ids, mask = _left_padded(3, 45, [0, 9, 20], seed=1)
+    ids, mask = prompts(3, 45, seed=1, pads=[0, 9, 20])
     (tokens, scores, _), (numba_tokens, numba_scores, paths) = _generate_both(_tiny_llama(), ids, mask, preset, 20)
     assert paths.get("fused", 0) == 0
     assert torch.equal(tokens, numba_tokens)
@@ -343,7 +335,7 @@ def test_generation_fused_cpu_attention_matches_torch(preset):
     """The numba backend's decode steps take the fused CPU attention (every one of them; fp16, which compresses
     nothing, keeps the reference path: stock attention bit for bit): the torch backend's tokens, its logits to
     float32 rounding (observed < 1e-5)."""
-    ids, mask = _left_padded(3, 45, [0, 9, 20], seed=1)
+    ids, mask = prompts(3, 45, seed=1, pads=[0, 9, 20])
     (tokens, scores, _), (numba_tokens, numba_scores, paths) = _generate_both(_tiny_llama(), ids, mask, preset, 20)
     layer_steps = 19 * 2  # decode steps x layers
     assert paths == ({"reference": layer_steps} if preset == "fp16" else {"fused": layer_steps})
@@ -355,7 +347,7 @@ def test_generation_fused_cpu_attention_matches_torch(preset):
 def test_generation_numba_reads_equal_torch_bf16(preset, reference_path):
     """A bf16 model through the read kernels: the torch backend's tokens, and its logits exactly without a low-rank
     term or rotation (the reads round as torch rounds bf16 tensors)."""
-    ids, mask = _left_padded(2, 40, [0, 7], seed=2)
+    ids, mask = prompts(2, 40, seed=2, pads=[0, 7])
     (tokens, scores, _), (numba_tokens, numba_scores, _) = _generate_both(_tiny_llama().to(torch.bfloat16), ids, mask,
                                                                           preset, 12)
     assert torch.equal(tokens, numba_tokens)
@@ -369,7 +361,7 @@ def test_generation_fused_cpu_attention_bf16(preset, factor_bits):
     every step's logits within bf16 rounding of the torch backend's for as long as both generated the same tokens
     (observed: one bf16 step, 0.004 at logits ~1; this random model's near ties then let the tokens part after a
     few steps). factor_bits=16: bf16 factors read in place, as their bits."""
-    ids, mask = _left_padded(2, 40, [0, 7], seed=2)
+    ids, mask = prompts(2, 40, seed=2, pads=[0, 7])
     (tokens, scores, _), (fused_tokens, fused_scores, paths) = _generate_both(_tiny_llama().to(torch.bfloat16), ids,
                                                                               mask, preset, 12,
                                                                               factor_bits=factor_bits)

@@ -15,6 +15,7 @@ from gear_hf.cache import GearCache
 from gear_hf.cache.fused import row_local_tokens
 from gear_hf.compress import compress, decompress
 from gear_hf.format import layer_formats
+from tiny_models import prompts, tiny_model
 
 D, H = 32, 2
 # a small GearConfig() (value_buffer "int4": rotated per-token codes), keys flushing every 16 tokens
@@ -97,15 +98,6 @@ def _generate(model, ids, mask, config, steps: int, **kwargs):
     return out.sequences, torch.stack(out.scores, 1).float(), dict(cache.step_paths), cache
 
 
-def _left_padded(batch: int, length: int, pads: list[int], seed: int):
-    ids = torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
-    mask = torch.ones_like(ids)
-    for row, pad in enumerate(pads):
-        mask[row, :pad] = 0
-    ids[mask == 0] = 0
-    return ids, mask
-
-
 FUSED = dict(group_size=16, buffer_size=16, prompt_group_size=32, value_buffer_size=32)
 
 
@@ -119,10 +111,8 @@ def test_fused_cpu_attention_reads_the_held_chunk_as_the_reference_path(override
     """A left-padded batch whose rows flush on different steps (the slot layout on the reference path), 40 decode
     steps (several flushes): the numba fused attention gives the torch backend's tokens and logits (float32
     rounding), every decode step fused."""
-    from tiny_models import tiny_model
-
     model = tiny_model("llama3", head_dim=32)
-    ids, mask = _left_padded(3, 45, [0, 9, 20], seed=1)
+    ids, mask = prompts(3, 45, seed=1, pads=[0, 9, 20])
     runs = [_generate(model, ids, mask, GearConfig(**FUSED, backend=backend, **overrides), 40)
             for backend in ("torch", "auto")]
     (tokens, scores, paths, cache), (fused_tokens, fused_scores, fused_paths, _) = runs
@@ -134,10 +124,8 @@ def test_fused_cpu_attention_reads_the_held_chunk_as_the_reference_path(override
 def test_sliding_window_releases_around_the_held_chunk():
     """A sliding layer (window 40 > 2 x buffer_size) releases leading chunks of keys and values alike while the
     values' newest chunk is held: the torch and numba paths agree step by step, and memory stops growing."""
-    from tiny_models import tiny_model
-
     model = tiny_model("mistral", head_dim=32, window=40)
-    ids, mask = _left_padded(2, 30, [0, 5], seed=3)
+    ids, mask = prompts(2, 30, seed=3, pads=[0, 5])
     runs = [_generate(model, ids, mask, GearConfig(**FUSED, backend=backend), 70) for backend in ("torch", "auto")]
     (tokens, scores, _, cache), (fused_tokens, fused_scores, fused_paths, _) = runs
     layer = cache.layers[0]

@@ -120,13 +120,13 @@ def _new_arch_config(arch: str, common: dict):
     raise ValueError(arch)
 
 
-def prompts(batch: int, length: int = 21, seed: int = 1):
-    """Token ids and a left-padded attention mask: row r has r*5 pad tokens (row 0 none)."""
+def prompts(batch: int, length: int = 21, seed: int = 1, pads: list[int] | None = None):
+    """Token ids and a left-padded attention mask: row r has pads[r] pad tokens (default r*5: row 0 none)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, VOCAB, (batch, length), generator=g)
     mask = torch.ones_like(ids)
     for r in range(batch):
-        mask[r, : r * 5] = 0
+        mask[r, : pads[r] if pads is not None else r * 5] = 0
     ids[mask == 0] = 0
     return ids, mask
 
