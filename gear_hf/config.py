@@ -21,8 +21,8 @@ from .recommended import DEFAULT_RECOMMENDED, RECOMMENDED  # (RECOMMENDED: also 
 ROTATIONS = ("none", "keys", "values", "both")
 AXES = ("channel", "token")
 KEY_BIT_ALLOCATIONS = ("uniform", "query")
-KEY_BUFFERS = ("full", "int8", "int4")
-VALUE_BUFFERS = ("full", "final", "int8", "int4")
+KEY_BUFFERS = ("full", "int8", "int8-rotated", "int4")
+VALUE_BUFFERS = ("full", "final", "int8", "int8-rotated", "int4")
 
 
 # The paper's settings (GEAR, Kang et al. 2024): `preset` starts from these, whatever GearConfig()'s defaults.
@@ -68,18 +68,20 @@ class GearConfig:
                    group_size
     sink_tokens:   first tokens of each row never compressed
     key_buffer:    how the buffer holds keys until their chunk is compressed: "full" (the model's dtype, the paper),
-                   "int8" (beyond GEAR: 8 bits per token with a 16-bit scale and minimum, before RoPE) or "int4" (4 bits
-                   per token after a Walsh–Hadamard rotation along head_dim, 16-bit scale and minimum); re-quantized
-                   in the chunk's format when the chunk is compressed; fp16 ignores both (it keeps every token)
-    value_buffer:  "full" (the model's dtype), "int8" / "int4" (as key_buffer's) or "final" (beyond GEAR: each value
-                   stored on arrival in the format its chunk stores, moved into the chunk unchanged: no second
-                   rounding; needs values grouped per token with no low-rank term)
+                   "int8-rotated" (beyond GEAR; the default: 8 bits per token after a Walsh–Hadamard rotation along
+                   head_dim, with a 16-bit scale and minimum, before RoPE: the rotation spreads a few large channels,
+                   which would set an unrotated token's whole range, e.g. Qwen2.5's), "int8" (the same unrotated:
+                   config versions 2-3's default) or "int4" (4 bits per token after the rotation); re-quantized in the
+                   chunk's format when the chunk is compressed; fp16 ignores both (it keeps every token)
+    value_buffer:  "full" (the model's dtype), "int8" / "int8-rotated" / "int4" (as key_buffer's) or "final" (beyond
+                   GEAR: each value stored on arrival in the format its chunk stores, moved into the chunk unchanged:
+                   no second rounding; needs values grouped per token with no low-rank term)
     value_buffer_size: None (values leave the buffer with their keys) or 2 x buffer_size (beyond GEAR): values stay
                    in value_buffer's per-token format one decode chunk longer than their keys, so the newest
                    buffer_size..2 x buffer_size values are buffered while keys flush every buffer_size tokens (a short
                    key buffer costs little; values read from chunks too early cost next-token accuracy:
                    results/tail); the held chunk is compressed from its buffered codes at the next flush. Needs
-                   value_buffer "int8" or "int4"
+                   a per-token value_buffer ("int8", "int8-rotated" or "int4")
     key_axis / value_axis: "channel" (groups run along tokens) or "token" (groups run along channels)
     pre_rope:      compress keys before rotary embedding and rotate them when read
     rotation:      "none" | "keys" | "values" | "both": an orthonormal Walsh–Hadamard rotation along head_dim
@@ -121,7 +123,7 @@ class GearConfig:
     prompt_group_size: int | None = 256
     key_bit_allocation: str = "query"
     extra_terms: tuple[str, ...] = ()  # registered terms beyond GEAR's (gear_hf.compress.terms), both streams
-    key_buffer: str = "int8"
+    key_buffer: str = "int8-rotated"
     value_buffer: str = "int4"
     value_statistics: str = "16"
     value_buffer_size: int | None = None
@@ -210,10 +212,10 @@ class GearConfig:
             if isinstance(held, bool) or not isinstance(held, int) or held != 2 * self.buffer_size:
                 _fail("value_buffer_size", held, f"None or 2 x buffer_size = {2 * self.buffer_size} (values held one "
                                                  "decode chunk longer than keys)")
-            if self.compresses and self.value_buffer not in ("int8", "int4"):
+            if self.compresses and self.value_buffer not in ("int8", "int8-rotated", "int4"):
                 _fail("value_buffer_size", held, f"None with value_buffer={self.value_buffer!r} (values are held "
-                                                 "one chunk longer in a per-token format: value_buffer 'int8' or "
-                                                 "'int4')")
+                                                 "one chunk longer in a per-token format: value_buffer 'int8', "
+                                                 "'int8-rotated' or 'int4')")
 
     def _check_extra_terms(self) -> None:
         if isinstance(self.extra_terms, (list, str)):
@@ -438,7 +440,7 @@ DEFAULTS_BY_VERSION: dict[int, dict[str, Any]] = {
             outlier_ratio=0.02, buffer_size=128, sink_tokens=4, key_axis="channel", value_axis="token",
             pre_rope=True, backend="auto", key_group_size=None, value_group_size=None, rotation="values",
             factor_bits=8, range_search="none", prompt_group_size=256, key_bit_allocation="query", extra_terms=(),
-            key_buffer="int8", value_buffer="int4", value_statistics="16", value_buffer_size=None),
+            key_buffer="int8-rotated", value_buffer="int4", value_statistics="16", value_buffer_size=None),
 }
 
 

@@ -23,9 +23,12 @@ import time
 import benchlib
 import torch
 
-CONFIGS = {"full": dict(key_buffer="full", value_buffer="full"), "int8": dict(key_buffer="int8", value_buffer="int8"),
+CONFIGS = {  # fields over GearConfig()'s
+           "full": dict(key_buffer="full", value_buffer="full"), "int8": dict(key_buffer="int8", value_buffer="int8"),
            "default": {}, "int4": dict(key_buffer="int4", value_buffer="int4"),
-           "stats8": dict(value_statistics="8")}  # (fields over GearConfig()'s)
+           "stats8": dict(value_statistics="8"),
+           # recommended(name="steady"): 64-token key chunks, values held a chunk longer, 8-bit value statistics
+           "steady": dict(buffer_size=64, key_group_size=64, value_buffer_size=128, value_statistics="8")}
 
 
 class _StepClock:

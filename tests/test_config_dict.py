@@ -50,7 +50,7 @@ def test_a_version_1_config_loads_as_version_1s_default_whatever_todays():
     saved_v1 = dict(DEFAULTS_BY_VERSION[1], key_bits=3.5)  # what a version-1 gear_hf wrote for "precise"
     assert GearConfig.from_dict({VERSION_KEY: 1, **saved_v1}) == GearConfig.recommended(name="precise")
     today = GearConfig.from_dict({VERSION_KEY: CONFIG_VERSION, "method": "kivi"})
-    assert today == GearConfig() and (today.key_buffer, today.value_buffer) == ("int8", "int4")
+    assert today == GearConfig() and (today.key_buffer, today.value_buffer) == ("int8-rotated", "int4")
 
 
 @pytest.mark.parametrize("data,match", [

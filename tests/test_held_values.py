@@ -80,8 +80,8 @@ def test_config_rejects_what_cannot_hold():
     small = dict(group_size=64, buffer_size=64)
     for bad, allowed in ((dict(value_buffer_size=64), "None or 2 x buffer_size = 128"),
                          (dict(value_buffer_size=True), "None or 2 x buffer_size = 128"),
-                         (dict(value_buffer_size=128, value_buffer="full"), "value_buffer 'int8' or 'int4'"),
-                         (dict(value_buffer_size=128, value_buffer="final"), "value_buffer 'int8' or 'int4'")):
+                         (dict(value_buffer_size=128, value_buffer="full"), "'int8', 'int8-rotated' or 'int4'"),
+                         (dict(value_buffer_size=128, value_buffer="final"), "'int8', 'int8-rotated' or 'int4'")):
         with pytest.raises(ValueError, match="value_buffer_size") as err:
             GearConfig(**small, **bad)
         assert allowed in str(err.value)

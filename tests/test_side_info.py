@@ -244,7 +244,7 @@ def test_recommended_follows_the_measured_frontier():
     default = gear_hf.GearConfig()  # keys allocated by the queries, values per token, the buffer coded
     assert (default.key_bits, default.value_bits, default.value_axis, default.range_search, default.rotation,
             default.key_buffer, default.value_buffer, default.buffer_size, default.sink_tokens) == \
-        (3.125, 3, "token", "none", "values", "int8", "int4", 128, 4)
+        (3.125, 3, "token", "none", "values", "int8-rotated", "int4", 128, 4)
     lean = gear_hf.GearConfig.recommended(name="lean")  # values per channel with searched ranges, keys 2.875 bits
     assert (lean.key_bits, lean.value_axis, lean.range_search, lean.value_buffer) == \
         (2.875, "channel", "values", "int4")

@@ -17,7 +17,7 @@ import gear_hf
 from gear_hf import GearConfig
 from gear_hf.coded_store import CodedTokenStore
 from gear_hf.compress import compress, decompress
-from gear_hf.format import INT4_TOKENS, INT8_TOKENS, layer_formats
+from gear_hf.format import INT4_TOKENS, INT8_ROTATED_TOKENS, INT8_TOKENS, layer_formats
 from tiny_models import CACHE_ARG, tiny_model
 
 H, D = 2, 64
@@ -121,8 +121,9 @@ def test_fused_cpu_kernel_reads_the_coded_buffer_as_the_oracle(fields):
 
 
 @pytest.mark.parametrize("fields,match", [
-    (dict(key_buffer="fp8"), r"key_buffer='fp8' is invalid; allowed: full \| int8 \| int4"),
-    (dict(value_buffer="fp8"), r"value_buffer='fp8' is invalid; allowed: full \| final \| int8 \| int4"),
+    (dict(key_buffer="fp8"), r"key_buffer='fp8' is invalid; allowed: full \| int8 \| int8-rotated \| int4"),
+    (dict(value_buffer="fp8"),
+     r"value_buffer='fp8' is invalid; allowed: full \| final \| int8 \| int8-rotated \| int4"),
     (dict(method="gear-l", value_axis="token", value_buffer="final"),
      r"value_buffer='final' is invalid; allowed: 'full' unless values"),
     (dict(value_axis="channel", value_buffer="final"), r"value_buffer='final' is invalid"),
@@ -145,7 +146,7 @@ def test_presets_keep_the_full_precision_buffer():
     assert GearConfig.preset("gear-2").key_buffer == GearConfig.preset("kivi-4").value_buffer == "full"
     assert GearConfig.recommended(name="precise").value_buffer == "full"
     # GearConfig() (config version 2): 8-bit keys and 4-bit values in the buffer (config.py, results/tail/)
-    assert (GearConfig().key_buffer, GearConfig().value_buffer) == ("int8", "int4")
+    assert (GearConfig().key_buffer, GearConfig().value_buffer) == ("int8-rotated", "int4")
 
 
 def test_a_step_reads_its_own_tokens_exact_and_the_prompt_compresses_from_them():
@@ -183,7 +184,7 @@ def test_a_one_token_prompt_generates_with_an_empty_coded_buffer(backend):
 
 
 # -- the kernels of the 8-bit buffer (gear_hf/kernels/cpu/tail.py, attend._buffer_rows) -----------------------------
-@pytest.mark.parametrize("spec", [INT8_TOKENS, INT4_TOKENS], ids=["int8", "int4"])
+@pytest.mark.parametrize("spec", [INT8_TOKENS, INT8_ROTATED_TOKENS, INT4_TOKENS], ids=["int8", "int8-rotated", "int4"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("d", [64, 128, 80, 96, 7])
 def test_kernel_encode_is_the_oracle_bit_for_bit(spec, dtype, d):
@@ -232,19 +233,21 @@ def test_kernel_encode_declines_what_it_does_not_cover():
     assert not tail_format(dataclasses.replace(INT8_TOKENS, group=32), 64)  # (groups: not read by the kernel)
     assert tail_format(INT8_TOKENS, 80) and tail_format(INT4_TOKENS, 80) and tail_format(INT4_TOKENS, 96)
     assert not tail_format(dataclasses.replace(INT4_TOKENS, rotate=False), 64)  # (only the formats TAIL_SPECS names)
-    assert not tail_format(dataclasses.replace(INT8_TOKENS, rotate=True), 64)
-    with pytest.raises(ValueError, match=r"allowed: format.INT8_TOKENS or INT4_TOKENS"):
+    assert tail_format(dataclasses.replace(INT8_TOKENS, rotate=True), 64)  # (INT8_ROTATED_TOKENS)
+    assert not tail_format(dataclasses.replace(INT4_TOKENS, bits=2), 64)
+    with pytest.raises(ValueError, match=r"allowed: format.INT8_TOKENS, INT8_ROTATED_TOKENS or INT4_TOKENS"):
         encode_staged(x.half(), torch.ones(1, 4, dtype=torch.bool), {}, INT4_TOKENS)
 
 
 INT8 = dict(key_buffer="int8", value_buffer="int8")
-# the coded buffers the kernels encode and read: 8-bit keys and values, the default's 8-bit keys and 4-bit rotated
-# values, 4-bit rotated keys and values
-BUFFERS = {"int8": INT8, "int8_int4": dict(key_buffer="int8", value_buffer="int4"),
+# the coded buffers the kernels encode and read: 8-bit keys and values, the default's 8-bit rotated keys and 4-bit
+# rotated values, config version 2's unrotated 8-bit keys with them, 4-bit rotated keys and values
+BUFFERS = {"int8": INT8, "int8r_int4": dict(key_buffer="int8-rotated", value_buffer="int4"),
+           "int8_int4": dict(key_buffer="int8", value_buffer="int4"),
            "int4": dict(key_buffer="int4", value_buffer="int4")}
 
 
-@pytest.mark.parametrize("buffers", ["int8", "int8_int4", "int4"])
+@pytest.mark.parametrize("buffers", list(BUFFERS))
 @pytest.mark.parametrize("d,kv_heads,group,sink", [(64, 2, 3, 0), (128, 1, 4, 4), (80, 2, 2, 2)])
 def test_caches_hold_the_same_coded_buffer_on_both_backends(d, kv_heads, group, sink, buffers):
     """The numba backend encodes each step's tokens with the kernel, the torch backend with the oracle: after the

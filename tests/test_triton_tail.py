@@ -22,7 +22,7 @@ pytest.importorskip("triton")
 from gear_hf import GearConfig  # noqa: E402
 from gear_hf.backends.triton_backend import TritonBackend  # noqa: E402
 from gear_hf.cache.fused import build_cache, reference_decode_attention  # noqa: E402
-from gear_hf.format import INT4_TOKENS, INT8_TOKENS, layer_formats  # noqa: E402
+from gear_hf.format import INT4_TOKENS, INT8_TOKENS, TAIL_SPECS, layer_formats  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
@@ -37,12 +37,14 @@ def _config(name: str) -> GearConfig:
     """Test-sized configurations: (compressed values rotated?, key tail, value tail)."""
     gear4 = dict(bits=4, group_size=16, buffer_size=32, outlier_ratio=0.1)
     return {
-        # GearConfig(): rotated 3-bit values (ROT_V), 8-bit keys and 4-bit rotated values in the buffer
+        # GearConfig(): rotated 3-bit values (ROT_V), 8-bit rotated keys and 4-bit rotated values in the buffer
         "default": GearConfig(group_size=32, buffer_size=32, prompt_group_size=64),
         "default-int8": GearConfig(group_size=32, buffer_size=32, prompt_group_size=64, value_buffer="int8"),
         # unrotated compressed values: a rotated tail is rotated back in the kernel
         "gear4-int8-int4": GearConfig.preset("gear", **gear4, key_buffer="int8", value_buffer="int4"),
         "gear4-int8": GearConfig.preset("gear", **gear4, key_buffer="int8", value_buffer="int8"),
+        "gear4-int8-rotated": GearConfig.preset("gear", **gear4, key_buffer="int8-rotated",
+                                                value_buffer="int8-rotated"),
         "gear4-int4": GearConfig.preset("gear", **gear4, key_buffer="int4", value_buffer="int4"),
         # one stream coded, the other handed full precision (the "final" values are decoded by the oracle)
         "default-final": GearConfig(group_size=32, buffer_size=32, prompt_group_size=64, value_buffer="final"),
@@ -99,6 +101,8 @@ CASES = [
     ("gear4-int8", 64, 2, 4, (77, 40), 1, True, True, torch.float16),
     ("gear4-int8", 128, 1, 1, (77, 40), 1, False, False, torch.float32),
     ("gear4-int4", 64, 2, 4, (77, 40), 1, True, False, torch.float32),
+    ("gear4-int8-rotated", 64, 2, 4, (77, 40), 1, True, True, torch.float16),
+    ("gear4-int8-rotated", 128, 1, 1, (77, 40), 2, False, False, torch.float32),
     ("default-final", 64, 2, 4, (77, 40), 1, True, True, torch.float16),
     ("gear4-full-int4", 64, 2, 4, (77, 40), 2, True, False, torch.float32),
 ]
@@ -121,10 +125,10 @@ def test_kernels_read_the_coded_buffer_as_the_oracle(name, d, kv_heads, group, s
         ref = reference_decode_attention(cache, 0, q, scaling=d ** -0.5, inv_freq=_inv_freq(d))
     # the views carry the codes as stored (not a decoded copy) for each coded stream, and no tail for the others
     for view, choice in ((keys, cfg.key_buffer), (values, cfg.value_buffer)):
-        coded = choice in ("int8", "int4")
+        coded = choice in TAIL_SPECS
         assert (view.tail is not None) == coded, (choice, view.tail)
         if coded:
-            assert view.tail.bits == int(choice[3:]) and view.tail.rotated == (choice == "int4")
+            assert view.tail.bits == TAIL_SPECS[choice].bits and view.tail.rotated == TAIL_SPECS[choice].rotate
             assert view.tail.codes.dtype == torch.uint8 and view.tail.codes.shape[-1] == d * view.tail.bits // 8
             assert (view.tail.staged is not None) == in_step
             assert view.buffer.shape[2] == (view.tail.codes.shape[2] if in_step else 0)  # only the staged tokens

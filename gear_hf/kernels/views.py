@@ -66,27 +66,28 @@ class ChunkRunView:
 
 @dataclass(frozen=True, eq=False)
 class CodedTailView:
-    """The buffer held per token (`gear_hf.coded_store.CodedTokenStore`, format `format.INT8_TOKENS` or
-    `INT4_TOKENS`), as stored: token t of row b, head h is codes[b,h,t] * scale[b,h,t] + minimum[b,h,t] (float32; 4-bit
-    codes two a byte, the even channel in the low nibble), in the Walsh–Hadamard-rotated basis when rotated (the
-    vector is that times `compress.rotation.hadamard(d)`), except this step's own tokens (staged[b, t]), which
-    `StreamView.buffer` holds exact (never rotated) at the same columns."""
+    """The buffer held per token (`gear_hf.coded_store.CodedTokenStore`, format `format.INT8_TOKENS`,
+    `INT8_ROTATED_TOKENS` or `INT4_TOKENS`), as stored: token t of row b, head h is codes[b,h,t] * scale[b,h,t] +
+    minimum[b,h,t] (float32; 4-bit codes two a byte, the even channel in the low nibble), in the Walsh–Hadamard-rotated
+    basis when rotated (the vector is that times `compress.rotation.hadamard(d)`), except this step's own tokens
+    (staged[b, t]), which `StreamView.buffer` holds exact (never rotated) at the same columns."""
 
     codes: torch.Tensor  # uint8 [B, H, cap, ceil(d * bits / 8)]
     scale: torch.Tensor  # [B, H, cap, 1] 16-bit
     minimum: torch.Tensor  # [B, H, cap, 1] 16-bit
     staged: torch.Tensor | None  # bool [B, cap]: read from StreamView.buffer; None: every token coded
     bits: int = 8  # bits per code: 8 or 4
-    rotated: bool = False  # codes of the rotated vector (INT4_TOKENS)
+    rotated: bool = False  # codes of the rotated vector (INT8_ROTATED_TOKENS, INT4_TOKENS)
 
 
-TAIL_FORMATS = ((8, False), (4, True))  # the per-token buffer formats the fused kernels read: (bits, rotated)
+TAIL_FORMATS = ((8, False), (8, True), (4, True))  # the per-token buffer formats the kernels read: (bits, rotated)
 
 
 def tail_format(spec, head_dim: int) -> bool:
     """True when spec (a `compress.ChunkSpec`) stores each token as codes of one group over the head vector with a
-    scale and minimum, and nothing else: 8-bit codes, or 4-bit codes of the Walsh–Hadamard-rotated vector
-    (`format.INT8_TOKENS`, `INT4_TOKENS`: what the CPU kernel encodes and the fused kernels read as a `CodedTailView`;
+    scale and minimum, and nothing else: 8-bit codes of the vector or of the Walsh–Hadamard-rotated vector, or 4-bit
+    codes of the rotated vector (`format.INT8_TOKENS`, `INT8_ROTATED_TOKENS`, `INT4_TOKENS`: what the CPU kernel
+    encodes and the fused kernels read as a `CodedTailView`;
     any head_dim here: the rotation's blocks are its largest power-of-two divisor, and an odd one's last byte holds
     one code; a kernel may ask more of head_dim)."""
     return ((spec.bits, bool(spec.rotate)) in TAIL_FORMATS and head_dim >= 1 and spec.axis == "token"

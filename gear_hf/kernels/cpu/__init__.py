@@ -9,7 +9,8 @@
 * `attend` - the fused decode attention over a layer's storage (`decode_attention`, what the Triton kernel computes;
   `attend_supported` says which caches it reads)
 * `tail` - the buffer held per token, 8 bits or 4 bits rotated: the step's tokens encoded into it (`encode_staged`,
-  bit for bit `compress` with `format.INT8_TOKENS` / `INT4_TOKENS`); `attend` reads its codes directly
+  bit for bit `compress` with `format.INT8_TOKENS` / `INT8_ROTATED_TOKENS` / `INT4_TOKENS`); `attend` reads its
+  codes directly
 * `arrays` - torch tensors as the numpy arrays the loops read
 * `jit` - `kernel`, the loops' numba.njit, cached on disk under a hash of every source here (numba alone keys a
   function on its own file, missing a changed helper of another)

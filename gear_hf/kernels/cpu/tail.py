@@ -1,17 +1,18 @@
-"""CPU kernel (numba) for the buffer held per token (`GearConfig.key_buffer` / `value_buffer` = "int8" or "int4",
-`gear_hf.format.INT8_TOKENS` / `INT4_TOKENS`): the step's staged tokens encoded straight into the store's fields.
+"""CPU kernel (numba) for the buffer held per token (`GearConfig.key_buffer` / `value_buffer` = "int8",
+"int8-rotated" or "int4": `gear_hf.format.INT8_TOKENS` / `INT8_ROTATED_TOKENS` / `INT4_TOKENS`): the step's staged
+tokens encoded straight into the store's fields.
 
 What `gear_hf.compress.compress(x, spec)` stores for each token, bit for bit: one group over the whole head vector
-(the vector rotated first for INT4_TOKENS: `compress.rotation.rotate`, the oracle's own call on the same [N,H,1,d]
-gather, so the same float32 sums), its [min, max] in float32, the 16-bit minimum and scale as `quant._stored_stats`
-rounds and widens them (`quantize._stats`), codes round((x - minimum) / scale) clamped to [0, 2^bits - 1]
-(`quantize._code`), packed along channels as `quant.pack_codes` packs them (`pack._pack`: 8-bit codes pack to
-themselves, two 4-bit codes per byte, the even channel in the low nibble). The torch oracle (`CodedTokenStore.encode`)
-spends ~0.5 ms of small ops per layer, stream and step on a token; this is one call (plus, rotated, the gather and the
-rotation). The fused attention reads the codes directly (`attend._buffer_rows`).
+(the vector rotated first for the rotated formats: `compress.rotation.rotate`, the oracle's own call on the same
+[N,H,1,d] gather, so the same float32 sums), its [min, max] in float32, the 16-bit minimum and scale as
+`quant._stored_stats` rounds and widens them (`quantize._stats`), codes round((x - minimum) / scale) clamped to
+[0, 2^bits - 1] (`quantize._code`), packed along channels as `quant.pack_codes` packs them (`pack._pack`: 8-bit codes
+pack to themselves, two 4-bit codes per byte, the even channel in the low nibble). The torch oracle
+(`CodedTokenStore.encode`) spends ~0.5 ms of small ops per layer, stream and step on a token; this is one call (plus,
+rotated, the gather and the rotation). The fused attention reads the codes directly (`attend._buffer_rows`).
 
-Covered (`encode_supported`): the per-token 8-bit format and the rotated 4-bit one, one group, no other term, bf16
-side information (bf16 and float32 models), CPU tensors; anything else is encoded by the oracle.
+Covered (`encode_supported`): the per-token 8-bit formats (rotated or not) and the rotated 4-bit one, one group, no
+other term, bf16 side information (bf16 and float32 models), CPU tensors; anything else is encoded by the oracle.
 """
 
 from __future__ import annotations
@@ -96,8 +97,8 @@ def encode_staged(exact: torch.Tensor, written: torch.Tensor, fields: dict[str, 
     `compress(exact[b, :, t], spec)` stores them."""
     if not encode_supported(spec, exact):
         raise ValueError(f"encode_staged: {spec} with staged tokens {tuple(exact.shape)} {exact.dtype} on "
-                         f"{exact.device} is not covered (allowed: format.INT8_TOKENS or INT4_TOKENS, bf16/float32 "
-                         "CPU tokens; see encode_supported)")
+                         f"{exact.device} is not covered (allowed: format.INT8_TOKENS, INT8_ROTATED_TOKENS or "
+                         "INT4_TOKENS, bf16/float32 CPU tokens; see encode_supported)")
     codes, scale, minimum = fields["codes"], fields["scale"], fields["minimum"]
     if not (codes.is_contiguous() and scale.is_contiguous() and minimum.is_contiguous()):
         raise ValueError("encode_staged writes contiguous store fields in place")

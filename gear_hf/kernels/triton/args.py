@@ -299,7 +299,7 @@ def tail_args(view: StreamView, dummy: torch.Tensor, batch: int, heads: int, hea
     bits = int(tail.bits)
     if bits not in (4, 8):
         raise ValueError(f"{name}.tail.bits = {tail.bits}: the Triton decode kernels read 8-bit codes or 4-bit codes "
-                         "two a byte (format.INT8_TOKENS, INT4_TOKENS)")
+                         "two a byte (format.INT8_TOKENS, INT8_ROTATED_TOKENS, INT4_TOKENS)")
     cap = tail.codes.shape[2] if tail.codes.dim() == 4 else -1
     want = {"codes": ((batch, heads, cap, head_dim * bits // 8), (torch.uint8,)),
             "scale": ((batch, heads, cap, 1), _TAIL_FLOATS), "minimum": ((batch, heads, cap, 1), _TAIL_FLOATS)}
