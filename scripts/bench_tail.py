@@ -46,6 +46,9 @@ CONFIGS = {
     # keys flushing every 64 tokens, values one chunk later (value_buffer_size: 64..128 values buffered at 4 bits)
     "k64v128": dict(_B64, value_buffer_size=128, key_buffer="int8", value_buffer="int4"),
     "k64v128+stats8": dict(_B64, value_buffer_size=128, key_buffer="int8", value_buffer="int4", value_statistics="8"),
+    # the same with rotated 8-bit keys in the buffer: recommended(name="steady")
+    "steady": dict(_B64, value_buffer_size=128, key_buffer="int8-rotated", value_buffer="int4", value_statistics="8"),
+    "default-int8-keys": dict(key_buffer="int8", value_buffer="int4"),  # GearConfig() of config versions 2-3
     "kivi-4": None,
 }
 
