@@ -27,13 +27,16 @@ from typing import Any
 # at T~1.1k, 3.69 on head_dim 128). "lean" owns <= 3.6 at every step and
 # pays for it in KL (above kivi-4's on texts 0 and 1). No point measured does both (results/tail/). 4-bit keys in the
 # buffer (re-quantized into every chunk) raised KL 5x; a 64-token buffer raised it 1.4x.
-# "steady" (config version 4) is "accurate" with keys flushing every 64 tokens (64-token key groups) while values stay
-# buffered one chunk longer (value_buffer_size=128: 64..127 values at 4 bits) and 8-bit value statistics: on the
-# fused CPU path over eight GSM8K texts (0 1 200 2 3 50 100 300; results/tail/ "Values held a chunk longer") it owns
-# 3.488 / 3.593 bits (mean / max over the 96 steps) at mean KL 0.0108, against GearConfig()'s 3.590 / 3.830 at 0.0115
-# and kivi-4's 4.789 / 5.172 at 0.0133 (each below kivi-4's KL on 6 of 8 texts); over T=1024..4096 3.515 mean, 3.605
-# max (a chunk store's bounded growth), 3.448 / 3.536 on d=128. Not GearConfig() yet: the Triton kernels and the vLLM
-# plugin do not read a held value chunk (on CUDA it attends on the reference path; the plugin refuses it).
+# Config version 4 rotates the 8-bit keys in the buffer (key_buffer="int8-rotated"): unrotated, Qwen2.5's few large key
+# channels set each token's range and its KL was 15-50x kivi-4's (results/tail/ "Rotated 8-bit keys"; SmolLM2 pays
+# 1.07x for the rotation). "steady" (version 4) is "accurate" with keys flushing every 64 tokens (64-token key groups)
+# while values stay buffered one chunk longer (value_buffer_size=128: 64..127 values at 4 bits) and 8-bit value
+# statistics: on the fused CPU path (96 steps after a 1,024-token prompt) it owns 3.488 / 3.593 bits (mean / max),
+# against GearConfig()'s 3.590 / 3.830 and kivi-4's 4.789 / 5.172, at mean KL 0.0108 on eight SmolLM2 texts
+# (GearConfig() 0.0123, kivi-4 0.0133) and 0.0053 on three Qwen2.5 texts (GearConfig() 0.0063, kivi-4 0.0038); over
+# T=1024..4096 3.515 mean, 3.605 max (a chunk store's bounded growth), 3.448 / 3.536 on d=128. Not GearConfig() yet:
+# the Triton kernels and the vLLM plugin do not read a held value chunk (on CUDA it attends on the reference path; the
+# plugin refuses it).
 # All keep 4 attention-sink tokens exact, group keys by 128 tokens ("steady": 64) and rotate the values. All
 # but "small" give each key channel its own width, chosen
 # from the prompt's queries (key_bit_allocation="query", keys unrotated: measured at the same bits, it cut KL 2-4x

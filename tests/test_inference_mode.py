@@ -21,7 +21,9 @@ SMALL = dict(group_size=16, buffer_size=16)  # chunks flush within a short gener
 CONFIGS = {"default": GearConfig(**SMALL, prompt_group_size=32)}
 CONFIGS.update({name: GearConfig.preset(name, **SMALL) for name in
                 ("fp16", "kivi-2", "kcvt-4", "outlier-2", "gear-l-2", "gear-2", "gear-4")})
-CONFIGS.update({f"recommended-{name}": GearConfig.recommended(name=name, **SMALL, prompt_group_size=32)
+CONFIGS.update({f"recommended-{name}": GearConfig.recommended(name=name, **SMALL, prompt_group_size=32,
+                                                             **({"key_group_size": 16} if "key_group_size" in fields
+                                                                else {}))
                 for name, _, fields in RECOMMENDED if fields.get("prompt_group_size")})
 CONFIGS.update({f"recommended-{name}": GearConfig.recommended(name=name, **SMALL)
                 for name, _, fields in RECOMMENDED if not fields.get("prompt_group_size")})
