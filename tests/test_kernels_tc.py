@@ -149,7 +149,7 @@ def test_folded_value_statistics_match_the_unfolded_kernel():
     _check(query_rotated, ref, torch.float16)
 
 
-@pytest.mark.parametrize("top", [7, 15])
+@pytest.mark.parametrize("top", [3, 7, 15, 255])
 def test_eight_bit_statistics_decode_bit_for_bit(top):
     """The kernels' decode of 8-bit statistics (`tiles._stats8`: the scale table built from eight constants, the
     zero point's minimum rounded down to bf16) equals `quant.decode_stats8` for every code pair, bit for bit."""

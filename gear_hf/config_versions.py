@@ -1,0 +1,35 @@
+"""The saved format of `GearConfig.to_dict` / `from_dict`: each format version's defaults. Data only (gear_hf.config
+imports it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# The saved format (`to_dict` / `from_dict`). Each version's defaults are written out, never read from the dataclass:
+# changing a GearConfig() default or adding a field means a new version with its own entry here (older entries stay
+# as they are, a new field getting the value that keeps an older dict's meaning); tests/test_config_dict.py fails
+# until the newest entry matches GearConfig()'s fields and defaults.
+VERSION_KEY = "gear_config_version"
+CONFIG_VERSION = 4
+DEFAULTS_BY_VERSION: dict[int, dict[str, Any]] = {
+    1: dict(method="kivi", key_bits=3.125, value_bits=3, group_size=128, rank_prefill=4, rank_decode=2, power_iters=3,
+            outlier_ratio=0.02, buffer_size=128, sink_tokens=4, key_axis="channel", value_axis="token",
+            pre_rope=True, backend="auto", key_group_size=None, value_group_size=None, rotation="values",
+            factor_bits=8, range_search="none", prompt_group_size=256, key_bit_allocation="query", extra_terms=(),
+            key_buffer="full", value_buffer="full", value_statistics="16"),
+    2: dict(method="kivi", key_bits=3.125, value_bits=3, group_size=128, rank_prefill=4, rank_decode=2, power_iters=3,
+            outlier_ratio=0.02, buffer_size=128, sink_tokens=4, key_axis="channel", value_axis="token",
+            pre_rope=True, backend="auto", key_group_size=None, value_group_size=None, rotation="values",
+            factor_bits=8, range_search="none", prompt_group_size=256, key_bit_allocation="query", extra_terms=(),
+            key_buffer="int8", value_buffer="int4", value_statistics="16"),
+    3: dict(method="kivi", key_bits=3.125, value_bits=3, group_size=128, rank_prefill=4, rank_decode=2, power_iters=3,
+            outlier_ratio=0.02, buffer_size=128, sink_tokens=4, key_axis="channel", value_axis="token",
+            pre_rope=True, backend="auto", key_group_size=None, value_group_size=None, rotation="values",
+            factor_bits=8, range_search="none", prompt_group_size=256, key_bit_allocation="query", extra_terms=(),
+            key_buffer="int8", value_buffer="int4", value_statistics="16"),
+    4: dict(method="kivi", key_bits=3.125, value_bits=3, group_size=128, rank_prefill=4, rank_decode=2, power_iters=3,
+            outlier_ratio=0.02, buffer_size=128, sink_tokens=4, key_axis="channel", value_axis="token",
+            pre_rope=True, backend="auto", key_group_size=None, value_group_size=None, rotation="values",
+            factor_bits=8, range_search="none", prompt_group_size=256, key_bit_allocation="query", extra_terms=(),
+            key_buffer="int8-rotated", value_buffer="int4", value_statistics="16", value_buffer_size=None),
+}
