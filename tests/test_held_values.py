@@ -104,19 +104,19 @@ FUSED = dict(group_size=16, buffer_size=16, prompt_group_size=32, value_buffer_s
 GEAR_2 = dict(method="gear", key_bits=2, value_bits=2, key_bit_allocation="uniform", outlier_ratio=0.05)
 
 
-@pytest.mark.parametrize("overrides", [{}, dict(value_buffer="int8"), dict(value_statistics="8"),
-                                       dict(GEAR_2, value_buffer="int8")],
-                         ids=["default", "int8", "stats8", "gear"])
+# the default's rotated 4-bit value tail, and an unrotated 8-bit one under gear-2's values (outliers, low-rank); 8-bit
+# statistics and the other tails are read by the same code as without a held chunk (test_value_statistics, test_tail)
+@pytest.mark.parametrize("overrides", [{}, dict(GEAR_2, value_buffer="int8")], ids=["default", "gear"])
 def test_fused_cpu_attention_reads_the_held_chunk_as_the_reference_path(overrides):
-    """A left-padded batch whose rows flush on different steps (the slot layout on the reference path), 40 decode
-    steps (several flushes): the numba fused attention gives the torch backend's tokens and logits (float32
-    rounding), every decode step fused."""
+    """A left-padded batch whose rows flush on different steps (the slot layout on the reference path), 28 decode
+    steps (a held chunk compressed on the way): the numba fused attention gives the torch backend's tokens and logits
+    (float32 rounding), every decode step fused."""
     model = tiny_model("llama3", head_dim=32)
     ids, mask = prompts(3, 45, seed=1, pads=[0, 9, 20])
-    runs = [_generate(model, ids, mask, GearConfig(**FUSED, backend=backend, **overrides), 40)
+    runs = [_generate(model, ids, mask, GearConfig(**FUSED, backend=backend, **overrides), 28)
             for backend in ("torch", "auto")]
     (tokens, scores, paths, cache), (fused_tokens, fused_scores, fused_paths, _) = runs
-    assert max(cache.decode_chunks) >= 3 and paths == {"reference": 39 * 2} and fused_paths == {"fused": 39 * 2}
+    assert max(cache.decode_chunks) >= 2 and paths == {"reference": 27 * 2} and fused_paths == {"fused": 27 * 2}
     assert torch.equal(tokens, fused_tokens)
     assert (scores - fused_scores).abs().max().item() < 1e-4
 
@@ -126,12 +126,12 @@ def test_sliding_window_releases_around_the_held_chunk():
     values' newest chunk is held: the torch and numba paths agree step by step, and memory stops growing."""
     model = tiny_model("mistral", head_dim=32, window=40)
     ids, mask = prompts(2, 30, seed=3, pads=[0, 5])
-    runs = [_generate(model, ids, mask, GearConfig(**FUSED, backend=backend), 70) for backend in ("torch", "auto")]
+    runs = [_generate(model, ids, mask, GearConfig(**FUSED, backend=backend), 56) for backend in ("torch", "auto")]
     (tokens, scores, _, cache), (fused_tokens, fused_scores, fused_paths, _) = runs
     layer = cache.layers[0]
     assert layer.is_sliding and layer.dense is None and layer.released.chunks >= 2
     assert layer.value_stream.decode.capacity <= -(-40 // 16) + 2  # (bounded by the window, as the keys')
-    assert fused_paths == {"fused": 69 * 2}
+    assert fused_paths == {"fused": 55 * 2}
     assert torch.equal(tokens, fused_tokens)
     assert (scores - fused_scores).abs().max().item() < 1e-4
 
