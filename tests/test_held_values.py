@@ -188,9 +188,9 @@ def test_memory_report_counts_the_held_chunk_once(expected_length):
         + sum(s.sink.token_nbytes() * cache.sink_len[0] for s in cache.layers[0].streams)
 
 
-def test_engines_without_held_values_say_so():
-    """The Triton kernels and the vLLM plugin do not hold values: a forced Triton backend and the plugin's block
-    format refuse with the field's name; backend="auto" on CUDA attends on the reference path."""
+def test_engines_say_whether_they_hold_values():
+    """The Triton kernels read a held chunk (tests/test_triton_tail.py): backend="auto" on CUDA attends it fused. The
+    vLLM plugin compresses a block's keys and values together: its block format refuses the field by name."""
     pytest.importorskip("triton")
     from gear_hf.backends import resolve
     from gear_hf.vllm.format import block_config
@@ -198,7 +198,5 @@ def test_engines_without_held_values_say_so():
     config = GearConfig(**FUSED)
     with pytest.raises(ValueError, match="value_buffer_size=32"):
         block_config(config, 16, D)
-    auto = resolve(config, D, torch.float32, "cuda")
-    assert auto.attend is None and any("value_buffer_size" in why for _, why in auto.skipped["attend"])
-    with pytest.raises(ValueError, match="value_buffer_size=32"):
-        resolve(config.replace(backend="triton"), D, torch.float32, "cuda")
+    auto = resolve(config, D, torch.float16, "cuda")
+    assert auto.attend is not None and auto.attend.name == "triton"

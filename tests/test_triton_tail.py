@@ -146,6 +146,48 @@ def test_kernels_read_the_coded_buffer_as_the_oracle(name, d, kv_heads, group, s
     assert _err(out, decoded) < TOL[dtype], _err(out, decoded)
 
 
+# values held a chunk longer than keys (GearConfig.value_buffer_size): (config, head_dim, KV heads, GQA group, history
+# steps, query tokens, staged, tensor core, dtype); PAD makes row 0 hold its prompt chunk + 1 decode chunk (the held
+# one: no value chunk compressed) and row 1 three (two compressed)
+HELD = dict(value_buffer_size=64)
+HELD_CASES = [
+    ("default", 64, 2, 4, (77, 40), 1, True, False, torch.float32),
+    ("default", 128, 1, 4, (77, 40), 2, False, True, torch.float16),
+    ("default", 64, 2, 7, (70, 1, 1, 40), 2, True, True, torch.bfloat16),
+    ("default", 64, 2, 4, (20,), 1, True, True, torch.float16),  # no chunk yet: nothing held
+    ("gear4-int8", 64, 2, 4, (77, 40, 33), 1, True, False, torch.float32),  # outliers, an unrotated 8-bit value tail
+    ("gear4-int8", 64, 1, 1, (77, 40, 33), 1, False, True, torch.float16),
+    ("gear4-int8-int4", 128, 1, 4, (77, 40, 33), 1, True, True, torch.float16),  # a rotated tail, plain compressed values
+]
+
+
+@pytest.mark.parametrize("name,d,kv_heads,group,steps,q_len,in_step,tensor_core,dtype", HELD_CASES,
+                         ids=[f"{c[0]}-d{c[1]}-kv{c[2]}-g{c[3]}-{'x'.join(map(str, c[4]))}-q{c[5]}"
+                              f"{'-staged' if c[6] else ''}-{'tc' if c[7] else 'reg'}-{str(c[8])[6:]}"
+                              for c in HELD_CASES])
+def test_kernels_read_a_held_value_chunk(name, d, kv_heads, group, steps, q_len, in_step, tensor_core, dtype):
+    """Each row's newest decode chunk: keys from the chunk, values from the front of the coded value buffer (the
+    row's buffer tokens after it, this step's own tokens exact), as the float32 oracle attends them."""
+    cfg = _config(name).replace(**HELD)
+    with torch.inference_mode():
+        cache = _cache(cfg, d=d, kv_heads=kv_heads, steps=steps if in_step else (*steps, q_len), q_len=q_len,
+                       in_step=in_step, dtype=dtype)
+        q = torch.randn(2, kv_heads * group, q_len, d, generator=torch.Generator().manual_seed(d + q_len))
+        q = q.to(dtype).to(DEVICE)
+        out, keys, values, layout = _attend(cache, q, tensor_core=tensor_core, reader=TritonBackend())
+        ref = reference_decode_attention(cache, 0, q, scaling=d ** -0.5, inv_freq=_inv_freq(d))
+    chunks = layout.rows[:, 2].tolist()
+    assert values.held_chunk and not keys.held_chunk and values.tail is not None
+    if len(steps) == 1:
+        assert chunks == [0, 0]
+    else:  # (the cases cover what the comment says: GearConfig()'s prompt chunk leaves row 0 one decode chunk)
+        assert min(chunks) >= 1 and max(chunks) >= 2 and (chunks == [1, 3] or not name.startswith("default"))
+    assert (values.decode is not None) == (max(chunks) > 1)
+    assert values.tail.codes.shape[2] >= int(layout.rows[1, 3]) + cfg.buffer_size * (chunks[1] > 0)
+    assert out.shape == ref.shape and torch.isfinite(out).all()
+    assert _err(out, ref) < TOL[dtype], _err(out, ref)
+
+
 def test_a_wrong_code_changes_the_output():
     """The kernel really reads the tail: zeroed value codes of the coded tokens change the output (the exact staged
     tokens do not come from the codes: zeroing those bytes alone changes nothing)."""
@@ -205,10 +247,12 @@ def test_bad_tails_say_what_is_wrong():
                              scaling=0.125, inv_freq=_inv_freq(64))
 
 
-def test_generation_through_the_triton_backend_reads_the_coded_buffer():
+@pytest.mark.parametrize("held", [False, True], ids=["default", "held"])
+def test_generation_through_the_triton_backend_reads_the_coded_buffer(held):
     """generate (batch 2, left-padded, GQA 2, head_dim 32) with GearConfig()'s buffers forced through the Triton
     backend under inference_mode: every decode step runs the fused kernel, its views carry the codes, and the logits
-    equal the torch oracle path's."""
+    equal the torch oracle path's. held: values held a chunk longer (value_buffer_size), 22 steps (each row's decode
+    chunk is held: test_kernels_read_a_held_value_chunk has rows with held chunks compressed from their codes)."""
     import gear_hf
     from tiny_models import CACHE_ARG, tiny_model
 
@@ -216,19 +260,23 @@ def test_generation_through_the_triton_backend_reads_the_coded_buffer():
     ids = torch.randint(3, 128, (2, 45), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     mask = torch.ones_like(ids)
     mask[1, :7] = 0
-    cfg = GearConfig(group_size=16, buffer_size=16, prompt_group_size=32)
+    cfg = GearConfig(group_size=16, buffer_size=16, prompt_group_size=32, value_buffer_size=32 if held else None)
     out = {}
     for backend in ("torch", "triton"):
         gear_hf.enable(model, cfg.replace(backend=backend))
         cache = gear_hf.GearCache(model)
         with torch.inference_mode():
-            result = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+            result = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=22 if held else 6,
+                                    do_sample=False,
                                     pad_token_id=0, output_scores=True, return_dict_in_generate=True,
                                     **{CACHE_ARG: cache})
         gear_hf.disable(model)
         out[backend] = (torch.stack(result.scores).float(), dict(cache.step_paths), cache)
     assert out["triton"][1].get("fused", 0) > 0 and "fused" not in out["torch"][1]
     triton_cache = out["triton"][2]
+    if held:
+        assert out["triton"][1] == {"fused": 21 * model.config.num_hidden_layers}
+        assert min(triton_cache.decode_chunks) >= 1 and triton_cache.layers[0].value_stream.held_chunk
     keys, values, _ = triton_cache.kernel_views(0, 1, DEVICE, reader=triton_cache.plan.attend)
     assert keys.tail is not None and values.tail is not None and values.tail.rotated
     torch.testing.assert_close(out["triton"][0], out["torch"][0], atol=2e-4, rtol=1e-4)

@@ -44,9 +44,6 @@ class TritonBackend(Backend):
 
             if config.extra_terms:
                 return f"the fused kernel does not implement the term(s) {list(config.extra_terms)}"
-            if config.value_buffer_size is not None:
-                return (f"value_buffer_size={config.value_buffer_size} (values held a chunk longer than keys): read "
-                        "by the CPU kernel and the reference path, not the Triton kernels")
             return fused_supported(config, head_dim, 1)
         if op == "reconstruct":
             from ..kernels import reconstruct_supported

@@ -277,15 +277,17 @@ class TailArgs(NamedTuple):
         return args, {f"T_{stream.upper()}_{k}": v for k, v in self.constexprs.items()}
 
 
-def staged_args(keys: TailArgs, values: TailArgs) -> dict:
+def staged_args(keys: TailArgs, values: TailArgs, held_values: bool = False) -> dict:
     """The kernel's one set of staged flags (stg, s_stg, stg_n) for both streams, from a coded one: this step's own
     tokens are the same in the key and the value store (written by the same steps), so keys' and values' flags
-    agree (`CodedTokenStore.write`); a pair where one stream has staged tokens and the other none is refused."""
+    agree (`CodedTokenStore.write`); a pair where one stream has staged tokens and the other none is refused.
+    held_values: the values' flags (a row's value buffer starts with its held chunk: the kernel reads the values'
+    flags of a buffer token buffer_size slots after the keys')."""
     coded = [t for t in (keys, values) if t.constexprs["BITS"]]
-    if len({t.staged_n for t in coded}) > 1:
+    if len({t.staged_n > 0 for t in coded}) > 1 or (not held_values and len({t.staged_n for t in coded}) > 1):
         raise ValueError(f"keys.tail.staged and values.tail.staged disagree: staged flags for "
                          f"{[t.staged_n for t in coded]} slots (both None, or both [B, capacity])")
-    src = coded[0] if coded else keys
+    src = values if held_values else coded[0] if coded else keys
     return {"stg": src.staged, "s_stg": src.s_staged, "stg_n": src.staged_n}
 
 

@@ -7,7 +7,15 @@ import triton
 import triton.language as tl
 
 from .ops import _lowrank_bt
-from .tiles import _buffer_blocks, _compressed_block, _dense_block, _query_tile, _row_blocks, _split_blocks
+from .tiles import (
+    _buffer_blocks,
+    _compressed_block,
+    _dense_block,
+    _held_chunk_blocks,
+    _query_tile,
+    _row_blocks,
+    _split_blocks,
+)
 
 # Integer arguments whose values move during generation (lengths, splits, strides of storage that grows):
 # never specialized on (a value of 1 or a new divisibility by 16 would otherwise compile a new kernel).
@@ -52,6 +60,7 @@ def _decode_attention_kernel(
     D_V_BITS: tl.constexpr, D_V_UNIT: tl.constexpr,
     D_V_GROUP: tl.constexpr, D_V_R: tl.constexpr, D_V_K2: tl.constexpr, D_V_CODES_W: tl.constexpr,
     D_V_STATS_W: tl.constexpr, D_V_BY_CHANNEL: tl.constexpr, D_V_STATS_ROW: tl.constexpr,
+    HELD_V: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -111,6 +120,8 @@ def _decode_attention_kernel(
         # chunk by chunk: each chunk's Bᵀ (keys: two halves, values) is loaded once for its NB/BN blocks
         d_lo = tl.maximum(lo, e2)
         d_hi = tl.minimum(hi, e3)
+        if HELD_V:  # the row's newest chunk: its values are at the value buffer's front (after this loop)
+            d_hi = tl.minimum(d_hi, e3 - PER_CHUNK)
         for chunk in range((d_lo - e2) // PER_CHUNK, tl.cdiv(d_hi - e2, PER_CHUNK)):
             if D_K_R > 0:
                 dkbt1 = _lowrank_bt(dkb + bh64 * s_dkb, D_K_R, chunk * D + h_offs, dkas + bh64 * s_dkas,
@@ -144,12 +155,25 @@ def _decode_attention_kernel(
                     D_K_R, D_K_SPARSE, D_K_STATS_ROW, D_K_PLANES, D_V_BITS, D_V_UNIT, D_V_GROUP, D_V_R, D_V_K2,
                     D_V_BY_CHANNEL, D_V_STATS_ROW)
 
+        if HELD_V:
+            m_i, l_i, acc = _held_chunk_blocks(
+                lo, hi, e2, e3, s_len, p_len, c_cnt, q1, q2, q_rows, pos_b, freq_ptr, freq, q_scale, limit, mvalid,
+                window, m_i, l_i, acc, dkc + bh64 * s_dkc, dks + bh64 * s_dks, dkm + bh64 * s_dks, dka + bh64 * s_dka,
+                dkb + bh64 * s_dkb, dow + bh64 * s_dow, dov + bh64 * s_dow, dot_ + bh64 * s_dot, d_seg,
+                dkas + bh64 * s_dkas, dkbs + bh64 * s_dkas, dkw + bh64 * s_dkw, had_ptr,
+                tvc + bh64 * s_tvc, tvs + bh64 * s_tvs, tvm + bh64 * s_tvs, tve + bh64 * s_tve, stg + b64 * s_stg,
+                stg_n, D, HALF, BN, NB, DT, FAST, ROT_K, D_K_BITS, D_K_UNIT, D_K_GROUP, D_K_R, D_K_SPARSE,
+                D_K_STATS_ROW, D_K_PLANES, D_K_ROW, ROT_V, T_V_BITS, T_V_ROT)
+
+    vshift = 0
+    if HELD_V:  # (the row's buffer tokens follow its held chunk in the value buffer)
+        vshift = tl.where(c_cnt > 0, NB, 0)
     m_i, l_i, acc = _buffer_blocks(
         lo, hi, e3, s_len, p_len, c_cnt, f_len, q1, q2, buf_k + bh64 * s_buf_h, buf_v + bh64 * s_buf_h, pos_b,
         freq, limit, mvalid, window, m_i, l_i, acc, had_ptr, tkc + bh64 * s_tkc, tks + bh64 * s_tks,
         tkm + bh64 * s_tks, tke + bh64 * s_tke, tvc + bh64 * s_tvc, tvs + bh64 * s_tvs, tvm + bh64 * s_tvs,
-        tve + bh64 * s_tve, stg + b64 * s_stg, stg_n, D, HALF, BN, NB, DT, FAST, ROT_V, T_K_BITS, T_K_ROT, T_V_BITS,
-        T_V_ROT)
+        tve + bh64 * s_tve, stg + b64 * s_stg, stg_n, vshift, D, HALF, BN, NB, DT, FAST, ROT_V, T_K_BITS, T_K_ROT,
+        T_V_BITS, T_V_ROT)
 
     ws = pid.to(tl.int64) * NSPLIT + split
     r16 = tl.arange(0, 16)

@@ -49,9 +49,11 @@ def _tc_block(keys: StreamView, values: StreamView) -> int:
     """The tensor-core kernel's default block: 64 tokens for runs without outliers or low-rank terms (compile report,
     sm_90, head_dim 128, 4 warps, 0 spills: GearConfig() 140 instructions/token/kv-head against 157 at 32, kivi-2 104
     / 109, compact 131 / 145), else 32 (gear-2 spills 174 ops at 64, gear-l-2 24)."""
-    for key_run, value_run in ((keys.prompt, values.prompt), (keys.decode, values.decode)):
-        if key_run is not None and (key_outlier_count(key_run) or key_run.lowrank_a.shape[-1]
-                                    or value_run.sparse_values.shape[-1] or value_run.lowrank_a.shape[-1]):
+    for key_run in (keys.prompt, keys.decode):
+        if key_run is not None and (key_outlier_count(key_run) or key_run.lowrank_a.shape[-1]):
+            return 32
+    for value_run in (values.prompt, values.decode):  # (values.decode: None when each row's one chunk is held)
+        if value_run is not None and (value_run.sparse_values.shape[-1] or value_run.lowrank_a.shape[-1]):
             return 32
     return 64
 
@@ -125,12 +127,19 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
     if has_sink:
         _check_words(_check(keys.sink, "sink keys"), "sink keys")
         _check_words(_check(values.sink, "sink values"), "sink values")
-    if (keys.prompt is None) != (values.prompt is None) or (keys.decode is None) != (values.decode is None):
+    if keys.held_chunk:
+        raise ValueError("keys with a held chunk: only values are held one chunk longer")
+    if values.held_chunk and values.tail is None:
+        raise ValueError("values with a held chunk (StreamView.held_chunk) are read from their buffer's codes: hand "
+                         "the coded buffer (StreamView.tail, a reader that reads it)")
+    value_chunks_lag = 1 if values.held_chunk else 0  # (a row's newest chunk of values is in its value buffer)
+    decode_chunks = layout.max_decode_chunks if keys.decode is not None else 0
+    if (keys.prompt is None) != (values.prompt is None) or \
+            (values.decode is not None) != (decode_chunks > value_chunks_lag):
         raise ValueError("keys and values disagree on which chunk runs exist")
     NB = layout.buffer_size
     if block_n is None:  # 32-token tiles: no register spills at head_dim 128 with the default launch (see below)
         block_n = min(_tc_block(keys, values) if tensor_core else 32, NB & -NB)
-    decode_chunks = layout.max_decode_chunks if keys.decode is not None else 0
     if block_n < 16 or block_n & (block_n - 1) or (decode_chunks and NB % block_n):
         raise NotImplementedError(f"fused kernel: a block of {block_n} tokens must be a power of two >= 16 "
                                   f"dividing buffer_size={NB}")
@@ -139,9 +148,9 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
     runs = {"p": (key_run_args(keys.prompt, prompt_chunks, query, D, "P_K", block_n),
                   value_run_args(values.prompt, prompt_chunks, query, D, "P_V", block_n)),
             "d": (key_run_args(keys.decode, decode_chunks, query, D, "D_K", block_n),
-                  value_run_args(values.decode, decode_chunks, query, D, "D_V", block_n))}
+                  value_run_args(values.decode, decode_chunks - value_chunks_lag, query, D, "D_V", block_n))}
     used = [(keys.prompt, values.prompt)] if prompt_chunks else []
-    used += [(keys.decode, values.decode)] if decode_chunks else []
+    used += [(keys.decode, values.decode)] if decode_chunks else []  # (values.decode None: held, not compressed)
     if tensor_core:  # bit planes of allocated widths: read as aligned 32-bit words (tc_tiles._tc_plane_words)
         for key_args, _ in runs.values():
             if key_args.constexprs["PLANES"]:
@@ -159,7 +168,7 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
         args, constexprs = args.kernel_args(stream)
         run_args.update(args)
         run_constexprs.update(constexprs)
-    run_args.update(staged_args(tails["k"], tails["v"]))
+    run_args.update(staged_args(tails["k"], tails["v"], values.held_chunk))
 
     max_blocks = (-(-layout.max_sink // block_n) + -(-layout.max_prompt // block_n)
                   + layout.max_decode_chunks * (NB // block_n) + -(-layout.max_buffer // block_n))
@@ -204,7 +213,7 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
             tables(("hadamard", HALF, str(dot_dt), str(query.device)), build) if tables is not None else build()
         options = {"num_warps": num_warps, "num_stages": num_stages}
         constexprs = dict(G=G, QL=QL, D=D, HALF=HALF, BN=block_n, NB=NB, DT=dot_dt, FAST=fast, HAS_SINK=has_sink,
-                          ROT_K=rot_k, ROT_V=rot_v, **run_constexprs)
+                          ROT_K=rot_k, ROT_V=rot_v, HELD_V=bool(values.held_chunk), **run_constexprs)
         if tensor_core:
             constexprs["FOLD_V"] = fold_values
             constexprs["ROPE_Q"] = rope_on_query

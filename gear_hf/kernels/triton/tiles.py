@@ -7,7 +7,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .ops import _dot, _lowrank_a, _lowrank_dot, _lowrank_values, _rope, _sincos, _softmax_step, _unrotate_halves
+from .ops import (
+    _dot,
+    _lowrank_a,
+    _lowrank_bt,
+    _lowrank_dot,
+    _lowrank_values,
+    _rope,
+    _sincos,
+    _softmax_step,
+    _unrotate_halves,
+)
 from .unpack import _load_rows, _plane_codes, _unpack_3bit_units, _unpack_words
 
 OUTLIERS_PER_STEP = tl.constexpr(32)  # key outliers applied per one-hot dot
@@ -188,20 +198,14 @@ def _key_outlier_scores(s, q_rows, mvalid, ow_b, ov_b, ot_b, n_tiles, seg, tok0,
 
 
 @triton.jit
-def _compressed_block(
-    q1, q2, q_rows, t, slot, slot0, slot_end, tvalid, tok0, pos_b, freq_ptr, freq, q_scale, limit, mvalid,
-    window, m_i, l_i, acc,
-    kc, ks, km, ka, s_kc, s_ks, s_ka, ow, ov, ot, n_tiles, seg, t_base, kw,
-    vc, vs, vm, vsv, vsi, va, s_vc, s_vs, s_vsp, s_va, kbt1, kbt2, vbt, had_ptr,
+def _compressed_scores(
+    q1, q2, q_rows, t, slot, slot0, slot_end, tvalid, tok0, pos_b, freq_ptr, freq, q_scale, mvalid,
+    kc, ks, km, ka, s_kc, s_ks, s_ka, ow, ov, ot, n_tiles, seg, t_base, kw, kbt1, kbt2, had_ptr,
     D: tl.constexpr, HALF: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr, ROT_K: tl.constexpr,
     K_BITS: tl.constexpr, K_UNIT: tl.constexpr, K_GROUP: tl.constexpr, K_R: tl.constexpr, K_SPARSE: tl.constexpr,
     K_STATS_ROW: tl.constexpr, K_PLANES: tl.constexpr,
-    V_BITS: tl.constexpr, V_UNIT: tl.constexpr, V_GROUP: tl.constexpr, V_R: tl.constexpr, V_K2: tl.constexpr,
-    V_BY_CHANNEL: tl.constexpr, V_STATS_ROW: tl.constexpr,
 ):
-    """One block of compressed tokens; kbt1/kbt2/vbt: the chunk's `_lowrank_bt` (key halves, values); kw: the chunk's
-    key widths (K_PLANES: widths per channel, kc's rows are s_kc bytes per 8 tokens).
-    V_BY_CHANNEL: values stored per channel over token groups (value_axis="channel", no outliers): read like keys."""
+    """Scores [M, BN] of the query rows against one block of compressed keys (see `_compressed_block`)."""
     h_offs = tl.arange(0, HALF)
     ka16 = _lowrank_a(ka, s_ka, slot, tvalid, K_R, DT) if K_R > 0 else 0  # shared by both halves
     k1 = _per_channel_tile(kc, ks, km, s_kc, s_ks, slot, slot0, slot_end, tvalid, h_offs, 0, ka16, kbt1, kw,
@@ -216,6 +220,28 @@ def _compressed_block(
     if K_SPARSE:
         s = _key_outlier_scores(s, q_rows, mvalid, ow, ov, ot, n_tiles, seg, tok0, t_base, pos_b, freq_ptr,
                                 q_scale, D, HALF, BN, OUTLIERS_PER_STEP, DT == tl.float32, FAST)
+    return s
+
+
+@triton.jit
+def _compressed_block(
+    q1, q2, q_rows, t, slot, slot0, slot_end, tvalid, tok0, pos_b, freq_ptr, freq, q_scale, limit, mvalid,
+    window, m_i, l_i, acc,
+    kc, ks, km, ka, s_kc, s_ks, s_ka, ow, ov, ot, n_tiles, seg, t_base, kw,
+    vc, vs, vm, vsv, vsi, va, s_vc, s_vs, s_vsp, s_va, kbt1, kbt2, vbt, had_ptr,
+    D: tl.constexpr, HALF: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr, ROT_K: tl.constexpr,
+    K_BITS: tl.constexpr, K_UNIT: tl.constexpr, K_GROUP: tl.constexpr, K_R: tl.constexpr, K_SPARSE: tl.constexpr,
+    K_STATS_ROW: tl.constexpr, K_PLANES: tl.constexpr,
+    V_BITS: tl.constexpr, V_UNIT: tl.constexpr, V_GROUP: tl.constexpr, V_R: tl.constexpr, V_K2: tl.constexpr,
+    V_BY_CHANNEL: tl.constexpr, V_STATS_ROW: tl.constexpr,
+):
+    """One block of compressed tokens; kbt1/kbt2/vbt: the chunk's `_lowrank_bt` (key halves, values); kw: the chunk's
+    key widths (K_PLANES: widths per channel, kc's rows are s_kc bytes per 8 tokens).
+    V_BY_CHANNEL: values stored per channel over token groups (value_axis="channel", no outliers): read like keys."""
+    s = _compressed_scores(q1, q2, q_rows, t, slot, slot0, slot_end, tvalid, tok0, pos_b, freq_ptr, freq, q_scale,
+                           mvalid, kc, ks, km, ka, s_kc, s_ks, s_ka, ow, ov, ot, n_tiles, seg, t_base, kw, kbt1, kbt2,
+                           had_ptr, D, HALF, BN, DT, FAST, ROT_K, K_BITS, K_UNIT, K_GROUP, K_R, K_SPARSE,
+                           K_STATS_ROW, K_PLANES)
     if V_BY_CHANNEL:  # codes packed along tokens, a row of statistics per token group: the keys' layout
         v = _per_channel_tile(vc, vs, vm, s_vc, s_vs, slot, slot0, slot_end, tvalid, tl.arange(0, D), 0, 0, 0, 0,
                               V_BITS, V_UNIT, V_GROUP, 0, V_STATS_ROW, DT, False)
@@ -225,6 +251,73 @@ def _compressed_block(
     m_i, l_i, acc, p = _softmax_step(s, t, tvalid, limit, mvalid, window, m_i, l_i, acc, v, DT)
     if V_R > 0:
         acc = _lowrank_values(acc, p, _lowrank_a(va, s_va, slot, tvalid, V_R, DT), vbt, DT)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _held_block(
+    q1, q2, q_rows, t, slot, slot0, slot_end, tvalid, tok0, pos_b, freq_ptr, freq, q_scale, limit, mvalid,
+    window, m_i, l_i, acc,
+    kc, ks, km, ka, s_kc, s_ks, s_ka, ow, ov, ot, n_tiles, seg, t_base, kw, kbt1, kbt2, had_ptr,
+    tvc, tvs, tvm, tve, stg_b, stg_n, vslot,
+    D: tl.constexpr, HALF: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr, ROT_K: tl.constexpr,
+    K_BITS: tl.constexpr, K_UNIT: tl.constexpr, K_GROUP: tl.constexpr, K_R: tl.constexpr, K_SPARSE: tl.constexpr,
+    K_STATS_ROW: tl.constexpr, K_PLANES: tl.constexpr, ROT_V: tl.constexpr, T_V_BITS: tl.constexpr,
+    T_V_ROT: tl.constexpr,
+):
+    """One block of a row's newest decode chunk whose values are held (`GearConfig.value_buffer_size`): keys from the
+    compressed chunk (`_compressed_scores`), values from the value buffer held per token at its slots `vslot` [BN]
+    (tvc/tvs/tvm: the head's codes, scale, minimum; `_tail_values`), a staged one (stg_b [stg_n] flags) exact from tve
+    (rows of D elements)."""
+    s = _compressed_scores(q1, q2, q_rows, t, slot, slot0, slot_end, tvalid, tok0, pos_b, freq_ptr, freq, q_scale,
+                           mvalid, kc, ks, km, ka, s_kc, s_ks, s_ka, ow, ov, ot, n_tiles, seg, t_base, kw, kbt1, kbt2,
+                           had_ptr, D, HALF, BN, DT, FAST, ROT_K, K_BITS, K_UNIT, K_GROUP, K_R, K_SPARSE,
+                           K_STATS_ROW, K_PLANES)
+    staged = tl.load(stg_b + vslot, mask=tvalid & (vslot < stg_n), other=0) != 0
+    v = _tail_values(tvc, tvs, tvm, vslot, tvalid & (staged == 0), had_ptr, D, T_V_BITS, T_V_ROT, ROT_V, DT)
+    if tl.max(staged.to(tl.int32), axis=0) > 0:  # (masked loads: zeros where a token is coded)
+        v += _dense_values(tve, vslot * D, staged[:, None], had_ptr, D, HALF, DT, ROT_V)
+    m_i, l_i, acc, p = _softmax_step(s, t, tvalid, limit, mvalid, window, m_i, l_i, acc, v, DT)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _held_chunk_blocks(
+    lo, hi, e2, e3, s_len, p_len, c_cnt, q1, q2, q_rows, pos_b, freq_ptr, freq, q_scale, limit, mvalid, window,
+    m_i, l_i, acc,
+    dkc, dks, dkm, dka, dkb, dow, dov, dot_, d_seg, dkas, dkbs, dkw, had_ptr, tvc, tvs, tvm, tve, stg_b, stg_n,
+    D: tl.constexpr, HALF: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr,
+    ROT_K: tl.constexpr, K_BITS: tl.constexpr, K_UNIT: tl.constexpr, K_GROUP: tl.constexpr, K_R: tl.constexpr,
+    K_SPARSE: tl.constexpr, K_STATS_ROW: tl.constexpr, K_PLANES: tl.constexpr, K_ROW: tl.constexpr,
+    ROT_V: tl.constexpr, T_V_BITS: tl.constexpr, T_V_ROT: tl.constexpr,
+):
+    """This split's blocks of the row's newest decode chunk (c_cnt - 1, blocks [e3 - NB/BN, e3)) when its values are
+    held at the front of the value buffer (`_held_block`); the pointers are the head's (decode keys: the kernel's d*
+    arguments; the value buffer held per token and the values' staged flags)."""
+    PER_CHUNK: tl.constexpr = NB // BN
+    chunk = c_cnt - 1
+    h_lo = tl.maximum(tl.maximum(lo, e2), e3 - PER_CHUNK)
+    h_hi = tl.minimum(hi, e3)
+    if h_lo < h_hi:  # (none when the row has no decode chunk: h_lo >= e2 = e3)
+        h_offs = tl.arange(0, HALF)
+        n_offs = tl.arange(0, BN)
+        if K_R > 0:
+            kbt1 = _lowrank_bt(dkb, K_R, chunk * D + h_offs, dkas, dkbs, chunk, K_R, DT)
+            kbt2 = _lowrank_bt(dkb, K_R, chunk * D + HALF + h_offs, dkas, dkbs, chunk, K_R, DT)
+        else:
+            kbt1 = 0
+            kbt2 = 0
+        for blk in range(h_lo, h_hi):
+            slot0 = (blk - e2) * BN  # decode chunks are contiguous along the key store's slot axis
+            slot = slot0 + n_offs
+            tvalid = slot < c_cnt * NB
+            t = s_len + p_len + slot
+            m_i, l_i, acc = _held_block(
+                q1, q2, q_rows, t, slot, slot0, c_cnt * NB, tvalid, slot0 - chunk * NB, pos_b, freq_ptr, freq,
+                q_scale, limit, mvalid, window, m_i, l_i, acc, dkc, dks, dkm, dka, K_ROW, D, K_R, dow, dov,
+                dot_ + chunk * (NB // 16 + 1), NB // 16, chunk * d_seg, s_len + p_len + chunk * NB, dkw + chunk * D,
+                kbt1, kbt2, had_ptr, tvc, tvs, tvm, tve, stg_b, stg_n, slot - chunk * NB, D, HALF, BN, DT, FAST,
+                ROT_K, K_BITS, K_UNIT, K_GROUP, K_R, K_SPARSE, K_STATS_ROW, K_PLANES, ROT_V, T_V_BITS, T_V_ROT)
     return m_i, l_i, acc
 
 
@@ -351,16 +444,25 @@ def _buffer_block(q1, q2, k_b, v_b, s_tok, t, slot, tvalid, pos_b, freq, limit, 
 
 @triton.jit
 def _buffer_blocks(lo, hi, e3, s_len, p_len, c_cnt, f_len, q1, q2, buf_k, buf_v, pos_b, freq, limit, mvalid, window,
-                   m_i, l_i, acc, had_ptr, tkc, tks, tkm, tke, tvc, tvs, tvm, tve, stg_b, stg_n, D: tl.constexpr,
-                   HALF: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr,
-                   ROT_V: tl.constexpr, T_K_BITS: tl.constexpr, T_K_ROT: tl.constexpr, T_V_BITS: tl.constexpr,
-                   T_V_ROT: tl.constexpr):
+                   m_i, l_i, acc, had_ptr, tkc, tks, tkm, tke, tvc, tvs, tvm, tve, stg_b, stg_n, vshift,
+                   D: tl.constexpr, HALF: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, DT: tl.constexpr,
+                   FAST: tl.constexpr, ROT_V: tl.constexpr, T_K_BITS: tl.constexpr, T_K_ROT: tl.constexpr,
+                   T_V_BITS: tl.constexpr, T_V_ROT: tl.constexpr):
     """This split's buffer blocks [max(lo, e3), hi) (`_buffer_block`): the row's f_len buffer tokens (rows of D
     elements) follow its s_len sink, p_len prompt-chunk and c_cnt x NB decode-chunk tokens. A buffer held per token
     is attended in TAIL_TOKENS-token steps (its tiles decoded in registers set the kernel's register peak), a
-    full-precision one in BN-token blocks."""
+    full-precision one in BN-token blocks. vshift: the value buffer's slot of the first buffer token (NB when the
+    row's newest chunk of values is held at its front, else 0); the staged flags stg_b are then the values' (the
+    same tokens are staged in both streams, vshift slots apart)."""
     TAIL_BN: tl.constexpr = TAIL_TOKENS if (T_K_BITS + T_V_BITS > 0) and BN > TAIL_TOKENS else BN
     f_offs = tl.arange(0, TAIL_BN)
+    buf_v = buf_v + vshift * D
+    tvc = tvc + vshift * (D * T_V_BITS // 8)
+    tvs = tvs + vshift
+    tvm = tvm + vshift
+    tve = tve + vshift * D
+    stg_b = stg_b + vshift
+    stg_n = stg_n - vshift
     for blk in range(tl.maximum(lo, e3), hi):
         for sub in range(0, BN // TAIL_BN):
             slot = (blk - e3) * BN + sub * TAIL_BN + f_offs
