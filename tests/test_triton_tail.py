@@ -157,7 +157,7 @@ HELD_CASES = [
     ("default", 64, 2, 4, (20,), 1, True, True, torch.float16),  # no chunk yet: nothing held
     ("gear4-int8", 64, 2, 4, (77, 40, 33), 1, True, False, torch.float32),  # outliers, an unrotated 8-bit value tail
     ("gear4-int8", 64, 1, 1, (77, 40, 33), 1, False, True, torch.float16),
-    ("gear4-int8-int4", 128, 1, 4, (77, 40, 33), 1, True, True, torch.float16),  # a rotated tail, plain compressed values
+    ("gear4-int8-int4", 128, 1, 4, (77, 40, 33), 1, True, True, torch.float16),  # rotated tail, plain chunks
 ]
 
 

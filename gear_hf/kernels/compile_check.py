@@ -10,6 +10,7 @@ registers and stack (local memory) per thread from the cubin.
     python -m gear_hf.kernels.compile_check --arch 90 --quick
     python -m gear_hf.kernels.compile_check --sass-report  # main decode loop, SASS per token per KV head
     python -m gear_hf.kernels.compile_check --sass-report --breakdown  # ... and where the loop's SASS goes
+    python -m gear_hf.kernels.compile_check --sass-report --register-only  # the register kernel's section alone
     python -m gear_hf.kernels.compile_check --reconstruct-report  # the reconstruction kernel's section alone
 
 --sass-report compiles the main decode kernel for sm_90 at Llama-3-8B shapes (32 query heads, 8 KV heads, head_dim
@@ -230,10 +231,10 @@ def _term_costs(kernel, args, kwargs, arch: int, main: int) -> str:
                      for name, off in present.items())
 
 
-def sass_report(arch: int = 90, breakdown: bool = False) -> int:
+def sass_report(arch: int = 90, breakdown: bool = False, reconstruct: bool = True) -> int:
     """Print the main-loop SASS figures of the decode kernel at Llama-3-8B shapes; the last line is
     `instructions/token/kv-head: N` for 2-bit GEAR. breakdown: also the main loop's instructions per source
-    function and per GEAR term. Returns the exit status."""
+    function and per GEAR term; reconstruct: also the reconstruction kernel's section. Returns the exit status."""
     from ..cache.fused import build_cache, cache_decode_attention
     from ..config import GearConfig
 
@@ -283,7 +284,8 @@ def sass_report(arch: int = 90, breakdown: bool = False) -> int:
               f"{totals['spill_ops']}, fenced atomics {totals['fences']} (atomics {totals['atomics']}) in the step's "
               f"{len(plan)} launches")
         figure = main
-    reconstruct_report(arch)
+    if reconstruct:
+        reconstruct_report(arch)
     print(f"instructions/token/kv-head: {figure:.0f}")
     return 0
 
@@ -410,6 +412,9 @@ def main(argv=None) -> int:
     parser.add_argument("--breakdown", action="store_true",
                         help="with --sass-report: the main loop's instructions per kernel function (nvdisasm -g) "
                              "and per GEAR term")
+    parser.add_argument("--register-only", action="store_true",
+                        help="with --sass-report: only the register kernel's section (no tensor-core kernel and no "
+                             "reconstruction kernel lines)")
     parser.add_argument("--tensor-core-only", action="store_true",
                         help="with --sass-report: only the tensor-core kernel's lines (and the register kernel's for "
                              "the same configurations)")
@@ -417,15 +422,19 @@ def main(argv=None) -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("compile_check: unset TRITON_INTERPRET (the interpreter replaces the compiler)", file=sys.stderr)
         return 2
+    if args.register_only and args.tensor_core_only:
+        parser.error("--register-only and --tensor-core-only exclude each other")
     if args.breakdown and not args.sass_report:
         parser.error("--breakdown goes with --sass-report")
     if args.reconstruct_report:
         return reconstruct_report(args.arch[0] if args.arch != [90, 80] else 90)
     if args.sass_report:
-        tc_sass_report(args.arch[0] if args.arch != [90, 80] else 90)
+        arch = args.arch[0] if args.arch != [90, 80] else 90
+        if not args.register_only:
+            tc_sass_report(arch)
         if args.tensor_core_only:
             return 0
-        return sass_report(args.arch[0] if args.arch != [90, 80] else 90, breakdown=args.breakdown)
+        return sass_report(arch, breakdown=args.breakdown, reconstruct=not args.register_only)
     failures = 0
     seen = set()
     for label, kernel, kargs, kwargs in planned_launches(args.quick):
