@@ -49,6 +49,8 @@ def _config(name: str) -> GearConfig:
         # one stream coded, the other handed full precision (the "final" values are decoded by the oracle)
         "default-final": GearConfig(group_size=32, buffer_size=32, prompt_group_size=64, value_buffer="final"),
         "gear4-full-int4": GearConfig.preset("gear", **gear4, key_buffer="full", value_buffer="int4"),
+        # 64-token decode chunks: the tensor-core kernel's 64-token blocks (a held chunk in 32-token steps)
+        "b64": GearConfig(group_size=32, buffer_size=64, prompt_group_size=64),
     }[name]
 
 
@@ -149,7 +151,6 @@ def test_kernels_read_the_coded_buffer_as_the_oracle(name, d, kv_heads, group, s
 # values held a chunk longer than keys (GearConfig.value_buffer_size): (config, head_dim, KV heads, GQA group, history
 # steps, query tokens, staged, tensor core, dtype); PAD makes row 0 hold its prompt chunk + 1 decode chunk (the held
 # one: no value chunk compressed) and row 1 three (two compressed)
-HELD = dict(value_buffer_size=64)
 HELD_CASES = [
     ("default", 64, 2, 4, (77, 40), 1, True, False, torch.float32),
     ("default", 128, 1, 4, (77, 40), 2, False, True, torch.float16),
@@ -158,6 +159,7 @@ HELD_CASES = [
     ("gear4-int8", 64, 2, 4, (77, 40, 33), 1, True, False, torch.float32),  # outliers, an unrotated 8-bit value tail
     ("gear4-int8", 64, 1, 1, (77, 40, 33), 1, False, True, torch.float16),
     ("gear4-int8-int4", 128, 1, 4, (77, 40, 33), 1, True, True, torch.float16),  # rotated tail, plain chunks
+    ("b64", 64, 2, 4, (77, 70, 70), 1, True, True, torch.float16),
 ]
 
 
@@ -168,7 +170,8 @@ HELD_CASES = [
 def test_kernels_read_a_held_value_chunk(name, d, kv_heads, group, steps, q_len, in_step, tensor_core, dtype):
     """Each row's newest decode chunk: keys from the chunk, values from the front of the coded value buffer (the
     row's buffer tokens after it, this step's own tokens exact), as the float32 oracle attends them."""
-    cfg = _config(name).replace(**HELD)
+    cfg = _config(name)
+    cfg = cfg.replace(value_buffer_size=2 * cfg.buffer_size)
     with torch.inference_mode():
         cache = _cache(cfg, d=d, kv_heads=kv_heads, steps=steps if in_step else (*steps, q_len), q_len=q_len,
                        in_step=in_step, dtype=dtype)

@@ -376,6 +376,10 @@ def planned_launches(quick: bool = False):
                                                           q=1, kw=dict(reader=TritonBackend()))),
         ("GearConfig() coded buffer tc fp16 d128 G4 q2", dict(config=GearConfig(), dtype=torch.float16, d=128, group=4,
                                                               q=2, kw=dict(tensor_core=True, reader=TritonBackend()))),
+        # values held a chunk longer (value_buffer_size): the held chunk's own loop beside the decode chunks'
+        ("steady held values tc bf16 d128 G4 q1", dict(config=GearConfig.recommended(name="steady"),
+                                                       dtype=torch.bfloat16, d=128, group=4, q=1,
+                                                       kw=dict(tensor_core=True, reader=TritonBackend()))),
     ]
     if quick:
         decode_cases = decode_cases[:1]

@@ -22,6 +22,7 @@ from .unpack import _load_rows, _plane_codes, _unpack_3bit_units, _unpack_words
 
 OUTLIERS_PER_STEP = tl.constexpr(32)  # key outliers applied per one-hot dot
 TAIL_TOKENS = tl.constexpr(16)  # tokens per step of a buffer held per token (`_buffer_block`)
+HELD_TOKENS = tl.constexpr(32)  # tokens per step of a held chunk (`_held_chunk_blocks`)
 
 
 @triton.jit
@@ -295,12 +296,15 @@ def _held_chunk_blocks(
     held at the front of the value buffer (`_held_block`); the pointers are the head's (decode keys: the kernel's d*
     arguments; the value buffer held per token and the values' staged flags)."""
     PER_CHUNK: tl.constexpr = NB // BN
+    # 32-token steps at most: the register kernel's key tiles (`_compressed_scores`) beside a decoded value tile spill
+    # at 64 tokens (the tensor-core kernel's blocks; sm_90 compile report: 201 spill ops)
+    HB: tl.constexpr = HELD_TOKENS if BN > HELD_TOKENS else BN
     chunk = c_cnt - 1
     h_lo = tl.maximum(tl.maximum(lo, e2), e3 - PER_CHUNK)
     h_hi = tl.minimum(hi, e3)
     if h_lo < h_hi:  # (none when the row has no decode chunk: h_lo >= e2 = e3)
         h_offs = tl.arange(0, HALF)
-        n_offs = tl.arange(0, BN)
+        n_offs = tl.arange(0, HB)
         if K_R > 0:
             kbt1 = _lowrank_bt(dkb, K_R, chunk * D + h_offs, dkas, dkbs, chunk, K_R, DT)
             kbt2 = _lowrank_bt(dkb, K_R, chunk * D + HALF + h_offs, dkas, dkbs, chunk, K_R, DT)
@@ -308,16 +312,18 @@ def _held_chunk_blocks(
             kbt1 = 0
             kbt2 = 0
         for blk in range(h_lo, h_hi):
-            slot0 = (blk - e2) * BN  # decode chunks are contiguous along the key store's slot axis
-            slot = slot0 + n_offs
-            tvalid = slot < c_cnt * NB
-            t = s_len + p_len + slot
-            m_i, l_i, acc = _held_block(
-                q1, q2, q_rows, t, slot, slot0, c_cnt * NB, tvalid, slot0 - chunk * NB, pos_b, freq_ptr, freq,
-                q_scale, limit, mvalid, window, m_i, l_i, acc, dkc, dks, dkm, dka, K_ROW, D, K_R, dow, dov,
-                dot_ + chunk * (NB // 16 + 1), NB // 16, chunk * d_seg, s_len + p_len + chunk * NB, dkw + chunk * D,
-                kbt1, kbt2, had_ptr, tvc, tvs, tvm, tve, stg_b, stg_n, slot - chunk * NB, D, HALF, BN, DT, FAST,
-                ROT_K, K_BITS, K_UNIT, K_GROUP, K_R, K_SPARSE, K_STATS_ROW, K_PLANES, ROT_V, T_V_BITS, T_V_ROT)
+            for sub in range(0, BN // HB):
+                slot0 = (blk - e2) * BN + sub * HB  # decode chunks are contiguous along the key store's slot axis
+                slot = slot0 + n_offs
+                tvalid = slot < c_cnt * NB
+                t = s_len + p_len + slot
+                m_i, l_i, acc = _held_block(
+                    q1, q2, q_rows, t, slot, slot0, c_cnt * NB, tvalid, slot0 - chunk * NB, pos_b, freq_ptr, freq,
+                    q_scale, limit, mvalid, window, m_i, l_i, acc, dkc, dks, dkm, dka, K_ROW, D, K_R, dow, dov,
+                    dot_ + chunk * (NB // 16 + 1), NB // 16, chunk * d_seg, s_len + p_len + chunk * NB,
+                    dkw + chunk * D, kbt1, kbt2, had_ptr, tvc, tvs, tvm, tve, stg_b, stg_n, slot - chunk * NB, D, HALF,
+                    HB, DT, FAST, ROT_K, K_BITS, K_UNIT, K_GROUP, K_R, K_SPARSE, K_STATS_ROW, K_PLANES, ROT_V,
+                    T_V_BITS, T_V_ROT)
     return m_i, l_i, acc
 
 
