@@ -35,7 +35,8 @@ from typing import Any
 # against GearConfig()'s 3.590 / 3.830 and kivi-4's 4.789 / 5.172, at mean KL 0.0108 on eight SmolLM2 texts
 # (GearConfig() 0.0123, kivi-4 0.0133) and 0.0053 on three Qwen2.5 texts (GearConfig() 0.0063, kivi-4 0.0038); over
 # T=1024..4096 3.515 mean, 3.605 max (a chunk store's bounded growth), 3.448 / 3.536 on d=128. Not GearConfig() yet:
-# the vLLM plugin does not hold values (the numba and Triton kernels read a held chunk fused).
+# its buffer_size, key_group_size and value_buffer_size must change together (the numba and Triton kernels read a held
+# chunk fused; the vLLM plugin compresses a block's values with its keys).
 # All keep 4 attention-sink tokens exact, group keys by 128 tokens ("steady": 64) and rotate the values. All
 # but "small" give each key channel its own width, chosen
 # from the prompt's queries (key_bit_allocation="query", keys unrotated: measured at the same bits, it cut KL 2-4x

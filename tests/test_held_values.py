@@ -190,13 +190,15 @@ def test_memory_report_counts_the_held_chunk_once(expected_length):
 
 def test_engines_say_whether_they_hold_values():
     """The Triton kernels read a held chunk (tests/test_triton_tail.py): backend="auto" on CUDA attends it fused. The
-    vLLM plugin compresses a block's keys and values together: its block format refuses the field by name."""
+    vLLM plugin compresses a block's keys and values together when the block closes: its block format holds no
+    values longer (its open block is the engine's buffer), as the Transformers path without value_buffer_size."""
     pytest.importorskip("triton")
     from gear_hf.backends import resolve
-    from gear_hf.vllm.format import block_config
+    from gear_hf.vllm.format import block_config, chunk_specs
 
     config = GearConfig(**FUSED)
-    with pytest.raises(ValueError, match="value_buffer_size=32"):
-        block_config(config, 16, D)
+    block = block_config(config, 16, D)
+    assert block.value_buffer_size is None and block.buffer_size == 16
+    assert chunk_specs(config, 16, D) == chunk_specs(config.replace(value_buffer_size=None), 16, D)
     auto = resolve(config, D, torch.float16, "cuda")
     assert auto.attend is not None and auto.attend.name == "triton"
