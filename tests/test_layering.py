@@ -14,11 +14,12 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "gear_hf"
 KERNELS = PACKAGE / "kernels"
 MAX_LINES = 450
-# Command-line tools under kernels/ that sit above both kernels and cache: compile_check (and its reconstruction
-# section, sass_reconstruct) builds caches to plan the real launches (`python -m gear_hf.kernels.compile_check`).
+# Command-line tools under kernels/ that sit above both kernels and cache: compile_check (and its sections
+# sass_reconstruct and sass_tensor_core) builds caches to plan the real launches
+# (`python -m gear_hf.kernels.compile_check`).
 # No module of the package but these tools may import them (test_tools_stay_out_of_the_import_graph), so they add
 # no edge to the library's import graph.
-TOOLS = {KERNELS / "compile_check.py", KERNELS / "sass_reconstruct.py"}
+TOOLS = {KERNELS / "compile_check.py", KERNELS / "sass_reconstruct.py", KERNELS / "sass_tensor_core.py"}
 
 
 def _module_name(path: Path) -> str:

@@ -169,7 +169,8 @@ HELD_CASES = [
                               for c in HELD_CASES])
 def test_kernels_read_a_held_value_chunk(name, d, kv_heads, group, steps, q_len, in_step, tensor_core, dtype):
     """Each row's newest decode chunk: keys from the chunk, values from the front of the coded value buffer (the
-    row's buffer tokens after it, this step's own tokens exact), as the float32 oracle attends them."""
+    row's buffer tokens after it, this step's own tokens exact), as the float32 oracle attends them; and from the
+    value buffer handed decoded (full precision, its own head stride: it holds buffer_size more tokens than keys')."""
     cfg = _config(name)
     cfg = cfg.replace(value_buffer_size=2 * cfg.buffer_size)
     with torch.inference_mode():
@@ -178,7 +179,10 @@ def test_kernels_read_a_held_value_chunk(name, d, kv_heads, group, steps, q_len,
         q = torch.randn(2, kv_heads * group, q_len, d, generator=torch.Generator().manual_seed(d + q_len))
         q = q.to(dtype).to(DEVICE)
         out, keys, values, layout = _attend(cache, q, tensor_core=tensor_core, reader=TritonBackend())
+        decoded, _, decoded_values, _ = _attend(cache, q, tensor_core=tensor_core, reader=None)
         ref = reference_decode_attention(cache, 0, q, scaling=d ** -0.5, inv_freq=_inv_freq(d))
+    assert decoded_values.tail is None and decoded_values.held_chunk
+    assert _err(decoded, ref) < TOL[dtype], _err(decoded, ref)
     chunks = layout.rows[:, 2].tolist()
     assert values.held_chunk and not keys.held_chunk and values.tail is not None
     if len(steps) == 1:

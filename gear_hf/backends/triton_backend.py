@@ -95,7 +95,7 @@ class TritonBackend(Backend):
     def reads_tail(self, spec, head_dim):
         from ..kernels.views import tail_format  # no triton import
 
-        # 8-bit codes, 4-bit codes of the rotated vector (`tiles._buffer_block`), at the kernels' head_dims
+        # 8-bit codes, 4-bit codes of the rotated vector (`buffer_tiles._buffer_block`), at the kernels' head_dims
         return tail_format(spec, head_dim) and head_dim >= 32 and not head_dim & (head_dim - 1)
 
     def attend(self, query, keys, values, layout, *, scaling, inv_freq, attention_scaling, sliding_window, shared):

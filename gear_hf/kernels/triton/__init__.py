@@ -27,7 +27,7 @@ per device and size), no memset. Compressed blocks are decoded in registers, nev
   (P·A)·Bᵀ, two small dots (never A·Bᵀ); rotated values are attended in the rotated basis (the sink and buffer
   values rotated on the fly) and the output is un-rotated once per row in the merge kernel (P·V·H·H = P·V);
 * a buffer held per token (`views.CodedTailView`: 8-bit codes, or 4-bit codes of the rotated vector, one scale
-  and minimum per token) is read as stored, in 16-token steps (`tiles._buffer_block`): keys code*scale+min then
+  and minimum per token) is read as stored, in 16-token steps (`buffer_tiles._buffer_block`): keys code*scale+min then
   RoPE, values in the attended basis (a rotated tail as stored when values are attended rotated); this step's own
   tokens, exact in `StreamView.buffer`, in a second online-softmax step of the blocks that hold any;
 * online softmax in float32 (exp2), causal inside the new tokens and the sliding window on row-local indices

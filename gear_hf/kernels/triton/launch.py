@@ -92,13 +92,10 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
     buf_k = _check_words(_check(keys.buffer, "buffer keys"), "buffer keys")
     buf_v = _check_words(_check(values.buffer, "buffer values"), "buffer values")
     Hkv = buf_k.shape[1]
-    # a buffer held per token (StreamView.tail) is read as stored; the full-precision ones share a head stride
+    # a buffer held per token (StreamView.tail) is read as stored; a full-precision one in rows of D elements
     tails = {"k": tail_args(keys, query, B, Hkv, D, "keys"), "v": tail_args(values, query, B, Hkv, D, "values")}
-    full = [buf for buf, stream in ((buf_k, "k"), (buf_v, "v")) if not tails[stream].constexprs["BITS"]]
-    if len(full) == 2 and buf_k.stride(1) != buf_v.stride(1):
-        raise ValueError(f"buffer keys and values must have the same head stride, got {buf_k.stride(1)} and "
-                         f"{buf_v.stride(1)} (shapes {list(buf_k.shape)}, {list(buf_v.shape)})")
-    s_buf_h = full[0].stride(1) if full else 0
+    s_buf = {stream: 0 if tails[stream].constexprs["BITS"] else buf.stride(1) for stream, buf in (("k", buf_k),
+                                                                                                ("v", buf_v))}
     if Hq % Hkv:
         raise ValueError(f"{Hq} query heads do not split into {Hkv} KV heads")
     G = Hq // Hkv
@@ -129,9 +126,6 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
         _check_words(_check(values.sink, "sink values"), "sink values")
     if keys.held_chunk:
         raise ValueError("keys with a held chunk: only values are held one chunk longer")
-    if values.held_chunk and values.tail is None:
-        raise ValueError("values with a held chunk (StreamView.held_chunk) are read from their buffer's codes: hand "
-                         "the coded buffer (StreamView.tail, a reader that reads it)")
     value_chunks_lag = 1 if values.held_chunk else 0  # (a row's newest chunk of values is in its value buffer)
     decode_chunks = layout.max_decode_chunks if keys.decode is not None else 0
     if (keys.prompt is None) != (values.prompt is None) or \
@@ -228,8 +222,8 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
                      sm_scale=float(scaling) * LOG2E, window=window,
                      sink_k=keys.sink if has_sink else query, sink_v=values.sink if has_sink else query,
                      s_sink_h=keys.sink.stride(1) if has_sink else 0, buf_k=buf_k, buf_v=buf_v,
-                     s_buf_h=s_buf_h, **run_args, had_ptr=had, acc_ptr=acc_ws, ml_ptr=ml_ws, H_KV=Hkv,
-                     M_TILES=m_tiles, NSPLIT=nsplit)
+                     s_buf_kh=s_buf["k"], s_buf_vh=s_buf["v"], **run_args, had_ptr=had, acc_ptr=acc_ws, ml_ptr=ml_ws,
+                     H_KV=Hkv, M_TILES=m_tiles, NSPLIT=nsplit)
         if tensor_core:
             named["scr_ptr"] = scr
         compiled = _launch(kernel, (programs, nsplit), _positional(kernel, named, constexprs),

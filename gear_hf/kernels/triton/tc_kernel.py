@@ -1,5 +1,5 @@
 """The tensor-core decode kernel: the register kernel's program layout (one program per row, KV head, 16-row tile
-of the GQA group's query rows x query length, and split; sink and buffer blocks by `tiles._dense_block` in their
+of the GQA group's query rows x query length, and split; sink and buffer blocks by `buffer_tiles._dense_block` in their
 own loops, merged by the online softmax; splits merged by `decode_kernel._combine_kernel`'s log-sum-exp), with the
 compressed blocks of `tc_tiles.tc_compressed_block` (scales folded into the probabilities, per-chunk plane
 offsets). Launched by `launch.decode_attention(..., tensor_core=True)`; `tc_reason` says what it does not serve."""
@@ -9,17 +9,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .buffer_tiles import _buffer_blocks, _dense_block, _held_chunk_blocks
 from .decode_kernel import _MAIN_DYNAMIC
 from .ops import _lowrank_bt
 from .tc_tiles import tc_compressed_block, tc_plane_layout
-from .tiles import _buffer_blocks, _dense_block, _held_chunk_blocks, _query_tile, _row_blocks, _split_blocks
+from .tiles import _query_tile, _row_blocks, _split_blocks
 
 
 @triton.jit(do_not_specialize=_MAIN_DYNAMIC)
 def _tc_decode_kernel(
     q_ptr, sqb, sqh, sqq, lim_ptr, rows_ptr, pos_ptr, spos, freq_ptr, attn_scale, sm_scale, window,
-    sink_k, sink_v, s_sink_h, buf_k, buf_v, s_buf_h,
-    # a buffer held per token (T_K_BITS / T_V_BITS > 0, `tiles._buffer_block`): codes, scale, minimum, this step's
+    sink_k, sink_v, s_sink_h, buf_k, buf_v, s_buf_kh, s_buf_vh,
+    # a buffer held per token (T_K_BITS / T_V_BITS > 0, `buffer_tiles._buffer_block`): codes, scale, minimum, the step's
     # exact tokens; which they are (per row: stg [B, stg_n]; stg_n = 0: none staged); else placeholders
     tkc, tks, tkm, tke, s_tkc, s_tks, s_tke, tvc, tvs, tvm, tve, s_tvc, s_tvs, s_tve, stg, s_stg, stg_n,
     # prompt chunk: keys (codes, scale, min, A, B) + sorted outliers (where, value, tile offsets), values
@@ -172,15 +173,15 @@ def _tc_decode_kernel(
                 window, m_i, l_i, acc, dkc + bh64 * s_dkc, dks + bh64 * s_dks, dkm + bh64 * s_dks, dka + bh64 * s_dka,
                 dkb + bh64 * s_dkb, dow + bh64 * s_dow, dov + bh64 * s_dow, dot_ + bh64 * s_dot, d_seg,
                 dkas + bh64 * s_dkas, dkbs + bh64 * s_dkas, dkw + bh64 * s_dkw, had_ptr,
-                tvc + bh64 * s_tvc, tvs + bh64 * s_tvs, tvm + bh64 * s_tvs, tve + bh64 * s_tve, stg + b64 * s_stg,
-                stg_n, D, HALF, BN, NB, DT, FAST, ROT_K, D_K_BITS, D_K_UNIT, D_K_GROUP, D_K_R, D_K_SPARSE,
-                D_K_STATS_ROW, D_K_PLANES, D_K_ROW, ROT_V, T_V_BITS, T_V_ROT)
+                buf_v + bh64 * s_buf_vh, tvc + bh64 * s_tvc, tvs + bh64 * s_tvs, tvm + bh64 * s_tvs,
+                tve + bh64 * s_tve, stg + b64 * s_stg, stg_n, D, HALF, BN, NB, DT, FAST, ROT_K, D_K_BITS, D_K_UNIT,
+                D_K_GROUP, D_K_R, D_K_SPARSE, D_K_STATS_ROW, D_K_PLANES, D_K_ROW, ROT_V, T_V_BITS, T_V_ROT)
 
     vshift = 0
     if HELD_V:  # (the row's buffer tokens follow its held chunk in the value buffer)
         vshift = tl.where(c_cnt > 0, NB, 0)
     m_i, l_i, acc = _buffer_blocks(
-        lo, hi, e3, s_len, p_len, c_cnt, f_len, q1, q2, buf_k + bh64 * s_buf_h, buf_v + bh64 * s_buf_h, pos_b,
+        lo, hi, e3, s_len, p_len, c_cnt, f_len, q1, q2, buf_k + bh64 * s_buf_kh, buf_v + bh64 * s_buf_vh, pos_b,
         freq, limit, mvalid, window, m_i, l_i, acc, had_ptr, tkc + bh64 * s_tkc, tks + bh64 * s_tks,
         tkm + bh64 * s_tks, tke + bh64 * s_tke, tvc + bh64 * s_tvc, tvs + bh64 * s_tvs, tvm + bh64 * s_tvs,
         tve + bh64 * s_tve, stg + b64 * s_stg, stg_n, vshift, D, HALF, BN, NB, DT, FAST, ROT_V, T_K_BITS, T_K_ROT,
