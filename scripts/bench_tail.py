@@ -81,6 +81,10 @@ ABLATIONS = {
     "b32+vbuf8r": dict(buffer_size=32, key_group_size=32, value_buffer_size=64, value_buffer="int8-rotated"),
     "b32+kbuf16+vbuf8r": dict(buffer_size=32, key_group_size=32, value_buffer_size=64, key_buffer="full",
                               value_buffer="int8-rotated"),
+    "b32+stats16": dict(buffer_size=32, key_group_size=32, value_buffer_size=64, value_statistics="16"),
+    "b32+sinks0": dict(buffer_size=32, key_group_size=32, value_buffer_size=64, sink_tokens=0),
+    "b32+sinks0+stats16": dict(buffer_size=32, key_group_size=32, value_buffer_size=64, sink_tokens=0,
+                               value_statistics="16"),
 }
 for _name, _fields in ABLATIONS.items():
     CONFIGS[_name] = {**_STEADY, **_fields}
