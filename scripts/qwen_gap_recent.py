@@ -62,9 +62,10 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", default="", help="comma list of layers the exact reads apply to (default: all)")
     parser.add_argument("--out", default="../results/tail/qwen-gap/recent")
     args = parser.parse_args(argv)
+    from transformers import DynamicCache
+
     import gear_hf
     from gear_hf import diagnostics as D
-    from transformers import DynamicCache
 
     torch.set_grad_enabled(False)
     model, tokenizer = benchlib.load_model(args.model, "bfloat16")
