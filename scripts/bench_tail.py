@@ -51,6 +51,43 @@ CONFIGS = {
     "default-int8-keys": dict(key_buffer="int8", value_buffer="int4"),  # GearConfig() of config versions 2-3
     "kivi-4": None,
 }
+# session 22, where Qwen2.5's KL goes (results/tail/qwen-gap/): "steady" with one field changed ("s+..." names)
+_STEADY = CONFIGS["steady"]
+_HELD = dict(value_buffer_size=128)
+ABLATIONS = {
+    "s+kbuf16": dict(key_buffer="full"),  # 16-bit keys in the buffer (values still held at 4 bits)
+    "s+vbuf8r": dict(value_buffer="int8-rotated"),  # the held values at 8 bits (rotated)
+    "s+vbuf8": dict(value_buffer="int8"),  # the held values at 8 bits (unrotated)
+    "s+kbuf16+vbuf8r": dict(key_buffer="full", value_buffer="int8-rotated"),  # both buffers near-exact
+    "s+bufs16": dict(key_buffer="full", value_buffer="full", value_buffer_size=None),  # 16-bit buffers, none held
+    "s+k8": dict(key_bits=8),  # keys' history near-exact (isolates the values' history)
+    "s+v8": dict(value_bits=8),  # values' history near-exact (isolates the keys' history)
+    "s+k4": dict(key_bits=4),
+    "s+k3.5": dict(key_bits=3.5),
+    "s+v4": dict(value_bits=4),
+    "s+stats16": dict(value_statistics="16"),
+    "s+sinks0": dict(sink_tokens=0),
+    "s+sinks16": dict(sink_tokens=16),
+    "s+kg32": dict(key_group_size=32),
+    "s+pg128": dict(prompt_group_size=128),
+    "s+pg64": dict(prompt_group_size=None),
+    "s+vg32": dict(value_group_size=32),
+    "s+gear-l": dict(method="gear-l"),
+    "s+norot": dict(rotation="none"),
+    "s+pg512": dict(prompt_group_size=512),
+    # a 32-token key buffer (32-token key groups in decode chunks), values held 32..63 tokens
+    "b32": dict(buffer_size=32, key_group_size=32, value_buffer_size=64),
+    "b32+kbuf16": dict(buffer_size=32, key_group_size=32, value_buffer_size=64, key_buffer="full"),
+    "b32+vbuf8r": dict(buffer_size=32, key_group_size=32, value_buffer_size=64, value_buffer="int8-rotated"),
+    "b32+kbuf16+vbuf8r": dict(buffer_size=32, key_group_size=32, value_buffer_size=64, key_buffer="full",
+                              value_buffer="int8-rotated"),
+    "b32+stats16": dict(buffer_size=32, key_group_size=32, value_buffer_size=64, value_statistics="16"),
+    "b32+sinks0": dict(buffer_size=32, key_group_size=32, value_buffer_size=64, sink_tokens=0),
+    "b32+sinks0+stats16": dict(buffer_size=32, key_group_size=32, value_buffer_size=64, sink_tokens=0,
+                               value_statistics="16"),
+}
+for _name, _fields in ABLATIONS.items():
+    CONFIGS[_name] = {**_STEADY, **_fields}
 
 
 def config_of(name: str):

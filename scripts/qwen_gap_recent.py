@@ -1,0 +1,96 @@
+"""Which part of a coded buffer costs next-token KL: the newest tokens read from it, or the chunks compressed from its
+codes (session 22, results/tail/qwen-gap/recent/). A diagnostic, not a format: nothing it hands the attention is
+counted in any bits.
+
+The cache is a real GearCache on the torch path (everything stored and compressed as usual) whose reads hand the
+attention the EXACT keys of the newest --exact-keys tokens and the exact values of the newest --exact-values tokens
+(the rest as the cache holds them). With 64 exact keys under "steady" the key buffer's reads are exact while its
+chunks are still compressed from the buffer's 8-bit rotated codes (compare s+kbuf16: both exact); with 128 exact
+values the value buffer's reads (newest + held chunk, int4) are exact while the held chunk is still compressed from
+its 4-bit codes (compare s+vbuf8r). Teacher forced one token per step as bench_tail.
+
+    python qwen_gap_recent.py --model qwen25 --text 1 --config steady --pairs 0:0,64:0,0:128,8:8 \
+        --out ../results/tail/qwen-gap/recent
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import bench_tail
+import benchlib
+import torch
+
+from gear_hf.cache import GearCache
+
+
+class RecentExact(GearCache):
+    """A GearCache whose reads hand the attention the exact newest `exact_keys` keys / `exact_values` values."""
+
+    def __init__(self, model, gear_config, exact_keys: int, exact_values: int, layers=None) -> None:
+        super().__init__(model, gear_config)
+        self.exact_keys, self.exact_values = exact_keys, exact_values
+        self.exact_layers = layers  # None: every layer
+        self._exact: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def read(self, layer_idx, key_states, value_states):
+        keys, values = super().read(layer_idx, key_states, value_states)
+        if self.exact_layers is not None and layer_idx not in self.exact_layers:
+            return keys, values
+        if layer_idx in self._exact:
+            k, v = self._exact[layer_idx]
+            key_states, value_states = torch.cat([k, key_states], 2), torch.cat([v, value_states], 2)
+        self._exact[layer_idx] = (key_states, value_states)
+        keys, values = keys.clone(), values.clone()
+        for out, exact, n in ((keys, key_states, self.exact_keys), (values, value_states, self.exact_values)):
+            n = min(n, out.shape[2])
+            if n:
+                out[:, :, -n:] = exact[:, :, -n:].to(out.dtype)
+        return keys, values
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="qwen25")
+    parser.add_argument("--text", type=int, default=1)
+    parser.add_argument("--prompt", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=96)
+    parser.add_argument("--config", default="steady")
+    parser.add_argument("--pairs", default="0:0,64:0,0:128", help="exact keys:exact values, comma separated")
+    parser.add_argument("--layers", default="", help="comma list of layers the exact reads apply to (default: all)")
+    parser.add_argument("--out", default="../results/tail/qwen-gap/recent")
+    args = parser.parse_args(argv)
+    from transformers import DynamicCache
+
+    import gear_hf
+    from gear_hf import diagnostics as D
+
+    torch.set_grad_enabled(False)
+    model, tokenizer = benchlib.load_model(args.model, "bfloat16")
+    ids = tokenizer(benchlib.gsm8k_text(args.text), return_tensors="pt").input_ids[:, -(args.prompt + args.steps):]
+    reference, _ = bench_tail.run(model, ids, args.prompt, DynamicCache(config=model.config))
+    config = bench_tail.config_of(args.config).replace(backend="torch")
+    layers = {int(x) for x in args.layers.split(",")} if args.layers else None
+    tag = f"-layers{args.layers.replace(',', '_')}" if args.layers else ""
+    rows = []
+    for pair in args.pairs.split(","):
+        nk, nv = (int(x) for x in pair.split(":"))
+        started = time.perf_counter()
+        gear_hf.enable(model, config)
+        logits, bits = bench_tail.run(model, ids, args.prompt, RecentExact(model, config, nk, nv, layers))
+        gear_hf.disable(model)
+        kl = D.kl_divergence(reference, logits)
+        rows.append({"config": args.config, "text": args.text, "layers": args.layers or "all", "exact_keys": nk, "exact_values": nv,
+                     "mean_kl": kl.mean().item(), "max_kl": kl.max().item(),
+                     "top1_agreement": (reference.argmax(-1) == logits.argmax(-1)).float().mean().item(),
+                     "mean_owned_not_counting_exact": sum(bits) / len(bits),
+                     "seconds": round(time.perf_counter() - started)})
+        print(rows[-1], flush=True)
+        benchlib.write_csv(benchlib.Path(args.out) / f"{args.model}-t{args.text}-{args.config}{tag}.csv", rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
