@@ -216,18 +216,21 @@ def _buffer_block(q1, q2, k_b, v_b, s_tok, t, slot, tvalid, pos_b, freq, limit, 
 
 @triton.jit
 def _buffer_blocks(lo, hi, e3, s_len, p_len, c_cnt, f_len, q1, q2, buf_k, buf_v, pos_b, freq, limit, mvalid, window,
-                   m_i, l_i, acc, had_ptr, tkc, tks, tkm, tke, tvc, tvs, tvm, tve, stg_b, stg_n, vshift,
+                   m_i, l_i, acc, had_ptr, tkc, tks, tkm, tke, tvc, tvs, tvm, tve, stg_b, stg_n, HELD_V: tl.constexpr,
                    D: tl.constexpr, HALF: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, DT: tl.constexpr,
                    FAST: tl.constexpr, ROT_V: tl.constexpr, T_K_BITS: tl.constexpr, T_K_ROT: tl.constexpr,
                    T_V_BITS: tl.constexpr, T_V_ROT: tl.constexpr):
     """This split's buffer blocks [max(lo, e3), hi) (`_buffer_block`): the row's f_len buffer tokens (rows of D
     elements) follow its s_len sink, p_len prompt-chunk and c_cnt x NB decode-chunk tokens. A buffer held per token
     is attended in TAIL_TOKENS-token steps (its tiles decoded in registers set the kernel's register peak), a
-    full-precision one in BN-token blocks. vshift: the value buffer's slot of the first buffer token (NB when the
-    row's newest chunk of values is held at its front, else 0); the staged flags stg_b are then the values' (the
-    same tokens are staged in both streams, vshift slots apart)."""
+    full-precision one in BN-token blocks. HELD_V: a row with decode chunks holds its newest chunk of values at the
+    front of its value buffer, so its first buffer token is the value buffer's slot NB (vshift); the staged flags
+    stg_b are then the values' (the same tokens are staged in both streams, vshift slots apart)."""
     TAIL_BN: tl.constexpr = TAIL_TOKENS if (T_K_BITS + T_V_BITS > 0) and BN > TAIL_TOKENS else BN
     f_offs = tl.arange(0, TAIL_BN)
+    vshift = 0
+    if HELD_V:
+        vshift = tl.where(c_cnt > 0, NB, 0)
     buf_v = buf_v + vshift * D
     tvc = tvc + vshift * (D * T_V_BITS // 8)
     tvs = tvs + vshift

@@ -158,14 +158,11 @@ def _decode_attention_kernel(
                 tve + bh64 * s_tve, stg + b64 * s_stg, stg_n, D, HALF, BN, NB, DT, FAST, ROT_K, D_K_BITS, D_K_UNIT,
                 D_K_GROUP, D_K_R, D_K_SPARSE, D_K_STATS_ROW, D_K_PLANES, D_K_ROW, ROT_V, T_V_BITS, T_V_ROT)
 
-    vshift = 0
-    if HELD_V:  # (the row's buffer tokens follow its held chunk in the value buffer)
-        vshift = tl.where(c_cnt > 0, NB, 0)
     m_i, l_i, acc = _buffer_blocks(
         lo, hi, e3, s_len, p_len, c_cnt, f_len, q1, q2, buf_k + bh64 * s_buf_kh, buf_v + bh64 * s_buf_vh, pos_b,
         freq, limit, mvalid, window, m_i, l_i, acc, had_ptr, tkc + bh64 * s_tkc, tks + bh64 * s_tks,
         tkm + bh64 * s_tks, tke + bh64 * s_tke, tvc + bh64 * s_tvc, tvs + bh64 * s_tvs, tvm + bh64 * s_tvs,
-        tve + bh64 * s_tve, stg + b64 * s_stg, stg_n, vshift, D, HALF, BN, NB, DT, FAST, ROT_V, T_K_BITS, T_K_ROT,
+        tve + bh64 * s_tve, stg + b64 * s_stg, stg_n, HELD_V, D, HALF, BN, NB, DT, FAST, ROT_V, T_K_BITS, T_K_ROT,
         T_V_BITS, T_V_ROT)
 
     ws = pid.to(tl.int64) * NSPLIT + split
