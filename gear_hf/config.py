@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from .backends import BACKEND_NAMES as BACKENDS
-from .compress.quant import BITS, PLANE_TOKENS, STATS, codes_per_unit  # (codes fill whole units: groups hold them)
+from .compress.quant import BITS, PLANE_TOKENS, codes_per_unit  # (codes fill whole units: groups hold them)
 from .compress.spec import FACTOR_BITS
 from .compress.terms import METHOD_TERMS, registered_terms
+from .config_buffer import AUTO_FIELDS, check_buffers
 from .config_versions import CONFIG_VERSION, DEFAULTS_BY_VERSION, VERSION_KEY  # (also gear_hf.config's names)
 from .preset_names import METHODS, parse_preset_name  # (parse_preset_name: also gear_hf.config's)
 from .recommended import DEFAULT_RECOMMENDED, RECOMMENDED  # (RECOMMENDED: also gear_hf.config's)
@@ -22,8 +23,6 @@ from .recommended import DEFAULT_RECOMMENDED, RECOMMENDED  # (RECOMMENDED: also 
 ROTATIONS = ("none", "keys", "values", "both")
 AXES = ("channel", "token")
 KEY_BIT_ALLOCATIONS = ("uniform", "query")
-KEY_BUFFERS = ("full", "int8", "int8-rotated", "int4")
-VALUE_BUFFERS = ("full", "final", "int8", "int8-rotated", "int4")
 
 
 # The paper's settings (GEAR, Kang et al. 2024): `preset` starts from these, whatever GearConfig()'s defaults.
@@ -35,7 +34,7 @@ PAPER_FIELDS: dict[str, Any] = dict(key_bits=4, value_bits=4, group_size=64, ran
                                     key_axis="channel", value_axis="token", pre_rope=True, key_group_size=None,
                                     value_group_size=None, rotation="none", factor_bits=8, range_search="none",
                                     prompt_group_size=None, key_bit_allocation="uniform", key_buffer="full",
-                                    value_buffer="full")
+                                    value_buffer="full", value_statistics="16", value_buffer_size=None)
 
 
 def _fail(field: str, value: Any, allowed: str) -> None:
@@ -57,7 +56,8 @@ class GearConfig:
     group_size:    g, tokens per key group (per channel) and channels per value group (per token): the shorthand
                    for both of the next two
     key_group_size / value_group_size: the key group (tokens) / value group (channels) when they differ;
-                   None = group_size (`key_group` / `value_group` give the group in use)
+                   None = group_size, capped at buffer_size for a stream grouped along tokens (a decode chunk holds
+                   buffer_size tokens; `key_group` / `value_group` give the group in use)
     prompt_group_size: tokens per group in the prompt chunk, for the streams grouped along tokens (keys; values
                    with value_axis="channel"); None = their decode group. The prompt chunk is compressed once, so
                    longer groups there cost less side information without a longer buffer (the buffer holds
@@ -66,7 +66,7 @@ class GearConfig:
     power_iters:   power iterations of the low-rank fit
     outlier_ratio: fraction s of each vector kept exactly (s/2 largest, s/2 smallest)
     buffer_size:   n_b, newest tokens kept out of the chunks (in key_buffer / value_buffer's format); a multiple of
-                   group_size
+                   the groups along tokens
     sink_tokens:   first tokens of each row never compressed
     key_buffer:    how the buffer holds keys until their chunk is compressed: "full" (the model's dtype, the paper),
                    "int8-rotated" (beyond GEAR; the default: 8 bits per token after a Walsh–Hadamard rotation along
@@ -77,21 +77,25 @@ class GearConfig:
     value_buffer:  "full" (the model's dtype), "int8" / "int8-rotated" / "int4" (as key_buffer's) or "final" (beyond
                    GEAR: each value stored on arrival in the format its chunk stores, moved into the chunk unchanged:
                    no second rounding; needs values grouped per token with no low-rank term)
-    value_buffer_size: None (values leave the buffer with their keys) or 2 x buffer_size (beyond GEAR): values stay
+    value_buffer_size: "auto" (the default: 2 x buffer_size where value_buffer is per token, else None), None
+                   (values leave the buffer with their keys) or 2 x buffer_size (beyond GEAR): values stay
                    in value_buffer's per-token format one decode chunk longer than their keys, so the newest
                    buffer_size..2 x buffer_size values are buffered while keys flush every buffer_size tokens (a short
                    key buffer costs little; values read from chunks too early cost next-token accuracy:
                    results/tail); the held chunk is compressed from its buffered codes at the next flush. Needs
-                   a per-token value_buffer ("int8", "int8-rotated" or "int4")
+                   a per-token value_buffer ("int8", "int8-rotated" or "int4"). "auto" is resolved when the config
+                   is made (the field then holds the number or None); `replace` re-resolves it when buffer_size,
+                   value_buffer or method change
     key_axis / value_axis: "channel" (groups run along tokens) or "token" (groups run along channels)
     pre_rope:      compress keys before rotary embedding and rotate them when read
     rotation:      "none" | "keys" | "values" | "both": an orthonormal Walsh–Hadamard rotation along head_dim
                    before compressing (of the stored pre-RoPE keys), undone at reconstruction (before RoPE)
     factor_bits:   16 (low-rank factors in 16 bits) or 8 (int8, one 16-bit absmax scale per column)
-    value_statistics: "16" (each value group's scale and minimum in 16 bits) or "8" (beyond GEAR: an 8-bit scale on
-                   a 2^(1/8) grid and an 8-bit zero point, `compress.quant.stats8`: 0.25 bit/element less on d=64
-                   heads; values grouped per token, min/max ranges; compressed by the torch oracle, read by it, the
-                   numba CPU kernels and the Triton kernels)
+    value_statistics: "auto" (the default: "8" where it applies, else "16"; resolved when the config is made, as
+                   value_buffer_size's), "16" (each value group's scale and minimum in 16 bits) or "8" (beyond GEAR:
+                   an 8-bit scale on a 2^(1/8) grid and an 8-bit zero point, `compress.quant.stats8`: 0.25
+                   bit/element less on d=64 heads; values grouped per token, min/max ranges; compressed by the torch
+                   oracle, read by it, the numba CPU kernels and the Triton kernels)
     range_search:  "none" | "keys" | "values" | "both": choose each quantization group's range (scale, minimum)
                    among clipped candidates for the least squared error of its entries instead of its min/max
                    (beyond GEAR; same stored format)
@@ -110,7 +114,7 @@ class GearConfig:
     rank_decode: int = 2
     power_iters: int = 3
     outlier_ratio: float = 0.02
-    buffer_size: int = 128
+    buffer_size: int = 64
     sink_tokens: int = 4
     key_axis: str = "channel"
     value_axis: str = "token"
@@ -126,12 +130,15 @@ class GearConfig:
     extra_terms: tuple[str, ...] = ()  # registered terms beyond GEAR's (gear_hf.compress.terms), both streams
     key_buffer: str = "int8-rotated"
     value_buffer: str = "int4"
-    value_statistics: str = "16"
-    value_buffer_size: int | None = None
+    value_statistics: str = "auto"
+    value_buffer_size: int | str | None = "auto"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             _fail("method", self.method, " | ".join(METHODS))
+        for name, (_, resolve) in AUTO_FIELDS.items():  # (before the checks: they see the resolved value)
+            if getattr(self, name) == "auto":
+                object.__setattr__(self, name, resolve(self))
         if self.key_bit_allocation not in KEY_BIT_ALLOCATIONS:
             _fail("key_bit_allocation", self.key_bit_allocation, " | ".join(KEY_BIT_ALLOCATIONS))
         if isinstance(self.key_bits, float) and self.key_bits.is_integer():
@@ -184,39 +191,11 @@ class GearConfig:
                                         "key_bit_allocation='uniform' for one width)")
         if not isinstance(self.pre_rope, bool):
             _fail("pre_rope", self.pre_rope, "True or False")
-        self._check_buffers()
+        check_buffers(self, _fail)
         if self.uses_lowrank and max(self.rank_prefill, self.rank_decode) == 0:
             _fail("rank_prefill", self.rank_prefill, f"> 0 for method {self.method!r} (or rank_decode > 0)")
         if self.uses_outliers and self.outlier_ratio == 0:
             _fail("outlier_ratio", self.outlier_ratio, f"> 0 for method {self.method!r}")
-
-    def _check_buffers(self) -> None:
-        if self.key_buffer not in KEY_BUFFERS:
-            _fail("key_buffer", self.key_buffer, " | ".join(KEY_BUFFERS))
-        if self.value_buffer not in VALUE_BUFFERS:
-            _fail("value_buffer", self.value_buffer, " | ".join(VALUE_BUFFERS))
-        if self.compresses and self.value_buffer == "final" and (self.value_axis != "token" or self.uses_lowrank
-                                               or self.extra_terms):
-            _fail("value_buffer", self.value_buffer, "'full' unless values are grouped per token (value_axis="
-                  "'token') with no low-rank term or extra term (each value must be stored on its own)")
-        if isinstance(self.value_statistics, int) and not isinstance(self.value_statistics, bool) \
-                and str(self.value_statistics) in STATS:
-            object.__setattr__(self, "value_statistics", str(self.value_statistics))  # 8 is "8" (lm-eval may pass ints)
-        if self.value_statistics not in STATS:
-            _fail("value_statistics", self.value_statistics, " | ".join(repr(s) for s in STATS))
-        if self.compresses and self.value_statistics == "8" and (
-                self.value_axis != "token" or self.range_search in ("values", "both") or self.value_buffer == "final"):
-            _fail("value_statistics", self.value_statistics, "'16' unless values are grouped per token (value_axis="
-                  "'token') with min/max ranges (range_search not 'values' / 'both') and a buffer other than 'final'")
-        held = self.value_buffer_size
-        if held is not None:
-            if isinstance(held, bool) or not isinstance(held, int) or held != 2 * self.buffer_size:
-                _fail("value_buffer_size", held, f"None or 2 x buffer_size = {2 * self.buffer_size} (values held one "
-                                                 "decode chunk longer than keys)")
-            if self.compresses and self.value_buffer not in ("int8", "int8-rotated", "int4"):
-                _fail("value_buffer_size", held, f"None with value_buffer={self.value_buffer!r} (values are held "
-                                                 "one chunk longer in a per-token format: value_buffer 'int8', "
-                                                 "'int8-rotated' or 'int4')")
 
     def _check_extra_terms(self) -> None:
         if isinstance(self.extra_terms, (list, str)):
@@ -253,16 +232,24 @@ class GearConfig:
                                                   "along tokens and the code packing)")
 
     def _group_field(self, prefix: str) -> str:
-        """The field that set the key ("key") or value ("value") group: its own, or the group_size shorthand."""
-        return f"{prefix}_group_size" if getattr(self, f"{prefix}_group_size") else "group_size"
+        """The field that set the key ("key") or value ("value") group: its own, the group_size shorthand, or
+        buffer_size where it caps the shorthand (`_shorthand_group`)."""
+        if getattr(self, f"{prefix}_group_size"):
+            return f"{prefix}_group_size"
+        capped = getattr(self, f"{prefix}_axis") == "channel" and self.buffer_size < self.group_size
+        return "buffer_size" if capped else "group_size"
 
     @property
     def key_group(self) -> int:
-        return self.key_group_size or self.group_size
+        return self.key_group_size or self._shorthand_group(self.key_axis)
 
     @property
     def value_group(self) -> int:
-        return self.value_group_size or self.group_size
+        return self.value_group_size or self._shorthand_group(self.value_axis)
+
+    def _shorthand_group(self, axis: str) -> int:
+        """group_size, for a stream without its own group: along tokens no longer than a decode chunk."""
+        return min(self.group_size, self.buffer_size) if axis == "channel" else self.group_size
 
     def prompt_group(self, stream: str) -> int:
         """The group length of the prompt chunk for stream "key" or "value" (decode chunks: key_group/value_group)."""
@@ -301,6 +288,11 @@ class GearConfig:
         return self.method == "kcvt"
 
     def replace(self, **changes: Any) -> "GearConfig":
+        """A copy with `changes`; a field that holds what "auto" gave it is resolved again when a field it depends on
+        changes (held values follow the buffer they are held in)."""
+        for name, (depends_on, resolve) in AUTO_FIELDS.items():
+            if name not in changes and changes.keys() & depends_on and getattr(self, name) == resolve(self):
+                changes[name] = "auto"
         return dataclasses.replace(self, **changes)
 
     # Presets --------------------------------------------------------------------------------------------------
@@ -362,12 +354,12 @@ class GearConfig:
                       f"a number >= {RECOMMENDED[0][1]} (the cheapest measured configuration)")
             fields = fitting[-1]
         merged = {**PAPER_FIELDS, **fields, **overrides}
-        if "buffer_size" not in overrides:  # the paper's 64 tokens, or a multiple of longer groups along tokens
+        if "buffer_size" not in overrides and "buffer_size" not in fields:  # the paper's 64, or whole longer groups
             groups = (merged["key_group_size"] or merged["group_size"],
                       merged["value_group_size"] or merged["group_size"])
             merged["buffer_size"] = math.lcm(PAPER_FIELDS["buffer_size"], _token_granule(merged, *groups))
         if merged.get("value_buffer_size") is not None and "value_buffer_size" not in overrides:
-            merged["value_buffer_size"] = 2 * merged["buffer_size"]  # (values held a chunk longer, whatever the chunk)
+            merged["value_buffer_size"] = "auto"  # (values held a chunk longer, whatever the chunk)
         return cls(**merged)
 
     # Saving and loading ------------------------------------------------------------------------------------------
@@ -414,7 +406,6 @@ class GearConfig:
 
 
 _DEFAULT_BUFFER = GearConfig.__dataclass_fields__["buffer_size"].default
-
 def _token_granule(fields: dict[str, Any], key_group: int, value_group: int) -> int:
     """Tokens a chunk holds a multiple of, for these groups: every group that runs along tokens (axis "channel") and
     whole code bytes. fields: GearConfig fields (a config's vars, or the dict `recommended` builds one from)."""

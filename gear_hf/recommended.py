@@ -29,14 +29,14 @@ from typing import Any
 # buffer (re-quantized into every chunk) raised KL 5x; a 64-token buffer raised it 1.4x.
 # Config version 4 rotates the 8-bit keys in the buffer (key_buffer="int8-rotated"): unrotated, Qwen2.5's few large key
 # channels set each token's range and its KL was 15-50x kivi-4's (results/tail/ "Rotated 8-bit keys"; SmolLM2 pays
-# 1.07x for the rotation). "steady" (version 4) is "accurate" with keys flushing every 64 tokens (64-token key groups)
-# while values stay buffered one chunk longer (value_buffer_size=128: 64..127 values at 4 bits) and 8-bit value
-# statistics: on the fused CPU path (96 steps after a 1,024-token prompt) it owns 3.488 / 3.593 bits (mean / max),
-# against GearConfig()'s 3.590 / 3.830 and kivi-4's 4.789 / 5.172, at mean KL 0.0108 on eight SmolLM2 texts
-# (GearConfig() 0.0123, kivi-4 0.0133) and 0.0053 on three Qwen2.5 texts (GearConfig() 0.0063, kivi-4 0.0038); over
-# T=1024..4096 3.515 mean, 3.605 max (a chunk store's bounded growth), 3.448 / 3.536 on d=128. Not GearConfig() yet:
-# its buffer_size, key_group_size and value_buffer_size must change together (the numba and Triton kernels read a held
-# chunk fused; the vLLM plugin compresses a block's values with its keys).
+# 1.07x for the rotation). "steady" (GearConfig() from config version 5) is "accurate" with keys flushing every 64
+# tokens (64-token key groups: group_size capped at the buffer) while values stay buffered one chunk longer
+# (value_buffer_size=128: 64..127 values at 4 bits) and 8-bit value statistics: on the fused CPU path (96 steps after
+# a 1,024-token prompt) it owns 3.488 / 3.593 bits (mean / max), against "accurate"'s 3.590 / 3.830 and kivi-4's
+# 4.789 / 5.172, at mean KL 0.0108 on eight SmolLM2 texts ("accurate" 0.0123, kivi-4 0.0133) and 0.0053 on three
+# Qwen2.5 texts ("accurate" 0.0063, kivi-4 0.0038); over T=1024..4096 3.515 mean, 3.605 max (a chunk store's bounded
+# growth), 3.448 / 3.536 on d=128. The numba and Triton kernels read the held chunk fused; the vLLM plugin compresses a
+# block's values with its keys. Its "auto" fields follow the buffer: recommended("steady", buffer_size=32) holds 64.
 # All keep 4 attention-sink tokens exact, group keys by 128 tokens ("steady": 64) and rotate the values. All
 # but "small" give each key channel its own width, chosen
 # from the prompt's queries (key_bit_allocation="query", keys unrotated: measured at the same bits, it cut KL 2-4x
@@ -58,10 +58,10 @@ RECOMMENDED: tuple[tuple[str, float, dict[str, Any]], ...] = (
     ("balanced", 3.13, dict(_COMPACT, key_bits=3, value_bits=2)),
     ("lean", 3.28, dict(_COMPACT, key_bits=2.875, value_bits=3, key_buffer="int8-rotated", value_buffer="int4")),
     ("steady", 3.51, dict(_ALLOCATED, key_bits=3.125, value_bits=3, key_buffer="int8-rotated", value_buffer="int4",
-                          buffer_size=64, key_group_size=64, value_buffer_size=128, value_statistics="8")),
+                          buffer_size=64, value_buffer_size="auto", value_statistics="auto")),
     ("accurate", 3.55, dict(_ALLOCATED, key_bits=3.125, value_bits=3, key_buffer="int8-rotated", value_buffer="int4")),
     ("precise", 4.00, dict(_ALLOCATED, key_bits=3.5, value_bits=3)),
     ("kivi-4", 4.68, dict(method="kivi", key_bits=4, value_bits=4)),
     ("gear-4", 6.12, dict(method="gear", key_bits=4, value_bits=4, factor_bits=16)),
 )
-DEFAULT_RECOMMENDED = "accurate"  # what GearConfig() and gear_hf.enable(model) use
+DEFAULT_RECOMMENDED = "steady"  # what GearConfig() and gear_hf.enable(model) use (config version 5; 4: "accurate")

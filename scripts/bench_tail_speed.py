@@ -23,12 +23,14 @@ import time
 import benchlib
 import torch
 
-CONFIGS = {  # fields over GearConfig()'s
+CONFIGS = {  # fields over recommended(name="accurate") (GearConfig() of config version 4); "default": GearConfig()
            "full": dict(key_buffer="full", value_buffer="full"), "int8": dict(key_buffer="int8", value_buffer="int8"),
-           "default": {}, "int4": dict(key_buffer="int4", value_buffer="int4"),
+           "accurate": {}, "int4": dict(key_buffer="int4", value_buffer="int4"),
            "stats8": dict(value_statistics="8"),
-           # recommended(name="steady"): 64-token key chunks, values held a chunk longer, 8-bit value statistics
-           "steady": dict(buffer_size=64, key_group_size=64, value_buffer_size=128, value_statistics="8")}
+           # recommended(name="steady"), GearConfig() from config version 5: 64-token key chunks, values held a
+           # chunk longer, 8-bit value statistics
+           "steady": dict(buffer_size=64, value_buffer_size="auto", value_statistics="8"),
+           "default": None}
 
 
 class _StepClock:
@@ -85,7 +87,8 @@ def main(argv=None) -> int:
     torch.set_grad_enabled(False)
     model, tokenizer = benchlib.load_model(args.model, args.dtype)
     ids = tokenizer(benchlib.gsm8k_text(args.text), return_tensors="pt").input_ids[:, -args.prompt:]
-    configs = {name: GearConfig(**CONFIGS[name]) for name in names}
+    configs = {name: GearConfig() if CONFIGS[name] is None else GearConfig.recommended("accurate", **CONFIGS[name])
+               for name in names}
     for name in names:  # warm-up (numba compiles for this model's shapes and dtypes, caches fill): not timed
         generate_once(model, ids, configs[name], 3)
     rounds: dict[str, list[float]] = {name: [] for name in names}

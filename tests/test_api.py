@@ -78,7 +78,7 @@ def test_unsupported_model_lists_supported_types():
 @pytest.mark.parametrize("field,value,allowed", [
     ("method", "kvquant", "fp16 | kivi"), ("key_bits", 9, "a multiple of 1/8 in [1, 8]"),
     ("key_bits", 3.3, "a multiple of 1/8 in [1, 8]"), ("value_bits", True, "2, 3, 4 or 8"),
-    ("group_size", 0, ">= 1"), ("buffer_size", 48, "multiple of 128"), ("key_group_size", 0, ">= 1"),
+    ("group_size", 0, ">= 1"), ("buffer_size", 100, "multiple of 8"), ("key_group_size", 0, ">= 1"),
     ("rotation", "random", "none | keys | values | both"), ("factor_bits", 4, "16 or 8"),
     ("outlier_ratio", 1.5, "[0, 1)"), ("key_axis", "head", "channel | token"), ("rank_prefill", -1, ">= 0"),
     ("pre_rope", "yes", "True or False"), ("backend", "cuda", "auto | torch | triton | numba"),

@@ -44,20 +44,43 @@ def test_a_version_1_config_loads_as_version_1s_default_whatever_todays():
     """Config version 2 moved GearConfig()'s buffer to 8-bit keys / 4-bit values: a dict saved by version 1 keeps the
     default it was saved with ("accurate" with the 16-bit buffer)."""
     old = GearConfig.from_dict({VERSION_KEY: 1})
-    assert old == GearConfig(key_buffer="full", value_buffer="full") != GearConfig()
+    accurate = GearConfig.recommended(name="accurate")  # (GearConfig() of config versions 1-4, with their buffers)
+    assert old == accurate.replace(key_buffer="full", value_buffer="full") != GearConfig()
     assert (old.key_bits, old.value_axis, old.sink_tokens, old.key_buffer, old.value_buffer) == \
         (3.125, "token", 4, "full", "full")
     saved_v1 = dict(DEFAULTS_BY_VERSION[1], key_bits=3.5)  # what a version-1 gear_hf wrote for "precise"
     assert GearConfig.from_dict({VERSION_KEY: 1, **saved_v1}) == GearConfig.recommended(name="precise")
     today = GearConfig.from_dict({VERSION_KEY: CONFIG_VERSION, "method": "kivi"})
     assert today == GearConfig() and (today.key_buffer, today.value_buffer) == ("int8-rotated", "int4")
+    assert GearConfig.from_dict({VERSION_KEY: 4}) == accurate != GearConfig()  # (version 5: "steady")
+
+
+def test_auto_fields_follow_what_they_depend_on():
+    """value_buffer_size and value_statistics default to "auto": resolved when the config is made (the field holds the
+    number), again by `replace` when a field they depend on changes and they hold what "auto" gave them, never when
+    set by hand."""
+    default = GearConfig()
+    assert (default.buffer_size, default.key_group, default.value_buffer_size, default.value_statistics) == \
+        (64, 64, 128, "8")
+    assert GearConfig(buffer_size=32).value_buffer_size == 64 and GearConfig(buffer_size=32).key_group == 32
+    assert default.replace(buffer_size=128).value_buffer_size == 256
+    assert default.replace(value_buffer="full").value_buffer_size is None
+    assert default.replace(value_axis="channel", range_search="values").value_statistics == "16"
+    assert GearConfig(value_buffer_size=None).replace(buffer_size=128).value_buffer_size is None
+    assert GearConfig(value_statistics="16").replace(value_buffer="int8").value_statistics == "16"
+    assert GearConfig(method="fp16").value_buffer_size is None
+    with pytest.raises(ValueError, match=r"value_buffer_size=96 is invalid; allowed: 'auto', None or 2 x buffer_size"):
+        GearConfig(value_buffer_size=96)
+    saved = default.to_dict()
+    assert (saved["value_buffer_size"], saved["value_statistics"]) == (128, "8") and \
+        GearConfig.from_dict(saved) == default
 
 
 @pytest.mark.parametrize("data,match", [
     ({VERSION_KEY: 1, "key_bitz": 3}, r"unknown key\(s\) \['key_bitz'\] for gear_config_version 1"),
     ({VERSION_KEY: CONFIG_VERSION + 1}, rf"gear_config_version={CONFIG_VERSION + 1} is newer than this gear_hf reads; "
-                                        r"allowed: 1, 2, 3, 4 \(upgrade gear_hf"),
-    ({VERSION_KEY: "one"}, r"gear_config_version='one' is invalid; allowed: 1, 2, 3, 4"),
+                                        r"allowed: 1, 2, 3, 4, 5 \(upgrade gear_hf"),
+    ({VERSION_KEY: "one"}, r"gear_config_version='one' is invalid; allowed: 1, 2, 3, 4, 5"),
     ({"method": "kivi"}, r"has no 'gear_config_version'"),
     ([("method", "kivi")], r"takes a dict"),
     ({VERSION_KEY: 1, "value_bits": 5}, r"GearConfig.value_bits=5 is invalid"),  # values still validated

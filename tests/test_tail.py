@@ -21,7 +21,9 @@ from gear_hf.format import INT4_TOKENS, INT8_ROTATED_TOKENS, INT8_TOKENS, layer_
 from tiny_models import CACHE_ARG, tiny_model
 
 H, D = 2, 64
-FULL = GearConfig(key_buffer="full", value_buffer="full")  # config version 1's GearConfig(): the 16-bit buffer
+# config version 1's buffer: 16 bits, values leave it with their keys, 16-bit value statistics (the tests below change
+# one of these at a time)
+FULL = GearConfig(key_buffer="full", value_buffer="full", value_statistics="16", value_buffer_size=None)
 
 
 def _fill(config: GearConfig, prompt: int, steps: int, seed: int = 0):
@@ -83,7 +85,7 @@ def test_keys_int8_buffer_is_eight_bits_per_token_and_counted():
 def test_int4_buffer_is_four_bits_per_rotated_token_and_counted():
     """value_buffer="int4": each buffered value is stored as INT4_TOKENS encodes it (4-bit codes of the Walsh–Hadamard
     rotated vector, one bf16 scale and minimum), read back as it decodes, and counted at D/2 + 4 bytes a token."""
-    config = FULL.replace(key_buffer="int8", value_buffer="int4")
+    config = FULL.replace(key_buffer="int8", value_buffer="int4", value_buffer_size=None)
     cache, _, values = _fill(config, 300, 60)
     buffered = cache.layout.counts.buffer[0]
     _, held_values = cache.held(0, torch.bfloat16)

@@ -200,8 +200,8 @@ def test_triton_backend_without_cuda_fails_at_enable(monkeypatch):
      "multiple of 4 (keys are grouped along tokens and 4 codes of 2 bits"),
     (dict(group_size=12, buffer_size=12), "group_size=12", "multiple of 8 (keys are grouped along tokens and stored "
                                                          "as bit planes of 8 tokens"),
-    (dict(group_size=48), "group_size=48", "divisor of buffer_size=128 (the default)"),
-    (dict(value_axis="channel", value_group_size=256), "value_group_size=256", "divisor of buffer_size=128"),
+    (dict(group_size=48), "group_size=48", "divisor of buffer_size=64 (the default)"),
+    (dict(value_axis="channel", value_group_size=256), "value_group_size=256", "divisor of buffer_size=64"),
     (dict(key_group_size=384, value_axis="channel", value_group_size=64), "key_group_size=384", "multiple of 384"),
     (dict(group_size=32, buffer_size=48), "buffer_size=48", "multiple of 32 (the groups along tokens"),
 ])

@@ -222,14 +222,16 @@ def _generate(model, config, ids, context=torch.inference_mode):
 
 @pytest.mark.parametrize("context", [torch.inference_mode, torch.no_grad])
 def test_generate_stores_and_counts_two_bytes_less_per_value_group(context):
-    """Same layout as GearConfig()'s (both on the torch backend): the report differs by exactly 2 bytes per value group
-    allocated (a uint8 scale and zero point instead of two 16-bit numbers), the walk of the stores equals the report,
-    and the first tokens (before anything is compressed) are the 16-bit statistics' own."""
+    """GearConfig() (8-bit value statistics) against itself with 16-bit statistics (both on the torch backend): the
+    report differs by exactly 2 bytes per value group allocated (a uint8 scale and zero point instead of two 16-bit
+    numbers), the walk of the stores equals the report, and the first tokens (before anything is compressed) are the
+    16-bit statistics' own."""
     model = tiny_model("llama3", dtype=torch.bfloat16)
     torch.manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (2, 300))  # a 256-token prompt group, then a decode chunk
-    seq16, cache16 = _generate(model, GearConfig(backend="torch"), ids, context)
-    seq8, cache8 = _generate(model, GearConfig(value_statistics="8", backend="torch"), ids, context)
+    seq16, cache16 = _generate(model, GearConfig(value_statistics="16", backend="torch"), ids, context)
+    seq8, cache8 = _generate(model, GearConfig(backend="torch"), ids, context)
+    assert cache8.gear_config.value_statistics == "8"  # (GearConfig()'s "auto" since config version 5)
     assert torch.equal(seq8[:, :301], seq16[:, :301])  # the prompt step reads the model's own values
     assert all(layer.value_stream.decode.fields for layer in cache8.layers)  # a decode chunk was compressed too
     groups = sum(store.fields["scale"].numel() for layer in cache8.layers

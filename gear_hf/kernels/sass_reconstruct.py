@@ -25,7 +25,7 @@ import torch
 # every paper preset METHOD-BITS but fp16, which stores nothing compressed), each once; the last line of the section
 # is the worst figure over all of them
 def cases() -> list[tuple[str, object]]:
-    """[(label, GearConfig)]: "default" (GearConfig(), = recommended "accurate"), "gear2" (preset gear-2; the cost
+    """[(label, GearConfig)]: "default" (GearConfig(), = recommended "steady"), "gear2" (preset gear-2; the cost
     model's two keys), then the other recommended names ("rec:NAME") and paper presets ("METHOD-BITS"), a config
     listed once under its first label."""
     from ..compress.quant import BITS
@@ -51,7 +51,8 @@ def planned_reconstructions(cfg):
     from .views import ChunkRunView
 
     nb = cfg.buffer_size
-    cache, _, _ = build_cache(cfg, batch=1, kv_heads=2, head_dim=128, steps=[max(300, 2 * nb + 30), nb + 10, 1],
+    # (two decode chunks of keys: a stream that holds its newest chunk in the buffer still compresses one)
+    cache, _, _ = build_cache(cfg, batch=1, kv_heads=2, head_dim=128, steps=[max(300, 2 * nb + 30), 2 * nb + 10, 1],
                               dtype=torch.bfloat16)
     layer = cache.layers[0]
     launches = []

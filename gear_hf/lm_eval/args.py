@@ -94,6 +94,10 @@ def _bad(key: str, value: Any, allowed: str) -> ModelArgsError:
 
 def _convert(key: str, value: Any) -> Any:
     kind = _type_name(key)
+    if kind == "int | str | None":  # value_buffer_size: "auto", "None" or an integer
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        kind = "int | None"
     if kind == "int | None":  # key_group_size, value_buffer_size, ...: "None" (as the CLI may leave it) or an integer
         if value is None or (isinstance(value, str) and value.strip().lower() == "none"):
             return None

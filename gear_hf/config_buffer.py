@@ -1,0 +1,61 @@
+"""GearConfig's buffer fields: the per-token formats of the newest tokens (`key_buffer` / `value_buffer`), values held a
+chunk longer (`value_buffer_size`), the values' statistics, and the fields whose default "auto" follows others."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+from .compress.quant import STATS
+
+if TYPE_CHECKING:
+    from .config import GearConfig
+
+KEY_BUFFERS = ("full", "int8", "int8-rotated", "int4")
+VALUE_BUFFERS = ("full", "final", "int8", "int8-rotated", "int4")
+HOLDING_BUFFERS = ("int8", "int8-rotated", "int4")  # value buffers per token: values held in them a chunk longer
+
+
+def check_buffers(cfg: "GearConfig", fail: Callable[[str, Any, str], None]) -> None:
+    """Raise (through `fail(field, value, allowed)`) on a buffer field that is unknown or does not fit the others."""
+    if cfg.key_buffer not in KEY_BUFFERS:
+        fail("key_buffer", cfg.key_buffer, " | ".join(KEY_BUFFERS))
+    if cfg.value_buffer not in VALUE_BUFFERS:
+        fail("value_buffer", cfg.value_buffer, " | ".join(VALUE_BUFFERS))
+    if cfg.compresses and cfg.value_buffer == "final" and (cfg.value_axis != "token" or cfg.uses_lowrank
+                                                           or cfg.extra_terms):
+        fail("value_buffer", cfg.value_buffer, "'full' unless values are grouped per token (value_axis="
+             "'token') with no low-rank term or extra term (each value must be stored on its own)")
+    if isinstance(cfg.value_statistics, int) and not isinstance(cfg.value_statistics, bool) \
+            and str(cfg.value_statistics) in STATS:
+        object.__setattr__(cfg, "value_statistics", str(cfg.value_statistics))  # 8 is "8" (lm-eval may pass ints)
+    if cfg.value_statistics not in STATS:
+        fail("value_statistics", cfg.value_statistics, " | ".join(repr(s) for s in STATS))
+    if cfg.compresses and cfg.value_statistics == "8" and (
+            cfg.value_axis != "token" or cfg.range_search in ("values", "both") or cfg.value_buffer == "final"):
+        fail("value_statistics", cfg.value_statistics, "'16' unless values are grouped per token (value_axis="
+             "'token') with min/max ranges (range_search not 'values' / 'both') and a buffer other than 'final'")
+    held = cfg.value_buffer_size
+    if held is not None:
+        if isinstance(held, bool) or not isinstance(held, int) or held != 2 * cfg.buffer_size:
+            fail("value_buffer_size", held, f"'auto', None or 2 x buffer_size = {2 * cfg.buffer_size} (values "
+                                            "held one decode chunk longer than keys)")
+        if cfg.compresses and cfg.value_buffer not in HOLDING_BUFFERS:
+            fail("value_buffer_size", held, f"None with value_buffer={cfg.value_buffer!r} (values are held "
+                                            "one chunk longer in a per-token format: value_buffer 'int8', "
+                                            "'int8-rotated' or 'int4')")
+
+
+def _auto_value_statistics(cfg: "GearConfig") -> str:
+    """8-bit value statistics where they apply (values per token, min/max ranges, a buffer other than "final")."""
+    return "8" if (cfg.value_axis == "token" and cfg.range_search not in ("values", "both")
+                   and cfg.value_buffer != "final") else "16"
+
+
+def _auto_value_buffer_size(cfg: "GearConfig") -> int | None:
+    """Values held a chunk longer wherever the value buffer is per token."""
+    return 2 * cfg.buffer_size if cfg.compresses and cfg.value_buffer in HOLDING_BUFFERS else None
+
+
+# fields whose default "auto" is resolved from others: (the fields it depends on, the resolution)
+AUTO_FIELDS = {"value_statistics": ({"value_axis", "range_search", "value_buffer"}, _auto_value_statistics),
+               "value_buffer_size": ({"buffer_size", "value_buffer", "method"}, _auto_value_buffer_size)}
