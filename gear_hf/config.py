@@ -358,8 +358,6 @@ class GearConfig:
             groups = (merged["key_group_size"] or merged["group_size"],
                       merged["value_group_size"] or merged["group_size"])
             merged["buffer_size"] = math.lcm(PAPER_FIELDS["buffer_size"], _token_granule(merged, *groups))
-        if merged.get("value_buffer_size") is not None and "value_buffer_size" not in overrides:
-            merged["value_buffer_size"] = "auto"  # (values held a chunk longer, whatever the chunk)
         return cls(**merged)
 
     # Saving and loading ------------------------------------------------------------------------------------------
@@ -406,6 +404,8 @@ class GearConfig:
 
 
 _DEFAULT_BUFFER = GearConfig.__dataclass_fields__["buffer_size"].default
+
+
 def _token_granule(fields: dict[str, Any], key_group: int, value_group: int) -> int:
     """Tokens a chunk holds a multiple of, for these groups: every group that runs along tokens (axis "channel") and
     whole code bytes. fields: GearConfig fields (a config's vars, or the dict `recommended` builds one from)."""
