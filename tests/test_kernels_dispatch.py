@@ -131,7 +131,7 @@ def test_use_fused(monkeypatch):
     assert fused_supported(GearConfig.preset("gear", bits=4, rank_prefill=16), 64, 1) is None
 
 
-def _tiny(arch: str, dtype=torch.float32):
+def _tiny(arch: str, dtype=torch.float32, window: int = 36):
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -152,9 +152,9 @@ def _tiny(arch: str, dtype=torch.float32):
         config, cls = LlamaConfig(rope_parameters=rope, **common), LlamaForCausalLM
     elif arch == "mistral":
         # (a window > 2 x buffer_size 16: a shorter one is stored dense, nothing compressed: gear_hf/cache/window.py)
-        config, cls = MistralConfig(sliding_window=36, **common), MistralForCausalLM
-    elif arch == "qwen3":  # layer 0 full, layer 1 sliding (window 36), one rotary module for both
-        config = Qwen3Config(head_dim=32, use_sliding_window=True, sliding_window=36, max_window_layers=1, **common)
+        config, cls = MistralConfig(sliding_window=window, **common), MistralForCausalLM
+    elif arch == "qwen3":  # layer 0 full, layer 1 sliding (window), one rotary module for both
+        config = Qwen3Config(head_dim=32, use_sliding_window=True, sliding_window=window, max_window_layers=1, **common)
         cls = Qwen3ForCausalLM
     else:
         config, cls = Qwen2Config(**common), Qwen2ForCausalLM
@@ -189,8 +189,8 @@ def fused(request):
     return request.param
 
 
-def _compare(arch, new_tokens, group_size=16, cfg=None, backend="triton"):
-    model = _tiny(arch)
+def _compare(arch, new_tokens, group_size=16, cfg=None, backend="triton", window=36):
+    model = _tiny(arch, window=window)
     cfg = cfg or GearConfig.preset("gear", bits=4, group_size=group_size, buffer_size=16)
     seq_t, logits_t, cache_t = _generate(model, cfg.replace(backend="torch"), new_tokens)
     assert cache_t.step_paths["fused"] == 0
@@ -228,8 +228,10 @@ def test_generate_gear_l_int8_factors_separate_groups_fused_equals_torch(fused):
 
 def test_sliding_layer_releases_chunks_and_fused_still_equals_torch(fused):
     """Mistral with a window shorter than the sequence: the prompt chunk and leading decode chunks leave every
-    row's window and are released; the kernel reads [sink | live chunks | buffer] with remapped indices."""
-    cache = _compare("mistral", 56, group_size=8, backend=fused)
+    row's window and are released; the kernel reads [sink | live chunks | buffer] with remapped indices. (Window 33,
+    the shortest above 2 x buffer_size: a decode chunk leaves it after 48 new tokens, the fewest that test a release;
+    the interpreted Triton kernel costs seconds a step.)"""
+    cache = _compare("mistral", 48, group_size=8, backend=fused, window=33)
     assert all(layer.released.prompt and layer.released.chunks > 0 for layer in cache.layers)
 
 
@@ -237,7 +239,7 @@ def test_full_and_sliding_layers_sharing_a_rotary_module_fused_equals_torch(fuse
     """Qwen3 with a full layer and a sliding one that released its prompt and leading chunks, sharing one rotary
     module: the sliding layer's kernel positions skip what it released, so the rotary halves of a step are not the
     full layer's (the numba kernel once rotated the sliding layer's keys at the full layer's positions)."""
-    cache = _compare("qwen3", 56, group_size=8, backend=fused)
+    cache = _compare("qwen3", 48, group_size=8, backend=fused, window=33)
     full, sliding = cache.layers
     assert not full.released.prompt and sliding.released.prompt and sliding.released.chunks > 0
 

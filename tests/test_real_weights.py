@@ -93,7 +93,8 @@ def test_gear_2_bit_next_token_fidelity(smollm2_bf16):
     asserted is the same fidelity measured position by position on the stock continuation (teacher forcing
     through the real streaming cache, 4-shot prompt 0): top-1 agreement / mean KL measured kivi-2
     0.625 / 0.66, gear-2 0.875 / 0.24, kivi-4 0.94 / 0.016, gear-4 0.98 / 0.007. GEAR must beat KIVI at
-    2 bits and be close to lossless at 4 bits."""
+    2 bits and be close to lossless at 4 bits. (fp16 reproducing stock on these weights:
+    test_fp16_preset_reproduces_stock_greedy_output.)"""
     from gear_hf.diagnostics import teacher_forced_agreement
 
     model, tokenizer = smollm2_bf16
@@ -101,12 +102,10 @@ def test_gear_2_bit_next_token_fidelity(smollm2_bf16):
     continuation = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=48,
                                   min_new_tokens=48, do_sample=False)[:, ids.shape[1]:]
     result = {name: teacher_forced_agreement(model, ids, continuation, config) for name, config in {
-        "fp16": gear_hf.GearConfig.preset("fp16"),
         "kivi-2": gear_hf.GearConfig.preset("kivi", bits=2),
         "gear-2": gear_hf.GearConfig.preset("gear", bits=2),
         "gear-4": gear_hf.GearConfig.preset("gear", bits=4),
     }.items()}
-    assert result["fp16"]["top1_agreement"] == 1.0 and result["fp16"]["max_kl"] == 0.0
     assert result["gear-2"]["mean_kl"] < 0.7 * result["kivi-2"]["mean_kl"], result
     assert result["gear-2"]["top1_agreement"] >= result["kivi-2"]["top1_agreement"], result
     assert result["gear-4"]["top1_agreement"] >= 0.95 and result["gear-4"]["mean_kl"] < 0.02, result
