@@ -46,6 +46,14 @@ def test_fp16_config_has_zero_error_everywhere(model):
     assert result.summary["positions"] == 32
 
 
+def test_teacher_forced_agreement_of_the_uncompressed_cache_is_exact(model):
+    """Fed one token per step as generate feeds it, the fp16 preset's logits are stock's: KL 0 at every position (a
+    misaligned continuation or a step fed twice would show here; the compressed configs' figures rely on it)."""
+    ids = _ids()
+    result = D.teacher_forced_agreement(model, ids[:, :64], ids[:, 64:], gear_hf.GearConfig.preset("fp16"))
+    assert result["top1_agreement"] == 1.0 and result["max_kl"] == 0.0, result
+
+
 def test_compressed_errors_are_positive_and_shared_per_kv_head(model):
     rows = D.head_errors(D.capture_qkv(model, _ids()), KIVI2, prompt_len=64)
     assert len(rows) == 8
