@@ -372,6 +372,35 @@ def test_generation_fused_cpu_attention_bf16(preset, factor_bits):
     assert (scores - fused_scores)[:, :same_prefix].abs().max() <= 2e-2 * scores.abs().max()
 
 
+@pytest.mark.parametrize("preset", ["default", "gear-2"])
+def test_fused_cpu_attention_keeps_one_signature_as_the_cache_fills(preset, monkeypatch):
+    """numba compiles the fused kernel once per set of argument types (seconds each, cold): from nothing compressed (a
+    prompt shorter than a group) through decode chunks of keys, then of values, and with a compressed prompt, in a
+    bf16 and a float32 model, it is called with one set (an absent run is handed as a run of no chunks of its spec,
+    the outliers from their first row)."""
+    from gear_hf.kernels.cpu import attend
+
+    seen, stages = set(), set()
+    original = attend._attend
+
+    def recording(*args):
+        seen.add(tuple(numba.typeof(a) for a in args))
+        stages.add((bool(args[2][:, 1].max() > 0), int(args[2][:, 2].max())))  # rows: (prompt?, decode chunks)
+        return original(*args)
+
+    monkeypatch.setattr(attend, "_attend", recording)
+    for dtype, length in ((torch.bfloat16, 5), (torch.bfloat16, 40), (torch.float32, 5)):
+        model = _tiny_llama().to(dtype)
+        ids, mask = prompts(1, length, seed=3)
+        config = GearConfig(group_size=16, buffer_size=16, prompt_group_size=32, backend="numba") \
+            if preset == "default" else GearConfig.preset(preset, group_size=16, buffer_size=16, backend="numba")
+        with gear_hf.enabled(model, config), torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, min_new_tokens=40, do_sample=False,
+                           pad_token_id=0)
+    assert {(False, 0), (False, 2), (True, 0), (True, 2)} <= stages
+    assert len(seen) == 1
+
+
 def test_forced_numba_without_numba_fails_at_enable(monkeypatch):
     monkeypatch.setattr("gear_hf.backends.numba_backend.import_problem", lambda *m: "numba is not installed")
     message = r"'numba' cannot run here: numba is not installed \(pip install 'gear-hf\[cpu\]'\)"

@@ -416,7 +416,7 @@ class Stream:
             tokens = buffer.tokens()
         return StreamView(buffer=tokens, sink=self.sink.data if sink_tokens else None,
                           prompt=run(self.prefill, 1 if prompt else 0), decode=run(self.decode, decode_chunks),
-                          tail=tail, held_chunk=self.held_chunk)
+                          tail=tail, held_chunk=self.held_chunk, specs=(self.prefill_spec, self.decode_spec))
 
     # -- sliding windows ---------------------------------------------------------------------------------------
     def release(self, before: Released, after: Released, counts: RowCounts) -> None:

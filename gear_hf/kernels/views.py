@@ -106,6 +106,9 @@ class StreamView:
     # each row's newest decode chunk is not in `decode` but the first buffer_size tokens of its buffer (values with
     # GearConfig.value_buffer_size): the row's (decode chunks, buffer) are (c - 1, buffer_size + f) when c > 0
     held_chunk: bool = False
+    # (prompt spec, decode spec) of the stream's chunks, present or not: what a kernel types an absent run as, so
+    # that its compiled signature does not change as the cache fills (None: a view built by hand)
+    specs: tuple | None = None
 
 
 @dataclass(frozen=True, eq=False)

@@ -27,34 +27,39 @@ import numba
 import numpy as np
 import torch
 
+from ...compress import ChunkSpec, CompressedChunk, side_dtype
+from ...compress.terms import BUILTIN_FIELDS, chunk_fields
 from ...format import stream_specs
 from ...rope import rope_angles
 from .bf16 import side_value as _side
 from .dequant import _assemble, _hadamard_rows, _scratch
 from .jit import kernel
-from .read import _NO_FACTORS, _NO_ROTATION, _side_array, decompress_supported, prepared
+from .read import _NO_FACTORS, _NO_ROTATION, _side_array, decompress_supported, prepare, prepared, side_numpy_dtype
 
 _F32 = np.float32
-# numba: reductions over channels need reassociation to vectorize; no finite-math flags (masked scores are -inf)
+# numba: reductions over channels need reassociation to vectorize; no finite-math flags (masked scores are -inf).
+# The loops `_attend` calls are cached kernels of their own with the same flags, not inlined into it: numba's IR
+# inlining copied each into every call site, so each new argument-type signature of `_attend` compiled in ~22 s
+# (~7 s with its callees cached; decode time the same, measured on bf16 Llama-3-8B head shapes at T~2k).
 _FAST = {"reassoc", "contract"}
 
 
-@numba.njit(inline="always")
+@kernel(fastmath=_FAST)
 def _assemble_run(run, factors, hadamard, b, h, target, scratch):
     """Every token of a prepared run (`_run_args`) for plane (b, h) into target [N, d]; factors/hadamard replace
     the run's own (values: without their low-rank term and rotation, added and undone after the attention)."""
-    codes, bits, group, channel_axis, scale, minimum, values, index, n, N, widths = run
+    codes, bits, group, channel_axis, scale, minimum, values, index, rows, n, N, widths = run
     a, a_scale, b_raw, b_scale = factors
     spread, bt, weights, tile, code_tile = scratch
-    _assemble(codes, bits, group, channel_axis, scale, minimum, a, a_scale, b_raw, b_scale, values, index, n, N,
+    _assemble(codes, bits, group, channel_axis, scale, minimum, a, a_scale, b_raw, b_scale, values, index, rows, n, N,
               hadamard, widths, b, h, target, False, _NO_ROTATION, _NO_ROTATION, 0, spread, bt, weights, tile,
               code_tile)
 
 
-@numba.njit(inline="always")
+@kernel(fastmath=_FAST)
 def _run_scratch(run, factors, hadamard, d):
     """`read._scratch` of a run (its plane unused: `_attend` assembles into its own)."""
-    codes, bits, group, channel_axis, scale, minimum, values, index, n, N, widths = run
+    codes, bits, group, channel_axis, scale, minimum, values, index, rows, n, N, widths = run
     _, spread, bt, weights, tile, code_tile = _scratch(factors[0], channel_axis, hadamard, widths, n, N, d)
     return spread, bt, weights, tile, code_tile
 
@@ -65,7 +70,7 @@ def _is_staged(staged, b, t):
     return staged.shape[0] > 0 and staged[b, t]
 
 
-@numba.njit(inline="always")
+@kernel(fastmath=_FAST)
 def _decode_token(codes, bits, s, m, b, h, t, row):
     """row [d] = code * s + m (float32) of token t's codes [B,H,cap,P]: 8-bit codes, or 4-bit ones two a byte (the
     even channel in the low nibble, as `quant.pack_codes` packs them)."""
@@ -82,7 +87,7 @@ def _decode_token(codes, bits, s, m, b, h, t, row):
             row[d - 1] = _F32(codes[b, h, t, d // 2] & 15) * s + m
 
 
-@numba.njit(inline="always")
+@kernel(fastmath=_FAST)
 def _buffer_rows(buf, tail, b, h, f, target, unrotate, tile):
     """The row's f buffer tokens into target [>=f, d]: from buf [B,H,cap,d] (float32, full precision), or, for a
     buffer held per token (`_tail_args`: codes [B,H,cap,P] uint8 of 8 or 4 bits, scale/minimum [B,H,cap,1] 16-bit,
@@ -107,7 +112,7 @@ def _buffer_rows(buf, tail, b, h, f, target, unrotate, tile):
             t += 1
 
 
-@numba.njit(inline="always")
+@kernel(fastmath=_FAST)
 def _tail_weighted(rotated_acc, plain, probs, vals, first, f, staged, b):
     """A rotated buffer's share: its coded tokens (rows [first, first+f) of vals, in the rotated basis) into
     rotated_acc, its staged ones (exact) into plain, each run of either kind with `_weighted_rows`."""
@@ -121,25 +126,25 @@ def _tail_weighted(rotated_acc, plain, probs, vals, first, f, staged, b):
         t = end
 
 
-@numba.njit(inline="always")
+@kernel(fastmath=_FAST)
 def _plane(sink, buf, tail, b, h, s, p, c, f, nb, prompt, prompt_factors, decode, decode_factors, hadamard, plane,
            prompt_scratch, decode_scratch, unrotate_tail, tile):
     """Rows [0, s+p+c*nb+f) of plane: the row's tokens of one stream in row-local order. The prompt chunk and the
     decode chunks are decompressed whole (as many chunks as the longest row holds) and then overwritten from the
-    row's next segment on: what lies past a row's own tokens is never attended. (run[9]: a run's tokens.) A rotated
+    row's next segment on: what lies past a row's own tokens is never attended. (run[10]: a run's tokens.) A rotated
     buffer's coded tokens are rotated back when unrotate_tail (`_buffer_rows`)."""
     for t in range(s):
         for k in range(plane.shape[1]):
             plane[t, k] = sink[b, h, t, k]
     if p > 0:
-        _assemble_run(prompt, prompt_factors, hadamard, b, h, plane[s : s + prompt[9]], prompt_scratch)
+        _assemble_run(prompt, prompt_factors, hadamard, b, h, plane[s : s + prompt[10]], prompt_scratch)
     if c > 0:
-        _assemble_run(decode, decode_factors, hadamard, b, h, plane[s + p : s + p + decode[9]], decode_scratch)
+        _assemble_run(decode, decode_factors, hadamard, b, h, plane[s + p : s + p + decode[10]], decode_scratch)
     first = s + p + c * nb
     _buffer_rows(buf, tail, b, h, f, plane[first : first + f], unrotate_tail, tile)
 
 
-@numba.njit(inline="always")
+@kernel(fastmath=_FAST)
 def _add_value_lowrank(acc, probs, factors, b, h, chunk, n, first, tokens, d, pa):
     """acc [M, d] += (P·A)·Bᵀ for one chunk of a value run: probs [M, >=first+tokens], the chunk's tokens at
     columns [first, first+tokens) of probs and at rows [chunk*n, chunk*n+tokens) of A; factors as stored
@@ -161,7 +166,7 @@ def _add_value_lowrank(acc, probs, factors, b, h, chunk, n, first, tokens, d, pa
                 acc[m, ch] += weight * (_side(b_raw[b, h, chunk * d + ch, k]) * sb)
 
 
-@numba.njit(inline="always")
+@kernel(fastmath=_FAST)
 def _softmax_row(row, low, high, L, exponents):
     """row[:L] (scores) -> exp(row - max) over [low, high), 0 elsewhere, in place; returns 1 / their sum (0 when
     the range is empty: a query that sees nothing gets zeros). e^x as 2^n * 2^f, n = round(x log2 e), 2^f by its
@@ -190,7 +195,7 @@ def _softmax_row(row, low, high, L, exponents):
     return _F32(1.0) / total if total > 0.0 else _F32(0.0)
 
 
-@numba.njit(inline="always")
+@kernel(fastmath=_FAST)
 def _weighted_rows(acc, probs, vals, first, last):
     """acc [M, d] += probs[:, first:last] · vals[first:last], vectorized along d, four value rows per pass over acc
     (a pass per row spent its time loading and storing acc: 1.7x slower at d=64)."""
@@ -223,7 +228,7 @@ def _attend(q, limits, rows, cos, sin, window, nb, sink_k, sink_v, buf_k, buf_v,
     G = Hq // H
     M = G * QL
     half = d // 2
-    cap = sink_k.shape[2] + pk[9] + dk[9] + max(buf_k.shape[2], buf_v.shape[2], tail_k[0].shape[2],
+    cap = sink_k.shape[2] + pk[10] + dk[10] + max(buf_k.shape[2], buf_v.shape[2], tail_k[0].shape[2],
                                                 tail_v[0].shape[2])
     keys = np.empty((cap, d), dtype=np.float32)
     vals = np.empty((cap, d), dtype=np.float32)
@@ -284,7 +289,7 @@ def _attend(q, limits, rows, cos, sin, window, nb, sink_k, sink_v, buf_k, buf_v,
                 chunks = acc
                 _weighted_rows(acc, scores, vals, 0, L)
             if p > 0 and pv_factors[0].shape[3]:
-                _add_value_lowrank(chunks, scores, pv_factors, b, h, 0, pv[8], s, p, d, pa)
+                _add_value_lowrank(chunks, scores, pv_factors, b, h, 0, pv[9], s, p, d, pa)
             if dv_factors[0].shape[3]:
                 for chunk in range(cv):
                     _add_value_lowrank(chunks, scores, dv_factors, b, h, chunk, nb, s + p + chunk * nb, nb, d, pa)
@@ -317,39 +322,68 @@ def supported(config, head_dim: int, query_dtype: torch.dtype) -> str | None:
     return None
 
 
+def _as_args(run) -> tuple:
+    """(run, factors, rotated) of a prepared run (`read.Run`) as `_attend` reads them, run = (codes, bits, group,
+    channel_axis, scale, minimum, outlier values, outlier index, outlier rows, n, tokens, widths)."""
+    return ((run.codes, run.bits, run.group, run.channel_axis, run.scale, run.minimum, *run.outliers, run.n,
+             run.tokens, run.widths), run.factors, run.hadamard)
+
+
 def _run_args(view, chunks: int, head_dim: int):
-    """(run, factors, rotated) of a ChunkRunView's first `chunks` chunks as `_attend` reads them, run = (codes, bits,
-    group, channel_axis, scale, minimum, outlier values, outlier index, n, tokens, widths); an empty run when there is
-    none. Prepared once per state of the storage (`read.prepared`): a decode step only reads."""
+    """`_as_args` of a ChunkRunView's first `chunks` chunks, None when there is no run. Prepared once per state of
+    the storage (`read.prepared`): a decode step only reads."""
     if view is None or chunks == 0:
-        return _EMPTY_RUN, _NO_FACTORS, False
+        return None
     prepared_run = view.derived.get("numba_run")  # prepared once per write by the store's owner (numba backend)
     if prepared_run is None:  # a view built by hand (tests, benchmarks): prepared for this call
         fields = {name: getattr(view, name) for name in view.FIELDS}
         prepared_run = prepared({**fields, "channel_bits": view.channel_bits}, view.spec, view.chunk_len, head_dim,
                                 chunks)
-    run = (prepared_run.codes, prepared_run.bits, prepared_run.group, prepared_run.channel_axis, prepared_run.scale,
-           prepared_run.minimum, *prepared_run.outliers, prepared_run.n, prepared_run.tokens, prepared_run.widths)
-    return run, prepared_run.factors, prepared_run.hadamard
+    return _as_args(prepared_run)
 
 
-_EMPTY_RUN = (np.zeros((0, 0, 0, 0), dtype=np.uint8), 2, 1, True, np.zeros((0, 0, 0, 0), dtype=np.float32),
-              np.zeros((0, 0, 0, 0), dtype=np.float32), np.zeros((0, 0, 0, 0), dtype=np.float32),
-              np.zeros((0, 0, 0, 0), dtype=np.uint8), 1, 0, np.zeros((0, 0, 0, 0), dtype=np.uint8))
+# An absent run (no prompt chunk, no decode chunk yet) is handed as a run of no chunks of the same spec, so of the
+# same types: numba compiles `_attend` once per set of argument types, and a cache that fills up would otherwise call
+# it with a new set at each stage. (A view built by hand, without specs: a plain 4-bit run.)
+_PLAIN_SPEC = ChunkSpec(bits=4, axis="channel", group=0, outlier_ratio=0.0, rank=0)
 
 
-_NO_TAIL = (np.zeros((0, 0, 0, 0), dtype=np.uint8), np.zeros((0, 0, 0, 0), dtype=np.int16),
-            np.zeros((0, 0, 0, 0), dtype=np.int16), np.zeros((0, 0), dtype=np.bool_), 8, False)
+@functools.lru_cache(maxsize=256)
+def _absent_run(spec: ChunkSpec, n: int, d: int, side: torch.dtype) -> tuple:
+    """`_as_args` of a run of no chunks of `spec` (n tokens per chunk, head_dim d, side-information dtype side)."""
+    fields = {f.name: torch.zeros(0, 0, 0, *f.shape[1:], dtype=f.dtype) for f in chunk_fields(spec, n, d, side)}
+    return _as_args(prepare(CompressedChunk(**{name: fields[name] for name in BUILTIN_FIELDS}), spec, n, d, 0))
 
 
-def _tail_args(view):
+def _stream_runs(view, prompt_chunks: int, decode_chunks: int, n: int, d: int, side: torch.dtype):
+    """(prompt run, its factors, decode run, its factors, rotated) of a StreamView as `_attend` reads them."""
+    specs = view.specs or (_PLAIN_SPEC, _PLAIN_SPEC)
+    present = (_run_args(view.prompt, prompt_chunks, d), _run_args(view.decode, decode_chunks, d))
+    rotated = {run[2] for run in present if run is not None}
+    if len(rotated) > 1:
+        raise ValueError("the prompt and decode chunks disagree on whether they are rotated")
+    (prompt, prompt_factors, _), (decode, decode_factors, _) = (
+        run or _absent_run(spec, n, d, side) for run, spec in zip(present, specs))
+    return prompt, prompt_factors, decode, decode_factors, rotated == {True}
+
+
+def _no_tail(side: torch.dtype) -> tuple:
+    """`_tail_args` of a full-precision buffer: no codes, statistics of the type a coded one's are read as."""
+    stats = np.zeros((0, 0, 0, 0), dtype=side_numpy_dtype(side))
+    return np.zeros((0, 0, 0, 0), dtype=np.uint8), stats, stats, _NO_STAGED, 8, False
+
+
+_NO_STAGED = np.zeros((0, 0), dtype=np.bool_)
+
+
+def _tail_args(view, side):
     """(codes, scale, minimum, staged, bits, rotated) of a StreamView's coded buffer (`views.CodedTailView`) as
     `_buffer_rows` reads them: the store's fields in place (bf16 scale/minimum as their bits; fp16 ones cast to
-    float32), staged [B,cap] or [0,0] when nothing is staged; `_NO_TAIL` for a full-precision buffer."""
+    float32), staged [B,cap] or [0,0] when nothing is staged; `_no_tail` for a full-precision buffer."""
     tail = view.tail
     if tail is None:
-        return _NO_TAIL
-    staged = tail.staged.numpy() if tail.staged is not None else _NO_TAIL[3]
+        return _no_tail(side)
+    staged = tail.staged.numpy() if tail.staged is not None else _NO_STAGED
     scale, minimum = tail.scale, tail.minimum
     if scale.dtype == torch.bfloat16 and scale.is_contiguous() and minimum.is_contiguous():  # (the store's fields)
         scale, minimum = scale.view(torch.int16).numpy(), minimum.view(torch.int16).numpy()
@@ -393,21 +427,18 @@ def decode_attention(query: torch.Tensor, keys, values, layout, *, scaling: floa
         raise ValueError("keys and values disagree on which chunk runs exist")
     prompt_chunks = 1 if keys.prompt is not None and layout.max_prompt > 0 else 0
     value_chunks = max(decode_chunks - value_chunks_lag, 0)
-    pk, pk_factors, rot_k = _run_args(keys.prompt, prompt_chunks, D)
-    dk, dk_factors, rot_dk = _run_args(keys.decode, decode_chunks, D)
-    pv, pv_factors, rot_v = _run_args(values.prompt, prompt_chunks, D)
-    dv, dv_factors, rot_dv = _run_args(values.decode, value_chunks, D)
-    if (prompt_chunks and decode_chunks and rot_k != rot_dk) or (prompt_chunks and value_chunks and rot_v != rot_dv):
-        raise ValueError("the prompt and decode chunks disagree on whether they are rotated")
+    side = side_dtype(keys.buffer.dtype)
+    n = layout.buffer_size
+    pk, pk_factors, dk, dk_factors, rot_k = _stream_runs(keys, prompt_chunks, decode_chunks, n, D, side)
+    pv, pv_factors, dv, dv_factors, rot_v = _stream_runs(values, prompt_chunks, value_chunks, n, D, side)
     cos, sin = rope_tables if rope_tables is not None else _rope_halves(layout.positions, inv_freq)
     q = (query.float() * (scaling * attention_scaling)).contiguous().numpy()
     result = np.empty((B, QL, Hq, D), dtype=np.float32)
     sink_k, sink_v = (keys.sink, values.sink) if layout.max_sink > 0 else (None, None)
     _attend(q, layout.limits.numpy(), layout.rows.numpy(), cos, sin, int(sliding_window or 0), layout.buffer_size,
             _float32(sink_k, keys.buffer), _float32(sink_v, values.buffer), _float32(keys.buffer, keys.buffer),
-            _float32(values.buffer, values.buffer), _tail_args(keys), _tail_args(values), pk, pk_factors, pv,
-            pv_factors, dk, dk_factors, dv, dv_factors, rot_k or rot_dk, rot_v or rot_dv, bool(values.held_chunk),
-            result)
+            _float32(values.buffer, values.buffer), _tail_args(keys, side), _tail_args(values, side), pk, pk_factors,
+            pv, pv_factors, dk, dk_factors, dv, dv_factors, rot_k, rot_v, bool(values.held_chunk), result)
     result = torch.from_numpy(result)
     if out is None:
         return result.to(query.dtype)

@@ -143,10 +143,10 @@ def _add_lowrank(a, a_scale, b_raw, b_scale, b, h, n, N, plane, bt, weights):
 
 
 @kernel()
-def _add_outliers(values, index, channel_axis, b, h, n, N, plane):
-    """plane [N,d] += S: values/index [B,H,C*k,d] (channel axis: token index within its chunk of n) or
-    [B,H,N,k] (token axis: channel index). Unused slots hold value 0, adding nothing."""
-    E, K = values.shape[2], values.shape[3]
+def _add_outliers(values, index, E, channel_axis, b, h, n, N, plane):
+    """plane [N,d] += S: values/index [B,H,>=E,d], E = C*k rows in use (channel axis: token index within its chunk
+    of n) or [B,H,>=N,k] (token axis: channel index). Unused slots hold value 0, adding nothing."""
+    K = values.shape[3]
     if channel_axis:
         per_chunk = E // (N // n)
         for e in range(E):
@@ -245,8 +245,8 @@ def _scratch(a, channel_axis, hadamard, widths, n, N, d):
 
 
 @numba.njit(inline="always")
-def _assemble(codes, bits, group, channel_axis, scale, minimum, a, a_scale, b_raw, b_scale, values, index, n, N,
-              hadamard, widths, b, h, target, rotate_rows, cos, sin, cos_at, spread, bt, weights, tile, code_tile):
+def _assemble(codes, bits, group, channel_axis, scale, minimum, a, a_scale, b_raw, b_scale, values, index, rows, n,
+              N, hadamard, widths, b, h, target, rotate_rows, cos, sin, cos_at, spread, bt, weights, tile, code_tile):
     """Plane (b, h) of the run into target [N,d] float32: the codes dequantized (rotate_rows: keys with nothing
     to add, rotated as they are written), then the outlier and low-rank terms and the Hadamard rotation undone."""
     d = target.shape[1]
@@ -259,8 +259,8 @@ def _assemble(codes, bits, group, channel_axis, scale, minimum, a, a_scale, b_ra
         G = d // group
         _dequant_token(spread.reshape(N, G, group), scale, minimum, (1 << bits) - 1, b, h, N,
                        target.reshape(N, G, group))
-    if values.shape[2]:  # (D̂ + S) + A Bᵀ, in the oracle's order
-        _add_outliers(values, index, channel_axis, b, h, n, N, target)
+    if rows:  # (D̂ + S) + A Bᵀ, in the oracle's order
+        _add_outliers(values, index, rows, channel_axis, b, h, n, N, target)
     if a.shape[3]:
         _add_lowrank(a, a_scale, b_raw, b_scale, b, h, n, N, target, bt, weights)
     if hadamard:  # undone before RoPE, as decompress then apply_rotary do
@@ -268,30 +268,30 @@ def _assemble(codes, bits, group, channel_axis, scale, minimum, a, a_scale, b_ra
 
 
 @kernel()
-def _decompress(codes, bits, group, channel_axis, scale, minimum, a, a_scale, b_raw, b_scale, values, index, n, N,
-                hadamard, widths, out, at, cos, sin, cos_at):
+def _decompress(codes, bits, group, channel_axis, scale, minimum, a, a_scale, b_raw, b_scale, values, index, rows, n,
+                N, hadamard, widths, out, at, cos, sin, cos_at):
     """A run of N = C*n tokens (the arrays of `decompress_into`) into out[:, :, at:at+N] float32, plane by plane;
     widths [B,H,C,d]: codes of a width per channel (`_dequant_planes`), else [B,H,0,d]."""
     B, H, _, d = out.shape
     plane, spread, bt, weights, tile, code_tile = _scratch(a, channel_axis, hadamard, widths, n, N, d)
     # nothing to add to the codes (and keys rotated row by row as they are written): straight into out, no plane
     rotate = cos.shape[2] > 0
-    direct = a.shape[3] == 0 and values.shape[2] == 0 and not hadamard and widths.shape[2] == 0 \
+    direct = a.shape[3] == 0 and rows == 0 and not hadamard and widths.shape[2] == 0 \
         and (channel_axis or not rotate)
     in_place = direct or not rotate  # nothing to rotate once the terms are added: they are added on out's rows
     for b in range(B):
         for h in range(H):
             target = out[b, h, at : at + N] if in_place else plane
-            _assemble(codes, bits, group, channel_axis, scale, minimum, a, a_scale, b_raw, b_scale, values, index, n,
-                      N, hadamard, widths, b, h, target, direct and rotate, cos, sin, cos_at, spread, bt, weights,
-                      tile, code_tile)
+            _assemble(codes, bits, group, channel_axis, scale, minimum, a, a_scale, b_raw, b_scale, values, index,
+                      rows, n, N, hadamard, widths, b, h, target, direct and rotate, cos, sin, cos_at, spread, bt,
+                      weights, tile, code_tile)
             if not in_place:
                 _write(plane, b, h, N, out, at, cos, sin, cos_at)
 
 
 @kernel()
-def _decompress_bf16(codes, bits, group, channel_axis, scale, minimum, a, a_scale, b_raw, b_scale, values, index, n,
-                     N, hadamard, widths, out, at, cos, sin, cos_at):
+def _decompress_bf16(codes, bits, group, channel_axis, scale, minimum, a, a_scale, b_raw, b_scale, values, index,
+                     rows, n, N, hadamard, widths, out, at, cos, sin, cos_at):
     """`_decompress` into out [B,H,>=at+N,d] of bf16 bits (int16), with cos/sin in bf16 bits: each plane assembled in
     float32 and rounded once as it is written (what decompress into a bf16 tensor does), keys then rotated with
     a rounding after every operation, as `apply_rotary` on bf16 tensors does (`_write_bf16`)."""
@@ -299,8 +299,9 @@ def _decompress_bf16(codes, bits, group, channel_axis, scale, minimum, a, a_scal
     plane, spread, bt, weights, tile, code_tile = _scratch(a, channel_axis, hadamard, widths, n, N, d)
     for b in range(B):
         for h in range(H):
-            _assemble(codes, bits, group, channel_axis, scale, minimum, a, a_scale, b_raw, b_scale, values, index, n,
-                      N, hadamard, widths, b, h, plane, False, cos, sin, cos_at, spread, bt, weights, tile, code_tile)
+            _assemble(codes, bits, group, channel_axis, scale, minimum, a, a_scale, b_raw, b_scale, values, index,
+                      rows, n, N, hadamard, widths, b, h, plane, False, cos, sin, cos_at, spread, bt, weights, tile,
+                      code_tile)
             _write_bf16(plane, b, h, N, out, at, cos, sin, cos_at)
 
 

@@ -45,7 +45,7 @@ class Run:
     scale: np.ndarray  # bf16 bits (int16) in place, or float32 (`_side_array`)
     minimum: np.ndarray
     factors: tuple  # `_factors`, or _NO_FACTORS
-    outliers: tuple  # (values as scale, index), or _NO_OUTLIERS
+    outliers: tuple  # (values as side information, index, rows used), or `_no_outliers`
     n: int  # tokens per chunk
     tokens: int  # chunks * n
     hadamard: bool  # the spec rotates: undo the Walsh-Hadamard rotation
@@ -55,9 +55,11 @@ class Run:
 def prepare(chunk: CompressedChunk, spec: ChunkSpec, n: int, d: int, chunks: int) -> Run:
     """The arrays `decompress_run` reads for `chunks` consecutive chunks of n tokens (`decompress_supported`): views of
     the stored fields where numba can read them in place (bf16 side information as its bits), so a prepared run
-    holds no second copy of the storage."""
-    outliers = (_side_array(chunk.sparse_values, whole=False), _stored(chunk.sparse_index, whole=False)) \
-        if chunk.sparse_index.numel() else _NO_OUTLIERS
+    holds no second copy of the storage. Every field is handed from its first row to the end of the store, C-contiguous
+    (the outliers with the count of rows in use): a view of fewer rows would be another array type, for which numba
+    compiles every kernel that reads it again."""
+    outliers = (_side_array(chunk.sparse_values), _stored(chunk.sparse_index), chunk.sparse_index.shape[2]) \
+        if chunk.sparse_index.numel() else _no_outliers(chunk.sparse_values.dtype)
     group = spec.group_for(n, d) if spec.axis == "channel" else min(spec.group_for(n, d), d)  # (> d: one group)
     if spec.stats == "8":  # the uint8 codes in place, decoded by the loops (`bf16.group_stats`)
         scale, minimum = _stored(chunk.scale), _stored(chunk.minimum)
@@ -85,19 +87,24 @@ def prepared(fields: dict, spec: ChunkSpec, n: int, d: int, chunks: int) -> Run:
     return prepare(CompressedChunk(**parts), spec, n, d, chunks)
 
 
-def _stored(t: torch.Tensor, whole: bool = True) -> np.ndarray:
-    """t [B,H,m,...] (rows of a stored field) as an array without a copy where numba can read it in place: from t's
-    first row to the end of the field (whole: a run starts at the field's first row, so this is the field itself,
-    C-contiguous), or exactly t's rows (entries counted from the array's extent)."""
+def _stored(t: torch.Tensor) -> np.ndarray:
+    """t [B,H,m,...] (rows of a stored field) as an array without a copy where numba can read it in place, from t's
+    first row to the end of the field (a run starts at the field's first row, so this is the field itself,
+    C-contiguous)."""
     array, at = arrays.readable(t)
-    return array[:, :, at:] if whole else array[:, :, at : at + t.shape[2]]
+    return array[:, :, at:]
 
 
-def _side_array(t: torch.Tensor, whole: bool = True) -> np.ndarray:
+def side_numpy_dtype(dtype: torch.dtype) -> type:
+    """The numpy dtype the kernels read side information of `dtype` as (`_side_array`)."""
+    return np.int16 if dtype == torch.bfloat16 else np.float32
+
+
+def _side_array(t: torch.Tensor) -> np.ndarray:
     """A side-information field as the kernels read it (`bf16.side_value`): bf16 as its bits, in place; fp16 (fp16
     models) cast to float32."""
     if t.dtype == torch.bfloat16:
-        return _stored(t.view(torch.int16), whole)
+        return _stored(t.view(torch.int16))
     return t.float().contiguous().numpy()
 
 
@@ -141,7 +148,13 @@ def _factors(chunk: CompressedChunk, chunks: int) -> tuple:
 # no low-rank term / no outliers / no rotation: empty arrays of the kernel's types (rank 0, no entries, no rows)
 _NO_FACTORS = (np.zeros((0, 0, 0, 0), dtype=np.int8), np.zeros((0, 0, 0, 0), dtype=np.float32),
                np.zeros((0, 0, 0, 0), dtype=np.int8), np.zeros((0, 0, 0, 0), dtype=np.float32))
-_NO_OUTLIERS = (np.zeros((0, 0, 0, 0), dtype=np.float32), np.zeros((0, 0, 0, 0), dtype=np.uint8))
+
+
+def _no_outliers(dtype: torch.dtype) -> tuple:
+    """A run without outliers: (values, index, rows) with nothing in them, the values of the type side information
+    of `dtype` is read as (the type a run with outliers hands: one kernel signature for both)."""
+    return np.zeros((0, 0, 0, 0), dtype=side_numpy_dtype(dtype)), np.zeros((0, 0, 0, 0), dtype=np.uint8), 0
+
 _NO_ROTATION = np.zeros((1, 1, 0, 1), dtype=np.float32)
 _NO_ROTATION_BF16 = np.zeros((1, 1, 0, 1), dtype=np.int16)
 
