@@ -54,6 +54,21 @@ def test_teacher_forced_agreement_of_the_uncompressed_cache_is_exact(model):
     assert result["top1_agreement"] == 1.0 and result["max_kl"] == 0.0, result
 
 
+def test_teacher_forced_agreement_takes_a_greedy_generations_own_logits(model):
+    """The stock logits of a greedy generation are the reference teacher forcing recomputes (to float32 rounding:
+    generate passes a mask, so its attention may take another kernel): handed in, the same figures (what the
+    real-weights fidelity test relies on to skip a stock pass)."""
+    ids = _ids()[:, :64]
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, min_new_tokens=20,
+                         do_sample=False, output_logits=True, return_dict_in_generate=True)
+    continuation, reference = out.sequences[:, 64:], torch.cat(out.logits).float()
+    torch.testing.assert_close(reference, D.stock_logits(model, out.sequences, 64, 1), rtol=0, atol=1e-5)
+    recomputed = D.teacher_forced_agreement(model, ids, continuation, KIVI2)
+    handed = D.teacher_forced_agreement(model, ids, continuation, KIVI2, reference)
+    assert handed["top1_agreement"] == recomputed["top1_agreement"] and handed["positions"] == 20
+    assert handed["mean_kl"] == pytest.approx(recomputed["mean_kl"], rel=1e-3) and handed["mean_kl"] > 0
+
+
 def test_compressed_errors_are_positive_and_shared_per_kv_head(model):
     rows = D.head_errors(D.capture_qkv(model, _ids()), KIVI2, prompt_len=64)
     assert len(rows) == 8

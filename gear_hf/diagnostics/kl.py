@@ -112,8 +112,10 @@ def kl_map(model, input_ids: torch.Tensor, prompt_len: int, config: GearConfig, 
 
 
 def teacher_forced_agreement(model, prompt_ids: torch.Tensor, continuation_ids: torch.Tensor,
-                             config: GearConfig) -> dict:
+                             config: GearConfig, reference: torch.Tensor | None = None) -> dict:
     """`next_token_kl` fed the way generation feeds a cache (prompt at prefill, then one token per step): top-1
-    agreement and KL(stock ‖ gear) over the continuation. Both id tensors are [1, n]."""
+    agreement and KL(stock ‖ gear) over the continuation. Both id tensors are [1, n]. reference: the stock logits
+    [n, V] predicting the continuation, when already at hand (a greedy continuation's own: `generate(...,
+    output_logits=True)`, computed the same way), else computed here (`stock_logits`)."""
     ids = torch.cat([prompt_ids, continuation_ids], dim=1)
-    return next_token_kl(model, ids, prompt_ids.shape[1], config, chunk=1)
+    return next_token_kl(model, ids, prompt_ids.shape[1], config, chunk=1, reference=reference)
