@@ -155,6 +155,7 @@ def _no_outliers(dtype: torch.dtype) -> tuple:
     of `dtype` is read as (the type a run with outliers hands: one kernel signature for both)."""
     return np.zeros((0, 0, 0, 0), dtype=side_numpy_dtype(dtype)), np.zeros((0, 0, 0, 0), dtype=np.uint8), 0
 
+
 _NO_ROTATION = np.zeros((1, 1, 0, 1), dtype=np.float32)
 _NO_ROTATION_BF16 = np.zeros((1, 1, 0, 1), dtype=np.int16)
 
