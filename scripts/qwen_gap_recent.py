@@ -4,13 +4,18 @@ counted in any bits.
 
 The cache is a real GearCache on the torch path (everything stored and compressed as usual) whose reads hand the
 attention the EXACT keys of the newest --exact-keys tokens and the exact values of the newest --exact-values tokens
-(the rest as the cache holds them). With 64 exact keys under "steady" the key buffer's reads are exact while its
-chunks are still compressed from the buffer's 8-bit rotated codes (compare s+kbuf16: both exact); with 128 exact
-values the value buffer's reads (newest + held chunk, int4) are exact while the held chunk is still compressed from
-its 4-bit codes (compare s+vbuf8r). Teacher forced one token per step as bench_tail.
+(the rest as the cache holds them). The newest N tokens are the newest N whatever holds them: under "steady" (a
+64-token key buffer) 64 exact keys make every buffered key exact AND, while the buffer holds fewer than 64, the
+newest decode chunk's newest keys (session 26: that part is most of what it changes). "b" as the count of exact keys
+makes exactly the key buffer's tokens exact (its chunks still compressed from its 8-bit rotated codes; compare
+s+kbuf16: both exact). 128 exact values: the value buffer's reads (newest + held chunk, int4) exact while the held
+chunk is still compressed from its 4-bit codes (compare s+vbuf8r). --chunk-bits reads the newest --chunks decode
+chunks of keys at other widths instead (a per-channel min/max quantization of the exact keys, one group per chunk:
+the stored format with more bits). Teacher forced one token per step as bench_tail.
 
     python qwen_gap_recent.py --model qwen25 --text 1 --config steady --pairs 0:0,64:0,0:128,8:8 \
         --out ../results/tail/qwen-gap/recent
+    python qwen_gap_recent.py --model qwen25 --text 0 --chunk-bits +1 --pairs 0:0,b:0 --out ...
 """
 
 from __future__ import annotations
@@ -45,10 +50,39 @@ class RecentExact(GearCache):
         self._exact[layer_idx] = (key_states, value_states)
         keys, values = keys.clone(), values.clone()
         for out, exact, n in ((keys, key_states, self.exact_keys), (values, value_states, self.exact_values)):
-            n = min(n, out.shape[2])
+            n = min(self.layout.plan.attend.buffer[0] if n == "b" else n, out.shape[2])  # "b": the buffer's tokens
             if n:
                 out[:, :, -n:] = exact[:, :, -n:].to(out.dtype)
+        if self.chunk_bits:
+            self.layer_channel_bits = self.layers[layer_idx].streams[0].channel_bits
+            self._requantize_newest_chunks(keys, key_states)
         return keys, values
+
+    chunk_bits = ""  # --chunk-bits: the newest --chunks decode chunks of keys read at this many bits instead
+    chunks = 1
+
+    def _requantize_newest_chunks(self, keys, exact) -> None:
+        """keys [1,H,T,d] (before RoPE, sink/prompt/chunks/buffer order): the newest `chunks` decode chunks replaced
+        by a per-channel min/max quantization of the exact keys at `chunk_bits`, one group per chunk (the stored
+        format's axis and grouping, more bits)."""
+        counts, n = self.layout.plan.attend, self.gear_config.buffer_size
+        if len(counts.buffer) != 1:
+            raise ValueError("the newest-chunk probe runs batch 1")
+        if not counts.chunks[0]:  # (nor widths allocated yet)
+            return
+        width = torch.tensor(float(self.chunk_bits))
+        if self.chunk_bits.startswith("+"):  # each channel's allocated width (key_bit_allocation="query") + this
+            if self.layer_channel_bits is None:
+                raise ValueError(f"--chunk-bits {self.chunk_bits}: the config allocates no key widths (needs "
+                                 "key_bit_allocation='query'); give a number of bits instead")
+            width = self.layer_channel_bits[0].float()[None, :, None, :] + int(self.chunk_bits)  # [1,H,1,d]
+        end = keys.shape[2] - counts.buffer[0]
+        for c in range(min(self.chunks, counts.chunks[0])):
+            lo, hi = end - (c + 1) * n, end - c * n
+            x = exact[:, :, lo:hi].float()  # [1,H,n,d]
+            low, high = x.amin(2, keepdim=True), x.amax(2, keepdim=True)
+            scale = ((high - low) / (2 ** width - 1)).clamp_min(1e-8)
+            keys[:, :, lo:hi] = (torch.round((x - low) / scale) * scale + low).to(keys.dtype)
 
 
 def main(argv=None) -> int:
@@ -58,8 +92,13 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=96)
     parser.add_argument("--config", default="steady")
-    parser.add_argument("--pairs", default="0:0,64:0,0:128", help="exact keys:exact values, comma separated")
+    parser.add_argument("--pairs", default="0:0,64:0,0:128", help="exact keys:exact values, comma separated "
+                        "(b: the tokens in the buffer)")
     parser.add_argument("--layers", default="", help="comma list of layers the exact reads apply to (default: all)")
+    parser.add_argument("--chunk-bits", default="", help="read the newest --chunks decode chunks of keys at this "
+                        "many bits (per channel, one group per chunk; '+1': each channel's allocated width + 1; "
+                        "empty: as stored)")
+    parser.add_argument("--chunks", type=int, default=1)
     parser.add_argument("--out", default="../results/tail/qwen-gap/recent")
     args = parser.parse_args(argv)
     from transformers import DynamicCache
@@ -74,15 +113,19 @@ def main(argv=None) -> int:
     config = bench_tail.config_of(args.config).replace(backend="torch")
     layers = {int(x) for x in args.layers.split(",")} if args.layers else None
     tag = f"-layers{args.layers.replace(',', '_')}" if args.layers else ""
+    if args.chunk_bits:
+        RecentExact.chunk_bits, RecentExact.chunks = args.chunk_bits, args.chunks
+        tag += f"-newest{args.chunks}chunks{args.chunk_bits.replace('+', 'plus')}bit"
     rows = []
     for pair in args.pairs.split(","):
-        nk, nv = (int(x) for x in pair.split(":"))
+        nk, nv = (x if x == "b" else int(x) for x in pair.split(":"))
         started = time.perf_counter()
         gear_hf.enable(model, config)
         logits, bits = bench_tail.run(model, ids, args.prompt, RecentExact(model, config, nk, nv, layers))
         gear_hf.disable(model)
         kl = D.kl_divergence(reference, logits)
         rows.append({"config": args.config, "text": args.text, "layers": args.layers or "all", "exact_keys": nk, "exact_values": nv,
+                     "newest_key_chunks": args.chunks if args.chunk_bits else 0, "their_bits": args.chunk_bits,
                      "mean_kl": kl.mean().item(), "max_kl": kl.max().item(),
                      "top1_agreement": (reference.argmax(-1) == logits.argmax(-1)).float().mean().item(),
                      "mean_owned_not_counting_exact": sum(bits) / len(bits),
