@@ -34,9 +34,12 @@ from gear_hf.cache import GearCache
 class RecentExact(GearCache):
     """A GearCache whose reads hand the attention the exact newest `exact_keys` keys / `exact_values` values."""
 
-    def __init__(self, model, gear_config, exact_keys: int, exact_values: int, layers=None) -> None:
+    def __init__(self, model, gear_config, exact_keys, exact_values, layers=None, chunk_bits: str = "",
+                 chunks: int = 1) -> None:
         super().__init__(model, gear_config)
         self.exact_keys, self.exact_values = exact_keys, exact_values
+        # chunk_bits (--chunk-bits): the newest `chunks` decode chunks of keys read at this many bits instead
+        self.chunk_bits, self.chunks = chunk_bits, chunks
         self.exact_layers = layers  # None: every layer
         self._exact: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -54,14 +57,10 @@ class RecentExact(GearCache):
             if n:
                 out[:, :, -n:] = exact[:, :, -n:].to(out.dtype)
         if self.chunk_bits:
-            self.layer_channel_bits = self.layers[layer_idx].streams[0].channel_bits
-            self._requantize_newest_chunks(keys, key_states)
+            self._requantize_newest_chunks(keys, key_states, self.layers[layer_idx].streams[0].channel_bits)
         return keys, values
 
-    chunk_bits = ""  # --chunk-bits: the newest --chunks decode chunks of keys read at this many bits instead
-    chunks = 1
-
-    def _requantize_newest_chunks(self, keys, exact) -> None:
+    def _requantize_newest_chunks(self, keys, exact, channel_bits) -> None:
         """keys [1,H,T,d] (before RoPE, sink/prompt/chunks/buffer order): the newest `chunks` decode chunks replaced
         by a per-channel min/max quantization of the exact keys at `chunk_bits`, one group per chunk (the stored
         format's axis and grouping, more bits)."""
@@ -72,10 +71,10 @@ class RecentExact(GearCache):
             return
         width = torch.tensor(float(self.chunk_bits))
         if self.chunk_bits.startswith("+"):  # each channel's allocated width (key_bit_allocation="query") + this
-            if self.layer_channel_bits is None:
+            if channel_bits is None:
                 raise ValueError(f"--chunk-bits {self.chunk_bits}: the config allocates no key widths (needs "
                                  "key_bit_allocation='query'); give a number of bits instead")
-            width = self.layer_channel_bits[0].float()[None, :, None, :] + int(self.chunk_bits)  # [1,H,1,d]
+            width = channel_bits[0].float()[None, :, None, :] + int(self.chunk_bits)  # [1,H,1,d]
         end = keys.shape[2] - counts.buffer[0]
         for c in range(min(self.chunks, counts.chunks[0])):
             lo, hi = end - (c + 1) * n, end - c * n
@@ -114,14 +113,14 @@ def main(argv=None) -> int:
     layers = {int(x) for x in args.layers.split(",")} if args.layers else None
     tag = f"-layers{args.layers.replace(',', '_')}" if args.layers else ""
     if args.chunk_bits:
-        RecentExact.chunk_bits, RecentExact.chunks = args.chunk_bits, args.chunks
         tag += f"-newest{args.chunks}chunks{args.chunk_bits.replace('+', 'plus')}bit"
     rows = []
     for pair in args.pairs.split(","):
         nk, nv = (x if x == "b" else int(x) for x in pair.split(":"))
         started = time.perf_counter()
         gear_hf.enable(model, config)
-        logits, bits = bench_tail.run(model, ids, args.prompt, RecentExact(model, config, nk, nv, layers))
+        logits, bits = bench_tail.run(model, ids, args.prompt, RecentExact(model, config, nk, nv, layers,
+                                                                            args.chunk_bits, args.chunks))
         gear_hf.disable(model)
         kl = D.kl_divergence(reference, logits)
         rows.append({"config": args.config, "text": args.text, "layers": args.layers or "all", "exact_keys": nk, "exact_values": nv,
