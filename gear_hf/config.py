@@ -34,7 +34,8 @@ PAPER_FIELDS: dict[str, Any] = dict(key_bits=4, value_bits=4, group_size=64, ran
                                     key_axis="channel", value_axis="token", pre_rope=True, key_group_size=None,
                                     value_group_size=None, rotation="none", factor_bits=8, range_search="none",
                                     prompt_group_size=None, key_bit_allocation="uniform", key_buffer="full",
-                                    value_buffer="full", value_statistics="16", value_buffer_size=None)
+                                    value_buffer="full", value_statistics="16", value_buffer_size=None,
+                                    key_buffer_size=None)
 
 
 def _fail(field: str, value: Any, allowed: str) -> None:
@@ -86,6 +87,12 @@ class GearConfig:
                    a per-token value_buffer ("int8", "int8-rotated" or "int4"). "auto" is resolved when the config
                    is made (the field then holds the number or None); `replace` re-resolves it when buffer_size,
                    value_buffer or method change
+    key_buffer_size: None (keys leave the buffer every buffer_size tokens), 2 x buffer_size (beyond GEAR: keys stay
+                   in key_buffer's per-token format one decode chunk longer too, like values with value_buffer_size:
+                   the newest decode chunk's keys are read at 8 bits rather than at key_bits, which is where a
+                   3-bit key cache loses most next-token accuracy, results/tail "Which keys cost Qwen2.5 its KL"),
+                   or "auto" (2 x buffer_size where key_buffer is per token and values are held). Needs a per-token
+                   key_buffer and value_buffer_size (keys are held only with their values)
     key_axis / value_axis: "channel" (groups run along tokens) or "token" (groups run along channels)
     pre_rope:      compress keys before rotary embedding and rotate them when read
     rotation:      "none" | "keys" | "values" | "both": an orthonormal Walsh–Hadamard rotation along head_dim
@@ -132,6 +139,7 @@ class GearConfig:
     value_buffer: str = "int4"
     value_statistics: str = "auto"
     value_buffer_size: int | str | None = "auto"
+    key_buffer_size: int | str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

@@ -1,5 +1,6 @@
-"""GearConfig's buffer fields: the per-token formats of the newest tokens (`key_buffer` / `value_buffer`), values held a
-chunk longer (`value_buffer_size`), the values' statistics, and the fields whose default "auto" follows others."""
+"""GearConfig's buffer fields: the per-token formats of the newest tokens (`key_buffer` / `value_buffer`), values and keys
+held a chunk longer (`value_buffer_size` / `key_buffer_size`), the values' statistics, and the fields whose default
+"auto" follows others."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ if TYPE_CHECKING:
 
 KEY_BUFFERS = ("full", "int8", "int8-rotated", "int4")
 VALUE_BUFFERS = ("full", "final", "int8", "int8-rotated", "int4")
-HOLDING_BUFFERS = ("int8", "int8-rotated", "int4")  # value buffers per token: values held in them a chunk longer
+HOLDING_BUFFERS = ("int8", "int8-rotated", "int4")  # buffers per token: tokens held in them a chunk longer
 
 
 def check_buffers(cfg: "GearConfig", fail: Callable[[str, Any, str], None]) -> None:
@@ -43,6 +44,19 @@ def check_buffers(cfg: "GearConfig", fail: Callable[[str, Any, str], None]) -> N
             fail("value_buffer_size", held, f"None with value_buffer={cfg.value_buffer!r} (values are held "
                                             "one chunk longer in a per-token format: value_buffer 'int8', "
                                             "'int8-rotated' or 'int4')")
+    held_keys = cfg.key_buffer_size
+    if held_keys is not None:
+        if isinstance(held_keys, bool) or not isinstance(held_keys, int) or held_keys != 2 * cfg.buffer_size:
+            fail("key_buffer_size", held_keys, f"'auto', None or 2 x buffer_size = {2 * cfg.buffer_size} (keys held "
+                                               "one decode chunk longer)")
+        if cfg.compresses and cfg.key_buffer not in HOLDING_BUFFERS:
+            fail("key_buffer_size", held_keys, f"None with key_buffer={cfg.key_buffer!r} (keys are held one chunk "
+                                               "longer in a per-token format: key_buffer 'int8', 'int8-rotated' or "
+                                               "'int4')")
+        if cfg.compresses and held is None:
+            # (the fused kernels read both streams' chunks and buffers from one boundary: keys held, values held)
+            fail("key_buffer_size", held_keys, f"None with value_buffer_size=None (keys are held a chunk longer only "
+                                               f"with their values: value_buffer_size = {2 * cfg.buffer_size})")
 
 
 def _auto_value_statistics(cfg: "GearConfig") -> str:
@@ -56,6 +70,16 @@ def _auto_value_buffer_size(cfg: "GearConfig") -> int | None:
     return 2 * cfg.buffer_size if cfg.compresses and cfg.value_buffer in HOLDING_BUFFERS else None
 
 
+def _auto_key_buffer_size(cfg: "GearConfig") -> int | None:
+    """Keys held a chunk longer wherever the key buffer is per token and the values are held (after
+    value_buffer_size is resolved)."""
+    held = cfg.compresses and cfg.key_buffer in HOLDING_BUFFERS and cfg.value_buffer_size is not None
+    return 2 * cfg.buffer_size if held else None
+
+
 # fields whose default "auto" is resolved from others: (the fields it depends on, the resolution)
 AUTO_FIELDS = {"value_statistics": ({"value_axis", "range_search", "value_buffer"}, _auto_value_statistics),
-               "value_buffer_size": ({"buffer_size", "value_buffer", "method"}, _auto_value_buffer_size)}
+               "value_buffer_size": ({"buffer_size", "value_buffer", "method"}, _auto_value_buffer_size),
+               # (after value_buffer_size: resolved in this order)
+               "key_buffer_size": ({"buffer_size", "key_buffer", "value_buffer", "value_buffer_size", "method"},
+                                   _auto_key_buffer_size)}

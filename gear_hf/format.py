@@ -24,7 +24,7 @@ class StreamFormat:
     chunk_len: int  # tokens per decode chunk (buffer_size)
     tail: ChunkSpec | None = None  # how the buffer stores each token (per token), None: in the model's dtype
     # the row's newest decode chunk stays at the buffer's front, in the tail format, until the next chunk flushes
-    # (values with GearConfig.value_buffer_size): the stream's decode chunks lag its keys' by one
+    # (GearConfig.value_buffer_size / key_buffer_size): the stream's decode chunks lag the layout's by one
     held_chunk: bool = False
 
     @property
@@ -76,7 +76,8 @@ def stream_format(cfg, stream: str) -> StreamFormat:
     # (fp16 keeps every token as the model made it, whatever the buffer settings)
     choice = (cfg.key_buffer if stream == "key" else cfg.value_buffer) if cfg.compresses else "full"
     tail = decode if choice == "final" else TAIL_SPECS.get(choice)  # (None: "full")
-    held = stream == "value" and cfg.value_buffer_size is not None and cfg.compresses
+    held_size = cfg.key_buffer_size if stream == "key" else cfg.value_buffer_size
+    held = held_size is not None and cfg.compresses
     return StreamFormat(stream, prompt, decode, cfg.buffer_size, tail, held)
 
 

@@ -197,6 +197,35 @@ def test_kernels_read_a_held_value_chunk(name, d, kv_heads, group, steps, q_len,
     assert _err(out, ref) < TOL[dtype], _err(out, ref)
 
 
+# keys held a chunk longer too (GearConfig.key_buffer_size): both streams handed as they store them, each row's newest
+# chunk buffered tokens of both (the register kernel, the tensor-core one with 32- and 64-token chunks)
+HELD_KEY_CASES = [HELD_CASES[0], HELD_CASES[2], HELD_CASES[4], HELD_CASES[-1]]
+
+
+@pytest.mark.parametrize("name,d,kv_heads,group,steps,q_len,in_step,tensor_core,dtype", HELD_KEY_CASES,
+                         ids=[f"{c[0]}-d{c[1]}-{'x'.join(map(str, c[4]))}-q{c[5]}-{'tc' if c[7] else 'reg'}"
+                              for c in HELD_KEY_CASES])
+def test_kernels_read_held_keys_and_values(name, d, kv_heads, group, steps, q_len, in_step, tensor_core, dtype):
+    """Keys and values of each row's newest decode chunk from the front of their coded buffers, as the float32
+    oracle attends them; the kernel sees no held chunk, rows of (c - 1) chunks and buffer_size more buffered tokens."""
+    cfg = _config(name)
+    cfg = cfg.replace(value_buffer_size=2 * cfg.buffer_size, key_buffer_size=2 * cfg.buffer_size)
+    with torch.inference_mode():
+        cache = _cache(cfg, d=d, kv_heads=kv_heads, steps=steps if in_step else (*steps, q_len), q_len=q_len,
+                       in_step=in_step, dtype=dtype)
+        q = torch.randn(2, kv_heads * group, q_len, d, generator=torch.Generator().manual_seed(d + q_len))
+        q = q.to(dtype).to(DEVICE)
+        out, keys, values, layout = _attend(cache, q, tensor_core=tensor_core, reader=TritonBackend())
+        ref = reference_decode_attention(cache, 0, q, scaling=d ** -0.5, inv_freq=_inv_freq(d))
+    counts = cache.layout.plan.attend if in_step else cache.layout.counts
+    assert not keys.held_chunk and not values.held_chunk and keys.tail is not None and values.tail is not None
+    assert layout.rows[:, 2].tolist() == [max(c - 1, 0) for c in counts.chunks] and max(counts.chunks) >= 2
+    assert layout.rows[:, 3].tolist() == [f + cfg.buffer_size * (c > 0) for c, f in zip(counts.chunks,
+                                                                                        counts.buffer)]
+    assert out.shape == ref.shape and torch.isfinite(out).all()
+    assert _err(out, ref) < TOL[dtype], _err(out, ref)
+
+
 def test_a_wrong_code_changes_the_output():
     """The kernel really reads the tail: zeroed value codes of the coded tokens change the output (the exact staged
     tokens do not come from the codes: zeroing those bytes alone changes nothing)."""

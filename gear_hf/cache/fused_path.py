@@ -113,11 +113,16 @@ class FusedPath:
         layer, layout = self.layers[layer_idx], self.layout
         in_step = layer.flushed_step != layout.steps
         counts = layout.plan.attend if in_step else layout.counts
+        # keys and values both held a chunk longer: each row's newest chunk is at both buffers' front, so the kernels
+        # read the rows as the streams store them, (c - 1 chunks, nb + f buffered), with no held chunk of either
+        both_held = all(stream.held_chunk for stream in layer.streams)
+        if both_held:
+            counts = layer.key_stream.own(counts)
         inputs = layout.kernel_inputs(counts, layer.released, query_len, device)
         sink, prompt, chunks, buffer = (max(column, default=0) for column in zip(*inputs["row_lengths"]))
         kernel_layout = DecodeLayout(rows=inputs["rows"], limits=inputs["limits"], positions=inputs["positions"],
                                      max_sink=sink, max_prompt=prompt, max_decode_chunks=chunks, max_buffer=buffer,
                                      buffer_size=self.gear_config.buffer_size)
-        keys, values = (stream.kernel_view(self.gear_config.sink_tokens, prompt > 0, chunks, reader)
-                        for stream in layer.streams)
+        keys, values = (stream.kernel_view(self.gear_config.sink_tokens, prompt > 0, chunks, reader,
+                                           counted_own=both_held) for stream in layer.streams)
         return keys, values, kernel_layout

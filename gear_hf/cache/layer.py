@@ -107,8 +107,9 @@ class GearLayer(CacheLayerMixin):
         prompt_dead = all(s + p <= dead for s, p, dead in zip(counts.sink, counts.prompt, before))
         dead_chunks = min((min(c, max(0, (dead - s - p) // nb)) for s, p, c, dead in
                            zip(counts.sink, counts.prompt, counts.chunks, before)), default=0)
-        if self.value_stream.held_chunk:  # (a held chunk is in the buffer: it goes when it is compressed)
-            dead_chunks = min(dead_chunks, min(self.value_stream.own(counts).chunks, default=0))
+        for stream in self.streams:
+            if stream.held_chunk:  # (a held chunk is in the buffer: it goes when it is compressed)
+                dead_chunks = min(dead_chunks, min(stream.own(counts).chunks, default=0))
         # a dead chunk implies a dead prompt (it comes first), so the two only move forward together
         after = Released(prompt=self.released.prompt or (prompt_dead and any(counts.prompt)),
                          chunks=max(self.released.chunks, dead_chunks))

@@ -6,10 +6,10 @@
     buffer  TokenStore  [B, H, capacity+1, d]  full precision, this step's own tokens included; or a
             CodedTokenStore holding each token in a per-token format (`StreamFormat.tail`)
 
-A stream with a held chunk (`StreamFormat.held_chunk`: values with `GearConfig.value_buffer_size`) keeps each row's
-newest decode chunk at its buffer's front, in the buffer's format, until the row's next chunk flushes: its decode
-chunks lag the layout's by one (`own` gives the counts as this stream stores them), and a chunk is compressed one
-flush after its keys, from its buffered codes.
+A stream with a held chunk (`StreamFormat.held_chunk`: `GearConfig.value_buffer_size` / `key_buffer_size`) keeps
+each row's newest decode chunk at its buffer's front, in the buffer's format, until the row's next chunk flushes: its
+decode chunks lag the layout's by one (`own` gives the counts as this stream stores them), and a chunk is compressed
+one flush after the layout flushed it, from its buffered codes.
 """
 
 from __future__ import annotations
@@ -391,11 +391,13 @@ class Stream:
         out[b] = local[:, cols.clamp(min=0)].to(out.dtype) * (cols >= 0)[None, :, None]
 
     # -- the fused kernel's view ---------------------------------------------------------------------------
-    def kernel_view(self, sink_tokens: int, prompt: bool, decode_chunks: int, reader=None):
+    def kernel_view(self, sink_tokens: int, prompt: bool, decode_chunks: int, reader=None, counted_own: bool = False):
         """This stream as the fused kernel reads it (`gear_hf.kernels.views.StreamView`): references to the
-        storage tensors, nothing copied. prompt: the prompt chunk is live; decode_chunks: live decode chunks.
-        reader: the attending backend; a coded buffer it reads (`Backend.reads_tail`) is handed as stored
-        (`StreamView.tail`), else decoded for this step, as the reference path reads it."""
+        storage tensors, nothing copied. prompt: the prompt chunk is live; decode_chunks: live decode chunks of the
+        layout, or, counted_own, of this stream as it stores them (`own`: a held chunk is then buffered tokens of
+        the kernel's rows, not a held chunk of the view). reader: the attending backend; a coded buffer it reads
+        (`Backend.reads_tail`) is handed as stored (`StreamView.tail`), else decoded for this step, as the reference
+        path reads it."""
         from ..kernels.views import ChunkRunView, StreamView  # no triton import
 
         def run(store: ChunkStore | None, chunks: int):
@@ -406,7 +408,8 @@ class Stream:
             derived = self.plan.attend.view_derived(store, view, chunks, self.kind) if self.plan.attend else {}
             return dataclasses.replace(view, derived=derived) if derived else view
 
-        if self.held_chunk:  # (the newest chunk of each row is at its buffer's front)
+        held = self.held_chunk and not counted_own
+        if held:  # (the newest chunk of each row is at its buffer's front)
             decode_chunks = max(decode_chunks - 1, 0)
         buffer, tail = self.buffer, None
         if isinstance(buffer, CodedTokenStore) and reader is not None and reader.reads_tail(buffer.spec,
@@ -416,7 +419,7 @@ class Stream:
             tokens = buffer.tokens()
         return StreamView(buffer=tokens, sink=self.sink.data if sink_tokens else None,
                           prompt=run(self.prefill, 1 if prompt else 0), decode=run(self.decode, decode_chunks),
-                          tail=tail, held_chunk=self.held_chunk, specs=(self.prefill_spec, self.decode_spec))
+                          tail=tail, held_chunk=held, specs=(self.prefill_spec, self.decode_spec))
 
     # -- sliding windows ---------------------------------------------------------------------------------------
     def release(self, before: Released, after: Released, counts: RowCounts) -> None:

@@ -104,7 +104,8 @@ class StreamView:
     decode: ChunkRunView | None = None  # decode chunks of buffer_size tokens, or None
     tail: CodedTailView | None = None  # the buffer's coded tokens (a backend that reads them), or None
     # each row's newest decode chunk is not in `decode` but the first buffer_size tokens of its buffer (values with
-    # GearConfig.value_buffer_size): the row's (decode chunks, buffer) are (c - 1, buffer_size + f) when c > 0
+    # GearConfig.value_buffer_size): the row's (decode chunks, buffer) are (c - 1, buffer_size + f) when c > 0. (Keys
+    # held too: both views come without it, the layout's rows counted as the streams store them.)
     held_chunk: bool = False
     # (prompt spec, decode spec) of the stream's chunks, present or not: what a kernel types an absent run as, so
     # that its compiled signature does not change as the cache fills (None: a view built by hand)

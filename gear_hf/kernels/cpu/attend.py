@@ -419,7 +419,8 @@ def decode_attention(query: torch.Tensor, keys, values, layout, *, scaling: floa
     if inv_freq.numel() != D // 2:
         raise ValueError(f"inv_freq has {inv_freq.numel()} entries, expected head_dim/2 = {D // 2}")
     if keys.held_chunk:
-        raise ValueError("keys with a held chunk: only values are held one chunk longer")
+        raise ValueError("keys with a held chunk: the kernel reads a held chunk of values only (keys held too are "
+                         "handed as stored, no held chunk: `FusedPath.kernel_views`)")
     value_chunks_lag = 1 if values.held_chunk else 0  # (its newest chunk is in the buffer)
     decode_chunks = layout.max_decode_chunks if keys.decode is not None else 0
     if (keys.prompt is None) != (values.prompt is None) or \

@@ -125,7 +125,8 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
         _check_words(_check(keys.sink, "sink keys"), "sink keys")
         _check_words(_check(values.sink, "sink values"), "sink values")
     if keys.held_chunk:
-        raise ValueError("keys with a held chunk: only values are held one chunk longer")
+        raise ValueError("keys with a held chunk: the kernel reads a held chunk of values only (keys held too are "
+                         "handed as stored, no held chunk: `FusedPath.kernel_views`)")
     value_chunks_lag = 1 if values.held_chunk else 0  # (a row's newest chunk of values is in its value buffer)
     decode_chunks = layout.max_decode_chunks if keys.decode is not None else 0
     if (keys.prompt is None) != (values.prompt is None) or \
