@@ -1,6 +1,6 @@
-"""GearConfig's buffer fields: the per-token formats of the newest tokens (`key_buffer` / `value_buffer`), values and keys
-held a chunk longer (`value_buffer_size` / `key_buffer_size`), the values' statistics, and the fields whose default
-"auto" follows others."""
+"""GearConfig's buffer fields: the per-token formats of the newest tokens (`key_buffer` / `value_buffer`), values and
+keys held a chunk longer (`value_buffer_size` / `key_buffer_size`), the values' statistics, and the fields whose
+default "auto" follows others."""
 
 from __future__ import annotations
 

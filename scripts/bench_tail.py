@@ -67,6 +67,13 @@ ABLATIONS = {
     "s+k3.5": dict(key_bits=3.5),
     "s+k2.75": dict(key_bits=2.75),  # session 26: a cheaper key history (to pay for recent keys)
     "s+k3": dict(key_bits=3),  # session 26 (with the newest key chunk a bit wider: qwen_gap_recent.py)
+    # session 27: keys held a chunk longer too (key_buffer_size: the newest 64..127 keys at 8 bits, rotated), paid for
+    # by narrower keys in the chunks
+    "s+kh": dict(key_buffer_size=128),
+    "s+kh+k3": dict(key_buffer_size=128, key_bits=3),
+    "s+kh+k2.875": dict(key_buffer_size=128, key_bits=2.875),
+    "s+kh+k2.75": dict(key_buffer_size=128, key_bits=2.75),
+    "s+kh+k2.5": dict(key_buffer_size=128, key_bits=2.5),
     "s+v4": dict(value_bits=4),
     "s+stats16": dict(value_statistics="16"),
     "s+sinks0": dict(sink_tokens=0),

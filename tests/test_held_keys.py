@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_held_values import FUSED, HELD, _coded, _fill, _generate
 
 from gear_hf import GearConfig
 from gear_hf.cache.fused import row_local_tokens
 from gear_hf.format import layer_formats
-from test_held_values import FUSED, HELD, _coded, _fill, _generate
 from tiny_models import prompts, tiny_model
 
 HELD_KEYS = dict(HELD, key_buffer_size=32)

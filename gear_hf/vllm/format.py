@@ -63,9 +63,9 @@ def config_from_env(text: str | None = None) -> GearConfig:
 def block_config(config: GearConfig, block_size: int, head_size: int) -> GearConfig:
     """The GearConfig whose decode chunk is one vLLM block of one KV head: buffer_size = block_size, groups capped
     at the block (along tokens) or the head (along channels), no sinks, and no values or keys held a chunk longer
-    (value_buffer_size=key_buffer_size=None: the plugin compresses a block's keys and values together when the block closes; the
-    open block is the engine's buffer). Its decode chunks' specs (`gear_hf.format.layer_formats`) are the page's: the
-    plugin builds no spec of its own."""
+    (value_buffer_size = key_buffer_size = None: the plugin compresses a block's keys and values together when the
+    block closes; the open block is the engine's buffer). Its decode chunks' specs (`gear_hf.format.layer_formats`)
+    are the page's: the plugin builds no spec of its own."""
     if not config.compresses:
         return config
     changes: dict = dict(buffer_size=block_size, sink_tokens=0, value_buffer_size=None, key_buffer_size=None)
