@@ -45,9 +45,10 @@ def test_fp16_preset_equals_stock_with_speculation(models, how):
 
 # values held a chunk longer than keys (value_buffer_size): crops reach the value buffer past its held chunk
 HELD = COMPRESSING.replace(value_buffer="int8", value_buffer_size=16)
+HELD_KEYS = HELD.replace(key_buffer="int8", key_buffer_size=16)  # (keys too: both buffers start with the held chunk)
 
 
-@pytest.mark.parametrize("config", [COMPRESSING, HELD], ids=["kivi-4", "values-held"])
+@pytest.mark.parametrize("config", [COMPRESSING, HELD, HELD_KEYS], ids=["kivi-4", "values-held", "keys-held"])
 @pytest.mark.parametrize("how", ["prompt_lookup", "assistant"])
 def test_compressed_cache_verifies_and_crops(models, how, config, monkeypatch):
     """A compressing config: drafted tokens are verified in multi-token steps, the rejected ones cropped (counted
