@@ -91,8 +91,9 @@ class GearConfig:
                    in key_buffer's per-token format one decode chunk longer too, like values with value_buffer_size:
                    the newest decode chunk's keys are read at 8 bits rather than at key_bits, which is where a
                    3-bit key cache loses most next-token accuracy, results/tail "Which keys cost Qwen2.5 its KL"),
-                   or "auto" (2 x buffer_size where key_buffer is per token and values are held). Needs a per-token
-                   key_buffer and value_buffer_size (keys are held only with their values)
+                   or "auto" (the default: 2 x buffer_size where key_buffer is per token and values are held,
+                   else None; resolved as value_buffer_size is). Needs a per-token key_buffer and value_buffer_size
+                   (keys are held only with their values)
     key_axis / value_axis: "channel" (groups run along tokens) or "token" (groups run along channels)
     pre_rope:      compress keys before rotary embedding and rotate them when read
     rotation:      "none" | "keys" | "values" | "both": an orthonormal Walsh–Hadamard rotation along head_dim
@@ -114,7 +115,7 @@ class GearConfig:
 
     # defaults: RECOMMENDED[DEFAULT_RECOMMENDED] (checked by tests/test_side_info.py); presets: PAPER_FIELDS
     method: str = "kivi"
-    key_bits: int | float = 3.125  # a float only as the mean of allocated widths (key_bit_allocation="query")
+    key_bits: int | float = 2.75  # a float only as the mean of allocated widths (key_bit_allocation="query")
     value_bits: int = 3
     group_size: int = 128
     rank_prefill: int = 4
@@ -139,7 +140,7 @@ class GearConfig:
     value_buffer: str = "int4"
     value_statistics: str = "auto"
     value_buffer_size: int | str | None = "auto"
-    key_buffer_size: int | str | None = None
+    key_buffer_size: int | str | None = "auto"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

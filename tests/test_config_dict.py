@@ -98,3 +98,13 @@ def test_preset_bits_error_names_bits(bits):
     assert f"bits={bits!r} is invalid; allowed: 2, 3, 4, 8" in message
     assert "key_bits" not in message.replace("sets both key_bits and value_bits", "") and "query" not in message
 
+
+
+def test_every_version_loads_with_the_fields_it_had():
+    """A field added later takes, in older versions' entries, the value that keeps their meaning: config versions 1-4
+    held no values and no keys a chunk longer (versions 2-3 once loaded with today's "auto" held values: 256 tokens of
+    an int4 value buffer), version 5 held values only, version 6 both."""
+    held = {v: (GearConfig.from_dict({VERSION_KEY: v}).value_buffer_size,
+                GearConfig.from_dict({VERSION_KEY: v}).key_buffer_size) for v in DEFAULTS_BY_VERSION}
+    assert held == {1: (None, None), 2: (None, None), 3: (None, None), 4: (None, None), 5: (128, None),
+                    6: (128, 128)}

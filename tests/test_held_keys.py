@@ -86,7 +86,7 @@ def test_fused_cpu_attention_reads_held_keys_as_the_reference_path():
     attention (handed both streams as they store them) gives the torch backend's tokens and logits."""
     model = tiny_model("llama3", head_dim=32)
     ids, mask = prompts(3, 45, seed=1, pads=[0, 9, 20])
-    runs = [_generate(model, ids, mask, GearConfig(**FUSED, key_buffer_size=32, backend=backend), 28)
+    runs = [_generate(model, ids, mask, GearConfig(**dict(FUSED, key_buffer_size=32), backend=backend), 28)
             for backend in ("torch", "auto")]
     (tokens, scores, paths, cache), (fused_tokens, fused_scores, fused_paths, _) = runs
     assert max(cache.decode_chunks) >= 2 and paths == {"reference": 27 * 2} and fused_paths == {"fused": 27 * 2}
@@ -102,7 +102,7 @@ def test_sliding_window_releases_around_held_keys():
     and numba paths agree, and the key store stays bounded by the window."""
     model = tiny_model("mistral", head_dim=32, window=40)
     ids, mask = prompts(2, 30, seed=3, pads=[0, 5])
-    runs = [_generate(model, ids, mask, GearConfig(**FUSED, key_buffer_size=32, backend=backend), 56)
+    runs = [_generate(model, ids, mask, GearConfig(**dict(FUSED, key_buffer_size=32), backend=backend), 56)
             for backend in ("torch", "auto")]
     (tokens, scores, _, cache), (fused_tokens, fused_scores, fused_paths, _) = runs
     layer = cache.layers[0]
@@ -132,5 +132,5 @@ def test_vllm_block_format_holds_no_keys():
     buffer): its block format drops key_buffer_size as it drops value_buffer_size."""
     from gear_hf.vllm.format import block_config
 
-    block = block_config(GearConfig(**FUSED, key_buffer_size=32), 16, 32)
+    block = block_config(GearConfig(**dict(FUSED, key_buffer_size=32)), 16, 32)
     assert block.key_buffer_size is None and block.value_buffer_size is None

@@ -20,7 +20,7 @@ from tiny_models import prompts, tiny_model
 D, H = 32, 2
 # a small GearConfig() (value_buffer "int4": rotated per-token codes), keys flushing every 16 tokens
 HELD = dict(group_size=16, buffer_size=16, prompt_group_size=32, value_buffer_size=32, key_bit_allocation="uniform",
-            key_bits=3)
+            key_bits=3, key_buffer_size=None)  # (values held, keys not: tests/test_held_keys.py holds both)
 
 
 def _fill(config: GearConfig, steps: list[int], seed: int = 0, expected_length: int | None = None):
@@ -98,7 +98,7 @@ def _generate(model, ids, mask, config, steps: int, **kwargs):
     return out.sequences, torch.stack(out.scores, 1).float(), dict(cache.step_paths), cache
 
 
-FUSED = dict(group_size=16, buffer_size=16, prompt_group_size=32, value_buffer_size=32)
+FUSED = dict(group_size=16, buffer_size=16, prompt_group_size=32, value_buffer_size=32, key_buffer_size=None)
 
 
 GEAR_2 = dict(method="gear", key_bits=2, value_bits=2, key_bit_allocation="uniform", outlier_ratio=0.05)

@@ -234,15 +234,20 @@ def test_recommended_follows_the_measured_frontier():
         config = gear_hf.GearConfig.recommended(name=name)
         assert all(getattr(config, k) == v for k, v in fields.items() if v != "auto")  # ("auto": resolved)
     assert gear_hf.GearConfig.recommended(3.2) == gear_hf.GearConfig.recommended(name="balanced")
-    assert gear_hf.GearConfig.recommended(3.5) == gear_hf.GearConfig.recommended(name="lean")
+    assert gear_hf.GearConfig.recommended(3.35) == gear_hf.GearConfig.recommended(name="lean")
     accurate = gear_hf.GearConfig.recommended(name="accurate")  # (GearConfig() of config version 4)
     assert gear_hf.GearConfig.recommended(3.6) == accurate != gear_hf.GearConfig()
-    steady = gear_hf.GearConfig.recommended(3.52)
-    assert steady == gear_hf.GearConfig.recommended(name="steady") == gear_hf.GearConfig()
-    assert (steady.buffer_size, steady.key_group, steady.value_buffer_size, steady.value_statistics) == \
-        (64, 64, 128, "8")
-    small = gear_hf.GearConfig.recommended("steady", buffer_size=16)  # key groups and held values follow the buffer
-    assert (small.key_group, small.value_buffer_size) == (16, 32)
+    steady = gear_hf.GearConfig.recommended(3.52)  # (GearConfig() of config version 5: keys not held)
+    assert steady == gear_hf.GearConfig.recommended(name="steady") == gear_hf.GearConfig.from_dict(
+        {"gear_config_version": 5})
+    assert (steady.buffer_size, steady.key_group, steady.value_buffer_size, steady.value_statistics,
+            steady.key_buffer_size) == (64, 64, 128, "8", None)
+    held = gear_hf.GearConfig.recommended(3.45)
+    assert held == gear_hf.GearConfig.recommended(name="held") == gear_hf.GearConfig()
+    assert (held.buffer_size, held.key_group, held.value_buffer_size, held.key_buffer_size, held.key_bits) == \
+        (64, 64, 128, 128, 2.75)
+    small = gear_hf.GearConfig.recommended("held", buffer_size=16)  # key groups and held chunks follow the buffer
+    assert (small.key_group, small.value_buffer_size, small.key_buffer_size) == (16, 32, 32)
     compact = gear_hf.GearConfig.recommended(3.1)  # values per channel; the prompt chunk alone in 256-token groups
     assert (compact.value_axis, compact.key_group, compact.value_group, compact.prompt_group_size,
             compact.buffer_size, compact.key_bits, compact.key_bit_allocation) == \
@@ -250,7 +255,7 @@ def test_recommended_follows_the_measured_frontier():
     default = gear_hf.GearConfig()  # keys allocated by the queries, values per token, the buffer coded
     assert (default.key_bits, default.value_bits, default.value_axis, default.range_search, default.rotation,
             default.key_buffer, default.value_buffer, default.buffer_size, default.sink_tokens) == \
-        (3.125, 3, "token", "none", "values", "int8-rotated", "int4", 64, 4)
+        (2.75, 3, "token", "none", "values", "int8-rotated", "int4", 64, 4)
     lean = gear_hf.GearConfig.recommended(name="lean")  # values per channel with searched ranges, keys 2.875 bits
     assert (lean.key_bits, lean.value_axis, lean.range_search, lean.value_buffer) == \
         (2.875, "channel", "values", "int4")

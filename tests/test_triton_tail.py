@@ -37,9 +37,11 @@ def _config(name: str) -> GearConfig:
     """Test-sized configurations: (compressed values rotated?, key tail, value tail)."""
     gear4 = dict(bits=4, group_size=16, buffer_size=32, outlier_ratio=0.1)
     return {
-        # GearConfig(): rotated 3-bit values (ROT_V), 8-bit rotated keys and 4-bit rotated values in the buffer
-        "default": GearConfig(group_size=32, buffer_size=32, prompt_group_size=64),
-        "default-int8": GearConfig(group_size=32, buffer_size=32, prompt_group_size=64, value_buffer="int8"),
+        # GearConfig(): rotated 3-bit values (ROT_V), 8-bit rotated keys and 4-bit rotated values in the buffer, keys
+        # not held (version 5's "steady"; keys held too: test_kernels_read_held_keys_and_values)
+        "default": GearConfig(group_size=32, buffer_size=32, prompt_group_size=64, key_buffer_size=None),
+        "default-int8": GearConfig(group_size=32, buffer_size=32, prompt_group_size=64, value_buffer="int8",
+                                   key_buffer_size=None),
         # unrotated compressed values: a rotated tail is rotated back in the kernel
         "gear4-int8-int4": GearConfig.preset("gear", **gear4, key_buffer="int8", value_buffer="int4"),
         "gear4-int8": GearConfig.preset("gear", **gear4, key_buffer="int8", value_buffer="int8"),
@@ -47,10 +49,11 @@ def _config(name: str) -> GearConfig:
                                                 value_buffer="int8-rotated"),
         "gear4-int4": GearConfig.preset("gear", **gear4, key_buffer="int4", value_buffer="int4"),
         # one stream coded, the other handed full precision (the "final" values are decoded by the oracle)
-        "default-final": GearConfig(group_size=32, buffer_size=32, prompt_group_size=64, value_buffer="final"),
+        "default-final": GearConfig(group_size=32, buffer_size=32, prompt_group_size=64, value_buffer="final",
+                                    key_buffer_size=None),
         "gear4-full-int4": GearConfig.preset("gear", **gear4, key_buffer="full", value_buffer="int4"),
         # 64-token decode chunks: the tensor-core kernel's 64-token blocks (a held chunk in 32-token steps)
-        "b64": GearConfig(group_size=32, buffer_size=64, prompt_group_size=64),
+        "b64": GearConfig(group_size=32, buffer_size=64, prompt_group_size=64, key_buffer_size=None),
     }[name]
 
 
@@ -174,7 +177,7 @@ def test_kernels_read_a_held_value_chunk(name, d, kv_heads, group, steps, q_len,
     row's buffer tokens after it, this step's own tokens exact), as the float32 oracle attends them; and from the
     value buffer handed decoded (full precision, its own head stride: it holds buffer_size more tokens than keys')."""
     cfg = _config(name)
-    cfg = cfg.replace(value_buffer_size=2 * cfg.buffer_size)
+    cfg = cfg.replace(value_buffer_size=2 * cfg.buffer_size, key_buffer_size=None)  # (values alone held)
     with torch.inference_mode():
         cache = _cache(cfg, d=d, kv_heads=kv_heads, steps=steps if in_step else (*steps, q_len), q_len=q_len,
                        in_step=in_step, dtype=dtype)
