@@ -212,7 +212,8 @@ def test_generate_llama3_fused_equals_torch(fused):
 def test_generate_default_config_fused_equals_torch(fused):
     """GearConfig()'s storage (kivi, key widths allocated by the queries with a mean of 2.75 bits, 3-bit values
     rotated per token, 4 sinks, the prompt in longer groups, the buffer at 8-bit rotated keys / 4-bit rotated values,
-    both held a chunk longer) at small groups: every decode step takes the fused path and generation equals the torch reference path."""
+    both held a chunk longer) at small groups: every decode step takes the fused path and generation equals the
+    torch reference path."""
     default = GearConfig()
     assert (default.method, default.key_bits, default.value_bits, default.rotation, default.key_bit_allocation,
             default.value_axis, default.key_buffer, default.value_buffer) == \
