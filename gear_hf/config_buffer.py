@@ -35,28 +35,27 @@ def check_buffers(cfg: "GearConfig", fail: Callable[[str, Any, str], None]) -> N
             cfg.value_axis != "token" or cfg.range_search in ("values", "both") or cfg.value_buffer == "final"):
         fail("value_statistics", cfg.value_statistics, "'16' unless values are grouped per token (value_axis="
              "'token') with min/max ranges (range_search not 'values' / 'both') and a buffer other than 'final'")
-    held = cfg.value_buffer_size
-    if held is not None:
-        if isinstance(held, bool) or not isinstance(held, int) or held != 2 * cfg.buffer_size:
-            fail("value_buffer_size", held, f"'auto', None or 2 x buffer_size = {2 * cfg.buffer_size} (values "
-                                            "held one decode chunk longer than keys)")
-        if cfg.compresses and cfg.value_buffer not in HOLDING_BUFFERS:
-            fail("value_buffer_size", held, f"None with value_buffer={cfg.value_buffer!r} (values are held "
-                                            "one chunk longer in a per-token format: value_buffer 'int8', "
-                                            "'int8-rotated' or 'int4')")
-    held_keys = cfg.key_buffer_size
-    if held_keys is not None:
-        if isinstance(held_keys, bool) or not isinstance(held_keys, int) or held_keys != 2 * cfg.buffer_size:
-            fail("key_buffer_size", held_keys, f"'auto', None or 2 x buffer_size = {2 * cfg.buffer_size} (keys held "
-                                               "one decode chunk longer)")
-        if cfg.compresses and cfg.key_buffer not in HOLDING_BUFFERS:
-            fail("key_buffer_size", held_keys, f"None with key_buffer={cfg.key_buffer!r} (keys are held one chunk "
-                                               "longer in a per-token format: key_buffer 'int8', 'int8-rotated' or "
-                                               "'int4')")
-        if cfg.compresses and held is None:
-            # (the fused kernels read both streams' chunks and buffers from one boundary: keys held, values held)
-            fail("key_buffer_size", held_keys, f"None with value_buffer_size=None (keys are held a chunk longer only "
-                                               f"with their values: value_buffer_size = {2 * cfg.buffer_size})")
+    for stream in ("value", "key"):
+        _check_held(cfg, stream, fail)
+    if cfg.compresses and cfg.key_buffer_size is not None and cfg.value_buffer_size is None:
+        # (the fused kernels read both streams' chunks and buffers from one boundary: keys held, values held)
+        fail("key_buffer_size", cfg.key_buffer_size, f"None with value_buffer_size=None (keys are held a chunk longer "
+                                                     f"only with their values: value_buffer_size = "
+                                                     f"{2 * cfg.buffer_size})")
+
+
+def _check_held(cfg: "GearConfig", stream: str, fail: Callable[[str, Any, str], None]) -> None:
+    """`value_buffer_size` / `key_buffer_size`: None or 2 x buffer_size, held in a per-token buffer."""
+    field, buffer = f"{stream}_buffer_size", f"{stream}_buffer"
+    held = getattr(cfg, field)
+    if held is None:
+        return
+    if isinstance(held, bool) or not isinstance(held, int) or held != 2 * cfg.buffer_size:
+        fail(field, held, f"'auto', None or 2 x buffer_size = {2 * cfg.buffer_size} ({stream}s held one decode chunk "
+                          "longer)")
+    if cfg.compresses and getattr(cfg, buffer) not in HOLDING_BUFFERS:
+        fail(field, held, f"None with {buffer}={getattr(cfg, buffer)!r} ({stream}s are held one chunk longer in a "
+                          f"per-token format: {buffer} 'int8', 'int8-rotated' or 'int4')")
 
 
 def _auto_value_statistics(cfg: "GearConfig") -> str:

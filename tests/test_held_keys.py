@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_held_values import FUSED, HELD, _coded, _fill, _generate
+from test_held_values import FUSED, HELD, _fill, _generate, held_oracle
 
 from gear_hf import GearConfig
 from gear_hf.cache.fused import row_local_tokens
@@ -17,51 +17,22 @@ from tiny_models import prompts, tiny_model
 HELD_KEYS = dict(HELD, key_buffer_size=32)
 
 
-def _expected(x: torch.Tensor, fmt, steps: list[int], cache) -> torch.Tensor:
-    """[H, T, d]: what a stream with a held chunk holds of x [1,H,T,d] (the oracle): the prompt chunk and the chunks
-    flushed with it compressed from the exact tokens, later chunks from their buffered codes, the newest chunk with
-    the buffer in the buffer's format (this step's own tokens exact)."""
-    nb, (s,), (p,), (c,) = 16, cache.sink_len, cache.prefill_len, cache.decode_chunks
-    expected = [x[:, :, :s]]
-    if p:
-        expected.append(_coded(x[:, :, s : s + p], fmt.prompt))
-    prompt_chunks = (steps[0] - s - p) // nb  # chunks the prompt step flushed (the last of them was held)
-    for j in range(c - 1):
-        chunk = x[:, :, s + p + j * nb : s + p + (j + 1) * nb]
-        source = chunk if j < prompt_chunks - 1 else _coded(chunk, fmt.tail)
-        expected.append(_coded(source, fmt.decode))
-    expected.append(_coded(x[:, :, s + p + (c - 1) * nb :], fmt.tail) if c else x[:, :, s + p :])
-    return torch.cat(expected, 2)[0]
-
-
 @pytest.mark.parametrize("steps", [[40] + [1] * 45, [75] + [1] * 20, [5] + [1] * 50 + [7, 3]])
 def test_keys_held_a_chunk_longer_token_by_token(steps):
     """Keys are where the oracle says, as values are (and values as without key_buffer_size); the newest chunk's
     keys are read from the key buffer's codes, not from a chunk."""
     config = GearConfig(**HELD_KEYS)
-    held, _ = _fill(config, steps)
+    held, x = _fill(config, steps, stream="key")
     plain, _ = _fill(GearConfig(**HELD), steps)
     (keys, values), = row_local_tokens(held, 0)
     (plain_keys, plain_values), = row_local_tokens(plain, 0)
     assert torch.equal(values, plain_values)
     nb, (s,), (p,), (c,) = 16, held.sink_len, held.prefill_len, held.decode_chunks
     older = s + p + max(c - 1, 0) * nb  # tokens before the newest chunk
-    x = torch.cat([k for k, _ in _stored(config, steps)], 2)
     key_format = layer_formats(config)[0]
-    torch.testing.assert_close(keys, _expected(x, key_format, steps, held), rtol=0, atol=1e-6)
+    torch.testing.assert_close(keys, held_oracle(x, key_format, steps, held), rtol=0, atol=1e-6)
     if c:  # (the newest chunk: 8-bit rotated codes here, not the chunk's 3 bits)
         assert not torch.equal(keys[:, older:older + nb], plain_keys[:, older:older + nb])
-
-
-def _stored(config: GearConfig, steps: list[int], seed: int = 0):
-    """The (keys, values) `_fill` feeds, step by step (its generator, in its order)."""
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for q in steps:
-        k = torch.randn(1, 2, q, 32, generator=gen)
-        v = torch.randn(1, 2, q, 32, generator=gen)
-        out.append((k, v))
-    return out
 
 
 def test_config_holds_keys_only_with_a_per_token_buffer_and_held_values():

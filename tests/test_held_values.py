@@ -23,24 +23,44 @@ HELD = dict(group_size=16, buffer_size=16, prompt_group_size=32, value_buffer_si
             key_bits=3, key_buffer_size=None)  # (values held, keys not: tests/test_held_keys.py holds both)
 
 
-def _fill(config: GearConfig, steps: list[int], seed: int = 0, expected_length: int | None = None):
-    """One row, one layer: a prompt of steps[0] tokens, then steps[1:] (returns the cache and every value stored)."""
+def _fill(config: GearConfig, steps: list[int], seed: int = 0, expected_length: int | None = None,
+          stream: str = "value"):
+    """One row, one layer: a prompt of steps[0] tokens, then steps[1:] (returns the cache and every value stored, or
+    every key with stream="key")."""
     gen = torch.Generator().manual_seed(seed)
     cache = GearCache(types.SimpleNamespace(num_hidden_layers=1), config, expected_length=expected_length)
-    values, seen = [], 0
+    stored, seen = [], 0
     for q in steps:
         k = torch.randn(1, H, q, D, generator=gen)
         v = torch.randn(1, H, q, D, generator=gen)
         cache.observe_attention_mask(torch.ones(1, seen + q, dtype=torch.long))
         cache.store_and_read(0, k, v, torch.arange(seen, seen + q)[None])
-        values.append(v)
+        stored.append(k if stream == "key" else v)
         seen += q
-    return cache, torch.cat(values, 2)
+    return cache, torch.cat(stored, 2)
 
 
 def _coded(x: torch.Tensor, spec) -> torch.Tensor:
     """x [1,H,n,d] through a format and back (the oracle)."""
     return decompress(compress(x, spec), spec, x.shape[2], D, x.dtype)
+
+
+def held_oracle(x: torch.Tensor, fmt, steps: list[int], cache, nb: int = 16) -> torch.Tensor:
+    """[H, T, d]: what a stream with a held chunk holds of x [1,H,T,d], one row fed `steps`: the prompt chunk and the
+    chunks flushed with it compressed from the exact tokens, later chunks from their buffered codes one flush after
+    the layout flushed them, and the newest chunk with the buffer in the buffer's format (a buffer with no chunk
+    before it: the step's own tokens exact)."""
+    (s,), (p,), (c,) = cache.sink_len, cache.prefill_len, cache.decode_chunks
+    expected = [x[:, :, :s]]
+    if p:
+        expected.append(_coded(x[:, :, s : s + p], fmt.prompt))
+    prompt_chunks = (steps[0] - s - p) // nb  # chunks the prompt step flushed (the last of them was held)
+    for j in range(c - 1):
+        chunk = x[:, :, s + p + j * nb : s + p + (j + 1) * nb]
+        source = chunk if j < prompt_chunks - 1 else _coded(chunk, fmt.tail)
+        expected.append(_coded(source, fmt.decode))
+    expected.append(_coded(x[:, :, s + p + (c - 1) * nb :], fmt.tail) if c else x[:, :, s + p :])
+    return torch.cat(expected, 2)[0]
 
 
 @pytest.mark.parametrize("steps", [[40] + [1] * 45, [75] + [1] * 20, [5] + [1] * 50 + [7, 3]])
@@ -56,21 +76,8 @@ def test_values_held_a_chunk_longer_token_by_token(steps, value_buffer):
     (plain_keys, _), = row_local_tokens(plain, 0)
     assert torch.equal(keys, plain_keys)
 
-    nb, (s,), (p,), (c,), (f,) = 16, held.sink_len, held.prefill_len, held.decode_chunks, held.buffer_len
-    fmt = layer_formats(config)[1]
-    expected = [x[:, :, :s]]
-    if p:
-        expected.append(_coded(x[:, :, s : s + p], fmt.prompt))
-    prompt_chunks = (steps[0] - s - p) // nb  # chunks the prompt step flushed (the last of them was held)
-    for j in range(c - 1):
-        chunk = x[:, :, s + p + j * nb : s + p + (j + 1) * nb]
-        source = chunk if j < prompt_chunks - 1 else _coded(chunk, fmt.tail)
-        expected.append(_coded(source, fmt.decode))
-    if c:
-        expected.append(_coded(x[:, :, s + p + (c - 1) * nb :], fmt.tail))
-    else:
-        expected.append(x[:, :, s + p :])  # (a buffer with no chunk before it: the step's own tokens exact)
-    expected = torch.cat(expected, 2)[0]
+    nb, (c,), (f,) = 16, held.decode_chunks, held.buffer_len
+    expected = held_oracle(x, layer_formats(config)[1], steps, held)
     assert values.shape == expected.shape
     torch.testing.assert_close(values, expected, rtol=0, atol=1e-6)
     assert held.layers[0].value_stream.buffer.capacity >= f + (nb if c else 0)

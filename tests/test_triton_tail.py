@@ -89,6 +89,20 @@ def _attend(cache, q, *, tensor_core, reader):
     return out, keys, values, layout
 
 
+def _attended(cfg, *, d, kv_heads, group, steps, q_len, in_step, tensor_core, dtype):
+    """A random cache after `steps` (+ a staged step when in_step) and a query of kv_heads * group heads: (cache,
+    (out, keys, values, layout) with the coded buffers read as stored, the same handed decoded, the float32 oracle)."""
+    with torch.inference_mode():
+        cache = _cache(cfg, d=d, kv_heads=kv_heads, steps=steps if in_step else (*steps, q_len), q_len=q_len,
+                       in_step=in_step, dtype=dtype)
+        q = torch.randn(2, kv_heads * group, q_len, d, generator=torch.Generator().manual_seed(d + q_len))
+        q = q.to(dtype).to(DEVICE)
+        stored = _attend(cache, q, tensor_core=tensor_core, reader=TritonBackend())
+        decoded = _attend(cache, q, tensor_core=tensor_core, reader=None)
+        ref = reference_decode_attention(cache, 0, q, scaling=d ** -0.5, inv_freq=_inv_freq(d))
+    return cache, stored, decoded, ref
+
+
 def _err(out, ref):
     return ((out.float() - ref.float()).abs().max() / ref.abs().max()).item()
 
@@ -120,14 +134,9 @@ def test_kernels_read_the_coded_buffer_as_the_oracle(name, d, kv_heads, group, s
                                                      dtype):
     cfg = _config(name)
     fmt = layer_formats(cfg)
-    with torch.inference_mode():
-        cache = _cache(cfg, d=d, kv_heads=kv_heads, steps=steps if in_step else (*steps, q_len), q_len=q_len,
-                       in_step=in_step, dtype=dtype)
-        q = torch.randn(2, kv_heads * group, q_len, d, generator=torch.Generator().manual_seed(d + q_len))
-        q = q.to(dtype).to(DEVICE)
-        out, keys, values, layout = _attend(cache, q, tensor_core=tensor_core, reader=TritonBackend())
-        decoded, *_ = _attend(cache, q, tensor_core=tensor_core, reader=None)
-        ref = reference_decode_attention(cache, 0, q, scaling=d ** -0.5, inv_freq=_inv_freq(d))
+    cache, (out, keys, values, layout), (decoded, *_), ref = _attended(
+        cfg, d=d, kv_heads=kv_heads, group=group, steps=steps, q_len=q_len, in_step=in_step, tensor_core=tensor_core,
+        dtype=dtype)
     # the views carry the codes as stored (not a decoded copy) for each coded stream, and no tail for the others
     for view, choice in ((keys, cfg.key_buffer), (values, cfg.value_buffer)):
         coded = choice in TAIL_SPECS
@@ -178,14 +187,9 @@ def test_kernels_read_a_held_value_chunk(name, d, kv_heads, group, steps, q_len,
     value buffer handed decoded (full precision, its own head stride: it holds buffer_size more tokens than keys')."""
     cfg = _config(name)
     cfg = cfg.replace(value_buffer_size=2 * cfg.buffer_size, key_buffer_size=None)  # (values alone held)
-    with torch.inference_mode():
-        cache = _cache(cfg, d=d, kv_heads=kv_heads, steps=steps if in_step else (*steps, q_len), q_len=q_len,
-                       in_step=in_step, dtype=dtype)
-        q = torch.randn(2, kv_heads * group, q_len, d, generator=torch.Generator().manual_seed(d + q_len))
-        q = q.to(dtype).to(DEVICE)
-        out, keys, values, layout = _attend(cache, q, tensor_core=tensor_core, reader=TritonBackend())
-        decoded, _, decoded_values, _ = _attend(cache, q, tensor_core=tensor_core, reader=None)
-        ref = reference_decode_attention(cache, 0, q, scaling=d ** -0.5, inv_freq=_inv_freq(d))
+    _, (out, keys, values, layout), (decoded, _, decoded_values, _), ref = _attended(
+        cfg, d=d, kv_heads=kv_heads, group=group, steps=steps, q_len=q_len, in_step=in_step, tensor_core=tensor_core,
+        dtype=dtype)
     assert decoded_values.tail is None and decoded_values.held_chunk
     assert _err(decoded, ref) < TOL[dtype], _err(decoded, ref)
     chunks = layout.rows[:, 2].tolist()
@@ -213,13 +217,9 @@ def test_kernels_read_held_keys_and_values(name, d, kv_heads, group, steps, q_le
     oracle attends them; the kernel sees no held chunk, rows of (c - 1) chunks and buffer_size more buffered tokens."""
     cfg = _config(name)
     cfg = cfg.replace(value_buffer_size=2 * cfg.buffer_size, key_buffer_size=2 * cfg.buffer_size)
-    with torch.inference_mode():
-        cache = _cache(cfg, d=d, kv_heads=kv_heads, steps=steps if in_step else (*steps, q_len), q_len=q_len,
-                       in_step=in_step, dtype=dtype)
-        q = torch.randn(2, kv_heads * group, q_len, d, generator=torch.Generator().manual_seed(d + q_len))
-        q = q.to(dtype).to(DEVICE)
-        out, keys, values, layout = _attend(cache, q, tensor_core=tensor_core, reader=TritonBackend())
-        ref = reference_decode_attention(cache, 0, q, scaling=d ** -0.5, inv_freq=_inv_freq(d))
+    cache, (out, keys, values, layout), (decoded, *_), ref = _attended(
+        cfg, d=d, kv_heads=kv_heads, group=group, steps=steps, q_len=q_len, in_step=in_step, tensor_core=tensor_core,
+        dtype=dtype)
     counts = cache.layout.plan.attend if in_step else cache.layout.counts
     assert not keys.held_chunk and not values.held_chunk and keys.tail is not None and values.tail is not None
     assert layout.rows[:, 2].tolist() == [max(c - 1, 0) for c in counts.chunks] and max(counts.chunks) >= 2
@@ -227,6 +227,7 @@ def test_kernels_read_held_keys_and_values(name, d, kv_heads, group, steps, q_le
                                                                                         counts.buffer)]
     assert out.shape == ref.shape and torch.isfinite(out).all()
     assert _err(out, ref) < TOL[dtype], _err(out, ref)
+    assert _err(decoded, ref) < TOL[dtype], _err(decoded, ref)  # (the buffers handed decoded)
 
 
 def test_a_wrong_code_changes_the_output():
