@@ -41,7 +41,7 @@ CONFIGS = {
     "vc3g64+b64+keys-int8+values-int8": dict(_VC3, **_B64, value_group_size=64, key_buffer="int8", value_buffer="int8"),
     "vc3k2.875+keys-int8+values-int4": dict(_VC3, key_bits=2.875, key_buffer="int8", value_buffer="int4"),
     "vc3s1+keys-int8+values-int4": dict(_VC3, sink_tokens=1, key_buffer="int8", value_buffer="int4"),
-    "default": {},  # today's GearConfig() (config version 5: "steady")
+    "default": {},  # today's GearConfig() (config version 6: "held"; version 5: "steady")
     "accurate": {},  # config version 4's GearConfig()
     "value-stats8": dict(key_buffer="int8", value_buffer="int4", value_statistics="8"),  # GearConfig()'s, 8-bit stats
     # keys flushing every 64 tokens, values one chunk later (value_buffer_size: 64..128 values buffered at 4 bits)
@@ -83,6 +83,10 @@ ABLATIONS = {
     "b48+kh+k3": dict(buffer_size=48, key_group_size=48, value_buffer_size=96, key_buffer_size=96, key_bits=3),
     "b48+kh+k2.875": dict(buffer_size=48, key_group_size=48, value_buffer_size=96, key_buffer_size=96,
                           key_bits=2.875),
+    "b48+kh+vbuf8r+k2.75": dict(buffer_size=48, key_group_size=48, value_buffer_size=96, key_buffer_size=96,
+                                value_buffer="int8-rotated", key_bits=2.75),
+    "b48+kh+vbuf8r+k2.5": dict(buffer_size=48, key_group_size=48, value_buffer_size=96, key_buffer_size=96,
+                               value_buffer="int8-rotated", key_bits=2.5),
     "b32+kh": dict(buffer_size=32, key_group_size=32, value_buffer_size=64, key_buffer_size=64),
     "b32+kh+vbuf8r+k2.75": dict(buffer_size=32, key_group_size=32, value_buffer_size=64, key_buffer_size=64,
                                 value_buffer="int8-rotated", key_bits=2.75),

@@ -30,7 +30,7 @@ CONFIGS = {  # fields over recommended(name="accurate") (GearConfig() of config 
            # recommended(name="steady"), GearConfig() from config version 5: 64-token key chunks, values held a
            # chunk longer, 8-bit value statistics
            "steady": dict(buffer_size=64, value_buffer_size="auto", value_statistics="8"),
-           "default": None}
+           "default": None}  # GearConfig() (config version 6: "held", keys held a chunk longer too)
 
 
 class _StepClock:
