@@ -51,12 +51,11 @@ from typing import Any
 # "held" (GearConfig() from config version 6) is "steady" with its keys held a chunk longer too (key_buffer_size=128:
 # each row's newest 64..127 keys at 8 bits, rotated, as its values at 4), paid for by 2.75-bit keys in the chunks
 # (session 26 found Qwen2.5's KL gap in the newest decode chunk's keys). Fused CPU path, bf16, 1,024-token prompt + 96
-# teacher-forced steps, side by side on one machine (results/tail/ "Keys held a chunk longer"): 3.459 / 3.577 bits
-# owned (mean / max; "steady" 3.488 / 3.593), mean KL on Qwen2.5's three texts 0.0040 ("steady" 0.0062, kivi-4
-# 0.0035: above it on all three, 1.1-1.2x), on SmolLM2's eight 0.0122 ("steady" 0.0123, kivi-4 0.0113; below kivi-4
-# on 4 of 8). Over T=1024..4096: 3.403 mean / 3.577 max on d=64 ("steady" 3.515 / 3.605), 3.332 / 3.491 on d=128.
-# With 3.125-bit keys (key_bits unchanged) the held keys reach kivi-4 on 2 of 3 Qwen2.5 texts and 7 of 8 SmolLM2 ones
-# but own 3.630 / 3.741.
+# teacher-forced steps, side by side on one machine (results/tail/ "Keys held a chunk longer", "More texts"): 3.459 /
+# 3.577 bits owned (mean / max; "steady" 3.488 / 3.593); mean KL over 24 SmolLM2 GSM8K texts 1.00x kivi-4's
+# ("steady" 1.07x), over 11 Qwen2.5 texts 1.08x ("steady" 1.05x). Over T=1024..4096: 3.403 mean / 3.577 max on d=64
+# ("steady" 3.515 / 3.605), 3.332 / 3.491 on d=128. With 3.125-bit keys (key_bits unchanged) held keys were below
+# kivi-4 on 2 of 3 Qwen2.5 texts and 7 of 8 SmolLM2 ones but own 3.630 / 3.741.
 _ALLOCATED = dict(method="kivi", key_bit_allocation="query", rotation="values", group_size=128, sink_tokens=4,
                   prompt_group_size=256)
 _COMPACT = dict(_ALLOCATED, value_axis="channel", range_search="values")
