@@ -55,6 +55,9 @@ CONFIGS = {
 # session 22, where Qwen2.5's KL goes (results/tail/qwen-gap/): "steady" with one field changed ("s+..." names)
 _STEADY = CONFIGS["steady"]
 _HELD = dict(value_buffer_size=128)
+# shorter buffers with both streams held a chunk longer (key groups follow the buffer)
+_B32_HELD = dict(buffer_size=32, key_group_size=32, value_buffer_size=64, key_buffer_size=64)
+_B48_HELD = dict(buffer_size=48, key_group_size=48, value_buffer_size=96, key_buffer_size=96)
 ABLATIONS = {
     "s+kbuf16": dict(key_buffer="full"),  # 16-bit keys in the buffer (values still held at 4 bits)
     "s+vbuf8r": dict(value_buffer="int8-rotated"),  # the held values at 8 bits (rotated)
@@ -77,19 +80,14 @@ ABLATIONS = {
     "s+kh+vbuf8r": dict(key_buffer_size=128, value_buffer="int8-rotated"),  # both held chunks at 8 bits
     "s+kh+vbuf8r+k2.75": dict(key_buffer_size=128, value_buffer="int8-rotated", key_bits=2.75),
     "s+kh+vbuf8r+k2.5": dict(key_buffer_size=128, value_buffer="int8-rotated", key_bits=2.5),
-    "b32+kh+vbuf8r": dict(buffer_size=32, key_group_size=32, value_buffer_size=64, key_buffer_size=64,
-                          value_buffer="int8-rotated"),
-    "b48+kh": dict(buffer_size=48, key_group_size=48, value_buffer_size=96, key_buffer_size=96),
-    "b48+kh+k3": dict(buffer_size=48, key_group_size=48, value_buffer_size=96, key_buffer_size=96, key_bits=3),
-    "b48+kh+k2.875": dict(buffer_size=48, key_group_size=48, value_buffer_size=96, key_buffer_size=96,
-                          key_bits=2.875),
-    "b48+kh+vbuf8r+k2.75": dict(buffer_size=48, key_group_size=48, value_buffer_size=96, key_buffer_size=96,
-                                value_buffer="int8-rotated", key_bits=2.75),
-    "b48+kh+vbuf8r+k2.5": dict(buffer_size=48, key_group_size=48, value_buffer_size=96, key_buffer_size=96,
-                               value_buffer="int8-rotated", key_bits=2.5),
-    "b32+kh": dict(buffer_size=32, key_group_size=32, value_buffer_size=64, key_buffer_size=64),
-    "b32+kh+vbuf8r+k2.75": dict(buffer_size=32, key_group_size=32, value_buffer_size=64, key_buffer_size=64,
-                                value_buffer="int8-rotated", key_bits=2.75),
+    "b32+kh+vbuf8r": dict(_B32_HELD, value_buffer="int8-rotated"),
+    "b48+kh": _B48_HELD,
+    "b48+kh+k3": dict(_B48_HELD, key_bits=3),
+    "b48+kh+k2.875": dict(_B48_HELD, key_bits=2.875),
+    "b48+kh+vbuf8r+k2.75": dict(_B48_HELD, value_buffer="int8-rotated", key_bits=2.75),
+    "b48+kh+vbuf8r+k2.5": dict(_B48_HELD, value_buffer="int8-rotated", key_bits=2.5),
+    "b32+kh": _B32_HELD,
+    "b32+kh+vbuf8r+k2.75": dict(_B32_HELD, value_buffer="int8-rotated", key_bits=2.75),
     "s+v4": dict(value_bits=4),
     "s+stats16": dict(value_statistics="16"),
     "s+sinks0": dict(sink_tokens=0),
