@@ -37,22 +37,31 @@ def check_buffers(cfg: "GearConfig", fail: Callable[[str, Any, str], None]) -> N
              "'token') with min/max ranges (range_search not 'values' / 'both') and a buffer other than 'final'")
     for stream in ("value", "key"):
         _check_held(cfg, stream, fail)
-    if cfg.compresses and cfg.key_buffer_size is not None and cfg.value_buffer_size is None:
-        # (the fused kernels read both streams' chunks and buffers from one boundary: keys held, values held)
-        fail("key_buffer_size", cfg.key_buffer_size, f"None with value_buffer_size=None (keys are held a chunk longer "
-                                                     f"only with their values: value_buffer_size = "
-                                                     f"{2 * cfg.buffer_size})")
+    if not cfg.compresses:
+        return
+    if cfg.key_buffer_size is not None and cfg.key_buffer_size != cfg.value_buffer_size:
+        # (the fused kernels read both streams' chunks and buffers from one boundary: keys held, values held alike)
+        fail("key_buffer_size", cfg.key_buffer_size, f"None or value_buffer_size = {cfg.value_buffer_size} (keys are "
+                                                     "held a chunk longer only with their values, and as long)")
+    if cfg.value_buffer_size is not None and cfg.value_buffer_size < 2 * cfg.buffer_size \
+            and cfg.key_buffer_size is None:
+        # (values held alone lag their keys by one chunk in every row: the kernels' held-values read)
+        fail("value_buffer_size", cfg.value_buffer_size, f"2 x buffer_size = {2 * cfg.buffer_size} while keys are not "
+                                                         "held (key_buffer_size=None); a shorter hold needs keys held "
+                                                         "as long")
 
 
 def _check_held(cfg: "GearConfig", stream: str, fail: Callable[[str, Any, str], None]) -> None:
-    """`value_buffer_size` / `key_buffer_size`: None or 2 x buffer_size, held in a per-token buffer."""
+    """`value_buffer_size` / `key_buffer_size`: None, or buffer_size + 1 .. 2 x buffer_size (a row's newest chunk held
+    until the buffer holds that size - buffer_size newer tokens), held in a per-token buffer."""
     field, buffer = f"{stream}_buffer_size", f"{stream}_buffer"
     held = getattr(cfg, field)
     if held is None:
         return
-    if isinstance(held, bool) or not isinstance(held, int) or held != 2 * cfg.buffer_size:
-        fail(field, held, f"'auto', None or 2 x buffer_size = {2 * cfg.buffer_size} ({stream}s held one decode chunk "
-                          "longer)")
+    nb = cfg.buffer_size
+    if isinstance(held, bool) or not isinstance(held, int) or not nb < held <= 2 * nb:
+        fail(field, held, f"'auto', None or an integer in [{nb + 1}, {2 * nb}] (buffer_size + 1 .. 2 x buffer_size: "
+                          f"{stream}s held one decode chunk longer, until the buffer holds that many tokens)")
     if cfg.compresses and getattr(cfg, buffer) not in HOLDING_BUFFERS:
         fail(field, held, f"None with {buffer}={getattr(cfg, buffer)!r} ({stream}s are held one chunk longer in a "
                           f"per-token format: {buffer} 'int8', 'int8-rotated' or 'int4')")
@@ -70,10 +79,10 @@ def _auto_value_buffer_size(cfg: "GearConfig") -> int | None:
 
 
 def _auto_key_buffer_size(cfg: "GearConfig") -> int | None:
-    """Keys held a chunk longer wherever the key buffer is per token and the values are held (after
+    """Keys held as long as the values wherever the key buffer is per token and the values are held (after
     value_buffer_size is resolved)."""
     held = cfg.compresses and cfg.key_buffer in HOLDING_BUFFERS and cfg.value_buffer_size is not None
-    return 2 * cfg.buffer_size if held else None
+    return cfg.value_buffer_size if held else None
 
 
 # fields whose default "auto" is resolved from others: (the fields it depends on, the resolution)

@@ -109,6 +109,11 @@ ABLATIONS = {
     "b32+sinks0": dict(buffer_size=32, key_group_size=32, value_buffer_size=64, sink_tokens=0),
     "b32+sinks0+stats16": dict(buffer_size=32, key_group_size=32, value_buffer_size=64, sink_tokens=0,
                                value_statistics="16"),
+    # session 28: both held chunks released early ("eN": key_buffer_size = value_buffer_size = N, released once
+    # N - 64 newer tokens are buffered: at most N - 1 buffered, not 127), paid back in wider keys
+    "e112+k2.875": dict(key_buffer_size=112, value_buffer_size=112, key_bits=2.875),
+    "e96+k2.875": dict(key_buffer_size=96, value_buffer_size=96, key_bits=2.875),
+    "e96+k3": dict(key_buffer_size=96, value_buffer_size=96, key_bits=3),
 }
 for _name, _fields in ABLATIONS.items():
     CONFIGS[_name] = {**_STEADY, **_fields}

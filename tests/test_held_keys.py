@@ -1,64 +1,97 @@
 """Keys held one chunk longer too (`GearConfig.key_buffer_size`, with `value_buffer_size`): each row's newest decode
-chunk of keys stays in the key buffer's per-token format until its next chunk flushes. What the cache holds, token by
-token, against the torch oracle (`gear_hf.compress`), and the paths that must agree on it (reference, numba fused,
-sliding windows, the memory report, the vLLM block format). The Triton kernels: tests/test_triton_tail.py."""
+chunk of keys stays in the key buffer's per-token format until its next chunk flushes, or, with a size below 2 x
+buffer_size, until size - buffer_size newer tokens are buffered after it (an early release: fewer tokens buffered at
+once). What the cache holds, token by token, against the torch oracle (`gear_hf.compress`), and the paths that must
+agree on it (reference, numba fused, sliding windows, beams, the memory report, the vLLM block format). The Triton
+kernels: tests/test_triton_tail.py; speculative crops: tests/test_speculative.py."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
-from test_held_values import FUSED, HELD, _fill, _generate, held_oracle
+from test_held_values import FUSED, HELD, D, H, _fill, _fill_rows, _generate, held_oracle
 
 from gear_hf import GearConfig
+from gear_hf.cache import GearCache
 from gear_hf.cache.fused import row_local_tokens
 from gear_hf.format import layer_formats
 from tiny_models import prompts, tiny_model
 
 HELD_KEYS = dict(HELD, key_buffer_size=32)
+SIZES = [32, 24, 17]  # held until the next chunk flushes, released 8 / 1 token(s) after it (buffer_size 16)
 
 
-@pytest.mark.parametrize("steps", [[40] + [1] * 45, [75] + [1] * 20, [5] + [1] * 50 + [7, 3]])
-def test_keys_held_a_chunk_longer_token_by_token(steps):
-    """Keys are where the oracle says, as values are (and values as without key_buffer_size); the newest chunk's
-    keys are read from the key buffer's codes, not from a chunk."""
-    config = GearConfig(**HELD_KEYS)
+def _held_both(size: int) -> dict:
+    return dict(HELD, value_buffer_size=size, key_buffer_size=size)
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("steps", [[40] + [1] * 45, [75] + [1] * 20, [5] + [1] * 50 + [7, 3], [46] + [1] * 30,
+                                   [40] + [1] * 10 + [9] + [1] * 5])
+def test_keys_held_a_chunk_longer_token_by_token(steps, size):
+    """Keys and values are where the oracle says; while a row holds its newest chunk (fewer than size - 16 tokens
+    after it) both streams read it from their buffer's codes, not from a chunk, and both hold alike."""
+    config = GearConfig(**_held_both(size))
     held, x = _fill(config, steps, stream="key")
-    plain, _ = _fill(GearConfig(**HELD), steps)
+    _, v = _fill(config, steps)
     (keys, values), = row_local_tokens(held, 0)
-    (plain_keys, plain_values), = row_local_tokens(plain, 0)
-    assert torch.equal(values, plain_values)
-    nb, (s,), (p,), (c,) = 16, held.sink_len, held.prefill_len, held.decode_chunks
-    older = s + p + max(c - 1, 0) * nb  # tokens before the newest chunk
-    key_format = layer_formats(config)[0]
+    key_format, value_format = layer_formats(config)
+    assert key_format.release_after == value_format.release_after == size - 16
     torch.testing.assert_close(keys, held_oracle(x, key_format, steps, held), rtol=0, atol=1e-6)
-    if c:  # (the newest chunk: 8-bit rotated codes here, not the chunk's 3 bits)
-        assert not torch.equal(keys[:, older:older + nb], plain_keys[:, older:older + nb])
+    torch.testing.assert_close(values, held_oracle(v, value_format, steps, held), rtol=0, atol=1e-6)
+    key_stream, value_stream = held.layers[0].streams
+    (c,), (f,) = held.decode_chunks, held.buffer_len
+    assert key_stream.holding == value_stream.holding == [c > 0 and f < size - 16]
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_an_early_release_buffers_fewer_tokens(size):
+    """A decode run of 80 single tokens: each stream's buffer never holds more than size - 1 tokens (the layout's
+    newest, plus the held chunk until size - 16 are buffered after it)."""
+    config = GearConfig(**_held_both(size))
+    gen = torch.Generator().manual_seed(0)
+    cache = GearCache(types.SimpleNamespace(num_hidden_layers=1), config)
+    most = seen = 0
+    for q in [40] + [1] * 80:
+        k, v = (torch.randn(1, H, q, D, generator=gen) for _ in range(2))
+        cache.observe_attention_mask(torch.ones(1, seen + q, dtype=torch.long))
+        cache.store_and_read(0, k, v, torch.arange(seen, seen + q)[None])
+        seen += q
+        for stream in cache.layers[0].streams:
+            most = max(most, stream.own(cache.layout.counts).buffer[0])
+    assert most == size - 1
 
 
 def test_config_holds_keys_only_with_a_per_token_buffer_and_held_values():
     small = dict(group_size=64, buffer_size=64)
-    for bad, allowed in ((dict(key_buffer_size=64), "'auto', None or 2 x buffer_size = 128"),
-                         (dict(key_buffer_size=True), "'auto', None or 2 x buffer_size = 128"),
+    for bad, allowed in ((dict(key_buffer_size=64), "'auto', None or an integer in [65, 128]"),
+                         (dict(key_buffer_size=True), "'auto', None or an integer in [65, 128]"),
                          (dict(key_buffer_size=128, key_buffer="full"), "'int8', 'int8-rotated' or 'int4'"),
-                         (dict(key_buffer_size=128, value_buffer_size=None), "only with their values")):
+                         (dict(key_buffer_size=128, value_buffer_size=None), "only with their values"),
+                         (dict(key_buffer_size=96, value_buffer_size=128), "as long")):
         with pytest.raises(ValueError, match="GearConfig.key_buffer_size") as err:
             GearConfig(**small, **bad)
         assert allowed in str(err.value)
     auto = GearConfig(**small, key_buffer_size="auto")
     assert (auto.value_buffer_size, auto.key_buffer_size) == (128, 128)
+    assert GearConfig(**small, value_buffer_size=96).key_buffer_size == 96  # ("auto": as long as the values)
     assert auto.replace(buffer_size=32).key_buffer_size == 64  # ("auto" follows the buffer, as value_buffer_size)
     assert auto.replace(value_buffer="full").key_buffer_size is None  # (no held values: no held keys)
     assert auto.replace(key_buffer="full").key_buffer_size is None
     assert GearConfig(**small, key_buffer_size="auto", method="fp16").key_buffer_size is None
 
 
-def test_fused_cpu_attention_reads_held_keys_as_the_reference_path():
-    """A left-padded batch whose rows flush on different steps, 28 decode steps under inference mode: the numba fused
-    attention (handed both streams as they store them) gives the torch backend's tokens and logits."""
+@pytest.mark.parametrize("size", [32, 24])
+def test_fused_cpu_attention_reads_held_keys_as_the_reference_path(size):
+    """A left-padded batch whose rows flush (and release) on different steps, 28 decode steps under inference mode:
+    the numba fused attention (handed both streams as they store them) gives the torch backend's tokens and
+    logits."""
     model = tiny_model("llama3", head_dim=32)
     ids, mask = prompts(3, 45, seed=1, pads=[0, 9, 20])
-    runs = [_generate(model, ids, mask, GearConfig(**dict(FUSED, key_buffer_size=32), backend=backend), 28)
-            for backend in ("torch", "auto")]
+    held = dict(FUSED, value_buffer_size=size, key_buffer_size=size)
+    runs = [_generate(model, ids, mask, GearConfig(**held, backend=backend), 28) for backend in ("torch", "auto")]
     (tokens, scores, paths, cache), (fused_tokens, fused_scores, fused_paths, _) = runs
     assert max(cache.decode_chunks) >= 2 and paths == {"reference": 27 * 2} and fused_paths == {"fused": 27 * 2}
     assert all(stream.held_chunk for stream in cache.layers[0].streams)
@@ -68,13 +101,14 @@ def test_fused_cpu_attention_reads_held_keys_as_the_reference_path():
     assert (scores - unheld).abs().max().item() > 1e-3  # (the held keys are read: the logits move)
 
 
-def test_sliding_window_releases_around_held_keys():
+@pytest.mark.parametrize("size", [32, 24])
+def test_sliding_window_releases_around_held_keys(size):
     """A sliding layer (window 40) releases leading chunks while both streams hold their newest chunk: the torch
     and numba paths agree, and the key store stays bounded by the window."""
     model = tiny_model("mistral", head_dim=32, window=40)
     ids, mask = prompts(2, 30, seed=3, pads=[0, 5])
-    runs = [_generate(model, ids, mask, GearConfig(**dict(FUSED, key_buffer_size=32), backend=backend), 56)
-            for backend in ("torch", "auto")]
+    held = dict(FUSED, value_buffer_size=size, key_buffer_size=size)
+    runs = [_generate(model, ids, mask, GearConfig(**held, backend=backend), 56) for backend in ("torch", "auto")]
     (tokens, scores, _, cache), (fused_tokens, fused_scores, fused_paths, _) = runs
     layer = cache.layers[0]
     assert layer.is_sliding and layer.dense is None and layer.released.chunks >= 2
@@ -84,18 +118,40 @@ def test_sliding_window_releases_around_held_keys():
     assert (scores - fused_scores).abs().max().item() < 1e-4
 
 
-def test_memory_report_counts_held_keys_in_the_key_buffer():
-    """Both buffers hold the held chunk + the buffered tokens, both chunk stores one chunk fewer than the layout's;
-    on one row nothing is spare."""
-    cache, _ = _fill(GearConfig(**HELD_KEYS), [40] + [1] * 45)
+@pytest.mark.parametrize("size, steps", [(32, 45), (24, 45), (24, 40)])
+def test_memory_report_counts_held_keys_in_the_key_buffer(size, steps):
+    """Both buffers hold the held chunk (while held) + the buffered tokens, both chunk stores the chunks they
+    store; on one row nothing is spare."""
+    cache, _ = _fill(GearConfig(**_held_both(size)), [40] + [1] * steps)
     report = cache.memory_report()
     keys, values = cache.layers[0].streams
     (f,), (c,) = cache.buffer_len, cache.decode_chunks
-    assert c >= 2 and keys.buffer.capacity == values.buffer.capacity == f + 16
-    assert keys.decode.capacity == values.decode.capacity == c - 1
+    held = 16 if f < size - 16 else 0
+    assert c >= 2 and keys.holding == [held > 0] and keys.buffer.capacity == values.buffer.capacity == f + held
+    assert keys.decode.capacity == values.decode.capacity == c - (held > 0)
     assert report["spare_bytes"] == 0
-    assert report["buffer"] == sum(s.buffer.token_nbytes() * (f + 16) + s.sink.token_nbytes() * cache.sink_len[0]
+    assert report["buffer"] == sum(s.buffer.token_nbytes() * (f + held) + s.sink.token_nbytes() * cache.sink_len[0]
                                    for s in (keys, values))
+
+
+def test_reordered_rows_keep_what_they_hold():
+    """Beam search reorders rows (`reorder_cache`) that hold or have released their newest chunk: each row then
+    continues as a cache that held its source row's history alone would."""
+    config = GearConfig(**_held_both(24))
+    gen = torch.Generator().manual_seed(5)
+    first = [torch.randn(2, H, n, D, generator=gen) for n in (50, 50, 50)]
+    cache = _fill_rows(config, first)
+    order = [2, 0, 0]
+    cache.reorder_cache(torch.tensor(order))
+    more = [torch.randn(2, H, 30, D, generator=gen) for _ in range(3)]
+    for t in range(30):
+        kv = torch.stack([m[:, :, t : t + 1] for m in more], 1)
+        cache.observe_attention_mask(torch.ones(3, 51 + t, dtype=torch.long))
+        cache.store_and_read(0, kv[0], kv[1], torch.full((3, 1), 50 + t))
+    for row, source in enumerate(order):
+        alone = _fill_rows(config, [torch.cat([first[source], more[row]], 2)])
+        for got, want in zip(row_local_tokens(cache, 0)[row], row_local_tokens(alone, 0)[0]):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
 def test_vllm_block_format_holds_no_keys():
@@ -103,5 +159,5 @@ def test_vllm_block_format_holds_no_keys():
     buffer): its block format drops key_buffer_size as it drops value_buffer_size."""
     from gear_hf.vllm.format import block_config
 
-    block = block_config(GearConfig(**dict(FUSED, key_buffer_size=32)), 16, 32)
+    block = block_config(GearConfig(**dict(FUSED, value_buffer_size=24, key_buffer_size=24)), 16, 32)
     assert block.key_buffer_size is None and block.value_buffer_size is None

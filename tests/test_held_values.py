@@ -46,20 +46,35 @@ def _coded(x: torch.Tensor, spec) -> torch.Tensor:
 
 
 def held_oracle(x: torch.Tensor, fmt, steps: list[int], cache, nb: int = 16) -> torch.Tensor:
-    """[H, T, d]: what a stream with a held chunk holds of x [1,H,T,d], one row fed `steps`: the prompt chunk and the
-    chunks flushed with it compressed from the exact tokens, later chunks from their buffered codes one flush after
-    the layout flushed them, and the newest chunk with the buffer in the buffer's format (a buffer with no chunk
-    before it: the step's own tokens exact)."""
-    (s,), (p,), (c,) = cache.sink_len, cache.prefill_len, cache.decode_chunks
+    """[H, T, d]: what a stream with a held chunk holds of x [1,H,T,d], one row fed `steps` (no crop). A chunk the
+    layout flushes is held unless it is not the step's newest or release_after tokens are buffered after it; a held
+    chunk is compressed from its buffered codes once released, any other from what the buffer has of it then (the
+    step's own tokens exact: all of them at the prompt step). The newest chunk, while held, and the buffer are in the
+    buffer's format (a buffer with no chunk before it: the step's own tokens exact)."""
+    (s,), (p,), (c,), (f,) = cache.sink_len, cache.prefill_len, cache.decode_chunks, cache.buffer_len
+    release_after = fmt.release_after
     expected = [x[:, :, :s]]
     if p:
         expected.append(_coded(x[:, :, s : s + p], fmt.prompt))
-    prompt_chunks = (steps[0] - s - p) // nb  # chunks the prompt step flushed (the last of them was held)
-    for j in range(c - 1):
-        chunk = x[:, :, s + p + j * nb : s + p + (j + 1) * nb]
-        source = chunk if j < prompt_chunks - 1 else _coded(chunk, fmt.tail)
-        expected.append(_coded(source, fmt.decode))
-    expected.append(_coded(x[:, :, s + p + (c - 1) * nb :], fmt.tail) if c else x[:, :, s + p :])
+    holding = c > 0 and f < release_after
+    before = total = 0  # tokens before / after each step
+    for q in steps:
+        before, total = total, total + q
+        flushed = range(max(before - s - p, 0) // nb, max(total - s - p, 0) // nb)  # chunks this step flushes
+        for j in flushed:
+            if j == c - 1 and holding:
+                continue
+            at = s + p + j * nb
+            chunk = x[:, :, at : at + nb]
+            held = j == flushed[-1] and (total - s - p) % nb < release_after  # (released on a later step)
+            if held:
+                source = _coded(chunk, fmt.tail)
+            else:  # (released as flushed: the tokens earlier steps buffered as codes, this step's exact)
+                mine = max(before - at, 0)
+                source = torch.cat([_coded(chunk[:, :, :mine], fmt.tail), chunk[:, :, mine:]], 2) if mine else chunk
+            expected.append(_coded(source, fmt.decode))
+    newest = s + p + (c - holding) * nb
+    expected.append(_coded(x[:, :, newest:], fmt.tail) if c else x[:, :, s + p :])
     return torch.cat(expected, 2)[0]
 
 
@@ -85,10 +100,12 @@ def test_values_held_a_chunk_longer_token_by_token(steps, value_buffer):
 
 def test_config_rejects_what_cannot_hold():
     small = dict(group_size=64, buffer_size=64)
-    for bad, allowed in ((dict(value_buffer_size=64), "None or 2 x buffer_size = 128"),
-                         (dict(value_buffer_size=True), "None or 2 x buffer_size = 128"),
+    for bad, allowed in ((dict(value_buffer_size=64), "None or an integer in [65, 128]"),
+                         (dict(value_buffer_size=129), "None or an integer in [65, 128]"),
+                         (dict(value_buffer_size=True), "None or an integer in [65, 128]"),
                          (dict(value_buffer_size=128, value_buffer="full"), "'int8', 'int8-rotated' or 'int4'"),
-                         (dict(value_buffer_size=128, value_buffer="final"), "'int8', 'int8-rotated' or 'int4'")):
+                         (dict(value_buffer_size=128, value_buffer="final"), "'int8', 'int8-rotated' or 'int4'"),
+                         (dict(value_buffer_size=96, key_buffer_size=None), "a shorter hold needs keys held")):
         with pytest.raises(ValueError, match="value_buffer_size") as err:
             GearConfig(**small, **bad)
         assert allowed in str(err.value)

@@ -46,9 +46,12 @@ def test_fp16_preset_equals_stock_with_speculation(models, how):
 # values held a chunk longer than keys (value_buffer_size): crops reach the value buffer past its held chunk
 HELD = COMPRESSING.replace(value_buffer="int8", value_buffer_size=16)
 HELD_KEYS = HELD.replace(key_buffer="int8", key_buffer_size=16)  # (keys too: both buffers start with the held chunk)
+# both held until 4 tokens are buffered after the chunk: crops reach rows that released it and rows that hold it
+RELEASED_EARLY = HELD_KEYS.replace(value_buffer_size=12, key_buffer_size=12)
 
 
-@pytest.mark.parametrize("config", [COMPRESSING, HELD, HELD_KEYS], ids=["kivi-4", "values-held", "keys-held"])
+@pytest.mark.parametrize("config", [COMPRESSING, HELD, HELD_KEYS, RELEASED_EARLY],
+                         ids=["kivi-4", "values-held", "keys-held", "released-early"])
 @pytest.mark.parametrize("how", ["prompt_lookup", "assistant"])
 def test_compressed_cache_verifies_and_crops(models, how, config, monkeypatch):
     """A compressing config: drafted tokens are verified in multi-token steps, the rejected ones cropped (counted

@@ -230,6 +230,23 @@ def test_kernels_read_held_keys_and_values(name, d, kv_heads, group, steps, q_le
     assert _err(decoded, ref) < TOL[dtype], _err(decoded, ref)  # (the buffers handed decoded)
 
 
+@pytest.mark.parametrize("steps,in_step,tensor_core,dtype", [((77, 40), True, False, torch.float32),
+                                                               ((77, 40, 33), False, True, torch.bfloat16)],
+                         ids=["reg-staged", "tc"])
+def test_kernels_read_rows_that_released_their_held_chunk(steps, in_step, tensor_core, dtype):
+    """Both streams held until 16 tokens follow the chunk (key/value_buffer_size = 48 of a 32-token buffer): one row
+    holds its newest chunk, the other has released it; each row is handed as its streams store it."""
+    cfg = _config("default").replace(value_buffer_size=48, key_buffer_size=48)
+    cache, (out, keys, values, layout), (decoded, *_), ref = _attended(
+        cfg, d=64, kv_heads=2, group=4, steps=steps, q_len=1, in_step=in_step, tensor_core=tensor_core, dtype=dtype)
+    stream = cache.layers[0].key_stream
+    assert stream.holding == cache.layers[0].value_stream.holding == [False, True]
+    own = stream.own(cache.layout.plan.attend if in_step else cache.layout.counts)
+    assert layout.rows[:, 2].tolist() == list(own.chunks) and layout.rows[:, 3].tolist() == list(own.buffer)
+    assert _err(out, ref) < TOL[dtype], _err(out, ref)
+    assert _err(decoded, ref) < TOL[dtype], _err(decoded, ref)
+
+
 def test_a_wrong_code_changes_the_output():
     """The kernel really reads the tail: zeroed value codes of the coded tokens change the output (the exact staged
     tokens do not come from the codes: zeroing those bytes alone changes nothing)."""

@@ -40,7 +40,7 @@ class GearLayer(CacheLayerMixin):
         nb = config.buffer_size
         self.formats = layer_formats(config)  # (keys', values') StreamFormat
         self.key_stream, self.value_stream = (Stream(fmt.prompt, fmt.decode, nb, fmt.stream, fmt.tail,
-                                                     fmt.held_chunk) for fmt in self.formats)
+                                                     fmt.held_chunk, fmt.release_after) for fmt in self.formats)
         self.dense_why = dense_window_reason(sliding_window, nb, config.compresses)
         self.dense = DenseWindow(sliding_window, speculative) if self.dense_why else None
 
@@ -58,7 +58,7 @@ class GearLayer(CacheLayerMixin):
         if self.dense is not None:
             self.dense.append(key_states, value_states)
         else:
-            if query is not None and plan.flush and self.key_stream.needs_query_energy():
+            if query is not None and self.key_stream.compresses(plan) and self.key_stream.needs_query_energy():
                 self.query_energy = query_pair_energy(query, key_states.shape[1], plan.valid)
             for stream, x in zip(self.streams, (key_states, value_states)):
                 stream.append(plan, x, sink_tokens)

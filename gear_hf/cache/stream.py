@@ -7,9 +7,11 @@
             CodedTokenStore holding each token in a per-token format (`StreamFormat.tail`)
 
 A stream with a held chunk (`StreamFormat.held_chunk`: `GearConfig.value_buffer_size` / `key_buffer_size`) keeps
-each row's newest decode chunk at its buffer's front, in the buffer's format, until the row's next chunk flushes: its
-decode chunks lag the layout's by one (`own` gives the counts as this stream stores them), and a chunk is compressed
-one flush after the layout flushed it, from its buffered codes.
+each row's newest decode chunk at its buffer's front, in the buffer's format, until `release_after` newer tokens are
+buffered after it (release_after = n_b: until the row's next chunk flushes), then compresses it from its buffered
+codes. While a row holds one its decode chunks lag the layout's by one (`holding`, per row; `own` gives the counts as
+this stream stores them). A row releases at most once per chunk: a crop (which takes back only buffered tokens) leaves
+a released row released until its next chunk flushes.
 """
 
 from __future__ import annotations
@@ -48,9 +50,11 @@ class _Segment:
 
 class Stream:
     def __init__(self, prefill_spec: ChunkSpec, decode_spec: ChunkSpec, chunk_len: int, kind: str,
-                 tail: ChunkSpec | None = None, held_chunk: bool = False) -> None:
+                 tail: ChunkSpec | None = None, held_chunk: bool = False, release_after: int | None = None) -> None:
         self.kind = kind  # "key" or "value"
         self.held_chunk = held_chunk  # the newest decode chunk stays at the buffer's front (module docstring)
+        self.release_after = release_after or chunk_len  # (buffered tokens after a held chunk that release it)
+        self.holding: list[bool] = []  # per row: its buffer starts with a held chunk (between flushes)
         self.prefill_spec, self.decode_spec = prefill_spec, decode_spec
         self.sink = TokenStore()
         self.buffer = TokenStore() if tail is None else CodedTokenStore(tail)
@@ -75,6 +79,16 @@ class Stream:
     def allocates(self) -> bool:
         return self.decode_spec.allocated
 
+    def compresses(self, plan: StepPlan) -> bool:
+        """Whether this step's flush compresses anything of this stream: the layout flushes, or a row releases its
+        held chunk (release_after tokens buffered after it)."""
+        if plan.flush:
+            return True
+        if not (self.held_chunk and any(self.holding)):
+            return False
+        return any(now and not after for now, after in zip(self._front(rows=len(plan.after.chunks)),
+                                                            self._holding_after(plan)))
+
     def needs_query_energy(self) -> bool:
         """Some row's channel widths are still to be chosen (from the query energy seen until then)."""
         return self.allocates and not all(self.allocated_rows or [False])
@@ -86,8 +100,8 @@ class Stream:
             self.sink.reserve(x, plan.sink_capacity)
             if plan.sink_writes is not None:
                 self.sink.write(x, plan.sink_writes)
-        self.buffer.reserve(x, self._capacities(plan)[0])
-        front = self._front(plan.attend.chunks)  # (a held chunk before each row's buffered tokens)
+        self.buffer.reserve(x, self._capacities(plan, self._holding_after(plan))[0])
+        front = self._front(rows=x.shape[0])  # (a held chunk before each row's buffered tokens)
         if plan.buffer_run is not None and len(set(front)) == 1:  # every row's tokens to the same columns: a copy
             self.buffer.write_run(x, plan.buffer_run + front[0])
         elif plan.buffer_run is not None or plan.buffer_writes is not None:
@@ -101,7 +115,7 @@ class Stream:
         chunk_limit: the most decode slots the store will ever need (a sliding layer's);
         query_energy [B,H,d]: what allocated key widths are chosen from (`allocation.query_pair_energy`).
         Returns a device bool, True when every compressed entry was finite (None: nothing compressed)."""
-        flush = self._own_flush(plan)
+        flush, holding = self._own_flush(plan)
         if self.held_chunk:  # (the rows' newest chunk stays in the buffer: one slot fewer is ever used)
             reserve_chunks -= 1
         finite = []
@@ -116,32 +130,48 @@ class Stream:
             slots = [chunk - released_chunks for _, _, chunk in flush.decode_jobs]
             finite.append(self._leave(self.decode, rows, starts, self.chunk_len, slots, batch, reserve_chunks,
                                       query_energy, chunk_limit))
+        capacity = self._capacities(plan, holding)[1]  # (before `holding` changes: the step's own columns)
         self.buffer.end_step(flush.keep)  # (a coded buffer encodes the step's tokens that stay)
         for row, start, length in flush.keep:
             self.buffer.keep_tail(row, start, length)
-        self.buffer.reserve(None, self._capacities(plan)[1])  # (gives back what was compressed)
+        self.holding = holding
+        self.buffer.reserve(None, capacity)  # (gives back what was compressed)
         return torch.stack(finite).all() if finite else None
 
     # -- a held chunk (see the module docstring): the layout's plan in this stream's buffer columns ------------------
-    def own(self, counts: RowCounts) -> RowCounts:
-        """The rows' counts as this stream stores them: with a held chunk, each row's newest decode chunk is the
-        first nb tokens of its buffer."""
+    def own(self, counts: RowCounts, holding: list[bool] | None = None) -> RowCounts:
+        """The rows' counts as this stream stores them: each row that holds a chunk (`holding`, default: this
+        stream's rows now) has its newest decode chunk as the first nb tokens of its buffer."""
         if not self.held_chunk:
             return counts
-        return replace(counts, chunks=tuple(max(c - 1, 0) for c in counts.chunks),
-                       buffer=tuple(f + h for f, h in zip(counts.buffer, self._front(counts.chunks))))
+        front = self._front(holding, len(counts.chunks))
+        return replace(counts, chunks=tuple(c - (h > 0) for c, h in zip(counts.chunks, front)),
+                       buffer=tuple(f + h for f, h in zip(counts.buffer, front)))
 
-    def _front(self, chunks) -> list[int]:
-        """Per row, the buffer columns before its buffered tokens: a held chunk (rows with a decode chunk)."""
-        return [self.chunk_len if self.held_chunk and c > 0 else 0 for c in chunks]
+    def _front(self, holding: list[bool] | None = None, rows: int | None = None) -> list[int]:
+        """Per row, the buffer columns before its buffered tokens: its held chunk, if it holds one."""
+        holding = self.holding if holding is None else holding
+        rows = len(holding) if rows is None else rows
+        return [self.chunk_len if self.held_chunk and row < len(holding) and holding[row] else 0
+                for row in range(rows)]
 
-    def _capacities(self, plan: StepPlan) -> tuple[int, int]:
+    def _holding_after(self, plan: StepPlan) -> list[bool]:
+        """Which rows hold a chunk after this step's flush: a row whose newest chunk flushes now holds it unless
+        release_after tokens are buffered after it; a row that held one keeps it until that many are."""
+        after, flushing = plan.after, {row for row, _, _ in plan.flush.decode_jobs}
+        now = self._front(rows=len(after.chunks))
+        # (release_after = n_b: held until the next chunk flushes, however many tokens a speculative step buffers)
+        early = self.release_after < self.chunk_len
+        return [(row in flushing or bool(now[row])) and not (early and f >= self.release_after)
+                for row, f in enumerate(after.buffer)]
+
+    def _capacities(self, plan: StepPlan, holding_after: list[bool]) -> tuple[int, int]:
         """(during the step, after its flush): the layout's, or this stream's own with a held chunk."""
         if not self.held_chunk:
             return plan.buffer_capacity, plan.buffer_capacity_after
         current = self.buffer.capacity
         needed = max(self.own(plan.attend).buffer, default=0)
-        return buffer_capacities(current, needed, max(self.own(plan.after).buffer, default=0))
+        return buffer_capacities(current, needed, max(self.own(plan.after, holding_after).buffer, default=0))
 
     def _shifted_writes(self, plan: StepPlan, front: list[int], x: torch.Tensor) -> TokenWrites:
         """The step's buffer writes with each row's columns moved past its held chunk."""
@@ -154,15 +184,17 @@ class Stream:
         shift = torch.tensor(front, dtype=torch.long, device=where.rows.device)
         return TokenWrites(where.rows, where.tokens, where.columns + shift[where.rows])
 
-    def _own_flush(self, plan: StepPlan) -> FlushPlan:
-        """The layout's flush in this stream's buffer columns. With a held chunk a row's decode chunks leave one
-        flush late: its held chunk (columns [0, nb)) and every new chunk but the last are compressed, and the last
-        one stays at the buffer's front, with what the keys keep after it."""
+    def _own_flush(self, plan: StepPlan) -> tuple[FlushPlan, list[bool]]:
+        """(the layout's flush in this stream's buffer columns, which rows hold a chunk after it). With a held chunk
+        a row's decode chunks leave late: its held chunk (columns [0, nb)) and every new chunk but the last are
+        compressed, and the last one stays at the buffer's front, with what the keys keep after it; a held chunk
+        with release_after tokens buffered after it leaves too (with or without a new chunk)."""
         flush = plan.flush
         if not self.held_chunk:
-            return flush
-        nb = self.chunk_len
-        front = self._front(plan.attend.chunks)
+            return flush, self.holding
+        nb, after = self.chunk_len, plan.after
+        front = self._front(rows=len(after.chunks))
+        holding = self._holding_after(plan)
         new = {}
         for row, start, chunk in flush.decode_jobs:
             new.setdefault(row, []).append((start, chunk))
@@ -171,19 +203,29 @@ class Stream:
             h = front[row]
             chunks = new.get(row, [])
             if not chunks:
+                if h and not holding[row]:
+                    raise AssertionError(f"row {row} flushes a prompt chunk while it holds a decode chunk")
                 keep.append((row, start + h, length))
                 continue
             first_start, first_chunk = chunks[0]
             if h:  # the held chunk (the row's previous newest) leaves now
                 chunks = [(first_start - nb, first_chunk - 1)] + chunks
-            *leaving, (last_start, _) = chunks
-            jobs += [(row, at + h, chunk) for at, chunk in leaving]
-            if start != last_start + nb:
+            if start != chunks[-1][0] + nb:
                 raise AssertionError(f"row {row} keeps buffer columns from {start}, not after its last chunk")
-            keep.append((row, last_start + h, nb + length))
+            if holding[row]:  # the newest chunk stays, at the buffer's front
+                *chunks, (last_start, _) = chunks
+                keep.append((row, last_start + h, nb + length))
+            else:
+                keep.append((row, start + h, length))
+            jobs += [(row, at + h, chunk) for at, chunk in chunks]
+        flushing = {row for row, _, _ in flush.keep}
+        for row, (h, c, f) in enumerate(zip(front, after.chunks, after.buffer)):
+            if h and not holding[row] and row not in flushing:  # released: release_after tokens buffered after it
+                jobs.append((row, 0, c - 1))
+                keep.append((row, nb, f))
         if any(front[row] for rows, _ in flush.prompt_groups for row in rows):
             raise AssertionError("a prompt chunk flushed from a row that holds a decode chunk")
-        return FlushPlan(flush.prompt_groups, jobs, keep)
+        return FlushPlan(flush.prompt_groups, jobs, keep), holding
 
     def _leave(self, store: ChunkStore, rows: list[int], starts: list[int], length: int, slots: list[int],
                batch: int, reserve: int, query_energy: torch.Tensor | None, limit: int | None = None):
@@ -377,8 +419,11 @@ class Stream:
         from the front of its buffer, which starts a chunk earlier."""
         if not self.held_chunk:
             return slots
-        front = self._front([at // self.chunk_len for at in slots.buffer_at])
-        return replace(slots, chunks=max(slots.chunks - 1, 0),
+        front = self._front(rows=len(slots.buffer_at))
+        if not any(front):
+            return slots
+        chunks = max(at // self.chunk_len - (h > 0) for at, h in zip(slots.buffer_at, front))
+        return replace(slots, chunks=chunks,
                        buffer_at=tuple(at - h for at, h in zip(slots.buffer_at, front)),
                        buffer=tuple(n + h for n, h in zip(slots.buffer, front)))
 
@@ -432,6 +477,8 @@ class Stream:
 
     # -- rows --------------------------------------------------------------------------------------------------
     def select_rows(self, index: torch.Tensor) -> None:
+        if self.holding:
+            self.holding = [self.holding[i] for i in index.tolist()]
         for store in (self.sink, self.buffer, self.prefill, self.decode):
             if store is not None:
                 store.select_rows(index)
