@@ -83,20 +83,23 @@ class GearConfig:
                    in value_buffer's per-token format one decode chunk longer than their keys, so the newest
                    buffer_size..2 x buffer_size values are buffered while keys flush every buffer_size tokens (a short
                    key buffer costs little; values read from chunks too early cost next-token accuracy:
-                   results/tail); the held chunk is compressed from its buffered codes at the next flush. Between
-                   buffer_size + 1 and 2 x buffer_size (with keys held as long): the held chunk is compressed
-                   earlier, once value_buffer_size - buffer_size newer tokens are buffered after it, so the buffer
-                   never holds more than value_buffer_size - 1 tokens (it costs most bits right before a flush). Needs
-                   a per-token value_buffer ("int8", "int8-rotated" or "int4"). "auto" is resolved when the config
-                   is made (the field then holds the number or None); `replace` re-resolves it when buffer_size,
-                   value_buffer or method change
-    key_buffer_size: None (keys leave the buffer every buffer_size tokens), value_buffer_size (beyond GEAR: keys
-                   stay in key_buffer's per-token format one decode chunk longer too, like values with
-                   value_buffer_size: the newest decode chunk's keys are read at 8 bits rather than at key_bits, which
-                   is where a 3-bit key cache loses most next-token accuracy, results/tail "Which keys cost Qwen2.5
-                   its KL"), or "auto" (the default: value_buffer_size where key_buffer is per token and values are
-                   held, else None; resolved as value_buffer_size is). Needs a per-token key_buffer and
-                   value_buffer_size (keys are held only with their values, and as long)
+                   results/tail); the held chunk is compressed from its buffered codes at the next flush (or
+                   earlier: held_for). Needs a per-token value_buffer ("int8", "int8-rotated" or "int4"). "auto" is
+                   resolved when the config is made (the field then holds the number or None); `replace` re-resolves
+                   it when buffer_size, value_buffer or method change
+    key_buffer_size: None (keys leave the buffer every buffer_size tokens), 2 x buffer_size (beyond GEAR: keys stay
+                   in key_buffer's per-token format one decode chunk longer too, like values with value_buffer_size:
+                   the newest decode chunk's keys are read at 8 bits rather than at key_bits, which is where a
+                   3-bit key cache loses most next-token accuracy, results/tail "Which keys cost Qwen2.5 its KL"),
+                   or "auto" (the default: 2 x buffer_size where key_buffer is per token and values are held,
+                   else None; resolved as value_buffer_size is). Needs a per-token key_buffer and value_buffer_size
+                   (keys are held only with their values)
+    held_for:      how long a held chunk stays held, in decode chunks (beyond GEAR): it is compressed once
+                   ceil(held_for x buffer_size) newer tokens are buffered after it, so the buffer never holds more
+                   than buffer_size + that - 1 tokens (the buffer's bits peak right before a chunk leaves it; fewer
+                   tokens buffered pay for wider keys). 1.0: until the next chunk flushes (config versions 5-6);
+                   below 1 only with keys held too. "auto" (the default): 0.5 where both streams are held, else 1.0;
+                   resolved as value_buffer_size is. Ignored where nothing is held
     key_axis / value_axis: "channel" (groups run along tokens) or "token" (groups run along channels)
     pre_rope:      compress keys before rotary embedding and rotate them when read
     rotation:      "none" | "keys" | "values" | "both": an orthonormal Walsh–Hadamard rotation along head_dim
@@ -118,7 +121,7 @@ class GearConfig:
 
     # defaults: RECOMMENDED[DEFAULT_RECOMMENDED] (checked by tests/test_side_info.py); presets: PAPER_FIELDS
     method: str = "kivi"
-    key_bits: int | float = 2.75  # a float only as the mean of allocated widths (key_bit_allocation="query")
+    key_bits: int | float = 3  # a float only as the mean of allocated widths (key_bit_allocation="query")
     value_bits: int = 3
     group_size: int = 128
     rank_prefill: int = 4
@@ -144,6 +147,7 @@ class GearConfig:
     value_statistics: str = "auto"
     value_buffer_size: int | str | None = "auto"
     key_buffer_size: int | str | None = "auto"
+    held_for: float | str = "auto"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

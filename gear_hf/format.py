@@ -14,6 +14,7 @@ import torch
 
 from .compress import ChunkSpec, side_dtype
 from .compress.terms import Field, active_terms, chunk_fields
+from .config_buffer import release_after
 
 
 @dataclass(frozen=True)
@@ -24,8 +25,8 @@ class StreamFormat:
     chunk_len: int  # tokens per decode chunk (buffer_size)
     tail: ChunkSpec | None = None  # how the buffer stores each token (per token), None: in the model's dtype
     # the row's newest decode chunk stays at the buffer's front, in the tail format, until `release_after` newer
-    # tokens are buffered after it (GearConfig.value_buffer_size / key_buffer_size minus buffer_size; chunk_len: until
-    # the next chunk flushes): while it is held the row's decode chunks lag the layout's by one
+    # tokens are buffered after it (GearConfig.value_buffer_size / key_buffer_size, held_for; chunk_len: until the next
+    # chunk flushes): while it is held the row's decode chunks lag the layout's by one
     held_chunk: bool = False
     release_after: int = 0
 
@@ -80,7 +81,7 @@ def stream_format(cfg, stream: str) -> StreamFormat:
     tail = decode if choice == "final" else TAIL_SPECS.get(choice)  # (None: "full")
     held_size = cfg.key_buffer_size if stream == "key" else cfg.value_buffer_size
     held = held_size is not None and cfg.compresses
-    return StreamFormat(stream, prompt, decode, cfg.buffer_size, tail, held, held_size - cfg.buffer_size if held else 0)
+    return StreamFormat(stream, prompt, decode, cfg.buffer_size, tail, held, release_after(cfg) if held else 0)
 
 
 def layer_formats(cfg) -> tuple[StreamFormat, StreamFormat]:

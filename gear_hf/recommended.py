@@ -66,7 +66,11 @@ RECOMMENDED: tuple[tuple[str, float, dict[str, Any]], ...] = (
     ("balanced", 3.13, dict(_COMPACT, key_bits=3, value_bits=2)),
     ("lean", 3.28, dict(_COMPACT, key_bits=2.875, value_bits=3, key_buffer="int8-rotated", value_buffer="int4")),
     ("held", 3.40, dict(_ALLOCATED, key_bits=2.75, value_bits=3, key_buffer="int8-rotated", value_buffer="int4",
-                        buffer_size=64, value_buffer_size="auto", value_statistics="auto", key_buffer_size="auto")),
+                        buffer_size=64, value_buffer_size="auto", value_statistics="auto", key_buffer_size="auto",
+                        held_for=1.0)),
+    ("held-early", 3.48, dict(_ALLOCATED, key_bits=3, value_bits=3, key_buffer="int8-rotated",
+                              value_buffer="int4", buffer_size=64, value_buffer_size="auto", value_statistics="auto",
+                              key_buffer_size="auto", held_for="auto")),
     ("steady", 3.51, dict(_ALLOCATED, key_bits=3.125, value_bits=3, key_buffer="int8-rotated", value_buffer="int4",
                           buffer_size=64, value_buffer_size="auto", value_statistics="auto")),
     ("accurate", 3.55, dict(_ALLOCATED, key_bits=3.125, value_bits=3, key_buffer="int8-rotated", value_buffer="int4")),
@@ -74,5 +78,5 @@ RECOMMENDED: tuple[tuple[str, float, dict[str, Any]], ...] = (
     ("kivi-4", 4.68, dict(method="kivi", key_bits=4, value_bits=4)),
     ("gear-4", 6.12, dict(method="gear", key_bits=4, value_bits=4, factor_bits=16)),
 )
-# what GearConfig() and gear_hf.enable(model) use (config version 6; 5: "steady", 4: "accurate")
-DEFAULT_RECOMMENDED = "held"
+# what GearConfig() and gear_hf.enable(model) use (config version 7; 6: "held", 5: "steady", 4: "accurate")
+DEFAULT_RECOMMENDED = "held-early"

@@ -41,7 +41,7 @@ CONFIGS = {
     "vc3g64+b64+keys-int8+values-int8": dict(_VC3, **_B64, value_group_size=64, key_buffer="int8", value_buffer="int8"),
     "vc3k2.875+keys-int8+values-int4": dict(_VC3, key_bits=2.875, key_buffer="int8", value_buffer="int4"),
     "vc3s1+keys-int8+values-int4": dict(_VC3, sink_tokens=1, key_buffer="int8", value_buffer="int4"),
-    "default": {},  # today's GearConfig() (config version 6: "held"; version 5: "steady")
+    "default": {},  # today's GearConfig() (config version 7: "held-early"; 6: "held"; 5: "steady")
     "accurate": {},  # config version 4's GearConfig()
     "value-stats8": dict(key_buffer="int8", value_buffer="int4", value_statistics="8"),  # GearConfig()'s, 8-bit stats
     # keys flushing every 64 tokens, values one chunk later (value_buffer_size: 64..128 values buffered at 4 bits)
@@ -109,11 +109,11 @@ ABLATIONS = {
     "b32+sinks0": dict(buffer_size=32, key_group_size=32, value_buffer_size=64, sink_tokens=0),
     "b32+sinks0+stats16": dict(buffer_size=32, key_group_size=32, value_buffer_size=64, sink_tokens=0,
                                value_statistics="16"),
-    # session 28: both held chunks released early ("eN": key_buffer_size = value_buffer_size = N, released once
-    # N - 64 newer tokens are buffered: at most N - 1 buffered, not 127), paid back in wider keys
-    "e112+k2.875": dict(key_buffer_size=112, value_buffer_size=112, key_bits=2.875),
-    "e96+k2.875": dict(key_buffer_size=96, value_buffer_size=96, key_bits=2.875),
-    "e96+k3": dict(key_buffer_size=96, value_buffer_size=96, key_bits=3),
+    # session 28: both held chunks released early ("eN": held_for (N - 64) / 64, at most N - 1 tokens buffered, not
+    # 127), paid back in wider keys; e96+k3 = GearConfig() of config version 7 ("held-early")
+    "e112+k2.875": dict(key_buffer_size=128, held_for=0.75, key_bits=2.875),
+    "e96+k2.875": dict(key_buffer_size=128, held_for=0.5, key_bits=2.875),
+    "e96+k3": dict(key_buffer_size=128, held_for=0.5, key_bits=3),
 }
 for _name, _fields in ABLATIONS.items():
     CONFIGS[_name] = {**_STEADY, **_fields}

@@ -7,8 +7,8 @@ configurations (results/tail/ "More texts"), so only a mean over many texts, wit
     python scripts/tail_texts.py results/tail/held-keys --model qwen25 --configs default,steady
 
 Reads every <dir>/**/tail.csv (with its tail.conditions.json: model and text); a config measured twice on one text
-(e.g. on two hosts, whose KL differ) is an error naming both files: pass narrower folders. Prints a Markdown table
-per model; nothing is written.
+(e.g. on two hosts, whose KL differ) is an error naming both files: pass narrower folders; a tail.csv without its
+conditions (a run still going) is skipped, and said so. Prints a Markdown table per model; nothing is written.
 """
 
 from __future__ import annotations
@@ -27,7 +27,11 @@ def collect(roots: list[Path]) -> dict[str, dict[str, dict[int, dict]]]:
     found: dict[str, dict[str, dict[int, tuple[Path, dict]]]] = defaultdict(lambda: defaultdict(dict))
     for root in roots:
         for path in sorted(root.rglob("tail.csv")):
-            conditions = json.loads(path.with_name("tail.conditions.json").read_text())
+            written = path.with_name("tail.conditions.json")
+            if not written.exists():  # (bench_tail writes it when its run ends)
+                print(f"skipped {path}: no {written.name} beside it (a run still going?)", file=sys.stderr)
+                continue
+            conditions = json.loads(written.read_text())
             model, text = conditions["model"], int(conditions["text"])
             with open(path, newline="") as f:
                 for row in csv.DictReader(f):

@@ -100,16 +100,21 @@ def test_values_held_a_chunk_longer_token_by_token(steps, value_buffer):
 
 def test_config_rejects_what_cannot_hold():
     small = dict(group_size=64, buffer_size=64)
-    for bad, allowed in ((dict(value_buffer_size=64), "None or an integer in [65, 128]"),
-                         (dict(value_buffer_size=129), "None or an integer in [65, 128]"),
-                         (dict(value_buffer_size=True), "None or an integer in [65, 128]"),
+    for bad, allowed in ((dict(value_buffer_size=64), "None or 2 x buffer_size = 128"),
+                         (dict(value_buffer_size=True), "None or 2 x buffer_size = 128"),
                          (dict(value_buffer_size=128, value_buffer="full"), "'int8', 'int8-rotated' or 'int4'"),
-                         (dict(value_buffer_size=128, value_buffer="final"), "'int8', 'int8-rotated' or 'int4'"),
-                         (dict(value_buffer_size=96, key_buffer_size=None), "a shorter hold needs keys held")):
+                         (dict(value_buffer_size=128, value_buffer="final"), "'int8', 'int8-rotated' or 'int4'")):
         with pytest.raises(ValueError, match="value_buffer_size") as err:
             GearConfig(**small, **bad)
         assert allowed in str(err.value)
     assert GearConfig(**small, value_buffer_size=128, value_buffer="int8").value_buffer_size == 128
+    for bad, allowed in ((dict(held_for=0), "'auto' or a number in (0, 1]"), (dict(held_for=1.5), "in (0, 1]"),
+                         (dict(held_for="soon"), "in (0, 1]"), (dict(held_for=True), "in (0, 1]"),
+                         (dict(held_for=0.5, key_buffer_size=None), "needs keys held too")):
+        with pytest.raises(ValueError, match="held_for") as err:
+            GearConfig(**small, **bad)
+        assert allowed in str(err.value)
+    assert GearConfig(**small, held_for=0.5, value_buffer_size=None).held_for == 0.5  # (nothing held: ignored)
 
 
 def _generate(model, ids, mask, config, steps: int, **kwargs):

@@ -210,14 +210,14 @@ def test_generate_llama3_fused_equals_torch(fused):
 
 
 def test_generate_default_config_fused_equals_torch(fused):
-    """GearConfig()'s storage (kivi, key widths allocated by the queries with a mean of 2.75 bits, 3-bit values
+    """GearConfig()'s storage (kivi, key widths allocated by the queries with a mean of 3 bits, 3-bit values
     rotated per token, 4 sinks, the prompt in longer groups, the buffer at 8-bit rotated keys / 4-bit rotated values,
     both held a chunk longer) at small groups: every decode step takes the fused path and generation equals the
     torch reference path."""
     default = GearConfig()
     assert (default.method, default.key_bits, default.value_bits, default.rotation, default.key_bit_allocation,
             default.value_axis, default.key_buffer, default.value_buffer) == \
-        ("kivi", 2.75, 3, "values", "query", "token", "int8-rotated", "int4")
+        ("kivi", 3, 3, "values", "query", "token", "int8-rotated", "int4")
     assert default.key_buffer_size == default.value_buffer_size == 2 * default.buffer_size  # (both streams held)
     _compare("llama3", 9, cfg=default.replace(group_size=16, buffer_size=16, prompt_group_size=32), backend=fused)
 

@@ -64,6 +64,17 @@ def test_optional_integer_fields_from_strings_and_the_cli():
         parse_gear_args({"value_buffer_size": "twice"})
 
 
+def test_held_for_from_strings_and_the_cli():
+    """held_for: "auto" or a number, as lm-eval's CLI hands it (a string); anything else names the key."""
+    from lm_eval.utils import simple_parse_args_string
+
+    config, _ = split_model_args(simple_parse_args_string("pretrained=/m,held_for=0.5"))
+    assert config == GearConfig(held_for=0.5) and config.held_for == 0.5
+    assert parse_gear_args({"held_for": "auto"}) == GearConfig()
+    with pytest.raises(ModelArgsError, match=r"held_for='soon' is invalid; allowed: a number"):
+        parse_gear_args({"held_for": "soon"})
+
+
 def test_defaults_and_method_alias():
     assert parse_gear_args({}) == GearConfig()
     assert parse_gear_args({"method": "fp16"}).method == "fp16"

@@ -242,12 +242,17 @@ def test_recommended_follows_the_measured_frontier():
         {"gear_config_version": 5})
     assert (steady.buffer_size, steady.key_group, steady.value_buffer_size, steady.value_statistics,
             steady.key_buffer_size) == (64, 64, 128, "8", None)
-    held = gear_hf.GearConfig.recommended(3.45)
-    assert held == gear_hf.GearConfig.recommended(name="held") == gear_hf.GearConfig()
-    assert (held.buffer_size, held.key_group, held.value_buffer_size, held.key_buffer_size, held.key_bits) == \
-        (64, 64, 128, 128, 2.75)
-    small = gear_hf.GearConfig.recommended("held", buffer_size=16)  # key groups and held chunks follow the buffer
-    assert (small.key_group, small.value_buffer_size, small.key_buffer_size) == (16, 32, 32)
+    held = gear_hf.GearConfig.recommended(3.42)  # (GearConfig() of config version 6: held until the next flush)
+    assert held == gear_hf.GearConfig.recommended(name="held") == gear_hf.GearConfig.from_dict(
+        {"gear_config_version": 6})
+    assert (held.buffer_size, held.key_group, held.value_buffer_size, held.key_buffer_size, held.key_bits,
+            held.held_for) == (64, 64, 128, 128, 2.75, 1.0)
+    early = gear_hf.GearConfig.recommended(3.49)
+    assert early == gear_hf.GearConfig.recommended(name="held-early") == gear_hf.GearConfig()
+    assert (early.buffer_size, early.key_group, early.value_buffer_size, early.key_buffer_size, early.key_bits,
+            early.held_for) == (64, 64, 128, 128, 3, 0.5)
+    small = gear_hf.GearConfig.recommended("held-early", buffer_size=16)  # key groups, held chunks follow the buffer
+    assert (small.key_group, small.value_buffer_size, small.key_buffer_size, small.held_for) == (16, 32, 32, 0.5)
     compact = gear_hf.GearConfig.recommended(3.1)  # values per channel; the prompt chunk alone in 256-token groups
     assert (compact.value_axis, compact.key_group, compact.value_group, compact.prompt_group_size,
             compact.buffer_size, compact.key_bits, compact.key_bit_allocation) == \
@@ -255,7 +260,7 @@ def test_recommended_follows_the_measured_frontier():
     default = gear_hf.GearConfig()  # keys allocated by the queries, values per token, the buffer coded
     assert (default.key_bits, default.value_bits, default.value_axis, default.range_search, default.rotation,
             default.key_buffer, default.value_buffer, default.buffer_size, default.sink_tokens) == \
-        (2.75, 3, "token", "none", "values", "int8-rotated", "int4", 64, 4)
+        (3, 3, "token", "none", "values", "int8-rotated", "int4", 64, 4)
     lean = gear_hf.GearConfig.recommended(name="lean")  # values per channel with searched ranges, keys 2.875 bits
     assert (lean.key_bits, lean.value_axis, lean.range_search, lean.value_buffer) == \
         (2.875, "channel", "values", "int4")

@@ -47,7 +47,7 @@ def test_fp16_preset_equals_stock_with_speculation(models, how):
 HELD = COMPRESSING.replace(value_buffer="int8", value_buffer_size=16)
 HELD_KEYS = HELD.replace(key_buffer="int8", key_buffer_size=16)  # (keys too: both buffers start with the held chunk)
 # both held until 4 tokens are buffered after the chunk: crops reach rows that released it and rows that hold it
-RELEASED_EARLY = HELD_KEYS.replace(value_buffer_size=12, key_buffer_size=12)
+RELEASED_EARLY = HELD_KEYS.replace(held_for=0.5)
 
 
 @pytest.mark.parametrize("config", [COMPRESSING, HELD, HELD_KEYS, RELEASED_EARLY],

@@ -234,9 +234,9 @@ def test_kernels_read_held_keys_and_values(name, d, kv_heads, group, steps, q_le
                                                                ((77, 40, 33), False, True, torch.bfloat16)],
                          ids=["reg-staged", "tc"])
 def test_kernels_read_rows_that_released_their_held_chunk(steps, in_step, tensor_core, dtype):
-    """Both streams held until 16 tokens follow the chunk (key/value_buffer_size = 48 of a 32-token buffer): one row
-    holds its newest chunk, the other has released it; each row is handed as its streams store it."""
-    cfg = _config("default").replace(value_buffer_size=48, key_buffer_size=48)
+    """Both streams held until 16 tokens follow the chunk (held_for 0.5 of a 32-token buffer): one row holds its
+    newest chunk, the other has released it; each row is handed as its streams store it."""
+    cfg = _config("default").replace(value_buffer_size=64, key_buffer_size=64, held_for=0.5)
     cache, (out, keys, values, layout), (decoded, *_), ref = _attended(
         cfg, d=64, kv_heads=2, group=4, steps=steps, q_len=1, in_step=in_step, tensor_core=tensor_core, dtype=dtype)
     stream = cache.layers[0].key_stream

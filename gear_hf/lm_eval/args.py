@@ -117,6 +117,10 @@ def _convert(key: str, value: Any) -> Any:
             except ValueError:
                 pass
         raise _bad(key, value, "an integer")
+    if kind == "float | str":  # held_for: "auto" or a number
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        return _number(key, value)
     if kind == "int | float":  # key_bits: a whole number, or a mean such as 3.5 (allocated key widths)
         number = _number(key, value)
         return int(number) if number.is_integer() else number
