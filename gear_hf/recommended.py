@@ -56,6 +56,14 @@ from typing import Any
 # ("steady" 1.07x), over 11 Qwen2.5 texts 1.08x ("steady" 1.05x). Over T=1024..4096: 3.403 mean / 3.577 max on d=64
 # ("steady" 3.515 / 3.605), 3.332 / 3.491 on d=128. With 3.125-bit keys (key_bits unchanged) held keys were below
 # kivi-4 on 2 of 3 Qwen2.5 texts and 7 of 8 SmolLM2 ones but own 3.630 / 3.741.
+# "held-early" (GearConfig() from config version 7) is "held" with both held chunks released half a chunk after they
+# are held (held_for=0.5: the buffers hold at most 95 tokens, not 127, and the owned bits peak right before a chunk
+# leaves them), paid for by 3-bit keys in the chunks. Same conditions (results/tail/ "Held chunks released early"):
+# 3.506 / 3.586 bits owned over the 96 steps; mean KL over 24 SmolLM2 texts 0.87x kivi-4's (16 of 24 texts at or
+# below it; "held" 1.00x, 12), over 31 Qwen2.5 texts 1.31x ("held" 1.34x: kivi-4 is below every configuration
+# measured at <= 3.6 bits there); 0.87x / 0.98x "held"'s on the same texts. Over T=1024..4096: 3.479 mean / 3.587
+# max on d=64, 3.411 / 3.518 on d=128. Keys held a whole chunk with 2.875-bit keys read better on Qwen2.5 (0.90x
+# "held"'s over 31 texts) but own 3.631 at T~1k; released after 48 tokens with 2.875-bit keys they lose that (1.04x).
 _ALLOCATED = dict(method="kivi", key_bit_allocation="query", rotation="values", group_size=128, sink_tokens=4,
                   prompt_group_size=256)
 _COMPACT = dict(_ALLOCATED, value_axis="channel", range_search="values")

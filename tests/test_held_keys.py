@@ -2,8 +2,8 @@
 chunk of keys stays in the key buffer's per-token format until its next chunk flushes, or, with `held_for` below 1,
 until held_for x buffer_size newer tokens are buffered after it (an early release: fewer tokens buffered at once).
 What the cache holds, token by token, against the torch oracle (`gear_hf.compress`), and the paths that must agree on
-it (reference, numba fused, sliding windows, beams, the memory report, the vLLM block format). The Triton kernels:
-tests/test_triton_tail.py; speculative crops: tests/test_speculative.py."""
+it (reference, numba fused, sliding windows, the memory report, the vLLM block format). Beams:
+tests/test_held_values.py; the Triton kernels: tests/test_triton_tail.py; speculative crops: tests/test_speculative.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import types
 
 import pytest
 import torch
-from test_held_values import FUSED, HELD, D, H, _fill, _fill_rows, _generate, held_oracle
+from test_held_values import FUSED, HELD, D, H, _fill, _generate, held_oracle
 
 from gear_hf import GearConfig
 from gear_hf.cache import GearCache
@@ -132,26 +132,6 @@ def test_memory_report_counts_held_keys_in_the_key_buffer(held_for, steps):
     assert report["spare_bytes"] == 0
     assert report["buffer"] == sum(s.buffer.token_nbytes() * (f + held) + s.sink.token_nbytes() * cache.sink_len[0]
                                    for s in (keys, values))
-
-
-def test_reordered_rows_keep_what_they_hold():
-    """Beam search reorders rows (`reorder_cache`) that hold or have released their newest chunk: each row then
-    continues as a cache that held its source row's history alone would."""
-    config = GearConfig(**_held_both(0.5))
-    gen = torch.Generator().manual_seed(5)
-    first = [torch.randn(2, H, n, D, generator=gen) for n in (50, 50, 50)]
-    cache = _fill_rows(config, first)
-    order = [2, 0, 0]
-    cache.reorder_cache(torch.tensor(order))
-    more = [torch.randn(2, H, 30, D, generator=gen) for _ in range(3)]
-    for t in range(30):
-        kv = torch.stack([m[:, :, t : t + 1] for m in more], 1)
-        cache.observe_attention_mask(torch.ones(3, 51 + t, dtype=torch.long))
-        cache.store_and_read(0, kv[0], kv[1], torch.full((3, 1), 50 + t))
-    for row, source in enumerate(order):
-        alone = _fill_rows(config, [torch.cat([first[source], more[row]], 2)])
-        for got, want in zip(row_local_tokens(cache, 0)[row], row_local_tokens(alone, 0)[0]):
-            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
 def test_vllm_block_format_holds_no_keys():

@@ -176,10 +176,12 @@ def _fill_rows(config: GearConfig, histories: list[torch.Tensor]):
     return cache
 
 
-def test_reordered_rows_keep_their_held_chunks():
+@pytest.mark.parametrize("held", [HELD, dict(HELD, key_buffer_size=32, held_for=0.5)],
+                         ids=["values", "both-released-early"])
+def test_reordered_rows_keep_their_held_chunks(held):
     """Beam search reorders rows (`reorder_cache`): each row then continues as a cache that held its source row's
-    history alone would (rows are independent; the held chunk travels with its row)."""
-    config = GearConfig(**HELD)
+    history alone would (rows are independent; the held chunk, or that it was released, travels with its row)."""
+    config = GearConfig(**held)
     gen = torch.Generator().manual_seed(5)
     first = [torch.randn(2, 1, H, 50, D, generator=gen)[:, 0] for _ in range(3)]
     cache = _fill_rows(config, first)
