@@ -3,7 +3,8 @@ chunk of keys stays in the key buffer's per-token format until its next chunk fl
 until held_for x buffer_size newer tokens are buffered after it (an early release: fewer tokens buffered at once).
 What the cache holds, token by token, against the torch oracle (`gear_hf.compress`), and the paths that must agree on
 it (reference, numba fused, sliding windows, the memory report, the vLLM block format). Beams:
-tests/test_held_values.py; the Triton kernels: tests/test_triton_tail.py; speculative crops: tests/test_speculative.py."""
+tests/test_held_values.py; the Triton kernels: tests/test_triton_tail.py; speculative crops:
+tests/test_speculative.py."""
 
 from __future__ import annotations
 
