@@ -216,7 +216,7 @@ def test_kernels_read_held_keys_and_values(name, d, kv_heads, group, steps, q_le
     """Keys and values of each row's newest decode chunk from the front of their coded buffers, as the float32
     oracle attends them; the kernel sees no held chunk, rows of (c - 1) chunks and buffer_size more buffered tokens."""
     cfg = _config(name)
-    cfg = cfg.replace(value_buffer_size=2 * cfg.buffer_size, key_buffer_size=2 * cfg.buffer_size)
+    cfg = cfg.replace(value_buffer_size=2 * cfg.buffer_size, key_buffer_size=2 * cfg.buffer_size, held_for=1.0)
     cache, (out, keys, values, layout), (decoded, *_), ref = _attended(
         cfg, d=d, kv_heads=kv_heads, group=group, steps=steps, q_len=q_len, in_step=in_step, tensor_core=tensor_core,
         dtype=dtype)

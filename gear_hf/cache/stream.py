@@ -6,18 +6,14 @@
     buffer  TokenStore  [B, H, capacity+1, d]  full precision, this step's own tokens included; or a
             CodedTokenStore holding each token in a per-token format (`StreamFormat.tail`)
 
-A stream with a held chunk (`StreamFormat.held_chunk`: `GearConfig.value_buffer_size` / `key_buffer_size`) keeps
-each row's newest decode chunk at its buffer's front, in the buffer's format, until `release_after` newer tokens are
-buffered after it (release_after = n_b: until the row's next chunk flushes), then compresses it from its buffered
-codes. While a row holds one its decode chunks lag the layout's by one (`holding`, per row; `own` gives the counts as
-this stream stores them). A row releases at most once per chunk: a crop (which takes back only buffered tokens) leaves
-a released row released until its next chunk flushes.
+A stream with a held chunk (`StreamFormat.held_chunk`: `GearConfig.value_buffer_size` / `key_buffer_size`,
+`held_for`) keeps each row's newest decode chunk at its buffer's front for a while: `gear_hf.cache.held`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -25,8 +21,9 @@ import torch
 from ..coded_store import CodedTokenStore
 from ..compress import ChunkSpec
 from ..compress.allocation import allocate_channel_bits
-from ..storage import ChunkStore, TokenStore, TokenWrites
-from .layout import FlushPlan, RowCounts, RowLayout, SlotPlan, StepPlan, buffer_capacities
+from ..storage import ChunkStore, TokenStore
+from .held import HeldChunkPlans
+from .layout import RowCounts, RowLayout, SlotPlan, StepPlan
 
 
 @dataclass(frozen=True)
@@ -48,7 +45,9 @@ class _Segment:
     length: tuple[int, ...]
 
 
-class Stream:
+class Stream(HeldChunkPlans):
+    """One layer's keys or values (module docstring); the held chunk's bookkeeping: `HeldChunkPlans`."""
+
     def __init__(self, prefill_spec: ChunkSpec, decode_spec: ChunkSpec, chunk_len: int, kind: str,
                  tail: ChunkSpec | None = None, held_chunk: bool = False, release_after: int | None = None) -> None:
         self.kind = kind  # "key" or "value"
@@ -137,95 +136,6 @@ class Stream:
         self.holding = holding
         self.buffer.reserve(None, capacity)  # (gives back what was compressed)
         return torch.stack(finite).all() if finite else None
-
-    # -- a held chunk (see the module docstring): the layout's plan in this stream's buffer columns ------------------
-    def own(self, counts: RowCounts, holding: list[bool] | None = None) -> RowCounts:
-        """The rows' counts as this stream stores them: each row that holds a chunk (`holding`, default: this
-        stream's rows now) has its newest decode chunk as the first nb tokens of its buffer."""
-        if not self.held_chunk:
-            return counts
-        front = self._front(holding, len(counts.chunks))
-        return replace(counts, chunks=tuple(c - (h > 0) for c, h in zip(counts.chunks, front)),
-                       buffer=tuple(f + h for f, h in zip(counts.buffer, front)))
-
-    def _front(self, holding: list[bool] | None = None, rows: int | None = None) -> list[int]:
-        """Per row, the buffer columns before its buffered tokens: its held chunk, if it holds one."""
-        holding = self.holding if holding is None else holding
-        rows = len(holding) if rows is None else rows
-        return [self.chunk_len if self.held_chunk and row < len(holding) and holding[row] else 0
-                for row in range(rows)]
-
-    def _holding_after(self, plan: StepPlan) -> list[bool]:
-        """Which rows hold a chunk after this step's flush: a row whose newest chunk flushes now holds it unless
-        release_after tokens are buffered after it; a row that held one keeps it until that many are."""
-        after, flushing = plan.after, {row for row, _, _ in plan.flush.decode_jobs}
-        now = self._front(rows=len(after.chunks))
-        # (release_after = n_b: held until the next chunk flushes, however many tokens a speculative step buffers)
-        early = self.release_after < self.chunk_len
-        return [(row in flushing or bool(now[row])) and not (early and f >= self.release_after)
-                for row, f in enumerate(after.buffer)]
-
-    def _capacities(self, plan: StepPlan, holding_after: list[bool]) -> tuple[int, int]:
-        """(during the step, after its flush): the layout's, or this stream's own with a held chunk."""
-        if not self.held_chunk:
-            return plan.buffer_capacity, plan.buffer_capacity_after
-        current = self.buffer.capacity
-        needed = max(self.own(plan.attend).buffer, default=0)
-        return buffer_capacities(current, needed, max(self.own(plan.after, holding_after).buffer, default=0))
-
-    def _shifted_writes(self, plan: StepPlan, front: list[int], x: torch.Tensor) -> TokenWrites:
-        """The step's buffer writes with each row's columns moved past its held chunk."""
-        where = plan.buffer_writes
-        if where is None:  # (a run: every row to the same columns)
-            B, q = x.shape[0], x.shape[2]
-            rows = torch.arange(B, device=x.device).repeat_interleave(q)
-            tokens = torch.arange(q, device=x.device).repeat(B)
-            where = TokenWrites(rows, tokens, tokens + plan.buffer_run)
-        shift = torch.tensor(front, dtype=torch.long, device=where.rows.device)
-        return TokenWrites(where.rows, where.tokens, where.columns + shift[where.rows])
-
-    def _own_flush(self, plan: StepPlan) -> tuple[FlushPlan, list[bool]]:
-        """(the layout's flush in this stream's buffer columns, which rows hold a chunk after it). With a held chunk
-        a row's decode chunks leave late: its held chunk (columns [0, nb)) and every new chunk but the last are
-        compressed, and the last one stays at the buffer's front, with what the keys keep after it; a held chunk
-        with release_after tokens buffered after it leaves too (with or without a new chunk)."""
-        flush = plan.flush
-        if not self.held_chunk:
-            return flush, self.holding
-        nb, after = self.chunk_len, plan.after
-        front = self._front(rows=len(after.chunks))
-        holding = self._holding_after(plan)
-        new = {}
-        for row, start, chunk in flush.decode_jobs:
-            new.setdefault(row, []).append((start, chunk))
-        jobs, keep = [], []
-        for row, start, length in flush.keep:
-            h = front[row]
-            chunks = new.get(row, [])
-            if not chunks:
-                if h and not holding[row]:
-                    raise AssertionError(f"row {row} flushes a prompt chunk while it holds a decode chunk")
-                keep.append((row, start + h, length))
-                continue
-            first_start, first_chunk = chunks[0]
-            if h:  # the held chunk (the row's previous newest) leaves now
-                chunks = [(first_start - nb, first_chunk - 1)] + chunks
-            if start != chunks[-1][0] + nb:
-                raise AssertionError(f"row {row} keeps buffer columns from {start}, not after its last chunk")
-            if holding[row]:  # the newest chunk stays, at the buffer's front
-                *chunks, (last_start, _) = chunks
-                keep.append((row, last_start + h, nb + length))
-            else:
-                keep.append((row, start + h, length))
-            jobs += [(row, at + h, chunk) for at, chunk in chunks]
-        flushing = {row for row, _, _ in flush.keep}
-        for row, (h, c, f) in enumerate(zip(front, after.chunks, after.buffer)):
-            if h and not holding[row] and row not in flushing:  # released: release_after tokens buffered after it
-                jobs.append((row, 0, c - 1))
-                keep.append((row, nb, f))
-        if any(front[row] for rows, _ in flush.prompt_groups for row in rows):
-            raise AssertionError("a prompt chunk flushed from a row that holds a decode chunk")
-        return FlushPlan(flush.prompt_groups, jobs, keep), holding
 
     def _leave(self, store: ChunkStore, rows: list[int], starts: list[int], length: int, slots: list[int],
                batch: int, reserve: int, query_energy: torch.Tensor | None, limit: int | None = None):
@@ -413,19 +323,6 @@ class Stream:
                 lo = at + offset
                 tokens(buffer[row : row + 1, :, :n], out[row : row + 1, :, lo : lo + n], cols(lo, lo + n, row))
         return out
-
-    def _own_slots(self, slots: SlotPlan) -> SlotPlan:
-        """The slot layout in this stream's segments: with a held chunk, each row's newest decode chunk is read
-        from the front of its buffer, which starts a chunk earlier."""
-        if not self.held_chunk:
-            return slots
-        front = self._front(rows=len(slots.buffer_at))
-        if not any(front):
-            return slots
-        chunks = max(at // self.chunk_len - (h > 0) for at, h in zip(slots.buffer_at, front))
-        return replace(slots, chunks=chunks,
-                       buffer_at=tuple(at - h for at, h in zip(slots.buffer_at, front)),
-                       buffer=tuple(n + h for n, h in zip(slots.buffer, front)))
 
     @staticmethod
     def _read_row_with_holes(out, b, layout: RowLayout, segments, taken, start) -> None:
