@@ -24,6 +24,7 @@ class HeldChunkPlans:
     chunk_len: int
     release_after: int
     holding: list[bool]
+    _holding_memo: tuple | None  # (plan, holding then, rows holding after it)
 
     def own(self, counts: RowCounts, holding: list[bool] | None = None) -> RowCounts:
         """The rows' counts as this stream stores them: each row that holds a chunk (`holding`, default: this
@@ -43,7 +44,16 @@ class HeldChunkPlans:
 
     def _holding_after(self, plan: StepPlan) -> list[bool]:
         """Which rows hold a chunk after this step's flush: a row whose newest chunk flushes now holds it unless
-        release_after tokens are buffered after it; a row that held one keeps it until that many are."""
+        release_after tokens are buffered after it; a row that held one keeps it until that many are. Worked out
+        once per step (append, `compresses` and the flush ask for it)."""
+        memo = self._holding_memo
+        if memo is not None and memo[0] is plan and memo[1] == self.holding:
+            return memo[2]
+        result = self._work_out_holding(plan)
+        self._holding_memo = (plan, list(self.holding), result)
+        return result
+
+    def _work_out_holding(self, plan: StepPlan) -> list[bool]:
         after, flushing = plan.after, {row for row, _, _ in plan.flush.decode_jobs}
         now = self._front(rows=len(after.chunks))
         # (release_after = n_b: held until the next chunk flushes, however many tokens a speculative step buffers)

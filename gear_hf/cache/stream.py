@@ -54,6 +54,7 @@ class Stream(HeldChunkPlans):
         self.held_chunk = held_chunk  # the newest decode chunk stays at the buffer's front (module docstring)
         self.release_after = release_after or chunk_len  # (buffered tokens after a held chunk that release it)
         self.holding: list[bool] = []  # per row: its buffer starts with a held chunk (between flushes)
+        self._holding_memo = None  # (`HeldChunkPlans._holding_after`)
         self.prefill_spec, self.decode_spec = prefill_spec, decode_spec
         self.sink = TokenStore()
         self.buffer = TokenStore() if tail is None else CodedTokenStore(tail)
@@ -99,7 +100,7 @@ class Stream(HeldChunkPlans):
             self.sink.reserve(x, plan.sink_capacity)
             if plan.sink_writes is not None:
                 self.sink.write(x, plan.sink_writes)
-        self.buffer.reserve(x, self._capacities(plan, self._holding_after(plan))[0])
+        self.buffer.reserve(x, self._capacities(plan, self._holding_after(plan) if self.held_chunk else [])[0])
         front = self._front(rows=x.shape[0])  # (a held chunk before each row's buffered tokens)
         if plan.buffer_run is not None and len(set(front)) == 1:  # every row's tokens to the same columns: a copy
             self.buffer.write_run(x, plan.buffer_run + front[0])
