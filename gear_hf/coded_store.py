@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from .channel_centers import ChannelCenters
 from .compress import ChunkSpec, CompressedChunk, compress, decompress, side_dtype
 from .compress.terms import chunk_fields
 from .storage import TokenWrites, _grown
@@ -25,10 +26,14 @@ class CodedTokenStore:
 
     Tokens are encoded when their step ends (`end_step`), and only those that stay: until then they are staged in
     full precision, so the attention of that step sees them as the model made them and a prompt compressed in the
-    step it arrived is compressed from them (never encoded to the buffer's format at all)."""
+    step it arrived is compressed from them (never encoded to the buffer's format at all).
 
-    def __init__(self, spec: ChunkSpec) -> None:
+    centered (`GearConfig.key_buffer_centered`): each token is coded centered and scaled per channel, by its row's
+    `ChannelCenters` (fitted to the row's first step), and read back through them."""
+
+    def __init__(self, spec: ChunkSpec, centered: bool = False) -> None:
         self.spec = spec
+        self.centers = ChannelCenters() if centered else None
         # gear_hf.backends.BackendPlan (`Stream.bind`): its compress backend may encode the staged tokens with a
         # kernel (`Backend.encode_tokens`, bit for bit the oracle's); None, or a backend that does not: the oracle
         self.plan = None
@@ -70,13 +75,16 @@ class CodedTokenStore:
             self.dtype, self.head_dim = like.dtype, d
             for f in self.per_token_fields(self.spec, d, side_dtype(like.dtype)):
                 self.fields[f.name] = torch.zeros(B, H, capacity, *f.shape[1:], dtype=f.dtype, device=like.device)
+            if self.centers is not None:
+                self.centers.reserve(like)
         elif capacity != self.capacity:
             self.end_step()  # (staged tokens are encoded before the columns change)
             keep = min(capacity, self.capacity)
             self.fields = {name: _grown(t[:, :, :keep], capacity) for name, t in self.fields.items()}
 
     def encode(self, x: torch.Tensor) -> CompressedChunk:
-        """x [J,H,n,d] in this store's format (every token on its own: batching changes no bit), by the oracle."""
+        """x [J,H,n,d] (centered already, where the store centers) in this store's format (every token on its own:
+        batching changes no bit), by the oracle."""
         return compress(x, self.spec)
 
     def _stage(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,16 +109,19 @@ class CodedTokenStore:
         if self.staged is None:
             return
         exact, written = self.staged
+        if self.centers is not None:  # (a row's first step fits its centers: every token it wrote, kept or not)
+            self.centers.fit(exact, written)
         for row, start, length in kept or ():
             written[row, :start] = False
             written[row, start + length :] = False
+        coded = exact if self.centers is None else self.centers.normalized(exact)
         # any backend of the plan whose kernel encodes this format (bit for bit the oracle's: which one does not
         # matter; the compress backend may be the torch one for chunk features its kernels lack, e.g. range search)
         encoders = self.plan.accelerators if self.plan is not None else ()
-        if not any(backend.encode_tokens(self.spec, exact, written, self.fields) for backend in encoders):
+        if not any(backend.encode_tokens(self.spec, coded, written, self.fields) for backend in encoders):
             rows, columns = written.nonzero(as_tuple=True)
             if rows.numel():
-                chunk = self.encode(exact[rows, :, columns].unsqueeze(2))  # [N,H,1,d]: one token per entry
+                chunk = self.encode(coded[rows, :, columns].unsqueeze(2))  # [N,H,1,d]: one token per entry
                 for name, t in self.fields.items():
                     t[rows, :, columns] = getattr(chunk, name)[:, :, 0]
         self.staged = None
@@ -125,8 +136,10 @@ class CodedTokenStore:
             exact, staged = codes.new_empty(*codes.shape[:2], 0, self.head_dim, dtype=self.dtype), None
         else:
             exact, staged = self.staged
+        affine = self.centers.kernel_affine() if self.centers is not None else None
         return exact, CodedTailView(codes=codes, scale=self.fields["scale"], minimum=self.fields["minimum"],
-                                    staged=staged, bits=int(self.spec.bits), rotated=bool(self.spec.rotate))
+                                    staged=staged, bits=int(self.spec.bits), rotated=bool(self.spec.rotate),
+                                    affine=affine)
 
     def _exact_where_staged(self, decoded: torch.Tensor, rows: list[int] | None, starts: list[int] | None,
                             length: int) -> torch.Tensor:
@@ -169,15 +182,21 @@ class CodedTokenStore:
             if bool(fresh.any()):
                 j, c = fresh.nonzero(as_tuple=True)
                 x = torch.stack([exact[row, :, at : at + length] for row, at in zip(rows, starts)])
+                if self.centers is not None:
+                    x = self.centers.normalized(x, rows)
                 chunk = self.encode(x[j, :, c].unsqueeze(2))
                 for name, t in parts.items():
                     t[j, :, c] = getattr(chunk, name)[:, :, 0]
         return self._chunk(parts, length)
 
-    def _decode(self, chunk: CompressedChunk, n: int, dtype: torch.dtype, out: torch.Tensor | None = None):
+    def _decode(self, chunk: CompressedChunk, n: int, dtype: torch.dtype, out: torch.Tensor | None = None,
+                rows: list[int] | None = None):
+        """The tokens of chunk (rows' tokens; None: every row's), read back."""
         if n == 0:  # (an empty buffer: nothing to decode)
             codes = chunk.codes
             return torch.empty(*codes.shape[:2], 0, self.head_dim, dtype=dtype, device=codes.device)
+        if self.centers is not None:
+            return self.centers.restored(decompress(chunk, self.spec, n, self.head_dim, dtype), rows)
         return decompress(chunk, self.spec, n, self.head_dim, dtype, out=out)
 
     def tokens(self, dtype: torch.dtype | None = None, n: int | None = None,
@@ -189,17 +208,23 @@ class CodedTokenStore:
         return decoded if out is None else out.copy_(decoded)
 
     def gather(self, rows: list[int], starts: list[int], length: int, dtype: torch.dtype | None) -> torch.Tensor:
-        decoded = self._decode(self.coded(rows, starts, length, fresh=False), length, dtype or self.dtype)
+        decoded = self._decode(self.coded(rows, starts, length, fresh=False), length, dtype or self.dtype, rows=rows)
         return self._exact_where_staged(decoded, rows, starts, length)  # (this step's own tokens: exact)
 
     def token_nbytes(self, cap: int | None = None) -> int:
         return sum(t.shape[1] * math.prod(t.shape[3:]) * (min(t.element_size(), cap) if cap and
                    t.is_floating_point() else t.element_size()) for t in self.fields.values())
 
+    def row_state_nbytes(self) -> int:
+        """Bytes kept per row beside the tokens (its `ChannelCenters`)."""
+        return self.centers.nbytes() if self.centers is not None else 0
+
     def nbytes(self) -> int:
         staged = sum(t.numel() * t.element_size() for t in self.staged) if self.staged is not None else 0
-        return staged + sum(t.numel() * t.element_size() for t in self.fields.values())
+        return staged + sum(t.numel() * t.element_size() for t in self.fields.values()) + self.row_state_nbytes()
 
     def select_rows(self, index: torch.Tensor) -> None:
         self.end_step()
         self.fields = {name: t.index_select(0, index) for name, t in self.fields.items()}
+        if self.centers is not None:
+            self.centers.select_rows(index)

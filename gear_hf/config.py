@@ -81,16 +81,13 @@ class GearConfig:
     value_buffer_size: "auto" (the default: 2 x buffer_size where value_buffer is per token, else None), None
                    (values leave the buffer with their keys) or 2 x buffer_size (beyond GEAR): values stay
                    in value_buffer's per-token format one decode chunk longer than their keys, so the newest
-                   buffer_size..2 x buffer_size values are buffered while keys flush every buffer_size tokens (a short
-                   key buffer costs little; values read from chunks too early cost next-token accuracy:
-                   results/tail); the held chunk is compressed from its buffered codes at the next flush (or
+                   buffer_size..2 x buffer_size values are buffered while keys flush every buffer_size tokens
+                   (results/tail); the held chunk is compressed from its buffered codes at the next flush (or
                    earlier: held_for). Needs a per-token value_buffer ("int8", "int8-rotated" or "int4"). "auto" is
-                   resolved when the config is made (the field then holds the number or None); `replace` re-resolves
-                   it when buffer_size, value_buffer or method change
+                   resolved when the config is made (the field then holds the number; `replace` re-resolves it)
     key_buffer_size: None (keys leave the buffer every buffer_size tokens), 2 x buffer_size (beyond GEAR: keys stay
                    in key_buffer's per-token format one decode chunk longer too, like values with value_buffer_size:
-                   the newest decode chunk's keys are read at 8 bits rather than at key_bits, which is where a
-                   3-bit key cache loses most next-token accuracy, results/tail "Which keys cost Qwen2.5 its KL"),
+                   the newest decode chunk's keys are read at 8 bits rather than at key_bits: results/tail),
                    or "auto" (the default: 2 x buffer_size where key_buffer is per token and values are held,
                    else None; resolved as value_buffer_size is). Needs a per-token key_buffer and value_buffer_size
                    (keys are held only with their values)
@@ -100,6 +97,9 @@ class GearConfig:
                    tokens buffered pay for wider keys). 1.0: until the next chunk flushes (config versions 5-6);
                    below 1 only with keys held too. "auto" (the default): 0.5 where both streams are held, else 1.0;
                    resolved as value_buffer_size is. Ignored where nothing is held
+    key_buffer_centered: (beyond GEAR) a per-token key_buffer codes each key centered and scaled per channel by its
+                   row's center and power of two, fitted to the row's prompt (gear_hf/channel_centers.py: a key bias
+                   such as Qwen2's sets no token's range then); 3 bytes per row, head and channel. Ignored for "full"
     key_axis / value_axis: "channel" (groups run along tokens) or "token" (groups run along channels)
     pre_rope:      compress keys before rotary embedding and rotate them when read
     rotation:      "none" | "keys" | "values" | "both": an orthonormal Walsh–Hadamard rotation along head_dim
@@ -148,6 +148,7 @@ class GearConfig:
     value_buffer_size: int | str | None = "auto"
     key_buffer_size: int | str | None = "auto"
     held_for: float | str = "auto"
+    key_buffer_centered: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

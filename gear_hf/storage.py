@@ -102,6 +102,10 @@ class TokenStore:
     def nbytes(self) -> int:
         return 0 if self.data is None else self.data.numel() * self.data.element_size()
 
+    def row_state_nbytes(self) -> int:
+        """Bytes kept per row beside the tokens: none (`CodedTokenStore.row_state_nbytes`)."""
+        return 0
+
     def select_rows(self, index: torch.Tensor) -> None:
         if self.data is not None:
             self.data = self.data.index_select(0, index)

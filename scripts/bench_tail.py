@@ -114,6 +114,9 @@ ABLATIONS = {
     "e112+k2.875": dict(key_buffer_size=128, held_for=0.75, key_bits=2.875),
     "e96+k2.875": dict(key_buffer_size=128, held_for=0.5, key_bits=2.875),
     "e96+k3": dict(key_buffer_size=128, held_for=0.5, key_bits=3),
+    # session 29: the key buffer centered and scaled per channel (key_buffer_centered)
+    "e96+k3+c": dict(key_buffer_size=128, held_for=0.5, key_bits=3, key_buffer_centered=True),
+    "e96+k2.875+c": dict(key_buffer_size=128, held_for=0.5, key_bits=2.875, key_buffer_centered=True),
 }
 for _name, _fields in ABLATIONS.items():
     CONFIGS[_name] = {**_STEADY, **_fields}

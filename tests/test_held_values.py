@@ -24,14 +24,16 @@ HELD = dict(group_size=16, buffer_size=16, prompt_group_size=32, value_buffer_si
 
 
 def _fill(config: GearConfig, steps: list[int], seed: int = 0, expected_length: int | None = None,
-          stream: str = "value"):
+          stream: str = "value", offset: dict[int, float] | None = None):
     """One row, one layer: a prompt of steps[0] tokens, then steps[1:] (returns the cache and every value stored, or
-    every key with stream="key")."""
+    every key with stream="key"); offset: {key channel: a constant added to it}."""
     gen = torch.Generator().manual_seed(seed)
     cache = GearCache(types.SimpleNamespace(num_hidden_layers=1), config, expected_length=expected_length)
     stored, seen = [], 0
     for q in steps:
         k = torch.randn(1, H, q, D, generator=gen)
+        for channel, shift in (offset or {}).items():
+            k[..., channel] += shift
         v = torch.randn(1, H, q, D, generator=gen)
         cache.observe_attention_mask(torch.ones(1, seen + q, dtype=torch.long))
         cache.store_and_read(0, k, v, torch.arange(seen, seen + q)[None])
@@ -45,13 +47,15 @@ def _coded(x: torch.Tensor, spec) -> torch.Tensor:
     return decompress(compress(x, spec), spec, x.shape[2], D, x.dtype)
 
 
-def held_oracle(x: torch.Tensor, fmt, steps: list[int], cache, nb: int = 16) -> torch.Tensor:
+def held_oracle(x: torch.Tensor, fmt, steps: list[int], cache, nb: int = 16, tail=None) -> torch.Tensor:
     """[H, T, d]: what a stream with a held chunk holds of x [1,H,T,d], one row fed `steps` (no crop). A chunk the
     layout flushes is held unless it is not the step's newest or release_after tokens are buffered after it; a held
     chunk is compressed from its buffered codes once released, any other from what the buffer has of it then (the
     step's own tokens exact: all of them at the prompt step). The newest chunk, while held, and the buffer are in the
-    buffer's format (a buffer with no chunk before it: the step's own tokens exact)."""
+    buffer's format (a buffer with no chunk before it: the step's own tokens exact). tail: tokens [1,H,n,d] -> as the
+    buffer reads them back (default: through fmt.tail)."""
     (s,), (p,), (c,), (f,) = cache.sink_len, cache.prefill_len, cache.decode_chunks, cache.buffer_len
+    coded_tail = tail or (lambda z: _coded(z, fmt.tail))
     release_after = fmt.release_after
     expected = [x[:, :, :s]]
     if p:
@@ -68,13 +72,13 @@ def held_oracle(x: torch.Tensor, fmt, steps: list[int], cache, nb: int = 16) -> 
             chunk = x[:, :, at : at + nb]
             held = j == flushed[-1] and (total - s - p) % nb < release_after  # (released on a later step)
             if held:
-                source = _coded(chunk, fmt.tail)
+                source = coded_tail(chunk)
             else:  # (released as flushed: the tokens earlier steps buffered as codes, this step's exact)
                 mine = max(before - at, 0)
-                source = torch.cat([_coded(chunk[:, :, :mine], fmt.tail), chunk[:, :, mine:]], 2) if mine else chunk
+                source = torch.cat([coded_tail(chunk[:, :, :mine]), chunk[:, :, mine:]], 2) if mine else chunk
             expected.append(_coded(source, fmt.decode))
     newest = s + p + (c - holding) * nb
-    expected.append(_coded(x[:, :, newest:], fmt.tail) if c else x[:, :, s + p :])
+    expected.append(coded_tail(x[:, :, newest:]) if c else x[:, :, s + p :])
     return torch.cat(expected, 2)[0]
 
 

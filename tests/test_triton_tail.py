@@ -230,15 +230,19 @@ def test_kernels_read_held_keys_and_values(name, d, kv_heads, group, steps, q_le
     assert _err(decoded, ref) < TOL[dtype], _err(decoded, ref)  # (the buffers handed decoded)
 
 
+@pytest.mark.parametrize("centered", [False, True], ids=["", "centered"])
 @pytest.mark.parametrize("steps,in_step,tensor_core,dtype", [((77, 40), True, False, torch.float32),
                                                                ((77, 40, 33), False, True, torch.bfloat16)],
                          ids=["reg-staged", "tc"])
-def test_kernels_read_rows_that_released_their_held_chunk(steps, in_step, tensor_core, dtype):
+def test_kernels_read_rows_that_released_their_held_chunk(steps, in_step, tensor_core, dtype, centered):
     """Both streams held until 16 tokens follow the chunk (held_for 0.5 of a 32-token buffer): one row holds its
-    newest chunk, the other has released it; each row is handed as its streams store it."""
-    cfg = _config("default").replace(value_buffer_size=64, key_buffer_size=64, held_for=0.5)
+    newest chunk, the other has released it; each row is handed as its streams store it. centered: the key buffer's
+    codes are of centered, scaled keys (`GearConfig.key_buffer_centered`), read back through each row's centers."""
+    cfg = _config("default").replace(value_buffer_size=64, key_buffer_size=64, held_for=0.5,
+                                     key_buffer_centered=centered)
     cache, (out, keys, values, layout), (decoded, *_), ref = _attended(
         cfg, d=64, kv_heads=2, group=4, steps=steps, q_len=1, in_step=in_step, tensor_core=tensor_core, dtype=dtype)
+    assert (keys.tail.affine is not None) == centered and values.tail.affine is None
     stream = cache.layers[0].key_stream
     assert stream.holding == cache.layers[0].value_stream.holding == [False, True]
     own = stream.own(cache.layout.plan.attend if in_step else cache.layout.counts)

@@ -58,7 +58,8 @@ def _held_by_component(cache, cap: int | None) -> dict[str, int]:
             if live and stream.decode.fields:
                 for name, n in stream.decode.chunk_nbytes(nb, cap).items():
                     out[name] = out.get(name, 0) + live * n
-            out["scales"] += _nbytes(stream.channel_bits)  # each row's allocated key widths (for its next chunks)
+            # each row's allocated key widths (for its next chunks) and its buffer's channel centers
+            out["scales"] += _nbytes(stream.channel_bits) + stream.buffer.row_state_nbytes()
     if layout.tables is not None:  # (none while they follow from the pads: `RowLayout.positions`)
         out["positions"] = 4 * (sum(counts.held(nb)) + layout.batch * layout.rect_length)
     return out

@@ -49,7 +49,8 @@ class Stream(HeldChunkPlans):
     """One layer's keys or values (module docstring); the held chunk's bookkeeping: `HeldChunkPlans`."""
 
     def __init__(self, prefill_spec: ChunkSpec, decode_spec: ChunkSpec, chunk_len: int, kind: str,
-                 tail: ChunkSpec | None = None, held_chunk: bool = False, release_after: int | None = None) -> None:
+                 tail: ChunkSpec | None = None, held_chunk: bool = False, release_after: int | None = None,
+                 centered: bool = False) -> None:
         self.kind = kind  # "key" or "value"
         self.held_chunk = held_chunk  # the newest decode chunk stays at the buffer's front (module docstring)
         self.release_after = release_after or chunk_len  # (buffered tokens after a held chunk that release it)
@@ -57,7 +58,7 @@ class Stream(HeldChunkPlans):
         self._holding_memo = None  # (`HeldChunkPlans._holding_after`)
         self.prefill_spec, self.decode_spec = prefill_spec, decode_spec
         self.sink = TokenStore()
-        self.buffer = TokenStore() if tail is None else CodedTokenStore(tail)
+        self.buffer = TokenStore() if tail is None else CodedTokenStore(tail, centered)
         self.prefill: ChunkStore | None = None
         self.decode = ChunkStore(decode_spec, chunk_len)
         self.chunk_len = chunk_len
@@ -144,7 +145,7 @@ class Stream(HeldChunkPlans):
         are when the buffer already holds them in the store's format, else compressed. Returns a device bool:
         every entry finite."""
         buffer = self.buffer
-        if isinstance(buffer, CodedTokenStore) and buffer.spec == store.spec:
+        if isinstance(buffer, CodedTokenStore) and buffer.spec == store.spec and buffer.centers is None:
             coded = buffer.coded(rows, starts, length)
             store.store_rows(coded, length, rows, slots, batch, reserve, limit)
             side = [t for t in coded.fields.values() if t.is_floating_point() and t.numel()]

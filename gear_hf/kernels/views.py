@@ -70,7 +70,9 @@ class CodedTailView:
     `INT8_ROTATED_TOKENS` or `INT4_TOKENS`), as stored: token t of row b, head h is codes[b,h,t] * scale[b,h,t] +
     minimum[b,h,t] (float32; 4-bit codes two a byte, the even channel in the low nibble), in the Walsh–Hadamard-rotated
     basis when rotated (the vector is that times `compress.rotation.hadamard(d)`), except this step's own tokens
-    (staged[b, t]), which `StreamView.buffer` holds exact (never rotated) at the same columns."""
+    (staged[b, t]), which `StreamView.buffer` holds exact (never rotated) at the same columns. With affine (a centered
+    key buffer, `channel_centers.ChannelCenters`), that vector (back in the plain basis) times affine[b,h,0] plus
+    affine[b,h,1], per channel, is the token."""
 
     codes: torch.Tensor  # uint8 [B, H, cap, ceil(d * bits / 8)]
     scale: torch.Tensor  # [B, H, cap, 1] 16-bit
@@ -78,6 +80,7 @@ class CodedTailView:
     staged: torch.Tensor | None  # bool [B, cap]: read from StreamView.buffer; None: every token coded
     bits: int = 8  # bits per code: 8 or 4
     rotated: bool = False  # codes of the rotated vector (INT8_ROTATED_TOKENS, INT4_TOKENS)
+    affine: torch.Tensor | None = None  # float32 [B, H, 2, d]: per channel scale and center, or None
 
 
 TAIL_FORMATS = ((8, False), (8, True), (4, True))  # the per-token buffer formats the kernels read: (bits, rotated)

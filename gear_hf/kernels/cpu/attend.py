@@ -91,10 +91,12 @@ def _decode_token(codes, bits, s, m, b, h, t, row):
 def _buffer_rows(buf, tail, b, h, f, target, unrotate, tile):
     """The row's f buffer tokens into target [>=f, d]: from buf [B,H,cap,d] (float32, full precision), or, for a
     buffer held per token (`_tail_args`: codes [B,H,cap,P] uint8 of 8 or 4 bits, scale/minimum [B,H,cap,1] 16-bit,
-    staged [B,cap], bits, rotated), code * scale + minimum in float32, except the staged tokens (this step's own),
-    read from buf. A rotated format's coded tokens stay in the rotated basis unless unrotate (keys: then each run of
-    coded tokens is rotated back, `_hadamard_rows` with scratch tile [d, L]); the staged ones are never rotated."""
-    codes, scale, minimum, staged, bits, rotated = tail
+    staged [B,cap], bits, rotated, affine), code * scale + minimum in float32, except the staged tokens (this step's
+    own), read from buf. A rotated format's coded tokens stay in the rotated basis unless unrotate (keys: then each run
+    of coded tokens is rotated back, `_hadamard_rows` with scratch tile [d, L]); the staged ones are never rotated.
+    A centered buffer (affine [B,H,2,d] float32, else empty: keys only) then takes each channel times affine[b,h,0]
+    plus affine[b,h,1]."""
+    codes, scale, minimum, staged, bits, rotated, affine = tail
     d = target.shape[1]
     coded = codes.shape[2] > 0
     t = 0
@@ -106,6 +108,10 @@ def _buffer_rows(buf, tail, b, h, f, target, unrotate, tile):
                 t += 1
             if rotated and unrotate:
                 _hadamard_rows(target[first:t], t - first, tile)
+            if affine.shape[0] > 0:
+                for u in range(first, t):
+                    for k in range(d):
+                        target[u, k] = target[u, k] * affine[b, h, 0, k] + affine[b, h, 1, k]
         else:
             for k in range(d):
                 target[t, k] = buf[b, h, t, k]
@@ -370,16 +376,18 @@ def _stream_runs(view, prompt_chunks: int, decode_chunks: int, n: int, d: int, s
 def _no_tail(side: torch.dtype) -> tuple:
     """`_tail_args` of a full-precision buffer: no codes, statistics of the type a coded one's are read as."""
     stats = np.zeros((0, 0, 0, 0), dtype=side_numpy_dtype(side))
-    return np.zeros((0, 0, 0, 0), dtype=np.uint8), stats, stats, _NO_STAGED, 8, False
+    return np.zeros((0, 0, 0, 0), dtype=np.uint8), stats, stats, _NO_STAGED, 8, False, _NO_AFFINE
 
 
 _NO_STAGED = np.zeros((0, 0), dtype=np.bool_)
+_NO_AFFINE = np.zeros((0, 0, 2, 0), dtype=np.float32)
 
 
 def _tail_args(view, side):
-    """(codes, scale, minimum, staged, bits, rotated) of a StreamView's coded buffer (`views.CodedTailView`) as
-    `_buffer_rows` reads them: the store's fields in place (bf16 scale/minimum as their bits; fp16 ones cast to
-    float32), staged [B,cap] or [0,0] when nothing is staged; `_no_tail` for a full-precision buffer."""
+    """(codes, scale, minimum, staged, bits, rotated, affine) of a StreamView's coded buffer (`views.CodedTailView`)
+    as `_buffer_rows` reads them: the store's fields in place (bf16 scale/minimum as their bits; fp16 ones cast to
+    float32), staged [B,cap] or [0,0] when nothing is staged, affine [B,H,2,d] or empty; `_no_tail` for a
+    full-precision buffer."""
     tail = view.tail
     if tail is None:
         return _no_tail(side)
@@ -389,7 +397,8 @@ def _tail_args(view, side):
         scale, minimum = scale.view(torch.int16).numpy(), minimum.view(torch.int16).numpy()
     else:
         scale, minimum = _side_array(scale.contiguous()), _side_array(minimum.contiguous())
-    return tail.codes.contiguous().numpy(), scale, minimum, staged, int(tail.bits), bool(tail.rotated)
+    affine = tail.affine.numpy() if tail.affine is not None else _NO_AFFINE
+    return tail.codes.contiguous().numpy(), scale, minimum, staged, int(tail.bits), bool(tail.rotated), affine
 
 
 def _rope_halves(positions: torch.Tensor, inv_freq: torch.Tensor):

@@ -267,14 +267,20 @@ class TailArgs(NamedTuple):
     s_staged: int
     staged_n: int  # slots with staged flags: capacity, or 0 when none is staged
     constexprs: dict
+    affine: torch.Tensor | None = None  # float32 [B,H,2,d] (a centered key buffer), or a placeholder
+    s_affine: int = 0
 
     def kernel_args(self, stream: str) -> tuple[dict, dict]:
         """(runtime arguments, constexprs) named as the kernel's parameters of stream "k" or "v" (the staged flags:
-        `staged_args`)."""
+        `staged_args`); keys also their centers (tka, s_tka, T_K_AFF)."""
         t = f"t{stream}"
         args = {f"{t}c": self.codes, f"{t}s": self.scale, f"{t}m": self.minimum, f"{t}e": self.exact,
                 f"s_{t}c": self.s_codes, f"s_{t}s": self.s_scale, f"s_{t}e": self.s_exact}
-        return args, {f"T_{stream.upper()}_{k}": v for k, v in self.constexprs.items()}
+        constexprs = {f"T_{stream.upper()}_{k}": v for k, v in self.constexprs.items() if k != "AFF"}
+        if stream == "k":
+            args.update(tka=self.affine, s_tka=self.s_affine)
+            constexprs["T_K_AFF"] = self.constexprs["AFF"]
+        return args, constexprs
 
 
 def staged_args(keys: TailArgs, values: TailArgs, held_values: bool = False) -> dict:
@@ -297,7 +303,7 @@ def tail_args(view: StreamView, dummy: torch.Tensor, batch: int, heads: int, hea
     tail = view.tail
     if tail is None:
         return TailArgs(*[dummy] * 5, s_codes=0, s_scale=0, s_exact=0, s_staged=0, staged_n=0,
-                        constexprs={"BITS": 0, "ROT": False})
+                        constexprs={"BITS": 0, "ROT": False, "AFF": False}, affine=dummy)
     bits = int(tail.bits)
     if bits not in (4, 8):
         raise ValueError(f"{name}.tail.bits = {tail.bits}: the Triton decode kernels read 8-bit codes or 4-bit codes "
@@ -327,6 +333,17 @@ def tail_args(view: StreamView, dummy: torch.Tensor, batch: int, heads: int, hea
         _check_words(_check(exact, f"{name}.buffer"), f"{name}.buffer")
         staged = _check(staged, f"{name}.tail.staged").view(torch.uint8)
         s_exact, s_staged, n = exact.stride(1), staged.stride(0), cap
+    affine, s_affine = dummy, 0
+    if tail.affine is not None:
+        want = (batch, heads, 2, head_dim)
+        if name != "keys" or tuple(tail.affine.shape) != want or tail.affine.dtype != torch.float32 \
+                or tail.affine.device != dummy.device:
+            raise ValueError(f"{name}.tail.affine must be None{'' if name == 'keys' else ' (only keys are centered)'} "
+                             f"or float32 {list(want)} ([B, H, 2, d]: scales, centers) on {dummy.device}, got "
+                             f"{tail.affine.dtype} {list(tail.affine.shape)} on {tail.affine.device}")
+        affine = _check(tail.affine.contiguous(), f"{name}.tail.affine")
+        s_affine = affine.stride(1)
     return TailArgs(tail.codes, tail.scale, tail.minimum, exact, staged, s_codes=tail.codes.stride(1),
                     s_scale=tail.scale.stride(1), s_exact=s_exact, s_staged=s_staged, staged_n=n,
-                    constexprs={"BITS": bits, "ROT": bool(tail.rotated)})
+                    constexprs={"BITS": bits, "ROT": bool(tail.rotated), "AFF": tail.affine is not None},
+                    affine=affine, s_affine=s_affine)

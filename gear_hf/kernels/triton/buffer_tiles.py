@@ -99,7 +99,7 @@ def _dense_block(q1, q2, k_b, v_b, s_tok, t, slot, tvalid, pos_b, freq, limit,
                  FAST: tl.constexpr, ROT_V: tl.constexpr):
     """Full-precision tokens (sink or buffer) at store slots `slot`."""
     return _tile_block(q1, q2, k_b, v_b, s_tok, t, slot, tvalid, pos_b, freq, limit, mvalid, window, m_i, l_i, acc,
-                       had_ptr, 0, 0, 0, 0, 0, 0, D, HALF, DT, FAST, ROT_V, 0, False, 0, False)
+                       had_ptr, 0, 0, 0, 0, 0, 0, 0, D, HALF, DT, FAST, ROT_V, 0, False, 0, False, False)
 
 
 @triton.jit
@@ -118,11 +118,12 @@ def _dense_values(v_b, rows, m2, had_ptr, D: tl.constexpr, HALF: tl.constexpr, D
 
 @triton.jit
 def _tail_halves(codes_b, scale_b, min_b, slot, coded, had_ptr, D: tl.constexpr, BITS: tl.constexpr,
-                 ROT: tl.constexpr, DT: tl.constexpr):
+                 ROT: tl.constexpr, DT: tl.constexpr, aff, AFF: tl.constexpr):
     """The coded tokens (mask coded [BN]) at slots `slot` of a buffer held per token (`views.CodedTailView`) as
     halves float32 [BN, D/2]: code * scale + minimum (one scale and minimum per token), times H when ROT (the
     Walsh–Hadamard rotation, its own inverse: codes of x·H back to x, or codes of x to x·H). A half's codes are
-    32-bit words of D*BITS/64 bytes (8-bit codes, or 4-bit codes two a byte, the even channel in the low nibble)."""
+    32-bit words of D*BITS/64 bytes (8-bit codes, or 4-bit codes two a byte, the even channel in the low nibble).
+    AFF (a centered key buffer): then each channel times aff[c] plus aff[D + c] (the head's scales and centers)."""
     HALF: tl.constexpr = D // 2
     BN: tl.constexpr = slot.shape[0]
     sc = tl.load(scale_b + slot, mask=coded, other=0.0).to(tl.float32)[:, None]
@@ -135,6 +136,10 @@ def _tail_halves(codes_b, scale_b, min_b, slot, coded, had_ptr, D: tl.constexpr,
     x2 = tl.reshape(_unpack_words(w2, BITS), [BN, HALF]).to(tl.float32) * sc + mn
     if ROT:
         x1, x2 = _unrotate_halves(x1, x2, had_ptr, D, DT)
+    if AFF:
+        c = tl.arange(0, HALF)
+        x1 = x1 * tl.load(aff + c)[None, :] + tl.load(aff + D + c)[None, :]
+        x2 = x2 * tl.load(aff + HALF + c)[None, :] + tl.load(aff + D + HALF + c)[None, :]
     return x1, x2
 
 
@@ -149,23 +154,23 @@ def _tail_values(codes_b, scale_b, min_b, slot, coded, had_ptr, D: tl.constexpr,
         v = _value_tile(codes_b, scale_b, min_b, scale_b, scale_b, D * BITS // 8, 1, 0, slot, coded, D, BITS, 1, D,
                         0, 1)
     else:
-        v1, v2 = _tail_halves(codes_b, scale_b, min_b, slot, coded, had_ptr, D, BITS, True, DT)
+        v1, v2 = _tail_halves(codes_b, scale_b, min_b, slot, coded, had_ptr, D, BITS, True, DT, had_ptr, False)
         v = tl.reshape(tl.permute(tl.join(v1, v2), (0, 2, 1)), [v1.shape[0], D])
     return v
 
 
 @triton.jit
 def _tile_block(q1, q2, k_b, v_b, s_tok, t, slot, tvalid, pos_b, freq, limit, mvalid, window, m_i, l_i, acc,
-                had_ptr, tkc, tks, tkm, tvc, tvs, tvm, D: tl.constexpr, HALF: tl.constexpr, DT: tl.constexpr,
+                had_ptr, tkc, tks, tkm, tka, tvc, tvs, tvm, D: tl.constexpr, HALF: tl.constexpr, DT: tl.constexpr,
                 FAST: tl.constexpr, ROT_V: tl.constexpr, T_K_BITS: tl.constexpr, T_K_ROT: tl.constexpr,
-                T_V_BITS: tl.constexpr, T_V_ROT: tl.constexpr):
+                T_V_BITS: tl.constexpr, T_V_ROT: tl.constexpr, T_K_AFF: tl.constexpr):
     """The tokens at store slots `slot` (mask tvalid): keys and values at full precision at k_b/v_b (rows of s_tok
     elements), or, for a stream whose buffer is held per token (T_K_BITS / T_V_BITS > 0: the head's codes, scale and
-    minimum), decoded in registers (keys: `_tail_halves`, values: `_tail_values`)."""
+    minimum; keys centered: T_K_AFF, tka), decoded in registers (keys: `_tail_halves`, values: `_tail_values`)."""
     m2 = tvalid[:, None]
     rows = slot * s_tok  # [BN]
     if T_K_BITS > 0:
-        k1, k2 = _tail_halves(tkc, tks, tkm, slot, tvalid, had_ptr, D, T_K_BITS, T_K_ROT, DT)
+        k1, k2 = _tail_halves(tkc, tks, tkm, slot, tvalid, had_ptr, D, T_K_BITS, T_K_ROT, DT, tka, T_K_AFF)
     else:
         k1 = _load_rows(k_b + rows, m2, HALF)
         k2 = _load_rows(k_b + rows + HALF, m2, HALF)
@@ -182,9 +187,10 @@ def _tile_block(q1, q2, k_b, v_b, s_tok, t, slot, tvalid, pos_b, freq, limit, mv
 
 @triton.jit
 def _buffer_block(q1, q2, k_b, v_b, s_tok, t, slot, tvalid, pos_b, freq, limit, mvalid, window, m_i, l_i, acc,
-                  had_ptr, tkc, tks, tkm, tke, tvc, tvs, tvm, tve, stg_b, stg_n, D: tl.constexpr, HALF: tl.constexpr,
-                  DT: tl.constexpr, FAST: tl.constexpr, ROT_V: tl.constexpr, T_K_BITS: tl.constexpr,
-                  T_K_ROT: tl.constexpr, T_V_BITS: tl.constexpr, T_V_ROT: tl.constexpr):
+                  had_ptr, tkc, tks, tkm, tke, tka, tvc, tvs, tvm, tve, stg_b, stg_n, D: tl.constexpr,
+                  HALF: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr, ROT_V: tl.constexpr,
+                  T_K_BITS: tl.constexpr, T_K_ROT: tl.constexpr, T_V_BITS: tl.constexpr, T_V_ROT: tl.constexpr,
+                  T_K_AFF: tl.constexpr):
     """Buffer tokens at store slots `slot`: full precision at k_b/v_b (`_dense_block`), or, where a stream's buffer is
     held per token (T_K_BITS / T_V_BITS > 0; `views.CodedTailView`; the kernels pass TAIL_TOKENS-token steps), in two
     steps of the online softmax, each with one kind of tile (two would double its registers): the coded tokens,
@@ -198,8 +204,8 @@ def _buffer_block(q1, q2, k_b, v_b, s_tok, t, slot, tvalid, pos_b, freq, limit, 
     else:
         staged = tl.load(stg_b + slot, mask=tvalid & (slot < stg_n), other=0) != 0
         m_i, l_i, acc = _tile_block(q1, q2, k_b, v_b, s_tok, t, slot, tvalid & (staged == 0), pos_b, freq, limit,
-                                    mvalid, window, m_i, l_i, acc, had_ptr, tkc, tks, tkm, tvc, tvs, tvm, D, HALF, DT,
-                                    FAST, ROT_V, T_K_BITS, T_K_ROT, T_V_BITS, T_V_ROT)
+                                    mvalid, window, m_i, l_i, acc, had_ptr, tkc, tks, tkm, tka, tvc, tvs, tvm, D, HALF,
+                                    DT, FAST, ROT_V, T_K_BITS, T_K_ROT, T_V_BITS, T_V_ROT, T_K_AFF)
         if tl.max(staged.to(tl.int32), axis=0) > 0:
             if T_K_BITS > 0:
                 k_exact = tke
@@ -216,10 +222,10 @@ def _buffer_block(q1, q2, k_b, v_b, s_tok, t, slot, tvalid, pos_b, freq, limit, 
 
 @triton.jit
 def _buffer_blocks(lo, hi, e3, s_len, p_len, c_cnt, f_len, q1, q2, buf_k, buf_v, pos_b, freq, limit, mvalid, window,
-                   m_i, l_i, acc, had_ptr, tkc, tks, tkm, tke, tvc, tvs, tvm, tve, stg_b, stg_n, HELD_V: tl.constexpr,
-                   D: tl.constexpr, HALF: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, DT: tl.constexpr,
-                   FAST: tl.constexpr, ROT_V: tl.constexpr, T_K_BITS: tl.constexpr, T_K_ROT: tl.constexpr,
-                   T_V_BITS: tl.constexpr, T_V_ROT: tl.constexpr):
+                   m_i, l_i, acc, had_ptr, tkc, tks, tkm, tke, tka, tvc, tvs, tvm, tve, stg_b, stg_n,
+                   HELD_V: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr,
+                   DT: tl.constexpr, FAST: tl.constexpr, ROT_V: tl.constexpr, T_K_BITS: tl.constexpr,
+                   T_K_ROT: tl.constexpr, T_V_BITS: tl.constexpr, T_V_ROT: tl.constexpr, T_K_AFF: tl.constexpr):
     """This split's buffer blocks [max(lo, e3), hi) (`_buffer_block`): the row's f_len buffer tokens (rows of D
     elements) follow its s_len sink, p_len prompt-chunk and c_cnt x NB decode-chunk tokens. A buffer held per token
     is attended in TAIL_TOKENS-token steps (its tiles decoded in registers set the kernel's register peak), a
@@ -245,6 +251,6 @@ def _buffer_blocks(lo, hi, e3, s_len, p_len, c_cnt, f_len, q1, q2, buf_k, buf_v,
             t = s_len + p_len + c_cnt * NB + slot
             m_i, l_i, acc = _buffer_block(
                 q1, q2, buf_k, buf_v, D, t, slot, tvalid, pos_b, freq, limit, mvalid, window, m_i, l_i, acc,
-                had_ptr, tkc, tks, tkm, tke, tvc, tvs, tvm, tve, stg_b, stg_n, D, HALF, DT, FAST, ROT_V, T_K_BITS,
-                T_K_ROT, T_V_BITS, T_V_ROT)
+                had_ptr, tkc, tks, tkm, tke, tka, tvc, tvs, tvm, tve, stg_b, stg_n, D, HALF, DT, FAST, ROT_V,
+                T_K_BITS, T_K_ROT, T_V_BITS, T_V_ROT, T_K_AFF)
     return m_i, l_i, acc

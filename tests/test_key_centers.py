@@ -1,0 +1,131 @@
+"""Keys centered and scaled per channel in the buffer (`GearConfig.key_buffer_centered`, gear_hf/channel_centers.py):
+each row's center and power-of-two scale come from its first step's tokens, every key the buffer codes is coded as
+(x - center) / scale and read back through them. Token by token against an oracle written here, the paths that must
+agree on it (reference, numba fused; Triton: tests/test_triton_tail.py), beams, the memory report, a short prompt, the
+config, and what it is for: a key bias that would set every token's 8-bit range."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from test_held_keys import HELD_KEYS
+from test_held_values import FUSED, _coded, _fill, _generate, held_oracle
+
+from gear_hf import GearConfig
+from gear_hf.cache.fused import row_local_tokens
+from gear_hf.channel_centers import MIN_SCALED_TOKENS, SPREAD_RANGE
+from gear_hf.format import layer_formats
+from tiny_models import prompts, tiny_model
+
+CENTERED = dict(HELD_KEYS, held_for=0.5, key_buffer_centered=True)
+
+
+def _centers(first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(center, scale) [1,H,1,d] from a row's first step's buffered tokens first [1,H,n,d] (written out here: the mean
+    rounded to bf16; a power of two at or above the largest deviation, at least the head's widest / 2^8)."""
+    center = first.mean(dim=2, keepdim=True).to(torch.bfloat16).float()
+    if first.shape[2] < MIN_SCALED_TOKENS:
+        return center, torch.ones_like(center)
+    spread = (first - center).abs().amax(dim=2, keepdim=True)
+    spread = torch.maximum(spread, spread.amax(dim=-1, keepdim=True) / 2 ** SPREAD_RANGE)
+    return center, torch.exp2(torch.ceil(torch.log2(spread)))
+
+
+@pytest.mark.parametrize("steps", [[40] + [1] * 45, [5] + [1] * 50 + [7, 3], [75] + [1] * 20])
+def test_centered_keys_token_by_token(steps):
+    """Keys are where the oracle says with the buffer's codes of (x - center) / scale read back times scale plus
+    center; values are not centered."""
+    config = GearConfig(**CENTERED)
+    cache, x = _fill(config, steps, stream="key")
+    _, v = _fill(config, steps)
+    s = cache.sink_len[0]
+    key_format, value_format = layer_formats(config)
+    assert key_format.centered and not value_format.centered
+    center, scale = _centers(x[:, :, s : steps[0]])
+
+    def tail(z):
+        return _coded((z - center) / scale, key_format.tail) * scale + center
+
+    (keys, values), = row_local_tokens(cache, 0)
+    torch.testing.assert_close(keys, held_oracle(x, key_format, steps, cache, tail=tail)[None][0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(values, held_oracle(v, value_format, steps, cache), rtol=0, atol=1e-6)
+
+
+def test_a_key_bias_sets_no_tokens_range():
+    """Keys with a large constant offset on two channels: centered, the buffer's keys err about as without the
+    offset; uncentered, the offset's channels set every token's 8-bit range (far larger errors)."""
+    steps = [40] + [1] * 30
+    errors = {}
+    for centered in (False, True):
+        config = GearConfig(**dict(CENTERED, key_buffer_centered=centered))
+        cache, x = _fill(config, steps, stream="key", offset={3: 400.0, 17: -250.0})
+        s, p, c = cache.sink_len[0], cache.prefill_len[0], cache.decode_chunks[0]
+        (keys, _), = row_local_tokens(cache, 0)
+        newest = s + p + (c - 1) * 16  # the held chunk and the buffer: the per-token format's tokens
+        errors[centered] = (keys[:, newest:] - x[0, :, newest:]).abs().max().item()
+    assert errors[True] < 0.05 < errors[False] / 10, errors
+
+
+def test_a_short_first_step_centers_without_scaling():
+    """A first step of fewer than MIN_SCALED_TOKENS buffered tokens sets the center only (scale 1)."""
+    cache, x = _fill(GearConfig(**CENTERED), [6] + [1] * 30, stream="key")
+    centers = cache.layers[0].key_stream.buffer.centers
+    s = cache.sink_len[0]
+    assert centers.fitted == [True] and torch.equal(centers.exponent, torch.zeros_like(centers.exponent))
+    torch.testing.assert_close(centers.center.float(), x[0, :, s:6].mean(dim=1)[None].to(torch.bfloat16).float())
+
+
+def test_memory_report_counts_the_centers():
+    """3 bytes per row, head and channel of each key buffer, counted as held ('scales') and owned; nothing spare."""
+    steps = [40] + [1] * 45
+    reports = [_fill(GearConfig(**dict(CENTERED, key_buffer_centered=on)), steps)[0].memory_report()
+               for on in (False, True)]
+    B, H, d = 1, 2, 32
+    assert reports[1]["scales"] - reports[0]["scales"] == B * H * d * 3
+    assert reports[1]["owned_bytes"] - reports[0]["owned_bytes"] == B * H * d * 3
+    assert reports[1]["spare_bytes"] == 0
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen2"])
+def test_fused_cpu_attention_reads_centered_keys_as_the_reference_path(arch):
+    """A left-padded batch under inference mode, rows flushing and releasing on different steps, 28 decode steps on a
+    deep copy of the model: the numba fused attention gives the torch backend's tokens and logits, and centering
+    moves the logits (it is read)."""
+    model = copy.deepcopy(tiny_model(arch, head_dim=32))
+    ids, mask = prompts(3, 45, seed=1, pads=[0, 9, 20])
+    centered = dict(FUSED, key_buffer_size=32, held_for=0.5, key_buffer_centered=True)
+    runs = [_generate(model, ids, mask, GearConfig(**centered, backend=backend), 28) for backend in ("torch", "auto")]
+    (tokens, scores, paths, cache), (fused_tokens, fused_scores, fused_paths, _) = runs
+    assert paths == {"reference": 27 * 2} and fused_paths == {"fused": 27 * 2}
+    assert all(cache.layers[0].key_stream.buffer.centers.fitted)
+    assert torch.equal(tokens, fused_tokens)
+    assert (scores - fused_scores).abs().max().item() < 1e-4
+    plain = _generate(model, ids, mask, GearConfig(**dict(centered, key_buffer_centered=False), backend="torch"), 28)
+    assert (scores - plain[1]).abs().max().item() > 1e-4
+
+
+def test_beams_carry_each_rows_centers():
+    """Beam search reorders rows: each keeps its centers (torch and numba agree on every beam's tokens)."""
+    model = tiny_model("llama3", head_dim=32)
+    ids, mask = prompts(2, 45, seed=2, pads=[0, 7])
+    centered = dict(FUSED, key_buffer_size=32, held_for=0.5, key_buffer_centered=True)
+    runs = [_generate(model, ids, mask, GearConfig(**centered, backend=backend), 24, num_beams=3)
+            for backend in ("torch", "auto")]
+    (tokens, _, _, cache), (fused_tokens, _, fused_paths, _) = runs
+    assert cache.layers[0].key_stream.buffer.centers.center.shape[0] == 6 and "fused" in fused_paths
+    assert torch.equal(tokens, fused_tokens)
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_config_takes_a_bool(value):
+    with pytest.raises(ValueError, match=r"key_buffer_centered=.*True or False"):
+        GearConfig(key_buffer_centered=value)
+
+
+def test_centering_is_ignored_for_a_full_precision_key_buffer():
+    config = GearConfig(key_buffer="full", key_buffer_size=None, key_buffer_centered=True)
+    assert not layer_formats(config)[0].centered
+    assert not math.isnan(float(config.key_bits))
