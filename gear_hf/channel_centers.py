@@ -9,8 +9,9 @@ with the row, leaves the range to what varies from token to token. Reading multi
 (exact: the scale is a power of two), before RoPE, in the plain basis (results/tail/ "Keys centered in the buffer").
 
 Stored per row, head and channel: the center in the 16-bit side dtype and the exponent as int8 (3 bytes; 12 / T
-bits/element at T tokens). A row's first step with fewer than `MIN_SCALED_TOKENS` tokens sets its center only
-(exponent 0): a spread from a handful of tokens says little about the next ones.
+bits/element at T tokens), from the first row fitted on. A row whose first step buffers fewer than `MIN_FIT_TOKENS`
+tokens is not centered: a spread from a handful of tokens says little about the next ones, and 3 bytes a channel would
+cost a short row more than its 8-bit codes save (the cache would own more than dense: tests/test_footprint.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ import torch
 
 from .compress import side_dtype
 
-MIN_SCALED_TOKENS = 16  # tokens a row's first step needs for its channels' spreads to set their scales
+MIN_FIT_TOKENS = 16  # tokens a row's first step must buffer for the row to be centered
+# the newest tokens of that step the centers are fitted to: the next tokens look more like the prompt's end than like
+# its whole (Qwen2.5, 5 GSM8K texts: fitted to the newest ~64, KL 0.87-0.98x of a fit to all 1,020; results/tail/)
+FIT_TOKENS = 64
 # a channel's scale is at least the head's widest spread / 2^SPREAD_RANGE: a channel that barely moved in the prompt
 # (or never) is not scaled up without bound
 SPREAD_RANGE = 8
@@ -27,40 +31,40 @@ SPREAD_RANGE = 8
 
 class ChannelCenters:
     """Per row b, head h and channel c: center[b,h,c] and exponent[b,h,c]; a token x [.., d] is coded as
-    (x - center) * 2^-exponent and read back as code * 2^exponent + center. Rows not yet fitted read as identity
+    (x - center) * 2^-exponent and read back as code * 2^exponent + center. Nothing is stored until a row is
+    fitted; rows not fitted (not yet, or never: a first step of fewer than MIN_FIT_TOKENS tokens) read as identity
     (center 0, exponent 0)."""
 
     def __init__(self) -> None:
-        self.center: torch.Tensor | None = None  # [B,H,d] side dtype
+        self.center: torch.Tensor | None = None  # [B,H,d] side dtype, from the first fitted row on
         self.exponent: torch.Tensor | None = None  # [B,H,d] int8
-        self.fitted: list[bool] = []
-
-    def reserve(self, like: torch.Tensor) -> None:
-        """Room for like's rows ([B,H,*,d], the model's dtype), identity until fitted."""
-        B, H, _, d = like.shape
-        self.center = torch.zeros(B, H, d, dtype=side_dtype(like.dtype), device=like.device)
-        self.exponent = torch.zeros(B, H, d, dtype=torch.int8, device=like.device)
-        self.fitted = [False] * B
+        self.settled: list[bool] = []  # per row: its first step has been seen (fitted or not)
 
     def fit(self, exact: torch.Tensor, written: torch.Tensor) -> None:
-        """Rows with tokens in this step (written [B,cap] of exact [B,H,cap,d]) and no center yet take theirs from
-        those tokens: the mean per channel, and, from MIN_SCALED_TOKENS tokens on, the power of two at or above each
-        channel's largest deviation from it (floored at the head's widest / 2^SPREAD_RANGE)."""
-        for b in range(exact.shape[0]):
-            if self.fitted[b]:
-                continue
+        """Rows seen for the first time (with tokens in this step: written [B,cap] of exact [B,H,cap,d]) take their
+        centers from the newest FIT_TOKENS of those tokens when there are MIN_FIT_TOKENS or more: the mean per channel,
+        and the power of two at or above each channel's largest deviation from it (floored at the head's widest /
+        2^SPREAD_RANGE)."""
+        B, H, _, d = exact.shape
+        if not self.settled:
+            self.settled = [False] * B
+        for b in range(B):
             columns = written[b].nonzero().flatten()
-            if not columns.numel():
+            if self.settled[b] or not columns.numel():
                 continue
-            x = exact[b][:, columns].float()  # [H,n,d]
+            self.settled[b] = True
+            if columns.numel() < MIN_FIT_TOKENS:
+                continue
+            if self.center is None:
+                self.center = torch.zeros(B, H, d, dtype=side_dtype(exact.dtype), device=exact.device)
+                self.exponent = torch.zeros(B, H, d, dtype=torch.int8, device=exact.device)
+            x = exact[b][:, columns[-FIT_TOKENS:]].float()  # [H,n,d] (a row's columns are in token order)
             center = x.mean(dim=1).to(self.center.dtype)  # [H,d] (as stored: coding and reading use the same one)
+            spread = (x - center.float()[:, None]).abs().amax(dim=1)  # [H,d]
+            floor = spread.amax(dim=-1, keepdim=True) * 2.0 ** -SPREAD_RANGE
+            spread = torch.maximum(spread, floor).clamp_min(torch.finfo(torch.float32).tiny)
             self.center[b] = center
-            if columns.numel() >= MIN_SCALED_TOKENS:
-                spread = (x - center.float()[:, None]).abs().amax(dim=1)  # [H,d]
-                floor = spread.amax(dim=-1, keepdim=True) * 2.0 ** -SPREAD_RANGE
-                spread = torch.maximum(spread, floor).clamp_min(torch.finfo(torch.float32).tiny)
-                self.exponent[b] = torch.ceil(torch.log2(spread)).clamp(-126, 127).to(torch.int8)
-            self.fitted[b] = True
+            self.exponent[b] = torch.ceil(torch.log2(spread)).clamp(-126, 127).to(torch.int8)
 
     def _rows(self, rows: list[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(center, scale) float32 [J,H,1,d] of rows (None: every row)."""
@@ -69,23 +73,30 @@ class ChannelCenters:
 
     def normalized(self, x: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
         """x [J,H,n,d] (rows' tokens; None: every row's) as coded: (x - center) / scale, in x's dtype."""
+        if self.center is None:
+            return x
         center, scale = self._rows(rows)
         return ((x.float() - center) / scale).to(x.dtype)
 
     def restored(self, decoded: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
         """decoded [J,H,n,d] (codes read back) as the tokens: decoded * scale + center, in decoded's dtype."""
+        if self.center is None:
+            return decoded
         center, scale = self._rows(rows)
         return (decoded.float() * scale + center).to(decoded.dtype)
 
-    def kernel_affine(self) -> torch.Tensor:
+    def kernel_affine(self) -> torch.Tensor | None:
         """float32 [B,H,2,d]: each head's scales (row 0) and centers (row 1), as the fused kernels read them (a
-        per-call copy of B·H·2·d floats)."""
+        per-call copy of B·H·2·d floats); None while no row is fitted."""
+        if self.center is None:
+            return None
         return torch.stack([torch.exp2(self.exponent.float()), self.center.float()], dim=2).contiguous()
 
     def select_rows(self, index: torch.Tensor) -> None:
+        if self.settled:
+            self.settled = [self.settled[i] for i in index.tolist()]
         if self.center is not None:
             self.center, self.exponent = self.center.index_select(0, index), self.exponent.index_select(0, index)
-            self.fitted = [self.fitted[i] for i in index.tolist()]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.center, self.exponent) if t is not None)

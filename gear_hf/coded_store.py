@@ -75,8 +75,6 @@ class CodedTokenStore:
             self.dtype, self.head_dim = like.dtype, d
             for f in self.per_token_fields(self.spec, d, side_dtype(like.dtype)):
                 self.fields[f.name] = torch.zeros(B, H, capacity, *f.shape[1:], dtype=f.dtype, device=like.device)
-            if self.centers is not None:
-                self.centers.reserve(like)
         elif capacity != self.capacity:
             self.end_step()  # (staged tokens are encoded before the columns change)
             keep = min(capacity, self.capacity)

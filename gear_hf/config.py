@@ -35,7 +35,7 @@ PAPER_FIELDS: dict[str, Any] = dict(key_bits=4, value_bits=4, group_size=64, ran
                                     value_group_size=None, rotation="none", factor_bits=8, range_search="none",
                                     prompt_group_size=None, key_bit_allocation="uniform", key_buffer="full",
                                     value_buffer="full", value_statistics="16", value_buffer_size=None,
-                                    key_buffer_size=None)
+                                    key_buffer_size=None, key_buffer_centered=False)
 
 
 def _fail(field: str, value: Any, allowed: str) -> None:
@@ -148,7 +148,7 @@ class GearConfig:
     value_buffer_size: int | str | None = "auto"
     key_buffer_size: int | str | None = "auto"
     held_for: float | str = "auto"
-    key_buffer_centered: bool = False
+    key_buffer_centered: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

@@ -66,5 +66,5 @@ DEFAULTS_BY_VERSION: dict[int, dict[str, Any]] = {
             pre_rope=True, backend="auto", key_group_size=None, value_group_size=None, rotation="values",
             factor_bits=8, range_search="none", prompt_group_size=256, key_bit_allocation="query", extra_terms=(),
             key_buffer="int8-rotated", value_buffer="int4", value_statistics="auto", value_buffer_size="auto",
-            key_buffer_size="auto", held_for="auto", key_buffer_centered=False),
+            key_buffer_size="auto", held_for="auto", key_buffer_centered=True),
 }

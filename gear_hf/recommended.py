@@ -67,6 +67,8 @@ from typing import Any
 _ALLOCATED = dict(method="kivi", key_bit_allocation="query", rotation="values", group_size=128, sink_tokens=4,
                   prompt_group_size=256)
 _COMPACT = dict(_ALLOCATED, value_axis="channel", range_search="values")
+_HELD_EARLY = dict(_ALLOCATED, key_bits=3, value_bits=3, key_buffer="int8-rotated", value_buffer="int4", buffer_size=64,
+                   value_buffer_size="auto", value_statistics="auto", key_buffer_size="auto", held_for="auto")
 RECOMMENDED: tuple[tuple[str, float, dict[str, Any]], ...] = (
     ("small", 2.79, dict(method="kivi", key_bits=2, value_bits=2, rotation="values", range_search="values",
                          group_size=128, sink_tokens=4)),
@@ -76,9 +78,8 @@ RECOMMENDED: tuple[tuple[str, float, dict[str, Any]], ...] = (
     ("held", 3.40, dict(_ALLOCATED, key_bits=2.75, value_bits=3, key_buffer="int8-rotated", value_buffer="int4",
                         buffer_size=64, value_buffer_size="auto", value_statistics="auto", key_buffer_size="auto",
                         held_for=1.0)),
-    ("held-early", 3.48, dict(_ALLOCATED, key_bits=3, value_bits=3, key_buffer="int8-rotated",
-                              value_buffer="int4", buffer_size=64, value_buffer_size="auto", value_statistics="auto",
-                              key_buffer_size="auto", held_for="auto")),
+    ("held-early", 3.48, _HELD_EARLY),
+    ("centered", 3.49, dict(_HELD_EARLY, key_buffer_centered=True)),
     ("steady", 3.51, dict(_ALLOCATED, key_bits=3.125, value_bits=3, key_buffer="int8-rotated", value_buffer="int4",
                           buffer_size=64, value_buffer_size="auto", value_statistics="auto")),
     ("accurate", 3.55, dict(_ALLOCATED, key_bits=3.125, value_bits=3, key_buffer="int8-rotated", value_buffer="int4")),
@@ -86,5 +87,6 @@ RECOMMENDED: tuple[tuple[str, float, dict[str, Any]], ...] = (
     ("kivi-4", 4.68, dict(method="kivi", key_bits=4, value_bits=4)),
     ("gear-4", 6.12, dict(method="gear", key_bits=4, value_bits=4, factor_bits=16)),
 )
-# what GearConfig() and gear_hf.enable(model) use (config version 7; 6: "held", 5: "steady", 4: "accurate")
-DEFAULT_RECOMMENDED = "held-early"
+# what GearConfig() and gear_hf.enable(model) use (config version 8; 7: "held-early", 6: "held", 5: "steady", 4:
+# "accurate")
+DEFAULT_RECOMMENDED = "centered"

@@ -79,8 +79,8 @@ def test_auto_fields_follow_what_they_depend_on():
 @pytest.mark.parametrize("data,match", [
     ({VERSION_KEY: 1, "key_bitz": 3}, r"unknown key\(s\) \['key_bitz'\] for gear_config_version 1"),
     ({VERSION_KEY: CONFIG_VERSION + 1}, rf"gear_config_version={CONFIG_VERSION + 1} is newer than this gear_hf reads; "
-                                        r"allowed: 1, 2, 3, 4, 5, 6, 7 \(upgrade gear_hf"),
-    ({VERSION_KEY: "one"}, r"gear_config_version='one' is invalid; allowed: 1, 2, 3, 4, 5, 6, 7"),
+                                        r"allowed: 1, 2, 3, 4, 5, 6, 7, 8 \(upgrade gear_hf"),
+    ({VERSION_KEY: "one"}, r"gear_config_version='one' is invalid; allowed: 1, 2, 3, 4, 5, 6, 7, 8"),
     ({"method": "kivi"}, r"has no 'gear_config_version'"),
     ([("method", "kivi")], r"takes a dict"),
     ({VERSION_KEY: 1, "value_bits": 5}, r"GearConfig.value_bits=5 is invalid"),  # values still validated
@@ -104,9 +104,11 @@ def test_every_version_loads_with_the_fields_it_had():
     """A field added later takes, in older versions' entries, the value that keeps their meaning: config versions 1-4
     held no values and no keys a chunk longer (versions 2-3 once loaded with today's "auto" held values: 256 tokens of
     an int4 value buffer), version 5 held values only, version 6 both until the next chunk flushes, version 7 both
-    for half a chunk."""
+    for half a chunk; only version 8 centers the key buffer."""
     held = {v: (GearConfig.from_dict({VERSION_KEY: v}).value_buffer_size,
                 GearConfig.from_dict({VERSION_KEY: v}).key_buffer_size,
-                GearConfig.from_dict({VERSION_KEY: v}).held_for) for v in DEFAULTS_BY_VERSION}
-    assert held == {1: (None, None, 1.0), 2: (None, None, 1.0), 3: (None, None, 1.0), 4: (None, None, 1.0),
-                    5: (128, None, 1.0), 6: (128, 128, 1.0), 7: (128, 128, 0.5)}
+                GearConfig.from_dict({VERSION_KEY: v}).held_for,
+                GearConfig.from_dict({VERSION_KEY: v}).key_buffer_centered) for v in DEFAULTS_BY_VERSION}
+    assert held == {1: (None, None, 1.0, False), 2: (None, None, 1.0, False), 3: (None, None, 1.0, False),
+                    4: (None, None, 1.0, False), 5: (128, None, 1.0, False), 6: (128, 128, 1.0, False),
+                    7: (128, 128, 0.5, False), 8: (128, 128, 0.5, True)}

@@ -18,9 +18,10 @@ from gear_hf.format import layer_formats
 from tiny_models import prompts, tiny_model
 
 D, H = 32, 2
-# a small GearConfig() (value_buffer "int4": rotated per-token codes), keys flushing every 16 tokens
+# a small GearConfig() (value_buffer "int4": rotated per-token codes), keys flushing every 16 tokens (values held, keys
+# not: tests/test_held_keys.py holds both; tests/test_key_centers.py centers the key buffer)
 HELD = dict(group_size=16, buffer_size=16, prompt_group_size=32, value_buffer_size=32, key_bit_allocation="uniform",
-            key_bits=3, key_buffer_size=None)  # (values held, keys not: tests/test_held_keys.py holds both)
+            key_bits=3, key_buffer_size=None, key_buffer_centered=False)
 
 
 def _fill(config: GearConfig, steps: list[int], seed: int = 0, expected_length: int | None = None,

@@ -16,7 +16,7 @@ from test_held_values import FUSED, _coded, _fill, _generate, held_oracle
 
 from gear_hf import GearConfig
 from gear_hf.cache.fused import row_local_tokens
-from gear_hf.channel_centers import MIN_SCALED_TOKENS, SPREAD_RANGE
+from gear_hf.channel_centers import FIT_TOKENS, MIN_FIT_TOKENS, SPREAD_RANGE
 from gear_hf.format import layer_formats
 from tiny_models import prompts, tiny_model
 
@@ -24,17 +24,17 @@ CENTERED = dict(HELD_KEYS, held_for=0.5, key_buffer_centered=True)
 
 
 def _centers(first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(center, scale) [1,H,1,d] from a row's first step's buffered tokens first [1,H,n,d] (written out here: the mean
-    rounded to bf16; a power of two at or above the largest deviation, at least the head's widest / 2^8)."""
+    """(center, scale) [1,H,1,d] from a row's first step's buffered tokens first [1,H,n,d], its newest FIT_TOKENS
+    (written out here: the mean rounded to bf16; a power of two at or above the largest deviation, at least the head's
+    widest / 2^8)."""
+    first = first[:, :, -FIT_TOKENS:]
     center = first.mean(dim=2, keepdim=True).to(torch.bfloat16).float()
-    if first.shape[2] < MIN_SCALED_TOKENS:
-        return center, torch.ones_like(center)
     spread = (first - center).abs().amax(dim=2, keepdim=True)
     spread = torch.maximum(spread, spread.amax(dim=-1, keepdim=True) / 2 ** SPREAD_RANGE)
     return center, torch.exp2(torch.ceil(torch.log2(spread)))
 
 
-@pytest.mark.parametrize("steps", [[40] + [1] * 45, [5] + [1] * 50 + [7, 3], [75] + [1] * 20])
+@pytest.mark.parametrize("steps", [[40] + [1] * 45, [20] + [1] * 50 + [7, 3], [75] + [1] * 20])
 def test_centered_keys_token_by_token(steps):
     """Keys are where the oracle says with the buffer's codes of (x - center) / scale read back times scale plus
     center; values are not centered."""
@@ -69,13 +69,17 @@ def test_a_key_bias_sets_no_tokens_range():
     assert errors[True] < 0.05 < errors[False] / 10, errors
 
 
-def test_a_short_first_step_centers_without_scaling():
-    """A first step of fewer than MIN_SCALED_TOKENS buffered tokens sets the center only (scale 1)."""
-    cache, x = _fill(GearConfig(**CENTERED), [6] + [1] * 30, stream="key")
+@pytest.mark.parametrize("prompt", [1, 4 + MIN_FIT_TOKENS - 1])
+def test_a_short_first_step_leaves_the_row_uncentered(prompt):
+    """A row whose first step buffers fewer than MIN_FIT_TOKENS tokens (4 of them sinks) is never centered, and
+    nothing is stored for it: its keys are the uncentered format's, token by token."""
+    steps = [prompt] + [1] * 40
+    cache, x = _fill(GearConfig(**CENTERED), steps, stream="key")
+    plain, _ = _fill(GearConfig(**dict(CENTERED, key_buffer_centered=False)), steps, stream="key")
     centers = cache.layers[0].key_stream.buffer.centers
-    s = cache.sink_len[0]
-    assert centers.fitted == [True] and torch.equal(centers.exponent, torch.zeros_like(centers.exponent))
-    torch.testing.assert_close(centers.center.float(), x[0, :, s:6].mean(dim=1)[None].to(torch.bfloat16).float())
+    assert centers.settled == [True] and centers.center is None and centers.kernel_affine() is None
+    assert torch.equal(row_local_tokens(cache, 0)[0][0], row_local_tokens(plain, 0)[0][0])
+    assert cache.memory_report()["owned_bytes"] == plain.memory_report()["owned_bytes"]
 
 
 def test_memory_report_counts_the_centers():
@@ -100,7 +104,7 @@ def test_fused_cpu_attention_reads_centered_keys_as_the_reference_path(arch):
     runs = [_generate(model, ids, mask, GearConfig(**centered, backend=backend), 28) for backend in ("torch", "auto")]
     (tokens, scores, paths, cache), (fused_tokens, fused_scores, fused_paths, _) = runs
     assert paths == {"reference": 27 * 2} and fused_paths == {"fused": 27 * 2}
-    assert all(cache.layers[0].key_stream.buffer.centers.fitted)
+    assert cache.layers[0].key_stream.buffer.centers.center is not None
     assert torch.equal(tokens, fused_tokens)
     assert (scores - fused_scores).abs().max().item() < 1e-4
     plain = _generate(model, ids, mask, GearConfig(**dict(centered, key_buffer_centered=False), backend="torch"), 28)
