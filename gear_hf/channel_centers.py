@@ -8,6 +8,12 @@ spreads: those few channels then set every token's step, and the others are code
 with the row, leaves the range to what varies from token to token. Reading multiplies back and adds the center
 (exact: the scale is a power of two), before RoPE, in the plain basis (results/tail/ "Keys centered in the buffer").
 
+Why the square root of a channel's spread σ_c for its scale s_c: one range per rotated token spreads the token's
+error evenly over the coded channels, so channel c errs by about s_c·|x/s| (x/s: the coded vector); the expected
+logit error sum_c q_c² s_c² · sum_c σ_c² / s_c² is least at s_c ∝ sqrt(σ_c / |q_c|) (Cauchy–Schwarz), sqrt(σ_c)
+where nothing is known of the queries. s_c = σ_c (every channel equalized) over-corrects: measured on 8 model-texts,
+the square root read better on 6 (results/tail/).
+
 Stored per row, head and channel: the center in the 16-bit side dtype and the exponent as int8 (3 bytes; 12 / T
 bits/element at T tokens), from the first row fitted on. A row whose first step buffers fewer than `MIN_FIT_TOKENS`
 tokens is not centered: a spread from a handful of tokens says little about the next ones, and 3 bytes a channel would
@@ -43,8 +49,8 @@ class ChannelCenters:
     def fit(self, exact: torch.Tensor, written: torch.Tensor) -> None:
         """Rows seen for the first time (with tokens in this step: written [B,cap] of exact [B,H,cap,d]) take their
         centers from the newest FIT_TOKENS of those tokens when there are MIN_FIT_TOKENS or more: the mean per channel,
-        and the power of two at or above each channel's largest deviation from it (floored at the head's widest /
-        2^SPREAD_RANGE)."""
+        and the power of two at or above the square root of each channel's largest deviation from it (that deviation
+        floored at the head's widest / 2^SPREAD_RANGE)."""
         B, H, _, d = exact.shape
         if not self.settled:
             self.settled = [False] * B
@@ -64,7 +70,7 @@ class ChannelCenters:
             floor = spread.amax(dim=-1, keepdim=True) * 2.0 ** -SPREAD_RANGE
             spread = torch.maximum(spread, floor).clamp_min(torch.finfo(torch.float32).tiny)
             self.center[b] = center
-            self.exponent[b] = torch.ceil(torch.log2(spread)).clamp(-126, 127).to(torch.int8)
+            self.exponent[b] = torch.ceil(torch.log2(spread) / 2).clamp(-126, 127).to(torch.int8)  # (sqrt: above)
 
     def _rows(self, rows: list[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(center, scale) float32 [J,H,1,d] of rows (None: every row)."""

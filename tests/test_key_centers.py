@@ -25,13 +25,13 @@ CENTERED = dict(HELD_KEYS, held_for=0.5, key_buffer_centered=True)
 
 def _centers(first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(center, scale) [1,H,1,d] from a row's first step's buffered tokens first [1,H,n,d], its newest FIT_TOKENS
-    (written out here: the mean rounded to bf16; a power of two at or above the largest deviation, at least the head's
-    widest / 2^8)."""
+    (written out here: the mean rounded to bf16; a power of two at or above the square root of the largest deviation,
+    that at least the head's widest / 2^8)."""
     first = first[:, :, -FIT_TOKENS:]
     center = first.mean(dim=2, keepdim=True).to(torch.bfloat16).float()
     spread = (first - center).abs().amax(dim=2, keepdim=True)
     spread = torch.maximum(spread, spread.amax(dim=-1, keepdim=True) / 2 ** SPREAD_RANGE)
-    return center, torch.exp2(torch.ceil(torch.log2(spread)))
+    return center, torch.exp2(torch.ceil(torch.log2(spread) / 2))
 
 
 @pytest.mark.parametrize("steps", [[40] + [1] * 45, [20] + [1] * 50 + [7, 3], [75] + [1] * 20])
