@@ -11,8 +11,8 @@ with the row, leaves the range to what varies from token to token. Reading multi
 Why the square root of a channel's spread σ_c for its scale s_c: one range per rotated token spreads the token's
 error evenly over the coded channels, so channel c errs by about s_c·|x/s| (x/s: the coded vector); the expected
 logit error sum_c q_c² s_c² · sum_c σ_c² / s_c² is least at s_c ∝ sqrt(σ_c / |q_c|) (Cauchy–Schwarz), sqrt(σ_c)
-where nothing is known of the queries. s_c = σ_c (every channel equalized) over-corrects: measured on 8 model-texts,
-the square root read better on 6 (results/tail/).
+where nothing is known of the queries. s_c = σ_c (every channel equalized) over-corrects (results/tail/ "Keys
+centered in the buffer").
 
 Stored per row, head and channel: the center in the 16-bit side dtype and the exponent as int8 (3 bytes; 12 / T
 bits/element at T tokens), from the first row fitted on. A row whose first step buffers fewer than `MIN_FIT_TOKENS`
@@ -27,9 +27,6 @@ import torch
 from .compress import side_dtype
 
 MIN_FIT_TOKENS = 16  # tokens a row's first step must buffer for the row to be centered
-# the newest tokens of that step the centers are fitted to: the next tokens look more like the prompt's end than like
-# its whole (Qwen2.5, 5 GSM8K texts: fitted to the newest ~64, KL 0.87-0.98x of a fit to all 1,020; results/tail/)
-FIT_TOKENS = 64
 # a channel's scale is at least the head's widest spread / 2^SPREAD_RANGE: a channel that barely moved in the prompt
 # (or never) is not scaled up without bound
 SPREAD_RANGE = 8
@@ -48,9 +45,10 @@ class ChannelCenters:
 
     def fit(self, exact: torch.Tensor, written: torch.Tensor) -> None:
         """Rows seen for the first time (with tokens in this step: written [B,cap] of exact [B,H,cap,d]) take their
-        centers from the newest FIT_TOKENS of those tokens when there are MIN_FIT_TOKENS or more: the mean per channel,
-        and the power of two at or above the square root of each channel's largest deviation from it (that deviation
-        floored at the head's widest / 2^SPREAD_RANGE)."""
+        centers from those tokens when there are MIN_FIT_TOKENS or more (all of them: fitted to the newest 64 of a
+        1,024-token prompt, the next tokens read worse, results/tail/): the mean per channel, and the power of two at
+        or above the square root of each channel's largest deviation from it (that deviation floored at the head's
+        widest / 2^SPREAD_RANGE)."""
         B, H, _, d = exact.shape
         if not self.settled:
             self.settled = [False] * B
@@ -64,7 +62,7 @@ class ChannelCenters:
             if self.center is None:
                 self.center = torch.zeros(B, H, d, dtype=side_dtype(exact.dtype), device=exact.device)
                 self.exponent = torch.zeros(B, H, d, dtype=torch.int8, device=exact.device)
-            x = exact[b][:, columns[-FIT_TOKENS:]].float()  # [H,n,d] (a row's columns are in token order)
+            x = exact[b][:, columns].float()  # [H,n,d]
             center = x.mean(dim=1).to(self.center.dtype)  # [H,d] (as stored: coding and reading use the same one)
             spread = (x - center.float()[:, None]).abs().amax(dim=1)  # [H,d]
             floor = spread.amax(dim=-1, keepdim=True) * 2.0 ** -SPREAD_RANGE

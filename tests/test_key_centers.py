@@ -16,7 +16,7 @@ from test_held_values import FUSED, _coded, _fill, _generate, held_oracle
 
 from gear_hf import GearConfig
 from gear_hf.cache.fused import row_local_tokens
-from gear_hf.channel_centers import FIT_TOKENS, MIN_FIT_TOKENS, SPREAD_RANGE
+from gear_hf.channel_centers import MIN_FIT_TOKENS, SPREAD_RANGE
 from gear_hf.format import layer_formats
 from tiny_models import prompts, tiny_model
 
@@ -24,10 +24,9 @@ CENTERED = dict(HELD_KEYS, held_for=0.5, key_buffer_centered=True)
 
 
 def _centers(first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(center, scale) [1,H,1,d] from a row's first step's buffered tokens first [1,H,n,d], its newest FIT_TOKENS
-    (written out here: the mean rounded to bf16; a power of two at or above the square root of the largest deviation,
-    that at least the head's widest / 2^8)."""
-    first = first[:, :, -FIT_TOKENS:]
+    """(center, scale) [1,H,1,d] from a row's first step's buffered tokens first [1,H,n,d] (written out here: the mean
+    rounded to bf16; a power of two at or above the square root of the largest deviation, that at least the head's
+    widest / 2^8)."""
     center = first.mean(dim=2, keepdim=True).to(torch.bfloat16).float()
     spread = (first - center).abs().amax(dim=2, keepdim=True)
     spread = torch.maximum(spread, spread.amax(dim=-1, keepdim=True) / 2 ** SPREAD_RANGE)
