@@ -53,8 +53,10 @@ class ChannelCenters:
         if not self.settled:
             self.settled = [False] * B
         for b in range(B):
+            if self.settled[b]:  # (every row after its first step: nothing to do)
+                continue
             columns = written[b].nonzero().flatten()
-            if self.settled[b] or not columns.numel():
+            if not columns.numel():
                 continue
             self.settled[b] = True
             if columns.numel() < MIN_FIT_TOKENS:

@@ -92,14 +92,15 @@ def test_memory_report_counts_the_centers():
     assert reports[1]["spare_bytes"] == 0
 
 
-@pytest.mark.parametrize("arch", ["llama3", "qwen2"])
-def test_fused_cpu_attention_reads_centered_keys_as_the_reference_path(arch):
+@pytest.mark.parametrize("arch,key_buffer", [("llama3", "int8-rotated"), ("qwen2", "int8-rotated"), ("llama3", "int8"),
+                                             ("llama3", "int4")])
+def test_fused_cpu_attention_reads_centered_keys_as_the_reference_path(arch, key_buffer):
     """A left-padded batch under inference mode, rows flushing and releasing on different steps, 28 decode steps on a
     deep copy of the model: the numba fused attention gives the torch backend's tokens and logits, and centering
-    moves the logits (it is read)."""
+    moves the logits (it is read); every per-token key format."""
     model = copy.deepcopy(tiny_model(arch, head_dim=32))
     ids, mask = prompts(3, 45, seed=1, pads=[0, 9, 20])
-    centered = dict(FUSED, key_buffer_size=32, held_for=0.5, key_buffer_centered=True)
+    centered = dict(FUSED, key_buffer_size=32, held_for=0.5, key_buffer_centered=True, key_buffer=key_buffer)
     runs = [_generate(model, ids, mask, GearConfig(**centered, backend=backend), 28) for backend in ("torch", "auto")]
     (tokens, scores, paths, cache), (fused_tokens, fused_scores, fused_paths, _) = runs
     assert paths == {"reference": 27 * 2} and fused_paths == {"fused": 27 * 2}
