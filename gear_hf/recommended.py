@@ -64,6 +64,12 @@ from typing import Any
 # measured at <= 3.6 bits there); 0.87x / 0.98x "held"'s on the same texts. Over T=1024..4096: 3.479 mean / 3.587
 # max on d=64, 3.411 / 3.518 on d=128. Keys held a whole chunk with 2.875-bit keys read better on Qwen2.5 (0.90x
 # "held"'s over 31 texts) but own 3.631 at T~1k; released after 48 tokens with 2.875-bit keys they lose that (1.04x).
+# "centered" (GearConfig() from config version 8) is "held-early" with its key buffer centered and scaled per channel
+# (key_buffer_centered: each row's channel means and power-of-two scales from its prompt, 3 bytes per channel; Qwen2's
+# key bias no longer sets every buffered token's 8-bit range). Same conditions (results/tail/ "Keys centered in the
+# buffer"): 3.517 / 3.597 bits owned over the 96 steps; mean KL over 31 Qwen2.5 texts 1.07x kivi-4's (95% interval
+# 0.94-1.22; 0.82x "held-early"'s, lower on 24 of 31), over 24 SmolLM2 texts 0.90x (1.04x "held-early"'s, within the
+# noise). Over T=1024..4096: 3.485 mean / 3.597 max on d=64, 3.417 / 3.521 on d=128.
 _ALLOCATED = dict(method="kivi", key_bit_allocation="query", rotation="values", group_size=128, sink_tokens=4,
                   prompt_group_size=256)
 _COMPACT = dict(_ALLOCATED, value_axis="channel", range_search="values")

@@ -30,7 +30,10 @@ CONFIGS = {  # fields over recommended(name="accurate") (GearConfig() of config 
            # recommended(name="steady"), GearConfig() from config version 5: 64-token key chunks, values held a
            # chunk longer, 8-bit value statistics
            "steady": dict(buffer_size=64, value_buffer_size="auto", value_statistics="8"),
-           "default": None}  # GearConfig() (config version 6: "held", keys held a chunk longer too)
+           # recommended(name="held-early"), GearConfig() from config version 7 (the key buffer not centered)
+           "held-early": dict(buffer_size=64, value_buffer_size="auto", value_statistics="8", key_buffer_size="auto",
+                              held_for="auto", key_bits=3),
+           "default": None}  # GearConfig() (config version 8: "centered", the key buffer centered per channel)
 
 
 class _StepClock:
