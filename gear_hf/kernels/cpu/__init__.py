@@ -7,7 +7,8 @@
   of what is compressed (`all_finite`); its stages are in `outlier_select`, `quantize` and `pack`
 * `lowrank` - the low-rank factors fitted to that residual (`fit_factors`)
 * `attend` - the fused decode attention over a layer's storage (`decode_attention`, what the Triton kernel computes;
-  `attend_supported` says which caches it reads)
+  `attend_supported` says which caches it reads); `attend_args` hands it the storage views (runs prepared once per
+  write, the coded buffer's fields in place)
 * `tail` - the buffer held per token, 8 bits or 4 bits rotated: the step's tokens encoded into it (`encode_staged`,
   bit for bit `compress` with `format.INT8_TOKENS` / `INT8_ROTATED_TOKENS` / `INT4_TOKENS`); `attend` reads its
   codes directly
