@@ -7,7 +7,6 @@ config, and what it is for: a key bias that would set every token's 8-bit range.
 from __future__ import annotations
 
 import copy
-import math
 
 import pytest
 import torch
@@ -130,6 +129,10 @@ def test_config_takes_a_bool(value):
 
 
 def test_centering_is_ignored_for_a_full_precision_key_buffer():
-    config = GearConfig(key_buffer="full", key_buffer_size=None, key_buffer_centered=True)
-    assert not layer_formats(config)[0].centered
-    assert not math.isnan(float(config.key_bits))
+    """key_buffer="full" keeps keys as the model made them: centering changes nothing there (keys, bytes)."""
+    fields = dict(CENTERED, key_buffer="full", key_buffer_size=None, held_for=1.0)
+    (cache, x), (plain, _) = (_fill(GearConfig(**dict(fields, key_buffer_centered=on)), [40] + [1] * 30, stream="key")
+                              for on in (True, False))
+    assert not layer_formats(cache.gear_config)[0].centered
+    assert torch.equal(row_local_tokens(cache, 0)[0][0], row_local_tokens(plain, 0)[0][0])
+    assert cache.memory_report()["owned_bytes"] == plain.memory_report()["owned_bytes"]
