@@ -25,7 +25,7 @@ import torch
 # every paper preset METHOD-BITS but fp16, which stores nothing compressed), each once; the last line of the section
 # is the worst figure over all of them
 def cases() -> list[tuple[str, object]]:
-    """[(label, GearConfig)]: "default" (GearConfig(), = recommended "held-early"), "gear2" (preset gear-2; the cost
+    """[(label, GearConfig)]: "default" (GearConfig(), = recommended "centered"), "gear2" (preset gear-2; the cost
     model's two keys), then the other recommended names ("rec:NAME") and paper presets ("METHOD-BITS"), a config
     listed once under its first label."""
     from ..compress.quant import BITS
