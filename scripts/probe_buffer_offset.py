@@ -55,8 +55,8 @@ def _patch(streams: set[str]) -> None:
                 x = x / self.spread.to(x.dtype)
         return compress(x, self.spec)
 
-    def _decode(self, chunk, n, dtype, out=None):
-        decoded = _ORIGINAL["_decode"](self, chunk, n, dtype)
+    def _decode(self, chunk, n, dtype, out=None, rows=None):
+        decoded = _ORIGINAL["_decode"](self, chunk, n, dtype, rows=rows)
         offset = getattr(self, "offset", None)
         if offset is not None and n:
             if getattr(self, "spread", None) is not None:
