@@ -1,5 +1,5 @@
-"""`ChannelCenters`: each row's per-channel center and power-of-two scale of a per-token buffer
-(`GearConfig.key_buffer_centered`).
+"""`ChannelCenters`: each row's per-channel center (and, for keys, power-of-two scale) of a per-token buffer
+(`GearConfig.key_buffer_centered`, `value_buffer_centered`).
 
 Why: a per-token buffer format (`format.INT8_ROTATED_TOKENS`) takes one range per token over the whole head vector. Some
 models' keys carry a per-channel offset, constant over tokens (Qwen2's key bias), and channels of very different
@@ -11,13 +11,20 @@ with the row, leaves the range to what varies from token to token. Reading multi
 Why the square root of a channel's spread σ_c for its scale s_c: one range per rotated token spreads the token's
 error evenly over the coded channels, so channel c errs by about s_c·|x/s| (x/s: the coded vector); the expected
 logit error sum_c q_c² s_c² · sum_c σ_c² / s_c² is least at s_c ∝ sqrt(σ_c / |q_c|) (Cauchy–Schwarz), sqrt(σ_c)
-where nothing is known of the queries. s_c = σ_c (every channel equalized) over-corrects (results/tail/ "Keys
-centered in the buffer").
+where nothing is known of the queries. s_c = σ_c (every channel equalized) over-corrects, and weighting by the
+prompt's query energy (sqrt(σ_c / |q_c|)) measured no better (results/tail/ "Keys centered in the buffer", "Where
+Qwen2.5's KL still goes").
 
-Stored per row, head and channel: the center in the 16-bit side dtype and the exponent as int8 (3 bytes; 12 / T
-bits/element at T tokens), from the first row fitted on. A row whose first step buffers fewer than `MIN_FIT_TOKENS`
-tokens is not centered: a spread from a handful of tokens says little about the next ones, and 3 bytes a channel would
-cost a short row more than its 8-bit codes save (the cache would own more than dense: tests/test_footprint.py).
+Values are centered only (a value bias is an offset like the keys'; their buffer is read in the rotated basis, where
+a per-channel scale of the plain basis does not apply): each channel's mean, coded as int8 in steps of the head's
+largest |mean| / 127 (one 16-bit step per head), which takes out all but 1/254 of the largest offset.
+
+Stored per row and head: keys, each channel's center in the 16-bit side dtype and its exponent as 4 bits above the
+head's (int8) lowest (the floor below keeps a head's exponents within 5 of each other): 2.5 bytes a channel + 1;
+values, an int8 center a channel + the 16-bit step. From the first row fitted on. A row whose first step buffers
+fewer than `MIN_FIT_TOKENS` tokens is not centered: a spread from a handful of tokens says little about the next ones,
+and the centers would cost a short row more than its coded buffer saves (the cache would own more than dense:
+tests/test_footprint.py).
 """
 
 from __future__ import annotations
@@ -33,22 +40,29 @@ SPREAD_RANGE = 8
 
 
 class ChannelCenters:
-    """Per row b, head h and channel c: center[b,h,c] and exponent[b,h,c]; a token x [.., d] is coded as
-    (x - center) * 2^-exponent and read back as code * 2^exponent + center. Nothing is stored until a row is
-    fitted; rows not fitted (not yet, or never: a first step of fewer than MIN_FIT_TOKENS tokens) read as identity
-    (center 0, exponent 0)."""
+    """Per row b, head h and channel c: a center and (scaled: keys) a power-of-two scale; a token x [.., d] is coded
+    as (x - center) / scale and read back as code * scale + center. Nothing is stored until a row is fitted; rows not
+    fitted (not yet, or never: a first step of fewer than MIN_FIT_TOKENS tokens) read as identity (center 0, scale 1).
+    scaled=False (values): centers only, scale 1."""
 
-    def __init__(self) -> None:
-        self.center: torch.Tensor | None = None  # [B,H,d] side dtype, from the first fitted row on
-        self.exponent: torch.Tensor | None = None  # [B,H,d] int8
+    def __init__(self, scaled: bool = True) -> None:
+        self.scaled = scaled
+        # scaled: center [B,H,d] side dtype, low [B,H] int8 (the head's lowest exponent), above [B,H,ceil(d/2)]
+        # uint8 (each channel's exponent - low, 4 bits, the even channel in the low nibble);
+        # not scaled: center [B,H,d] int8 codes, step [B,H] side dtype. From the first fitted row on.
+        self.fields: dict[str, torch.Tensor] = {}
         self.settled: list[bool] = []  # per row: its first step has been seen (fitted or not)
+
+    @property
+    def fitted(self) -> bool:
+        return bool(self.fields)
 
     def fit(self, exact: torch.Tensor, written: torch.Tensor) -> None:
         """Rows seen for the first time (with tokens in this step: written [B,cap] of exact [B,H,cap,d]) take their
         centers from those tokens when there are MIN_FIT_TOKENS or more (all of them: fitted to the newest 64 of a
-        1,024-token prompt, the next tokens read worse, results/tail/): the mean per channel, and the power of two at
-        or above the square root of each channel's largest deviation from it (that deviation floored at the head's
-        widest / 2^SPREAD_RANGE)."""
+        1,024-token prompt, the next tokens read worse, results/tail/): the mean per channel, and (scaled) the power
+        of two at or above the square root of each channel's largest deviation from it (that deviation floored at
+        the head's widest / 2^SPREAD_RANGE)."""
         B, H, _, d = exact.shape
         if not self.settled:
             self.settled = [False] * B
@@ -61,48 +75,80 @@ class ChannelCenters:
             self.settled[b] = True
             if columns.numel() < MIN_FIT_TOKENS:
                 continue
-            if self.center is None:
-                self.center = torch.zeros(B, H, d, dtype=side_dtype(exact.dtype), device=exact.device)
-                self.exponent = torch.zeros(B, H, d, dtype=torch.int8, device=exact.device)
+            if not self.fields:
+                self.fields = self._empty(B, H, d, side_dtype(exact.dtype), exact.device)
             x = exact[b][:, columns].float()  # [H,n,d]
-            center = x.mean(dim=1).to(self.center.dtype)  # [H,d] (as stored: coding and reading use the same one)
-            spread = (x - center.float()[:, None]).abs().amax(dim=1)  # [H,d]
-            floor = spread.amax(dim=-1, keepdim=True) * 2.0 ** -SPREAD_RANGE
-            spread = torch.maximum(spread, floor).clamp_min(torch.finfo(torch.float32).tiny)
-            self.center[b] = center
-            self.exponent[b] = torch.ceil(torch.log2(spread) / 2).clamp(-126, 127).to(torch.int8)  # (sqrt: above)
+            if self.scaled:
+                self._fit_scaled(b, x)
+            else:
+                center = x.mean(dim=1)  # [H,d]
+                step = (center.abs().amax(dim=-1) / 127).to(self.fields["step"].dtype)  # [H] (as stored)
+                self.fields["step"][b] = step
+                self.fields["center"][b] = torch.round(center / step.float().clamp_min(_TINY)[:, None]) \
+                    .clamp(-127, 127).to(torch.int8)
 
-    def _rows(self, rows: list[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(center, scale) float32 [J,H,1,d] of rows (None: every row)."""
-        center, exponent = (self.center, self.exponent) if rows is None else (self.center[rows], self.exponent[rows])
-        return center.float()[:, :, None], torch.exp2(exponent.float())[:, :, None]
+    def _fit_scaled(self, b: int, x: torch.Tensor) -> None:
+        center = x.mean(dim=1).to(self.fields["center"].dtype)  # [H,d] (as stored: coding and reading use the same)
+        spread = (x - center.float()[:, None]).abs().amax(dim=1)  # [H,d]
+        floor = spread.amax(dim=-1, keepdim=True) * 2.0 ** -SPREAD_RANGE
+        spread = torch.maximum(spread, floor).clamp_min(_TINY)
+        exponent = torch.ceil(torch.log2(spread) / 2).clamp(-126, 127)  # [H,d] (sqrt: module docstring)
+        low = exponent.amin(dim=-1, keepdim=True)  # (the floor keeps exponent - low within 0..4: 4 bits hold it)
+        above = (exponent - low).to(torch.uint8)
+        if above.shape[-1] % 2:
+            above = torch.nn.functional.pad(above, (0, 1))
+        self.fields["center"][b] = center
+        self.fields["low"][b] = low[:, 0].to(torch.int8)
+        self.fields["above"][b] = above[:, 0::2] | (above[:, 1::2] << 4)
+
+    def _empty(self, B: int, H: int, d: int, side: torch.dtype, device) -> dict[str, torch.Tensor]:
+        if self.scaled:
+            return {"center": torch.zeros(B, H, d, dtype=side, device=device),
+                    "low": torch.zeros(B, H, dtype=torch.int8, device=device),
+                    "above": torch.zeros(B, H, (d + 1) // 2, dtype=torch.uint8, device=device)}
+        return {"center": torch.zeros(B, H, d, dtype=torch.int8, device=device),
+                "step": torch.zeros(B, H, dtype=side, device=device)}
+
+    def _center_scale(self, rows: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(center, scale) float32 [J,H,d] of rows (None: every row)."""
+        f = self.fields if rows is None else {name: t[rows] for name, t in self.fields.items()}
+        if not self.scaled:
+            center = f["center"].float() * f["step"].float()[..., None]
+            return center, torch.ones_like(center)
+        d = f["center"].shape[-1]
+        above = torch.stack([f["above"] & 15, f["above"] >> 4], dim=-1).flatten(-2)[..., :d]  # [J,H,d]
+        return f["center"].float(), torch.exp2(above.float() + f["low"].float()[..., None])
 
     def normalized(self, x: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
         """x [J,H,n,d] (rows' tokens; None: every row's) as coded: (x - center) / scale, in x's dtype."""
-        if self.center is None:
+        if not self.fields:
             return x
-        center, scale = self._rows(rows)
-        return ((x.float() - center) / scale).to(x.dtype)
+        center, scale = self._center_scale(rows)
+        return ((x.float() - center[:, :, None]) / scale[:, :, None]).to(x.dtype)
 
     def restored(self, decoded: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
         """decoded [J,H,n,d] (codes read back) as the tokens: decoded * scale + center, in decoded's dtype."""
-        if self.center is None:
+        if not self.fields:
             return decoded
-        center, scale = self._rows(rows)
-        return (decoded.float() * scale + center).to(decoded.dtype)
+        center, scale = self._center_scale(rows)
+        return (decoded.float() * scale[:, :, None] + center[:, :, None]).to(decoded.dtype)
 
     def kernel_affine(self) -> torch.Tensor | None:
-        """float32 [B,H,2,d]: each head's scales (row 0) and centers (row 1), as the fused kernels read them (a
-        per-call copy of B·H·2·d floats); None while no row is fitted."""
-        if self.center is None:
+        """float32 [B,H,2,d]: each head's scales (row 0) and centers (row 1) in the plain basis, as the fused kernels
+        read them (a per-call copy of B·H·2·d floats; `views.affine_in_basis` for a kernel that reads rotated
+        values); None while no row is fitted."""
+        if not self.fields:
             return None
-        return torch.stack([torch.exp2(self.exponent.float()), self.center.float()], dim=2).contiguous()
+        center, scale = self._center_scale()
+        return torch.stack([scale, center], dim=2).contiguous()
 
     def select_rows(self, index: torch.Tensor) -> None:
         if self.settled:
             self.settled = [self.settled[i] for i in index.tolist()]
-        if self.center is not None:
-            self.center, self.exponent = self.center.index_select(0, index), self.exponent.index_select(0, index)
+        self.fields = {name: t.index_select(0, index) for name, t in self.fields.items()}
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.center, self.exponent) if t is not None)
+        return sum(t.numel() * t.element_size() for t in self.fields.values())
+
+
+_TINY = torch.finfo(torch.float32).tiny

@@ -28,12 +28,12 @@ class CodedTokenStore:
     full precision, so the attention of that step sees them as the model made them and a prompt compressed in the
     step it arrived is compressed from them (never encoded to the buffer's format at all).
 
-    centered (`GearConfig.key_buffer_centered`): each token is coded centered and scaled per channel, by its row's
-    `ChannelCenters` (fitted to the row's first step), and read back through them."""
+    centered (`GearConfig.key_buffer_centered` / `value_buffer_centered`): each token is coded centered (scaled: and
+    scaled) per channel, by its row's `ChannelCenters` (fitted to the row's first step), and read back through them."""
 
-    def __init__(self, spec: ChunkSpec, centered: bool = False) -> None:
+    def __init__(self, spec: ChunkSpec, centered: bool = False, scaled: bool = True) -> None:
         self.spec = spec
-        self.centers = ChannelCenters() if centered else None
+        self.centers = ChannelCenters(scaled) if centered else None
         # gear_hf.backends.BackendPlan (`Stream.bind`): its compress backend may encode the staged tokens with a
         # kernel (`Backend.encode_tokens`, bit for bit the oracle's); None, or a backend that does not: the oracle
         self.plan = None

@@ -35,7 +35,7 @@ PAPER_FIELDS: dict[str, Any] = dict(key_bits=4, value_bits=4, group_size=64, ran
                                     value_group_size=None, rotation="none", factor_bits=8, range_search="none",
                                     prompt_group_size=None, key_bit_allocation="uniform", key_buffer="full",
                                     value_buffer="full", value_statistics="16", value_buffer_size=None,
-                                    key_buffer_size=None, key_buffer_centered=False)
+                                    key_buffer_size=None, key_buffer_centered=False, value_buffer_centered=False)
 
 
 def _fail(field: str, value: Any, allowed: str) -> None:
@@ -97,9 +97,9 @@ class GearConfig:
                    tokens buffered pay for wider keys). 1.0: until the next chunk flushes (config versions 5-6);
                    below 1 only with keys held too. "auto" (the default): 0.5 where both streams are held, else 1.0;
                    resolved as value_buffer_size is. Ignored where nothing is held
-    key_buffer_centered: (beyond GEAR) a per-token key_buffer codes each key centered and scaled per channel by its
-                   row's center and power of two, fitted to the row's prompt (gear_hf/channel_centers.py: a key bias
-                   such as Qwen2's sets no token's range then); 3 bytes per row, head and channel. Ignored for "full"
+    key_buffer_centered / value_buffer_centered: (beyond GEAR) a per-token buffer codes each token centered per
+                   channel (keys also scaled by a power of two), fitted to the row's prompt: a bias such as Qwen2's sets
+                   no token's range (gear_hf/channel_centers.py; 2.5 / 1 bytes a row, head, channel). Ignored for "full"
     key_axis / value_axis: "channel" (groups run along tokens) or "token" (groups run along channels)
     pre_rope:      compress keys before rotary embedding and rotate them when read
     rotation:      "none" | "keys" | "values" | "both": an orthonormal Walsh–Hadamard rotation along head_dim
@@ -149,6 +149,7 @@ class GearConfig:
     key_buffer_size: int | str | None = "auto"
     held_for: float | str = "auto"
     key_buffer_centered: bool = True
+    value_buffer_centered: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

@@ -36,8 +36,9 @@ def check_buffers(cfg: "GearConfig", fail: Callable[[str, Any, str], None]) -> N
             cfg.value_axis != "token" or cfg.range_search in ("values", "both") or cfg.value_buffer == "final"):
         fail("value_statistics", cfg.value_statistics, "'16' unless values are grouped per token (value_axis="
              "'token') with min/max ranges (range_search not 'values' / 'both') and a buffer other than 'final'")
-    if not isinstance(cfg.key_buffer_centered, bool):
-        fail("key_buffer_centered", cfg.key_buffer_centered, "True or False")
+    for field in ("key_buffer_centered", "value_buffer_centered"):
+        if not isinstance(getattr(cfg, field), bool):
+            fail(field, getattr(cfg, field), "True or False")
     for stream in ("value", "key"):
         _check_held(cfg, stream, fail)
     _check_held_for(cfg, fail)

@@ -29,7 +29,7 @@ class StreamFormat:
     # chunk flushes): while it is held the row's decode chunks lag the layout's by one
     held_chunk: bool = False
     release_after: int = 0
-    centered: bool = False  # the tail codes each token centered and scaled per channel (`channel_centers`)
+    centered: bool = False  # the tail codes each token centered per channel (keys: and scaled; `channel_centers`)
 
     @property
     def specs(self) -> tuple[ChunkSpec, ChunkSpec]:
@@ -82,7 +82,7 @@ def stream_format(cfg, stream: str) -> StreamFormat:
     tail = decode if choice == "final" else TAIL_SPECS.get(choice)  # (None: "full")
     held_size = cfg.key_buffer_size if stream == "key" else cfg.value_buffer_size
     held = held_size is not None and cfg.compresses
-    centered = stream == "key" and cfg.key_buffer_centered and choice in TAIL_SPECS
+    centered = (cfg.key_buffer_centered if stream == "key" else cfg.value_buffer_centered) and choice in TAIL_SPECS
     return StreamFormat(stream, prompt, decode, cfg.buffer_size, tail, held, release_after(cfg) if held else 0,
                         centered)
 

@@ -70,6 +70,9 @@ from typing import Any
 # buffer"): 3.517 / 3.597 bits owned over the 96 steps; mean KL over 31 Qwen2.5 texts 1.07x kivi-4's (95% interval
 # 0.94-1.22; 0.82x "held-early"'s, lower on 24 of 31), over 24 SmolLM2 texts 0.90x (1.04x "held-early"'s, within the
 # noise). Over T=1024..4096: 3.485 mean / 3.597 max on d=64, 3.417 / 3.521 on d=128.
+# "centered-kv" (GearConfig() from config version 9) centers the value buffer too (value_buffer_centered: each row's
+# value means, an int8 code a channel; the keys' exponents then take 4 bits a channel, so it owns what "centered" did):
+# results/tail/ "Values centered in the buffer".
 _ALLOCATED = dict(method="kivi", key_bit_allocation="query", rotation="values", group_size=128, sink_tokens=4,
                   prompt_group_size=256)
 _COMPACT = dict(_ALLOCATED, value_axis="channel", range_search="values")
@@ -86,6 +89,7 @@ RECOMMENDED: tuple[tuple[str, float, dict[str, Any]], ...] = (
                         held_for=1.0)),
     ("held-early", 3.48, _HELD_EARLY),
     ("centered", 3.49, dict(_HELD_EARLY, key_buffer_centered=True)),
+    ("centered-kv", 3.49, dict(_HELD_EARLY, key_buffer_centered=True, value_buffer_centered=True)),
     ("steady", 3.51, dict(_ALLOCATED, key_bits=3.125, value_bits=3, key_buffer="int8-rotated", value_buffer="int4",
                           buffer_size=64, value_buffer_size="auto", value_statistics="auto")),
     ("accurate", 3.55, dict(_ALLOCATED, key_bits=3.125, value_bits=3, key_buffer="int8-rotated", value_buffer="int4")),
@@ -93,6 +97,6 @@ RECOMMENDED: tuple[tuple[str, float, dict[str, Any]], ...] = (
     ("kivi-4", 4.68, dict(method="kivi", key_bits=4, value_bits=4)),
     ("gear-4", 6.12, dict(method="gear", key_bits=4, value_bits=4, factor_bits=16)),
 )
-# what GearConfig() and gear_hf.enable(model) use (config version 8; 7: "held-early", 6: "held", 5: "steady", 4:
-# "accurate")
-DEFAULT_RECOMMENDED = "centered"
+# what GearConfig() and gear_hf.enable(model) use (config version 9; 8: "centered", 7: "held-early", 6: "held", 5:
+# "steady", 4: "accurate")
+DEFAULT_RECOMMENDED = "centered-kv"

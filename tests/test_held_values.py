@@ -21,21 +21,21 @@ D, H = 32, 2
 # a small GearConfig() (value_buffer "int4": rotated per-token codes), keys flushing every 16 tokens (values held, keys
 # not: tests/test_held_keys.py holds both; tests/test_key_centers.py centers the key buffer)
 HELD = dict(group_size=16, buffer_size=16, prompt_group_size=32, value_buffer_size=32, key_bit_allocation="uniform",
-            key_bits=3, key_buffer_size=None, key_buffer_centered=False)
+            key_bits=3, key_buffer_size=None, key_buffer_centered=False, value_buffer_centered=False)
 
 
 def _fill(config: GearConfig, steps: list[int], seed: int = 0, expected_length: int | None = None,
           stream: str = "value", offset: dict[int, float] | None = None):
     """One row, one layer: a prompt of steps[0] tokens, then steps[1:] (returns the cache and every value stored, or
-    every key with stream="key"); offset: {key channel: a constant added to it}."""
+    every key with stream="key"); offset: {channel of the returned stream: a constant added to it}."""
     gen = torch.Generator().manual_seed(seed)
     cache = GearCache(types.SimpleNamespace(num_hidden_layers=1), config, expected_length=expected_length)
     stored, seen = [], 0
     for q in steps:
         k = torch.randn(1, H, q, D, generator=gen)
-        for channel, shift in (offset or {}).items():
-            k[..., channel] += shift
         v = torch.randn(1, H, q, D, generator=gen)
+        for channel, shift in (offset or {}).items():
+            (k if stream == "key" else v)[..., channel] += shift
         cache.observe_attention_mask(torch.ones(1, seen + q, dtype=torch.long))
         cache.store_and_read(0, k, v, torch.arange(seen, seen + q)[None])
         stored.append(k if stream == "key" else v)

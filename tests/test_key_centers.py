@@ -19,7 +19,7 @@ from gear_hf.channel_centers import MIN_FIT_TOKENS, SPREAD_RANGE
 from gear_hf.format import layer_formats
 from tiny_models import prompts, tiny_model
 
-CENTERED = dict(HELD_KEYS, held_for=0.5, key_buffer_centered=True)
+CENTERED = dict(HELD_KEYS, held_for=0.5, key_buffer_centered=True, value_buffer_centered=False)
 
 
 def _centers(first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,19 +75,20 @@ def test_a_short_first_step_leaves_the_row_uncentered(prompt):
     cache, x = _fill(GearConfig(**CENTERED), steps, stream="key")
     plain, _ = _fill(GearConfig(**dict(CENTERED, key_buffer_centered=False)), steps, stream="key")
     centers = cache.layers[0].key_stream.buffer.centers
-    assert centers.settled == [True] and centers.center is None and centers.kernel_affine() is None
+    assert centers.settled == [True] and not centers.fitted and centers.kernel_affine() is None
     assert torch.equal(row_local_tokens(cache, 0)[0][0], row_local_tokens(plain, 0)[0][0])
     assert cache.memory_report()["owned_bytes"] == plain.memory_report()["owned_bytes"]
 
 
 def test_memory_report_counts_the_centers():
-    """3 bytes per row, head and channel of each key buffer, counted as held ('scales') and owned; nothing spare."""
+    """Per row and head of each key buffer 2.5 bytes a channel (16-bit center, 4-bit exponent) + 1 (the head's lowest
+    exponent), counted as held ('scales') and owned; nothing spare."""
     steps = [40] + [1] * 45
     reports = [_fill(GearConfig(**dict(CENTERED, key_buffer_centered=on)), steps)[0].memory_report()
                for on in (False, True)]
     B, H, d = 1, 2, 32
-    assert reports[1]["scales"] - reports[0]["scales"] == B * H * d * 3
-    assert reports[1]["owned_bytes"] - reports[0]["owned_bytes"] == B * H * d * 3
+    assert reports[1]["scales"] - reports[0]["scales"] == B * H * (d * 5 // 2 + 1)
+    assert reports[1]["owned_bytes"] - reports[0]["owned_bytes"] == B * H * (d * 5 // 2 + 1)
     assert reports[1]["spare_bytes"] == 0
 
 
@@ -103,7 +104,7 @@ def test_fused_cpu_attention_reads_centered_keys_as_the_reference_path(arch, key
     runs = [_generate(model, ids, mask, GearConfig(**centered, backend=backend), 28) for backend in ("torch", "auto")]
     (tokens, scores, paths, cache), (fused_tokens, fused_scores, fused_paths, _) = runs
     assert paths == {"reference": 27 * 2} and fused_paths == {"fused": 27 * 2}
-    assert cache.layers[0].key_stream.buffer.centers.center is not None
+    assert cache.layers[0].key_stream.buffer.centers.fitted
     assert torch.equal(tokens, fused_tokens)
     assert (scores - fused_scores).abs().max().item() < 1e-4
     plain = _generate(model, ids, mask, GearConfig(**dict(centered, key_buffer_centered=False), backend="torch"), 28)
@@ -118,7 +119,7 @@ def test_beams_carry_each_rows_centers():
     runs = [_generate(model, ids, mask, GearConfig(**centered, backend=backend), 24, num_beams=3)
             for backend in ("torch", "auto")]
     (tokens, _, _, cache), (fused_tokens, _, fused_paths, _) = runs
-    assert cache.layers[0].key_stream.buffer.centers.center.shape[0] == 6 and "fused" in fused_paths
+    assert cache.layers[0].key_stream.buffer.centers.fields["center"].shape[0] == 6 and "fused" in fused_paths
     assert torch.equal(tokens, fused_tokens)
 
 

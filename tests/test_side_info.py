@@ -252,9 +252,12 @@ def test_recommended_follows_the_measured_frontier():
         {"gear_config_version": 7})
     assert (early.buffer_size, early.key_group, early.value_buffer_size, early.key_buffer_size, early.key_bits,
             early.held_for, early.key_buffer_centered) == (64, 64, 128, 128, 3, 0.5, False)
-    centered = gear_hf.GearConfig.recommended(3.49)  # (GearConfig(): the key buffer centered too)
-    assert centered == gear_hf.GearConfig.recommended(name="centered") == gear_hf.GearConfig()
-    assert centered == early.replace(key_buffer_centered=True)
+    centered = gear_hf.GearConfig.recommended(name="centered")  # (GearConfig() of config version 8)
+    assert centered == early.replace(key_buffer_centered=True) == gear_hf.GearConfig.from_dict(
+        {"gear_config_version": 8})
+    both = gear_hf.GearConfig.recommended(3.49)  # (GearConfig(): the value buffer centered too)
+    assert both == gear_hf.GearConfig.recommended(name="centered-kv") == gear_hf.GearConfig()
+    assert both == centered.replace(value_buffer_centered=True)
     small = gear_hf.GearConfig.recommended("held-early", buffer_size=16)  # key groups, held chunks follow the buffer
     assert (small.key_group, small.value_buffer_size, small.key_buffer_size, small.held_for) == (16, 32, 32, 0.5)
     compact = gear_hf.GearConfig.recommended(3.1)  # values per channel; the prompt chunk alone in 256-token groups

@@ -23,9 +23,9 @@ from tiny_models import CACHE_ARG, tiny_model
 H, D = 2, 64
 # config version 1's buffer: 16 bits, values leave it with their keys, 16-bit value statistics (the tests below change
 # one of these at a time)
-# (the formats as the oracle codes them: keys not centered, tests/test_key_centers.py centers them)
+# (the formats as the oracle codes them: not centered, tests/test_key_centers.py and test_value_centers.py center them)
 FULL = GearConfig(key_buffer="full", value_buffer="full", value_statistics="16", value_buffer_size=None,
-                  key_buffer_centered=False)
+                  key_buffer_centered=False, value_buffer_centered=False)
 
 
 def _fill(config: GearConfig, prompt: int, steps: int, seed: int = 0):

@@ -64,11 +64,11 @@ def _mask_of(steps, pad):
     return mask
 
 
-def _cache(cfg, *, d, kv_heads, steps, q_len, in_step, dtype, seed=0):
+def _cache(cfg, *, d, kv_heads, steps, q_len, in_step, dtype, seed=0, value_bias=0.0):
     """A random cache (batch 2, row 1 left-padded) after `steps`; in_step: one more step of q_len tokens stored (its
     tokens staged, exact) and not yet flushed."""
     cache, _, _ = build_cache(cfg, batch=2, kv_heads=kv_heads, head_dim=d, steps=list(steps), pad=PAD, dtype=dtype,
-                              device=DEVICE, seed=seed)
+                              device=DEVICE, seed=seed, value_bias=value_bias)
     if in_step:
         g = torch.Generator().manual_seed(seed + 7)
         mask = torch.cat([_mask_of(steps, PAD), torch.ones(2, q_len, dtype=torch.long)], dim=1)
@@ -89,12 +89,12 @@ def _attend(cache, q, *, tensor_core, reader):
     return out, keys, values, layout
 
 
-def _attended(cfg, *, d, kv_heads, group, steps, q_len, in_step, tensor_core, dtype):
+def _attended(cfg, *, d, kv_heads, group, steps, q_len, in_step, tensor_core, dtype, value_bias=0.0):
     """A random cache after `steps` (+ a staged step when in_step) and a query of kv_heads * group heads: (cache,
     (out, keys, values, layout) with the coded buffers read as stored, the same handed decoded, the float32 oracle)."""
     with torch.inference_mode():
         cache = _cache(cfg, d=d, kv_heads=kv_heads, steps=steps if in_step else (*steps, q_len), q_len=q_len,
-                       in_step=in_step, dtype=dtype)
+                       in_step=in_step, dtype=dtype, value_bias=value_bias)
         q = torch.randn(2, kv_heads * group, q_len, d, generator=torch.Generator().manual_seed(d + q_len))
         q = q.to(dtype).to(DEVICE)
         stored = _attend(cache, q, tensor_core=tensor_core, reader=TritonBackend())
@@ -230,25 +230,43 @@ def test_kernels_read_held_keys_and_values(name, d, kv_heads, group, steps, q_le
     assert _err(decoded, ref) < TOL[dtype], _err(decoded, ref)  # (the buffers handed decoded)
 
 
-@pytest.mark.parametrize("centered", [False, True], ids=["", "centered"])
+@pytest.mark.parametrize("centered", ["", "keys", "both"])
 @pytest.mark.parametrize("steps,in_step,tensor_core,dtype", [((77, 40), True, False, torch.float32),
                                                                ((77, 40, 33), False, True, torch.bfloat16)],
                          ids=["reg-staged", "tc"])
 def test_kernels_read_rows_that_released_their_held_chunk(steps, in_step, tensor_core, dtype, centered):
     """Both streams held until 16 tokens follow the chunk (held_for 0.5 of a 32-token buffer): one row holds its
     newest chunk, the other has released it; each row is handed as its streams store it. centered: the key buffer's
-    codes are of centered, scaled keys (`GearConfig.key_buffer_centered`), read back through each row's centers."""
+    codes are of centered, scaled keys (`GearConfig.key_buffer_centered`), read back through each row's centers;
+    "both": the value buffer's of centered values too (`value_buffer_centered`; values with a per-channel offset, so
+    a kernel that ignored their centers would be off by it)."""
     cfg = _config("default").replace(value_buffer_size=64, key_buffer_size=64, held_for=0.5,
-                                     key_buffer_centered=centered)
+                                     key_buffer_centered=bool(centered), value_buffer_centered=centered == "both")
     cache, (out, keys, values, layout), (decoded, *_), ref = _attended(
-        cfg, d=64, kv_heads=2, group=4, steps=steps, q_len=1, in_step=in_step, tensor_core=tensor_core, dtype=dtype)
-    assert (keys.tail.affine is not None) == centered and values.tail.affine is None
+        cfg, d=64, kv_heads=2, group=4, steps=steps, q_len=1, in_step=in_step, tensor_core=tensor_core, dtype=dtype,
+        value_bias=4.0)
+    assert (keys.tail.affine is not None) == bool(centered)
+    assert (values.tail.affine is not None) == (centered == "both")
     stream = cache.layers[0].key_stream
     assert stream.holding == cache.layers[0].value_stream.holding == [False, True]
     own = stream.own(cache.layout.plan.attend if in_step else cache.layout.counts)
     assert layout.rows[:, 2].tolist() == list(own.chunks) and layout.rows[:, 3].tolist() == list(own.buffer)
     assert _err(out, ref) < TOL[dtype], _err(out, ref)
     assert _err(decoded, ref) < TOL[dtype], _err(decoded, ref)
+
+
+@pytest.mark.parametrize("name", ["default-int8", "gear4-int8-int4", "gear4-int8", "gear4-int8-rotated"])
+def test_kernels_read_centered_values_in_the_basis_they_attend_them(name):
+    """A centered value buffer (values with a per-channel offset) read by a kernel that attends values rotated (ROT_V)
+    or not, from a buffer stored rotated or not: the centers are handed in the basis the values are attended in
+    (`views.affine_in_basis`) and the output is the oracle's."""
+    cfg = _config(name).replace(value_buffer_centered=True)
+    _, (out, _, values, _), (decoded, *_), ref = _attended(cfg, d=64, kv_heads=2, group=4, steps=(77, 40), q_len=1,
+                                                           in_step=True, tensor_core=False, dtype=torch.float32,
+                                                           value_bias=4.0)
+    assert values.tail.affine is not None
+    assert _err(out, ref) < TOL[torch.float32], _err(out, ref)
+    assert _err(decoded, ref) < TOL[torch.float32], _err(decoded, ref)
 
 
 def test_a_wrong_code_changes_the_output():
@@ -305,6 +323,12 @@ def test_bad_tails_say_what_is_wrong():
         with pytest.raises(ValueError, match="keys.tail.staged and values.tail.staged disagree"):
             decode_attention(q, keys, dataclasses.replace(values, tail=dataclasses.replace(values.tail, staged=None)),
                              layout, scaling=0.125, inv_freq=_inv_freq(64))
+        affine = values.tail.affine  # (GearConfig() centers the value buffer)
+        for bad_affine, match in ((affine[..., :32].contiguous(), r"values.tail.affine must be None or float32"),
+                                  (affine * 2, "cannot be read in the rotated basis")):  # (scales of 2: keys' kind)
+            with pytest.raises(ValueError, match=match):
+                decode_attention(q, keys, dataclasses.replace(values, tail=dataclasses.replace(values.tail,
+                                 affine=bad_affine)), layout, scaling=0.125, inv_freq=_inv_freq(64))
         with pytest.raises(ValueError, match=r"values.buffer \(this step's exact tokens"):
             decode_attention(q, keys, dataclasses.replace(values, buffer=values.buffer[:, :, :5].contiguous()), layout,
                              scaling=0.125, inv_freq=_inv_freq(64))

@@ -100,11 +100,12 @@ def reference_decode_attention(cache, layer_idx: int, query: torch.Tensor, *, sc
 def build_cache(gear_config, *, batch: int, kv_heads: int, head_dim: int, steps: list[int],
                 pad: list[int] | None = None,
                 dtype=torch.float32, device="cpu", seed: int = 0, num_layers: int = 1, position_offset: int = 0,
-                outlier_channels: int = 2):
+                outlier_channels: int = 2, value_bias: float = 0.0):
     """A GearCache after len(steps) forward steps (steps[0] = prompt columns, left-padded by pad[b]).
 
     Keys get a few large fixed channels (like real keys) so the per-channel quantization and the outliers
-    matter. Returns (cache, last_step_keys, last_step_values)."""
+    matter; values a fixed per-channel offset of up to +-value_bias (like a value bias: what a centered value buffer
+    takes out). Returns (cache, last_step_keys, last_step_values)."""
     from .gear_cache import GearCache
 
     pad = pad or [0] * batch
@@ -114,6 +115,8 @@ def build_cache(gear_config, *, batch: int, kv_heads: int, head_dim: int, steps:
     mask = torch.zeros(batch, 0, dtype=torch.long)
     scale = torch.ones(head_dim)
     scale[torch.randperm(head_dim, generator=gen)[:outlier_channels]] = 8.0
+    # (its own generator: the tokens stay as without it)
+    bias = (torch.rand(head_dim, generator=torch.Generator().manual_seed(seed + 2)) * 2 - 1) * value_bias
     k = v = None
     for i, q in enumerate(steps):
         new = torch.ones(batch, q, dtype=torch.long)
@@ -125,7 +128,7 @@ def build_cache(gear_config, *, batch: int, kv_heads: int, head_dim: int, steps:
         cache.observe_attention_mask(mask.to(device))
         for layer in range(num_layers):
             k = (torch.randn(batch, kv_heads, q, head_dim, generator=gen) * scale).to(dtype).to(device)
-            v = torch.randn(batch, kv_heads, q, head_dim, generator=gen).to(dtype).to(device)
+            v = (torch.randn(batch, kv_heads, q, head_dim, generator=gen) + bias).to(dtype).to(device)
             query = None
             if gear_config.key_bit_allocation == "query":  # (own generator: the keys/values stay as without it)
                 # one query per KV head, stronger on the large channels, for the key widths it allocates

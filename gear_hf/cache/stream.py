@@ -58,7 +58,8 @@ class Stream(HeldChunkPlans):
         self._holding_memo = None  # (`HeldChunkPlans._holding_after`)
         self.prefill_spec, self.decode_spec = prefill_spec, decode_spec
         self.sink = TokenStore()
-        self.buffer = TokenStore() if tail is None else CodedTokenStore(tail, centered)
+        # (keys centered and scaled, values centered only: `channel_centers`)
+        self.buffer = TokenStore() if tail is None else CodedTokenStore(tail, centered, scaled=kind == "key")
         self.prefill: ChunkStore | None = None
         self.decode = ChunkStore(decode_spec, chunk_len)
         self.chunk_len = chunk_len

@@ -71,8 +71,8 @@ class CodedTailView:
     minimum[b,h,t] (float32; 4-bit codes two a byte, the even channel in the low nibble), in the Walsh–Hadamard-rotated
     basis when rotated (the vector is that times `compress.rotation.hadamard(d)`), except this step's own tokens
     (staged[b, t]), which `StreamView.buffer` holds exact (never rotated) at the same columns. With affine (a centered
-    key buffer, `channel_centers.ChannelCenters`), that vector (back in the plain basis) times affine[b,h,0] plus
-    affine[b,h,1], per channel, is the token."""
+    buffer, `channel_centers.ChannelCenters`), that vector (back in the plain basis) times affine[b,h,0] plus
+    affine[b,h,1], per channel, is the token (a kernel that attends the tokens rotated: `affine_in_basis`)."""
 
     codes: torch.Tensor  # uint8 [B, H, cap, ceil(d * bits / 8)]
     scale: torch.Tensor  # [B, H, cap, 1] 16-bit
@@ -81,6 +81,21 @@ class CodedTailView:
     bits: int = 8  # bits per code: 8 or 4
     rotated: bool = False  # codes of the rotated vector (INT8_ROTATED_TOKENS, INT4_TOKENS)
     affine: torch.Tensor | None = None  # float32 [B, H, 2, d]: per channel scale and center, or None
+
+
+def affine_in_basis(affine: torch.Tensor, rotated: bool) -> torch.Tensor:
+    """A `CodedTailView.affine` (float32 [B,H,2,d], plain basis) for a kernel that reads the tokens in the rotated basis
+    when rotated: the centers rotated (x·H + c·H = (x + c)·H). Only for centers without scales (values'
+    `ChannelCenters(scaled=False)`): a per-channel scale of the plain basis is no per-channel scale of the rotated
+    one, and a scaled affine asked for rotated is a ValueError."""
+    if not rotated:
+        return affine
+    if not bool((affine[:, :, 0] == 1).all()):
+        raise ValueError("a centered buffer with per-channel scales (keys) cannot be read in the rotated basis: "
+                         "only centers without scales (values) can")
+    from ..compress.rotation import rotate
+
+    return torch.stack([affine[:, :, 0], rotate(affine[:, :, 1])], dim=2).contiguous()
 
 
 TAIL_FORMATS = ((8, False), (8, True), (4, True))  # the per-token buffer formats the kernels read: (bits, rotated)

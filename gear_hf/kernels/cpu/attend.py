@@ -93,8 +93,8 @@ def _buffer_rows(buf, tail, b, h, f, target, unrotate, tile):
     staged [B,cap], bits, rotated, affine), code * scale + minimum in float32, except the staged tokens (this step's
     own), read from buf. A rotated format's coded tokens stay in the rotated basis unless unrotate (keys: then each run
     of coded tokens is rotated back, `_hadamard_rows` with scratch tile [d, L]); the staged ones are never rotated.
-    A centered buffer (affine [B,H,2,d] float32, else empty: keys only) then takes each channel times affine[b,h,0]
-    plus affine[b,h,1]."""
+    A centered buffer (affine [B,H,2,d] float32 in the basis the rows are left in, else empty) then takes each
+    channel times affine[b,h,0] plus affine[b,h,1]."""
     codes, scale, minimum, staged, bits, rotated, affine = tail
     d = target.shape[1]
     coded = codes.shape[2] > 0
@@ -360,8 +360,9 @@ def decode_attention(query: torch.Tensor, keys, values, layout, *, scaling: floa
     sink_k, sink_v = (keys.sink, values.sink) if layout.max_sink > 0 else (None, None)
     _attend(q, layout.limits.numpy(), layout.rows.numpy(), cos, sin, int(sliding_window or 0), layout.buffer_size,
             _float32(sink_k, keys.buffer), _float32(sink_v, values.buffer), _float32(keys.buffer, keys.buffer),
-            _float32(values.buffer, values.buffer), _tail_args(keys, side), _tail_args(values, side), pk, pk_factors,
-            pv, pv_factors, dk, dk_factors, dv, dv_factors, rot_k, rot_v, bool(values.held_chunk), result)
+            _float32(values.buffer, values.buffer), _tail_args(keys, side),
+            _tail_args(values, side, unrotated=False), pk, pk_factors, pv, pv_factors, dk, dk_factors, dv, dv_factors,
+            rot_k, rot_v, bool(values.held_chunk), result)
     result = torch.from_numpy(result)
     if out is None:
         return result.to(query.dtype)

@@ -11,6 +11,7 @@ import torch
 from ...compress import ChunkSpec, CompressedChunk
 from ...compress.terms import BUILTIN_FIELDS, chunk_fields
 from ...rope import rope_angles
+from ..views import affine_in_basis
 from .read import _side_array, prepare, prepared, side_numpy_dtype
 
 
@@ -69,11 +70,11 @@ _NO_STAGED = np.zeros((0, 0), dtype=np.bool_)
 _NO_AFFINE = np.zeros((0, 0, 2, 0), dtype=np.float32)
 
 
-def _tail_args(view, side):
+def _tail_args(view, side, unrotated: bool = True):
     """(codes, scale, minimum, staged, bits, rotated, affine) of a StreamView's coded buffer (`views.CodedTailView`)
     as `_buffer_rows` reads them: the store's fields in place (bf16 scale/minimum as their bits; fp16 ones cast to
-    float32), staged [B,cap] or [0,0] when nothing is staged, affine [B,H,2,d] or empty; `_no_tail` for a
-    full-precision buffer."""
+    float32), staged [B,cap] or [0,0] when nothing is staged, affine [B,H,2,d] or empty (in the basis the rows are
+    read in: unrotated False, a rotated buffer's rows stay rotated); `_no_tail` for a full-precision buffer."""
     tail = view.tail
     if tail is None:
         return _no_tail(side)
@@ -83,7 +84,8 @@ def _tail_args(view, side):
         scale, minimum = scale.view(torch.int16).numpy(), minimum.view(torch.int16).numpy()
     else:
         scale, minimum = _side_array(scale.contiguous()), _side_array(minimum.contiguous())
-    affine = tail.affine.numpy() if tail.affine is not None else _NO_AFFINE
+    affine = _NO_AFFINE if tail.affine is None else \
+        affine_in_basis(tail.affine, bool(tail.rotated) and not unrotated).numpy()
     return tail.codes.contiguous().numpy(), scale, minimum, staged, int(tail.bits), bool(tail.rotated), affine
 
 

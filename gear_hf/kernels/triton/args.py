@@ -15,7 +15,15 @@ from typing import NamedTuple
 import torch
 
 from ...compress.quant import MAX_CHANNEL_BITS, codes_per_unit, pack_unit
-from ..views import MAX_FUSED_RANK, OUTLIER_TILE, ChunkRunView, StreamView, key_outlier_count, prepare_derived
+from ..views import (
+    MAX_FUSED_RANK,
+    OUTLIER_TILE,
+    ChunkRunView,
+    StreamView,
+    affine_in_basis,
+    key_outlier_count,
+    prepare_derived,
+)
 
 
 def _check(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -267,20 +275,17 @@ class TailArgs(NamedTuple):
     s_staged: int
     staged_n: int  # slots with staged flags: capacity, or 0 when none is staged
     constexprs: dict
-    affine: torch.Tensor | None = None  # float32 [B,H,2,d] (a centered key buffer), or a placeholder
+    affine: torch.Tensor | None = None  # float32 [B,H,2,d] (a centered buffer), or a placeholder
     s_affine: int = 0
 
     def kernel_args(self, stream: str) -> tuple[dict, dict]:
         """(runtime arguments, constexprs) named as the kernel's parameters of stream "k" or "v" (the staged flags:
-        `staged_args`); keys also their centers (tka, s_tka, T_K_AFF)."""
+        `staged_args`), and the centers (tka, s_tka, T_K_AFF; tva ...)."""
         t = f"t{stream}"
         args = {f"{t}c": self.codes, f"{t}s": self.scale, f"{t}m": self.minimum, f"{t}e": self.exact,
-                f"s_{t}c": self.s_codes, f"s_{t}s": self.s_scale, f"s_{t}e": self.s_exact}
-        constexprs = {f"T_{stream.upper()}_{k}": v for k, v in self.constexprs.items() if k != "AFF"}
-        if stream == "k":
-            args.update(tka=self.affine, s_tka=self.s_affine)
-            constexprs["T_K_AFF"] = self.constexprs["AFF"]
-        return args, constexprs
+                f"s_{t}c": self.s_codes, f"s_{t}s": self.s_scale, f"s_{t}e": self.s_exact, f"{t}a": self.affine,
+                f"s_{t}a": self.s_affine}
+        return args, {f"T_{stream.upper()}_{k}": v for k, v in self.constexprs.items()}
 
 
 def staged_args(keys: TailArgs, values: TailArgs, held_values: bool = False) -> dict:
@@ -297,9 +302,11 @@ def staged_args(keys: TailArgs, values: TailArgs, held_values: bool = False) -> 
     return {"stg": src.staged, "s_stg": src.s_staged, "stg_n": src.staged_n}
 
 
-def tail_args(view: StreamView, dummy: torch.Tensor, batch: int, heads: int, head_dim: int, name: str) -> TailArgs:
+def tail_args(view: StreamView, dummy: torch.Tensor, batch: int, heads: int, head_dim: int, name: str,
+              rotated_basis: bool = False) -> TailArgs:
     """The kernel's arguments of a stream's coded buffer (`view.tail`), checked; placeholders and BITS=0 when the
-    buffer is full precision (`view.buffer`). name: the stream in errors ("keys", "values")."""
+    buffer is full precision (`view.buffer`). name: the stream in errors ("keys", "values"); rotated_basis: the
+    kernel attends the tokens rotated (values under ROT_V: their centers are handed rotated, `affine_in_basis`)."""
     tail = view.tail
     if tail is None:
         return TailArgs(*[dummy] * 5, s_codes=0, s_scale=0, s_exact=0, s_staged=0, staged_n=0,
@@ -336,12 +343,11 @@ def tail_args(view: StreamView, dummy: torch.Tensor, batch: int, heads: int, hea
     affine, s_affine = dummy, 0
     if tail.affine is not None:
         want = (batch, heads, 2, head_dim)
-        if name != "keys" or tuple(tail.affine.shape) != want or tail.affine.dtype != torch.float32 \
-                or tail.affine.device != dummy.device:
-            raise ValueError(f"{name}.tail.affine must be None{'' if name == 'keys' else ' (only keys are centered)'} "
-                             f"or float32 {list(want)} ([B, H, 2, d]: scales, centers) on {dummy.device}, got "
-                             f"{tail.affine.dtype} {list(tail.affine.shape)} on {tail.affine.device}")
-        affine = _check(tail.affine.contiguous(), f"{name}.tail.affine")
+        if tuple(tail.affine.shape) != want or tail.affine.dtype != torch.float32 or tail.affine.device != dummy.device:
+            raise ValueError(f"{name}.tail.affine must be None or float32 {list(want)} ([B, H, 2, d]: scales, "
+                             f"centers) on {dummy.device}, got {tail.affine.dtype} {list(tail.affine.shape)} on "
+                             f"{tail.affine.device}")
+        affine = _check(affine_in_basis(tail.affine, rotated_basis), f"{name}.tail.affine")
         s_affine = affine.stride(1)
     return TailArgs(tail.codes, tail.scale, tail.minimum, exact, staged, s_codes=tail.codes.stride(1),
                     s_scale=tail.scale.stride(1), s_exact=s_exact, s_staged=s_staged, staged_n=n,

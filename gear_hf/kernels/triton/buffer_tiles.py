@@ -20,23 +20,24 @@ def _held_block(
     q1, q2, q_rows, t, slot, slot0, slot_end, tvalid, tok0, pos_b, freq_ptr, freq, q_scale, limit, mvalid,
     window, m_i, l_i, acc,
     kc, ks, km, ka, s_kc, s_ks, s_ka, ow, ov, ot, n_tiles, seg, t_base, kw, kbt1, kbt2, had_ptr,
-    buf_v, tvc, tvs, tvm, tve, stg_b, stg_n, vslot,
+    buf_v, tvc, tvs, tvm, tva, tve, stg_b, stg_n, vslot,
     D: tl.constexpr, HALF: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr, ROT_K: tl.constexpr,
     K_BITS: tl.constexpr, K_UNIT: tl.constexpr, K_GROUP: tl.constexpr, K_R: tl.constexpr, K_SPARSE: tl.constexpr,
     K_STATS_ROW: tl.constexpr, K_PLANES: tl.constexpr, ROT_V: tl.constexpr, T_V_BITS: tl.constexpr,
-    T_V_ROT: tl.constexpr,
+    T_V_ROT: tl.constexpr, T_V_AFF: tl.constexpr,
 ):
     """One block of a row's newest decode chunk whose values are held (`GearConfig.value_buffer_size`): keys from the
     compressed chunk (`_compressed_scores`), values from the value buffer at its slots `vslot` [BN]: full precision at
     buf_v (rows of D elements), or held per token (T_V_BITS > 0; tvc/tvs/tvm: the head's codes, scale, minimum;
-    `_tail_values`), a staged one (stg_b [stg_n] flags) exact from tve (rows of D elements)."""
+    `_tail_values`; centered: T_V_AFF, tva), a staged one (stg_b [stg_n] flags) exact from tve (rows of D elements)."""
     s = _compressed_scores(q1, q2, q_rows, t, slot, slot0, slot_end, tvalid, tok0, pos_b, freq_ptr, freq, q_scale,
                            mvalid, kc, ks, km, ka, s_kc, s_ks, s_ka, ow, ov, ot, n_tiles, seg, t_base, kw, kbt1, kbt2,
                            had_ptr, D, HALF, BN, DT, FAST, ROT_K, K_BITS, K_UNIT, K_GROUP, K_R, K_SPARSE,
                            K_STATS_ROW, K_PLANES)
     if T_V_BITS > 0:
         staged = tl.load(stg_b + vslot, mask=tvalid & (vslot < stg_n), other=0) != 0
-        v = _tail_values(tvc, tvs, tvm, vslot, tvalid & (staged == 0), had_ptr, D, T_V_BITS, T_V_ROT, ROT_V, DT)
+        v = _tail_values(tvc, tvs, tvm, vslot, tvalid & (staged == 0), had_ptr, D, T_V_BITS, T_V_ROT, ROT_V, DT,
+                         tva, T_V_AFF)
         if tl.max(staged.to(tl.int32), axis=0) > 0:  # (masked loads: zeros where a token is coded)
             v += _dense_values(tve, vslot * D, staged[:, None], had_ptr, D, HALF, DT, ROT_V)
     else:
@@ -49,12 +50,12 @@ def _held_block(
 def _held_chunk_blocks(
     lo, hi, e2, e3, s_len, p_len, c_cnt, q1, q2, q_rows, pos_b, freq_ptr, freq, q_scale, limit, mvalid, window,
     m_i, l_i, acc,
-    dkc, dks, dkm, dka, dkb, dow, dov, dot_, d_seg, dkas, dkbs, dkw, had_ptr, buf_v, tvc, tvs, tvm, tve, stg_b,
-    stg_n,
+    dkc, dks, dkm, dka, dkb, dow, dov, dot_, d_seg, dkas, dkbs, dkw, had_ptr, buf_v, tvc, tvs, tvm, tva, tve,
+    stg_b, stg_n,
     D: tl.constexpr, HALF: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr,
     ROT_K: tl.constexpr, K_BITS: tl.constexpr, K_UNIT: tl.constexpr, K_GROUP: tl.constexpr, K_R: tl.constexpr,
     K_SPARSE: tl.constexpr, K_STATS_ROW: tl.constexpr, K_PLANES: tl.constexpr, K_ROW: tl.constexpr,
-    ROT_V: tl.constexpr, T_V_BITS: tl.constexpr, T_V_ROT: tl.constexpr,
+    ROT_V: tl.constexpr, T_V_BITS: tl.constexpr, T_V_ROT: tl.constexpr, T_V_AFF: tl.constexpr,
 ):
     """This split's blocks of the row's newest decode chunk (c_cnt - 1, blocks [e3 - NB/BN, e3)) when its values are
     held at the front of the value buffer (`_held_block`); the pointers are the head's (decode keys: the kernel's d*
@@ -86,10 +87,9 @@ def _held_chunk_blocks(
                     q1, q2, q_rows, t, slot, slot0, c_cnt * NB, tvalid, slot0 - chunk * NB, pos_b, freq_ptr, freq,
                     q_scale, limit, mvalid, window, m_i, l_i, acc, dkc, dks, dkm, dka, K_ROW, D, K_R, dow, dov,
                     dot_ + chunk * (NB // 16 + 1), NB // 16, chunk * d_seg, s_len + p_len + chunk * NB,
-                    dkw + chunk * D, kbt1, kbt2, had_ptr, buf_v, tvc, tvs, tvm, tve, stg_b, stg_n, slot - chunk * NB, D,
-                    HALF,
-                    HB, DT, FAST, ROT_K, K_BITS, K_UNIT, K_GROUP, K_R, K_SPARSE, K_STATS_ROW, K_PLANES, ROT_V,
-                    T_V_BITS, T_V_ROT)
+                    dkw + chunk * D, kbt1, kbt2, had_ptr, buf_v, tvc, tvs, tvm, tva, tve, stg_b, stg_n,
+                    slot - chunk * NB, D, HALF, HB, DT, FAST, ROT_K, K_BITS, K_UNIT, K_GROUP, K_R, K_SPARSE,
+                    K_STATS_ROW, K_PLANES, ROT_V, T_V_BITS, T_V_ROT, T_V_AFF)
     return m_i, l_i, acc
 
 
@@ -99,7 +99,8 @@ def _dense_block(q1, q2, k_b, v_b, s_tok, t, slot, tvalid, pos_b, freq, limit,
                  FAST: tl.constexpr, ROT_V: tl.constexpr):
     """Full-precision tokens (sink or buffer) at store slots `slot`."""
     return _tile_block(q1, q2, k_b, v_b, s_tok, t, slot, tvalid, pos_b, freq, limit, mvalid, window, m_i, l_i, acc,
-                       had_ptr, 0, 0, 0, 0, 0, 0, 0, D, HALF, DT, FAST, ROT_V, 0, False, 0, False, False)
+                       had_ptr, 0, 0, 0, 0, 0, 0, 0, 0, D, HALF, DT, FAST, ROT_V, 0, False, 0, False, False,
+                       False)
 
 
 @triton.jit
@@ -123,7 +124,7 @@ def _tail_halves(codes_b, scale_b, min_b, slot, coded, had_ptr, D: tl.constexpr,
     halves float32 [BN, D/2]: code * scale + minimum (one scale and minimum per token), times H when ROT (the
     Walsh–Hadamard rotation, its own inverse: codes of x·H back to x, or codes of x to x·H). A half's codes are
     32-bit words of D*BITS/64 bytes (8-bit codes, or 4-bit codes two a byte, the even channel in the low nibble).
-    AFF (a centered key buffer): then each channel times aff[c] plus aff[D + c] (the head's scales and centers)."""
+    AFF (a centered buffer): then each channel times aff[c] plus aff[D + c] (the head's scales and centers)."""
     HALF: tl.constexpr = D // 2
     BN: tl.constexpr = slot.shape[0]
     sc = tl.load(scale_b + slot, mask=coded, other=0.0).to(tl.float32)[:, None]
@@ -145,28 +146,33 @@ def _tail_halves(codes_b, scale_b, min_b, slot, coded, had_ptr, D: tl.constexpr,
 
 @triton.jit
 def _tail_values(codes_b, scale_b, min_b, slot, coded, had_ptr, D: tl.constexpr, BITS: tl.constexpr,
-                 ROT: tl.constexpr, ROT_V: tl.constexpr, DT: tl.constexpr):
+                 ROT: tl.constexpr, ROT_V: tl.constexpr, DT: tl.constexpr, aff, AFF: tl.constexpr):
     """Values of the coded tokens (mask coded [BN]) at slots `slot` of a buffer held per token, float32 [BN, D] in
     the basis the kernel attends values in (ROT_V: rotated): as stored when ROT == ROT_V (ROT: codes of v·H; one
     group per token, read as `_value_tile` reads a run of values per token), else turned by halves
-    (`_tail_halves`)."""
+    (`_tail_halves`). AFF (a centered value buffer): then each channel times aff[c] plus aff[D + c], given in that
+    basis (`views.affine_in_basis`)."""
     if ROT == ROT_V:
         v = _value_tile(codes_b, scale_b, min_b, scale_b, scale_b, D * BITS // 8, 1, 0, slot, coded, D, BITS, 1, D,
                         0, 1)
+        if AFF:
+            c = tl.arange(0, D)
+            v = v * tl.load(aff + c)[None, :] + tl.load(aff + D + c)[None, :]
     else:
-        v1, v2 = _tail_halves(codes_b, scale_b, min_b, slot, coded, had_ptr, D, BITS, True, DT, had_ptr, False)
+        v1, v2 = _tail_halves(codes_b, scale_b, min_b, slot, coded, had_ptr, D, BITS, True, DT, aff, AFF)
         v = tl.reshape(tl.permute(tl.join(v1, v2), (0, 2, 1)), [v1.shape[0], D])
     return v
 
 
 @triton.jit
 def _tile_block(q1, q2, k_b, v_b, s_tok, t, slot, tvalid, pos_b, freq, limit, mvalid, window, m_i, l_i, acc,
-                had_ptr, tkc, tks, tkm, tka, tvc, tvs, tvm, D: tl.constexpr, HALF: tl.constexpr, DT: tl.constexpr,
+                had_ptr, tkc, tks, tkm, tka, tvc, tvs, tvm, tva, D: tl.constexpr, HALF: tl.constexpr, DT: tl.constexpr,
                 FAST: tl.constexpr, ROT_V: tl.constexpr, T_K_BITS: tl.constexpr, T_K_ROT: tl.constexpr,
-                T_V_BITS: tl.constexpr, T_V_ROT: tl.constexpr, T_K_AFF: tl.constexpr):
+                T_V_BITS: tl.constexpr, T_V_ROT: tl.constexpr, T_K_AFF: tl.constexpr, T_V_AFF: tl.constexpr):
     """The tokens at store slots `slot` (mask tvalid): keys and values at full precision at k_b/v_b (rows of s_tok
     elements), or, for a stream whose buffer is held per token (T_K_BITS / T_V_BITS > 0: the head's codes, scale and
-    minimum; keys centered: T_K_AFF, tka), decoded in registers (keys: `_tail_halves`, values: `_tail_values`)."""
+    minimum; centered: T_K_AFF / T_V_AFF, tka / tva), decoded in registers (keys: `_tail_halves`, values:
+    `_tail_values`)."""
     m2 = tvalid[:, None]
     rows = slot * s_tok  # [BN]
     if T_K_BITS > 0:
@@ -178,7 +184,7 @@ def _tile_block(q1, q2, k_b, v_b, s_tok, t, slot, tvalid, pos_b, freq, limit, mv
     k1, k2 = _rope(k1, k2, pos, freq, FAST)
     s = _dot(q1, tl.trans(k1), DT) + _dot(q2, tl.trans(k2), DT)
     if T_V_BITS > 0:
-        v = _tail_values(tvc, tvs, tvm, slot, tvalid, had_ptr, D, T_V_BITS, T_V_ROT, ROT_V, DT)
+        v = _tail_values(tvc, tvs, tvm, slot, tvalid, had_ptr, D, T_V_BITS, T_V_ROT, ROT_V, DT, tva, T_V_AFF)
     else:
         v = _dense_values(v_b, rows, m2, had_ptr, D, HALF, DT, ROT_V)
     m_i, l_i, acc, p = _softmax_step(s, t, tvalid, limit, mvalid, window, m_i, l_i, acc, v, DT)
@@ -187,10 +193,10 @@ def _tile_block(q1, q2, k_b, v_b, s_tok, t, slot, tvalid, pos_b, freq, limit, mv
 
 @triton.jit
 def _buffer_block(q1, q2, k_b, v_b, s_tok, t, slot, tvalid, pos_b, freq, limit, mvalid, window, m_i, l_i, acc,
-                  had_ptr, tkc, tks, tkm, tke, tka, tvc, tvs, tvm, tve, stg_b, stg_n, D: tl.constexpr,
+                  had_ptr, tkc, tks, tkm, tke, tka, tvc, tvs, tvm, tva, tve, stg_b, stg_n, D: tl.constexpr,
                   HALF: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr, ROT_V: tl.constexpr,
                   T_K_BITS: tl.constexpr, T_K_ROT: tl.constexpr, T_V_BITS: tl.constexpr, T_V_ROT: tl.constexpr,
-                  T_K_AFF: tl.constexpr):
+                  T_K_AFF: tl.constexpr, T_V_AFF: tl.constexpr):
     """Buffer tokens at store slots `slot`: full precision at k_b/v_b (`_dense_block`), or, where a stream's buffer is
     held per token (T_K_BITS / T_V_BITS > 0; `views.CodedTailView`; the kernels pass TAIL_TOKENS-token steps), in two
     steps of the online softmax, each with one kind of tile (two would double its registers): the coded tokens,
@@ -204,8 +210,8 @@ def _buffer_block(q1, q2, k_b, v_b, s_tok, t, slot, tvalid, pos_b, freq, limit, 
     else:
         staged = tl.load(stg_b + slot, mask=tvalid & (slot < stg_n), other=0) != 0
         m_i, l_i, acc = _tile_block(q1, q2, k_b, v_b, s_tok, t, slot, tvalid & (staged == 0), pos_b, freq, limit,
-                                    mvalid, window, m_i, l_i, acc, had_ptr, tkc, tks, tkm, tka, tvc, tvs, tvm, D, HALF,
-                                    DT, FAST, ROT_V, T_K_BITS, T_K_ROT, T_V_BITS, T_V_ROT, T_K_AFF)
+                                    mvalid, window, m_i, l_i, acc, had_ptr, tkc, tks, tkm, tka, tvc, tvs, tvm, tva, D,
+                                    HALF, DT, FAST, ROT_V, T_K_BITS, T_K_ROT, T_V_BITS, T_V_ROT, T_K_AFF, T_V_AFF)
         if tl.max(staged.to(tl.int32), axis=0) > 0:
             if T_K_BITS > 0:
                 k_exact = tke
@@ -222,10 +228,11 @@ def _buffer_block(q1, q2, k_b, v_b, s_tok, t, slot, tvalid, pos_b, freq, limit, 
 
 @triton.jit
 def _buffer_blocks(lo, hi, e3, s_len, p_len, c_cnt, f_len, q1, q2, buf_k, buf_v, pos_b, freq, limit, mvalid, window,
-                   m_i, l_i, acc, had_ptr, tkc, tks, tkm, tke, tka, tvc, tvs, tvm, tve, stg_b, stg_n,
+                   m_i, l_i, acc, had_ptr, tkc, tks, tkm, tke, tka, tvc, tvs, tvm, tva, tve, stg_b, stg_n,
                    HELD_V: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr,
                    DT: tl.constexpr, FAST: tl.constexpr, ROT_V: tl.constexpr, T_K_BITS: tl.constexpr,
-                   T_K_ROT: tl.constexpr, T_V_BITS: tl.constexpr, T_V_ROT: tl.constexpr, T_K_AFF: tl.constexpr):
+                   T_K_ROT: tl.constexpr, T_V_BITS: tl.constexpr, T_V_ROT: tl.constexpr, T_K_AFF: tl.constexpr,
+                   T_V_AFF: tl.constexpr):
     """This split's buffer blocks [max(lo, e3), hi) (`_buffer_block`): the row's f_len buffer tokens (rows of D
     elements) follow its s_len sink, p_len prompt-chunk and c_cnt x NB decode-chunk tokens. A buffer held per token
     is attended in TAIL_TOKENS-token steps (its tiles decoded in registers set the kernel's register peak), a
@@ -251,6 +258,6 @@ def _buffer_blocks(lo, hi, e3, s_len, p_len, c_cnt, f_len, q1, q2, buf_k, buf_v,
             t = s_len + p_len + c_cnt * NB + slot
             m_i, l_i, acc = _buffer_block(
                 q1, q2, buf_k, buf_v, D, t, slot, tvalid, pos_b, freq, limit, mvalid, window, m_i, l_i, acc,
-                had_ptr, tkc, tks, tkm, tke, tka, tvc, tvs, tvm, tve, stg_b, stg_n, D, HALF, DT, FAST, ROT_V,
-                T_K_BITS, T_K_ROT, T_V_BITS, T_V_ROT, T_K_AFF)
+                had_ptr, tkc, tks, tkm, tke, tka, tvc, tvs, tvm, tva, tve, stg_b, stg_n, D, HALF, DT, FAST, ROT_V,
+                T_K_BITS, T_K_ROT, T_V_BITS, T_V_ROT, T_K_AFF, T_V_AFF)
     return m_i, l_i, acc

@@ -18,7 +18,8 @@ _MAIN_DYNAMIC = ["sqb", "sqh", "sqq", "spos", "window", "s_sink_h", "s_buf_kh", 
                  "s_dkc", "s_dks", "s_dka", "s_dkb", "d_seg", "s_dow", "s_dot", "s_pow", "s_pot",
                  "s_dvc", "s_dvs", "s_dvsp", "s_dva", "s_dvb", "H_KV", "M_TILES", "NSPLIT",
                  "s_pkas", "s_pvas", "s_dkas", "s_dvas", "s_pkw", "s_dkw",
-                 "s_tkc", "s_tks", "s_tke", "s_tvc", "s_tvs", "s_tve", "s_stg", "stg_n", "s_tka"]
+                 "s_tkc", "s_tks", "s_tke", "s_tvc", "s_tvs", "s_tve", "s_stg", "stg_n", "s_tka",
+                 "s_tva"]
 
 
 @triton.jit(do_not_specialize=_MAIN_DYNAMIC)
@@ -28,7 +29,9 @@ def _decode_attention_kernel(
     # a buffer held per token (T_K_BITS / T_V_BITS > 0, `buffer_tiles._buffer_block`): codes, scale, minimum, the step's
     # exact tokens; which they are (per row: stg [B, stg_n]; stg_n = 0: none staged); else placeholders
     tkc, tks, tkm, tke, s_tkc, s_tks, s_tke, tvc, tvs, tvm, tve, s_tvc, s_tvs, s_tve, stg, s_stg, stg_n,
-    tka, s_tka,  # a centered key buffer (T_K_AFF): per channel scale and center [B,H,2,D] float32, else a placeholder
+    # centered buffers (T_K_AFF / T_V_AFF): per channel scale and center [B,H,2,D] float32 (values': in the basis ROT_V
+    # attends them in), else placeholders
+    tka, s_tka, tva, s_tva,
     # prompt chunk: keys (codes, scale, min, A, B) + sorted outliers (where, value, tile offsets), values
     pkc, pks, pkm, pka, pkb, s_pkc, s_pks, s_pka, s_pkb, pow_, pov, pot, s_pow, s_pot, p_tiles, p_seg,
     pkas, pkbs, s_pkas,  # int8 factors: per-column scales of A and B (unused with 16-bit factors)
@@ -44,7 +47,7 @@ def _decode_attention_kernel(
     BN: tl.constexpr, NB: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr, HAS_SINK: tl.constexpr,
     ROT_K: tl.constexpr, ROT_V: tl.constexpr,
     T_K_BITS: tl.constexpr, T_K_ROT: tl.constexpr, T_V_BITS: tl.constexpr, T_V_ROT: tl.constexpr,
-    T_K_AFF: tl.constexpr,
+    T_K_AFF: tl.constexpr, T_V_AFF: tl.constexpr,
     P_K_BITS: tl.constexpr, P_K_UNIT: tl.constexpr, P_K_GROUP: tl.constexpr, P_K_R: tl.constexpr,
     P_K_SPARSE: tl.constexpr, P_K_STATS_ROW: tl.constexpr, P_K_PLANES: tl.constexpr, P_K_ROW: tl.constexpr,
     P_V_BITS: tl.constexpr, P_V_UNIT: tl.constexpr,
@@ -157,15 +160,16 @@ def _decode_attention_kernel(
                 dkb + bh64 * s_dkb, dow + bh64 * s_dow, dov + bh64 * s_dow, dot_ + bh64 * s_dot, d_seg,
                 dkas + bh64 * s_dkas, dkbs + bh64 * s_dkas, dkw + bh64 * s_dkw, had_ptr,
                 buf_v + bh64 * s_buf_vh, tvc + bh64 * s_tvc, tvs + bh64 * s_tvs, tvm + bh64 * s_tvs,
-                tve + bh64 * s_tve, stg + b64 * s_stg, stg_n, D, HALF, BN, NB, DT, FAST, ROT_K, D_K_BITS, D_K_UNIT,
-                D_K_GROUP, D_K_R, D_K_SPARSE, D_K_STATS_ROW, D_K_PLANES, D_K_ROW, ROT_V, T_V_BITS, T_V_ROT)
+                tva + bh64 * s_tva, tve + bh64 * s_tve, stg + b64 * s_stg, stg_n, D, HALF, BN, NB, DT, FAST, ROT_K,
+                D_K_BITS, D_K_UNIT, D_K_GROUP, D_K_R, D_K_SPARSE, D_K_STATS_ROW, D_K_PLANES, D_K_ROW, ROT_V, T_V_BITS,
+                T_V_ROT, T_V_AFF)
 
     m_i, l_i, acc = _buffer_blocks(
         lo, hi, e3, s_len, p_len, c_cnt, f_len, q1, q2, buf_k + bh64 * s_buf_kh, buf_v + bh64 * s_buf_vh, pos_b,
         freq, limit, mvalid, window, m_i, l_i, acc, had_ptr, tkc + bh64 * s_tkc, tks + bh64 * s_tks,
         tkm + bh64 * s_tks, tke + bh64 * s_tke, tka + bh64 * s_tka, tvc + bh64 * s_tvc, tvs + bh64 * s_tvs,
-        tvm + bh64 * s_tvs, tve + bh64 * s_tve, stg + b64 * s_stg, stg_n, HELD_V, D, HALF, BN, NB, DT, FAST, ROT_V,
-        T_K_BITS, T_K_ROT, T_V_BITS, T_V_ROT, T_K_AFF)
+        tvm + bh64 * s_tvs, tva + bh64 * s_tva, tve + bh64 * s_tve, stg + b64 * s_stg, stg_n, HELD_V, D, HALF, BN,
+        NB, DT, FAST, ROT_V, T_K_BITS, T_K_ROT, T_V_BITS, T_V_ROT, T_K_AFF, T_V_AFF)
 
     ws = pid.to(tl.int64) * NSPLIT + split
     r16 = tl.arange(0, 16)

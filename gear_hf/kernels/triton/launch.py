@@ -152,6 +152,8 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
                 _check_words(key_args.codes, "allocated key codes")
     rot_k = _rotated([k for k, _ in used], "keys")
     rot_v = _rotated([v for _, v in used], "values")
+    if values.tail is not None and values.tail.affine is not None:  # (its centers in the basis values are attended in)
+        tails["v"] = tail_args(values, query, B, Hkv, D, "values", rotated_basis=rot_v)
     if decode_chunks and keys.decode.chunk_len != NB:
         raise ValueError(f"decode chunks hold {keys.decode.chunk_len} tokens but layout.buffer_size is {NB}")
     run_args, run_constexprs = {}, {}
