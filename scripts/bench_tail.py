@@ -41,7 +41,7 @@ CONFIGS = {
     "vc3g64+b64+keys-int8+values-int8": dict(_VC3, **_B64, value_group_size=64, key_buffer="int8", value_buffer="int8"),
     "vc3k2.875+keys-int8+values-int4": dict(_VC3, key_bits=2.875, key_buffer="int8", value_buffer="int4"),
     "vc3s1+keys-int8+values-int4": dict(_VC3, sink_tokens=1, key_buffer="int8", value_buffer="int4"),
-    "default": {},  # today's GearConfig() (config version 8: "centered"; 7: "held-early"; 6: "held")
+    "default": {},  # today's GearConfig() (config version 9: "centered-kv"; 8: "centered"; 7: "held-early")
     "accurate": {},  # config version 4's GearConfig()
     "value-stats8": dict(key_buffer="int8", value_buffer="int4", value_statistics="8"),  # GearConfig()'s, 8-bit stats
     # keys flushing every 64 tokens, values one chunk later (value_buffer_size: 64..128 values buffered at 4 bits)
@@ -117,6 +117,9 @@ ABLATIONS = {
     # session 29: the key buffer centered and scaled per channel (key_buffer_centered)
     "e96+k3+c": dict(key_buffer_size=128, held_for=0.5, key_bits=3, key_buffer_centered=True),
     "e96+k2.875+c": dict(key_buffer_size=128, held_for=0.5, key_bits=2.875, key_buffer_centered=True),
+    # session 30: the value buffer centered too (value_buffer_centered; = config version 9's GearConfig())
+    "e96+k3+cv": dict(key_buffer_size=128, held_for=0.5, key_bits=3, key_buffer_centered=True,
+                      value_buffer_centered=True),
 }
 for _name, _fields in ABLATIONS.items():
     CONFIGS[_name] = {**_STEADY, **_fields}

@@ -99,16 +99,24 @@ def test_fused_cpu_attention_reads_centered_keys_as_the_reference_path(arch, key
     deep copy of the model: the numba fused attention gives the torch backend's tokens and logits, and centering
     moves the logits (it is read); every per-token key format."""
     model = copy.deepcopy(tiny_model(arch, head_dim=32))
-    ids, mask = prompts(3, 45, seed=1, pads=[0, 9, 20])
     centered = dict(FUSED, key_buffer_size=32, held_for=0.5, key_buffer_centered=True, key_buffer=key_buffer)
-    runs = [_generate(model, ids, mask, GearConfig(**centered, backend=backend), 28) for backend in ("torch", "auto")]
+    cache = fused_matches_reference(model, centered, "key_buffer_centered")
+    assert cache.layers[0].key_stream.buffer.centers.fitted
+
+
+def fused_matches_reference(model, fields: dict, field: str):
+    """A left-padded batch (rows flushing and releasing on different steps), 28 greedy steps under inference mode:
+    the numba fused attention gives the torch backend's tokens and logits, every step fused, and turning `field` off
+    moves the logits (what it centers is read). Returns the torch backend's cache."""
+    ids, mask = prompts(3, 45, seed=1, pads=[0, 9, 20])
+    runs = [_generate(model, ids, mask, GearConfig(**fields, backend=backend), 28) for backend in ("torch", "auto")]
     (tokens, scores, paths, cache), (fused_tokens, fused_scores, fused_paths, _) = runs
     assert paths == {"reference": 27 * 2} and fused_paths == {"fused": 27 * 2}
-    assert cache.layers[0].key_stream.buffer.centers.fitted
     assert torch.equal(tokens, fused_tokens)
     assert (scores - fused_scores).abs().max().item() < 1e-4
-    plain = _generate(model, ids, mask, GearConfig(**dict(centered, key_buffer_centered=False), backend="torch"), 28)
+    plain = _generate(model, ids, mask, GearConfig(**dict(fields, **{field: False}), backend="torch"), 28)
     assert (scores - plain[1]).abs().max().item() > 1e-4
+    return cache
 
 
 def test_beams_carry_each_rows_centers():

@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 from test_held_values import FUSED, _coded, _fill, _generate, held_oracle
-from test_key_centers import CENTERED
+from test_key_centers import CENTERED, fused_matches_reference
 
 from gear_hf import GearConfig
 from gear_hf.cache.fused import row_local_tokens
@@ -94,17 +94,10 @@ def test_fused_cpu_attention_reads_centered_values_as_the_reference_path(arch, v
             if proj.bias is None:
                 proj.bias = torch.nn.Parameter(torch.zeros(proj.out_features))
             proj.bias.copy_(torch.linspace(-3, 3, proj.out_features))
-    ids, mask = prompts(3, 45, seed=1, pads=[0, 9, 20])
     both = dict(FUSED, key_buffer_size=32, held_for=0.5, key_buffer_centered=True, value_buffer_centered=True,
                 value_buffer=value_buffer)
-    runs = [_generate(model, ids, mask, GearConfig(**both, backend=backend), 28) for backend in ("torch", "auto")]
-    (tokens, scores, paths, cache), (fused_tokens, fused_scores, fused_paths, _) = runs
-    assert paths == {"reference": 27 * 2} and fused_paths == {"fused": 27 * 2}
+    cache = fused_matches_reference(model, both, "value_buffer_centered")
     assert cache.layers[0].value_stream.buffer.centers.fitted
-    assert torch.equal(tokens, fused_tokens)
-    assert (scores - fused_scores).abs().max().item() < 1e-4
-    plain = _generate(model, ids, mask, GearConfig(**dict(both, value_buffer_centered=False), backend="torch"), 28)
-    assert (scores - plain[1]).abs().max().item() > 1e-4
 
 
 def test_beams_carry_each_rows_value_centers():
