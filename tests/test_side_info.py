@@ -247,7 +247,7 @@ def test_recommended_follows_the_measured_frontier():
         {"gear_config_version": 6})
     assert (held.buffer_size, held.key_group, held.value_buffer_size, held.key_buffer_size, held.key_bits,
             held.held_for) == (64, 64, 128, 128, 2.75, 1.0)
-    early = gear_hf.GearConfig.recommended(3.485)  # (GearConfig() of config version 7: released early)
+    early = gear_hf.GearConfig.recommended(3.482)  # (GearConfig() of config version 7: released early)
     assert early == gear_hf.GearConfig.recommended(name="held-early") == gear_hf.GearConfig.from_dict(
         {"gear_config_version": 7})
     assert (early.buffer_size, early.key_group, early.value_buffer_size, early.key_buffer_size, early.key_bits,
@@ -255,7 +255,7 @@ def test_recommended_follows_the_measured_frontier():
     centered = gear_hf.GearConfig.recommended(name="centered")  # (GearConfig() of config version 8)
     assert centered == early.replace(key_buffer_centered=True) == gear_hf.GearConfig.from_dict(
         {"gear_config_version": 8})
-    both = gear_hf.GearConfig.recommended(3.49)  # (GearConfig(): the value buffer centered too)
+    both = gear_hf.GearConfig.recommended(3.49)  # (GearConfig(): the value buffer centered too, 3.486)
     assert both == gear_hf.GearConfig.recommended(name="centered-kv") == gear_hf.GearConfig()
     assert both == centered.replace(value_buffer_centered=True)
     small = gear_hf.GearConfig.recommended("held-early", buffer_size=16)  # key groups, held chunks follow the buffer
