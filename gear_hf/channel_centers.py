@@ -52,6 +52,9 @@ class ChannelCenters:
         # not scaled: center [B,H,d] int8 codes, step [B,H] side dtype. From the first fitted row on.
         self.fields: dict[str, torch.Tensor] = {}
         self.settled: list[bool] = []  # per row: its first step has been seen (fitted or not)
+        # float32 [B,H,2,d] (scales, centers) as read, for the rest of the step: the kernels' read and the step's
+        # encoding use it; dropped when the step ends (`end_step`), so nothing derived is kept between steps
+        self._step_affine: torch.Tensor | None = None
 
     @property
     def fitted(self) -> bool:
@@ -75,6 +78,7 @@ class ChannelCenters:
             self.settled[b] = True
             if columns.numel() < MIN_FIT_TOKENS:
                 continue
+            self._step_affine = None
             if not self.fields:
                 self.fields = self._empty(B, H, d, side_dtype(exact.dtype), exact.device)
             x = exact[b][:, columns].float()  # [H,n,d]
@@ -111,7 +115,11 @@ class ChannelCenters:
 
     def _center_scale(self, rows: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(center, scale) float32 [J,H,d] of rows (None: every row)."""
-        f = self.fields if rows is None else {name: t[rows] for name, t in self.fields.items()}
+        if rows is None and self._step_affine is not None:  # (this step's kernel read made it)
+            return self._step_affine[:, :, 1], self._step_affine[:, :, 0]
+        return self._decoded(self.fields if rows is None else {name: t[rows] for name, t in self.fields.items()})
+
+    def _decoded(self, f: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.scaled:
             center = f["center"].float() * f["step"].float()[..., None]
             return center, torch.ones_like(center)
@@ -135,20 +143,29 @@ class ChannelCenters:
 
     def kernel_affine(self) -> torch.Tensor | None:
         """float32 [B,H,2,d]: each head's scales (row 0) and centers (row 1) in the plain basis, as the fused kernels
-        read them (a per-call copy of B·H·2·d floats; `views.affine_in_basis` for a kernel that reads rotated
-        values); None while no row is fitted."""
+        read them (B·H·2·d floats made once a step; `views.affine_in_basis` for a kernel that reads rotated values);
+        None while no row is fitted."""
         if not self.fields:
             return None
-        center, scale = self._center_scale()
-        return torch.stack([scale, center], dim=2).contiguous()
+        if self._step_affine is None:
+            center, scale = self._decoded(self.fields)
+            self._step_affine = torch.stack([scale, center], dim=2).contiguous()
+        return self._step_affine
+
+    def end_step(self) -> None:
+        """The step ended: drop what was derived for it."""
+        self._step_affine = None
 
     def select_rows(self, index: torch.Tensor) -> None:
         if self.settled:
             self.settled = [self.settled[i] for i in index.tolist()]
         self.fields = {name: t.index_select(0, index) for name, t in self.fields.items()}
+        self._step_affine = None
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.fields.values())
+        """The stored centers, and during a step what was derived from them (nothing between steps)."""
+        derived = [self._step_affine] if self._step_affine is not None else []
+        return sum(t.numel() * t.element_size() for t in (*self.fields.values(), *derived))
 
 
 _TINY = torch.finfo(torch.float32).tiny

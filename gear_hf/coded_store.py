@@ -105,6 +105,8 @@ class CodedTokenStore:
         """The step ended: encode its tokens that stay (kept: (row, start, length), the columns a flushing row keeps;
         the other rows keep all), read coded from now on. Call before the buffer's columns move."""
         if self.staged is None:
+            if self.centers is not None:
+                self.centers.end_step()
             return
         exact, written = self.staged
         if self.centers is not None:  # (a row's first step fits its centers: every token it wrote, kept or not)
@@ -123,6 +125,8 @@ class CodedTokenStore:
                 for name, t in self.fields.items():
                     t[rows, :, columns] = getattr(chunk, name)[:, :, 0]
         self.staged = None
+        if self.centers is not None:
+            self.centers.end_step()
 
     def kernel_tail(self):
         """(this step's staged tokens [B,H,cap,d], or an empty [B,H,0,d] between steps; `views.CodedTailView` of the
@@ -137,7 +141,7 @@ class CodedTokenStore:
         affine = self.centers.kernel_affine() if self.centers is not None else None
         return exact, CodedTailView(codes=codes, scale=self.fields["scale"], minimum=self.fields["minimum"],
                                     staged=staged, bits=int(self.spec.bits), rotated=bool(self.spec.rotate),
-                                    affine=affine)
+                                    affine=affine, affine_scaled=self.centers is not None and self.centers.scaled)
 
     def _exact_where_staged(self, decoded: torch.Tensor, rows: list[int] | None, starts: list[int] | None,
                             length: int) -> torch.Tensor:

@@ -33,7 +33,10 @@ CONFIGS = {  # fields over recommended(name="accurate") (GearConfig() of config 
            # recommended(name="held-early"), GearConfig() from config version 7 (the key buffer not centered)
            "held-early": dict(buffer_size=64, value_buffer_size="auto", value_statistics="8", key_buffer_size="auto",
                               held_for="auto", key_bits=3),
-           "default": None}  # GearConfig() (config version 8: "centered", the key buffer centered per channel)
+           # recommended(name="centered"), GearConfig() from config version 8 (the value buffer not centered)
+           "centered": dict(buffer_size=64, value_buffer_size="auto", value_statistics="8", key_buffer_size="auto",
+                            held_for="auto", key_bits=3, key_buffer_centered=True),
+           "default": None}  # GearConfig() (config version 9: "centered-kv", both buffers centered per channel)
 
 
 class _StepClock:

@@ -324,11 +324,11 @@ def test_bad_tails_say_what_is_wrong():
             decode_attention(q, keys, dataclasses.replace(values, tail=dataclasses.replace(values.tail, staged=None)),
                              layout, scaling=0.125, inv_freq=_inv_freq(64))
         affine = values.tail.affine  # (GearConfig() centers the value buffer)
-        for bad_affine, match in ((affine[..., :32].contiguous(), r"values.tail.affine must be None or float32"),
-                                  (affine * 2, "cannot be read in the rotated basis")):  # (scales of 2: keys' kind)
+        for bad, match in ((dict(affine=affine[..., :32].contiguous()), r"values.tail.affine must be None or float32"),
+                           (dict(affine_scaled=True), "cannot be read in the rotated basis")):  # (keys' kind)
             with pytest.raises(ValueError, match=match):
-                decode_attention(q, keys, dataclasses.replace(values, tail=dataclasses.replace(values.tail,
-                                 affine=bad_affine)), layout, scaling=0.125, inv_freq=_inv_freq(64))
+                decode_attention(q, keys, dataclasses.replace(values, tail=dataclasses.replace(values.tail, **bad)),
+                                 layout, scaling=0.125, inv_freq=_inv_freq(64))
         with pytest.raises(ValueError, match=r"values.buffer \(this step's exact tokens"):
             decode_attention(q, keys, dataclasses.replace(values, buffer=values.buffer[:, :, :5].contiguous()), layout,
                              scaling=0.125, inv_freq=_inv_freq(64))

@@ -81,21 +81,23 @@ class CodedTailView:
     bits: int = 8  # bits per code: 8 or 4
     rotated: bool = False  # codes of the rotated vector (INT8_ROTATED_TOKENS, INT4_TOKENS)
     affine: torch.Tensor | None = None  # float32 [B, H, 2, d]: per channel scale and center, or None
+    affine_scaled: bool = True  # its scales may differ from 1 (keys' centers); False: centers only (values')
 
 
-def affine_in_basis(affine: torch.Tensor, rotated: bool) -> torch.Tensor:
-    """A `CodedTailView.affine` (float32 [B,H,2,d], plain basis) for a kernel that reads the tokens in the rotated basis
-    when rotated: the centers rotated (x·H + c·H = (x + c)·H). Only for centers without scales (values'
-    `ChannelCenters(scaled=False)`): a per-channel scale of the plain basis is no per-channel scale of the rotated
-    one, and a scaled affine asked for rotated is a ValueError."""
+def affine_in_basis(tail: CodedTailView, rotated: bool) -> torch.Tensor:
+    """`tail.affine` (float32 [B,H,2,d], plain basis) for a kernel that reads the tokens in the rotated basis when
+    rotated: the centers rotated (x·H + c·H = (x + c)·H). Only for centers without scales (`affine_scaled` False:
+    values' `ChannelCenters(scaled=False)`; told by the view, not checked on the data: no device sync): a per-channel
+    scale of the plain basis is no per-channel scale of the rotated one, and a scaled affine asked for rotated is a
+    ValueError."""
     if not rotated:
-        return affine
-    if not bool((affine[:, :, 0] == 1).all()):
+        return tail.affine
+    if tail.affine_scaled:
         raise ValueError("a centered buffer with per-channel scales (keys) cannot be read in the rotated basis: "
                          "only centers without scales (values) can")
     from ..compress.rotation import rotate
 
-    return torch.stack([affine[:, :, 0], rotate(affine[:, :, 1])], dim=2).contiguous()
+    return torch.stack([tail.affine[:, :, 0], rotate(tail.affine[:, :, 1])], dim=2).contiguous()
 
 
 TAIL_FORMATS = ((8, False), (8, True), (4, True))  # the per-token buffer formats the kernels read: (bits, rotated)

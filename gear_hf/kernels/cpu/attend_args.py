@@ -85,7 +85,7 @@ def _tail_args(view, side, unrotated: bool = True):
     else:
         scale, minimum = _side_array(scale.contiguous()), _side_array(minimum.contiguous())
     affine = _NO_AFFINE if tail.affine is None else \
-        affine_in_basis(tail.affine, bool(tail.rotated) and not unrotated).numpy()
+        affine_in_basis(tail, bool(tail.rotated) and not unrotated).numpy()
     return tail.codes.contiguous().numpy(), scale, minimum, staged, int(tail.bits), bool(tail.rotated), affine
 
 

@@ -347,7 +347,7 @@ def tail_args(view: StreamView, dummy: torch.Tensor, batch: int, heads: int, hea
             raise ValueError(f"{name}.tail.affine must be None or float32 {list(want)} ([B, H, 2, d]: scales, "
                              f"centers) on {dummy.device}, got {tail.affine.dtype} {list(tail.affine.shape)} on "
                              f"{tail.affine.device}")
-        affine = _check(affine_in_basis(tail.affine, rotated_basis), f"{name}.tail.affine")
+        affine = _check(affine_in_basis(tail, rotated_basis), f"{name}.tail.affine")
         s_affine = affine.stride(1)
     return TailArgs(tail.codes, tail.scale, tail.minimum, exact, staged, s_codes=tail.codes.stride(1),
                     s_scale=tail.scale.stride(1), s_exact=s_exact, s_staged=s_staged, staged_n=n,
