@@ -121,14 +121,21 @@ def fused_matches_reference(model, fields: dict, field: str):
 
 def test_beams_carry_each_rows_centers():
     """Beam search reorders rows: each keeps its centers (torch and numba agree on every beam's tokens)."""
-    model = tiny_model("llama3", head_dim=32)
-    ids, mask = prompts(2, 45, seed=2, pads=[0, 7])
     centered = dict(FUSED, key_buffer_size=32, held_for=0.5, key_buffer_centered=True)
-    runs = [_generate(model, ids, mask, GearConfig(**centered, backend=backend), 24, num_beams=3)
+    cache = beams_match_reference(tiny_model("llama3", head_dim=32), centered)
+    assert cache.layers[0].key_stream.buffer.centers.fields["center"].shape[0] == 6
+
+
+def beams_match_reference(model, fields: dict):
+    """Beam search (3 beams over a left-padded batch of 2: rows reordered every step): the torch backend and the
+    numba fused path (used) give the same tokens. Returns the torch backend's cache."""
+    ids, mask = prompts(2, 45, seed=2, pads=[0, 7])
+    runs = [_generate(model, ids, mask, GearConfig(**fields, backend=backend), 24, num_beams=3)
             for backend in ("torch", "auto")]
     (tokens, _, _, cache), (fused_tokens, _, fused_paths, _) = runs
-    assert cache.layers[0].key_stream.buffer.centers.fields["center"].shape[0] == 6 and "fused" in fused_paths
+    assert "fused" in fused_paths
     assert torch.equal(tokens, fused_tokens)
+    return cache
 
 
 @pytest.mark.parametrize("value", ["yes", 1, None])

@@ -10,13 +10,13 @@ import copy
 
 import pytest
 import torch
-from test_held_values import FUSED, _coded, _fill, _generate, held_oracle
-from test_key_centers import CENTERED, fused_matches_reference
+from test_held_values import FUSED, _coded, _fill, held_oracle
+from test_key_centers import CENTERED, beams_match_reference, fused_matches_reference
 
 from gear_hf import GearConfig
 from gear_hf.cache.fused import row_local_tokens
 from gear_hf.format import layer_formats
-from tiny_models import prompts, tiny_model
+from tiny_models import tiny_model
 
 BOTH = dict(CENTERED, value_buffer_centered=True)
 
@@ -102,14 +102,9 @@ def test_fused_cpu_attention_reads_centered_values_as_the_reference_path(arch, v
 
 def test_beams_carry_each_rows_value_centers():
     """Beam search reorders rows: each keeps its centers (torch and numba agree on every beam's tokens)."""
-    model = tiny_model("qwen2", head_dim=32)
-    ids, mask = prompts(2, 45, seed=2, pads=[0, 7])
     both = dict(FUSED, key_buffer_size=32, held_for=0.5, key_buffer_centered=True, value_buffer_centered=True)
-    runs = [_generate(model, ids, mask, GearConfig(**both, backend=backend), 24, num_beams=3)
-            for backend in ("torch", "auto")]
-    (tokens, _, _, cache), (fused_tokens, _, fused_paths, _) = runs
-    assert cache.layers[0].value_stream.buffer.centers.fields["center"].shape[0] == 6 and "fused" in fused_paths
-    assert torch.equal(tokens, fused_tokens)
+    cache = beams_match_reference(tiny_model("qwen2", head_dim=32), both)
+    assert cache.layers[0].value_stream.buffer.centers.fields["center"].shape[0] == 6
 
 
 @pytest.mark.parametrize("value", ["yes", 1, None])

@@ -92,10 +92,6 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
     buf_k = _check_words(_check(keys.buffer, "buffer keys"), "buffer keys")
     buf_v = _check_words(_check(values.buffer, "buffer values"), "buffer values")
     Hkv = buf_k.shape[1]
-    # a buffer held per token (StreamView.tail) is read as stored; a full-precision one in rows of D elements
-    tails = {"k": tail_args(keys, query, B, Hkv, D, "keys"), "v": tail_args(values, query, B, Hkv, D, "values")}
-    s_buf = {stream: 0 if tails[stream].constexprs["BITS"] else buf.stride(1) for stream, buf in (("k", buf_k),
-                                                                                                ("v", buf_v))}
     if Hq % Hkv:
         raise ValueError(f"{Hq} query heads do not split into {Hkv} KV heads")
     G = Hq // Hkv
@@ -152,8 +148,12 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
                 _check_words(key_args.codes, "allocated key codes")
     rot_k = _rotated([k for k, _ in used], "keys")
     rot_v = _rotated([v for _, v in used], "values")
-    if values.tail is not None and values.tail.affine is not None:  # (its centers in the basis values are attended in)
-        tails["v"] = tail_args(values, query, B, Hkv, D, "values", rotated_basis=rot_v)
+    # a buffer held per token (StreamView.tail) is read as stored (the values' centers in the basis they are attended
+    # in); a full-precision one in rows of D elements
+    tails = {"k": tail_args(keys, query, B, Hkv, D, "keys"),
+             "v": tail_args(values, query, B, Hkv, D, "values", rotated_basis=rot_v)}
+    s_buf = {stream: 0 if tails[stream].constexprs["BITS"] else buf.stride(1) for stream, buf in (("k", buf_k),
+                                                                                                ("v", buf_v))}
     if decode_chunks and keys.decode.chunk_len != NB:
         raise ValueError(f"decode chunks hold {keys.decode.chunk_len} tokens but layout.buffer_size is {NB}")
     run_args, run_constexprs = {}, {}
