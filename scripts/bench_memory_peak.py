@@ -8,7 +8,8 @@
 For each model and prompt length T: one greedy `generate` of T prompt tokens (the last T tokens of a GSM8K 8-shot
 prompt, filled with GSM8K train text when shorter) plus --new-tokens tokens with each method, all in one process,
 in turn: DynamicCache, transformers' QuantizedCache (quanto int4/int2; skipped with a line when optimum-quanto is
-missing), kivi-2, gear-2 and `GearConfig()` (the method `rec-accurate`, checked equal to `GearConfig()` at start).
+missing), kivi-2, gear-2 and `GearConfig()` (the method `rec-` + its recommended name, e.g. `rec-centered-kv`,
+checked equal to `GearConfig()` at start).
 
 What is measured (`benchlib.AllocatorPeak`):
 * CPU: every allocation and free of torch's CPU allocator during the call, from torch.profiler's memory events
@@ -49,10 +50,12 @@ from benchlib.allocator import AllocatorPeak
 sys.path.insert(0, str(benchlib.REPO / "tests"))  # the independent walk lives with the tests that use it
 import memory_walk  # noqa: E402
 
-METHODS = ("dynamic", "rec-accurate", "kivi-2", "gear-2", "hf-quanto-int4", "hf-quanto-int2")
-DEFAULT_NAME = "rec-accurate"  # = GearConfig(), checked in main()
+from gear_hf.recommended import DEFAULT_RECOMMENDED  # noqa: E402
+
+DEFAULT_NAME = "rec-" + DEFAULT_RECOMMENDED  # = GearConfig(), checked in main()
+METHODS = ("dynamic", DEFAULT_NAME, "kivi-2", "gear-2", "hf-quanto-int4", "hf-quanto-int2")
 # a gear_hf method with its tail stored another way: "<method>+int8-tail" (key_buffer = value_buffer = "int8", the
-# 8-bit tail) or "<method>+full-tail" (the 16-bit buffer), e.g. rec-accurate+int8-tail
+# 8-bit tail) or "<method>+full-tail" (the 16-bit buffer), e.g. rec-centered-kv+int8-tail
 TAILS = {"int8-tail": "int8", "full-tail": "full"}
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                  num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=65536)
@@ -359,7 +362,7 @@ def main(argv=None) -> int:
     parser.add_argument("--methods", default=None, help=f"comma list (default: {','.join(METHODS)})")
     parser.add_argument("--steps", action="store_true", help="bits held vs owned at every decode step (item 3)")
     parser.add_argument("--text-index", type=int, default=200, help="--steps: the GSM8K test problem of the text")
-    parser.add_argument("--steps-configs", default="rec-accurate,kivi-4", help="--steps: methods (comma list)")
+    parser.add_argument("--steps-configs", default=f"{DEFAULT_NAME},kivi-4", help="--steps: methods (comma list)")
     benchlib.add_out_argument(parser, "memory-peak.csv/.md (and memory-peak-steps.csv/.md with --steps)")
     args = benchlib.parse_bench_args(parser, argv, "bench_memory_peak")
     from gear_hf import GearConfig
