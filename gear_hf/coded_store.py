@@ -101,6 +101,12 @@ class CodedTokenStore:
         exact[where.rows, :, where.columns] = x[where.rows, :, where.tokens].to(exact.dtype)
         written[where.rows, where.columns] = True
 
+    def fit_centers(self) -> None:
+        """Fit the centers of the rows whose first step this is, now (before `end_step`, which would): the value chunks
+        that leave in this step are coded by them (`GearConfig.value_chunks_centered`)."""
+        if self.centers is not None and self.staged is not None:
+            self.centers.fit(*self.staged)
+
     def end_step(self, kept: list[tuple[int, int, int]] | None = None) -> None:
         """The step ended: encode its tokens that stay (kept: (row, start, length), the columns a flushing row keeps;
         the other rows keep all), read coded from now on. Call before the buffer's columns move."""
@@ -144,9 +150,9 @@ class CodedTokenStore:
                                     affine=affine, affine_scaled=self.centers is not None and self.centers.scaled)
 
     def _exact_where_staged(self, decoded: torch.Tensor, rows: list[int] | None, starts: list[int] | None,
-                            length: int) -> torch.Tensor:
+                            length: int, centered: bool = False) -> torch.Tensor:
         """decoded [J,H,length,d] (every row from column 0, or rows[j] from starts[j]) with this step's own tokens
-        put back exact."""
+        put back exact (centered: minus their centers, as the coded ones read)."""
         if self.staged is None:
             return decoded
         exact, written = self.staged
@@ -155,6 +161,8 @@ class CodedTokenStore:
         else:
             exact = torch.stack([exact[row, :, at : at + length] for row, at in zip(rows, starts)])
             written = torch.stack([written[row, at : at + length] for row, at in zip(rows, starts)])
+        if centered:
+            exact = self.centers.normalized(exact, rows)
         return torch.where(written[:, None, :, None], exact.to(decoded.dtype), decoded)
 
     def keep_tail(self, row: int, start: int, length: int) -> None:
@@ -192,26 +200,32 @@ class CodedTokenStore:
         return self._chunk(parts, length)
 
     def _decode(self, chunk: CompressedChunk, n: int, dtype: torch.dtype, out: torch.Tensor | None = None,
-                rows: list[int] | None = None):
-        """The tokens of chunk (rows' tokens; None: every row's), read back."""
+                rows: list[int] | None = None, centered: bool = False):
+        """The tokens of chunk (rows' tokens; None: every row's), read back (centered: as coded, without their
+        centers added back)."""
         if n == 0:  # (an empty buffer: nothing to decode)
             codes = chunk.codes
             return torch.empty(*codes.shape[:2], 0, self.head_dim, dtype=dtype, device=codes.device)
-        if self.centers is not None:
+        if self.centers is not None and not centered:
             return self.centers.restored(decompress(chunk, self.spec, n, self.head_dim, dtype), rows)
         return decompress(chunk, self.spec, n, self.head_dim, dtype, out=out)
 
     def tokens(self, dtype: torch.dtype | None = None, n: int | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, centered: bool = False) -> torch.Tensor:
+        """The first n tokens of every row [B,H,n,d] (centered: minus each row's centers, as a centered store codes
+        them)."""
         n = self.capacity if n is None else n
         decoded = self._decode(self._chunk({k: t[:, :, :n] for k, t in self.fields.items()}, n), n,
-                               dtype or self.dtype)
-        decoded = self._exact_where_staged(decoded, None, None, n)
+                               dtype or self.dtype, centered=centered)
+        decoded = self._exact_where_staged(decoded, None, None, n, centered)
         return decoded if out is None else out.copy_(decoded)
 
-    def gather(self, rows: list[int], starts: list[int], length: int, dtype: torch.dtype | None) -> torch.Tensor:
-        decoded = self._decode(self.coded(rows, starts, length, fresh=False), length, dtype or self.dtype, rows=rows)
-        return self._exact_where_staged(decoded, rows, starts, length)  # (this step's own tokens: exact)
+    def gather(self, rows: list[int], starts: list[int], length: int, dtype: torch.dtype | None,
+               centered: bool = False) -> torch.Tensor:
+        """Tokens [starts[j], +length) of row rows[j]: [J,H,length,d] (centered: as `tokens`)."""
+        decoded = self._decode(self.coded(rows, starts, length, fresh=False), length, dtype or self.dtype, rows=rows,
+                               centered=centered)
+        return self._exact_where_staged(decoded, rows, starts, length, centered)  # (this step's own tokens: exact)
 
     def token_nbytes(self, cap: int | None = None) -> int:
         return sum(t.shape[1] * math.prod(t.shape[3:]) * (min(t.element_size(), cap) if cap and

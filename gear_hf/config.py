@@ -12,10 +12,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from .backends import BACKEND_NAMES as BACKENDS
-from .compress.quant import BITS, PLANE_TOKENS, codes_per_unit  # (codes fill whole units: groups hold them)
+from .compress.quant import BITS, PLANE_TOKENS
 from .compress.spec import FACTOR_BITS
 from .compress.terms import METHOD_TERMS, registered_terms
 from .config_buffer import AUTO_FIELDS, check_buffers
+from .config_groups import code_unit, token_granule
 from .config_versions import CONFIG_VERSION, DEFAULTS_BY_VERSION, VERSION_KEY  # (also gear_hf.config's names)
 from .preset_names import METHODS, parse_preset_name  # (parse_preset_name: also gear_hf.config's)
 from .recommended import DEFAULT_RECOMMENDED, RECOMMENDED  # (RECOMMENDED: also gear_hf.config's)
@@ -35,7 +36,8 @@ PAPER_FIELDS: dict[str, Any] = dict(key_bits=4, value_bits=4, group_size=64, ran
                                     value_group_size=None, rotation="none", factor_bits=8, range_search="none",
                                     prompt_group_size=None, key_bit_allocation="uniform", key_buffer="full",
                                     value_buffer="full", value_statistics="16", value_buffer_size=None,
-                                    key_buffer_size=None, key_buffer_centered=False, value_buffer_centered=False)
+                                    key_buffer_size=None, key_buffer_centered=False, value_buffer_centered=False,
+                                    value_chunks_centered=False)
 
 
 def _fail(field: str, value: Any, allowed: str) -> None:
@@ -100,6 +102,8 @@ class GearConfig:
     key_buffer_centered / value_buffer_centered: (beyond GEAR) a per-token buffer codes each token centered per
                    channel (keys also scaled by a power of two), fitted to the row's prompt: a bias such as Qwen2's sets
                    no token's range (gear_hf/channel_centers.py; 2.5 / 1 bytes a row, head, channel). Ignored for "full"
+    value_chunks_centered: (beyond GEAR) the value chunks coded centered by the value buffer's centers too (no byte
+                   more; kernels attend every value centered, then add the center once). Ignored where that is not
     key_axis / value_axis: "channel" (groups run along tokens) or "token" (groups run along channels)
     pre_rope:      compress keys before rotary embedding and rotate them when read
     rotation:      "none" | "keys" | "values" | "both": an orthonormal Walsh–Hadamard rotation along head_dim
@@ -150,6 +154,7 @@ class GearConfig:
     held_for: float | str = "auto"
     key_buffer_centered: bool = True
     value_buffer_centered: bool = True
+    value_chunks_centered: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -229,7 +234,7 @@ class GearConfig:
         """Groups that run along tokens hold whole packing units, and the buffer holds whole groups."""
         for prefix, axis, group, bits in (("key", self.key_axis, self.key_group, self.key_bits),
                                           ("value", self.value_axis, self.value_group, self.value_bits)):
-            unit = _code_unit(vars(self), prefix)
+            unit = code_unit(vars(self), prefix)
             planes = prefix == "key" and self.key_bit_allocation == "query"
             packing = (f"stored as bit planes of {unit} tokens" if planes
                        else f"{unit} codes of {bits} bits fill whole bytes")
@@ -285,7 +290,7 @@ class GearConfig:
         return self._granule(self.prompt_group("key"), self.prompt_group("value"))
 
     def _granule(self, key_group: int, value_group: int) -> int:
-        return _token_granule(vars(self), key_group, value_group)
+        return token_granule(vars(self), key_group, value_group)
 
     # What the method computes -------------------------------------------------------------------------------
     @property
@@ -375,7 +380,7 @@ class GearConfig:
         if "buffer_size" not in overrides and "buffer_size" not in fields:  # the paper's 64, or whole longer groups
             groups = (merged["key_group_size"] or merged["group_size"],
                       merged["value_group_size"] or merged["group_size"])
-            merged["buffer_size"] = math.lcm(PAPER_FIELDS["buffer_size"], _token_granule(merged, *groups))
+            merged["buffer_size"] = math.lcm(PAPER_FIELDS["buffer_size"], token_granule(merged, *groups))
         return cls(**merged)
 
     # Saving and loading ------------------------------------------------------------------------------------------
@@ -422,22 +427,6 @@ class GearConfig:
 
 
 _DEFAULT_BUFFER = GearConfig.__dataclass_fields__["buffer_size"].default
-
-
-def _token_granule(fields: dict[str, Any], key_group: int, value_group: int) -> int:
-    """Tokens a chunk holds a multiple of, for these groups: every group that runs along tokens (axis "channel") and
-    whole code bytes. fields: GearConfig fields (a config's vars, or the dict `recommended` builds one from)."""
-    granule = 1
-    for prefix, group in (("key", key_group), ("value", value_group)):
-        if fields[f"{prefix}_axis"] == "channel":
-            unit = _code_unit(fields, prefix) if "backbone" in METHOD_TERMS[fields["method"]] else 1
-            granule = math.lcm(granule, group, unit)
-    return granule
-
-
-def _code_unit(fields: dict[str, Any], prefix: str) -> int:
-    """Codes of stream `prefix` ("key"/"value") per packing unit along tokens: widths per channel take bit planes."""
-    return codes_per_unit(fields[f"{prefix}_bits"], prefix == "key" and fields["key_bit_allocation"] == "query")
 
 
 def expect_config(value: Any, argument: str) -> None:

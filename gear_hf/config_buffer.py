@@ -36,7 +36,7 @@ def check_buffers(cfg: "GearConfig", fail: Callable[[str, Any, str], None]) -> N
             cfg.value_axis != "token" or cfg.range_search in ("values", "both") or cfg.value_buffer == "final"):
         fail("value_statistics", cfg.value_statistics, "'16' unless values are grouped per token (value_axis="
              "'token') with min/max ranges (range_search not 'values' / 'both') and a buffer other than 'final'")
-    for field in ("key_buffer_centered", "value_buffer_centered"):
+    for field in ("key_buffer_centered", "value_buffer_centered", "value_chunks_centered"):
         if not isinstance(getattr(cfg, field), bool):
             fail(field, getattr(cfg, field), "True or False")
     for stream in ("value", "key"):

@@ -30,6 +30,7 @@ class StreamFormat:
     held_chunk: bool = False
     release_after: int = 0
     centered: bool = False  # the tail codes each token centered per channel (keys: and scaled; `channel_centers`)
+    chunks_centered: bool = False  # (values, a centered tail) the chunks are coded by the tail's centers too
 
     @property
     def specs(self) -> tuple[ChunkSpec, ChunkSpec]:
@@ -83,8 +84,9 @@ def stream_format(cfg, stream: str) -> StreamFormat:
     held_size = cfg.key_buffer_size if stream == "key" else cfg.value_buffer_size
     held = held_size is not None and cfg.compresses
     centered = (cfg.key_buffer_centered if stream == "key" else cfg.value_buffer_centered) and choice in TAIL_SPECS
+    chunks_centered = centered and stream == "value" and cfg.value_chunks_centered
     return StreamFormat(stream, prompt, decode, cfg.buffer_size, tail, held, release_after(cfg) if held else 0,
-                        centered)
+                        centered, chunks_centered)
 
 
 def layer_formats(cfg) -> tuple[StreamFormat, StreamFormat]:

@@ -156,6 +156,9 @@ class ChunkStore:
         self.version = 0
         self.first_changed = 0
         self.derived: dict = {}
+        # values coded centered by these `ChannelCenters` (the value buffer's: GearConfig.value_chunks_centered):
+        # `reconstruct` adds them back; the fused kernels read the chunks as stored (`Stream.kernel_view`)
+        self.centers = None
 
     @property
     def spec(self) -> ChunkSpec:
@@ -296,7 +299,12 @@ class ChunkStore:
         into before rotating (else a temporary)."""
         if chunks == 0 or not self.fields:
             return torch.empty(0)
-        return self.plan.reconstruct.reconstruct(self, chunks, out_dtype, out, rotary, scratch)
+        result = self.plan.reconstruct.reconstruct(self, chunks, out_dtype, out, rotary, scratch)
+        if self.centers is not None and self.centers.fitted:
+            if rotary is not None:
+                raise ValueError("centered chunks (values) are never read rotated")
+            result.copy_(self.centers.restored(result))
+        return result
 
     def nbytes_by_component(self) -> dict[str, int]:
         out: dict[str, int] = {}

@@ -121,6 +121,13 @@ ABLATIONS = {
     "e96+k3+cv": dict(key_buffer_size=128, held_for=0.5, key_bits=3, key_buffer_centered=True,
                       value_buffer_centered=True),
 }
+# session 31: the two buffers' widths traded ("cv+..." names: "e96+k3+cv" with the fields named changed)
+_CV = ABLATIONS["e96+k3+cv"]
+ABLATIONS.update({
+    "cv+kbuf4+vbuf8r": dict(_CV, key_buffer="int4", value_buffer="int8-rotated"),  # same bytes as "e96+k3+cv"
+    # the value chunks coded by the value buffer's centers too (value_chunks_centered; = config version 10's default)
+    "e96+k3+cvc": dict(_CV, value_chunks_centered=True),
+})
 for _name, _fields in ABLATIONS.items():
     CONFIGS[_name] = {**_STEADY, **_fields}
 

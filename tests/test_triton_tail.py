@@ -230,7 +230,7 @@ def test_kernels_read_held_keys_and_values(name, d, kv_heads, group, steps, q_le
     assert _err(decoded, ref) < TOL[dtype], _err(decoded, ref)  # (the buffers handed decoded)
 
 
-@pytest.mark.parametrize("centered", ["", "keys", "both"])
+@pytest.mark.parametrize("centered", ["", "keys", "both", "chunks"])
 @pytest.mark.parametrize("steps,in_step,tensor_core,dtype", [((77, 40), True, False, torch.float32),
                                                                ((77, 40, 33), False, True, torch.bfloat16)],
                          ids=["reg-staged", "tc"])
@@ -239,14 +239,18 @@ def test_kernels_read_rows_that_released_their_held_chunk(steps, in_step, tensor
     newest chunk, the other has released it; each row is handed as its streams store it. centered: the key buffer's
     codes are of centered, scaled keys (`GearConfig.key_buffer_centered`), read back through each row's centers;
     "both": the value buffer's of centered values too (`value_buffer_centered`; values with a per-channel offset, so
-    a kernel that ignored their centers would be off by it)."""
+    a kernel that ignored their centers would be off by it); "chunks": the value chunks' too (`value_chunks_centered`:
+    every value handed centered, the centers added to the output by the combining kernel)."""
     cfg = _config("default").replace(value_buffer_size=64, key_buffer_size=64, held_for=0.5,
-                                     key_buffer_centered=bool(centered), value_buffer_centered=centered == "both")
+                                     key_buffer_centered=bool(centered),
+                                     value_buffer_centered=centered in ("both", "chunks"),
+                                     value_chunks_centered=centered == "chunks")
     cache, (out, keys, values, layout), (decoded, *_), ref = _attended(
         cfg, d=64, kv_heads=2, group=4, steps=steps, q_len=1, in_step=in_step, tensor_core=tensor_core, dtype=dtype,
         value_bias=4.0)
     assert (keys.tail.affine is not None) == bool(centered)
-    assert (values.tail.affine is not None) == (centered == "both")
+    assert (values.tail.affine is not None) == (centered == "both")  # ("chunks": the codes read centered)
+    assert (values.center is not None) == (centered == "chunks")
     stream = cache.layers[0].key_stream
     assert stream.holding == cache.layers[0].value_stream.holding == [False, True]
     own = stream.own(cache.layout.plan.attend if in_step else cache.layout.counts)

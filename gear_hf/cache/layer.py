@@ -40,7 +40,8 @@ class GearLayer(CacheLayerMixin):
         nb = config.buffer_size
         self.formats = layer_formats(config)  # (keys', values') StreamFormat
         self.key_stream, self.value_stream = (Stream(fmt.prompt, fmt.decode, nb, fmt.stream, fmt.tail,
-                                                     fmt.held_chunk, fmt.release_after, fmt.centered)
+                                                     fmt.held_chunk, fmt.release_after, fmt.centered,
+                                                     fmt.chunks_centered)
                                               for fmt in self.formats)
         self.dense_why = dense_window_reason(sliding_window, nb, config.compresses)
         self.dense = DenseWindow(sliding_window, speculative) if self.dense_why else None

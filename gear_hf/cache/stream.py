@@ -50,7 +50,7 @@ class Stream(HeldChunkPlans):
 
     def __init__(self, prefill_spec: ChunkSpec, decode_spec: ChunkSpec, chunk_len: int, kind: str,
                  tail: ChunkSpec | None = None, held_chunk: bool = False, release_after: int | None = None,
-                 centered: bool = False) -> None:
+                 centered: bool = False, chunks_centered: bool = False) -> None:
         self.kind = kind  # "key" or "value"
         self.held_chunk = held_chunk  # the newest decode chunk stays at the buffer's front (module docstring)
         self.release_after = release_after or chunk_len  # (buffered tokens after a held chunk that release it)
@@ -60,8 +60,11 @@ class Stream(HeldChunkPlans):
         self.sink = TokenStore()
         # (keys centered and scaled, values centered only: `channel_centers`)
         self.buffer = TokenStore() if tail is None else CodedTokenStore(tail, centered, scaled=kind == "key")
+        # values coded centered in the chunks too, by the buffer's centers (GearConfig.value_chunks_centered)
+        self.chunk_centers = self.buffer.centers if chunks_centered and tail is not None else None
         self.prefill: ChunkStore | None = None
         self.decode = ChunkStore(decode_spec, chunk_len)
+        self.decode.centers = self.chunk_centers
         self.chunk_len = chunk_len
         self.plan = None  # gear_hf.backends.BackendPlan, set by `bind` when the cache first sees its tensors
         # keys with bits allocated per channel: each row's widths [B,H,d], fixed at its first compression
@@ -118,12 +121,15 @@ class Stream(HeldChunkPlans):
         query_energy [B,H,d]: what allocated key widths are chosen from (`allocation.query_pair_energy`).
         Returns a device bool, True when every compressed entry was finite (None: nothing compressed)."""
         flush, holding = self._own_flush(plan)
+        if self.chunk_centers is not None:  # (a row's first step fits its centers before any of its chunks leave)
+            self.buffer.fit_centers()
         if self.held_chunk:  # (the rows' newest chunk stays in the buffer: one slot fewer is ever used)
             reserve_chunks -= 1
         finite = []
         for rows, length in flush.prompt_groups:
             if self.prefill is None:
                 self.prefill = ChunkStore(self.prefill_spec, prompt_capacity, self.plan)
+                self.prefill.centers = self.chunk_centers
             finite.append(self._leave(self.prefill, rows, [0] * len(rows), length, [0] * len(rows), batch, 1,
                                       query_energy))
         if flush.decode_jobs:
@@ -151,7 +157,8 @@ class Stream(HeldChunkPlans):
             store.store_rows(coded, length, rows, slots, batch, reserve, limit)
             side = [t for t in coded.fields.values() if t.is_floating_point() and t.numel()]
             return torch.stack([torch.isfinite(t).all() for t in side]).all()
-        x = buffer.gather(rows, starts, length, None)
+        # (centered chunks: compressed from the values minus their centers, as the buffer codes them)
+        x = buffer.gather(rows, starts, length, None, **({"centered": True} if self.chunk_centers is not None else {}))
         finite = self.plan.compress.all_finite(x)
         bits = self._channel_bits(rows, x, store.spec, batch, query_energy)
         store.compress_rows(x, rows, slots, batch, reserve, bits, limit)
@@ -357,14 +364,24 @@ class Stream(HeldChunkPlans):
         if held:  # (the newest chunk of each row is at its buffer's front)
             decode_chunks = max(decode_chunks - 1, 0)
         buffer, tail = self.buffer, None
+        sink = self.sink.data if sink_tokens else None
+        # centered chunks: every value is handed centered (the chunks and the buffer's codes as stored, the sink and
+        # this step's own tokens minus the centers) and the kernel's output takes the centers once (StreamView.center)
+        centers = self.chunk_centers if self.chunk_centers is not None and self.chunk_centers.fitted else None
         if isinstance(buffer, CodedTokenStore) and reader is not None and reader.reads_tail(buffer.spec,
                                                                                             buffer.head_dim):
             tokens, tail = buffer.kernel_tail()  # (the codes as stored, this step's own tokens exact)
+            if centers is not None:
+                tail = dataclasses.replace(tail, affine=None)
+                tokens = centers.normalized(tokens) if tokens.shape[2] else tokens
         else:
-            tokens = buffer.tokens()
-        return StreamView(buffer=tokens, sink=self.sink.data if sink_tokens else None,
-                          prompt=run(self.prefill, 1 if prompt else 0), decode=run(self.decode, decode_chunks),
-                          tail=tail, held_chunk=held, specs=(self.prefill_spec, self.decode_spec))
+            tokens = buffer.tokens(centered=True) if centers is not None else buffer.tokens()
+        if centers is not None and sink is not None:
+            sink = centers.normalized(sink)
+        return StreamView(buffer=tokens, sink=sink, prompt=run(self.prefill, 1 if prompt else 0),
+                          decode=run(self.decode, decode_chunks), tail=tail, held_chunk=held,
+                          specs=(self.prefill_spec, self.decode_spec),
+                          center=centers.kernel_affine()[:, :, 1] if centers is not None else None)
 
     # -- sliding windows ---------------------------------------------------------------------------------------
     def release(self, before: Released, after: Released, counts: RowCounts) -> None:

@@ -130,6 +130,10 @@ class StreamView:
     # (prompt spec, decode spec) of the stream's chunks, present or not: what a kernel types an absent run as, so
     # that its compiled signature does not change as the cache fills (None: a view built by hand)
     specs: tuple | None = None
+    # float32 [B, H, d]: every token of this view is handed minus this per-channel center (values coded centered in
+    # their chunks, GearConfig.value_chunks_centered): a kernel adds it to each output row that attends anything
+    # (the weights sum to one); None: the tokens as they are
+    center: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -142,6 +146,16 @@ class DecodeLayout:
     max_decode_chunks: int
     max_buffer: int
     buffer_size: int  # n_b: tokens per decode chunk
+
+
+def add_center(out: torch.Tensor, values: StreamView, limits: torch.Tensor) -> torch.Tensor:
+    """out [B,q,Hq,d] (a kernel's attention over `values` handed centered) += values.center [B,H,d] for each query
+    head's KV head, in the rows whose query attends anything (limits [B,q] >= 0; padding stays zeros); in place."""
+    if values.center is None:
+        return out
+    G = out.shape[2] // values.center.shape[1]
+    center = values.center.to(out.device).repeat_interleave(G, dim=1)[:, None]  # [B,1,Hq,d]
+    return out.add_((center * (limits >= 0)[:, :, None, None].to(center.dtype)).to(out.dtype))
 
 
 def key_outlier_count(run: ChunkRunView) -> int:

@@ -29,6 +29,7 @@ import torch
 
 from ...compress import side_dtype
 from ...format import stream_specs
+from ..views import add_center
 from .attend_args import _float32, _rope_halves, _stream_runs, _tail_args
 from .bf16 import side_value as _side
 from .dequant import _assemble, _hadamard_rows, _scratch
@@ -363,7 +364,7 @@ def decode_attention(query: torch.Tensor, keys, values, layout, *, scaling: floa
             _float32(values.buffer, values.buffer), _tail_args(keys, side),
             _tail_args(values, side, unrotated=False), pk, pk_factors, pv, pv_factors, dk, dk_factors, dv, dv_factors,
             rot_k, rot_v, bool(values.held_chunk), result)
-    result = torch.from_numpy(result)
+    result = add_center(torch.from_numpy(result), values, layout.limits)  # (values handed centered: + the centers)
     if out is None:
         return result.to(query.dtype)
     if tuple(out.shape) != (B, QL, Hq, D):

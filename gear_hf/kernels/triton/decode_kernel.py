@@ -178,11 +178,14 @@ def _decode_attention_kernel(
     tl.store(ml_ptr + ws * 32 + 16 + r16, l_i)
 
 
-@triton.jit(do_not_specialize=["sob", "soq", "soh", "H_KV", "M_TILES", "NSPLIT"])
-def _combine_kernel(acc_ptr, ml_ptr, out_ptr, sob, soq, soh, H_KV, M_TILES, NSPLIT, had_ptr,
-                    G: tl.constexpr, QL: tl.constexpr, D: tl.constexpr, ROT_V: tl.constexpr):
+@triton.jit(do_not_specialize=["sob", "soq", "soh", "H_KV", "M_TILES", "NSPLIT", "s_cb", "s_ch"])
+def _combine_kernel(acc_ptr, ml_ptr, out_ptr, sob, soq, soh, H_KV, M_TILES, NSPLIT, had_ptr, center_ptr, s_cb, s_ch,
+                    G: tl.constexpr, QL: tl.constexpr, D: tl.constexpr, ROT_V: tl.constexpr,
+                    CENTER: tl.constexpr):
     """out[b, qi, kvh*G + g] = merge of the splits' (m, l, acc) for query row m = g*QL + qi. ROT_V: the values
-    were attended in the rotated basis, P·(V·H)·H = P·V: un-rotated here, once per output row."""
+    were attended in the rotated basis, P·(V·H)·H = P·V: un-rotated here, once per output row. CENTER: the values
+    were handed centered (`StreamView.center`, float32 [B,H,D] at center_ptr): a row that attends anything takes
+    its KV head's center (the weights sum to one)."""
     pid_bh = tl.program_id(0)
     m = tl.program_id(1)
     b = pid_bh // H_KV
@@ -212,6 +215,9 @@ def _combine_kernel(acc_ptr, ml_ptr, out_ptr, sob, soq, soh, H_KV, M_TILES, NSPL
         u = tl.sum((o1 + o2)[:, None] * s_half, axis=0) * norm
         w = tl.sum((o1 - o2)[:, None] * s_half, axis=0) * norm
         out = tl.reshape(tl.join(u, w).trans(1, 0), [D])
+    if CENTER:
+        center = tl.load(center_ptr + b.to(tl.int64) * s_cb + kvh * s_ch + d_offs)
+        out = tl.where(den > 0.0, out + center, out)
     g = m // QL
     qi = m % QL
     o = out_ptr + b.to(tl.int64) * sob + qi * soq + (kvh * G + g) * soh + d_offs

@@ -233,8 +233,15 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
                            {**constexprs, **options}, _plan)
         if compiled is not None and resident_key not in _RESIDENT and query.device.type == "cuda":
             _RESIDENT[resident_key] = _resident_programs(compiled, num_warps)
+        center = values.center  # (values handed centered: each row's output takes its KV head's center)
+        if center is not None and (tuple(center.shape) != (B, Hkv, D) or center.dtype != torch.float32
+                                   or center.stride(-1) != 1 or center.device != query.device):
+            raise ValueError(f"values.center must be float32 [B, H, d] = {(B, Hkv, D)} with a contiguous last dim on "
+                             f"{query.device}, got {center.dtype} {tuple(center.shape)} on {center.device}")
         _launch(_combine_kernel, (B * Hkv, M), (acc_ws, ml_ws, out, out.stride(0), out.stride(1), out.stride(2),
-                                                Hkv, m_tiles, nsplit, had), dict(G=G, QL=QL, D=D, ROT_V=rot_v,
-                                                                                num_warps=4), _plan)
+                                                Hkv, m_tiles, nsplit, had, query if center is None else center,
+                                                0 if center is None else center.stride(0),
+                                                0 if center is None else center.stride(1)),
+                dict(G=G, QL=QL, D=D, ROT_V=rot_v, CENTER=center is not None, num_warps=4), _plan)
     return out
 
