@@ -154,7 +154,7 @@ class GearConfig:
     held_for: float | str = "auto"
     key_buffer_centered: bool = True
     value_buffer_centered: bool = True
-    value_chunks_centered: bool = False
+    value_chunks_centered: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

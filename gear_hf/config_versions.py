@@ -84,12 +84,13 @@ DEFAULTS_BY_VERSION: dict[int, dict[str, Any]] = {
             key_buffer="int8-rotated", value_buffer="int4", value_statistics="auto", value_buffer_size="auto",
             key_buffer_size="auto", held_for="auto", key_buffer_centered=True, value_buffer_centered=True,
             value_chunks_centered=False),
-    # version 9's defaults and a new field, value_chunks_centered (off: GearConfig() as in version 9)
+    # "centered-chunks": "centered-kv" with its value chunks coded by the value buffer's centers too
+    # (value_chunks_centered, a new field: no byte more)
     10: dict(method="kivi", key_bits=3, value_bits=3, group_size=128, rank_prefill=4, rank_decode=2,
              power_iters=3, outlier_ratio=0.02, buffer_size=64, sink_tokens=4, key_axis="channel", value_axis="token",
              pre_rope=True, backend="auto", key_group_size=None, value_group_size=None, rotation="values",
              factor_bits=8, range_search="none", prompt_group_size=256, key_bit_allocation="query", extra_terms=(),
              key_buffer="int8-rotated", value_buffer="int4", value_statistics="auto", value_buffer_size="auto",
              key_buffer_size="auto", held_for="auto", key_buffer_centered=True, value_buffer_centered=True,
-             value_chunks_centered=False),
+             value_chunks_centered=True),
 }

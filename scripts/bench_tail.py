@@ -41,7 +41,7 @@ CONFIGS = {
     "vc3g64+b64+keys-int8+values-int8": dict(_VC3, **_B64, value_group_size=64, key_buffer="int8", value_buffer="int8"),
     "vc3k2.875+keys-int8+values-int4": dict(_VC3, key_bits=2.875, key_buffer="int8", value_buffer="int4"),
     "vc3s1+keys-int8+values-int4": dict(_VC3, sink_tokens=1, key_buffer="int8", value_buffer="int4"),
-    "default": {},  # today's GearConfig() (config version 9: "centered-kv"; 8: "centered"; 7: "held-early")
+    "default": {},  # today's GearConfig() (config version 10: "centered-chunks"; 9: "centered-kv"; 8: "centered")
     "accurate": {},  # config version 4's GearConfig()
     "value-stats8": dict(key_buffer="int8", value_buffer="int4", value_statistics="8"),  # GearConfig()'s, 8-bit stats
     # keys flushing every 64 tokens, values one chunk later (value_buffer_size: 64..128 values buffered at 4 bits)
@@ -125,7 +125,7 @@ ABLATIONS = {
 _CV = ABLATIONS["e96+k3+cv"]
 ABLATIONS.update({
     "cv+kbuf4+vbuf8r": dict(_CV, key_buffer="int4", value_buffer="int8-rotated"),  # same bytes as "e96+k3+cv"
-    # the value chunks coded by the value buffer's centers too (value_chunks_centered; = config version 10's default)
+    # the value chunks coded by the value buffer's centers too (value_chunks_centered; = config version 10's GearConfig())
     "e96+k3+cvc": dict(_CV, value_chunks_centered=True),
 })
 for _name, _fields in ABLATIONS.items():

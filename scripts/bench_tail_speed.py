@@ -36,7 +36,11 @@ CONFIGS = {  # fields over recommended(name="accurate") (GearConfig() of config 
            # recommended(name="centered"), GearConfig() from config version 8 (the value buffer not centered)
            "centered": dict(buffer_size=64, value_buffer_size="auto", value_statistics="8", key_buffer_size="auto",
                             held_for="auto", key_bits=3, key_buffer_centered=True),
-           "default": None}  # GearConfig() (config version 9: "centered-kv", both buffers centered per channel)
+           # recommended(name="centered-kv"), GearConfig() from config version 9 (the value chunks not centered)
+           "centered-kv": dict(buffer_size=64, value_buffer_size="auto", value_statistics="8",
+                               key_buffer_size="auto", held_for="auto", key_bits=3, key_buffer_centered=True,
+                               value_buffer_centered=True),
+           "default": None}  # GearConfig() (config version 10: "centered-chunks", the value chunks centered too)
 
 
 class _StepClock:
