@@ -104,13 +104,12 @@ def test_every_version_loads_with_the_fields_it_had():
     """A field added later takes, in older versions' entries, the value that keeps their meaning: config versions 1-4
     held no values and no keys a chunk longer (versions 2-3 once loaded with today's "auto" held values: 256 tokens of
     an int4 value buffer), version 5 held values only, version 6 both until the next chunk flushes, version 7 both
-    for half a chunk; version 8 centers the key buffer, version 9 both buffers."""
-    held = {v: (GearConfig.from_dict({VERSION_KEY: v}).value_buffer_size,
-                GearConfig.from_dict({VERSION_KEY: v}).key_buffer_size,
-                GearConfig.from_dict({VERSION_KEY: v}).held_for,
-                GearConfig.from_dict({VERSION_KEY: v}).key_buffer_centered,
-                GearConfig.from_dict({VERSION_KEY: v}).value_buffer_centered) for v in DEFAULTS_BY_VERSION}
-    assert held == {1: (None, None, 1.0, False, False), 2: (None, None, 1.0, False, False),
-                    3: (None, None, 1.0, False, False), 4: (None, None, 1.0, False, False),
-                    5: (128, None, 1.0, False, False), 6: (128, 128, 1.0, False, False),
-                    7: (128, 128, 0.5, False, False), 8: (128, 128, 0.5, True, False), 9: (128, 128, 0.5, True, True)}
+    for half a chunk; version 8 centers the key buffer, version 9 both buffers, version 10 the value chunks too."""
+    configs = {v: GearConfig.from_dict({VERSION_KEY: v}) for v in DEFAULTS_BY_VERSION}
+    held = {v: (c.value_buffer_size, c.key_buffer_size, c.held_for, c.key_buffer_centered, c.value_buffer_centered,
+                c.value_chunks_centered) for v, c in configs.items()}
+    assert held == {1: (None, None, 1.0, False, False, False), 2: (None, None, 1.0, False, False, False),
+                    3: (None, None, 1.0, False, False, False), 4: (None, None, 1.0, False, False, False),
+                    5: (128, None, 1.0, False, False, False), 6: (128, 128, 1.0, False, False, False),
+                    7: (128, 128, 0.5, False, False, False), 8: (128, 128, 0.5, True, False, False),
+                    9: (128, 128, 0.5, True, True, False), 10: (128, 128, 0.5, True, True, True)}

@@ -255,9 +255,12 @@ def test_recommended_follows_the_measured_frontier():
     centered = gear_hf.GearConfig.recommended(name="centered")  # (GearConfig() of config version 8)
     assert centered == early.replace(key_buffer_centered=True) == gear_hf.GearConfig.from_dict(
         {"gear_config_version": 8})
-    both = gear_hf.GearConfig.recommended(3.49)  # (GearConfig(): the value buffer centered too, 3.486)
-    assert both == gear_hf.GearConfig.recommended(name="centered-kv") == gear_hf.GearConfig()
-    assert both == centered.replace(value_buffer_centered=True)
+    both = gear_hf.GearConfig.recommended(name="centered-kv")  # (GearConfig() of config version 9)
+    assert both == centered.replace(value_buffer_centered=True) == gear_hf.GearConfig.from_dict(
+        {"gear_config_version": 9})
+    chunks = gear_hf.GearConfig.recommended(3.49)  # (GearConfig(): the value chunks centered too, the same 3.486)
+    assert chunks == gear_hf.GearConfig.recommended(name="centered-chunks") == gear_hf.GearConfig()
+    assert chunks == both.replace(value_chunks_centered=True)
     small = gear_hf.GearConfig.recommended("held-early", buffer_size=16)  # key groups, held chunks follow the buffer
     assert (small.key_group, small.value_buffer_size, small.key_buffer_size, small.held_for) == (16, 32, 32, 0.5)
     compact = gear_hf.GearConfig.recommended(3.1)  # values per channel; the prompt chunk alone in 256-token groups

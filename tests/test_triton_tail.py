@@ -264,7 +264,7 @@ def test_kernels_read_centered_values_in_the_basis_they_attend_them(name):
     """A centered value buffer (values with a per-channel offset) read by a kernel that attends values rotated (ROT_V)
     or not, from a buffer stored rotated or not: the centers are handed in the basis the values are attended in
     (`views.affine_in_basis`) and the output is the oracle's."""
-    cfg = _config(name).replace(value_buffer_centered=True)
+    cfg = _config(name).replace(value_buffer_centered=True, value_chunks_centered=False)
     _, (out, _, values, _), (decoded, *_), ref = _attended(cfg, d=64, kv_heads=2, group=4, steps=(77, 40), q_len=1,
                                                            in_step=True, tensor_core=False, dtype=torch.float32,
                                                            value_bias=4.0)
