@@ -79,8 +79,8 @@ def test_auto_fields_follow_what_they_depend_on():
 @pytest.mark.parametrize("data,match", [
     ({VERSION_KEY: 1, "key_bitz": 3}, r"unknown key\(s\) \['key_bitz'\] for gear_config_version 1"),
     ({VERSION_KEY: CONFIG_VERSION + 1}, rf"gear_config_version={CONFIG_VERSION + 1} is newer than this gear_hf reads; "
-                                        r"allowed: 1, 2, 3, 4, 5, 6, 7, 8, 9 \(upgrade gear_hf"),
-    ({VERSION_KEY: "one"}, r"gear_config_version='one' is invalid; allowed: 1, 2, 3, 4, 5, 6, 7, 8, 9"),
+                                        r"allowed: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10 \(upgrade gear_hf"),
+    ({VERSION_KEY: "one"}, r"gear_config_version='one' is invalid; allowed: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10"),
     ({"method": "kivi"}, r"has no 'gear_config_version'"),
     ([("method", "kivi")], r"takes a dict"),
     ({VERSION_KEY: 1, "value_bits": 5}, r"GearConfig.value_bits=5 is invalid"),  # values still validated

@@ -308,7 +308,7 @@ def test_triton_backend_reads_the_formats_its_kernels_read():
 def test_bad_tails_say_what_is_wrong():
     from gear_hf.kernels.decode import decode_attention
 
-    cfg = _config("default")
+    cfg = _config("default").replace(value_chunks_centered=False)  # (the value buffer's centers read as its affine)
     with torch.inference_mode():
         cache = _cache(cfg, d=64, kv_heads=2, steps=(77, 40), q_len=1, in_step=True, dtype=torch.float32)
         q = torch.zeros(2, 8, 1, 64, device=DEVICE)
@@ -336,6 +336,10 @@ def test_bad_tails_say_what_is_wrong():
         with pytest.raises(ValueError, match=r"values.buffer \(this step's exact tokens"):
             decode_attention(q, keys, dataclasses.replace(values, buffer=values.buffer[:, :, :5].contiguous()), layout,
                              scaling=0.125, inv_freq=_inv_freq(64))
+        for center in (torch.zeros(2, 2, 32, device=DEVICE), torch.zeros(2, 2, 64, dtype=torch.float16, device=DEVICE)):
+            with pytest.raises(ValueError, match=r"values.center must be float32 \[B, H, d\] = \(2, 2, 64\)"):
+                decode_attention(q, keys, dataclasses.replace(values, center=center), layout, scaling=0.125,
+                                 inv_freq=_inv_freq(64))
 
 
 @pytest.mark.parametrize("held", [False, True], ids=["default", "held"])

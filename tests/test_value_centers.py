@@ -18,7 +18,7 @@ from gear_hf.cache.fused import row_local_tokens
 from gear_hf.format import layer_formats
 from tiny_models import tiny_model
 
-BOTH = dict(CENTERED, value_buffer_centered=True)
+BOTH = dict(CENTERED, value_buffer_centered=True, value_chunks_centered=False)
 
 
 def _value_centers(first: torch.Tensor) -> torch.Tensor:
@@ -81,19 +81,24 @@ def test_memory_report_counts_the_value_centers(prompt):
         assert torch.equal(row_local_tokens(cache, 0)[0][1], row_local_tokens(plain, 0)[0][1])
 
 
+def with_value_bias(model):
+    """model with a value bias, as Qwen2's (what the centers take out), in place: -3..3 over the outputs."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            proj = layer.self_attn.v_proj
+            if proj.bias is None:
+                proj.bias = torch.nn.Parameter(torch.zeros(proj.out_features))
+            proj.bias.copy_(torch.linspace(-3, 3, proj.out_features))
+    return model
+
+
 @pytest.mark.parametrize("arch,value_buffer", [("llama3", "int4"), ("qwen2", "int4"), ("llama3", "int8-rotated"),
                                                ("llama3", "int8")])
 def test_fused_cpu_attention_reads_centered_values_as_the_reference_path(arch, value_buffer):
     """A left-padded batch under inference mode on a deep copy of the model, rows flushing and releasing on different
     steps: the numba fused attention (values read in the basis their buffer stores them in) gives the torch backend's
     tokens and logits, and centering the values moves the logits (it is read); every per-token value format."""
-    model = copy.deepcopy(tiny_model(arch, head_dim=32))
-    with torch.no_grad():  # (a value bias, as Qwen2's: what the centers take out)
-        for layer in model.model.layers:
-            proj = layer.self_attn.v_proj
-            if proj.bias is None:
-                proj.bias = torch.nn.Parameter(torch.zeros(proj.out_features))
-            proj.bias.copy_(torch.linspace(-3, 3, proj.out_features))
+    model = with_value_bias(copy.deepcopy(tiny_model(arch, head_dim=32)))
     both = dict(FUSED, key_buffer_size=32, held_for=0.5, key_buffer_centered=True, value_buffer_centered=True,
                 value_buffer=value_buffer)
     cache = fused_matches_reference(model, both, "value_buffer_centered")

@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_held_values import FUSED, _fill, held_oracle
 from test_key_centers import beams_match_reference, fused_matches_reference
-from test_value_centers import BOTH, _value_centers
+from test_value_centers import BOTH, _value_centers, with_value_bias
 
 from gear_hf import GearConfig
 from gear_hf.cache.fused import row_local_tokens
@@ -59,7 +59,8 @@ def test_no_byte_more_and_a_short_first_step_reads_uncentered(prompt):
     """The chunks are coded by centers the value buffer holds already: the same bytes, owned and held. A row whose
     first step buffered fewer than 16 tokens has no centers: its chunks are as with the field off."""
     steps = [prompt] + [1] * 45
-    (cache, _), (plain, _) = (_fill(GearConfig(**dict(CHUNKS, value_chunks_centered=on)), steps) for on in (True, False))
+    (cache, _), (plain, _) = (_fill(GearConfig(**dict(CHUNKS, value_chunks_centered=on)), steps)
+                              for on in (True, False))
     report, plain_report = cache.memory_report(), plain.memory_report()
     for field in ("owned_bytes", "held_bytes", "spare_bytes", "scales", "codes"):
         assert report[field] == plain_report[field], field
@@ -74,13 +75,7 @@ def test_fused_cpu_attention_reads_centered_chunks_as_the_reference_path(arch, v
     """A left-padded batch under inference mode on a deep copy of a model with a value bias: the numba fused attention
     (handed every value centered, the centers added to its output) gives the torch backend's tokens and logits, and
     the field moves the logits."""
-    model = copy.deepcopy(tiny_model(arch, head_dim=32))
-    with torch.no_grad():
-        for layer in model.model.layers:
-            proj = layer.self_attn.v_proj
-            if proj.bias is None:
-                proj.bias = torch.nn.Parameter(torch.zeros(proj.out_features))
-            proj.bias.copy_(torch.linspace(-3, 3, proj.out_features))
+    model = with_value_bias(copy.deepcopy(tiny_model(arch, head_dim=32)))
     fields = dict(FUSED, key_buffer_size=32, held_for=0.5, key_buffer_centered=True, value_buffer_centered=True,
                   value_chunks_centered=True, value_buffer=value_buffer)
     cache = fused_matches_reference(model, fields, "value_chunks_centered")

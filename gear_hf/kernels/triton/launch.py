@@ -120,6 +120,11 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
     if has_sink:
         _check_words(_check(keys.sink, "sink keys"), "sink keys")
         _check_words(_check(values.sink, "sink values"), "sink values")
+    center = values.center  # (values handed centered: each row's output takes its KV head's center)
+    if center is not None and (tuple(center.shape) != (B, Hkv, D) or center.dtype != torch.float32
+                               or center.stride(-1) != 1 or center.device != query.device):
+        raise ValueError(f"values.center must be float32 [B, H, d] = {(B, Hkv, D)} with a contiguous last dim on "
+                         f"{query.device}, got {center.dtype} {tuple(center.shape)} on {center.device}")
     if keys.held_chunk:
         raise ValueError("keys with a held chunk: the kernel reads a held chunk of values only (keys held too are "
                          "handed as stored, no held chunk: `FusedPath.kernel_views`)")
@@ -233,11 +238,6 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
                            {**constexprs, **options}, _plan)
         if compiled is not None and resident_key not in _RESIDENT and query.device.type == "cuda":
             _RESIDENT[resident_key] = _resident_programs(compiled, num_warps)
-        center = values.center  # (values handed centered: each row's output takes its KV head's center)
-        if center is not None and (tuple(center.shape) != (B, Hkv, D) or center.dtype != torch.float32
-                                   or center.stride(-1) != 1 or center.device != query.device):
-            raise ValueError(f"values.center must be float32 [B, H, d] = {(B, Hkv, D)} with a contiguous last dim on "
-                             f"{query.device}, got {center.dtype} {tuple(center.shape)} on {center.device}")
         _launch(_combine_kernel, (B * Hkv, M), (acc_ws, ml_ws, out, out.stride(0), out.stride(1), out.stride(2),
                                                 Hkv, m_tiles, nsplit, had, query if center is None else center,
                                                 0 if center is None else center.stride(0),
