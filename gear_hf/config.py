@@ -103,7 +103,8 @@ class GearConfig:
                    channel (keys also scaled by a power of two), fitted to the row's prompt: a bias such as Qwen2's sets
                    no token's range (gear_hf/channel_centers.py; 2.5 / 1 bytes a row, head, channel). Ignored for "full"
     value_chunks_centered: (beyond GEAR) the value chunks coded centered by the value buffer's centers too (no byte
-                   more; kernels attend every value centered, then add the center once). Ignored where that is not
+                   more; the kernels attend every value centered, then add the centers once). Ignored where the value
+                   buffer is not centered
     key_axis / value_axis: "channel" (groups run along tokens) or "token" (groups run along channels)
     pre_rope:      compress keys before rotary embedding and rotate them when read
     rotation:      "none" | "keys" | "values" | "both": an orthonormal Walsh–Hadamard rotation along head_dim
