@@ -145,6 +145,16 @@ def config_of(name: str):
     return GearConfig.from_dict({"gear_config_version": 4, **fields})
 
 
+def agreement(reference: torch.Tensor, logits: torch.Tensor) -> dict:
+    """How a run's next-token logits [steps, V] agree with the reference's: mean and max KL(reference || run), and the
+    share of positions whose top-1 token is the reference's."""
+    from gear_hf import diagnostics as D
+
+    kl = D.kl_divergence(reference, logits)
+    return {"mean_kl": kl.mean().item(), "max_kl": kl.max().item(),
+            "top1_agreement": (reference.argmax(-1) == logits.argmax(-1)).float().mean().item()}
+
+
 def run(model, ids: torch.Tensor, prompt: int, cache, note=None) -> tuple[torch.Tensor, list[float]]:
     """Next-token logits [steps, V] predicting ids[prompt:], and the owned bits after each decode step.
     note: called after each decode step as note(cache, its memory report) (probes read the stores there)."""
@@ -173,7 +183,6 @@ def main(argv=None) -> int:
     benchlib.add_out_argument(parser, "tail.csv/.md")
     args = benchlib.parse_bench_args(parser, argv, "tail")
     import gear_hf
-    from gear_hf import diagnostics as D
 
     names = benchlib.config_names(args.configs, CONFIGS)
     cond = benchlib.Conditions(extra={"model": args.model, "dtype": args.dtype, "text": args.text,
@@ -195,13 +204,11 @@ def main(argv=None) -> int:
         cache = gear_hf.GearCache(model, config)
         logits, bits = run(model, ids, args.prompt, cache)
         gear_hf.disable(model)
-        kl = D.kl_divergence(reference, logits)
         rows.append({"config": name, "describe": config.describe(), "key_buffer": config.key_buffer,
                      "value_buffer": config.value_buffer, "buffer_size": config.buffer_size,
                      "mean_owned": sum(bits) / len(bits), "max_owned": max(bits), "min_owned": min(bits),
-                     "mean_kl": kl.mean().item(), "max_kl": kl.max().item(),
-                     "top1_agreement": (reference.argmax(-1) == logits.argmax(-1)).float().mean().item(),
-                     "paths": dict(cache.step_paths), "seconds": round(time.perf_counter() - started)})
+                     **agreement(reference, logits), "paths": dict(cache.step_paths),
+                     "seconds": round(time.perf_counter() - started)})
         print(rows[-1], flush=True)
         benchlib.write_csv(benchlib.Path(args.out) / "tail.csv", rows)
     cond.finish()

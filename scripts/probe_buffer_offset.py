@@ -94,7 +94,6 @@ def main(argv=None) -> int:
     from transformers import DynamicCache
 
     import gear_hf
-    from gear_hf import diagnostics as D
     from gear_hf.cache import GearCache
 
     torch.set_grad_enabled(False)
@@ -123,10 +122,8 @@ def main(argv=None) -> int:
                 CodedTokenStore.reserve = original_reserve
                 _restore()
                 gear_hf.disable(model)
-            kl = D.kl_divergence(reference, logits)
-            rows.append({"config": name, "text": args.text, "offset_on": which, "normalized": args.normalize, "mean_kl": kl.mean().item(),
-                         "max_kl": kl.max().item(),
-                         "top1_agreement": (reference.argmax(-1) == logits.argmax(-1)).float().mean().item(),
+            rows.append({"config": name, "text": args.text, "offset_on": which, "normalized": args.normalize,
+                         **bench_tail.agreement(reference, logits),
                          "mean_owned_not_counting_offset": sum(bits) / len(bits),
                          "seconds": round(time.perf_counter() - started)})
             print(rows[-1], flush=True)

@@ -109,7 +109,6 @@ def main(argv=None) -> int:
     from transformers import DynamicCache
 
     import gear_hf
-    from gear_hf import diagnostics as D
     from gear_hf.cache import GearCache
 
     torch.set_grad_enabled(False)
@@ -130,10 +129,8 @@ def main(argv=None) -> int:
             finally:
                 _restore()
                 gear_hf.disable(model)
-            kl = D.kl_divergence(reference, logits)
-            rows.append({"config": name, "text": args.text, "history_centered": centered, "choose": CHOOSE, "per_head": PER_HEAD,
-                         "mean_kl": kl.mean().item(), "max_kl": kl.max().item(),
-                         "top1_agreement": (reference.argmax(-1) == logits.argmax(-1)).float().mean().item(),
+            rows.append({"config": name, "text": args.text, "history_centered": centered, "choose": CHOOSE,
+                         "per_head": PER_HEAD, **bench_tail.agreement(reference, logits),
                          "mean_owned_not_counting_center": sum(bits) / len(bits),
                          "seconds": round(time.perf_counter() - started)})
             print(rows[-1], flush=True)

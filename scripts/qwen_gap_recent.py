@@ -103,7 +103,6 @@ def main(argv=None) -> int:
     from transformers import DynamicCache
 
     import gear_hf
-    from gear_hf import diagnostics as D
 
     torch.set_grad_enabled(False)
     model, tokenizer = benchlib.load_model(args.model, "bfloat16")
@@ -122,11 +121,9 @@ def main(argv=None) -> int:
         logits, bits = bench_tail.run(model, ids, args.prompt, RecentExact(model, config, nk, nv, layers,
                                                                             args.chunk_bits, args.chunks))
         gear_hf.disable(model)
-        kl = D.kl_divergence(reference, logits)
         rows.append({"config": args.config, "text": args.text, "layers": args.layers or "all", "exact_keys": nk, "exact_values": nv,
                      "newest_key_chunks": args.chunks if args.chunk_bits else 0, "their_bits": args.chunk_bits,
-                     "mean_kl": kl.mean().item(), "max_kl": kl.max().item(),
-                     "top1_agreement": (reference.argmax(-1) == logits.argmax(-1)).float().mean().item(),
+                     **bench_tail.agreement(reference, logits),
                      "mean_owned_not_counting_exact": sum(bits) / len(bits),
                      "seconds": round(time.perf_counter() - started)})
         print(rows[-1], flush=True)
