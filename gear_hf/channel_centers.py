@@ -141,6 +141,16 @@ class ChannelCenters:
         center, scale = self._center_scale(rows)
         return (decoded.float() * scale[:, :, None] + center[:, :, None]).to(decoded.dtype)
 
+    def restore_(self, decoded: torch.Tensor) -> torch.Tensor:
+        """`restored` of every row, in place: no float32 copy of a history-sized read (each element still computed in
+        float32: an in-place op on decoded with float32 operands)."""
+        if self.fields:
+            center, scale = self._center_scale()
+            if self.scaled:
+                decoded.mul_(scale[:, :, None])  # (a power of two: exact)
+            decoded.add_(center[:, :, None])
+        return decoded
+
     def kernel_affine(self) -> torch.Tensor | None:
         """float32 [B,H,2,d]: each head's scales (row 0) and centers (row 1) in the plain basis, as the fused kernels
         read them (B·H·2·d floats made once a step; `views.affine_in_basis` for a kernel that reads rotated values);

@@ -303,7 +303,7 @@ class ChunkStore:
         if self.centers is not None and self.centers.fitted:
             if rotary is not None:
                 raise ValueError("centered chunks (values) are never read rotated")
-            result.copy_(self.centers.restored(result))
+            self.centers.restore_(result)
         return result
 
     def nbytes_by_component(self) -> dict[str, int]:

@@ -145,6 +145,18 @@ def config_of(name: str):
     return GearConfig.from_dict({"gear_config_version": 4, **fields})
 
 
+def teacher_forced(model_name: str, dtype: str, text: int, prompt: int, steps: int):
+    """What every run on one text shares: (model, ids [1, prompt + steps]: the text's last tokens, reference: the
+    next-token logits [steps, V] of DynamicCache, teacher forced as `run` does). Turns autograd off."""
+    from transformers import DynamicCache
+
+    torch.set_grad_enabled(False)
+    model, tokenizer = benchlib.load_model(model_name, dtype)
+    ids = tokenizer(benchlib.gsm8k_text(text), return_tensors="pt").input_ids[:, -(prompt + steps):]
+    reference, _ = run(model, ids, prompt, DynamicCache(config=model.config))
+    return model, ids, reference
+
+
 def agreement(reference: torch.Tensor, logits: torch.Tensor) -> dict:
     """How a run's next-token logits [steps, V] agree with the reference's: mean and max KL(reference || run), and the
     share of positions whose top-1 token is the reference's."""
@@ -188,14 +200,9 @@ def main(argv=None) -> int:
     cond = benchlib.Conditions(extra={"model": args.model, "dtype": args.dtype, "text": args.text,
                                       "prompt": args.prompt, "steps": args.steps})
     benchlib.print_conditions(cond)
-    torch.set_grad_enabled(False)
-    model, tokenizer = benchlib.load_model(args.model, args.dtype)
-    ids = tokenizer(benchlib.gsm8k_text(args.text), return_tensors="pt").input_ids[:, -(args.prompt + args.steps):]
-    from transformers import DynamicCache
-
     started = time.perf_counter()
-    reference, _ = run(model, ids, args.prompt, DynamicCache(config=model.config))
-    print(f"stock: {time.perf_counter() - started:.0f}s", flush=True)
+    model, ids, reference = teacher_forced(args.model, args.dtype, args.text, args.prompt, args.steps)
+    print(f"stock (and loading): {time.perf_counter() - started:.0f}s", flush=True)
     rows = []
     for name in names:
         started = time.perf_counter()

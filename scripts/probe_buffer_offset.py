@@ -91,15 +91,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     global NORMALIZE
     NORMALIZE = args.normalize
-    from transformers import DynamicCache
 
     import gear_hf
     from gear_hf.cache import GearCache
 
-    torch.set_grad_enabled(False)
-    model, tokenizer = benchlib.load_model(args.model, "bfloat16")
-    ids = tokenizer(benchlib.gsm8k_text(args.text), return_tensors="pt").input_ids[:, -(args.prompt + args.steps):]
-    reference, _ = bench_tail.run(model, ids, args.prompt, DynamicCache(config=model.config))
+    model, ids, reference = bench_tail.teacher_forced(args.model, "bfloat16", args.text, args.prompt, args.steps)
     rows = []
     for name in args.configs.split(","):
         config = bench_tail.config_of(name).replace(backend="torch")

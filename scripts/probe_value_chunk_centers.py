@@ -8,7 +8,8 @@ weights sum to one, so a kernel could read every value centered and add c to its
 A simulation on the torch path: c (d x 16 bits per head and row) is not counted in the bits (the value buffer's own
 centers, d + 2 bytes, already are); no kernel reads it. Batch 1.
 
-    python probe_value_chunk_centers.py --model qwen25 --text 30 --configs default --out ../results/tail/...
+    python probe_value_chunk_centers.py --model qwen25 --text 30 [--choose] \
+        --out ../results/tail/centered/value-history-probe/mean   # (--configs e96+k3+cv, the default: version 9's)
 """
 
 from __future__ import annotations
@@ -99,22 +100,18 @@ def main(argv=None) -> int:
     parser.add_argument("--text", type=int, default=30)
     parser.add_argument("--prompt", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=96)
-    parser.add_argument("--configs", default="default")
+    parser.add_argument("--configs", default="e96+k3+cv")  # (config version 9's GearConfig(): chunks not centered)
     parser.add_argument("--out", default="../results/tail/centered/value-history-probe")
     parser.add_argument("--choose", action="store_true", help="center each token only where it reads back closer")
     parser.add_argument("--per-head", action="store_true", help="center only the heads whose prompt reads back closer")
     args = parser.parse_args(argv)
     global CHOOSE, PER_HEAD
     CHOOSE, PER_HEAD = args.choose, args.per_head
-    from transformers import DynamicCache
 
     import gear_hf
     from gear_hf.cache import GearCache
 
-    torch.set_grad_enabled(False)
-    model, tokenizer = benchlib.load_model(args.model, "bfloat16")
-    ids = tokenizer(benchlib.gsm8k_text(args.text), return_tensors="pt").input_ids[:, -(args.prompt + args.steps):]
-    reference, _ = bench_tail.run(model, ids, args.prompt, DynamicCache(config=model.config))
+    model, ids, reference = bench_tail.teacher_forced(args.model, "bfloat16", args.text, args.prompt, args.steps)
     rows = []
     for name in args.configs.split(","):
         config = bench_tail.config_of(name).replace(backend="torch")
@@ -134,7 +131,8 @@ def main(argv=None) -> int:
                          "mean_owned_not_counting_center": sum(bits) / len(bits),
                          "seconds": round(time.perf_counter() - started)})
             print(rows[-1], flush=True)
-            benchlib.write_csv(benchlib.Path(args.out) / f"{args.model}-t{args.text}{'-choose' if CHOOSE else ''}{'-per-head' if PER_HEAD else ''}.csv", rows)
+            suffix = ("-choose" if CHOOSE else "") + ("-per-head" if PER_HEAD else "")
+            benchlib.write_csv(benchlib.Path(args.out) / f"{args.model}-t{args.text}{suffix}.csv", rows)
     return 0
 
 

@@ -100,14 +100,10 @@ def main(argv=None) -> int:
     parser.add_argument("--chunks", type=int, default=1)
     parser.add_argument("--out", default="../results/tail/qwen-gap/recent")
     args = parser.parse_args(argv)
-    from transformers import DynamicCache
 
     import gear_hf
 
-    torch.set_grad_enabled(False)
-    model, tokenizer = benchlib.load_model(args.model, "bfloat16")
-    ids = tokenizer(benchlib.gsm8k_text(args.text), return_tensors="pt").input_ids[:, -(args.prompt + args.steps):]
-    reference, _ = bench_tail.run(model, ids, args.prompt, DynamicCache(config=model.config))
+    model, ids, reference = bench_tail.teacher_forced(args.model, "bfloat16", args.text, args.prompt, args.steps)
     config = bench_tail.config_of(args.config).replace(backend="torch")
     layers = {int(x) for x in args.layers.split(",")} if args.layers else None
     tag = f"-layers{args.layers.replace(',', '_')}" if args.layers else ""

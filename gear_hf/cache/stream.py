@@ -157,8 +157,10 @@ class Stream(HeldChunkPlans):
             store.store_rows(coded, length, rows, slots, batch, reserve, limit)
             side = [t for t in coded.fields.values() if t.is_floating_point() and t.numel()]
             return torch.stack([torch.isfinite(t).all() for t in side]).all()
-        # (centered chunks: compressed from the values minus their centers, as the buffer codes them)
-        x = buffer.gather(rows, starts, length, None, **({"centered": True} if self.chunk_centers is not None else {}))
+        if self.chunk_centers is not None:  # (centered chunks: from the values minus their centers, as buffered)
+            x = buffer.gather(rows, starts, length, None, centered=True)
+        else:
+            x = buffer.gather(rows, starts, length, None)
         finite = self.plan.compress.all_finite(x)
         bits = self._channel_bits(rows, x, store.spec, batch, query_energy)
         store.compress_rows(x, rows, slots, batch, reserve, bits, limit)
@@ -373,7 +375,7 @@ class Stream(HeldChunkPlans):
             tokens, tail = buffer.kernel_tail()  # (the codes as stored, this step's own tokens exact)
             if centers is not None:
                 tail = dataclasses.replace(tail, affine=None)
-                tokens = centers.normalized(tokens) if tokens.shape[2] else tokens
+                tokens = centers.normalized(tokens)
         else:
             tokens = buffer.tokens(centered=True) if centers is not None else buffer.tokens()
         if centers is not None and sink is not None:
