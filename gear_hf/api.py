@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import types
 import warnings
 from dataclasses import dataclass, field
@@ -24,7 +23,8 @@ import torch
 
 from .attention import AttentionPatch, gear_attention_forward
 from .cache import GearCache
-from .config import GearConfig, expect_config
+from .config import SETTING_NAMES, GearConfig, expect_config
+from .config.advanced import ADVANCED_NAMES
 from .hf_compat import cache_kwarg, install_cache_implementation_hint, passed_cache
 from .step_ref import StepRef
 
@@ -86,9 +86,9 @@ def _expected_length(model, args, kwargs) -> int | None:
 
 
 def _config_from_cache_config(cache_config: Any, base: GearConfig) -> GearConfig:
-    """`generate(cache_implementation="gear", cache_config=...)`: a GearConfig, or a dict of GearConfig fields
-    plus `preset` (alias `method`, e.g. "gear" or "gear-2") and `bits`; without a preset, the enabled config
-    with those fields changed."""
+    """`generate(cache_implementation="gear", cache_config=...)`: a GearConfig, or a dict of GearConfig settings and
+    advanced options plus `preset` (alias `method`, e.g. "gear" or "gear-2"), `recommended` (a name) and `bits`;
+    naming neither, the enabled config with those fields changed."""
     if cache_config is None:
         return base
     if isinstance(cache_config, GearConfig):
@@ -97,7 +97,7 @@ def _config_from_cache_config(cache_config: Any, base: GearConfig) -> GearConfig
         raise TypeError(f"cache_config={cache_config!r}: give a dict of GearConfig fields (plus preset, bits) "
                         "or a GearConfig")
     fields = dict(cache_config)
-    allowed = {"preset", "method", "bits", *(f.name for f in dataclasses.fields(GearConfig))}
+    allowed = {"preset", "method", "bits", "recommended", *SETTING_NAMES, *ADVANCED_NAMES}
     unknown = sorted(set(fields) - allowed)
     if unknown:
         raise ValueError(f"cache_config key(s) {unknown} are not GEAR settings; allowed: {sorted(allowed)}")
@@ -106,6 +106,14 @@ def _config_from_cache_config(cache_config: Any, base: GearConfig) -> GearConfig
         raise ValueError(f"cache_config: preset={preset!r} and method={method!r} disagree; give one")
     bits = fields.pop("bits", None)
     name = preset if preset is not None else method
+    recommended = fields.pop("recommended", None)
+    if recommended is not None:
+        if name is not None:
+            raise ValueError(f"cache_config: recommended={recommended!r} names a whole configuration; give it or "
+                             f"preset={name!r}, not both")
+        if bits is not None:
+            fields.update(key_bits=bits, value_bits=bits)
+        return GearConfig.recommended(name=recommended, **fields)
     if name is not None:
         return GearConfig.preset(name, bits=bits, **fields)
     if bits is not None:
@@ -286,9 +294,12 @@ def enable(model: torch.nn.Module, config: GearConfig | None = None) -> torch.nn
 
 
 def disable(model: torch.nn.Module) -> torch.nn.Module:
-    """Undo `enable` exactly: original forwards, no hook, the previous generate. No-op if not enabled."""
+    """Undo `enable` exactly: original forwards, no hook, the previous generate. Warns (and changes nothing) on a
+    model that was not enabled."""
     state = getattr(model, "_gear_hf_state", None)
     if state is None:
+        warnings.warn(f"gear_hf.disable: this {type(model).__name__} was not enabled (gear_hf.enable), so there was "
+                      "nothing to undo", stacklevel=2)
         return model
     for module in state.modules:
         patch: AttentionPatch = module._gear_hf_patch

@@ -14,7 +14,7 @@ long it agrees with the uncompressed run: matched tokens, same answer). Other mo
 test problems, 8-shot chain of thought from the train split, read from --data-dir, else $GEAR_HF_DATA_DIR, else
 ../shared/data of a source checkout (the built-in problems when none is there). Rows: the stock model, labelled by its
 dtype ("float32 (uncompressed)"), then `default` (GearConfig()), then the --methods (default: the recommended
-"compact" and the paper presets). For each: KV bits/element the cache owns at the end of generation
+"smallest" and the paper presets). For each: KV bits/element the cache owns at the end of generation
 (`memory_report()["bits_per_element"]`: held by tokens, side information, spare capacity and kernel state included;
 the dtype's bits for the stock cache), decode tokens/s (after one untimed warm-up generate per method, whose seconds
 are shown apart: kernel compilation on first use), how many greedy tokens match the uncompressed run before the first
@@ -41,7 +41,7 @@ from gear_hf.measure import StepClock, matched_prefix, warm_up
 from gear_hf.weights import load_model
 
 BASELINE = "uncompressed"  # the stock model (transformers' DynamicCache), the reference every row is compared with
-METHODS = ("default", "compact", "kivi-2", "gear-2", "kivi-4", "gear-4")
+METHODS = ("default", "smallest", "kivi-2", "gear-2", "kivi-4", "gear-4")
 RECOMMENDED_PREFIX = "rec-"  # rec-NAME: GearConfig.recommended(name=NAME), also where NAME is a preset ("rec-gear-4")
 
 # Few-shot chain-of-thought exemplars and questions written for this project (no dataset text): one-step problems,
@@ -85,11 +85,11 @@ def builtin_problems() -> list[Problem]:
 
 def method_config(name: str) -> gear_hf.GearConfig | None:
     """A --methods name -> GearConfig (None: the stock model). "default" (or "recommended"): GearConfig(); a
-    `GearConfig.recommended` name ("compact", "precise", ...; "rec-kivi-4" / "rec-gear-4" for the two that share a
-    preset's name); else a preset name ("fp16", "kivi-2", "gear-l-4", "gear-k4v2": GearConfig.preset reads it)."""
+    `GearConfig.recommended` name ("smallest", "precise"; also as "rec-NAME"); else a preset name ("fp16", "kivi-2",
+    "gear-l-4", "gear-k4v2": GearConfig.preset reads it)."""
     from gear_hf.config import RECOMMENDED
 
-    recommended = [n for n, _, _ in RECOMMENDED]
+    recommended = [n for n, _, _, _ in RECOMMENDED]
     try:
         if name == BASELINE:
             return None

@@ -14,7 +14,7 @@ import torch
 
 from .compress import ChunkSpec, side_dtype
 from .compress.terms import Field, active_terms, chunk_fields
-from .config_buffer import release_after
+from .config.advanced import release_after
 
 
 @dataclass(frozen=True)

@@ -106,3 +106,17 @@ def owned_bits_over_decode(gear_config, head_dim: int, prompt: int, until: int, 
             step(1)
     return {"mean_owned": sum(owned) / len(owned), "max_owned": max(owned), "mean_held": sum(held) / len(held),
             "max_slack": max(slack)}
+
+
+BUDGET_LENGTHS = (512, 1024, 4096)  # prompt lengths a recommendation's bits hold at
+BUDGET_STEPS = 128  # decode steps averaged after each prompt
+BUDGET_HEAD_DIMS = (64, 128)
+
+
+def owned_bits_budget(gear_config) -> dict:
+    """What `GearConfig.recommended`'s bits promise: the mean bits/element owned over the BUDGET_STEPS decode steps
+    after a prompt of each BUDGET_LENGTHS tokens, on each BUDGET_HEAD_DIMS (bf16): {(head_dim, T): mean} and
+    "budget", the largest."""
+    means = {(d, t): owned_bits_over_decode(gear_config, d, t, t + BUDGET_STEPS)["mean_owned"]
+             for d in BUDGET_HEAD_DIMS for t in BUDGET_LENGTHS}
+    return {**means, "budget": max(means.values())}

@@ -14,19 +14,17 @@ from gear_hf.demo import BASELINE, METHODS, choose_problems, method_config, meth
 
 def test_default_and_every_recommended_name_are_methods():
     assert METHODS[0] == "default" and method_config("default") == GearConfig() == method_config("recommended")
-    for name, _, _ in RECOMMENDED:
+    for name, _, _, _ in RECOMMENDED:
         assert method_config(f"rec-{name}") == GearConfig.recommended(name=name)
-    for name in ("small", "compact", "balanced", "accurate", "precise"):  # names no preset has
-        assert method_config(name) == GearConfig.recommended(name=name)
+        assert method_config(name) == GearConfig.recommended(name=name)  # names no preset has
     assert method_config("gear-4") == GearConfig.preset("gear-4")  # the preset, int8 factors
-    assert method_config("rec-gear-4").factor_bits == 16  # the recommendation of the same name
     assert method_config(BASELINE) is None  # the stock model
 
 
 def test_a_bad_method_names_what_is_allowed():
-    message = r"--methods: 'compakt': did you mean 'compact'\? .*\(or: default, small, compact"
+    message = r"--methods: 'smalest': did you mean 'smallest'\? .*\(or: default, smallest, balanced"
     with pytest.raises(SystemExit, match=message):
-        method_config("compakt")
+        method_config("smalest")
 
 
 def test_labels_name_the_baseline_by_its_dtype():

@@ -14,9 +14,11 @@ from gear_hf.lm_eval.args import ModelArgsError, config_name, gear_keys, parse_g
 def test_every_gearconfig_field_is_a_key():
     import dataclasses
 
+    from gear_hf.config import Advanced
+
     keys = set(gear_keys())
-    for f in dataclasses.fields(GearConfig):
-        assert f.name in keys or f"gear_{f.name}" in keys
+    for f in (*dataclasses.fields(GearConfig), *dataclasses.fields(Advanced)):
+        assert f.name == "advanced" or f.name in keys or f"gear_{f.name}" in keys
     assert {"preset", "bits"} <= keys
 
 
@@ -50,27 +52,27 @@ def test_numeric_string_fields_from_the_cli():
 
 
 def test_optional_integer_fields_from_strings_and_the_cli():
-    """Fields that are None or an integer (key_group_size, value_buffer_size): "None" and numbers as strings, as the
+    """Fields that are None or an integer (key_group_size, prompt_group_size): "None" and numbers as strings, as the
     Python API or lm-eval's CLI may hand them, become None and ints; anything else names the key."""
     from lm_eval.utils import simple_parse_args_string
 
-    args = simple_parse_args_string("pretrained=/m,group_size=64,buffer_size=64,value_buffer_size=128,"
+    args = simple_parse_args_string("pretrained=/m,group_size=64,buffer_size=64,prompt_group_size=128,"
                                     "key_group_size=None")
     config, _ = split_model_args(args)
-    assert config == GearConfig(group_size=64, buffer_size=64, value_buffer_size=128)
-    assert parse_gear_args({"group_size": "64", "buffer_size": "64", "value_buffer_size": "128",
+    assert config == GearConfig(group_size=64, buffer_size=64, prompt_group_size=128)
+    assert parse_gear_args({"group_size": "64", "buffer_size": "64", "prompt_group_size": "128",
                             "key_group_size": "none"}) == config
-    with pytest.raises(ModelArgsError, match=r"value_buffer_size='twice' is invalid; allowed: an integer"):
-        parse_gear_args({"value_buffer_size": "twice"})
+    with pytest.raises(ModelArgsError, match=r"prompt_group_size='twice' is invalid; allowed: an integer"):
+        parse_gear_args({"prompt_group_size": "twice"})
 
 
 def test_held_for_from_strings_and_the_cli():
-    """held_for: "auto" or a number, as lm-eval's CLI hands it (a string); anything else names the key."""
+    """held_for: a number, as lm-eval's CLI hands it (a string); anything else names the key."""
     from lm_eval.utils import simple_parse_args_string
 
     config, _ = split_model_args(simple_parse_args_string("pretrained=/m,held_for=0.5"))
     assert config == GearConfig(held_for=0.5) and config.held_for == 0.5
-    assert parse_gear_args({"held_for": "auto"}) == GearConfig()
+    assert parse_gear_args({"held_for": "0.25"}) == GearConfig(held_for=0.25)
     with pytest.raises(ModelArgsError, match=r"held_for='soon' is invalid; allowed: a number"):
         parse_gear_args({"held_for": "soon"})
 
@@ -84,10 +86,10 @@ def test_defaults_and_method_alias():
 
 def test_recommended_names():
     """A frontier pick by name (GearConfig.recommended), fields changed on top; not together with a preset."""
-    assert parse_gear_args({"recommended": "compact"}) == GearConfig.recommended(name="compact")
+    assert parse_gear_args({"recommended": "smallest"}) == GearConfig.recommended(name="smallest")
     assert parse_gear_args({"recommended": "balanced", "sink_tokens": "0"}) == \
         GearConfig.recommended(name="balanced", sink_tokens=0)
-    with pytest.raises(ModelArgsError, match="recommended='tiny' is invalid; allowed: small \\| compact"):
+    with pytest.raises(ModelArgsError, match="recommended='tiny' is invalid; allowed: smallest \\| balanced"):
         parse_gear_args({"recommended": "tiny"})
     with pytest.raises(ModelArgsError, match="not both"):
         parse_gear_args({"recommended": "small", "preset": "gear-2"})
@@ -128,7 +130,7 @@ def test_pretrained_stays_a_string():
     ({"pre_rope": "maybe"}, r"pre_rope='maybe' is invalid; allowed: true or false"),
     ({"buffer_size": 100}, r"buffer_size=100 is invalid; allowed: a multiple of 8 \(keys are grouped along tokens"),
     ({"buffer_size": 200}, r"buffer_size=200 is invalid; allowed: a positive multiple of 128 \(the groups along"),
-    ({"key_axis": "row"}, r"key_axis='row' is invalid; allowed: channel \| token"),
+    ({"key_axis": "row"}, r"key_axis='row' is invalid; allowed: 'channel' \| 'token'"),
     ({"bits": 2, "key_bits": 4}, r"give bits, or key_bits/value_bits, not both"),
     ({"gear_backend": "cuda"}, r"gear_backend='cuda' is invalid; allowed: auto \| torch \| triton \| numba"),
 ])

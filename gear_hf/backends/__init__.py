@@ -22,6 +22,7 @@ import warnings
 
 import torch
 
+from ..config.core import BACKENDS
 from .base import OPS, Backend, BackendPlan, import_problem
 from .numba_backend import NumbaBackend
 from .torch_backend import TorchBackend
@@ -31,7 +32,8 @@ __all__ = ["OPS", "Backend", "BackendPlan", "BACKEND_NAMES", "PRIORITY", "get_ba
            "plan_of", "requested_backend", "resolve"]
 
 _REGISTRY: dict[str, Backend] = {b.name: b for b in (TritonBackend(), NumbaBackend(), TorchBackend())}
-BACKEND_NAMES = ("auto", "torch", *(name for name in _REGISTRY if name != "torch"))  # (as users read them)
+BACKEND_NAMES = BACKENDS  # (as users read them: GearConfig.backend)
+assert set(BACKENDS) == {"auto", *_REGISTRY}, (BACKENDS, list(_REGISTRY))
 PRIORITY = tuple(_REGISTRY)  # auto: the first that serves an operation (torch, last, serves every format)
 _WARNED: set[str] = set()
 

@@ -152,7 +152,9 @@ def memory_report(cache) -> dict:
         "kernel_state_bytes": kernel_state,  # kernels' derived state, per store and shared
         "workspace_bytes": workspaces,  # kept from one step for the next (rotary memo, allocation statistics)
         "held_bytes_16bit": held_bytes_16,
-        "tokens": sum(cache.layout.counts.held(cache.layout.chunk_len)),
+        "tokens": sum(cache.layout.counts.held(cache.layout.chunk_len)),  # over rows (and beams)
+        "rows": cache.layout.batch,
+        "row_tokens": max(cache.layout.counts.held(cache.layout.chunk_len), default=0),  # the longest row's
         "elements": elements,
         "model_dtype": str(dtype).replace("torch.", "") if dtype is not None else None,
         "dense_bytes": dense,  # the same tokens uncompressed in the model's dtype
@@ -163,6 +165,7 @@ def memory_report(cache) -> dict:
         "vs_model_dtype": owned / dense if elements else 0.0,
         "vs_16bit": owned_16 / (elements * 2) if elements else 0.0,
         "method": cache.gear_config.describe(),
+        "name": cache.gear_config.name,  # the recommendation or preset it is ("balanced", "gear-2")
         "backends": cache.backend_names,
         "key_bits_allocated": _key_bits_allocated(cache),
         "key_bits": cache.gear_config.key_bits if cache.gear_config.compresses else None,
@@ -211,19 +214,25 @@ def _key_bits_allocated(cache) -> float | None:
 
 
 def summary(report: dict) -> str:
-    """One line for humans: what the cache owns first, then what it is made of."""
+    """One line for humans: the configuration's name, what the cache owns against the same tokens uncompressed (in
+    the model's dtype and in 16 bits), then what it is made of."""
     mib = 1 << 20
     if report["model_dtype"] is None:  # nothing stored yet: no dtype to compare with
-        return f"{report['method']}: empty (nothing stored yet), owns {report['owned_bytes'] / mib:.2f} MiB"
+        return f"{report['name']}: empty (nothing stored yet), owns {report['owned_bytes'] / mib:.2f} MiB"
+    owned, rows = report["owned_bytes"], report["rows"]
+    against = [f"{report['dense_bytes'] / mib:.2f} MiB {report['model_dtype']} ({100 * report['vs_model_dtype']:.1f}%)"]
+    if report["model_dtype"] not in ("bfloat16", "float16"):
+        against.append(f"{report['fp16_bytes'] / mib:.2f} MiB at 16 bits ({100 * owned / report['fp16_bytes']:.1f}%)")
     rest = [f"held by tokens {report['held_bits_per_element']:.2f} bits ({report['held_bytes'] / mib:.2f} MiB)",
             f"spare capacity {report['spare_bytes'] / mib:.2f} MiB"]
     if report["kernel_state_bytes"] or report["workspace_bytes"]:
         rest.append(f"kernel state + workspaces {(report['kernel_state_bytes'] + report['workspace_bytes']) / mib:.2f}"
                     " MiB")
-    return (f"{report['method']}: {report['tokens']} tokens/layer, owns {report['bits_per_element']:.2f} "
-            f"bits/element ({report['bits_per_element_16bit']:.2f} with 16-bit floats) = "
-            f"{100 * report['vs_model_dtype']:.1f}% of {report['model_dtype']} KV, "
-            f"{report['owned_bytes'] / mib:.2f} MiB; " + ", ".join(rest) + _allocation_note(report)
+    shape = (f"{rows} rows, up to {report['row_tokens']} tokens each" if rows > 1
+             else f"{report['row_tokens']} tokens")
+    return (f"{report['name']}: {shape}, {owned / mib:.2f} MiB instead of " + " or ".join(against)
+            + f", {report['bits_per_element']:.2f} bits/element ({report['method']}); " + ", ".join(rest)
+            + _allocation_note(report)
             + "".join(f"; {_layers(idx)} dense (why: {why})" for why, idx in report.get("dense_layers", {}).items())
             + "".join(f"; more than the dense cache: {why}" for why in report.get("above_dense", [])))
 

@@ -30,10 +30,10 @@ def cases() -> list[tuple[str, object]]:
     listed once under its first label."""
     from ..compress.quant import BITS
     from ..config import RECOMMENDED, GearConfig
-    from ..preset_names import METHODS
+    from ..config.names import METHODS
 
     named = [("default", GearConfig()), ("gear2", GearConfig.preset("gear", bits=2))]
-    named += [(f"rec:{name}", GearConfig.recommended(name=name)) for name, _, _ in RECOMMENDED]
+    named += [(f"rec:{name}", GearConfig.recommended(name=name)) for name, _, _, _ in RECOMMENDED]
     named += [(f"{m}-{b}", GearConfig.preset(m, bits=b)) for m in METHODS if m != "fp16" for b in BITS]
     out = []
     for label, cfg in named:

@@ -17,8 +17,11 @@ import inspect
 from typing import Any
 
 from gear_hf.config import BITS, GearConfig
+from gear_hf.config.advanced import Advanced
 
-_GEAR_FIELDS = {f.name: f for f in dataclasses.fields(GearConfig)}
+# every setting and advanced option by name (a model_args key each)
+_GEAR_FIELDS = {f.name: f for f in (*dataclasses.fields(GearConfig), *dataclasses.fields(Advanced))
+                if f.name != "advanced"}
 # GEAR keys that are not GearConfig fields.
 _GEAR_EXTRA = {"preset": "str", "recommended": "str", "bits": "int"}
 

@@ -113,7 +113,7 @@ def gear_help() -> str:
         folder = "(not found)"
     from gear_hf.config import RECOMMENDED
 
-    return HELP.format(task_dir=folder, recommended=" | ".join(name for name, _, _ in RECOMMENDED))
+    return HELP.format(task_dir=folder, recommended=" | ".join(name for name, _, _, _ in RECOMMENDED))
 
 
 def show_gear_logs() -> None:

@@ -118,13 +118,13 @@ class GearHFLM(HFLM):
     # GEAR ---------------------------------------------------------------------------------------------------------
     def set_gear_config(self, config: GearConfig, name: str | None = None) -> None:
         """(Re)patch the loaded model with `config` (the sweep reuses one loaded model for every cell); name: how the
-        user named it ("recommended=compact"; default: config.describe()), recorded as gear_name."""
+        user named it ("recommended=smallest"; default: config.name), recorded as gear_name."""
         api = _api()
         if self.gear_config is not None:
             api.disable(self.model)
         api.enable(self.model, config)
         self.gear_config = config
-        self.gear_name = name or config.describe()
+        self.gear_name = name or config.name
         self.gear_stats = GenerationStats()
         if self.rank == 0:
             log.info("gear_hf: %s (%s)", self.gear_name, config)

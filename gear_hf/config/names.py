@@ -6,8 +6,8 @@ import difflib
 import re
 from typing import Any
 
-from .compress.quant import BITS
-from .compress.terms import METHOD_TERMS
+from ..compress.quant import BITS
+from ..compress.terms import METHOD_TERMS
 
 METHODS = tuple(METHOD_TERMS)
 _BITS_RE = re.compile(r"(?:(\d+)|k(\d+)v(\d+))")
