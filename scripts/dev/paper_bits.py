@@ -1,7 +1,7 @@
 """What the paper's presets cost and how well their caches serve attention, from captured keys/values.
 
-    python scripts/paper_bits.py --model smollm2 --dtype bfloat16 --save /tmp/caps.pt   # capture, then measure
-    PYTHONPATH=<another checkout> python scripts/paper_bits.py --load /tmp/caps.pt        # same captures, other code
+    python scripts/dev/paper_bits.py --model smollm2 --dtype bfloat16 --save /tmp/caps.pt   # capture, then measure
+    PYTHONPATH=<another checkout> python scripts/dev/paper_bits.py --load /tmp/caps.pt        # same captures, other code
 
 Captures one GSM8K text's per-layer queries/keys/values (the last --tokens tokens) with the model's stock forward,
 then streams them through a GearCache per preset (prompt at prefill, the last 64 tokens one per step) and prints
@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: benchlib
 
 
 def main(argv=None) -> int:

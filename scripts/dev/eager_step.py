@@ -1,6 +1,6 @@
 """Eager decode ms/step of an enabled model by how the attention calls each layer's cache step, side by side.
 
-    OMP_NUM_THREADS=1 python scripts/bench_eager_step.py [--T 256] [--new 16] [--rounds 5]
+    OMP_NUM_THREADS=1 python scripts/dev/eager_step.py [--T 256] [--new 16] [--rounds 5]
 
 Under torch.compile the step is the `gear_hf::cache_step` operator; eager forwards call the Python step directly
 (gear_hf/attention.py). This measures what that choice saves, with the same model and cache in one process:
@@ -19,14 +19,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
-from bench_compile import SMOLLM2_135M
 from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
 
 import gear_hf
 import gear_hf.attention as attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: bench_compile
+from bench_compile import SMOLLM2_135M  # noqa: E402
 
 DIRECT = attention.cache_step
 

@@ -1,6 +1,6 @@
 """Real weights, the numba CPU kernels against the torch path: a left-padded batch of GSM8K 8-shot prompts, greedy.
 
-    OMP_NUM_THREADS=1 python scripts/compare_backends.py --model smollm2 --dtype float32 --methods kivi-2,gear-2,default
+    OMP_NUM_THREADS=1 python scripts/dev/compare_backends.py --model smollm2 --dtype float32 --methods kivi-2,gear-2,default
 
 Per method: whether both backends give the same tokens, the largest finite logit difference, how many tokens of
 each row match the uncompressed model (DynamicCache) for each backend, and the cache's summary line (bits/element
@@ -10,9 +10,13 @@ held, from the tensors the stores hold) for each backend. "default" is GearConfi
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
-import benchlib
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: benchlib
+import benchlib  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -1,25 +1,28 @@
-"""Issue 25 item 5: what a GearCache owns against what transformers' dense cache owns, at every generate step.
+"""What a GearCache owns against what transformers' dense cache owns, at every generate step (a developer report).
 
 The cases of tests/test_never_above_dense.py (configs x prompts x windows x batch/dtype; tiny random models, head_dim
 32, bf16 unless said), each generated twice (tests/dense_reference.py): with the GearCache plain generate builds (its
 `memory_report()["owned_bytes"]` after each step) and with transformers' DynamicCache (every storage its layers keep
-after each step). Prints a markdown table: the worst owned/dense ratio over the steps (and its step) and the ratio at
-the last step.
+after each step). Prints a Markdown table (the worst owned/dense ratio over the steps, its step, and the ratio at the
+last step); writes nothing.
 
-    OMP_NUM_THREADS=1 python scripts/bench_above_dense.py
+    OMP_NUM_THREADS=1 python scripts/dev/above_dense.py
 """
 
 from __future__ import annotations
 
-import os
+import argparse
 import sys
+from pathlib import Path
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from dense_reference import run_case  # noqa: E402
 from test_never_above_dense import CASES, CONFIGS, WINDOWS  # noqa: E402
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0] + " Prints a Markdown table; writes nothing."
+                            ).parse_args(argv)
     cases = [(config, dict(prompt=prompt, new=new, **extra)) for config, prompt, new, extra in CASES]
     cases += [(config, dict(arch="mistral", window=window, prompt=17, new=60)) for config, window in WINDOWS]
     cases += [("default", dict(arch="mistral", window=16, prompt=5, new=40, batch=2))]
