@@ -1,7 +1,8 @@
-"""Many texts' bench_tail.py results side by side (issue 25): per configuration, its mean next-token KL over the texts
+"""Many texts' bench_tail.py results side by side: per configuration, its mean next-token KL over the texts
 both it and the baseline were measured on, that mean as a multiple of the baseline's with a paired bootstrap 95%
 interval over texts, and on how many texts it is at or below the baseline. Per-text KL moves by up to 2x between
-configurations (results/tail/ "More texts"), so only a mean over many texts, with its interval, ranks them.
+configurations, so only a mean over many texts, with its interval, ranks them. Prints a Markdown table per model;
+writes nothing.
 
     python scripts/tail_texts.py results/tail/held-keys --baseline kivi-4
     python scripts/tail_texts.py results/tail/held-keys --model qwen25 --configs default,steady
