@@ -34,7 +34,7 @@
 # directory with the same name as your package may take precedence" here: expected, and harmless in
 # this layout, since the gear_hf/ that takes precedence is the very folder the finder maps.
 # Consequence of the lenient mode: a new gear_hf subpackage imports fine in an editable install even if
-# setup.cfg does not list it, so `make test` first runs scripts/check_packaging.py, which fails on it.
+# setup.cfg does not list it, so `make test` first runs scripts/dev/check_packaging.py, which fails on it.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -138,7 +138,7 @@ test-vllm: venv-vllm
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VLLM_VENV)/bin/pytest -q -m vllm $(PYTEST_ARGS) tests/vllm
 
 check-packaging: venv
-	$(VENV)/bin/python scripts/check_packaging.py
+	$(VENV)/bin/python scripts/dev/check_packaging.py
 
 # ruff (configured in pyproject.toml): pyflakes, pycodestyle, import order
 lint: venv

@@ -1,4 +1,6 @@
-"""The K/V axis ablation on real weights: four ways to spend the same bits, keys before and after RoPE.
+"""The K/V axis ablation on real weights: four ways to spend the same bits, keys before and after RoPE
+(attention-output error and greedy agreement). Writes <out>/ablation.csv, ablation.md and ablation_greedy.jsonl
+(--out, default out/, untracked).
 
     python scripts/ablation.py                               # SmolLM2 and Qwen2.5-0.5B, kivi 2-bit, g=64
     python scripts/ablation.py --models smollm2 -n 3 --max-new 48

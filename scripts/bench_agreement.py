@@ -1,7 +1,9 @@
-"""Greedy agreement with the uncompressed model on GSM8K (8-shot CoT): every method, HF QuantizedCache included.
+"""Greedy agreement with the uncompressed model on GSM8K (8-shot CoT): matched tokens and same final answer for
+every method, HF QuantizedCache included. Writes <out>/agreement.csv and agreement.md (--out, default out/,
+untracked).
 
     python scripts/bench_agreement.py                    # SmolLM2, 10 test prompts, 128 new tokens
-    python scripts/bench_agreement.py -n 50              # the issue's 50 prompts (hours on 2 CPUs; resumable)
+    python scripts/bench_agreement.py -n 50              # 50 prompts, as results/agreement (hours on 2 CPUs; resumable)
     python scripts/bench_agreement.py --quick            # fewer methods, 3 prompts
     python scripts/bench_agreement.py --models qwen25 -n 20
     python scripts/bench_agreement.py --report-only      # rebuild the tables from what was run

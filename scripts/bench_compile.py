@@ -1,4 +1,5 @@
-"""What torch.compile of the model's forward costs and buys on CPU, side by side with eager, in one process.
+"""What torch.compile of the model's forward costs and buys on CPU, side by side with eager, in one process (first
+generate seconds, decode CPU ms/step, graph breaks). Prints a Markdown table; writes nothing.
 
     OMP_NUM_THREADS=1 python scripts/bench_compile.py                          # eager + inductor backends
     OMP_NUM_THREADS=1 python scripts/bench_compile.py --backends eager --new 8

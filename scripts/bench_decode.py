@@ -1,8 +1,9 @@
 """Decode tokens/s and peak RSS at T≈1k: DynamicCache, HF QuantizedCache int2/int4 and gear_hf presets.
+Writes <out>/decode.csv and decode.md (--out, default out/, untracked).
 
     python scripts/bench_decode.py                       # SmolLM2, batch 1 and 4, 32 new tokens, 3 repeats
     python scripts/bench_decode.py --quick               # SmolLM2, batch 1, 16 new tokens, 5 methods
-    python scripts/bench_decode.py --models smollm2 qwen25 --batch 1 4 --new 64   # the issue's full grid (long)
+    python scripts/bench_decode.py --models smollm2 qwen25 --batch 1 4 --new 64   # the full grid (long)
 
 Every (model, batch) cell runs every method once per repeat, interleaved (the method order rotates between
 repeats), so all methods see the same machine load; the table gives medians over repeats and the median of

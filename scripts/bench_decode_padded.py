@@ -1,4 +1,5 @@
 """Decode ms/step of gear_hf's presets vs DynamicCache on a padded and an unpadded batch (no weights needed).
+Writes <out>/decode-padded.md (--out, default out/, untracked) and prints it.
 
     OMP_NUM_THREADS=1 python scripts/bench_decode_padded.py            # T=1000, 32 new tokens
     OMP_NUM_THREADS=1 python scripts/bench_decode_padded.py --T 2000 --methods kivi-2,gear-2,gear-4

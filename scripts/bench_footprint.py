@@ -1,4 +1,6 @@
-"""Bits per element a GearCache owns at every decode step, for the RECOMMENDED configurations (issue 25).
+"""Bits per element a GearCache owns at every decode step (held + buffer + spare capacity + workspaces), for the
+recommended configurations and kivi-4, from a T-token prompt onwards (random data, no model). Prints a Markdown
+table; writes nothing.
 
     OMP_NUM_THREADS=1 python scripts/bench_footprint.py                       # head_dim 64 and 128, T 1024 -> 4096
     python scripts/bench_footprint.py --head-dims 64 --until 1120 --configs accurate,kivi-4

@@ -1,5 +1,5 @@
 """Next-token fidelity per position: teacher-forced KL and top-1 agreement vs DynamicCache, for gear_hf presets
-and HF QuantizedCache at the same bits.
+and HF QuantizedCache at the same bits. Writes <out>/kl.csv and kl.md (--out, default out/, untracked).
 
     python scripts/bench_kl.py                          # SmolLM2, GSM8K texts 0 and 1, per-token continuation
     python scripts/bench_kl.py --quick                  # one text, fewer methods

@@ -1,4 +1,5 @@
-"""KV-cache bytes and bits/element by component: every gear_hf preset vs DynamicCache and HF QuantizedCache.
+"""KV-cache bytes and bits/element by component: every gear_hf preset vs DynamicCache and HF QuantizedCache
+(no model run). Writes <out>/memory.csv and memory.md (--out, default out/, untracked).
 
     python scripts/bench_memory.py                 # T = 256, 1024, 4096; SmolLM2, Qwen2.5-0.5B and Llama-3-8B shapes
     python scripts/bench_memory.py --quick         # T = 256, 1024; SmolLM2 shape only

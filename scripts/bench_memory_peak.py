@@ -1,4 +1,6 @@
-"""Peak KV memory of `generate`, measured by the allocator, beside what the cache reports (issue 25, item 6).
+"""Peak KV memory of `generate`, measured by the allocator, beside what the cache reports and an independent walk
+of its tensors. Writes <out>/memory-peak.csv and memory-peak.md (--steps: memory-peak-steps.csv/.md; --out,
+default out/, untracked).
 
     python scripts/bench_memory_peak.py                                  # SmolLM2 bf16, T = 1k, 4k, 16k, CPU
     python scripts/bench_memory_peak.py --models smollm2 qwen25 --T 1024 4096
@@ -29,7 +31,7 @@ independent walk of tests/memory_walk.py (every storage reachable from the cache
 module-level memos; for transformers' caches the storages reachable from the cache object), and the dense bf16
 size of the same tokens.
 
---steps (issue 25, item 3): SmolLM2 bf16, a 1,024-token GSM8K text (test problem --text-index, 8-shot prompt and
+--steps: SmolLM2 bf16, a 1,024-token GSM8K text (test problem --text-index, 8-shot prompt and
 its worked answer), 96 decode steps, `GearConfig()` and kivi-4: at every step the bits/element held (the report)
 and owned (the walk: held + spare capacity + kernel memos; and once more inside the step, just before its
 per-step workspace is dropped, to include it). Writes <out>/memory-peak-steps.{csv,md}.

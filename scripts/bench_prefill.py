@@ -1,5 +1,6 @@
 """Prefill compression overhead: what compressing the prompt (outlier selection, quantization and packing,
-power iteration) adds to the prefill forward, at T = 1k and 4k.
+power iteration) adds to the prefill forward, at T = 1k and 4k. Writes <out>/prefill.csv and prefill.md (--out,
+default out/, untracked).
 
     python scripts/bench_prefill.py                # SmolLM2, T=1024 and 4096, every preset at 2 and 4 bits
     python scripts/bench_prefill.py --quick        # T=1024, fp16/kivi-2/gear-2/gear-4

@@ -1,4 +1,5 @@
-"""Bytes a sliding-window layer holds as the sequence grows past its window (issue 10's bounded windows).
+"""Bytes a sliding-window layer holds as the sequence grows past its window (windows stay bounded).
+Prints a table; writes nothing.
 
     python scripts/bench_sliding_memory.py                  # window 512, gear-2, Mistral-7B head shapes
     python scripts/bench_sliding_memory.py --window 256 --method kivi-4

@@ -1,5 +1,6 @@
-"""The buffer's formats as points (issue 25, item 3): bits/element owned at every decode step and next-token KL vs
-stock, on real weights, for GearConfig() with each tail option, side by side with kivi-4.
+"""Bits/element a cache owns at every decode step and next-token KL vs the stock cache, teacher-forced on real
+weights after a long prompt, for GearConfig() and named variants side by side with kivi-4. Writes <out>/tail.csv,
+tail.md and tail.conditions.json (--out, default out/, untracked); scripts/tail_texts.py compares many texts.
 
     python scripts/bench_tail.py                       # SmolLM2 bf16, GSM8K text 200, 1024-token prompt, 96 steps
     python scripts/bench_tail.py --configs default,values-final
@@ -8,7 +9,7 @@ Each text is an 8-shot GSM8K CoT prompt plus its worked answer; its last --promp
 first --prompt at prefill, the rest teacher-forced one token per step through each config's real cache (as generate
 fills it). After every decode step `memory_report()["bits_per_element"]` (owned: held + spare + kernel state +
 workspaces) is read; reported: its mean and max over the steps, KL(DynamicCache || config) of the next-token
-distribution (mean, max) and top-1 agreement. Writes <out>/tail.csv and <out>/tail.md (default out/tail/).
+distribution (mean, max) and top-1 agreement.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ CONFIGS = {
     "default-int8-keys": dict(key_buffer="int8", value_buffer="int4"),  # GearConfig() of config versions 2-3
     "kivi-4": None,
 }
-# session 22, where Qwen2.5's KL goes (results/tail/qwen-gap/): "steady" with one field changed ("s+..." names)
+# Where Qwen2.5's KL goes: "steady" with one field changed ("s+..." names)
 _STEADY = CONFIGS["steady"]
 _HELD = dict(value_buffer_size=128)
 # shorter buffers with both streams held a chunk longer (key groups follow the buffer)
@@ -68,9 +69,9 @@ ABLATIONS = {
     "s+v8": dict(value_bits=8),  # values' history near-exact (isolates the keys' history)
     "s+k4": dict(key_bits=4),
     "s+k3.5": dict(key_bits=3.5),
-    "s+k2.75": dict(key_bits=2.75),  # session 26: a cheaper key history (to pay for recent keys)
-    "s+k3": dict(key_bits=3),  # session 26 (with the newest key chunk a bit wider: qwen_gap_recent.py)
-    # session 27: keys held a chunk longer too (key_buffer_size: the newest 64..127 keys at 8 bits, rotated), paid for
+    "s+k2.75": dict(key_bits=2.75),  # a cheaper key history (to pay for recent keys)
+    "s+k3": dict(key_bits=3),  # (with the newest key chunk a bit wider)
+    # keys held a chunk longer too (key_buffer_size: the newest 64..127 keys at 8 bits, rotated), paid for
     # by narrower keys in the chunks
     "s+kh": dict(key_buffer_size=128),
     "s+kh+k3": dict(key_buffer_size=128, key_bits=3),
@@ -109,19 +110,19 @@ ABLATIONS = {
     "b32+sinks0": dict(buffer_size=32, key_group_size=32, value_buffer_size=64, sink_tokens=0),
     "b32+sinks0+stats16": dict(buffer_size=32, key_group_size=32, value_buffer_size=64, sink_tokens=0,
                                value_statistics="16"),
-    # session 28: both held chunks released early ("eN": held_for (N - 64) / 64, at most N - 1 tokens buffered, not
+    # both held chunks released early ("eN": held_for (N - 64) / 64, at most N - 1 tokens buffered, not
     # 127), paid back in wider keys; e96+k3 = GearConfig() of config version 7 ("held-early")
     "e112+k2.875": dict(key_buffer_size=128, held_for=0.75, key_bits=2.875),
     "e96+k2.875": dict(key_buffer_size=128, held_for=0.5, key_bits=2.875),
     "e96+k3": dict(key_buffer_size=128, held_for=0.5, key_bits=3),
-    # session 29: the key buffer centered and scaled per channel (key_buffer_centered)
+    # the key buffer centered and scaled per channel (key_buffer_centered)
     "e96+k3+c": dict(key_buffer_size=128, held_for=0.5, key_bits=3, key_buffer_centered=True),
     "e96+k2.875+c": dict(key_buffer_size=128, held_for=0.5, key_bits=2.875, key_buffer_centered=True),
-    # session 30: the value buffer centered too (value_buffer_centered; = config version 9's GearConfig())
+    # the value buffer centered too (value_buffer_centered; = config version 9's GearConfig())
     "e96+k3+cv": dict(key_buffer_size=128, held_for=0.5, key_bits=3, key_buffer_centered=True,
                       value_buffer_centered=True),
 }
-# session 31: the two buffers' widths traded ("cv+..." names: "e96+k3+cv" with the fields named changed)
+# the two buffers' widths traded ("cv+..." names: "e96+k3+cv" with the fields named changed)
 _CV = ABLATIONS["e96+k3+cv"]
 ABLATIONS.update({
     "cv+kbuf4+vbuf8r": dict(_CV, key_buffer="int4", value_buffer="int8-rotated"),  # same bytes as "e96+k3+cv"

@@ -1,7 +1,6 @@
-"""CPU decode speed of the buffer's formats (issue 25, item 3): ms per decode step of GearConfig with the 16-bit
-buffer (key_buffer="full", value_buffer="full"), the 8-bit one (key_buffer="int8", value_buffer="int8") and the
-default's (GearConfig(): 8-bit keys, 4-bit rotated values), the other fields GearConfig()'s, side by side in one
-process.
+"""CPU decode ms/step of configurations side by side in one process, alternated in rounds (by default
+GearConfig() with its buffers' formats swapped: the 16-bit buffer, the 8-bit one and the default's codes).
+Prints a Markdown table; writes nothing.
 
     python scripts/bench_tail_speed.py                 # SmolLM2 bf16, GSM8K text 200, 512-token prompt, 40 new tokens
     python scripts/bench_tail_speed.py --configs full,int8,default --repeats 3 --profile

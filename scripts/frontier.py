@@ -1,4 +1,6 @@
-"""Accuracy per byte: every cache configuration as a point (bits/element held, fidelity), and the Pareto frontier.
+"""Accuracy per byte: every cache configuration as a point (bits/element held, next-token KL), and the Pareto
+frontier. Writes <out>/frontier.csv, frontier.md, frontier.png and raw.csv (--out, default out/frontier,
+untracked).
 
     OMP_NUM_THREADS=1 python scripts/frontier.py                        # SmolLM2 + Qwen2.5-0.5B, bf16, T=1024
     python scripts/frontier.py --models smollm2 --tokens 1024 4096 --grid quick

@@ -1,14 +1,17 @@
-"""Many texts' bench_tail.py results side by side (issue 25): per configuration, its mean next-token KL over the texts
+"""Many texts' bench_tail.py results side by side: per configuration, its mean next-token KL over the texts
 both it and the baseline were measured on, that mean as a multiple of the baseline's with a paired bootstrap 95%
 interval over texts, and on how many texts it is at or below the baseline. Per-text KL moves by up to 2x between
-configurations (results/tail/ "More texts"), so only a mean over many texts, with its interval, ranks them.
+configurations, so only a mean over many texts, with its interval, ranks them. Prints a Markdown table per model;
+writes nothing.
 
-    python scripts/tail_texts.py results/tail/held-keys --baseline kivi-4
-    python scripts/tail_texts.py results/tail/held-keys --model qwen25 --configs default,steady
+    python scripts/tail_texts.py results/tail                       # the current default vs kivi-4
+    python scripts/tail_texts.py out/tail-runs --model qwen25 --configs default,kivi-4
 
-Reads every <dir>/**/tail.csv (with its tail.conditions.json: model and text); a config measured twice on one text
-(e.g. on two hosts, whose KL differ) is an error naming both files: pass narrower folders; a tail.csv without its
-conditions (a run still going) is skipped, and said so. Prints a Markdown table per model; nothing is written.
+Reads every <dir>/**/tail.csv (bench_tail's output, with its tail.conditions.json: model and text) and every
+<dir>/**/tail_rows.csv (such rows gathered in one file, each row naming its model and text: results/tail/); a config
+measured twice on one text (e.g. on two hosts, whose KL differ) is an error naming both files: pass narrower folders;
+a tail.csv without its conditions (a run still going) is skipped, and said so. Prints a Markdown table per model;
+nothing is written.
 """
 
 from __future__ import annotations
@@ -25,6 +28,14 @@ from pathlib import Path
 def collect(roots: list[Path]) -> dict[str, dict[str, dict[int, dict]]]:
     """{model: {config: {text: row}}} from every tail.csv under roots."""
     found: dict[str, dict[str, dict[int, tuple[Path, dict]]]] = defaultdict(lambda: defaultdict(dict))
+
+    def add(path: Path, model: str, text: int, row: dict) -> None:
+        old = found[model][row["config"]].get(text)
+        if old is not None:
+            raise SystemExit(f"{row['config']!r} on {model} text {text} is measured twice: {old[0]} and {path}; pass "
+                             "narrower folders")
+        found[model][row["config"]][text] = (path, row)
+
     for root in roots:
         for path in sorted(root.rglob("tail.csv")):
             written = path.with_name("tail.conditions.json")
@@ -32,14 +43,13 @@ def collect(roots: list[Path]) -> dict[str, dict[str, dict[int, dict]]]:
                 print(f"skipped {path}: no {written.name} beside it (a run still going?)", file=sys.stderr)
                 continue
             conditions = json.loads(written.read_text())
-            model, text = conditions["model"], int(conditions["text"])
             with open(path, newline="") as f:
                 for row in csv.DictReader(f):
-                    old = found[model][row["config"]].get(text)
-                    if old is not None:
-                        raise SystemExit(f"{row['config']!r} on {model} text {text} is measured twice: {old[0]} and "
-                                         f"{path}; pass narrower folders")
-                    found[model][row["config"]][text] = (path, row)
+                    add(path, conditions["model"], int(conditions["text"]), row)
+        for path in sorted(root.rglob("tail_rows.csv")):
+            with open(path, newline="") as f:
+                for row in csv.DictReader(f):
+                    add(path, row["model"], int(row["text"]), row)
     return {m: {c: {t: r for t, (_, r) in texts.items()} for c, texts in configs.items()}
             for m, configs in found.items()}
 
