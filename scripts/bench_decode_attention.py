@@ -9,7 +9,7 @@ random data, for each context length T and batch size:
              into HF's layout, RoPE the keys, then SDPA
   fused      gear_hf.kernels: attention straight from the compressed storage (GEAR 2/4-bit, GEAR-L 2-bit, and
              GearConfig(), the library default: kivi, 4-bit keys, 2-bit values, Walsh–Hadamard rotation, 4 sinks; and
-             recommended "compact": 3-bit keys, 2-bit values per channel, the prompt in 256-token groups); rows
+             recommended "smallest": 2-bit keys and values in the default's format); rows
              `<name>_fused` run the register kernel, `<name>_fused_tc` the tensor-core kernel (fp16/bf16 runs)
 
 --variants adds rows of the fused kernel at other num_warps/num_stages/block_n (one point: the largest T and
@@ -148,7 +148,7 @@ def main() -> int:
     parser.add_argument("--bits", type=int, nargs="+", default=[2, 4], help="GEAR bit widths (GEAR-L: 2-bit)")
     parser.add_argument("--no-gear-l", action="store_true", help="skip the 2-bit GEAR-L rows")
     parser.add_argument("--no-default", action="store_true",
-                        help="skip the rows of GearConfig() (the library default) and recommended 'compact'")
+                        help="skip the rows of GearConfig() (the library default) and recommended 'smallest'")
     parser.add_argument("--variants", action="store_true",
                         help="fused 2-bit GEAR at num_warps 4/8 x num_stages 1/2/3 (largest T and batch)")
     parser.add_argument("--padded", action="store_true",
@@ -304,8 +304,8 @@ def _time_fused(cache, q, inv_freq, args, record, T, batch, label, sdpa_ms, comp
                pad=pad)
 
 
-# rows named after a recommended configuration (GearConfig(); recommended(name="compact")), with their key bits
-_RECOMMENDED_ROWS = {"default": 4, "compact": 3}
+# rows named after a recommended configuration (GearConfig(); recommended(name="smallest")), with their key bits
+_RECOMMENDED_ROWS = {"default": 4, "smallest": 2}
 
 
 def _methods(args):

@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     from gear_hf.config import RECOMMENDED
     from gear_hf.measure import FOOTPRINT_LAYERS, owned_bits_over_decode
 
-    names = [n for n, _, _ in RECOMMENDED]
+    names = [n for n, _, _, _ in RECOMMENDED]
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--head-dims", default="64,128")
     parser.add_argument("--prompt", type=int, default=1024)
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     for head_dim in (int(d) for d in args.head_dims.split(",")):
         layers = FOOTPRINT_LAYERS.get(head_dim, 1) if args.layers == "model" else int(args.layers)
         for name in chosen:
-            table_bits = next(b for n, b, _ in RECOMMENDED if n == name)
+            table_bits = next(b for n, b, _, _ in RECOMMENDED if n == name)
             for buffer in buffers:
                 config = GearConfig.recommended(name=name)
                 if buffer is not None:

@@ -51,7 +51,7 @@ from benchlib.allocator import AllocatorPeak
 
 sys.path.insert(0, str(benchlib.REPO / "tests"))  # the independent walk lives with the tests that use it
 import memory_walk  # noqa: E402
-from gear_hf.recommended import DEFAULT_RECOMMENDED  # noqa: E402
+from gear_hf.config import DEFAULT_RECOMMENDED  # noqa: E402
 
 DEFAULT_NAME = "rec-" + DEFAULT_RECOMMENDED  # = GearConfig(), checked in main()
 METHODS = ("dynamic", DEFAULT_NAME, "kivi-2", "gear-2", "hf-quanto-int4", "hf-quanto-int2")

@@ -142,7 +142,7 @@ def config_of(name: str):
     if name == "default":
         return GearConfig()
     if name == "accurate":
-        return GearConfig.recommended(name="accurate")
+        return GearConfig.from_dict({"gear_config_version": 4})
     return GearConfig.from_dict({"gear_config_version": 4, **fields})
 
 

@@ -96,7 +96,8 @@ def main(argv=None) -> int:
     torch.set_grad_enabled(False)
     model, tokenizer = benchlib.load_model(args.model, args.dtype)
     ids = tokenizer(benchlib.gsm8k_text(args.text), return_tensors="pt").input_ids[:, -args.prompt:]
-    configs = {name: GearConfig() if CONFIGS[name] is None else GearConfig.recommended("accurate", **CONFIGS[name])
+    configs = {name: GearConfig() if CONFIGS[name] is None
+               else GearConfig.from_dict({"gear_config_version": 4, **CONFIGS[name]})
                for name in names}
     for name in names:  # warm-up (numba compiles for this model's shapes and dtypes, caches fill): not timed
         generate_once(model, ids, configs[name], 3)

@@ -21,12 +21,12 @@ SMALL = dict(group_size=16, buffer_size=16)  # chunks flush within a short gener
 CONFIGS = {"default": GearConfig(**SMALL, prompt_group_size=32)}
 CONFIGS.update({name: GearConfig.preset(name, **SMALL) for name in
                 ("fp16", "kivi-2", "kcvt-4", "outlier-2", "gear-l-2", "gear-2", "gear-4")})
-CONFIGS.update({f"recommended-{name}": GearConfig.recommended(name=name, **SMALL, prompt_group_size=32,
-                                                             **({"key_group_size": 16} if "key_group_size" in fields
-                                                                else {}))
-                for name, _, fields in RECOMMENDED if fields.get("prompt_group_size")})
-CONFIGS.update({f"recommended-{name}": GearConfig.recommended(name=name, **SMALL)
-                for name, _, fields in RECOMMENDED if not fields.get("prompt_group_size")})
+CONFIGS.update({f"recommended-{name}": GearConfig.recommended(name=name, **SMALL, prompt_group_size=32)
+                for name, _, _, _ in RECOMMENDED})
+# values per channel with searched ranges and a 16-bit buffer (the advanced options' other formats)
+CONFIGS["values-per-channel"] = GearConfig(**SMALL, prompt_group_size=32, key_bits=2.5, value_bits=2,
+                                           value_axis="channel", range_search="values", key_buffer="full",
+                                           value_buffer="full")
 # "auto" is numba here when it is installed (for the operations it serves: a range-searched format compresses in torch)
 BACKENDS = ["torch"] + (["auto"] if import_problem("numba") is None else [])
 

@@ -96,15 +96,15 @@ def test_recommended_names():
 
 
 @pytest.mark.parametrize("args, name", [
-    ({"recommended": "compact"}, "recommended=compact"),
-    ({"recommended": " compact ", "buffer_size": 256}, "recommended=compact"),
+    ({"recommended": "smallest"}, "recommended=smallest"),
+    ({"recommended": " smallest ", "buffer_size": 256}, "recommended=smallest"),
     ({}, "default"),
     ({"buffer_size": 256}, "default"),
     ({"preset": "gear-2"}, None),  # named by GearConfig.describe()
     ({"method": "kivi", "bits": 4}, None),
 ])
 def test_config_name_is_how_the_args_named_it(args, name):
-    """Issue 27.6: recorded as gear_name in the results (recommended=compact was only kivi-k2.5v2-query-allocated)."""
+    """Recorded as gear_name in the results (recommended=smallest is more than kivi-2-query-allocated)."""
     assert config_name({"pretrained": "/m", **args}) == name
 
 

@@ -107,7 +107,7 @@ def test_bad_model_args_fail_clearly(tiny_model, data_dir):
 @pytest.mark.slow
 @pytest.mark.parametrize("warmup", [True, False])
 def test_recommended_is_recorded_by_name_and_the_warm_up_apart(tiny_model, warmup):
-    """Issue 27.3 / 27.6: recommended=compact is named in the results; tokens/s is timed after an untimed warm-up
+    """recommended=smallest is named in the results; tokens/s is timed after an untimed warm-up
     generate, whose seconds are reported apart (gear_warmup=false: no warm-up)."""
     from lm_eval.api.instance import Instance
 
@@ -115,19 +115,19 @@ def test_recommended_is_recorded_by_name_and_the_warm_up_apart(tiny_model, warmu
     from gear_hf.lm_eval.cli import run_summary
     from gear_hf.lm_eval.model import GearHFLM
 
-    lm = GearHFLM(pretrained=str(tiny_model), recommended="compact", gear_warmup=warmup, dtype="float32",
+    lm = GearHFLM(pretrained=str(tiny_model), recommended="smallest", gear_warmup=warmup, dtype="float32",
                   device="cpu", batch_size=1)
     gen = [Instance(request_type="generate_until", doc={}, arguments=("Q: 3 boxes of 4 pens.\nA:", {
         "until": ["\n\n"], "max_gen_toks": 4, "do_sample": False}), idx=0)]
     lm.generate_until(gen, disable_tqdm=True)
     info = lm.get_model_info()
-    config = GearConfig.recommended(name="compact")
-    assert info["gear_name"] == info["gear_stats"]["gear_name"] == "recommended=compact"
+    config = GearConfig.recommended(name="smallest")
+    assert info["gear_name"] == info["gear_stats"]["gear_name"] == "recommended=smallest"
     assert info["gear_method"] == config.describe() and GearConfig.from_dict(info["gear_config"]) == config
     stats = info["gear_stats"]
     assert stats["calls"] == 1 and stats["new_tokens"] <= 4  # the warm-up is in neither the calls nor the tokens
     line = run_summary(info)
-    assert line.startswith(f"gear_hf: recommended=compact ({config.describe()}) | KV bits/elem ")
+    assert line.startswith(f"gear_hf: recommended=smallest ({config.describe()}) | KV bits/elem ")
     if warmup:
         assert stats["warmup_seconds"] > 0 and stats["warmup_tokens"] == config.buffer_size + 1
         assert f"after a {stats['warmup_seconds']:.1f} s warm-up, kernel compilation excluded" in line

@@ -223,75 +223,68 @@ def test_fused_kernel_declines_what_it_does_not_read(overrides, word):
     assert reason is not None and word in reason
 
 
-def test_recommended_follows_the_measured_frontier():
+def test_recommendations_by_purpose():
     from gear_hf.config import RECOMMENDED
 
-    assert gear_hf.GearConfig() == gear_hf.GearConfig.recommended()  # the default is the recommended default
-    bits = [b for _, b, _ in RECOMMENDED]
+    GearConfig = gear_hf.GearConfig
+    assert GearConfig() == GearConfig.recommended() == GearConfig.recommended("balanced")  # the default
+    assert [n for n, _, _, _ in RECOMMENDED] == ["smallest", "balanced", "precise"]
+    bits = [b for _, b, _, _ in RECOMMENDED]
     assert bits == sorted(bits)
-    for name, b, fields in RECOMMENDED:
-        # (a budget picks the last entry at or below it: of entries owning the same bits, the later, which reads
-        # better: "centered-chunks" over "centered-kv")
-        last = [n for n, bits_of, _ in RECOMMENDED if bits_of == b][-1]
-        assert gear_hf.GearConfig.recommended(b) == gear_hf.GearConfig.recommended(name=last)
-        config = gear_hf.GearConfig.recommended(name=name)
-        assert all(getattr(config, k) == v for k, v in fields.items() if v != "auto")  # ("auto": resolved)
-    assert gear_hf.GearConfig.recommended(3.2) == gear_hf.GearConfig.recommended(name="balanced")
-    assert gear_hf.GearConfig.recommended(3.35) == gear_hf.GearConfig.recommended(name="lean")
-    accurate = gear_hf.GearConfig.recommended(name="accurate")  # (GearConfig() of config version 4)
-    assert gear_hf.GearConfig.recommended(3.6) == accurate != gear_hf.GearConfig()
-    steady = gear_hf.GearConfig.recommended(3.52)  # (GearConfig() of config version 5: keys not held)
-    assert steady == gear_hf.GearConfig.recommended(name="steady") == gear_hf.GearConfig.from_dict(
-        {"gear_config_version": 5})
-    assert (steady.buffer_size, steady.key_group, steady.value_buffer_size, steady.value_statistics,
-            steady.key_buffer_size) == (64, 64, 128, "8", None)
-    held = gear_hf.GearConfig.recommended(3.42)  # (GearConfig() of config version 6: held until the next flush)
-    assert held == gear_hf.GearConfig.recommended(name="held") == gear_hf.GearConfig.from_dict(
-        {"gear_config_version": 6})
-    assert (held.buffer_size, held.key_group, held.value_buffer_size, held.key_buffer_size, held.key_bits,
-            held.held_for) == (64, 64, 128, 128, 2.75, 1.0)
-    early = gear_hf.GearConfig.recommended(3.482)  # (GearConfig() of config version 7: released early)
-    assert early == gear_hf.GearConfig.recommended(name="held-early") == gear_hf.GearConfig.from_dict(
-        {"gear_config_version": 7})
-    assert (early.buffer_size, early.key_group, early.value_buffer_size, early.key_buffer_size, early.key_bits,
-            early.held_for, early.key_buffer_centered) == (64, 64, 128, 128, 3, 0.5, False)
-    centered = gear_hf.GearConfig.recommended(name="centered")  # (GearConfig() of config version 8)
-    assert centered == early.replace(key_buffer_centered=True) == gear_hf.GearConfig.from_dict(
-        {"gear_config_version": 8})
-    both = gear_hf.GearConfig.recommended(name="centered-kv")  # (GearConfig() of config version 9)
-    assert both == centered.replace(value_buffer_centered=True) == gear_hf.GearConfig.from_dict(
-        {"gear_config_version": 9})
-    chunks = gear_hf.GearConfig.recommended(3.49)  # (GearConfig(): the value chunks centered too, the same 3.486)
-    assert chunks == gear_hf.GearConfig.recommended(name="centered-chunks") == gear_hf.GearConfig()
-    assert chunks == both.replace(value_chunks_centered=True)
-    small = gear_hf.GearConfig.recommended("held-early", buffer_size=16)  # key groups, held chunks follow the buffer
-    assert (small.key_group, small.value_buffer_size, small.key_buffer_size, small.held_for) == (16, 32, 32, 0.5)
-    compact = gear_hf.GearConfig.recommended(3.1)  # values per channel; the prompt chunk alone in 256-token groups
-    assert (compact.value_axis, compact.key_group, compact.value_group, compact.prompt_group_size,
-            compact.buffer_size, compact.key_bits, compact.key_bit_allocation) == \
-        ("channel", 128, 128, 256, 128, 2.5, "query")
-    default = gear_hf.GearConfig()  # keys allocated by the queries, values per token, the buffer coded
+    for name, b, _, fields in RECOMMENDED:
+        config = GearConfig.recommended(name=name)
+        assert GearConfig.recommended(b) == config and config.name == name
+        assert config == GearConfig().replace(**fields)  # the default's format, other widths
+    assert GearConfig.recommended(3.5).name == "smallest" and GearConfig.recommended(100).name == "precise"
+    default = GearConfig()  # keys allocated by the queries, values per token, the buffer coded
     assert (default.key_bits, default.value_bits, default.value_axis, default.range_search, default.rotation,
             default.key_buffer, default.value_buffer, default.buffer_size, default.sink_tokens) == \
         (3, 3, "token", "none", "values", "int8-rotated", "int4", 64, 4)
-    lean = gear_hf.GearConfig.recommended(name="lean")  # values per channel with searched ranges, keys 2.875 bits
-    assert (lean.key_bits, lean.value_axis, lean.range_search, lean.value_buffer) == \
-        (2.875, "channel", "values", "int4")
-    with pytest.raises(ValueError, match="bits_per_element=2.5"):
-        gear_hf.GearConfig.recommended(2.5)
-    with pytest.raises(ValueError, match="tiny"):
-        gear_hf.GearConfig.recommended(name="tiny")
-    assert gear_hf.GearConfig.recommended("lean") == lean  # a name given positionally
-    with pytest.raises(ValueError, match="tiny"):
-        gear_hf.GearConfig.recommended("tiny")
+    small = GearConfig.recommended("smallest", buffer_size=16)  # key groups, held chunks follow the buffer
+    assert (small.key_group, small.value_buffer_size, small.key_buffer_size, small.held_for) == (16, 32, 32, 0.5)
+    with pytest.raises(ValueError, match=r"bits_per_element=2.5 is invalid; allowed: a number >= 2.91"):
+        GearConfig.recommended(2.5)
+    for bad in ("tiny", None):
+        with pytest.raises(ValueError, match="tiny|smallest"):
+            GearConfig.recommended(name=bad or "tiny")
     with pytest.raises(ValueError, match="not both"):
-        gear_hf.GearConfig.recommended(3.5, name="lean")
+        GearConfig.recommended(3.5, name="smallest")
     for bad in (True, [3.5], float("nan")):  # not a number of bits: named, with what is allowed (no TypeError)
-        with pytest.raises(ValueError, match="bits_per_element=.*a number >= 2.79.*accurate"):
-            gear_hf.GearConfig.recommended(bad)
+        with pytest.raises(ValueError, match="bits_per_element=.*a number >= 2.91.*smallest"):
+            GearConfig.recommended(bad)
     # the paper's presets stay the paper's whatever the defaults
-    paper = gear_hf.GearConfig.preset("gear", bits=2)
+    paper = GearConfig.preset("gear", bits=2)
     assert (paper.rotation, paper.factor_bits, paper.key_group, paper.buffer_size) == ("none", 8, 64, 64)
+    assert paper.name == "gear-2" and GearConfig(key_bits=4).name == "kivi-k4v3-query-allocated (custom)"
+
+
+def test_former_recommendation_names_still_load_as_they_were():
+    """Each former name loads (with a DeprecationWarning) to what it gave; the former defaults equal the saved
+    versions they were."""
+    GearConfig = gear_hf.GearConfig
+
+    def former(name, **overrides):
+        with pytest.warns(DeprecationWarning, match=f"recommended\\({name!r}\\) is a former name"):
+            return GearConfig.recommended(name, **overrides)
+
+    for name, version in (("accurate", 4), ("steady", 5), ("held", 6), ("held-early", 7), ("centered", 8),
+                          ("centered-kv", 9), ("centered-chunks", 10)):
+        assert former(name) == GearConfig.from_dict({"gear_config_version": version}), name
+    assert former("centered-chunks") == GearConfig()
+    steady = former("steady")
+    assert (steady.buffer_size, steady.key_group, steady.value_buffer_size, steady.value_statistics,
+            steady.key_buffer_size) == (64, 64, 128, "8", None)
+    held = former("held")
+    assert (held.value_buffer_size, held.key_buffer_size, held.key_bits, held.held_for) == (128, 128, 2.75, 1.0)
+    compact = former("compact")  # values per channel; the prompt chunk alone in 256-token groups
+    assert (compact.value_axis, compact.key_group, compact.value_group, compact.prompt_group_size,
+            compact.buffer_size, compact.key_bits, compact.key_bit_allocation, compact.value_statistics) == \
+        ("channel", 128, 128, 256, 128, 2.5, "query", "16")
+    lean = former("lean")  # values per channel with searched ranges, keys 2.875 bits
+    assert (lean.key_bits, lean.value_axis, lean.range_search, lean.value_buffer) == (2.875, "channel", "values",
+                                                                                      "int4")
+    assert former("gear-4").factor_bits == 16 and former("small").buffer_size == 128
+    assert former("held-early", buffer_size=16).value_buffer_size == 32
 
 
 @pytest.mark.parametrize("which", ["none", "keys", "values", "both"])

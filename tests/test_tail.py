@@ -148,8 +148,7 @@ def test_fp16_keeps_every_token_whatever_the_buffer_settings():
 
 def test_presets_keep_the_full_precision_buffer():
     assert GearConfig.preset("gear-2").key_buffer == GearConfig.preset("kivi-4").value_buffer == "full"
-    assert GearConfig.recommended(name="precise").value_buffer == "full"
-    # GearConfig() (config version 2): 8-bit keys and 4-bit values in the buffer (config.py, results/tail/)
+    # GearConfig() (since config version 2): 8-bit keys and 4-bit values in the buffer
     assert (GearConfig().key_buffer, GearConfig().value_buffer) == ("int8-rotated", "int4")
 
 

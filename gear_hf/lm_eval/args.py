@@ -204,7 +204,7 @@ def parse_gear_args(args: dict[str, Any]) -> GearConfig:
 
 
 def config_name(args: dict[str, Any]) -> str | None:
-    """How the GEAR keys of `args` named the configuration, for the results: "recommended=compact" or "default"
+    """How the GEAR keys of `args` named the configuration, for the results: "recommended=smallest" or "default"
     (no preset, method or recommended: GearConfig(), the recommended "accurate"; fields may be changed); None for
     a preset or method, which `GearConfig.describe()` names ("gear-2")."""
     keys = _gear_key_map()

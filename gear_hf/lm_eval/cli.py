@@ -101,7 +101,7 @@ gear_hf (this wrapper adds the `gear_hf` model and the task folder {task_dir}):
   Data parallel: accelerate launch --multi_gpu --num_processes N -m gear_hf.lm_eval ... (GPUs, or CPU processes
     on a machine without CUDA), or torchrun --nproc_per_node N -m gear_hf.lm_eval ...
   Results: results["config"] gains gear_config (GearConfig.to_dict()), gear_name (how --model_args named it:
-    recommended=compact, preset=gear-2, default), gear_method and gear_stats (generated tokens, tokens/s after a
+    recommended=smallest, preset=gear-2, default), gear_method and gear_stats (generated tokens, tokens/s after a
     warm-up generate, compile_seconds of that warm-up, KV bits/element); the console shows them after lm-eval's table.
 """
 

@@ -11,7 +11,7 @@
 * Before the first timed generate of a config, one untimed warm-up generate runs (`gear_warmup=false` skips it),
   so tokens/s excludes kernel compilation; its seconds are reported apart (`warmup_seconds`).
 * `get_model_info()` adds the GEAR config (`GearConfig.to_dict()`), how it was named (`gear_name`:
-  "recommended=compact", "preset=gear-2", "default") and generation statistics (generated tokens, tokens/s, the
+  "recommended=smallest", "preset=gear-2", "default") and generation statistics (generated tokens, tokens/s, the
   warm-up's seconds, KV bits per element from the cache's `memory_report`) to lm-eval's results["config"]; under
   data parallelism these statistics are rank 0's share.
 """
