@@ -68,7 +68,7 @@ class RotaryMemo:
     """cos/sin of one step's read positions from a model's rotary module, computed once per step and shared
     by every layer that reads the same columns with the same rotary module (Gemma 3 has two: local and
     global). Dropped when the step ends (`clear`): kept from one step to the next it would be a table
-    proportional to T beside the CPU kernel's own (issue 25), and recomputing it (once per step, not per layer)
+    proportional to T beside the CPU kernel's own, and recomputing it (once per step, not per layer)
     costs little next to reading the history."""
 
     def __init__(self) -> None:

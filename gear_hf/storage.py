@@ -2,7 +2,7 @@
 
 Every tensor is [B, H, capacity, ...] with the token (or chunk) axis at dim 2, so a kernel can read a whole segment
 through one pointer. Capacity grows by at most max(granule, 1/16 of itself) past what is needed, so what a store owns
-beyond what it holds stays small (issue 25: spare capacity is memory the user pays for). Per-row lengths are not
+beyond what it holds stays small (spare capacity is memory the user pays for). Per-row lengths are not
 kept here: they are the same for every layer and live once in the cache (`gear_hf.cache`).
 """
 

@@ -51,7 +51,7 @@ TENSOR_CORE_MEASURED = {"gear2": (227.0, 190.5), "default": (172.0, 128.5)}  # (
 # (`python -m gear_hf.kernels.compile_check --reconstruct-report`; sm_90, head_dim 128, bf16, 64-token tiles, 4 warps,
 # Triton 3.9's ptxas, 0 spills) whole-program figure of a prompt chunk (its main loop for each of a program's 4 tiles
 # + the setup and the key outliers' scatter once): what a long history is made of. Main loop alone: gear-2 10.1 / 9.3,
-# GearConfig() 11.5 / 10.9, every shipped configuration <= 11.7 (issue 26's target: <= 12); before the tiled kernel:
+# GearConfig() 11.5 / 10.9, every shipped configuration <= 11.7 (the target: <= 12); before the tiled kernel:
 # 64.2 / 33.0 and 39.0 / 32.8.
 RECONSTRUCT_INSTRUCTIONS = {"gear2": (11.9, 10.7), "default": (12.6, 11.7)}
 

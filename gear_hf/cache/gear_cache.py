@@ -302,8 +302,8 @@ class GearCache(FusedPath, Cache):
         half of what it attends. Such a step's peak is in a layer's MLP, where the model's activations (∝ the
         step's tokens) sit on top of every layer's storage; a history-sized workspace kept from layer to layer
         (keys, values, rotated keys [B,H,T,d] and cos/sin [B,1,T,d]: 3.3 layers' worth of dense KV) would sit
-        there too, for an allocation per layer saved that costs little next to such a step's compute (issue 25:
-        the peak KV of `generate`). Decode steps (the step's peak is in the attention, which needs the workspace
+        there too, for an allocation per layer saved that costs little next to such a step's compute
+        (the peak KV of `generate`). Decode steps (the step's peak is in the attention, which needs the workspace
         anyway) keep reusing them."""
         plan = self.layout.plan
         return plan.query_len > SLOT_MAX_QUERY and plan.query_len >= plan.rect_before

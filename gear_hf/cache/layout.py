@@ -16,7 +16,7 @@ and mirrored as an int32 [B, 4] tensor for the kernels.
 
 While every row is one run of columns after its left padding and every token's position is its row-local index
 (what `generate` does), both tables follow from the host's pads: nothing is stored (8 bytes a token that the dense
-cache does not own: issue 25, item 5) and a step builds them when it reads them (`positions`, `rect_to_local`,
+cache does not own) and a step builds them when it reads them (`positions`, `rect_to_local`,
 dropped when it ends). The first step that breaks this (a mask with holes, other positions) stores them (`tables`).
 """
 
@@ -236,8 +236,8 @@ class RowLayout:
     def _buffer_capacities(self, attend: RowCounts, after: RowCounts) -> tuple[int, int]:
         """(during the step, after its flush): the buffer holds exactly what the rows need, as transformers' dense
         cache does, and gives back what it compressed. Growing by one token a step copies at most a buffer's worth
-        (n_b tokens) per layer-step; spare capacity here would cost up to 16 bits per spare token for the whole run
-        (issue 25). A cache that compresses nothing (fp16) grows as transformers' DynamicCache does (its torch.cat),
+        (n_b tokens) per layer-step; spare capacity here would cost up to 16 bits per spare token for the whole run.
+        A cache that compresses nothing (fp16) grows as transformers' DynamicCache does (its torch.cat),
         never sized ahead to a known final length: it would own more than the dense cache until then."""
         return buffer_capacities(self.buffer_capacity, max(attend.buffer, default=0), max(after.buffer, default=0))
 

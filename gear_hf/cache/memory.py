@@ -11,7 +11,7 @@
     workspaces   what the cache keeps from one step for the next: nothing between steps (the rotary tables and the
                  query energy of key-width allocation are per step: dropped when a step ends)
 
-No layer owns more than the dense cache would (issue 25, item 5): a sliding layer whose window cannot gain stores
+No layer owns more than the dense cache would: a sliding layer whose window cannot gain stores
 dense (`GearLayer.dense`; `dense_layers` says why), positions that follow from the pads are not stored, and the
 full-precision buffer grows exactly as transformers' cache does. What remains above dense is named in `above_dense`.
 
@@ -187,7 +187,7 @@ def _dense_layers(cache) -> dict[str, list[int]]:
 
 def _above_dense_reasons(cache, report: dict) -> list[str]:
     """Why the cache owns more than the dense cache of the same tokens (real ones: no padding) would, from what the
-    report counted (issue 25: said, not hidden). A dense cache of a left-padded batch owns its padding columns too."""
+    report counted (said, not hidden). A dense cache of a left-padded batch owns its padding columns too."""
     config, counts = cache.gear_config, cache.layout.counts
     reasons = []
     if report["positions"]:
