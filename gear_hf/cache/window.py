@@ -2,7 +2,8 @@
 
 A layer whose window is short next to the buffer (window <= 2 x buffer_size) never gains from compression: its
 window holds at most one compressible chunk beside up to a buffer of full-precision tokens, so the compressed layer
-would own at least what the dense window does (no layer owns more than the dense cache would). Such a layer keeps, like transformers'
+would own at least what the dense window does, and no layer owns more than the dense cache would. Such a layer
+keeps, like transformers'
 `DynamicSlidingWindowLayer`, the last window-1 columns of HF's padded layout (keys before RoPE, values), in the
 model's dtype, and nothing else: no chunk, no buffer, no per-token bookkeeping of its own (the positions the keys are
 rotated with are the layout's, shared by every layer).
