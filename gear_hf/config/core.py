@@ -8,6 +8,7 @@ and what is allowed. `GearConfig()` is the "balanced" recommendation; `GearConfi
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +77,7 @@ class GearConfig:
                 raise TypeError(f"GearConfig got {name!r} twice (positionally and by name)")
             kwargs[name] = value
         options = {k: kwargs.pop(k) for k in list(kwargs) if k in ADVANCED_NAMES}
+        sizes = {k: kwargs.pop(k) for k in FORMER_SIZE_NAMES if k in kwargs}
         unknown = sorted(set(kwargs) - set(names))
         if unknown:
             raise ValueError(f"GearConfig has no setting(s) {unknown}; settings: {', '.join(names[:-1])}, and the "
@@ -87,6 +89,8 @@ class GearConfig:
             raise TypeError(f"GearConfig.advanced must be a gear_hf.config.Advanced, got {type(advanced).__name__}")
         for f in dataclasses.fields(self):
             object.__setattr__(self, f.name, kwargs.get(f.name, f.default))
+        if sizes:
+            options["hold"] = _hold_from_sizes(sizes, self.buffer_size, options.get("hold", advanced.hold))
         object.__setattr__(self, "advanced", dataclasses.replace(advanced, **options) if options else advanced)
         self._check()
 
@@ -225,7 +229,7 @@ class GearConfig:
 
     def replace(self, **changes: Any) -> "GearConfig":
         """A copy with `changes`: settings and advanced options by name, or a whole `advanced=`."""
-        options = {k: changes.pop(k) for k in list(changes) if k in ADVANCED_NAMES}
+        options = {k: changes.pop(k) for k in list(changes) if k in ADVANCED_NAMES or k in FORMER_SIZE_NAMES}
         advanced = changes.pop("advanced", self.advanced)
         return dataclasses.replace(self, advanced=advanced, **changes, **options)
 
@@ -284,6 +288,26 @@ class GearConfig:
 
 
 _DEFAULT_BUFFER = GearConfig.__dataclass_fields__["buffer_size"].default
+# the held buffers' sizes as earlier releases set them (value_buffer_size / key_buffer_size: None or 2 x buffer_size):
+# still taken by the constructor and `replace`, with a DeprecationWarning, as the `hold` they mean
+FORMER_SIZE_NAMES = ("value_buffer_size", "key_buffer_size")
+
+
+def _hold_from_sizes(sizes: dict[str, Any], buffer_size: int, hold: str) -> str:
+    warnings.warn(f"GearConfig({', '.join(f'{k}=...' for k in sizes)}): the held buffers' sizes are now "
+                  f"advanced.hold ('none' | 'values' | 'both'; held tokens stay 2 x buffer_size)", DeprecationWarning,
+                  stacklevel=4)
+    held = {"value": hold != "none", "key": hold == "both"}
+    for name, size in sizes.items():
+        if size not in (None, "auto") and (isinstance(size, bool) or size != 2 * buffer_size):
+            _fail(name, size, f"'auto', None or 2 x buffer_size = {2 * buffer_size}")
+        held[name.split("_")[0]] = size is not None
+    if "key_buffer_size" not in sizes:  # keys followed their values ("auto")
+        held["key"] = held["key"] and held["value"]
+    if held["key"] and not held["value"]:
+        _fail("key_buffer_size", sizes.get("key_buffer_size"), "None with value_buffer_size=None (keys are held a "
+                                                                 "chunk longer only with their values)")
+    return "both" if held["key"] else "values" if held["value"] else "none"
 SETTING_NAMES = tuple(f.name for f in dataclasses.fields(GearConfig) if f.name != "advanced")
 
 

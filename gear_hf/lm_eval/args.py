@@ -97,11 +97,7 @@ def _bad(key: str, value: Any, allowed: str) -> ModelArgsError:
 
 def _convert(key: str, value: Any) -> Any:
     kind = _type_name(key)
-    if kind == "int | str | None":  # value_buffer_size: "auto", "None" or an integer
-        if isinstance(value, str) and value.strip().lower() == "auto":
-            return "auto"
-        kind = "int | None"
-    if kind == "int | None":  # key_group_size, value_buffer_size, ...: "None" (as the CLI may leave it) or an integer
+    if kind == "int | None":  # key_group_size, prompt_group_size: "None" (as the CLI may leave it) or an integer
         if value is None or (isinstance(value, str) and value.strip().lower() == "none"):
             return None
         kind = "int"
@@ -120,10 +116,6 @@ def _convert(key: str, value: Any) -> Any:
             except ValueError:
                 pass
         raise _bad(key, value, "an integer")
-    if kind == "float | str":  # held_for: "auto" or a number
-        if isinstance(value, str) and value.strip().lower() == "auto":
-            return "auto"
-        return _number(key, value)
     if kind == "int | float":  # key_bits: a whole number, or a mean such as 3.5 (allocated key widths)
         number = _number(key, value)
         return int(number) if number.is_integer() else number

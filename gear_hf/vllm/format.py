@@ -42,7 +42,7 @@ PAGE_ALIGN = 4  # bytes: the page is viewed in the model dtype by vLLM (2 or 4 b
 
 def config_from_env(text: str | None = None) -> GearConfig:
     """The GearConfig named by GEAR_HF_VLLM_CONFIG (JSON): {"preset": "gear-2", ...fields}, {"recommended":
-    "accurate", ...} or plain GearConfig fields; unset or empty: GearConfig()."""
+    "smallest", ...} or plain GearConfig fields; unset or empty: GearConfig()."""
     text = os.environ.get(CONFIG_ENV, "") if text is None else text
     if not text.strip():
         return GearConfig()
@@ -65,12 +65,12 @@ def config_from_env(text: str | None = None) -> GearConfig:
 def block_config(config: GearConfig, block_size: int, head_size: int) -> GearConfig:
     """The GearConfig whose decode chunk is one vLLM block of one KV head: buffer_size = block_size, groups capped
     at the block (along tokens) or the head (along channels), no sinks, and no values or keys held a chunk longer
-    (value_buffer_size = key_buffer_size = None: the plugin compresses a block's keys and values together when the
+    (hold="none": the plugin compresses a block's keys and values together when the
     block closes; the open block is the engine's buffer). Its decode chunks' specs (`gear_hf.format.layer_formats`)
     are the page's: the plugin builds no spec of its own."""
     if not config.compresses:
         return config
-    changes: dict = dict(buffer_size=block_size, sink_tokens=0, value_buffer_size=None, key_buffer_size=None)
+    changes: dict = dict(buffer_size=block_size, sink_tokens=0, hold="none")
     for name, axis, group in (("key", config.key_axis, config.key_group),
                               ("value", config.value_axis, config.value_group)):
         length, what = (block_size, "block size") if axis == "channel" else (head_size, "head size")
