@@ -73,15 +73,20 @@ def _channel_outliers(x, ow_b, ov_b, lo, hi, tok0, ch0, D: tl.constexpr, BN: tl.
 def _table_pairs(p, C: tl.constexpr):
     """The 16-bit (bf16/fp16) or float32 table entries p [R] + arange(C) as float32 (even, odd) columns [R, C/2]:
     a 16-bit pair is one 32-bit word (rows 4-byte aligned), split in registers with one op per entry."""
+    # if/elif/else, no code after a returning branch: the compiler still generates what follows a static `if` that
+    # returns (the fp16 bitcasts, invalid on float32 tables)
     ty: tl.constexpr = p.dtype.element_ty
     if ty == tl.float32:
         pairs = p[:, None] + 2 * tl.arange(0, C // 2)[None, :]
-        return tl.load(pairs), tl.load(pairs + 1)
-    w = tl.load(p.to(tl.pointer_type(tl.int32))[:, None] + tl.arange(0, C // 2)[None, :])
-    if ty == tl.bfloat16:  # a bf16 is the top half of the float32 with the same value
-        return (w << 16).to(tl.float32, bitcast=True), (w & -65536).to(tl.float32, bitcast=True)
-    return ((w & 65535).to(tl.int16).to(ty, bitcast=True).to(tl.float32),
-            (w >> 16).to(tl.int16).to(ty, bitcast=True).to(tl.float32))
+        even, odd = tl.load(pairs), tl.load(pairs + 1)
+    else:
+        w = tl.load(p.to(tl.pointer_type(tl.int32))[:, None] + tl.arange(0, C // 2)[None, :])
+        if ty == tl.bfloat16:  # a bf16 is the top half of the float32 with the same value
+            even, odd = (w << 16).to(tl.float32, bitcast=True), (w & -65536).to(tl.float32, bitcast=True)
+        else:
+            even = (w & 65535).to(tl.int16).to(ty, bitcast=True).to(tl.float32)
+            odd = (w >> 16).to(tl.int16).to(ty, bitcast=True).to(tl.float32)
+    return even, odd
 
 
 @triton.jit
@@ -109,10 +114,12 @@ def _rope_bf16(x1, x2, cos_row, sin_row, HALF: tl.constexpr, EMULATE: tl.constex
         c2 = tl.load(rows + HALF).to(tl.float32)
         s1 = tl.load(srows).to(tl.float32)
         s2 = tl.load(srows + HALF).to(tl.float32)
-        return _bf16(_bf16(b1 * c1) - _bf16(b2 * s1)), _bf16(_bf16(b2 * c2) + _bf16(b1 * s2))
-    b1 = x1.to(tl.bfloat16)
-    b2 = x2.to(tl.bfloat16)
-    return b1 * tl.load(rows) - b2 * tl.load(srows), b2 * tl.load(rows + HALF) + b1 * tl.load(srows + HALF)
+        y1, y2 = _bf16(_bf16(b1 * c1) - _bf16(b2 * s1)), _bf16(_bf16(b2 * c2) + _bf16(b1 * s2))
+    else:  # (an else, not code after a return: the compiler would generate both, with two return types)
+        b1 = x1.to(tl.bfloat16)
+        b2 = x2.to(tl.bfloat16)
+        y1, y2 = b1 * tl.load(rows) - b2 * tl.load(srows), b2 * tl.load(rows + HALF) + b1 * tl.load(srows + HALF)
+    return y1, y2
 
 
 @triton.jit
@@ -222,7 +229,8 @@ def _reconstruct_kernel(
     # the tile staying in the layout its words were read in (no tensor-core layout to move it into and out of).
     # Measured (compile report): better at rank 2 (gear-2 keys decode 10.70 -> 10.27), worse at rank 4 (gear-2
     # keys prompt 11.48 -> 12.67) and for 3-bit words (gear-3 keys decode 10.55 with the dot, 12.00 without)
-    LR_FMA: tl.constexpr = BY_CHANNEL and not PLANES and 0 < R <= 2 and BITS != 3
+    LR_FMA: tl.constexpr = BY_CHANNEL and not PLANES and R > 0 and R <= 2 and BITS != 3  # (no chained <: Triton's
+    # compiler rejects them)
     if LR_FMA:
         lb_b = lb + bh64 * s_lb
         rows1 = chunk * D + h_offs

@@ -16,7 +16,9 @@ import triton.language as tl
 
 @triton.jit
 def magic_of(MT: tl.constexpr, BITS: tl.constexpr):
-    """(bits of the magic 16-bit float for codes of BITS bits in dtype MT, or 0 where none is exact, its value)."""
+    """(bits of the magic 16-bit float for codes of BITS bits in dtype MT, or 0 where none is exact, its value), as
+    run-time scalars: what a jit function returns is a tensor to the compiler, never a constexpr, so kernel code that
+    needs them at compile time spells them out under a static `if` on MT (`value_codes_magic`, `tc_tiles`)."""
     if MT == tl.float16:
         return 0x6400, 1024.0
     else:
@@ -61,7 +63,11 @@ def value_codes_magic(codes_b, s_codes, slot, tvalid, D: tl.constexpr, BITS: tl.
     tl.static_assert(BITS == 3, "3-bit units")
     tl.static_assert(D % 32 == 0, "rows of whole 3-word groups")
     BN: tl.constexpr = slot.shape[0]
-    MBITS: tl.constexpr = magic_of(MT, BITS)[0]
+    if MT == tl.float16:  # magic_of(MT, 3)[0], as a constexpr
+        MBITS: tl.constexpr = 0x6400
+    else:
+        tl.static_assert(MT == tl.bfloat16, "16-bit floats only")
+        MBITS: tl.constexpr = 0x4300
     MAGIC2: tl.constexpr = MBITS | (MBITS << 16)
     G3: tl.constexpr = D // 32
     rows = (codes_b + slot[:, None] * s_codes).to(tl.pointer_type(tl.int32)) + (tl.arange(0, G3) * 3)[None, :]

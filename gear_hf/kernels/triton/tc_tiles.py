@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .ops import _dot, _lowrank_a, _lowrank_dot, _lowrank_values, _rope, _sincos, _softmax_weights, _unrotate_halves
-from .tc_codes import magic_of, value_codes_magic
+from .tc_codes import value_codes_magic
 from .tiles import _load_token_stats, _per_channel_tile, _value_tile
 from .unpack import _plane_bytes, _planes_to_codes, _unpack_3bit_units, _unpack_words
 
@@ -228,7 +228,10 @@ def tc_compressed_block(
             mn = tl.load(vm + slot * s_vs, mask=tvalid, other=0.0).to(tl.float32)
         MT: tl.constexpr = q_rows.dtype.element_ty  # the model's 16-bit dtype
         if (V_BITS == 3) and (D % 32 == 0):  # codes as magic floats (magic + code): P·code = P·v - magic·rowsum(P)
-            MAGIC: tl.constexpr = magic_of(MT, V_BITS)[1]
+            if MT == tl.float16:  # magic_of(MT, 3)[1], as a constexpr
+                MAGIC: tl.constexpr = 1024.0
+            else:
+                MAGIC: tl.constexpr = 128.0
             ps = (p * sc[None, :]).to(DT)
             v = value_codes_magic(vc, s_vc, slot, tvalid, D, V_BITS, MT)
             acc = _dot(ps, v.to(DT), DT) + acc + tl.sum(p * mn[None, :] - MAGIC * ps.to(tl.float32), axis=1)[:, None]

@@ -102,11 +102,13 @@ def _stats8(scale_code, zero_code, TOP: tl.constexpr):
 def _load_token_stats(scale_b, min_b, offsets, mask, TOP: tl.constexpr):
     """(scale, minimum) float32 of the groups at `offsets` (any shape): 16-bit fields, or 8-bit statistics' uint8
     codes (`_stats8`; TOP: the group's highest code)."""
-    if scale_b.dtype.element_ty == tl.uint8:
-        return _stats8(tl.load(scale_b + offsets, mask=mask, other=0), tl.load(min_b + offsets, mask=mask, other=0),
-                       TOP)
-    return tl.load(scale_b + offsets, mask=mask, other=0.0).to(tl.float32), \
-        tl.load(min_b + offsets, mask=mask, other=0.0).to(tl.float32)
+    if scale_b.dtype.element_ty == tl.uint8:  # (an else below, not code after a return: the compiler generates both)
+        sc, mn = _stats8(tl.load(scale_b + offsets, mask=mask, other=0), tl.load(min_b + offsets, mask=mask, other=0),
+                         TOP)
+    else:
+        sc = tl.load(scale_b + offsets, mask=mask, other=0.0).to(tl.float32)
+        mn = tl.load(min_b + offsets, mask=mask, other=0.0).to(tl.float32)
+    return sc, mn
 
 
 @triton.jit
