@@ -90,7 +90,9 @@ def test_the_summary_of_an_empty_cache_says_it_is_empty():
     model = tiny_model("llama3", dtype=torch.float32)
     gear_hf.enable(model)
     cache = gear_hf.GearCache(model, gear_hf.GearConfig())
-    assert cache.summary() == "kivi-3-query-allocated: empty (nothing stored yet), owns 0.00 MiB"
+    assert cache.summary() == "balanced: empty (nothing stored yet), owns 0.00 MiB"
     with torch.inference_mode():
         model(torch.tensor([[5, 6, 7]]), **{model_cache_kwarg(model): cache})
-    assert "3 tokens/layer, owns" in cache.summary() and "None" not in cache.summary()
+    line = cache.summary()
+    assert line.startswith("balanced: 3 tokens/layer, owns ") and "None" not in line
+    assert "MiB instead of " in line and "MiB float32" in line and "MiB at 16 bits" in line  # (fp32: both)

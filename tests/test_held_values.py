@@ -105,21 +105,19 @@ def test_values_held_a_chunk_longer_token_by_token(steps, value_buffer):
 
 def test_config_rejects_what_cannot_hold():
     small = dict(group_size=64, buffer_size=64)
-    for bad, allowed in ((dict(value_buffer_size=64), "None or 2 x buffer_size = 128"),
-                         (dict(value_buffer_size=True), "None or 2 x buffer_size = 128"),
-                         (dict(value_buffer_size=128, value_buffer="full"), "'int8', 'int8-rotated' or 'int4'"),
-                         (dict(value_buffer_size=128, value_buffer="final"), "'int8', 'int8-rotated' or 'int4'")):
-        with pytest.raises(ValueError, match="value_buffer_size") as err:
-            GearConfig(**small, **bad)
-        assert allowed in str(err.value)
-    assert GearConfig(**small, value_buffer_size=128, value_buffer="int8").value_buffer_size == 128
-    for bad, allowed in ((dict(held_for=0), "'auto' or a number in (0, 1]"), (dict(held_for=1.5), "in (0, 1]"),
-                         (dict(held_for="soon"), "in (0, 1]"), (dict(held_for=True), "in (0, 1]"),
-                         (dict(held_for=0.5, key_buffer_size=None), "needs keys held too")):
-        with pytest.raises(ValueError, match="held_for") as err:
-            GearConfig(**small, **bad)
-        assert allowed in str(err.value)
-    assert GearConfig(**small, held_for=0.5, value_buffer_size=None).held_for == 0.5  # (nothing held: ignored)
+    with pytest.warns(DeprecationWarning, match="advanced.hold"):
+        for bad in (64, True):  # the former size names: None or 2 x buffer_size only
+            with pytest.raises(ValueError, match=r"value_buffer_size=.* is invalid; allowed: 'auto', None or 2 x "
+                                                 r"buffer_size = 128"):
+                GearConfig(**small, value_buffer_size=bad)
+        assert GearConfig(**small, value_buffer_size=128, value_buffer="int8").value_buffer_size == 128
+    for buffer in ("full", "final"):  # a buffer that is not per token holds nothing
+        assert GearConfig(**small, hold="values", value_buffer=buffer, method="kivi").value_buffer_size is None
+    for bad in (0, 1.5, "soon", True):
+        with pytest.raises(ValueError, match=r"held_for=.* is invalid; allowed: a number in \(0, 1\]"):
+            GearConfig(**small, held_for=bad)
+    assert GearConfig(**small, held_for=0.5, hold="values").held_for == 1.0  # (values held alone: until the flush)
+    assert GearConfig(**small, held_for=0.5, hold="none").value_buffer_size is None  # (nothing held: ignored)
 
 
 def _generate(model, ids, mask, config, steps: int, **kwargs):

@@ -230,7 +230,7 @@ def summary(report: dict) -> str:
                     " MiB")
     shape = (f"{rows} rows, up to {report['row_tokens']} tokens each" if rows > 1
              else f"{report['row_tokens']} tokens")
-    return (f"{report['name']}: {shape}, {owned / mib:.2f} MiB instead of " + " or ".join(against)
+    return (f"{report['name']}: {shape}/layer, owns {owned / mib:.2f} MiB instead of " + " or ".join(against)
             + f", {report['bits_per_element']:.2f} bits/element ({report['method']}); " + ", ".join(rest)
             + _allocation_note(report)
             + "".join(f"; {_layers(idx)} dense (why: {why})" for why, idx in report.get("dense_layers", {}).items())
