@@ -68,20 +68,20 @@ def test_an_early_release_buffers_fewer_tokens(held_for):
 
 def test_config_holds_keys_only_with_a_per_token_buffer_and_held_values():
     small = dict(group_size=64, buffer_size=64)
-    for bad, allowed in ((dict(key_buffer_size=64), "'auto', None or 2 x buffer_size = 128"),
-                         (dict(key_buffer_size=True), "'auto', None or 2 x buffer_size = 128"),
-                         (dict(key_buffer_size=128, key_buffer="full"), "'int8', 'int8-rotated' or 'int4'"),
-                         (dict(key_buffer_size=128, value_buffer_size=None), "only with their values")):
-        with pytest.raises(ValueError, match="GearConfig.key_buffer_size") as err:
-            GearConfig(**small, **bad)
-        assert allowed in str(err.value)
-    auto = GearConfig(**small, key_buffer_size="auto")
-    assert (auto.value_buffer_size, auto.key_buffer_size, auto.held_for) == (128, 128, 0.5)
-    assert auto.replace(buffer_size=32).key_buffer_size == 64  # ("auto" follows the buffer, as value_buffer_size)
-    assert auto.replace(value_buffer="full").key_buffer_size is None  # (no held values: no held keys)
-    assert auto.replace(key_buffer="full").held_for == 1.0  # ("auto": values held alone stay a whole chunk)
-    assert auto.replace(key_buffer="full").key_buffer_size is None
-    assert GearConfig(**small, key_buffer_size="auto", method="fp16").key_buffer_size is None
+    with pytest.warns(DeprecationWarning, match="advanced.hold"):
+        for bad, allowed in ((dict(key_buffer_size=64), "'auto', None or 2 x buffer_size = 128"),
+                             (dict(key_buffer_size=True), "'auto', None or 2 x buffer_size = 128"),
+                             (dict(key_buffer_size=128, value_buffer_size=None), "only with their values")):
+            with pytest.raises(ValueError, match="GearConfig.key_buffer_size") as err:
+                GearConfig(**small, **bad)
+            assert allowed in str(err.value)
+    both = GearConfig(**small, hold="both")
+    assert (both.value_buffer_size, both.key_buffer_size, both.held_for) == (128, 128, 0.5)
+    assert both.replace(buffer_size=32).key_buffer_size == 64  # (held tokens follow the buffer)
+    assert both.replace(value_buffer="full").key_buffer_size is None  # (no held values: no held keys)
+    assert both.replace(key_buffer="full").held_for == 1.0  # (values held alone stay a whole chunk)
+    assert both.replace(key_buffer="full").key_buffer_size is None
+    assert GearConfig(**small, hold="both", method="fp16").key_buffer_size is None
 
 
 @pytest.mark.parametrize("held_for", [1.0, 0.5])
