@@ -18,9 +18,9 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .cache import GearCache
+from .compress.rope import apply_rotary
 from .hf_compat import pop_cache
 from .kernels import MAX_FUSED_QUERY  # no triton import: kernels load lazily
-from .rope import apply_rotary
 from .step_ref import OPAQUE_STEP, StepRef
 
 

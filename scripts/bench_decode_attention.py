@@ -253,7 +253,7 @@ def _sdpa_dense(q, k, v):
 
 def _reference_step(cache, q, inv_freq, dtype):
     """What gear_hf.attention does without kernels, minus the store: reconstruct, gather, rotate, SDPA."""
-    from gear_hf.rope import apply_rotary, rope_tables
+    from gear_hf.compress.rope import apply_rotary, rope_tables
 
     keys, values = cache.held(0, dtype)
     cos, sin = rope_tables(cache.layout.read_positions(0), inv_freq)

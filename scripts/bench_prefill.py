@@ -69,7 +69,7 @@ def prefill(model, ids, method):
     from transformers import DynamicCache
 
     import gear_hf
-    from gear_hf.storage import ChunkStore
+    from gear_hf.cache.storage import ChunkStore
 
     arg = model_cache_kwarg(model)
     totals: dict = {}

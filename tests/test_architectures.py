@@ -183,7 +183,7 @@ def test_length_dependent_rope_on_one_layer_type_refused():
 
 
 def test_fused_supported_names_architecture_reasons():
-    from gear_hf.kernels import fused_supported
+    from gear_hf.backends.triton_backend import fused_supported
 
     config = gear_hf.GearConfig.preset("gear", bits=4)
     assert fused_supported(config, 64, 1, rotary_dim=64, softcap=None) is None

@@ -17,11 +17,11 @@ import torch
 numba = pytest.importorskip("numba")
 
 from gear_hf.backends import get_backend, plan_of  # noqa: E402
+from gear_hf.cache.storage import ChunkStore  # noqa: E402
 from gear_hf.compress import ChunkSpec, CompressedChunk, compress  # noqa: E402
 from gear_hf.compress.gear import compute_backbone, fit_factors  # noqa: E402
 from gear_hf.kernels import cpu  # noqa: E402
 from gear_hf.kernels.cpu import compress_backbone, compress_supported  # noqa: E402
-from gear_hf.storage import ChunkStore  # noqa: E402
 
 
 def _inputs(kind: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """The numba CPU read kernels (`gear_hf.kernels.cpu`) against the torch oracle, bit for bit.
 
 The kernels decompress a run of chunks and rotate keys; `gear_hf.compress.decompress` and
-`gear_hf.rope.apply_rotary` are what they must equal, exactly (same float32 operations in the same order). Shapes
+`gear_hf.compress.rope.apply_rotary` are what they must equal, exactly (same float32 operations in the same order).
+Shapes
 are odd on purpose: 2 rows, 3 heads, runs written into the middle of a wider workspace, short value groups.
 End to end, generation with backend="numba" must give the same tokens and logits as backend="torch".
 """
@@ -20,10 +21,10 @@ numba = pytest.importorskip("numba")
 import gear_hf  # noqa: E402
 from gear_hf.backends import resolve  # noqa: E402
 from gear_hf.compress import ChunkSpec, CompressedChunk, compress, decompress  # noqa: E402
+from gear_hf.compress.rope import RotaryMemo, apply_rotary  # noqa: E402
 from gear_hf.compress.terms import BUILTIN_FIELDS  # noqa: E402
 from gear_hf.config import GearConfig  # noqa: E402
 from gear_hf.kernels import cpu  # noqa: E402
-from gear_hf.rope import RotaryMemo, apply_rotary  # noqa: E402
 from reference_match import assert_matches_oracle  # noqa: E402
 from tiny_models import prompts  # noqa: E402
 

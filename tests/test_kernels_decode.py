@@ -294,13 +294,13 @@ def test_recommended_configs_run_fused(name, d, dtype, steps, impl):
     rotated, 8-bit statistics; 64-token groups and buffer, the prompt in 256-token groups, 4 sinks, coded buffers,
     values held a chunk longer) and the "compact" recommendation (values per channel, ranges searched): the fused
     kernel covers them and equals the oracle (prompt chunk, decode chunks, buffer, sinks, a padded row)."""
-    from gear_hf.kernels import fused_supported
+    from gear_hf.backends.triton_backend import fused_supported
 
     cfg = GearConfig() if name == "default" else GearConfig.recommended(name=name)
     if impl == "triton":
         assert fused_supported(cfg, d, 1) is None
     else:
-        from gear_hf.kernels.cpu import attend_supported
+        from gear_hf.backends.numba_backend import attend_supported
 
         assert attend_supported(cfg, d, dtype) is None
     cache, _, _ = build_cache(cfg, batch=2, kv_heads=2, head_dim=d, steps=steps, pad=[0, 37], dtype=dtype,

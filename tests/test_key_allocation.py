@@ -8,10 +8,10 @@ import torch
 from transformers import LlamaConfig
 
 import gear_hf
+from gear_hf.backends.triton_backend import fused_supported
 from gear_hf.cache import GearCache
 from gear_hf.compress import ChunkSpec, compress, decompress, quant
 from gear_hf.compress.allocation import allocate_channel_bits, even_channel_bits, query_pair_energy
-from gear_hf.kernels import fused_supported
 
 H, D = 2, 32
 

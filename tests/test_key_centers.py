@@ -1,4 +1,5 @@
-"""Keys centered and scaled per channel in the buffer (`GearConfig.key_buffer_centered`, gear_hf/channel_centers.py):
+"""Keys centered and scaled per channel in the buffer (`GearConfig.key_buffer_centered`,
+gear_hf/cache/channel_centers.py):
 each row's center and power-of-two scale come from its first step's tokens, every key the buffer codes is coded as
 (x - center) / scale and read back through them. Token by token against an oracle written here, the paths that must
 agree on it (reference, numba fused; Triton: tests/test_triton_tail.py), beams, the memory report, a short prompt, the
@@ -14,8 +15,8 @@ from test_held_keys import HELD_KEYS
 from test_held_values import FUSED, _coded, _fill, _generate, held_oracle
 
 from gear_hf import GearConfig
+from gear_hf.cache.channel_centers import MIN_FIT_TOKENS, SPREAD_RANGE
 from gear_hf.cache.fused import row_local_tokens
-from gear_hf.channel_centers import MIN_FIT_TOKENS, SPREAD_RANGE
 from gear_hf.format import layer_formats
 from tiny_models import prompts, tiny_model
 

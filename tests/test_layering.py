@@ -1,7 +1,9 @@
 """Layering of the package, read from the source with `ast` (nothing is imported):
 
-* nothing under gear_hf/kernels imports gear_hf.cache: kernels take tensors and views, and what takes a GearCache
-  layer lives in gear_hf.cache.fused (the import circle cache -> storage -> kernels -> cache is gone);
+* nothing under gear_hf/kernels imports gear_hf.cache, gear_hf.config or gear_hf.format: kernels take tensors, specs
+  and numbers; what takes a GearCache layer lives in gear_hf.cache.fused, what decides for a configuration in
+  gear_hf.backends;
+* gear_hf.config (a value object) imports no runtime: no backend, cache, kernel or transformers;
 * no file of gear_hf is longer than MAX_LINES.
 """
 
@@ -79,6 +81,24 @@ def test_kernels_do_not_import_the_cache():
                  if (found := _imports_cache(imported_modules(path)))}
     assert not offenders, f"gear_hf/kernels must not import gear_hf.cache (move the glue to gear_hf/cache/fused.py): " \
                           f"{offenders}"
+
+
+def _imports_any(names: set[str], packages: tuple[str, ...]) -> list[str]:
+    return sorted(n for n in names for p in packages if n == p or n.startswith(p + "."))
+
+
+def test_kernels_take_no_configuration():
+    offenders = {str(path.relative_to(ROOT)): found for path in sorted(KERNELS.rglob("*.py")) if path not in TOOLS
+                 if (found := _imports_any(imported_modules(path), ("gear_hf.config", "gear_hf.format")))}
+    assert not offenders, f"gear_hf/kernels must not import the configuration or the format: {offenders}"
+
+
+def test_the_configuration_imports_no_runtime():
+    runtime = ("gear_hf.backends", "gear_hf.cache", "gear_hf.kernels", "gear_hf.api", "gear_hf.attention",
+               "transformers")
+    offenders = {str(path.relative_to(ROOT)): found for path in sorted((PACKAGE / "config").rglob("*.py"))
+                 if (found := _imports_any(imported_modules(path), runtime))}
+    assert not offenders, f"gear_hf/config must stay a value object: {offenders}"
 
 
 def test_tools_stay_out_of_the_import_graph():

@@ -213,7 +213,7 @@ def test_separate_key_and_value_group_sizes():
 def test_fused_kernel_declines_what_it_does_not_read(overrides, word):
     """The fused decode kernel reads every storage option but key outliers of rotated keys: that one names itself,
     so the cache takes the torch reference path for it (and stays correct)."""
-    from gear_hf.kernels import fused_supported
+    from gear_hf.backends.triton_backend import fused_supported
 
     assert fused_supported(gear_hf.GearConfig.preset("gear", bits=2), 64, 1) is None
     for supported in (dict(key_bits=3), dict(value_bits=3), dict(rotation="values"), dict(factor_bits=8),

@@ -15,7 +15,7 @@ if not torch.cuda.is_available():  # (the Triton kernels run interpreted: set be
 
 import gear_hf
 from gear_hf import GearConfig
-from gear_hf.coded_store import CodedTokenStore
+from gear_hf.cache.coded_store import CodedTokenStore
 from gear_hf.compress import compress, decompress
 from gear_hf.format import INT4_TOKENS, INT8_ROTATED_TOKENS, INT8_TOKENS, layer_formats
 from tiny_models import CACHE_ARG, tiny_model

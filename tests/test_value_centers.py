@@ -1,4 +1,5 @@
-"""Values centered per channel in the buffer (`GearConfig.value_buffer_centered`, gear_hf/channel_centers.py): each
+"""Values centered per channel in the buffer (`GearConfig.value_buffer_centered`, gear_hf/cache/channel_centers.py):
+each
 row's centers (the mean of its first step's buffered values, an int8 code a channel in steps of the head's largest
 |mean| / 127) are taken out before a value is coded and added back when it is read. Token by token against an oracle
 written here, what a value bias costs without them, the memory report, the paths that must agree (reference, numba

@@ -1,5 +1,6 @@
 """Value chunks coded by the value buffer's centers (`GearConfig.value_chunks_centered`): each row's value centers
-(gear_hf/channel_centers.py, fitted to its first step before anything of it is compressed) are taken out of the values
+(gear_hf/cache/channel_centers.py, fitted to its first step before anything of it is compressed) are taken out of the
+values
 its chunks compress and added back when they are read; the fused kernels are handed every value centered (chunks and
 buffer codes as stored, the sink and the step's own tokens minus the centers) and add the centers to their output once
 (`StreamView.center`). Token by token against an oracle, what a value bias costs the chunks without it, the bytes, the

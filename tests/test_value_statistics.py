@@ -103,7 +103,8 @@ def test_config_validates_and_only_values_take_it():
 
 def test_the_kernels_compress_read_and_attend_it():
     config = GearConfig(value_statistics="8")
-    from gear_hf.kernels import fused_supported, reconstruct_supported
+    from gear_hf.backends.triton_backend import fused_supported
+    from gear_hf.kernels import reconstruct_supported
 
     assert fused_supported(config, 64, 1) is None
     assert reconstruct_supported(layer_formats(config)[1].decode, 64) is None

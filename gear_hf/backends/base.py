@@ -74,7 +74,7 @@ class Backend:
     def attend(self, query, keys, values, layout, *, scaling, inv_freq, attention_scaling, sliding_window, shared):
         raise NotImplementedError
 
-    # the buffer held per token (`gear_hf.coded_store.CodedTokenStore`)
+    # the buffer held per token (`gear_hf.cache.coded_store.CodedTokenStore`)
     def encode_tokens(self, spec, exact: torch.Tensor, written: torch.Tensor, fields: dict) -> bool:
         """Encode the tokens marked in written [B,cap] (bool) of exact [B,H,cap,d] into a coded buffer's fields
         ([B,H,cap,...]) in place, bit for bit as `compress(token, spec)`; False when this backend does not (the store's

@@ -15,7 +15,7 @@ import torch
 
 from ..compress import compress
 from ..compress.quant import BITS
-from ..format import layer_formats
+from ..format import layer_formats, stream_specs
 from .base import Backend, import_problem
 from .torch_backend import TorchBackend
 
@@ -44,7 +44,7 @@ class NumbaBackend(Backend):
         if extra:
             return f"the CPU kernels do not implement the term(s) {extra}"
         if op == "attend":
-            return _kernels().attend_supported(config, head_dim, dtype)
+            return attend_supported(config, head_dim, dtype)
         if op == "compress":
             if dtype not in (torch.float32, torch.bfloat16):
                 return f"model dtype {dtype}: the CPU compression kernels read float32 and bf16 chunks"
@@ -144,3 +144,24 @@ def _owned_nbytes(run, fields) -> int:
         if array.nbytes and not any(lo <= at < hi for lo, hi in spans):
             owned += array.nbytes
     return owned
+
+
+@functools.lru_cache(maxsize=64)  # (asked once per layer and step; GearConfig is frozen)
+def attend_supported(config, head_dim: int, query_dtype: torch.dtype) -> str | None:
+    """None when the CPU kernels' `decode_attention` covers a cache of this GearConfig (storage the read kernels
+    decompress, keys before RoPE, a float32, bf16 or fp16 model), else why not. Configurations that compress nothing
+    (fp16) keep the reference path: it is stock attention bit for bit."""
+    if not config.compresses:
+        return "nothing is compressed (the reference path is stock attention bit for bit)"
+    if not config.pre_rope:
+        return "pre_rope=False (keys stored after RoPE) is only implemented by the torch path"
+    if query_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"query dtype {query_dtype} (the CPU kernel reads float32, bf16 and fp16 models)"
+    if head_dim % 2:
+        return f"head_dim={head_dim} is odd (RoPE rotates halves)"
+    probe = torch.empty(0, dtype=torch.float32)
+    for stream in ("key", "value"):
+        for spec in stream_specs(config, stream):
+            if not _kernels().decompress_supported(spec, head_dim, probe):
+                return f"{stream} storage {spec} is not read by the CPU kernels"
+    return None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..compress import compress, decompress
-from ..rope import apply_rotary
+from ..compress.rope import apply_rotary
 from .base import Backend
 
 

@@ -40,8 +40,6 @@ class TritonBackend(Backend):
         if op == "compress":  # the quantizer serves the chunks it covers (one width, min/max); the oracle the rest
             return None
         if op == "attend":
-            from ..kernels import fused_supported
-
             if config.extra_terms:
                 return f"the fused kernel does not implement the term(s) {list(config.extra_terms)}"
             return fused_supported(config, head_dim, 1)
@@ -194,3 +192,55 @@ def _chunks_of(view, first: int, last: int):
         e = view.extent(name)
         fields[name] = t[:, :, first * e : last * e]
     return dataclasses.replace(view, **fields, derived={})
+
+
+# -- what the fused decode kernels cover, for a configuration (the kernels themselves take tensors and numbers) ----
+def fused_supported(config, head_dim: int, query_len: int, *, rotary_dim: int | None = None,
+                    softcap: float | None = None) -> str | None:
+    """None when the fused decode kernel covers this configuration and step, else the reason it does not.
+
+    rotary_dim: channels per head the model's RoPE rotates (None: all); softcap: the attention-logit soft cap
+    the model's attention function is given (Gemma 2), None when it has none."""
+    if not config.pre_rope:
+        return "pre_rope=False (keys stored after RoPE) is only implemented by the torch path"
+    if config.compresses and config.key_axis != "channel":
+        return (f"key_axis={config.key_axis!r}: the fused kernel reads keys stored per channel (key_axis='channel') "
+                "only")
+    if config.compresses and config.value_axis == "channel" and config.uses_outliers:
+        return (f"value_axis='channel' with value outliers (method={config.method!r}): the fused kernel adds value "
+                "outliers per token only")
+    if head_dim < 32 or head_dim & (head_dim - 1):
+        return f"head_dim={head_dim}: the fused kernel needs a power of two >= 32"
+    from ..kernels import step_reason
+
+    reason = step_reason(head_dim, query_len, rotary_dim, softcap)
+    if reason:
+        return reason
+    if config.compresses:
+        from ..compress.quant import codes_per_unit
+
+        reason = _fused_storage_reason(config)
+        if reason:
+            return reason
+        block = config.buffer_size & -config.buffer_size  # largest power of two dividing n_b
+        if block < 16:
+            return f"buffer_size={config.buffer_size} is not a multiple of 16 (kernel tiles are 16 tokens at least)"
+        for bits, group, allocated in ((config.key_bits, config.key_group, config.key_bit_allocation == "query"),
+                                       (config.value_bits, config.value_group, False)):
+            unit = codes_per_unit(bits, allocated)
+            if group % unit and not config.coarse_groups:
+                return f"group size {group} is not a multiple of the {unit} codes of a {bits}-bit packing unit"
+    return None
+
+
+def _fused_storage_reason(config) -> str | None:
+    """Storage options that the fused decode kernel does not read; the torch path does."""
+    from ..kernels.views import MAX_FUSED_RANK  # no triton import
+
+    if config.uses_lowrank and max(config.rank_prefill, config.rank_decode) > MAX_FUSED_RANK:
+        return (f"rank_prefill={config.rank_prefill}/rank_decode={config.rank_decode}: the fused kernel reads "
+                f"low-rank factors of rank <= {MAX_FUSED_RANK}")
+    if config.rotation in ("keys", "both") and config.uses_outliers and config.outlier_ratio > 0:
+        return (f"rotation={config.rotation!r} with key outliers (method={config.method!r}): the fused kernel adds "
+                "key outliers in the unrotated basis only")
+    return None

@@ -17,7 +17,7 @@ import types
 
 import torch
 
-from ..rope import rope_tables, rotate_half
+from ..compress.rope import rope_tables, rotate_half
 
 
 def cache_decode_attention(cache, layer_idx: int, query: torch.Tensor, *, scaling: float,

@@ -15,8 +15,8 @@ import torch
 from transformers.cache_utils import Cache
 
 from .. import backends  # light: triton and numba are imported only when a kernel runs
+from ..compress.rope import RotaryMemo
 from ..config import GearConfig, expect_config
-from ..rope import RotaryMemo
 from ..step_ref import StepRef
 from .fused_path import FusedPath
 from .kernel_state import KernelState

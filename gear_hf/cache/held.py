@@ -13,8 +13,8 @@ from dataclasses import replace
 
 import torch
 
-from ..storage import TokenWrites
 from .layout import FlushPlan, RowCounts, SlotPlan, StepPlan, buffer_capacities
+from .storage import TokenWrites
 
 
 class HeldChunkPlans:

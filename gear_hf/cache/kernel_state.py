@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..rope import rope_angles
+from ..compress.rope import rope_angles
 
 
 class KernelState:

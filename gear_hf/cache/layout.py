@@ -28,8 +28,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..config import GearConfig
-from ..storage import TokenWrites, grown_capacity
 from .position_tables import POSITION_GRANULE, compact_tables, grown_tables
+from .storage import TokenWrites, grown_capacity
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@
     held         by tokens: codes, scales/minimums (and allocated key widths), low-rank factors, outlier values and
                    indices, the full-precision sink and buffer (and a dense window's tokens), the position tables
                    when stored (by component)
-    spare        capacity allocated beyond the tokens (stores grow in bounded steps: gear_hf.storage)
+    spare        capacity allocated beyond the tokens (stores grow in bounded steps: gear_hf.cache.storage)
     kernel state what the kernels derived and keep: per store (prepared runs, sorted outliers) and shared by the
                  layers (`KernelState`: split-KV workspace, tables, rope halves)
     workspaces   what the cache keeps from one step for the next: nothing between steps (the rotary tables and the

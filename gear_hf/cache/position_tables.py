@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..storage import grown_capacity
+from .storage import grown_capacity
 
 POSITION_GRANULE = 16  # columns the stored tables grow by (at least)
 

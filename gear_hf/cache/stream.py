@@ -18,12 +18,12 @@ from typing import Callable
 
 import torch
 
-from ..coded_store import CodedTokenStore
 from ..compress import ChunkSpec
 from ..compress.allocation import allocate_channel_bits
-from ..storage import ChunkStore, TokenStore
+from .coded_store import CodedTokenStore
 from .held import HeldChunkPlans
 from .layout import RowCounts, RowLayout, SlotPlan, StepPlan
+from .storage import ChunkStore, TokenStore
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,9 @@ module imports.
 Triton without a GPU: every launch fails unless TRITON_INTERPRET=1 is set *before* the kernel modules are
 imported (triton decides at decoration time); the tests do that.
 
-Which of them runs is the backends' business (`gear_hf.backends`); this module only says what the kernels
-cover (`fused_supported`, `step_reason`, `quantize_pack_supports`). Kernels take tensors and views, never cache
-objects.
+Which of them runs, and for which configuration, is the backends' business (`gear_hf.backends`); this module only
+says what the kernels cover in terms of tensors, specs and numbers (`step_reason`, `reconstruct_supported`,
+`quantize_pack_supports`, `tensor_core_reason`). Kernels take tensors and views, never configurations or caches.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from __future__ import annotations
 import importlib
 import os
 
-__all__ = ["interpreting", "fused_supported", "tensor_core_reason", "step_reason", "quantize_pack_supports",
+__all__ = ["interpreting", "tensor_core_reason", "step_reason", "quantize_pack_supports",
            "reconstruct_supported", "MAX_FUSED_QUERY", "quantize_pack", "decode_attention", "reconstruct_run"]
 
 _LAZY = {"quantize_pack": "quant", "decode_attention": "decode", "reconstruct_run": "triton.reconstruct"}
@@ -47,46 +47,10 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
-def fused_supported(config, head_dim: int, query_len: int, *, rotary_dim: int | None = None,
-                    softcap: float | None = None) -> str | None:
-    """None when the fused decode kernel covers this configuration and step, else the reason it does not.
-
-    rotary_dim: channels per head the model's RoPE rotates (None: all); softcap: the attention-logit soft cap
-    the model's attention function is given (Gemma 2), None when it has none."""
-    if not config.pre_rope:
-        return "pre_rope=False (keys stored after RoPE) is only implemented by the torch path"
-    if config.compresses and config.key_axis != "channel":
-        return (f"key_axis={config.key_axis!r}: the fused kernel reads keys stored per channel (key_axis='channel') "
-                "only")
-    if config.compresses and config.value_axis == "channel" and config.uses_outliers:
-        return (f"value_axis='channel' with value outliers (method={config.method!r}): the fused kernel adds value "
-                "outliers per token only")
-    if head_dim < 32 or head_dim & (head_dim - 1):
-        return f"head_dim={head_dim}: the fused kernel needs a power of two >= 32"
-    reason = step_reason(head_dim, query_len, rotary_dim, softcap)
-    if reason:
-        return reason
-    if config.compresses:
-        from ..compress.quant import codes_per_unit
-
-        reason = _fused_storage_reason(config)
-        if reason:
-            return reason
-        block = config.buffer_size & -config.buffer_size  # largest power of two dividing n_b
-        if block < 16:
-            return f"buffer_size={config.buffer_size} is not a multiple of 16 (kernel tiles are 16 tokens at least)"
-        for bits, group, allocated in ((config.key_bits, config.key_group, config.key_bit_allocation == "query"),
-                                       (config.value_bits, config.value_group, False)):
-            unit = codes_per_unit(bits, allocated)
-            if group % unit and not config.coarse_groups:
-                return f"group size {group} is not a multiple of the {unit} codes of a {bits}-bit packing unit"
-    return None
-
-
 def tensor_core_reason(dtype) -> str | None:
     """None when the tensor-core decode kernel (`gear_hf.kernels.triton.tc_kernel`) serves a step whose storage
-    the fused kernel covers (`fused_supported`), else why the register kernel runs it instead. It reads every
-    format the register kernel reads; what it needs is 16-bit dot operands."""
+    the fused kernel covers (`gear_hf.backends.triton_backend.fused_supported`), else why the register kernel runs
+    it instead. It reads every format the register kernel reads; what it needs is 16-bit dot operands."""
     import torch
 
     if dtype not in (torch.float16, torch.bfloat16):
@@ -104,19 +68,6 @@ def step_reason(head_dim: int, query_len: int, rotary_dim: int | None, softcap: 
         return f"attention logit soft-capping (softcap={softcap}): the fused kernel does not cap logits"
     if query_len > MAX_FUSED_QUERY:
         return f"{query_len} new tokens in one step (a prompt): the fused kernel is a decode kernel"
-    return None
-
-
-def _fused_storage_reason(config) -> str | None:
-    """Storage options that the fused decode kernel does not read; the torch path does."""
-    from .views import MAX_FUSED_RANK  # no triton import
-
-    if config.uses_lowrank and max(config.rank_prefill, config.rank_decode) > MAX_FUSED_RANK:
-        return (f"rank_prefill={config.rank_prefill}/rank_decode={config.rank_decode}: the fused kernel reads "
-                f"low-rank factors of rank <= {MAX_FUSED_RANK}")
-    if config.rotation in ("keys", "both") and config.uses_outliers and config.outlier_ratio > 0:
-        return (f"rotation={config.rotation!r} with key outliers (method={config.method!r}): the fused kernel adds "
-                "key outliers in the unrotated basis only")
     return None
 
 

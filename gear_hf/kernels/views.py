@@ -28,7 +28,7 @@ MAX_FUSED_RANK = 16
 @dataclass(frozen=True, eq=False)
 class ChunkRunView:
     """Compressed chunks of `chunk_len` tokens, chunk c of row b at slots [c*e, (c+1)*e) of each field's dim 2
-    (e: the field's extent per chunk), as `gear_hf.storage.ChunkStore.fields` holds them."""
+    (e: the field's extent per chunk), as `gear_hf.cache.storage.ChunkStore.fields` holds them."""
 
     codes: torch.Tensor  # uint8 packed codes
     scale: torch.Tensor
@@ -49,7 +49,7 @@ class ChunkRunView:
 
     @classmethod
     def of(cls, store) -> ChunkRunView:
-        """A `gear_hf.storage.ChunkStore` as the kernels read it: references to its fields, nothing copied."""
+        """A `gear_hf.cache.storage.ChunkStore` as the kernels read it: references to its fields, nothing copied."""
         fields = {name: store.fields[name] for name in cls.FIELDS}
         widths = store.fields["channel_bits"] if store.spec.allocated else None
         return cls(**fields, spec=store.spec, chunk_len=store.chunk_len, channel_bits=widths)
@@ -66,7 +66,7 @@ class ChunkRunView:
 
 @dataclass(frozen=True, eq=False)
 class CodedTailView:
-    """The buffer held per token (`gear_hf.coded_store.CodedTokenStore`, format `format.INT8_TOKENS`,
+    """The buffer held per token (`gear_hf.cache.coded_store.CodedTokenStore`, format `format.INT8_TOKENS`,
     `INT8_ROTATED_TOKENS` or `INT4_TOKENS`), as stored: token t of row b, head h is codes[b,h,t] * scale[b,h,t] +
     minimum[b,h,t] (float32; 4-bit codes two a byte, the even channel in the low nibble), in the Walsh–Hadamard-rotated
     basis when rotated (the vector is that times `compress.rotation.hadamard(d)`), except this step's own tokens

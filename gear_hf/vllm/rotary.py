@@ -2,7 +2,8 @@
 RoPE"), rotate the reconstruction back when it is read. Positions are the tokens' indices in their sequence
 (j*bs + t for token t of block j: plain decoder LMs, no M-RoPE).
 
-cos/sin come from gear_hf.rope.rope_tables with the inv_freq of the model's Hugging Face rotary module, built from
+cos/sin come from gear_hf.compress.rope.rope_tables with the inv_freq of the model's Hugging Face rotary module,
+built from
 the config vLLM loaded (LlamaRotaryEmbedding reads the rope parameters of Llama/Qwen2/Mistral configs, including
 llama3 scaling): vLLM's own rotary module is not reachable from an attention backend.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from gear_hf.rope import apply_rotary, rope_tables
+from gear_hf.compress.rope import apply_rotary, rope_tables
 
 
 class KeyRotary:

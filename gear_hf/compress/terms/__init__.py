@@ -2,7 +2,7 @@
 
 A stored format is a list of terms (`ChunkSpec.terms`), each in one module: it declares its fields (name, dtype,
 shape per chunk, memory component) and implements its stages of the oracle encode/decode (`base`). The chunk's
-storage (`gear_hf.storage.ChunkStore`), the memory report and the kernels' field lists are generated from these
+storage (`gear_hf.cache.storage.ChunkStore`), the memory report and the kernels' field lists are generated from these
 declarations.
 
 Adding a term (the recipe):

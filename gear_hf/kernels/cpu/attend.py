@@ -21,20 +21,17 @@ query's dtype); sums in another order than the oracle's: equal to float32 roundi
 
 from __future__ import annotations
 
-import functools
-
 import numba
 import numpy as np
 import torch
 
 from ...compress import side_dtype
-from ...format import stream_specs
 from ..views import add_center
 from .attend_args import _float32, _rope_halves, _stream_runs, _tail_args
 from .bf16 import side_value as _side
 from .dequant import _assemble, _hadamard_rows, _scratch
 from .jit import kernel
-from .read import _NO_FACTORS, _NO_ROTATION, decompress_supported
+from .read import _NO_FACTORS, _NO_ROTATION
 
 _F32 = np.float32
 # numba: reductions over channels need reassociation to vectorize; no finite-math flags (masked scores are -inf).
@@ -307,27 +304,6 @@ def _attend(q, limits, rows, cos, sin, window, nb, sink_k, sink_v, buf_k, buf_v,
 
 
 # -- torch-facing entry points ----------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=64)  # (asked once per layer and step; GearConfig is frozen)
-def supported(config, head_dim: int, query_dtype: torch.dtype) -> str | None:
-    """None when `decode_attention` covers a cache of this GearConfig (storage the read kernels decompress, keys
-    before RoPE, a float32, bf16 or fp16 model), else why not. Configurations that compress nothing (fp16) keep the
-    reference path: it is stock attention bit for bit."""
-    if not config.compresses:
-        return "nothing is compressed (the reference path is stock attention bit for bit)"
-    if not config.pre_rope:
-        return "pre_rope=False (keys stored after RoPE) is only implemented by the torch path"
-    if query_dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return f"query dtype {query_dtype} (the CPU kernel reads float32, bf16 and fp16 models)"
-    if head_dim % 2:
-        return f"head_dim={head_dim} is odd (RoPE rotates halves)"
-    probe = torch.empty(0, dtype=torch.float32)
-    for stream in ("key", "value"):
-        for spec in stream_specs(config, stream):
-            if not decompress_supported(spec, head_dim, probe):
-                return f"{stream} storage {spec} is not read by the CPU kernels"
-    return None
-
-
 def decode_attention(query: torch.Tensor, keys, values, layout, *, scaling: float, inv_freq: torch.Tensor,
                      attention_scaling: float = 1.0, sliding_window: int | None = None,
                      out: torch.Tensor | None = None, rope_tables=None) -> torch.Tensor:

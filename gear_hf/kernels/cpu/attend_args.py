@@ -9,8 +9,8 @@ import numpy as np
 import torch
 
 from ...compress import ChunkSpec, CompressedChunk
+from ...compress.rope import rope_angles
 from ...compress.terms import BUILTIN_FIELDS, chunk_fields
-from ...rope import rope_angles
 from ..views import affine_in_basis
 from .read import _side_array, prepare, prepared, side_numpy_dtype
 

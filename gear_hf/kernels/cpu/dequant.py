@@ -5,7 +5,8 @@ dozen whole-history passes per layer (unpack, cast, scale, shift, outliers, low-
 speed, and on a 2-core machine they cost more than the model's attention itself. These loops read the packed
 codes once and write each float once.
 
-They compute what `gear_hf.compress.decompress` and `gear_hf.rope.apply_rotary` compute (those stay the oracle):
+They compute what `gear_hf.compress.decompress` and `gear_hf.compress.rope.apply_rotary` compute (those stay the
+oracle):
 bit for bit (same float32 operations in the same order, no contraction into fused multiply-adds) except where a
 low-rank term is added: that is summed in another order than the matmul's, so equal to float32 rounding.
 What they cover (`decompress_supported`): uniform widths 2/3/4/8, either axis, outliers, low-rank, Hadamard

@@ -167,7 +167,7 @@ def rotate_supported(x: torch.Tensor, cos: torch.Tensor, out: torch.Tensor) -> b
 
 
 def rotate_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """`gear_hf.rope.apply_rotary(x, cos, sin, out=out)`, bit for bit, in one pass (`rotate_supported`)."""
+    """`gear_hf.compress.rope.apply_rotary(x, cos, sin, out=out)`, bit for bit, in one pass (`rotate_supported`)."""
     source = arrays.readable(x)
     written, whole, at = arrays.target(out)
     (cos, cos_at), (sin, sin_at) = arrays.readable(cos), arrays.readable(sin)

@@ -45,7 +45,7 @@ CPU interpreter bf16 is upcast to float32 (the interpreter computes bf16 dots wr
 float32. Supported: keys axis="channel", values axis="token" (the defaults) or "channel" (read like keys; without
 value outliers), pre_rope=True, every bit width (and key widths allocated per channel, read from their bit planes),
 rotation, int8 factors and group size, except key outliers of rotated keys; the other combinations use the torch
-path (see gear_hf.kernels.fused_supported).
+path (see gear_hf.backends.triton_backend.fused_supported).
 
 The modules, host to device:
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from .compress import side_dtype
+from ..compress import side_dtype
 
 MIN_FIT_TOKENS = 16  # tokens a row's first step must buffer for the row to be centered
 # a channel's scale is at least the head's widest spread / 2^SPREAD_RANGE: a channel that barely moved in the prompt

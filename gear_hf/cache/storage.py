@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .compress import ChunkSpec, CompressedChunk
-from .compress.terms import chunk_fields
+from ..compress import ChunkSpec, CompressedChunk
+from ..compress.terms import chunk_fields
 
 SPARE_FRACTION = 16  # a store grows by at most 1/16 of its capacity (or its granule) beyond what is needed
 

@@ -1,6 +1,7 @@
 """`CodedTokenStore`: the buffer's tokens in a per-token format (`GearConfig.key_buffer` / `value_buffer`).
 
-Same interface as `gear_hf.storage.TokenStore` (the full-precision buffer), [B, H, capacity, ...] fields with the token
+Same interface as `gear_hf.cache.storage.TokenStore` (the full-precision buffer), [B, H, capacity, ...] fields with
+the token
 axis at dim 2; what it holds is what the memory report counts.
 """
 
@@ -10,9 +11,9 @@ import math
 
 import torch
 
+from ..compress import ChunkSpec, CompressedChunk, compress, decompress, side_dtype
+from ..compress.terms import chunk_fields
 from .channel_centers import ChannelCenters
-from .compress import ChunkSpec, CompressedChunk, compress, decompress, side_dtype
-from .compress.terms import chunk_fields
 from .storage import TokenWrites, _grown
 
 
@@ -137,7 +138,7 @@ class CodedTokenStore:
     def kernel_tail(self):
         """(this step's staged tokens [B,H,cap,d], or an empty [B,H,0,d] between steps; `views.CodedTailView` of the
         stored fields): the buffer as a fused kernel reads it without decoding it (`Backend.reads_tail`)."""
-        from .kernels.views import CodedTailView  # no triton import
+        from ..kernels.views import CodedTailView  # no triton import
 
         codes = self.fields["codes"]
         if self.staged is None:
