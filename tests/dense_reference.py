@@ -1,4 +1,4 @@
-"""What transformers' dense cache owns at each generate step, beside what a GearCache owns (issue 25, item 5).
+"""What transformers' dense cache owns at each generate step, beside what a GearCache owns.
 
 `run_case` runs the same greedy generate twice through a tiny model (tests/tiny_models.py), under
 torch.inference_mode(): with transformers' DynamicCache (every storage its layers keep alive after each step: a sliding

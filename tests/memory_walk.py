@@ -43,7 +43,7 @@ try:
 except ImportError:  # numpy comes with torch's usual installs; without it there are no arrays to find
     np = None
 
-# Module-level memos of derived kernel state (issue 25): prepared runs, key-outlier orderings, decode workspaces,
+# Module-level memos of derived kernel state: prepared runs, key-outlier orderings, decode workspaces,
 # rotary tables. Looked up by name so that moving them to another module keeps them walked.
 MEMO_NAMES = ("_PREPARED", "_DERIVED_MEMO", "_WORKSPACES", "_TABLES", "_HADAMARD")
 

@@ -1,4 +1,4 @@
-"""Issue 12 architectures (qwen3, qwen3_moe, mixtral, gemma2, gemma3_text, gemma3, phi3, olmo2, granite) through
+"""Architectures (qwen3, qwen3_moe, mixtral, gemma2, gemma3_text, gemma3, phi3, olmo2, granite) through
 the one shared attention forward, on tiny random models (tests/tiny_models.py: GQA 4/2, a 21-token prompt and a
 window of 16 where the architecture has one, so sliding layers really drop tokens).
 

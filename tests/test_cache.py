@@ -166,7 +166,7 @@ def test_batch_invariance_of_the_compressed_cache(overrides):
 
 
 def test_stores_own_what_they_hold():
-    """Without a known final length nothing is reserved ahead (issue 25): the buffer holds exactly its tokens (a
+    """Without a known final length nothing is reserved ahead: the buffer holds exactly its tokens (a
     step copies at most a buffer's worth), decode chunk storage grows to the chunks held (1/16 beyond them at most
     once large), and the decode chunks held so far keep their memory between flushes."""
     cache = _cache(_config())

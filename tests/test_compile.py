@@ -1,4 +1,4 @@
-"""torch.compile of an enabled model's forward (issue 27): same tokens, no graph break in gear_hf, no recompilation.
+"""torch.compile of an enabled model's forward: same tokens, no graph break in gear_hf, no recompilation.
 
 Under compile each layer's cache step (host-side planning, numba kernels, the finiteness check, backend resolution)
 is one opaque operator in the graph (`torch.ops.gear_hf.cache_step`, gear_hf/attention.py), taking the cache and

@@ -1,4 +1,4 @@
-"""Issue 27.4: the demo's methods (default, every recommended name, presets), its labels and its prompt choice
+"""The demo's methods (default, every recommended name, presets), its labels and its prompt choice
 (no weights needed here; the real run: tests/test_lm_eval_user_path.py::test_demo_as_in_the_readme)."""
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ def test_generate_owns_no_spare_capacity_without_a_known_length(context):
 def test_where_compression_cannot_pay_the_cache_owns_what_dense_would(arch, prompt, new, buffers):
     """A 1-token prompt (every token in the buffer) owns exactly the dense cache with a 16-bit buffer (no positions,
     no allocation statistics beside it) and less with GearConfig()'s coded one; Mistral's 16-token window (<= 2 x the
-    buffer) is stored dense and summary() says why (issue 25 item 5; every step and more configs:
+    buffer) is stored dense and summary() says why (every step and more configs:
     tests/test_never_above_dense.py)."""
     model = tiny_model(arch, dtype=torch.bfloat16, head_dim=32)
     config = gear_hf.GearConfig()

@@ -1,4 +1,4 @@
-"""Issue 27.7: GearConfig() works on every head_dim the patches accept. key_bits=3.125 times a head_dim that is not
+"""GearConfig() works on every head_dim the patches accept. key_bits=3.125 times a head_dim that is not
 a multiple of 8 is not a whole number of bits: a head's budget is rounded down (compress/allocation.py), and
 summary() says so."""
 

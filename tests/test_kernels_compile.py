@@ -97,7 +97,7 @@ def test_reconstruct_report_counts_per_element():
     """`--reconstruct-report` (the reconstruction kernel's section of --sass-report): for every configuration the
     library ships (GearConfig() as "default", gear-2 as "gear2", the recommended names, the paper presets), one line
     per store kind (keys/values x prompt/decode chunks) with its main loop's instructions per element, no spills and
-    no stack; issue 26's target, 12, holds for every line (and so for the worst store, the last line)."""
+    no stack; the target, 12, holds for every line (and so for the worst store, the last line)."""
     import re
 
     from gear_hf.kernels.sass_reconstruct import cases

@@ -237,7 +237,7 @@ def test_views_with_derived_data_match_the_adapter():
     _check(got, ref, torch.float32)
 
 
-# Storage options beyond the paper (issue 9) read by the fused kernel: int8 low-rank factors, Walsh–Hadamard
+# Storage options beyond the paper read by the fused kernel: int8 low-rank factors, Walsh–Hadamard
 # rotation (keys un-rotated per block before RoPE, values' rotation undone once on the output), separate key and
 # value group sizes, 3-bit codes — alone and together.
 STORAGE = [

@@ -97,7 +97,7 @@ def test_allocation_follows_the_queries_and_rounds_a_fractional_total_down():
     weight[..., 3] = 1e4  # the channel the queries read most
     bits = allocate_channel_bits(weight, x, 16, 3.0)
     assert int(bits[0, 0, 3]) == int(bits.max()) and int(bits[0, 0, 3]) > 3
-    assert int(allocate_channel_bits(weight, x, 16, 3.3).long().sum()) == 26  # 26.4 bits -> 26 (issue 27.7)
+    assert int(allocate_channel_bits(weight, x, 16, 3.3).long().sum()) == 26  # 26.4 bits -> 26
     with pytest.raises(ValueError, match="mean of 9 bits over 8 channels"):
         allocate_channel_bits(weight, x, 16, 9)
 

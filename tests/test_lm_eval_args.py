@@ -109,7 +109,7 @@ def test_config_name_is_how_the_args_named_it(args, name):
 
 
 def test_preset_names_with_bits():
-    """Issue 11.5: the names the README, demo and sweep print are accepted as model_args."""
+    """The names the README, demo and sweep print are accepted as model_args."""
     assert parse_gear_args({"preset": "gear-2"}) == GearConfig.preset("gear", bits=2)
     assert parse_gear_args({"preset": "kivi-k4v2"}).describe() == "kivi-k4v2"
 

@@ -97,7 +97,7 @@ def test_every_task_end_to_end(tiny_model, data_dir, tmp_path):
 def test_bad_model_args_fail_clearly(tiny_model, data_dir):
     proc = run_cli(["--model", "gear_hf", "--model_args", f"pretrained={tiny_model},preset=gear,bits=5",
                     "--tasks", "gsm8k_cot_gear", "--limit", "1"], env={DATA_DIR_ENV: str(data_dir)})
-    assert proc.returncode == 2  # a usage error, as argparse reports one (issue 27.6)
+    assert proc.returncode == 2  # a usage error, as argparse reports one
     last = proc.stderr.strip().splitlines()[-1]
     assert last == "gear-lm-eval: error: gear_hf --model_args: bits=5 is invalid; allowed: 2, 3, 4, 8 (sets key_bits " \
                    "and value_bits)"

@@ -1,4 +1,4 @@
-"""Issue 11, the user's path through the lm-eval CLI and the demo: the README's commands run as written, a missing
+"""The user's path through the lm-eval CLI and the demo: the README's commands run as written, a missing
 offline data directory is one line, `--help` has a gear_hf section, results show KV bits and tokens/s, gear_hf's
 INFO lines are visible, `accelerate launch --num_processes 2` without --multi_gpu stops with what to run."""
 
@@ -57,7 +57,7 @@ def readme_command(prefix: str) -> list[str]:
 
 @pytest.mark.slow
 def test_readme_lm_eval_command_as_written(tiny):
-    """Issue 11.6: the README's lm-eval command, only MODEL replaced; results show KV bits/elem and tokens/s,
+    """The README's lm-eval command, only MODEL replaced; results show KV bits/elem and tokens/s,
     gear_hf's INFO lines are on the console."""
     _data_dir()
     argv = [str(tiny) if a == "MODEL" else a.replace("pretrained=MODEL,", f"pretrained={tiny},")
@@ -132,7 +132,7 @@ def test_accelerate_launch_without_multi_gpu_stops_with_what_to_run(tiny):
 @pytest.mark.slow
 @pytest.mark.realweights
 def test_demo_as_in_the_readme(tmp_path):
-    """Issue 11.9 / 27.4: `make demo` (here with a short run): SmolLM2 on the built-in 8-shot one-step problems,
+    """`make demo` (here with a short run): SmolLM2 on the built-in 8-shot one-step problems,
     float32, the baseline labelled by its dtype, the default first after it, tokens/s after a warm-up shown apart."""
     import realweights
 

@@ -1,4 +1,4 @@
-"""The prompt step's peak memory, measured by torch's CPU allocator (issue 25, item 6), on a tiny Llama.
+"""The prompt step's peak memory, measured by torch's CPU allocator, on a tiny Llama.
 
 What is pinned: `generate`'s allocator peak over the prompt step minus the peak of one no-cache forward of the same
 prompt (scripts/bench_memory_peak.py's "peak KV") stays within 5% of what the cache owns after the step

@@ -1,4 +1,4 @@
-"""`memory_report()` against an independent walk of every tensor the cache and the kernels keep for it (issue 25).
+"""`memory_report()` against an independent walk of every tensor the cache and the kernels keep for it.
 
 What the report counts (gear_hf/cache/memory.py): the layout's stored position tables (none while they follow from
 the pads), each stream's sink, buffer, allocated key widths and chunk-store fields (held + spare), a dense window's
@@ -134,7 +134,7 @@ def test_report_counts_everything_the_cache_object_keeps(generated):
 
 
 def test_no_kernel_module_keeps_a_memo(generated):
-    """Derived kernel state is the store's and the cache's (issue 24): no module-level memo of MEMO_NAMES exists."""
+    """Derived kernel state is the store's and the cache's: no module-level memo of MEMO_NAMES exists."""
     pytest.importorskip("numba")
     cache, _ = generated
     assert cache.step_paths.get("fused", 0) > 0, "the CPU decode kernel did not run"
@@ -178,7 +178,7 @@ def test_walk_sees_what_the_cuda_allocator_kept():
 
 def test_no_rotary_table_is_kept_from_one_step_to_the_next(generated):
     """cos/sin for the read positions grow with T: the reference path's and the CPU kernel's are computed once per
-    step and dropped when it ends (issue 25: they were kept, twice, ~8% of held on SmolLM2 at T=1k)."""
+    step and dropped when it ends (they were kept, twice, ~8% of held on SmolLM2 at T=1k)."""
     cache, _ = generated
     report = cache.memory_report()
     assert cache._rotary.nbytes() == 0 and not cache.kernel_state._rope

@@ -1,4 +1,4 @@
-"""Issue 25, item 5: no configuration owns more than transformers' dense cache would, at any generate step.
+"""no configuration owns more than transformers' dense cache would, at any generate step.
 
 Each case generates through a tiny model under torch.inference_mode() twice (tests/dense_reference.py): with
 transformers' DynamicCache, counting every storage its layers keep after each step (a sliding layer's window view

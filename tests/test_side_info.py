@@ -1,4 +1,4 @@
-"""Issue 9 in the torch engine: 3-bit packing, outlier count and exactness, 16-bit side information, 8-bit
+"""3-bit packing, outlier count and exactness, 16-bit side information, 8-bit
 factors, the Walsh–Hadamard rotation, separate key/value group sizes."""
 
 from __future__ import annotations

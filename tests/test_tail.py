@@ -1,4 +1,4 @@
-"""Issue 25, item 3: the buffer in a cheaper format (`GearConfig.key_buffer` / `value_buffer`) is real storage, read
+"""The buffer in a cheaper format (`GearConfig.key_buffer` / `value_buffer`) is real storage, read
 by the torch oracle, served alike by the CPU kernel, and counted as held."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 11, the user's path through the Python API: no silent fallback to a stock cache, GEAR asked for the
+"""The user's path through the Python API: no silent fallback to a stock cache, GEAR asked for the
 transformers way (`cache_implementation="gear"`), deep copies, config errors at construction or at `enable`."""
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def test_cache_implementation_gear_with_cache_config():
 
 
 def test_cache_implementation_gear_on_a_model_not_enabled_says_to_enable():
-    """Issue 27.6: transformers has no hook for cache names (GenerationConfig.validate checks a fixed tuple, 5.17
+    """transformers has no hook for cache names (GenerationConfig.validate checks a fixed tuple, 5.17
     and 5.24); gear_hf wraps that check to add the hint, and nothing else changes."""
     model = tiny_model("llama2")
     ids, mask = prompts(1)
@@ -116,7 +116,7 @@ def test_cache_implementation_gear_on_a_model_not_enabled_says_to_enable():
 
 @pytest.mark.parametrize("how", ["positional", "input_ids"])
 def test_an_empty_prompt_is_a_clear_error(how):
-    """Issue 27.6: 0 prompt tokens failed inside the q/k/v projection ("cannot reshape tensor of 0 elements")."""
+    """0 prompt tokens failed inside the q/k/v projection ("cannot reshape tensor of 0 elements")."""
     model = _enabled_model()
     ids = torch.zeros(2, 0, dtype=torch.long)
     call = (ids,) if how == "positional" else ()
@@ -263,7 +263,7 @@ def _imported_modules(path) -> set[str]:
 
 
 def test_no_library_module_imports_the_demo_and_one_gsm8k_loader():
-    """Issue 11.10: the demo is an entry point, not a library; GSM8K files are read in gear_hf.gsm8k only."""
+    """The demo is an entry point, not a library; GSM8K files are read in gear_hf.gsm8k only."""
     from pathlib import Path
 
     package = Path(gear_hf.__file__).parent

@@ -1,4 +1,4 @@
-"""8-bit value statistics (GearConfig.value_statistics="8", issue 25): a scale on a 2^(1/8) grid and an 8-bit zero
+"""8-bit value statistics (GearConfig.value_statistics="8"): a scale on a 2^(1/8) grid and an 8-bit zero
 point per value group instead of a 16-bit scale and minimum. The oracle (`compress.quant.stats8`) covers every group's
 range as the 16-bit statistics do; the cache stores two uint8 codes per group, counts them, reads them back through
 the torch backend, the numba kernels and the Triton kernels (each decoding the codes in place: no float32 copy is kept),

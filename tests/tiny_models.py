@@ -13,7 +13,7 @@ VOCAB = 128
 # The cache argument's name: `cache` from transformers 5.24, `past_key_values` up to 5.22.
 CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
 ARCHS = ("llama2", "llama3", "mistral", "qwen2")
-# Issue 12: each exists in transformers 5.17 (the oldest supported) and 5.24.
+# Each exists in transformers 5.17 (the oldest supported) and 5.24.
 NEW_ARCHS = ("qwen3", "qwen3_moe", "mixtral", "gemma2", "gemma3_text", "gemma3", "phi3", "olmo2", "granite")
 WINDOW = 16  # sliding window of the architectures that have one: shorter than every test sequence
 SLIDING_ARCHS = ("mistral", "qwen3", "qwen3_moe", "mixtral", "gemma2", "gemma3_text", "gemma3", "phi3")
