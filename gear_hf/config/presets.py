@@ -9,6 +9,7 @@ steps after a prompt of T = 512, 1024 or 4096 tokens, head_dim 64 and 128, the l
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import warnings
 from typing import Any
@@ -88,6 +89,7 @@ def paper_preset(name: str, bits: int | None, overrides: dict[str, Any]) -> Gear
     return GearConfig(**fields, advanced=PAPER_ADVANCED).replace(**overrides)
 
 
+@functools.lru_cache(maxsize=64)  # (memory_report asks every step; GearConfig is frozen)
 def name_of(config: GearConfig) -> str:
     """The recommendation or paper preset `config` is, else its description marked custom."""
     for name, _, _, _ in RECOMMENDED:
