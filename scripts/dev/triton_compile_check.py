@@ -4,6 +4,8 @@ the GPU-only configurations (tests/test_kernels_gpu.py's, the GPU benchmarks') w
     python scripts/dev/triton_compile_check.py                 # record the tests' launches, then compile for sm_90
     python scripts/dev/triton_compile_check.py --arch 90 80 --tests tests/test_kernels_reconstruct.py
     python scripts/dev/triton_compile_check.py --no-tests      # only the GPU-only configurations
+    .venv/bin/python scripts/dev/triton_compile_check.py --record-only --record L.jsonl   # tests: this interpreter
+    /other/venv/bin/python scripts/dev/triton_compile_check.py --compile L.jsonl          # compile: that Triton
 
 Why: the interpreter (TRITON_INTERPRET=1) runs the kernels' Python, not Triton's compiler, which rejects code the
 interpreter accepts (chained comparisons, code after a static `if` that returns, constexprs made of a jit
@@ -237,6 +239,9 @@ def main(argv=None) -> int:
     parser.add_argument("--no-tests", action="store_true", help="only the GPU-only configurations")
     parser.add_argument("--record", help="keep the recorded launches in this file (JSON lines; default: temporary)")
     parser.add_argument("--compile", dest="compile_file", help="compile the launches recorded in this file")
+    parser.add_argument("--record-only", action="store_true",
+                        help="record, do not compile (then --compile FILE with another Python: the tests run under "
+                             "one Triton's interpreter, the launches compile with another)")
     parser.add_argument("-k", help="pytest -k expression for the recorded tests")
     args = parser.parse_args(argv)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(Path(__file__).parent),
@@ -257,6 +262,9 @@ def main(argv=None) -> int:
         proc = subprocess.run(command, cwd=ROOT, env={**env, "TRITON_INTERPRET": "1", RECORD_ENV: record})
         if proc.returncode not in (0, 5):
             print(f"recording: pytest exited {proc.returncode} (the launches it made are compiled all the same)")
+    if args.record_only:
+        print(f"{len(Path(record).read_text().splitlines())} launches recorded in {record}")
+        return 0
     compile_env = {k: v for k, v in env.items() if k != "TRITON_INTERPRET"}
     arch = [str(a) for a in args.arch]
     return subprocess.run([sys.executable, __file__, "--compile", record, "--arch", *arch], cwd=ROOT,
