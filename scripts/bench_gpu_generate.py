@@ -4,8 +4,9 @@ equal KV memory.
 
 Model: a random-weight Llama-3-8B-shaped LlamaForCausalLM built from a config (bf16, 32 layers, 32 query / 8 KV
 heads, head_dim 128, hidden 4096, MLP 14336, vocab 128256), sdpa attention. For each method and context T
-(default 8k and 32k) the cache is filled with random keys/values of the right shapes for T tokens per row instead of
-a long prefill (decode speed does not depend on the values; GEAR compresses them as it would a prompt), then
+(default 8k and 32k) the cache is filled with T tokens per row (`fill_cache`: a GEAR cache by a prefill of random
+tokens through the model, as a user's prompt, so GearConfig()'s keys get the queries their bits are allocated from;
+the others with random keys/values of the right shapes, as decode speed does not depend on the values), then
 `generate` decodes `--new` tokens greedily (128 by default, every one forced: no EOS) from the one token not yet
 cached. Methods: dynamic (DynamicCache), hf-quanto-int4 (transformers' QuantizedCache, when optimum-quanto
 imports), default (`GearConfig()`), kivi-2, gear-2 (`GearConfig.preset`).
@@ -86,26 +87,37 @@ def make_cache(model, method: str):
     return gear_hf.GearCache(model, config)
 
 
+FILL_TOKENS = 1 << 16  # tokens (batch x sequence) per forward of a GEAR cache's fill
+
+
 @torch.no_grad()
 def fill_cache(model, cache, batch: int, tokens: int, seed: int = 0) -> None:
-    """`tokens` random keys/values per row in every layer, at positions 0..tokens-1 (as a prompt would leave them;
-    keys before RoPE for a GEAR cache, which rotates them when read, after it for the others)."""
+    """`tokens` tokens per row in every layer, at positions 0..tokens-1, as a prompt would leave them.
+
+    A GEAR cache is filled through the model (its base, without the vocabulary head), so that the patched attention
+    stores the keys as a user's prefill does: with the queries that GearConfig()'s key bits are allocated from
+    (key_bit_allocation='query'), keys before RoPE. Random token ids; sequence chunks of FILL_TOKENS / batch tokens
+    at large batches (a chunked prefill), one prompt step otherwise. The other caches get random keys/values of
+    the right shapes (decode speed does not depend on the values)."""
     from gear_hf.cache import GearCache
+    from gear_hf.hf_compat import model_cache_kwarg
 
     cfg = model.config
     device, dtype = model.device, model.dtype
     gen = torch.Generator(device=device).manual_seed(seed)
-    shape = (batch, cfg.num_key_value_heads, tokens, cfg.head_dim)
-    positions = torch.arange(tokens, device=device)[None].expand(batch, tokens)
     if isinstance(cache, GearCache):
-        cache.observe_attention_mask(torch.ones(batch, tokens, dtype=torch.long, device=device))
+        ids = torch.randint(3, cfg.vocab_size, (batch, tokens), generator=gen, device=device)
+        step = max(256, FILL_TOKENS // batch)
+        for start in range(0, tokens, step):
+            end = min(tokens, start + step)
+            model.model(input_ids=ids[:, start:end], attention_mask=torch.ones_like(ids[:, :end]), use_cache=True,
+                        **{model_cache_kwarg(model): cache})
+        return
+    shape = (batch, cfg.num_key_value_heads, tokens, cfg.head_dim)
     for layer in range(cfg.num_hidden_layers):
         k = torch.randn(shape, generator=gen, device=device, dtype=dtype)
         v = torch.randn(shape, generator=gen, device=device, dtype=dtype)
-        if isinstance(cache, GearCache):
-            cache.store_and_read(layer, k, v, positions)
-        else:
-            cache.update(k, v, layer)
+        cache.update(k, v, layer)
         del k, v
 
 
