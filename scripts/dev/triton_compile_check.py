@@ -195,10 +195,11 @@ def gpu_only_cases():
 
 # -- 3. compile -------------------------------------------------------------------------------------------------
 def compile_all(lines: list[str], arches: list[int]) -> int:
-    from gear_hf.kernels.compile_check import _OPTIONS, _compile, _resource_usage
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
+
+    from gear_hf.kernels.compile_check import _OPTIONS, _compile, _resource_usage
 
     seen, failures, per_kernel = set(), 0, {}
     for line in lines:
