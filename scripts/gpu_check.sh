@@ -9,7 +9,7 @@
 #   0. environment + preflight (60): CUDA visible, a C compiler, Triton's ptxas, `import gear_hf.cache`, one trivial
 #      Triton kernel launched and checked (stops early, exit 2, with a clear message); editable install (30) so that
 #      gear_hf.patches imports;
-#   1. the compile report (75): `python -m gear_hf.kernels.compile_check --sass-report` with this machine's Triton;
+#   1. the compile report (75): `python scripts/dev/compile_check.py --sass-report` with this machine's Triton;
 #   2. the tests on the GPU (110): `-m gpu tests/test_kernels_gpu.py`, and compiled for the GPU the reconstruction
 #      kernel's suite (tests/test_kernels_reconstruct.py: the memory-bound fallback vs the oracle) and the cost model;
 #   3. decode attention (100): scripts/bench_decode_attention.py at T=8k, batch 8: fp16 SDPA, the fused kernel (GEAR
@@ -93,7 +93,7 @@ tail -n 5 "$OUT/preflight.log"
 note "$(tail -n 1 "$OUT/preflight.log")"
 
 # -- 1. compile report (static: SASS of the main loop with this machine's Triton) ----------------------------
-timeout -k 5 75 "$PY" -m gear_hf.kernels.compile_check --sass-report > "$OUT/sass_report.log" 2>&1
+timeout -k 5 75 "$PY" scripts/dev/compile_check.py --sass-report > "$OUT/sass_report.log" 2>&1
 rc=$?
 note "compile report (rc=$rc): $(grep -E '^((gear[234]|default): main loop|instructions/token)' "$OUT/sass_report.log" | tr '\n' ' ')"
 

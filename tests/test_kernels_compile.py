@@ -1,6 +1,6 @@
 """The Triton kernels compile for real GPUs (sm_90 = H100/H200, sm_80 = A100) — checked on CPU.
 
-The interpreter (TRITON_INTERPRET=1) checks numerics only; this runs `gear_hf.kernels.compile_check` in a
+The interpreter (TRITON_INTERPRET=1) checks numerics only; this runs `scripts/dev/compile_check.py` in a
 subprocess *without* the interpreter: it plans the real launches on small CPU caches and compiles them with
 triton.compile + ptxas (shipped in the triton wheel), catching what only the compiler sees (tl.dot shape
 and dtype rules, layouts, types).
@@ -31,8 +31,9 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-m", "gear_hf.kernels.compile_check", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
+    tool = ROOT / "scripts" / "dev" / "compile_check.py"
+    proc = subprocess.run([sys.executable, str(tool), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)
     print(proc.stdout[-4000:])
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc
@@ -100,7 +101,8 @@ def test_reconstruct_report_counts_per_element():
     no stack; the target, 12, holds for every line (and so for the worst store, the last line)."""
     import re
 
-    from gear_hf.kernels.sass_reconstruct import cases
+    sys.path.insert(0, str(ROOT / "scripts" / "dev"))
+    from sass_reconstruct import cases
 
     out = _run("--reconstruct-report").stdout
     labels = [label for label, _ in cases()]

@@ -16,12 +16,6 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "gear_hf"
 KERNELS = PACKAGE / "kernels"
 MAX_LINES = 450
-# Command-line tools under kernels/ that sit above both kernels and cache: compile_check (and its sections
-# sass_reconstruct and sass_tensor_core) builds caches to plan the real launches
-# (`python -m gear_hf.kernels.compile_check`).
-# No module of the package but these tools may import them (test_tools_stay_out_of_the_import_graph), so they add
-# no edge to the library's import graph.
-TOOLS = {KERNELS / "compile_check.py", KERNELS / "sass_reconstruct.py", KERNELS / "sass_tensor_core.py"}
 
 
 def _module_name(path: Path) -> str:
@@ -77,7 +71,7 @@ def test_the_checker_sees_every_form_of_import():
 
 
 def test_kernels_do_not_import_the_cache():
-    offenders = {str(path.relative_to(ROOT)): found for path in sorted(KERNELS.rglob("*.py")) if path not in TOOLS
+    offenders = {str(path.relative_to(ROOT)): found for path in sorted(KERNELS.rglob("*.py"))
                  if (found := _imports_cache(imported_modules(path)))}
     assert not offenders, f"gear_hf/kernels must not import gear_hf.cache (move the glue to gear_hf/cache/fused.py): " \
                           f"{offenders}"
@@ -88,7 +82,7 @@ def _imports_any(names: set[str], packages: tuple[str, ...]) -> list[str]:
 
 
 def test_kernels_take_no_configuration():
-    offenders = {str(path.relative_to(ROOT)): found for path in sorted(KERNELS.rglob("*.py")) if path not in TOOLS
+    offenders = {str(path.relative_to(ROOT)): found for path in sorted(KERNELS.rglob("*.py"))
                  if (found := _imports_any(imported_modules(path), ("gear_hf.config", "gear_hf.format")))}
     assert not offenders, f"gear_hf/kernels must not import the configuration or the format: {offenders}"
 
@@ -99,13 +93,6 @@ def test_the_configuration_imports_no_runtime():
     offenders = {str(path.relative_to(ROOT)): found for path in sorted((PACKAGE / "config").rglob("*.py"))
                  if (found := _imports_any(imported_modules(path), runtime))}
     assert not offenders, f"gear_hf/config must stay a value object: {offenders}"
-
-
-def test_tools_stay_out_of_the_import_graph():
-    tools = {_module_name(path) for path in TOOLS}
-    offenders = {str(path.relative_to(ROOT)): sorted(imported_modules(path) & tools)
-                 for path in sorted(PACKAGE.rglob("*.py")) if path not in TOOLS and imported_modules(path) & tools}
-    assert not offenders, f"command-line tools imported by package modules: {offenders}"
 
 
 def test_no_file_longer_than_max_lines():

@@ -8,7 +8,7 @@ For each path, with its kernels run one after the other,
     fused     one kernel reads the compressed history (+ the buffer) once and issues, per token, KV head and
               16-row query tile, `fused_instructions(config, tensor_core)` warp instructions (the tensor-core kernel
               for 16-bit models, the register kernel for float32 ones): the main-loop figure of the compile
-              report (`python -m gear_hf.kernels.compile_check --sass-report`, results/decode-kernel-sass), from its
+              report (`python scripts/dev/compile_check.py --sass-report`, results/decode-kernel-sass), from its
               per-term breakdown; 2 launches (main + split merge)
     fallback  the reconstruction kernel reads the compressed history and writes it dense in the model dtype
               (`reconstruct_instructions(config)` per element, 32 elements per warp instruction), then SDPA reads
@@ -43,12 +43,12 @@ OUTLIERS_AND_LOWRANK = {8: 945 / 8, 16: 812 / 8}  # all four removed together
 # its backbone at 3 bits is 146, so the planes and the rotation cost the difference.
 PLANES_AND_ROTATION = 172.0 - BACKBONE[3]
 # The tensor-core kernel (Triton backend, fp16/bf16 queries: `kernels.tensor_core_reason`), same report and counting
-# (`python -m gear_hf.kernels.compile_check --sass-report`, its "tensor-core" lines; results/decode-kernel-sass): its
+# (`python scripts/dev/compile_check.py --sass-report`, its "tensor-core" lines; results/decode-kernel-sass): its
 # main loop against the register kernel's for the two formats the report compiles. Other formats take the ratio of
 # the measured one they resemble (outliers: gear-2's; else GearConfig()'s), an estimate until the report counts them.
 TENSOR_CORE_MEASURED = {"gear2": (227.0, 190.5), "default": (172.0, 128.5)}  # (register, tensor-core)
 # The reconstruction kernel's SASS per element written, (keys, values): the compile report's
-# (`python -m gear_hf.kernels.compile_check --reconstruct-report`; sm_90, head_dim 128, bf16, 64-token tiles, 4 warps,
+# (`python scripts/dev/compile_check.py --reconstruct-report`; sm_90, head_dim 128, bf16, 64-token tiles, 4 warps,
 # Triton 3.9's ptxas, 0 spills) whole-program figure of a prompt chunk (its main loop for each of a program's 4 tiles
 # + the setup and the key outliers' scatter once): what a long history is made of. Main loop alone: gear-2 10.1 / 9.3,
 # GearConfig() 11.5 / 10.9, every shipped configuration <= 11.7 (the target: <= 12); before the tiled kernel:

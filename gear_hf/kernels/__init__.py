@@ -8,17 +8,16 @@ The kernel modules are imported on first use:
   (`quantize_pack`, bit-for-bit equal to `gear_hf.compress.quant`);
 * `gear_hf.kernels.decode` - the fused decode attention over one layer's storage views (`decode_attention`; the
   code lives in `gear_hf.kernels.triton`);
-* `gear_hf.kernels.compile_check` - compiles the kernels for sm_90/sm_80 with ptxas on a machine without a GPU;
 * `gear_hf.kernels.cpu` - numba loops for CPUs: the fused decode attention (`cpu.decode_attention`); for the
   reference path a chunk run decompressed and keys rotated in one pass (bit for bit the torch functions without a
   low-rank term or rotation, to float32 rounding with one; float32 or bf16 outputs); a chunk's outliers, codes
   and residual compressed in one pass per plane (bit for bit `compress.gear.compute_backbone`), its low-rank
   factors fitted per plane (to float32 rounding).
 
-Nothing here imports `gear_hf.cache` (kernels take tensors and views; tests/test_layering.py checks it): what takes
-a GearCache layer and builds its views, and the torch oracle and fixtures over a cache, are in `gear_hf.cache.fused`.
-The one exception is the command-line tool `compile_check`, which builds caches to plan real launches and which no
-module imports.
+Nothing here imports `gear_hf.cache`, `gear_hf.config` or `gear_hf.format` (kernels take tensors, specs and views;
+tests/test_layering.py checks it): what takes a GearCache layer and builds its views, and the torch oracle and
+fixtures over a cache, are in `gear_hf.cache.fused`. The developer tools that compile the kernels for a GPU without
+one (`scripts/dev/compile_check.py`, `scripts/dev/triton_compile_check.py`) live outside the package.
 
 Triton without a GPU: every launch fails unless TRITON_INTERPRET=1 is set *before* the kernel modules are
 imported (triton decides at decoration time); the tests do that.

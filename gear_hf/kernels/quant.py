@@ -263,7 +263,7 @@ def output_shapes(shape, bits: int, axis: str, group: int):
 
 
 def _launch(kernel, grid, args, kwargs, plan: list | None) -> None:
-    """Run kernel[grid](*args, **kwargs), or only record it in `plan` (gear_hf.kernels.compile_check)."""
+    """Run kernel[grid](*args, **kwargs), or only record it in `plan` (scripts/dev/compile_check.py)."""
     if plan is None:
         kernel[grid](*args, **kwargs)
     else:

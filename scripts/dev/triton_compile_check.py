@@ -9,7 +9,7 @@ the GPU-only configurations (tests/test_kernels_gpu.py's, the GPU benchmarks') w
 
 Why: the interpreter (TRITON_INTERPRET=1) runs the kernels' Python, not Triton's compiler, which rejects code the
 interpreter accepts (chained comparisons, code after a static `if` that returns, constexprs made of a jit
-function's return). `gear_hf.kernels.compile_check` compiles a few planned launches; this compiles all of them.
+function's return). `scripts/dev/compile_check.py` compiles a few planned launches; this compiles all of them.
 
 1. record: pytest runs the given test files under the interpreter with this file as a plugin (`-p`). Each call of a
    launcher (`reconstruct_run`, `decode_attention`, `quantize_pack`) still runs interpreted, and is also planned
@@ -195,11 +195,10 @@ def gpu_only_cases():
 
 # -- 3. compile -------------------------------------------------------------------------------------------------
 def compile_all(lines: list[str], arches: list[int]) -> int:
+    from compile_check import _OPTIONS, _compile, _resource_usage
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
-
-    from gear_hf.kernels.compile_check import _OPTIONS, _compile, _resource_usage
 
     seen, failures, per_kernel = set(), 0, {}
     for line in lines:

@@ -27,7 +27,7 @@ M_TILE = 16  # query rows per program (G*q rows are split into tiles of 16: no s
 
 def _launch(kernel, grid, args, kwargs, plan: list | None):
     """Run kernel[grid](*args, **kwargs) and return the compiled kernel, or only record the launch in `plan`
-    (gear_hf.kernels.compile_check) and return None."""
+    (scripts/dev/compile_check.py) and return None."""
     if plan is None:
         return kernel[grid](*args, **kwargs)
     plan.append((kernel, grid, args, kwargs))

@@ -23,7 +23,7 @@ in the output's dtype; what depends only on the chunk (low-rank Bᵀ, the Hadama
 in the oracle's order (`gear_hf.compress.decompress`: dequantize, add the terms, untransform; then
 `rope.apply_rotary`), in float32 up to the rounding of the store (scattered outliers: their entries rounded twice,
 once by the tile's store, once by the outlier's; bf16 RoPE: the reference path's roundings).
-Its cost is counted by `python -m gear_hf.kernels.compile_check --reconstruct-report` (`sass_reconstruct`).
+Its cost is counted by `python scripts/dev/compile_check.py --reconstruct-report` (`sass_reconstruct`).
 """
 
 from __future__ import annotations

@@ -1,17 +1,16 @@
-"""The tensor-core decode kernel's part of `python -m gear_hf.kernels.compile_check --sass-report`: its main loop
+"""The tensor-core decode kernel's part of `python scripts/dev/compile_check.py --sass-report`: its main loop
 next to the register kernel's for GearConfig() and gear-2 (issue 26's targets: <= 90 and <= 140 instructions per token
 and KV head, 0 spills), compiled with the machinery of `compile_check`."""
 
 from __future__ import annotations
 
 import torch
-
-from .compile_check import _compile, _disassemble, _kernel_counts, _resource_usage, sass_loops
+from compile_check import _compile, _disassemble, _kernel_counts, _resource_usage, sass_loops
 
 
 def _tc_cases():
     """(label, config) of the tensor-core kernel's report: GearConfig() and gear-2 (the issue's targets)."""
-    from ..config import GearConfig
+    from gear_hf.config import GearConfig
 
     return [("default", GearConfig()), ("gear2", GearConfig.preset("gear", bits=2))]
 
@@ -20,7 +19,7 @@ def tc_main_loop(cfg, arch: int = 90, **tuning) -> dict:
     """The main decode loop of one configuration at Llama-3-8B shapes (bf16, GQA 4, q_len 1), as `sass_report`
     counts it: {kernel name, instructions (the largest loop's body), per_token (x warps / block tokens), spill_ops
     (every kernel of the step), registers}. tuning: `decode_attention`'s (tensor_core, block_n, num_warps, ...)."""
-    from ..cache.fused import build_cache, cache_decode_attention
+    from gear_hf.cache.fused import build_cache, cache_decode_attention
 
     nb = cfg.buffer_size
     cache, _, _ = build_cache(cfg, batch=1, kv_heads=2, head_dim=128, steps=[max(150, nb + 30), max(70, nb + 10), 1],

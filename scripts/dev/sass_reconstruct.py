@@ -1,4 +1,4 @@
-"""The reconstruction kernel's part of `python -m gear_hf.kernels.compile_check --sass-report`: SASS instructions
+"""The reconstruction kernel's part of `python scripts/dev/compile_check.py --sass-report`: SASS instructions
 per element it writes, per store kind (keys / values, prompt chunk / decode chunks), and spills.
 
 Each store of a cache built at Llama-3-8B head shapes (head_dim 128, bf16) of every configuration the library ships
@@ -28,9 +28,9 @@ def cases() -> list[tuple[str, object]]:
     """[(label, GearConfig)]: "default" (GearConfig(), = recommended "centered"), "gear2" (preset gear-2; the cost
     model's two keys), then the other recommended names ("rec:NAME") and paper presets ("METHOD-BITS"), a config
     listed once under its first label."""
-    from ..compress.quant import BITS
-    from ..config import RECOMMENDED, GearConfig
-    from ..config.names import METHODS
+    from gear_hf.compress.quant import BITS
+    from gear_hf.config import RECOMMENDED, GearConfig
+    from gear_hf.config.names import METHODS
 
     named = [("default", GearConfig()), ("gear2", GearConfig.preset("gear", bits=2))]
     named += [(f"rec:{name}", GearConfig.recommended(name=name)) for name, _, _, _ in RECOMMENDED]
@@ -46,9 +46,9 @@ def planned_reconstructions(cfg):
     """[(store kind, tokens per chunk, kernel, grid, args, kwargs)] of the reconstruction launches of one layer's
     stores (prompt chunk and decode chunks, keys and values) of a CPU cache of GearConfig `cfg` at Llama-3-8B head
     shapes (bf16, head_dim 128)."""
-    from ..cache.fused import build_cache
-    from . import reconstruct_run
-    from .views import ChunkRunView
+    from gear_hf.cache.fused import build_cache
+    from gear_hf.kernels import reconstruct_run
+    from gear_hf.kernels.views import ChunkRunView
 
     nb = cfg.buffer_size
     # (two decode chunks of keys: a stream that holds its newest chunk in the buffer still compresses one)
@@ -76,7 +76,7 @@ def planned_reconstructions(cfg):
 def reconstruct_figures(kernel, args, kwargs, arch: int, chunk_len: int) -> dict:
     """Compile one planned reconstruction launch (chunks of chunk_len tokens); its per-element figures, spills and
     registers."""
-    from .compile_check import _compile, _disassemble, _kernel_counts, _resource_usage, sass_loops
+    from compile_check import _compile, _disassemble, _kernel_counts, _resource_usage, sass_loops
 
     compiled = _compile(kernel, args, kwargs, arch)
     sass = _disassemble(compiled.asm["cubin"])

@@ -6,12 +6,12 @@ small CPU caches (the same host code that runs on a GPU, with `_plan=` recording
 then compiles each recorded launch with `triton.compile` for the requested architectures and reports
 registers and stack (local memory) per thread from the cubin.
 
-    python -m gear_hf.kernels.compile_check                # sm_90 (H100/H200) and sm_80 (A100)
-    python -m gear_hf.kernels.compile_check --arch 90 --quick
-    python -m gear_hf.kernels.compile_check --sass-report  # main decode loop, SASS per token per KV head
-    python -m gear_hf.kernels.compile_check --sass-report --breakdown  # ... and where the loop's SASS goes
-    python -m gear_hf.kernels.compile_check --sass-report --register-only  # the register kernel's section alone
-    python -m gear_hf.kernels.compile_check --reconstruct-report  # the reconstruction kernel's section alone
+    python scripts/dev/compile_check.py                # sm_90 (H100/H200) and sm_80 (A100)
+    python scripts/dev/compile_check.py --arch 90 --quick
+    python scripts/dev/compile_check.py --sass-report  # main decode loop, SASS per token per KV head
+    python scripts/dev/compile_check.py --sass-report --breakdown  # ... and where the loop's SASS goes
+    python scripts/dev/compile_check.py --sass-report --register-only  # the register kernel's section alone
+    python scripts/dev/compile_check.py --reconstruct-report  # the reconstruction kernel's section alone
 
 --sass-report compiles the main decode kernel for sm_90 at Llama-3-8B shapes (32 query heads, 8 KV heads, head_dim
 128, bf16, q_len 1: GEAR 4, 3 and 2 bits with the paper's groups, buffer and ranks, and GearConfig() — the recommended
@@ -167,7 +167,7 @@ def _function_spans(path: str) -> list[tuple[int, int, str]]:
 def loop_by_function(cubin: bytes, sass: list[tuple[int, str]], start: int, end: int) -> dict[str, int]:
     """The instructions of the loop [start, end], counted per function of the kernel's modules
     (gear_hf.kernels.triton) they come from (other files: by file name; no line info: '?'), most first."""
-    from . import triton as kernel_package
+    from gear_hf.kernels import triton as kernel_package
 
     package = Path(kernel_package.__file__).parent
     sources = sass_sources(cubin)
@@ -235,8 +235,8 @@ def sass_report(arch: int = 90, breakdown: bool = False, reconstruct: bool = Tru
     """Print the main-loop SASS figures of the decode kernel at Llama-3-8B shapes; the last line is
     `instructions/token/kv-head: N` for 2-bit GEAR. breakdown: also the main loop's instructions per source
     function and per GEAR term; reconstruct: also the reconstruction kernel's section. Returns the exit status."""
-    from ..cache.fused import build_cache, cache_decode_attention
-    from ..config import GearConfig
+    from gear_hf.cache.fused import build_cache, cache_decode_attention
+    from gear_hf.config import GearConfig
 
     figure = None
     # the presets store int8 low-rank factors; gear2-f16 keeps the paper's 16-bit ones (the figure before int8)
@@ -294,7 +294,7 @@ def reconstruct_report(arch: int = 90) -> int:
     """The reconstruction kernel's section of the report (`sass_reconstruct`): instructions per element of its main
     loop per store kind, and spills, for every shipped configuration (`sass_reconstruct.cases`). Returns the exit
     status."""
-    from .sass_reconstruct import reconstruct_sass_report
+    from sass_reconstruct import reconstruct_sass_report
 
     reconstruct_sass_report(arch)
     return 0
@@ -302,10 +302,10 @@ def reconstruct_report(arch: int = 90) -> int:
 
 def planned_launches(quick: bool = False):
     """(label, kernel, args, kwargs) for representative configurations (a buffer read as stored too), on CPU tensors."""
-    from ..backends.triton_backend import TritonBackend
-    from ..cache.fused import build_cache, cache_decode_attention
-    from ..config import GearConfig
-    from .quant import quantize_pack
+    from gear_hf.backends.triton_backend import TritonBackend
+    from gear_hf.cache.fused import build_cache, cache_decode_attention
+    from gear_hf.config import GearConfig
+    from gear_hf.kernels.quant import quantize_pack
 
     launches = []
 
@@ -383,7 +383,7 @@ def main(argv=None) -> int:
     if args.sass_report:
         arch = args.arch[0] if args.arch != [90, 80] else 90
         if not args.register_only:
-            from .sass_tensor_core import tc_sass_report
+            from sass_tensor_core import tc_sass_report
 
             tc_sass_report(arch)
         if args.tensor_core_only:
