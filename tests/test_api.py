@@ -92,7 +92,7 @@ def test_bad_config_names_field_value_and_allowed(field, value, allowed):
 def test_bad_preset_and_overrides():
     with pytest.raises(ValueError, match="preset name 'nope' is invalid"):
         gear_hf.GearConfig.preset("nope")
-    with pytest.raises(ValueError, match="no field"):
+    with pytest.raises(ValueError, match="no setting"):
         gear_hf.GearConfig.preset("gear", bits=2, rank=3)
     with pytest.raises(ValueError, match="rank_prefill"):
         gear_hf.GearConfig.preset("gear-l", rank_prefill=0, rank_decode=0)

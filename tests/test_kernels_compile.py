@@ -106,7 +106,7 @@ def test_reconstruct_report_counts_per_element():
 
     out = _run("--reconstruct-report").stdout
     labels = [label for label, _ in cases()]
-    assert {"default", "gear2", "rec:small", "rec:kivi-4", "kivi-2", "gear-l-2", "gear-8"} <= set(labels), labels
+    assert {"default", "gear2", "rec:smallest", "rec:precise", "kivi-2", "gear-l-2", "gear-8"} <= set(labels), labels
     for label in ("default", "gear2"):
         for kind in ("keys prompt", "keys decode", "values prompt", "values decode"):
             line = next((x for x in out.splitlines() if x.startswith(f"reconstruct {label} {kind} sm_90:")), None)

@@ -20,9 +20,10 @@ import pytest  # noqa: E402
 
 import gear_hf  # noqa: E402
 from gear_hf.backends import resolve  # noqa: E402
+from gear_hf.backends.triton_backend import fused_supported  # noqa: E402
 from gear_hf.cache import GearCache  # noqa: E402
 from gear_hf.config import GearConfig  # noqa: E402
-from gear_hf.kernels import MAX_FUSED_QUERY, fused_supported  # noqa: E402
+from gear_hf.kernels import MAX_FUSED_QUERY  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

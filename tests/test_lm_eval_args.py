@@ -130,7 +130,7 @@ def test_pretrained_stays_a_string():
     ({"pre_rope": "maybe"}, r"pre_rope='maybe' is invalid; allowed: true or false"),
     ({"buffer_size": 100}, r"buffer_size=100 is invalid; allowed: a multiple of 8 \(keys are grouped along tokens"),
     ({"buffer_size": 200}, r"buffer_size=200 is invalid; allowed: a positive multiple of 128 \(the groups along"),
-    ({"key_axis": "row"}, r"key_axis='row' is invalid; allowed: 'channel' \| 'token'"),
+    ({"key_axis": "row"}, r"key_axis='row' is invalid; allowed: channel \| token"),
     ({"bits": 2, "key_bits": 4}, r"give bits, or key_bits/value_bits, not both"),
     ({"gear_backend": "cuda"}, r"gear_backend='cuda' is invalid; allowed: auto \| torch \| triton \| numba"),
 ])

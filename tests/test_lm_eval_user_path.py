@@ -89,8 +89,7 @@ def test_help_has_a_gear_hf_section():
     assert proc.returncode == 0, proc.stderr[-2000:]
     section = proc.stdout[proc.stdout.index("gear_hf (this wrapper"):]
     for needle in ("preset", "gear-2", "gsm8k_cot_gear", "GEAR_HF_DATA_DIR", "--multi_gpu", "KV",
-                   "recommended (a measured frontier pick: small | compact | balanced | lean | held | held-early | "
-                   "centered | centered-kv | centered-chunks | steady | accurate",
+                   "recommended (by purpose: smallest | balanced | precise)",
                    "gear_warmup"):
         assert needle in section, needle
 

@@ -125,9 +125,9 @@ def test_fused_cpu_kernel_reads_the_coded_buffer_as_the_oracle(fields):
 
 
 @pytest.mark.parametrize("fields,match", [
-    (dict(key_buffer="fp8"), r"key_buffer='fp8' is invalid; allowed: 'full' \| 'int8' \| 'int8-rotated' \| 'int4'"),
+    (dict(key_buffer="fp8"), r"key_buffer='fp8' is invalid; allowed: full \| int8 \| int8-rotated \| int4"),
     (dict(value_buffer="fp8"),
-     r"value_buffer='fp8' is invalid; allowed: 'full' \| 'final' \| 'int8' \| 'int8-rotated' \| 'int4'"),
+     r"value_buffer='fp8' is invalid; allowed: full \| final \| int8 \| int8-rotated \| int4"),
     (dict(method="gear-l", value_axis="token", value_buffer="final"),
      r"value_buffer='final' is invalid; allowed: 'full' unless values"),
     (dict(value_axis="channel", value_buffer="final"), r"value_buffer='final' is invalid"),

@@ -91,12 +91,12 @@ def test_config_validates_and_only_values_take_it():
     assert {s.stats for s in values.specs} == {"8"} and {s.stats for s in keys.specs} == {"16"}
     assert values.tail.stats == "16"  # the 4-bit buffer keeps its 16-bit statistics
     for bad, match in ((dict(value_statistics="4"), r"value_statistics='4' is invalid; allowed: '16' \| '8'"),
-                       (dict(value_statistics=True), r"value_statistics=True is invalid"),
-                       (dict(value_statistics="8", value_axis="channel"), r"unless values are grouped per token"),
-                       (dict(value_statistics="8", range_search="both"), r"range_search not 'values' / 'both'"),
-                       (dict(value_statistics="8", value_buffer="final"), r"a buffer other than 'final'")):
+                       (dict(value_statistics=True), r"value_statistics=True is invalid")):
         with pytest.raises(ValueError, match=match):
             GearConfig(**bad)
+    # 8-bit statistics apply to values grouped per token with min/max ranges and a buffer other than "final"
+    for elsewhere in (dict(value_axis="channel"), dict(range_search="both"), dict(value_buffer="final")):
+        assert GearConfig(value_statistics="8", hold="none", **elsewhere).value_statistics == "16", elsewhere
     saved = GearConfig(value_statistics="8").to_dict()
     assert GearConfig.from_dict(saved) == GearConfig(value_statistics="8")
 

@@ -103,7 +103,7 @@ class Advanced:
                               ("rotation", ROTATIONS), ("range_search", ROTATIONS), ("value_statistics", STATS),
                               ("key_buffer", KEY_BUFFERS), ("value_buffer", VALUE_BUFFERS), ("hold", HOLDS)):
             if getattr(self, name) not in allowed:
-                _fail(name, getattr(self, name), " | ".join(map(repr, allowed)))
+                _fail(name, getattr(self, name), " | ".join(map(repr if name == "value_statistics" else str, allowed)))
         for name in ("key_group_size", "value_group_size", "prompt_group_size"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):

@@ -88,10 +88,10 @@ def with_task_dir(argv: Sequence[str]) -> list[str]:
 HELP = """
 gear_hf (this wrapper adds the `gear_hf` model and the task folder {task_dir}):
   --model gear_hf --model_args pretrained=DIR_OR_HUB_ID,preset=gear-2[,KEY=VALUE...]
-    GEAR keys: none = GearConfig() (the recommended default); recommended (a measured frontier pick: {recommended});
+    GEAR keys: none = GearConfig() ("balanced"); recommended (by purpose: {recommended});
       preset (alias method: fp16 | kivi | kcvt | outlier | gear-l | gear, or with bits: gear-2, kivi-4, gear-k4v2),
-      bits, and every GearConfig field (key_bits, value_bits, group_size, buffer_size, rank_prefill, rank_decode,
-      power_iters, outlier_ratio, sink_tokens, key_axis, value_axis, pre_rope, rotation, ..., gear_backend);
+      bits, and every GearConfig setting (key_bits, value_bits, group_size, buffer_size, sink_tokens, rank_prefill,
+      rank_decode, outlier_ratio, gear_backend) and advanced option (rotation, key_buffer, hold, ...);
       gear_warmup=false skips the untimed warm-up generate (kernel compilation) before the timed ones.
     Model keys: those of lm-eval's `hf` model (dtype, device, batch_size, gguf_file, attn_implementation, ...).
   --tasks gsm8k_cot_gear | aqua_cot_gear | bbh_cot_gear (27 subtasks, bbh_cot_gear_<subtask>) | gear_hf_cot (all)
