@@ -3,7 +3,7 @@
 Each recommendation's `bits` is the most it owns per element over a generation (bf16; the mean of the 128 decode
 steps after a prompt of T = 512, 1024 or 4096 tokens, head_dim 64 and 128, the largest of those six:
 `gear_hf.measure.owned_bits_budget`, checked by tests/test_footprint.py), so `recommended(bits_per_element=b)` owns
-<= b at each of those lengths. Fidelity and speed of each: docs/results.md (`python scripts/bench_recommended.py`).
+<= b at each of those lengths. Their next-token fidelity: results/recommended/ (`python scripts/bench_recommended.py`).
 """
 
 from __future__ import annotations
