@@ -44,6 +44,13 @@ def test_disable_restores_bitwise_identical_logits_and_forwards():
     assert model._forward_pre_hooks == {} and model.model._forward_pre_hooks == {}
 
 
+def test_disable_on_a_model_never_enabled_says_so():
+    model = tiny_model("llama3")
+    with pytest.warns(UserWarning, match="was not enabled"):
+        assert gear_hf.disable(model) is model
+    assert not gear_hf.is_enabled(model)
+
+
 def test_enable_twice_is_harmless_and_reconfigures():
     model = tiny_model("qwen2")
     ids, mask = prompts(1)

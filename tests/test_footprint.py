@@ -96,3 +96,24 @@ def test_the_summary_of_an_empty_cache_says_it_is_empty():
     line = cache.summary()
     assert line.startswith("balanced: 3 tokens/layer, owns ") and "None" not in line
     assert "MiB instead of " in line and "MiB float32" in line and "MiB at 16 bits" in line  # (fp32: both)
+
+
+def test_the_summary_names_the_configuration_and_counts_rows_apart():
+    """summary() leads with the name the user asked for and says rows and tokens per row (not their sum); a 16-bit
+    model is compared with its own dtype only."""
+    model = tiny_model("llama3", dtype=torch.bfloat16)
+    config = gear_hf.GearConfig.recommended("smallest", group_size=16, buffer_size=16, prompt_group_size=32)
+    gear_hf.enable(model, config)
+    ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
+                       pad_token_id=0, eos_token_id=None)
+    line = gear_hf.last_cache(model).summary()  # (generate stores every token but the last it returns: 40 + 5 - 1)
+    assert line.startswith("kivi-2-query-allocated (custom): 2 rows of up to 44 tokens/layer, owns "), line
+    assert "MiB instead of " in line and "MiB bfloat16 (" in line and "at 16 bits" not in line, line
+    gear_hf.enable(model, gear_hf.GearConfig.recommended("smallest"))
+    with torch.no_grad():
+        model.generate(input_ids=ids[:1], attention_mask=torch.ones_like(ids[:1]), max_new_tokens=2,
+                       do_sample=False, pad_token_id=0, eos_token_id=None)
+    assert gear_hf.last_cache(model).summary().startswith("smallest: 41 tokens/layer, owns "), \
+        gear_hf.last_cache(model).summary()

@@ -100,6 +100,12 @@ def test_cache_implementation_gear_with_cache_config():
     assert gear_hf.last_cache(model).gear_config.key_bits == 2
     with pytest.raises(ValueError, match="rank"):
         greedy(model, ids, mask, 2, cache_implementation="gear", cache_config={"rank": 3})
+    # a recommendation by name, as lm-eval's --model_args take it
+    greedy(model, ids, mask, 2, cache_implementation="gear", cache_config={"recommended": "smallest", **SMALL})
+    assert gear_hf.last_cache(model).gear_config == gear_hf.GearConfig.recommended("smallest", **SMALL)
+    with pytest.raises(ValueError, match="recommended='smallest' names a whole configuration"):
+        greedy(model, ids, mask, 2, cache_implementation="gear",
+               cache_config={"recommended": "smallest", "preset": "gear-2"})
 
 
 def test_cache_implementation_gear_on_a_model_not_enabled_says_to_enable():

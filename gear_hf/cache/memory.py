@@ -228,8 +228,7 @@ def summary(report: dict) -> str:
     if report["kernel_state_bytes"] or report["workspace_bytes"]:
         rest.append(f"kernel state + workspaces {(report['kernel_state_bytes'] + report['workspace_bytes']) / mib:.2f}"
                     " MiB")
-    shape = (f"{rows} rows, up to {report['row_tokens']} tokens each" if rows > 1
-             else f"{report['row_tokens']} tokens")
+    shape = (f"{rows} rows of up to {report['row_tokens']} tokens" if rows > 1 else f"{report['row_tokens']} tokens")
     return (f"{report['name']}: {shape}/layer, owns {owned / mib:.2f} MiB instead of " + " or ".join(against)
             + f", {report['bits_per_element']:.2f} bits/element ({report['method']}); " + ", ".join(rest)
             + _allocation_note(report)
