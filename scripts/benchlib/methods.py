@@ -25,7 +25,7 @@ RECOMMENDED_PREFIX = "rec-"
 
 def gear_config(name: str):
     """GearConfig of a preset name ('gear-2', 'kivi-4', 'fp16', ...) or of 'rec-' + a recommended name
-    ('rec-compact'); a bad name exits with the reason."""
+    ('rec-balanced' = GearConfig()); a bad name exits with the reason."""
     from gear_hf import GearConfig
 
     try:
