@@ -3,7 +3,7 @@
 `run_case` runs the same greedy generate twice through a tiny model (tests/tiny_models.py), under
 torch.inference_mode(): with transformers' DynamicCache (every storage its layers keep alive after each step: a sliding
 layer's window view keeps its whole torch.cat result, as transformers' does) and with a GearCache (its
-`memory_report()` after each step). Used by tests/test_never_above_dense.py and scripts/bench_above_dense.py.
+`memory_report()` after each step). Used by tests/test_never_above_dense.py and scripts/dev/above_dense.py.
 """
 
 from __future__ import annotations
