@@ -174,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     bar = tqdm(total=len(configs) * len(problems), desc="generating", unit="prompt")
     for name, config in configs.items():
         if config is None:
-            gear_hf.disable(model)
+            if gear_hf.is_enabled(model):
+                gear_hf.disable(model)
         else:
             gear_hf.enable(model, config)
         bar.set_postfix_str(name)
@@ -184,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         for problem in problems:
             results[name].append(generate(model, tokenizer, problem.prompt, args.max_new_tokens))
             bar.update()
-    gear_hf.disable(model)
+    if gear_hf.is_enabled(model):
+        gear_hf.disable(model)
     bar.close()
 
     reference = results[BASELINE]

@@ -52,7 +52,8 @@ def greedy_tokens(model, tokenizer, prompt: str, config, max_new: int) -> list[i
     import gear_hf
 
     if config is None:
-        gear_hf.disable(model)
+        if gear_hf.is_enabled(model):
+            gear_hf.disable(model)
     else:
         gear_hf.enable(model, config)
     ids = tokenizer(prompt, return_tensors="pt").input_ids
@@ -62,7 +63,8 @@ def greedy_tokens(model, tokenizer, prompt: str, config, max_new: int) -> list[i
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
                              do_sample=False, pad_token_id=pad if not isinstance(pad, list) else pad[0],
                              stop_strings=["\nQuestion:"], tokenizer=tokenizer)
-    gear_hf.disable(model)
+    if gear_hf.is_enabled(model):
+        gear_hf.disable(model)
     return out[0, ids.shape[1]:].tolist()
 
 

@@ -156,7 +156,9 @@ def main(argv=None) -> int:
                       f"answer={record['answer']!r} ({record['seconds']:.0f}s)", flush=True)
             import gear_hf
 
-            gear_hf.disable(model)
+            if gear_hf.is_enabled(model):
+
+                gear_hf.disable(model)
             del model
     cond.finish()
     rows = summarize(raw, args.models, methods, n, args.max_new)

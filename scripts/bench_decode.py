@@ -97,7 +97,9 @@ def main(argv=None) -> int:
                     benchlib.write_csv(out / "decode_raw.csv", raw)
         import gear_hf
 
-        gear_hf.disable(model)
+        if gear_hf.is_enabled(model):
+
+            gear_hf.disable(model)
         del model
     cond.finish()
 

@@ -89,7 +89,8 @@ def main(argv=None) -> int:
     warmups = {}
     for m in methods:  # untimed, so that no timed run includes kernel compilation (numba / Triton, first use)
         warmups[m] = benchlib.warm_up(model, warm, m)
-    gear_hf.disable(model)  # (warm_up leaves the last method enabled; decode_ms enables each one itself)
+    if gear_hf.is_enabled(model):  # (warm_up leaves the last method enabled; decode_ms enables each one itself)
+        gear_hf.disable(model)
     print("warm-up: " + ", ".join(f"{m} {s:.1f}s" for m, s in warmups.items()), flush=True)
     best = {}
     for batch, padded in ((1, False), (4, False), (4, True)):

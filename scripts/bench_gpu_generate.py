@@ -77,10 +77,12 @@ def make_cache(model, method: str):
     import gear_hf
 
     if method == "dynamic":
-        gear_hf.disable(model)
+        if gear_hf.is_enabled(model):
+            gear_hf.disable(model)
         return DynamicCache(config=model.config)
     if method.startswith("hf-"):
-        gear_hf.disable(model)
+        if gear_hf.is_enabled(model):
+            gear_hf.disable(model)
         return make_hf_quantized_cache(model, method)
     config = method_config(method)
     gear_hf.enable(model, config)

@@ -62,19 +62,22 @@ def main(argv=None) -> int:
             # the last --tokens tokens: the continuation is the test problem's worked answer
             ids = tokenizer(benchlib.gsm8k_text(index), return_tensors="pt").input_ids[:, -args.tokens:]
             prompt = ids.shape[1] - args.continuation
-            gear_hf.disable(model)
+            if gear_hf.is_enabled(model):
+                gear_hf.disable(model)
             reference = D.stock_logits(model, ids, prompt, args.chunk)
             for method in methods:
                 started = time.perf_counter()
                 if method in benchlib.HF_METHODS:
-                    gear_hf.disable(model)
+                    if gear_hf.is_enabled(model):
+                        gear_hf.disable(model)
                     cache = benchlib.make_hf_quantized_cache(model, method)
                 else:
                     config = benchlib.gear_config(method).replace(backend="torch")
                     gear_hf.enable(model, config)
                     cache = gear_hf.GearCache(model, config)
                 logits = D.streamed_logits(model, ids, prompt, args.chunk, cache)
-                gear_hf.disable(model)
+                if gear_hf.is_enabled(model):
+                    gear_hf.disable(model)
                 kl = D.kl_divergence(reference, logits)
                 elements = text_cfg.num_hidden_layers * 2 * kv_heads * head_dim * ids.shape[1]
                 bits = cache.memory_report()["bits_per_element"] if hasattr(cache, "memory_report") else \

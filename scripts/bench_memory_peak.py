@@ -151,7 +151,9 @@ def model_only_peak(model, ids: torch.Tensor) -> int:
     """Allocator peak of one forward of the prompt that keeps no cache (the weights are allocated before it)."""
     import gear_hf
 
-    gear_hf.disable(model)
+    if gear_hf.is_enabled(model):
+
+        gear_hf.disable(model)
     with AllocatorPeak(ids.device) as m:
         model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, logits_to_keep=1)
     return m.result.peak_bytes
@@ -170,10 +172,12 @@ def measure(model, ids: torch.Tensor, method: str, new_tokens: int) -> dict:
 
     kwargs = {}
     if method == "dynamic":
-        gear_hf.disable(model)
+        if gear_hf.is_enabled(model):
+            gear_hf.disable(model)
         kwargs[model_cache_kwarg(model)] = DynamicCache(config=model.config)
     elif method in benchlib.HF_METHODS:
-        gear_hf.disable(model)
+        if gear_hf.is_enabled(model):
+            gear_hf.disable(model)
         kwargs[model_cache_kwarg(model)] = benchlib.make_hf_quantized_cache(model, method)
     else:
         gear_hf.enable(model, method_config(method))
@@ -197,7 +201,8 @@ def measure(model, ids: torch.Tensor, method: str, new_tokens: int) -> dict:
     else:
         row["walk_bytes"] = memory_walk.walk({"cache": cache}).total
     del cache, kwargs, out
-    gear_hf.disable(model)  # (drops the enabled model's reference to its last cache)
+    if gear_hf.is_enabled(model):  # (drops the enabled model's reference to its last cache)
+        gear_hf.disable(model)
     gc.collect()
     return row
 
@@ -232,7 +237,9 @@ def run_table(args, device: torch.device, write) -> list[dict]:
             rows += group
         import gear_hf
 
-        gear_hf.disable(model)
+        if gear_hf.is_enabled(model):
+
+            gear_hf.disable(model)
         del model
         gc.collect()
     return rows
@@ -293,7 +300,8 @@ def run_steps(args, out) -> int:
         del cache
         rows += [{"method": method, **r} for r in recorder.rows]
         recorder.release()  # (the next method's memo walk must not see this cache alive)
-        gear_hf.disable(model)
+        if gear_hf.is_enabled(model):
+            gear_hf.disable(model)
         gc.collect()
         last = recorder.rows[-1]
         print(f"{method}: last step T={last['tokens']} held {last['held_bits']:.2f} owned {last['owned_bits']:.2f} "

@@ -74,7 +74,8 @@ def prefill(model, ids, method):
     arg = model_cache_kwarg(model)
     totals: dict = {}
     if method == "dynamic":
-        gear_hf.disable(model)
+        if gear_hf.is_enabled(model):
+            gear_hf.disable(model)
         cache = DynamicCache(config=model.config)
     else:
         gear_hf.enable(model, benchlib.gear_config(method))
@@ -130,7 +131,9 @@ def main(argv=None) -> int:
                     benchlib.write_csv(out / "prefill_raw.csv", raw)
         import gear_hf
 
-        gear_hf.disable(model)
+        if gear_hf.is_enabled(model):
+
+            gear_hf.disable(model)
         del model
     cond.finish()
     rows = []

@@ -62,7 +62,8 @@ def main(argv=None) -> int:
                 try:
                     logits, bits = run(model, ids, args.prompt, gear_hf.GearCache(model, config))
                 finally:
-                    gear_hf.disable(model)
+                    if gear_hf.is_enabled(model):
+                        gear_hf.disable(model)
                 kl = diagnostics.kl_divergence(reference, logits)
                 rows.append({"model": args.model, "text": text, "config": name, "budget_bits": round(budgets[name], 3),
                              "mean_owned": round(sum(bits) / len(bits), 3), "mean_kl": round(kl.mean().item(), 5),

@@ -211,7 +211,8 @@ def main(argv=None) -> int:
         gear_hf.enable(model, config)
         cache = gear_hf.GearCache(model, config)
         logits, bits = run(model, ids, args.prompt, cache)
-        gear_hf.disable(model)
+        if gear_hf.is_enabled(model):
+            gear_hf.disable(model)
         rows.append({"config": name, "describe": config.describe(), "key_buffer": config.key_buffer,
                      "value_buffer": config.value_buffer, "buffer_size": config.buffer_size,
                      "mean_owned": sum(bits) / len(bits), "max_owned": max(bits), "min_owned": min(bits),

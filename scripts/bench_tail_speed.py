@@ -70,7 +70,8 @@ def generate_once(model, ids: torch.Tensor, config, new_tokens: int) -> tuple[li
                                  logits_processor=LogitsProcessorList([clock]),
                                  **{model_cache_kwarg(model): cache})
     finally:
-        gear_hf.disable(model)
+        if gear_hf.is_enabled(model):
+            gear_hf.disable(model)
     steps = [(b - a) * 1000 for a, b in zip(clock.times, clock.times[1:])]
     return steps, dict(cache.step_paths), out[0, ids.shape[1]:]
 

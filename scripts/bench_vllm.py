@@ -244,7 +244,8 @@ def hf_tokens(tag: str, config, prompts: list[list[int]], dtype: str, state: dic
                                  min_new_tokens=STEPS, do_sample=False, pad_token_id=0)
             tokens.append(out[0, len(p):].tolist())
     if through_gear_hf:
-        gear_hf.disable(model)
+        if gear_hf.is_enabled(model):
+            gear_hf.disable(model)
     saved.write_text(json.dumps(dict(key=key, tokens=tokens, seconds=round(time.time() - t, 1))))
     print(f"  hf {tag}: {round(time.time() - t, 1)} s", flush=True)
     return tokens

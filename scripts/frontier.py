@@ -222,7 +222,8 @@ def measure_model(model_name: str, dtype: str, tokens_list, configs: dict, basel
         if ids.shape[1] < T:
             raise SystemExit(f"the text has only {ids.shape[1]} tokens < T={T}: raise SHOTS_FOR[{T}]")
         prompt = T - args.continuation
-        gear_hf.disable(model)
+        if gear_hf.is_enabled(model):
+            gear_hf.disable(model)
         started = time.perf_counter()
         reference = D.stock_logits(model, ids, prompt, args.chunk)
         captures = D.capture_qkv(model, ids)
@@ -230,7 +231,8 @@ def measure_model(model_name: str, dtype: str, tokens_list, configs: dict, basel
         for name in todo[T]:
             started = time.perf_counter()
             if name in baselines:
-                gear_hf.disable(model)
+                if gear_hf.is_enabled(model):
+                    gear_hf.disable(model)
                 cache = benchlib.make_hf_quantized_cache(model, name)
                 config = None
             else:
@@ -238,7 +240,8 @@ def measure_model(model_name: str, dtype: str, tokens_list, configs: dict, basel
                 gear_hf.enable(model, config)
                 cache = gear_hf.GearCache(model, config)
             logits = D.streamed_logits(model, ids, prompt, args.chunk, cache)
-            gear_hf.disable(model)
+            if gear_hf.is_enabled(model):
+                gear_hf.disable(model)
             kl = D.kl_divergence(reference, logits)
             elements = _elements(text_cfg, T)
             if config is None:

@@ -70,6 +70,7 @@ def run_case(config, arch="llama3", dtype=torch.bfloat16, batch=1, prompt=5, new
     with torch.inference_mode():
         model.generate(**kwargs, stopping_criteria=StoppingCriteriaList([reports]), **passed)
     cache = gear_hf.last_cache(model)
-    gear_hf.disable(model)
+    if gear_hf.is_enabled(model):
+        gear_hf.disable(model)
     rows = [(i, r["owned_bytes"], d, r["dense_bytes"]) for i, (r, d) in enumerate(zip(reports.values, dense.values))]
     return rows, cache, reports.values

@@ -114,10 +114,12 @@ def run_generate(model, input_ids: torch.Tensor, method: str, max_new_tokens: in
 
     kwargs: dict = {}
     if method in HF_METHODS:
-        gear_hf.disable(model)
+        if gear_hf.is_enabled(model):
+            gear_hf.disable(model)
         kwargs[model_cache_kwarg(model)] = make_hf_quantized_cache(model, method, residual_length=hf_residual)
     elif method == "dynamic":
-        gear_hf.disable(model)
+        if gear_hf.is_enabled(model):
+            gear_hf.disable(model)
     else:
         gear_hf.enable(model, gear_config(method))
     if force_length:

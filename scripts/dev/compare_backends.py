@@ -41,7 +41,9 @@ def main(argv=None) -> int:
     def new_tokens(out):
         return out.sequences[:, enc.input_ids.shape[1]:]
 
-    gear_hf.disable(model)
+    if gear_hf.is_enabled(model):
+
+        gear_hf.disable(model)
     reference = new_tokens(model.generate(**enc, **kwargs))
     print(f"{args.model} {args.dtype}, prompt lengths {enc.attention_mask.sum(1).tolist()}, {args.new} new tokens")
     for name in args.methods.split(","):
