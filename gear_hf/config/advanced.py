@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from ..compress.quant import BITS, PLANE_TOKENS, STATS, codes_per_unit
 from ..compress.spec import FACTOR_BITS
@@ -103,26 +103,26 @@ class Advanced:
                               ("rotation", ROTATIONS), ("range_search", ROTATIONS), ("value_statistics", STATS),
                               ("key_buffer", KEY_BUFFERS), ("value_buffer", VALUE_BUFFERS), ("hold", HOLDS)):
             if getattr(self, name) not in allowed:
-                _fail(name, getattr(self, name), " | ".join(map(repr if name == "value_statistics" else str, allowed)))
+                reject(name, getattr(self, name), " | ".join(map(repr if name == "value_statistics" else str, allowed)))
         for name in ("key_group_size", "value_group_size", "prompt_group_size"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                _fail(name, value, "None or an integer >= 1")
+                reject(name, value, "None or an integer >= 1")
         if isinstance(self.power_iters, bool) or not isinstance(self.power_iters, int) or self.power_iters < 1:
-            _fail("power_iters", self.power_iters, "an integer >= 1")
+            reject("power_iters", self.power_iters, "an integer >= 1")
         if isinstance(self.factor_bits, bool) or self.factor_bits not in FACTOR_BITS:
-            _fail("factor_bits", self.factor_bits, "16 or 8")
+            reject("factor_bits", self.factor_bits, "16 or 8")
         for name in ("pre_rope", "key_buffer_centered", "value_buffer_centered", "value_chunks_centered"):
             if not isinstance(getattr(self, name), bool):
-                _fail(name, getattr(self, name), "True or False")
+                reject(name, getattr(self, name), "True or False")
         held_for = self.held_for
         if isinstance(held_for, bool) or not isinstance(held_for, (int, float)) or not 0 < held_for <= 1:
-            _fail("held_for", held_for, "a number in (0, 1] (decode chunks of buffer_size tokens)")
+            reject("held_for", held_for, "a number in (0, 1] (decode chunks of buffer_size tokens)")
         extra = [t.name for t in registered_terms() if not t.builtin]
         for name in self.extra_terms:
             if name not in extra:
-                _fail("extra_terms", self.extra_terms, f"names of registered extra terms ({extra or 'none'}; "
-                                                       "gear_hf.compress.terms.register_term)")
+                reject("extra_terms", self.extra_terms, f"names of registered extra terms ({extra or 'none'}; "
+                                                        "gear_hf.compress.terms.register_term)")
 
 
 # The paper's settings (GEAR, Kang et al. 2024) for what the paper does not set, with int8 low-rank factors (the
@@ -134,7 +134,7 @@ PAPER_ADVANCED = Advanced(prompt_group_size=None, key_bit_allocation="uniform", 
 ADVANCED_NAMES = tuple(f.name for f in fields(Advanced))
 
 
-def _fail(field: str, value: Any, allowed: str) -> None:
+def reject(field: str, value: Any, allowed: str) -> None:
     raise ValueError(f"GearConfig.{field}={value!r} is invalid; allowed: {allowed}")
 
 
@@ -160,6 +160,29 @@ def effective_value_statistics(cfg: "GearConfig") -> str:
     return a.value_statistics if applies else "16"
 
 
+def hold_from_sizes(sizes: dict[str, Any], *, buffer_size: int, hold: str, compresses: bool, key_buffer: str,
+                    value_buffer: str) -> str:
+    """`hold` from the held buffers' sizes as earlier releases set them (`value_buffer_size` / `key_buffer_size`: None,
+    2 x buffer_size or "auto", which held a stream where its buffer is per token, keys only with held values); a size
+    not given keeps what `hold` says of its stream."""
+    held = {"value": hold != "none", "key": hold == "both"}
+    buffers = {"value": value_buffer, "key": key_buffer}
+    for name, size in sizes.items():
+        stream = name.split("_")[0]
+        if size == "auto":
+            held[stream] = compresses and buffers[stream] in HOLDING_BUFFERS
+        elif size is not None and (isinstance(size, bool) or size != 2 * buffer_size):
+            reject(name, size, f"'auto', None or 2 x buffer_size = {2 * buffer_size}")
+        else:
+            held[stream] = size is not None
+    if sizes.get("key_buffer_size", "auto") == "auto":  # ("auto", or not given: keys follow their values)
+        held["key"] = held["key"] and held["value"]
+    if held["key"] and not held["value"]:
+        reject("key_buffer_size", sizes["key_buffer_size"], "None with value_buffer_size=None (keys are held a chunk "
+                                                            "longer only with their values)")
+    return "both" if held["key"] else "values" if held["value"] else "none"
+
+
 def release_after(cfg: "GearConfig") -> int:
     """Tokens buffered after a held chunk that release it: ceil(held_for x buffer_size)."""
     return math.ceil(cfg.held_for * cfg.buffer_size)
@@ -176,27 +199,27 @@ def token_granule(method: str, streams: tuple[tuple[str, int, float, bool], ...]
     return granule
 
 
-def check(cfg: "GearConfig", fail: Callable[[str, Any, str], None]) -> None:
+def check(cfg: "GearConfig") -> None:
     """Options that must fit the user fields and each other (the config being built)."""
     a = cfg.advanced
     if a.prompt_group_size is not None and cfg.coarse_groups:
-        fail("prompt_group_size", a.prompt_group_size, "None for method 'kcvt' (one group per whole channel)")
+        reject("prompt_group_size", a.prompt_group_size, "None for method 'kcvt' (one group per whole channel)")
     key_bits = cfg.key_bits
     if a.key_bit_allocation == "query":
         if isinstance(key_bits, bool) or not isinstance(key_bits, (int, float)) or not 1 <= key_bits <= 8 \
                 or key_bits * PLANE_TOKENS != int(key_bits * PLANE_TOKENS):
-            fail("key_bits", key_bits, "a multiple of 1/8 in [1, 8] (the mean bits of a key channel with "
-                                       "key_bit_allocation='query')")
+            reject("key_bits", key_bits, "a multiple of 1/8 in [1, 8] (the mean bits of a key channel with "
+                                         "key_bit_allocation='query')")
     elif isinstance(key_bits, bool) or key_bits not in BITS:
-        fail("key_bits", key_bits, "2, 3, 4 or 8 (or, with key_bit_allocation='query', a mean such as 3.5)")
+        reject("key_bits", key_bits, "2, 3, 4 or 8 (or, with key_bit_allocation='query', a mean such as 3.5)")
     if a.key_bit_allocation == "query" and cfg.compresses:
         for field, value, bad, allowed in (
                 ("key_axis", a.key_axis, a.key_axis != "channel", "'channel'"),
                 ("method", cfg.method, cfg.uses_outliers, "a method without outliers (kivi, kcvt, gear-l)"),
                 ("rotation", a.rotation, a.rotation in ("keys", "both"), "'none' or 'values'")):
             if bad:
-                fail(field, value, f"{allowed} with key_bit_allocation='query' (widths per key channel; "
-                                   "key_bit_allocation='uniform' for one width)")
+                reject(field, value, f"{allowed} with key_bit_allocation='query' (widths per key channel; "
+                                     "key_bit_allocation='uniform' for one width)")
     if cfg.compresses and a.value_buffer == "final" and (a.value_axis != "token" or cfg.uses_lowrank or a.extra_terms):
-        fail("value_buffer", a.value_buffer, "'full' unless values are grouped per token (value_axis='token') with "
-                                             "no low-rank term or extra term (each value must be stored on its own)")
+        reject("value_buffer", a.value_buffer, "'full' unless values are grouped per token (value_axis='token') with "
+                                               "no low-rank term or extra term (each value must be stored on its own)")

@@ -20,17 +20,15 @@ from .advanced import (
     check,
     effective_held_for,
     effective_value_statistics,
+    hold_from_sizes,
     keys_held,
+    reject,
     token_granule,
     values_held,
 )
 from .names import METHODS
 
 BACKENDS = ("auto", "torch", "triton", "numba")  # gear_hf.backends registers exactly these
-
-
-def _fail(field: str, value: Any, allowed: str) -> None:
-    raise ValueError(f"GearConfig.{field}={value!r} is invalid; allowed: {allowed}")
 
 
 @dataclass(frozen=True, init=False)
@@ -90,7 +88,10 @@ class GearConfig:
         for f in dataclasses.fields(self):
             object.__setattr__(self, f.name, kwargs.get(f.name, f.default))
         if sizes:
-            options["hold"] = _hold_from_sizes(sizes, self.buffer_size, options.get("hold", advanced.hold))
+            _warn_former_sizes(sizes)
+            current = {k: options.get(k, getattr(advanced, k)) for k in ("hold", "key_buffer", "value_buffer")}
+            options["hold"] = hold_from_sizes(sizes, buffer_size=self.buffer_size, compresses=self.method != "fp16",
+                                              **current)
         object.__setattr__(self, "advanced", dataclasses.replace(advanced, **options) if options else advanced)
         self._check()
 
@@ -102,27 +103,27 @@ class GearConfig:
 
     def _check(self) -> None:
         if self.method not in METHODS:
-            _fail("method", self.method, " | ".join(METHODS))
+            reject("method", self.method, " | ".join(METHODS))
         if isinstance(self.key_bits, float) and self.key_bits.is_integer():
             object.__setattr__(self, "key_bits", int(self.key_bits))  # 4.0 is 4 (lm-eval may pass floats)
         if isinstance(self.value_bits, bool) or self.value_bits not in BITS:
-            _fail("value_bits", self.value_bits, "2, 3, 4 or 8")
+            reject("value_bits", self.value_bits, "2, 3, 4 or 8")
         for name, low in (("group_size", 1), ("rank_prefill", 0), ("rank_decode", 0), ("sink_tokens", 0),
                           ("buffer_size", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                _fail(name, value, f"an integer >= {low}")
+                reject(name, value, f"an integer >= {low}")
         if isinstance(self.outlier_ratio, bool) or not isinstance(self.outlier_ratio, (int, float)) \
                 or not 0.0 <= self.outlier_ratio < 1.0:
-            _fail("outlier_ratio", self.outlier_ratio, "a number in [0, 1)")
+            reject("outlier_ratio", self.outlier_ratio, "a number in [0, 1)")
         if self.backend not in BACKENDS:
-            _fail("backend", self.backend, " | ".join(BACKENDS))
-        check(self, _fail)
+            reject("backend", self.backend, " | ".join(BACKENDS))
+        check(self)
         self._check_token_groups()
         if self.uses_lowrank and max(self.rank_prefill, self.rank_decode) == 0:
-            _fail("rank_prefill", self.rank_prefill, f"> 0 for method {self.method!r} (or rank_decode > 0)")
+            reject("rank_prefill", self.rank_prefill, f"> 0 for method {self.method!r} (or rank_decode > 0)")
         if self.uses_outliers and self.outlier_ratio == 0:
-            _fail("outlier_ratio", self.outlier_ratio, f"> 0 for method {self.method!r}")
+            reject("outlier_ratio", self.outlier_ratio, f"> 0 for method {self.method!r}")
 
     def _check_token_groups(self) -> None:
         """Groups that run along tokens hold whole packing units, and the buffer holds whole groups."""
@@ -136,17 +137,17 @@ class GearConfig:
                 for name, group in ((self._group_field(prefix), group),
                                     ("prompt_group_size", self.prompt_group_size or group)):
                     if group % unit:
-                        _fail(name, group, f"a multiple of {unit} ({prefix}s are grouped along tokens and {packing})")
+                        reject(name, group, f"a multiple of {unit} ({prefix}s are grouped along tokens and {packing})")
         if self.buffer_size % self.chunk_granule:
             if self.buffer_size == _DEFAULT_BUFFER:  # blame what the user wrote, not a default
                 for prefix, axis, group in (("key", self.key_axis, self.key_group),
                                             ("value", self.value_axis, self.value_group)):
                     if axis == "channel" and self.buffer_size % group:
-                        _fail(self._group_field(prefix), group, f"a divisor of buffer_size={self.buffer_size} (the "
-                                                                f"default), or also set buffer_size to a multiple of "
+                        reject(self._group_field(prefix), group, f"a divisor of buffer_size={self.buffer_size} (the "
+                                                                 f"default), or also set buffer_size to a multiple of "
                                                                 f"{self.chunk_granule}")
-            _fail("buffer_size", self.buffer_size, f"a positive multiple of {self.chunk_granule} (the groups "
-                                                  "along tokens and the code packing)")
+            reject("buffer_size", self.buffer_size, f"a positive multiple of {self.chunk_granule} (the groups "
+                                                    "along tokens and the code packing)")
 
     def _group_field(self, prefix: str) -> str:
         """The field that set the key ("key") or value ("value") group: its own, the group_size shorthand, or
@@ -288,27 +289,16 @@ class GearConfig:
 
 
 _DEFAULT_BUFFER = GearConfig.__dataclass_fields__["buffer_size"].default
+SETTING_NAMES = tuple(f.name for f in dataclasses.fields(GearConfig) if f.name != "advanced")
 # the held buffers' sizes as earlier releases set them (value_buffer_size / key_buffer_size: None or 2 x buffer_size):
 # still taken by the constructor and `replace`, with a DeprecationWarning, as the `hold` they mean
 FORMER_SIZE_NAMES = ("value_buffer_size", "key_buffer_size")
 
 
-def _hold_from_sizes(sizes: dict[str, Any], buffer_size: int, hold: str) -> str:
+def _warn_former_sizes(sizes: dict[str, Any]) -> None:
     warnings.warn(f"GearConfig({', '.join(f'{k}=...' for k in sizes)}): the held buffers' sizes are now "
                   f"advanced.hold ('none' | 'values' | 'both'; held tokens stay 2 x buffer_size)", DeprecationWarning,
                   stacklevel=4)
-    held = {"value": hold != "none", "key": hold == "both"}
-    for name, size in sizes.items():
-        if size not in (None, "auto") and (isinstance(size, bool) or size != 2 * buffer_size):
-            _fail(name, size, f"'auto', None or 2 x buffer_size = {2 * buffer_size}")
-        held[name.split("_")[0]] = size is not None
-    if "key_buffer_size" not in sizes:  # keys followed their values ("auto")
-        held["key"] = held["key"] and held["value"]
-    if held["key"] and not held["value"]:
-        _fail("key_buffer_size", sizes.get("key_buffer_size"), "None with value_buffer_size=None (keys are held a "
-                                                                 "chunk longer only with their values)")
-    return "both" if held["key"] else "values" if held["value"] else "none"
-SETTING_NAMES = tuple(f.name for f in dataclasses.fields(GearConfig) if f.name != "advanced")
 
 
 def expect_config(value: Any, argument: str) -> None:

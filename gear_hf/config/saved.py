@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from .advanced import ADVANCED_NAMES, HOLDING_BUFFERS, Advanced
+from .advanced import ADVANCED_NAMES, Advanced, hold_from_sizes
 
 if TYPE_CHECKING:
     from .core import GearConfig
@@ -91,20 +91,10 @@ def _from_flat(fields: dict[str, Any]) -> "GearConfig":
     from .core import GearConfig
 
     fields = dict(fields)
-    value_held, key_held = fields.pop("value_buffer_size", None), fields.pop("key_buffer_size", None)
-    compresses = fields["method"] != "fp16"
-    if value_held == "auto":
-        value_held = compresses and fields["value_buffer"] in HOLDING_BUFFERS
-    if key_held == "auto":
-        key_held = compresses and fields["key_buffer"] in HOLDING_BUFFERS and bool(value_held)
-    for name, held in (("value_buffer_size", value_held), ("key_buffer_size", key_held)):
-        if held not in (None, False, True) and held != 2 * fields["buffer_size"]:
-            raise ValueError(f"GearConfig.{name}={held!r} is invalid; allowed: 'auto', None or 2 x buffer_size = "
-                             f"{2 * fields['buffer_size']}")
-    fields["hold"] = "both" if value_held and key_held else "values" if value_held else "none"
-    if key_held and not value_held:
-        raise ValueError(f"GearConfig.key_buffer_size={key_held!r} is invalid; allowed: None with "
-                         f"value_buffer_size=None (keys are held a chunk longer only with their values)")
+    sizes = {k: fields.pop(k, None) for k in ("value_buffer_size", "key_buffer_size")}
+    fields["hold"] = hold_from_sizes(sizes, buffer_size=fields["buffer_size"], hold="none",
+                                     compresses=fields["method"] != "fp16", key_buffer=fields["key_buffer"],
+                                     value_buffer=fields["value_buffer"])
     if fields.get("held_for") == "auto":
         fields["held_for"] = Advanced.held_for
     if fields.get("value_statistics") == "auto":
