@@ -61,7 +61,7 @@ def _run_scratch(run, factors, hadamard, d):
     return spread, bt, weights, tile, code_tile
 
 
-@numba.njit(inline="always")
+@numba.njit
 def _is_staged(staged, b, t):
     """Whether buffer token t of row b is this step's own (read exact from the buffer), staged [B,cap] or [0,0]."""
     return staged.shape[0] > 0 and staged[b, t]

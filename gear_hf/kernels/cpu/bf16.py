@@ -11,7 +11,7 @@ from numba.extending import overload
 from ...compress.quant import LOG_SCALES
 
 
-@numba.njit(inline="always")
+@numba.njit
 def round_bf16(v):
     """float32 -> bf16 bits, rounded to nearest even (NaN -> 0x7FC0), as torch converts."""
     if v != v:
@@ -20,13 +20,13 @@ def round_bf16(v):
     return np.uint16((u + ((u >> np.uint32(16)) & np.uint32(1)) + np.uint32(0x7FFF)) >> np.uint32(16))
 
 
-@numba.njit(inline="always")
+@numba.njit
 def bf16_value(bits):
     """bf16 bits -> float32 (exact)."""
     return np.uint32(np.uint32(bits) << np.uint32(16)).view(np.float32)
 
 
-@numba.njit(inline="always")
+@numba.njit
 def bf16_step(bits, up):
     """The bf16 neighbour one ulp toward +inf (up) or -inf, as torch.nextafter: zero steps to the smallest
     subnormal of that sign, an infinity toward itself stays."""
@@ -41,7 +41,7 @@ def bf16_step(bits, up):
     return np.uint16(bits - 1)
 
 
-@numba.njit(inline="always")
+@numba.njit
 def floor_bf16(v):
     """float32 -> bf16 bits of the largest bf16 value <= v: round to nearest, then one ulp toward -inf where that went
     up (as `quant._stored_stats` rounds a minimum; `quant.decode_stats8` a zero point's)."""
@@ -54,7 +54,7 @@ def side_value(x):
     raise NotImplementedError("numba only: called from the CPU kernels")
 
 
-@overload(side_value, inline="always")
+@overload(side_value)
 def _side_value(x):
     if isinstance(x, types.Integer) and x.bitwidth == 16:
         return lambda x: bf16_value(x)
@@ -66,7 +66,7 @@ def _side_value(x):
 _LOG_SCALES = LOG_SCALES.numpy().astype(np.float32)
 
 
-@numba.njit(inline="always")
+@numba.njit
 def decode_stats8(scale_code, zero_code, top):
     """(scale, minimum) float32 of 8-bit statistics' uint8 codes, as `quant.decode_stats8` decodes them, bit for bit:
     -(zero_code * top / 255 * scale) in float32, in that order, then floored to bf16; top: the group's highest code."""
@@ -88,7 +88,7 @@ def _stats_value(scale, minimum, top):
     return lambda scale, minimum, top: (side_value(scale), side_value(minimum))
 
 
-@numba.njit(inline="always")
+@numba.njit
 def group_stats(scale, minimum, top, b, h, t, k):
     """(scale, minimum) float32 of group [b, h, t, k] (`stats_value`): 16-bit fields, or 8-bit statistics decoded as
     `quant.decode_stats8` decodes them, bit for bit."""

@@ -233,7 +233,7 @@ def _hadamard_rows(x, N, tile):
                 x[t0 + j, c] = tile[c, j] * scale
 
 
-@numba.njit(inline="always")
+@numba.njit
 def _scratch(a, channel_axis, hadamard, widths, n, N, d):
     """The per-plane scratch of `_assemble`: (plane [N,d], spread codes, low-rank bt and weights, Hadamard tile,
     bit-plane code tile); empty where the run does not need one."""
@@ -245,7 +245,7 @@ def _scratch(a, channel_axis, hadamard, widths, n, N, d):
             np.empty((8 if widths.shape[2] else 0, d), dtype=np.uint8))
 
 
-@numba.njit(inline="always")
+@numba.njit
 def _assemble(codes, bits, group, channel_axis, scale, minimum, a, a_scale, b_raw, b_scale, values, index, rows, n,
               N, hadamard, widths, b, h, target, rotate_rows, cos, sin, cos_at, spread, bt, weights, tile, code_tile):
     """Plane (b, h) of the run into target [N,d] float32: the codes dequantized (rotate_rows: keys with nothing

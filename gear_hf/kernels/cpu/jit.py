@@ -4,6 +4,10 @@ numba keys a cached function on its own file only: a loop in `attend.py` that in
 `dequant.py` would load its stale machine code (a checkout that changed one file gave other decode bits than a
 fresh compile). So every cached kernel of this folder lives in a cache directory named after a hash of all the
 folder's sources: any edit here starts a fresh one.
+
+Small helpers are plain `numba.njit` functions, never `inline="always"`: numba's IR inlining types a helper again at
+every call site, which made compiling slow (the compression kernel spent 14 of its 18 s in typing); LLVM inlines the
+calls anyway when it links the helpers in (decode speed unchanged, measured).
 """
 
 from __future__ import annotations

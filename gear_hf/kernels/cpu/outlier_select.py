@@ -16,7 +16,7 @@ _INF = _F32(np.inf)
 
 
 # -- the outlier choice (select_outliers on one vector) ------------------------------------------------------
-@numba.njit(inline="always")
+@numba.njit
 def _insert(v, p, filled, count, kept_v, kept_i, largest):
     """Insert entry (v, position p) into the ranked list kept_v/kept_i that holds `filled` of its `count` slots
     (full: the last is dropped), after every entry that ranks before it (larger, or smaller, or equal). Returns the
@@ -58,7 +58,7 @@ def _extremes(vec, L, k, top_v, top_i, bottom_v, bottom_i, taken, blocks):
     return count
 
 
-@numba.njit(inline="always")
+@numba.njit
 def _bounds(vec, L, k, blocks):
     """(floor, ceiling): each of vec's k+1 largest is >= floor and, once its k largest are taken, each of the k+1
     smallest of the rest is <= ceiling (infinite: no bound), so that the ranking passes skip nearly every entry.
@@ -82,7 +82,7 @@ def _bounds(vec, L, k, blocks):
     return floor, (ceiling if floor > ceiling else _INF)
 
 
-@numba.njit(inline="always")
+@numba.njit
 def _ranked_at(values, m, k, ranked, largest):
     """The (k+1)-th largest (or smallest) of values[:m], by insertion into ranked."""
     for i in range(m):
@@ -177,7 +177,7 @@ def _extremes_lanes(xt, top_key, low_key, top_in, low_in):
         _keep_smallest(low_in, low_key[0], low_in)
 
 
-@numba.njit(inline="always")
+@numba.njit
 def _lane_lists(top_key, low_key, k, j, bottom_count, top_v, top_i, bottom_v, bottom_i):
     """Vector j's top (its k+1 largest) and bottom (the first bottom_count of its smallest not among its k
     largest) from its ranking keys, as `_extremes` returns them."""
@@ -213,7 +213,7 @@ def _slots(top_v, top_i, bottom_v, bottom_i, bottom_count, k, L, slot_index, slo
 _MAX_LANE_SLOTS = 11
 
 
-@numba.njit(inline="always")
+@numba.njit
 def _transpose(plane, out):
     """out [d, n] = plane [n, d]ᵀ, in tiles of 16 rows (whole cache lines written)."""
     n, d = plane.shape
@@ -223,7 +223,7 @@ def _transpose(plane, out):
                 out[c, t] = plane[t, c]
 
 
-@numba.njit(inline="always")
+@numba.njit
 def _choose(plane, channel_axis, k, vectors, top_v, top_i, bottom_v, bottom_i, taken, blocks, top_key, low_key,
             top_in, low_in, slot_index, slot_used):
     """select_outliers on every vector of a plane [n, d] (channels or tokens): slot_index/slot_used [V, k]."""

@@ -8,7 +8,7 @@ import numba
 import numpy as np
 
 
-@numba.njit(inline="always")
+@numba.njit
 def _pack(codes, bits, channel_axis, out):
     """quant.pack_codes of codes [n, d] along tokens (channel_axis) or channels (out [n, P], zero past d)."""
     n, d = codes.shape
@@ -57,7 +57,7 @@ def _pack(codes, bits, channel_axis, out):
                 out[t, 3 * u], out[t, 3 * u + 1], out[t, 3 * u + 2] = low0, low1, high
 
 
-@numba.njit(inline="always")
+@numba.njit
 def transpose_bits8(word):
     """A uint64 as an 8x8 bit matrix (byte r = row r) transposed: bit c of byte r becomes bit r of byte c, as
     `quant._transpose_bits8` (three masked swaps). Codes of 8 tokens <-> their bit planes."""
@@ -67,7 +67,7 @@ def transpose_bits8(word):
     return word
 
 
-@numba.njit(inline="always")
+@numba.njit
 def _pack_planes(codes, widths, out):
     """quant.pack_planes of codes [n, d] with widths [d]: per 8 tokens, channel c's planes (bit t of plane j = bit
     j of token t's code) at bytes [start_c, start_c + widths[c]) of out [n/8, S], start_c the widths before c. The

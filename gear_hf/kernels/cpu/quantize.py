@@ -22,14 +22,14 @@ _F32 = np.float32
 _INF = _F32(np.inf)
 
 
-@numba.njit(inline="always")
+@numba.njit
 def _in_model(v, model_bf16):
     """v rounded to the model dtype (bf16 or float32) and back to float32."""
     return _f32(_bf16(v)) if model_bf16 else v
 
 
 # -- quantization (quant.quantize, quant._stored_stats) -------------------------------------------------------
-@numba.njit(inline="always")
+@numba.njit
 def _stats(lo, hi, top):
     """(minimum, scale) bf16 bits for a group spanning [lo, hi], as `quant._stored_stats`; an empty group (lo
     infinite) is [0, 0]."""
@@ -42,7 +42,7 @@ def _stats(lo, hi, top):
     return minimum, scale
 
 
-@numba.njit(inline="always")
+@numba.njit
 def _nonempty(lo, hi):
     """[lo, hi], or [0, 0] for an empty group (lo infinite: every entry excluded), as `quant.quantize` takes it."""
     if lo == _INF or lo == -_INF:
@@ -53,7 +53,7 @@ def _nonempty(lo, hi):
 _TOP_SCALE = _LOG_SCALES[-1]  # the 8-bit grid's largest scale
 
 
-@numba.njit(inline="always")
+@numba.njit
 def _stats8(lo, hi, top):
     """(scale code, zero-point code, fits) of 8-bit statistics for a group spanning [lo, hi], as `quant.stats8`
     chooses them (the same float32 operations; its whole-chunk loop of up to three steps taken per group, which
@@ -88,7 +88,7 @@ def _stats8(lo, hi, top):
     return np.uint8(code), zero, fits
 
 
-@numba.njit(inline="always")
+@numba.njit
 def _zero_point(lo, code, top, step):
     """The smallest grid zero point (uint8 code) with a decoded minimum <= lo, for scale code `code` (`quant.stats8`;
     top float32, step = top / 255 in float32)."""
@@ -104,7 +104,7 @@ def _encode_group(scale, minimum, at, lo, hi, top):
     raise NotImplementedError("numba only: called from the CPU kernels")
 
 
-@overload(_encode_group, inline="always")
+@overload(_encode_group)
 def _encode_group_impl(scale, minimum, at, lo, hi, top):
     if isinstance(scale.dtype, types.Integer) and scale.dtype.bitwidth == 8:
         def encode8(scale, minimum, at, lo, hi, top):
@@ -119,19 +119,19 @@ def _encode_group_impl(scale, minimum, at, lo, hi, top):
     return encode16
 
 
-@numba.njit(inline="always")
+@numba.njit
 def _code(v, m, safe, top):
     c = np.rint((v - m) / safe)
     return np.uint8(min(max(c, _F32(0.0)), _F32(top)))
 
 
-@numba.njit(inline="always")
+@numba.njit
 def _safe(s):
     """The codes' divisor: the scale, or 1 where it is 0 (an empty or constant-zero group)."""
     return s if s > 0 else _F32(1.0)
 
 
-@numba.njit(inline="always")
+@numba.njit
 def _quantize_channel(plane, excluded, group, tops, scale, minimum, codes):
     """Groups of `group` tokens per channel: stats [n/group, d] (bf16 bits), codes [n, d]; tops [d]: each
     channel's highest code (its width's, for widths per channel)."""
@@ -154,7 +154,7 @@ def _quantize_channel(plane, excluded, group, tops, scale, minimum, codes):
                 codes[t, c] = _code(plane[t, c], m[c], safe[c], tops[c])
 
 
-@numba.njit(inline="always")
+@numba.njit
 def _quantize_token(plane, excluded, group, top, scale, minimum, codes):
     """Groups of `group` channels per token (the last one shorter when group does not split d): stats [n, G], 16-bit
     (bf16 bits) or 8-bit (uint8 codes, `_encode_group`). Returns whether every group's range fits (8-bit grid)."""
@@ -181,7 +181,7 @@ _CODE_STEPS = (0, 1, -1, 2, -2)
 _ULP_STEPS = (0, 1, -1, 2, -2)
 
 
-@numba.njit(inline="always")
+@numba.njit
 def _exact(target, code, scale, minimum, top, model_bf16):
     """(code, S bf16 bits) such that code*scale + minimum + S, in float32, rounds to target in the model dtype:
     the first hit of the code steps x ulp steps, else the entry's code and the nearest S."""
@@ -199,7 +199,7 @@ def _exact(target, code, scale, minimum, top, model_bf16):
     return first_code, first_s
 
 
-@numba.njit(inline="always")
+@numba.njit
 def _exact_entries(plane, codes, channel_axis, group, k, top, model_bf16, scale, minimum, slot_index, slot_used,
                    sparse, index):
     """The chosen slots' index and S (0 at unused slots), and the entries' codes (`_exact`)."""
@@ -217,7 +217,7 @@ def _exact_entries(plane, codes, channel_axis, group, k, top, model_bf16, scale,
                 sparse[at] = 0
 
 
-@numba.njit(inline="always")
+@numba.njit
 def _residual(plane, codes, channel_axis, group, top, scale, minimum, k, slot_index, slot_used, sparse, out):
     """out [n, d] = X - (D̂ + S): D̂ = code*scale + minimum (statistics as stored: 16-bit, or 8-bit decoded, top
     their highest code), S added at the used slots (as scatter_add adds every slot, an unused one adding 0 at
@@ -254,7 +254,7 @@ def _residual(plane, codes, channel_axis, group, top, scale, minimum, k, slot_in
             out[t, c] = plane[t, c] - (approx + _F32(0.0))
 
 
-@numba.njit(inline="always")
+@numba.njit
 def _approx(codes, channel_axis, group, top, scale, minimum, sparse, t, c, s, v):
     """D̂ + S at outlier entry (t, c) of slot s of vector v."""
     g = (t // group, c) if channel_axis else (t, c // group)

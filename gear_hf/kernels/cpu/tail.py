@@ -36,7 +36,7 @@ def encode_supported(spec: ChunkSpec, exact: torch.Tensor) -> bool:
             and exact.dtype in (torch.bfloat16, torch.float32) and side_dtype(exact.dtype) == torch.bfloat16)
 
 
-@numba.njit(inline="always")
+@numba.njit
 def _encode_token(vector, bits, spread, packed):
     """vector [d] float32 -> its codes packed into packed [1, P] (spread [1, d]: scratch); returns the (minimum,
     scale) bf16 bits."""
