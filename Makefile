@@ -87,7 +87,14 @@ SHELL := /bin/bash
 
 .PHONY: venv venv-compat venv-vllm test-vllm test test-main test-compat check-packaging lint demo demo-qwen weights weights-qwen weights-gemma3 bench clean-venv
 
-venv: $(VENV)/.stamp
+venv: $(VENV)/.stamp $(VENV)/.kernels
+
+# The CPU kernels compiled for every shipped configuration (numba, cached on disk), so that no first generate waits
+# for them: again whenever a kernel source changes (their cache is keyed on those sources: gear_hf/kernels/cpu/jit.py).
+$(VENV)/.kernels: $(VENV)/.stamp $(wildcard gear_hf/kernels/cpu/*.py)
+	@echo ">> $(VENV): compiling the CPU kernels (python -m gear_hf.warmup, about a minute once)"
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/python -m gear_hf.warmup
+	@touch $@
 
 $(VENV)/.stamp: $(STAMP_DEPS)
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)

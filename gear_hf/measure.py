@@ -5,6 +5,7 @@ benchmark scripts), and the bits per element a cache owns over a decode run (REC
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 
 class StepClock:
@@ -46,20 +47,33 @@ def warm_up_lengths(config) -> tuple[int, int]:
     return config.sink_tokens + config.prompt_granule + 8, config.buffer_size + 1
 
 
-def warm_up(model, input_ids, config=None, **generate_kwargs) -> float:
-    """Seconds of one untimed greedy generate before timed ones, so that their tokens/s exclude kernel compilation
-    (numba on CPU and Triton on CUDA compile on first use) and first-call set-up: the last `warm_up_lengths(config)`
-    tokens of input_ids' row 0 ([B, T] on the model's device; under left padding a row ends with real tokens), the
-    model as it is (enabled with `config`, or stock for None). generate_kwargs: e.g. pad_token_id."""
+@dataclass
+class WarmUp:
+    """What an untimed warm-up generate cost: its seconds, and of them the seconds numba spent compiling kernels
+    (`gear_hf.warmup.CompileWatch`; 0 when they were compiled before, e.g. by `python -m gear_hf.warmup`)."""
+
+    seconds: float
+    compile_seconds: float
+    kernels_compiled: int
+
+
+def warm_up(model, input_ids, config=None, **generate_kwargs) -> WarmUp:
+    """One untimed greedy generate before timed ones, so that their tokens/s exclude kernel compilation (numba on CPU
+    and Triton on CUDA compile on first use) and first-call set-up: the last `warm_up_lengths(config)` tokens of
+    input_ids' row 0 ([B, T] on the model's device; under left padding a row ends with real tokens), the model as it
+    is (enabled with `config`, or stock for None). generate_kwargs: e.g. pad_token_id. The kernels' types do not
+    depend on the batch, padding or lengths, so the timed generates compile nothing more (`tests/test_warmup.py`)."""
     import torch
+
+    from .warmup import CompileWatch
 
     prompt, new = warm_up_lengths(config)
     ids = input_ids[:1, -prompt:]
     start = time.perf_counter()
-    with torch.no_grad():
+    with CompileWatch() as watch, torch.no_grad():
         model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                        do_sample=False, **generate_kwargs)
-    return time.perf_counter() - start
+    return WarmUp(time.perf_counter() - start, watch.seconds, watch.count)
 
 
 FOOTPRINT_KV_HEADS = {64: 3, 128: 8}  # SmolLM2's KV heads on d=64, Llama-3-8B's on d=128 (4 for other head_dims)

@@ -135,7 +135,7 @@ def main(argv=None) -> int:
             model, tokenizer = benchlib.load_model(model_name, args.dtype)
             first = tokenizer(problems[todo[0][0]].prompt, return_tensors="pt").input_ids
             for method in dict.fromkeys(m for _, m in todo):  # untimed: the decode tok/s exclude kernel compilation
-                print(f"{model_name} warm-up {method:15s} {benchlib.warm_up(model, first, method):6.1f}s (not timed)",
+                print(f"{model_name} warm-up {method:15s} {benchlib.warm_up(model, first, method).seconds:6.1f}s (not timed)",
                       flush=True)
             for count, (i, method) in enumerate(todo):
                 ids = tokenizer(problems[i].prompt, return_tensors="pt").input_ids

@@ -79,13 +79,17 @@ def main(argv=None) -> int:
         for batch in batches:
             ids = benchlib.fixed_length_batch(tokenizer, prompts, args.T, batch)
             for method in methods:  # untimed: allocator, lazy init, JIT kernels (numba loads or compiles them once)
-                warmups[model_name, batch, method] = benchlib.warm_up(model, ids, method)
-                print(f"{model_name} b={batch} warm-up {method:15s} {warmups[model_name, batch, method]:6.1f}s "
-                      "(kernel compilation; not timed)", flush=True)
+                warm = benchlib.warm_up(model, ids, method)
+                warmups[model_name, batch, method] = warm.seconds
+                print(f"{model_name} b={batch} warm-up {method:15s} {warm.seconds:6.1f}s (not timed; "
+                      f"{warm.compile_seconds:.1f} s of it compiling kernels)", flush=True)
             for rep in range(args.repeats):
                 order = methods[rep % len(methods):] + methods[: rep % len(methods)]
                 for method in order:
                     r = benchlib.run_generate(model, ids, method, new, hf_residual=args.hf_residual)
+                    if r.kernels_compiled:  # (the warm-up missed a kernel: this run's tokens/s include compiling)
+                        print(f"warning: {method}'s timed run compiled {r.kernels_compiled} kernel(s) "
+                              f"({r.compile_seconds:.1f} s)", file=sys.stderr)
                     tps = batch * r.decode_steps / r.decode_seconds if r.decode_seconds else float("nan")
                     fast = batch / benchlib.quantile(r.step_seconds, 0.2) if r.step_seconds else float("nan")
                     raw.append({"model": model_name, "batch": batch, "repeat": rep, "method": method,

@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     warm = torch.randint(3, 49000, (1, args.T))
     warmups = {}
     for m in methods:  # untimed, so that no timed run includes kernel compilation (numba / Triton, first use)
-        warmups[m] = benchlib.warm_up(model, warm, m)
+        warmups[m] = benchlib.warm_up(model, warm, m).seconds
     if gear_hf.is_enabled(model):  # (warm_up leaves the last method enabled; decode_ms enables each one itself)
         gear_hf.disable(model)
     print("warm-up: " + ", ".join(f"{m} {s:.1f}s" for m, s in warmups.items()), flush=True)

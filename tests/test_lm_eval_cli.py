@@ -131,6 +131,7 @@ def test_recommended_is_recorded_by_name_and_the_warm_up_apart(tiny_model, warmu
     if warmup:
         assert stats["warmup_seconds"] > 0 and stats["warmup_tokens"] == config.buffer_size + 1
         assert f"after a {stats['warmup_seconds']:.1f} s warm-up, kernel compilation excluded" in line
+        assert stats["timed_compile_seconds"] == 0 and 0 <= stats["compile_seconds"] <= stats["warmup_seconds"]
     else:
         assert stats["warmup_seconds"] is None and "warm-up" not in line
 

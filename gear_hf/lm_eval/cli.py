@@ -138,8 +138,11 @@ def run_summary(info: dict | None) -> str | None:
     bits, speed = stats.get("kv_bits_per_element"), stats.get("tokens_per_second")
     world = info.get("gear_world_size", 1)
     share = f" (rank 0's share of {world} processes)" if world > 1 else ""
-    compile_s = stats.get("warmup_seconds")
-    warm = f" (after a {compile_s:.1f} s warm-up, kernel compilation excluded)" if compile_s is not None else ""
+    warm_s, compile_s = stats.get("warmup_seconds"), stats.get("compile_seconds") or 0.0
+    warm = f" (after a {warm_s:.1f} s warm-up, kernel compilation excluded: {compile_s:.1f} s)" \
+        if warm_s is not None else ""
+    if stats.get("timed_compile_seconds"):
+        warm += f" (timed calls compiled kernels for {stats['timed_compile_seconds']:.1f} s: included)"
     name, method = info.get("gear_name"), info.get("gear_method", "?")
     label = f"{name} ({method})" if name and name != method else method
     return (f"gear_hf: {label} | KV bits/elem "

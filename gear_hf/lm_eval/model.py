@@ -9,7 +9,9 @@
 * GEAR keys (`preset`/`method`, `bits`, every GearConfig field) are validated before the weights load.
 * Data parallelism also across CPU processes (see `sharding`).
 * Before the first timed generate of a config, one untimed warm-up generate runs (`gear_warmup=false` skips it),
-  so tokens/s excludes kernel compilation; its seconds are reported apart (`warmup_seconds`).
+  so tokens/s excludes kernel compilation; its seconds are reported apart (`warmup_seconds`, of which
+  `compile_seconds` numba compiling; `timed_compile_seconds`: what the timed calls compiled, 0 when the warm-up
+  reached every kernel they use).
 * `get_model_info()` adds the GEAR config (`GearConfig.to_dict()`), how it was named (`gear_name`:
   "recommended=smallest", "preset=gear-2", "default") and generation statistics (generated tokens, tokens/s, the
   warm-up's seconds, KV bits per element from the cache's `memory_report`) to lm-eval's results["config"]; under
@@ -46,6 +48,8 @@ class GenerationStats:
     seconds: float = 0.0  # of the timed generate calls: the warm-up is not in it
     warmup_seconds: float | None = None  # the untimed warm-up generate (kernel compilation, first-call set-up)
     warmup_tokens: int = 0
+    compile_seconds: float = 0.0  # of those, numba compiling CPU kernels (0 after `python -m gear_hf.warmup`)
+    timed_compile_seconds: float = 0.0  # kernels compiled during the timed calls (0: the warm-up reached them all)
     kv_reports: int = 0
     kv_bits_sum: float = 0.0  # sum of the reports' bits_per_element, each weighted by its elements
     kv_elements: int = 0
@@ -152,18 +156,23 @@ class GearHFLM(HFLM):
         from gear_hf.measure import warm_up, warm_up_lengths
 
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        self.gear_stats.warmup_seconds = warm_up(self.model, context, self.gear_config, pad_token_id=pad)
+        warm = warm_up(self.model, context, self.gear_config, pad_token_id=pad)
+        self.gear_stats.warmup_seconds, self.gear_stats.compile_seconds = warm.seconds, warm.compile_seconds
         self.gear_stats.warmup_tokens = warm_up_lengths(self.gear_config)[1]
         if self.rank == 0:
-            log.info("gear_hf: warm-up generate took %.1f s (kernel compilation, first-call set-up); not counted in "
-                     "tokens/s", self.gear_stats.warmup_seconds)
+            log.info("gear_hf: warm-up generate took %.1f s (%.1f s of it compiling kernels); not counted in tokens/s",
+                     self.gear_stats.warmup_seconds, self.gear_stats.compile_seconds)
 
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs):
         if self.gear_warmup and self.gear_stats.warmup_seconds is None:
             self._warm_up(context)
+        from gear_hf.warmup import CompileWatch
+
         start = time.perf_counter()
-        out = super()._model_generate(context, max_length, stop, **generation_kwargs)
+        with CompileWatch() as watch:
+            out = super()._model_generate(context, max_length, stop, **generation_kwargs)
         self._record_generation(context, out, time.perf_counter() - start)
+        self.gear_stats.timed_compile_seconds += watch.seconds
         return out
 
     def get_model_info(self) -> dict:

@@ -12,6 +12,7 @@ import torch
 
 from gear_hf.hf_compat import model_cache_kwarg
 from gear_hf.measure import StepClock
+from gear_hf.warmup import CompileWatch
 
 from .memory import PeakRSS
 
@@ -80,16 +81,17 @@ def is_gear(method: str) -> bool:
     return method != "dynamic" and method not in HF_METHODS
 
 
-def warm_up(model, input_ids: torch.Tensor, method: str) -> float:
-    """Seconds of one untimed generate with `method` before the timed ones, so that their tokens/s exclude kernel
-    compilation (numba / Triton compile on first use) and first-call set-up: row 0's last tokens, as many as
-    `gear_hf.measure.warm_up_lengths` says reach every kernel (a prompt chunk compressed, the buffer flushed once)."""
-    from gear_hf.measure import warm_up_lengths
+def warm_up(model, input_ids: torch.Tensor, method: str):
+    """One untimed generate with `method` before the timed ones, so that their tokens/s exclude kernel compilation
+    (numba / Triton compile on first use) and first-call set-up: row 0's last tokens, as many as
+    `gear_hf.measure.warm_up_lengths` says reach every kernel (a prompt chunk compressed, the buffer flushed once).
+    Returns a `gear_hf.measure.WarmUp` (its seconds, and of them numba's compiling)."""
+    from gear_hf.measure import WarmUp, warm_up_lengths
 
     prompt, new = warm_up_lengths(gear_config(method) if is_gear(method) else None)
     start = time.perf_counter()
-    run_generate(model, input_ids[:1, -prompt:], method, new)
-    return time.perf_counter() - start
+    result = run_generate(model, input_ids[:1, -prompt:], method, new)
+    return WarmUp(time.perf_counter() - start, result.compile_seconds, result.kernels_compiled)
 
 
 @dataclass
@@ -102,6 +104,8 @@ class GenerateResult:
     rss_before: int
     cache: object
     step_seconds: list = field(default_factory=list)
+    compile_seconds: float = 0.0  # numba compiling kernels during this generate (0 after a warm-up)
+    kernels_compiled: int = 0
 
 
 @torch.no_grad()
@@ -133,7 +137,7 @@ def run_generate(model, input_ids: torch.Tensor, method: str, max_new_tokens: in
     clock = StepClock()
     mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
     start = time.perf_counter()
-    with PeakRSS() as rss:
+    with PeakRSS() as rss, CompileWatch() as watch:
         out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                              do_sample=False, pad_token_id=pad, logits_processor=LogitsProcessorList([clock]),
                              **kwargs)
@@ -143,4 +147,4 @@ def run_generate(model, input_ids: torch.Tensor, method: str, max_new_tokens: in
     if cache is None and gear_hf.is_enabled(model):
         cache = gear_hf.last_cache(model)
     return GenerateResult(out[:, input_ids.shape[1]:], steps, seconds, prefill, rss.peak, rss.before, cache,
-                          clock.step_seconds())
+                          clock.step_seconds(), watch.seconds, watch.count)

@@ -1,0 +1,167 @@
+"""Compile the CPU kernels before a user's first generate: `python -m gear_hf.warmup` (`make venv` runs it).
+
+numba compiles a kernel the first time it is called with a new set of argument types and keeps the machine code on
+disk (`gear_hf.kernels.cpu.jit`); a later process loads it in about a second. The types do not depend on the model's
+dtype (float32, bf16), head_dim, batch or padding, only on the storage format: the recommended configurations share
+GearConfig()'s kernels, the paper presets add a few. So one short generate per shipped configuration, on a tiny
+random-weight model, compiles everything a generate with it reaches on any model (`tests/test_warmup.py` checks it).
+
+    python -m gear_hf.warmup                        # every shipped configuration (recommended + paper presets)
+    python -m gear_hf.warmup --configs balanced     # GearConfig() alone
+
+`CompileWatch` counts the kernels numba compiles while it is open, and their seconds: the demo, lm-eval's
+`gear_stats` and the benchmarks report compilation apart with it, and check that their timed runs compile nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import time
+
+from .config import GearConfig
+from .config.names import METHODS
+from .config.presets import RECOMMENDED
+
+RECOMMENDED_NAMES = tuple(name for name, *_ in RECOMMENDED)
+PAPER_PRESETS = tuple(f"{method}-{bits}" for method in METHODS if method != "fp16" for bits in (2, 4))
+# GearConfig() first: what a user runs first is compiled first
+SHIPPED = ("balanced", *(name for name in RECOMMENDED_NAMES if name != "balanced"), *PAPER_PRESETS)
+
+
+def shipped_config(name: str) -> GearConfig:
+    """A recommended configuration by name ("balanced" = GearConfig()), or a paper preset ("gear-2")."""
+    return GearConfig.recommended(name=name) if name in RECOMMENDED_NAMES else GearConfig.preset(name)
+
+
+class CompileWatch:
+    """While open, counts the kernels numba compiles (gear_hf's own; a cache hit loads and is not counted) and the
+    seconds spent compiling (helpers and numba's own library code compiled on the way included). Without numba
+    installed it counts nothing."""
+
+    def __init__(self) -> None:
+        self.compiled: list[str] = []  # gear_hf kernels compiled, by name, once per new signature
+        self.seconds = 0.0
+        self._depth = 0
+        self._started = 0.0
+        self._listener = None
+
+    @property
+    def count(self) -> int:
+        return len(self.compiled)
+
+    def __enter__(self) -> "CompileWatch":
+        if importlib.util.find_spec("numba") is None:
+            return self
+        from numba.core import event
+
+        watch = self
+
+        class _Listener(event.Listener):
+            def on_start(self, ev):
+                if watch._depth == 0:
+                    watch._started = time.perf_counter()
+                watch._depth += 1
+                function = ev.data["dispatcher"].py_func
+                if function.__module__.startswith("gear_hf."):
+                    watch.compiled.append(function.__qualname__)
+
+            def on_end(self, ev):
+                watch._depth -= 1
+                if watch._depth == 0:
+                    watch.seconds += time.perf_counter() - watch._started
+
+        self._listener = _Listener()
+        event.register("numba:compile", self._listener)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._listener is not None:
+            from numba.core import event
+
+            event.unregister("numba:compile", self._listener)
+            self._listener = None
+
+
+def tiny_model(dtype="float32", head_dim: int = 64):
+    """A 2-layer Llama with random weights and SmolLM2's head layout (9 query / 3 KV heads), for compiling."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    spec = LlamaConfig(vocab_size=128, hidden_size=9 * head_dim, head_dim=head_dim, intermediate_size=64,
+                       num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=4096)
+    spec._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(spec).to(getattr(torch, dtype) if isinstance(dtype, str) else dtype).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def warm_up_config(model, config: GearConfig) -> None:
+    """One greedy generate of `model` with `config` that reaches every kernel a generate with it can: two rows, the
+    second left-padded, a prompt that compresses a prompt chunk and enough new tokens to compress a decode chunk
+    (`gear_hf.measure.warm_up_lengths`)."""
+    import torch
+
+    from .api import enabled
+    from .measure import warm_up_lengths
+
+    prompt, new = warm_up_lengths(config)
+    ids = torch.randint(3, model.config.vocab_size, (2, prompt), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, : min(5, prompt - 1)] = 0
+    with enabled(model, config), torch.no_grad():
+        model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                       pad_token_id=0)
+
+
+def warm_up_kernels(names=SHIPPED, dtypes=("float32", "bfloat16"), report=print) -> CompileWatch:
+    """Compile the CPU kernels that generates with the named configurations reach, in `dtypes` (their seconds
+    reported per configuration through `report`). Returns the watch over all of them."""
+    configs = {name: shipped_config(name) for name in names}
+    total = CompileWatch()
+    with total:
+        for dtype in dtypes:
+            model = tiny_model(dtype)
+            for name, config in configs.items():
+                with CompileWatch() as watch:
+                    start = time.perf_counter()
+                    warm_up_config(model, config)
+                report(f"{name} ({dtype}): {watch.count} kernel signature(s) compiled in {watch.seconds:.1f} s "
+                       f"({time.perf_counter() - start:.1f} s in all)")
+    return total
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gear_hf.warmup", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configs", default=",".join(SHIPPED),
+                        help=f"comma list of recommended names or paper presets (default: all shipped: "
+                             f"{','.join(SHIPPED)})")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="model dtypes (default: float32,bfloat16)")
+    args = parser.parse_args(argv)
+    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    for name in names:
+        try:
+            shipped_config(name)
+        except ValueError as err:
+            parser.error(f"--configs {name!r}: {err}")
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    bad = [d for d in dtypes if d not in ("float32", "bfloat16", "float16")]
+    if bad:
+        parser.error(f"--dtypes {bad[0]!r} is invalid; allowed: float32, bfloat16, float16")
+    if importlib.util.find_spec("numba") is None:
+        print("gear_hf.warmup: numba is not installed (pip install 'gear-hf[cpu]'): the CPU runs the torch path, "
+              "which compiles nothing")
+        return 0
+    from .kernels.cpu.jit import cache_dir
+
+    start = time.perf_counter()
+    watch = warm_up_kernels(names, dtypes)
+    print(f"gear_hf.warmup: {watch.count} kernel signature(s) compiled in {watch.seconds:.0f} s "
+          f"({time.perf_counter() - start:.0f} s in all), cached in {cache_dir()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""`python -m gear_hf.warmup` compiles every CPU kernel a generate reaches, and `CompileWatch` sees what compiles:
+after the warm-up, generates on other models (dtype, head_dim), lengths, batches and padding compile nothing."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("numba")
+
+import gear_hf  # noqa: E402
+from gear_hf.measure import warm_up  # noqa: E402
+from gear_hf.warmup import SHIPPED, CompileWatch, main, shipped_config, tiny_model, warm_up_kernels  # noqa: E402
+
+
+def test_the_watch_counts_a_compilation_and_not_a_call_of_compiled_code():
+    import numba
+
+    def add_two(x):
+        return x + 2
+
+    add_two.__module__ = "gear_hf.probe"  # (the watch counts gear_hf's kernels)
+    kernel = numba.njit(add_two)
+    with CompileWatch() as watch:
+        assert kernel(1) == 3
+    assert watch.compiled == ["test_the_watch_counts_a_compilation_and_not_a_call_of_compiled_code.<locals>.add_two"]
+    assert watch.seconds > 0
+    with CompileWatch() as again:
+        assert kernel(2) == 4
+    assert again.count == 0 and again.seconds == 0
+    with CompileWatch() as other:
+        assert kernel(2.5) == 4.5  # a new argument type: compiled again
+    assert other.count == 1
+
+
+def _generate(model, config, rows: int, prompt: int, new: int, context) -> None:
+    ids = torch.randint(3, model.config.vocab_size, (rows, prompt), generator=torch.Generator().manual_seed(rows))
+    mask = torch.ones_like(ids)
+    for b in range(1, rows):
+        mask[b, : 23 * b] = 0
+    with gear_hf.enabled(model, config), context():
+        model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                       pad_token_id=0)
+
+
+@pytest.mark.parametrize("name", ["balanced", "gear-2"])
+def test_after_the_warm_up_no_generate_compiles(name):
+    config = shipped_config(name)
+    warm_up_kernels([name], report=lambda line: None)
+    cases = [("bfloat16", 128, 3, 300, 2 * config.buffer_size + 9, torch.inference_mode),
+             ("float32", 64, 1, 150, 70, torch.no_grad)]
+    for dtype, head_dim, rows, prompt, new, context in cases:
+        model = tiny_model(dtype, head_dim=head_dim)
+        with CompileWatch() as watch:
+            _generate(model, config, rows, prompt, new, context)
+        assert watch.count == 0, (dtype, head_dim, watch.compiled)
+
+
+def test_the_demo_warm_up_reaches_what_a_padded_batch_uses():
+    """`measure.warm_up` (one row, a short prompt: the demo's, lm-eval's) covers a longer left-padded batch."""
+    config = gear_hf.GearConfig()
+    model = tiny_model("float32")
+    ids = torch.randint(3, 128, (1, 400), generator=torch.Generator().manual_seed(2))
+    with gear_hf.enabled(model, config):
+        warm = warm_up(model, ids, config, pad_token_id=0)
+    assert warm.seconds >= warm.compile_seconds >= 0
+    with CompileWatch() as watch:
+        _generate(model, config, 4, 260, config.buffer_size + 40, torch.no_grad)
+    assert watch.count == 0, watch.compiled
+
+
+def test_the_command_reports_each_configuration(capsys):
+    assert main(["--configs", "balanced", "--dtypes", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert "balanced (float32): " in out and "kernel signature(s) compiled" in out and "cached in " in out
+    assert SHIPPED[0] == "balanced" and "gear-2" in SHIPPED and "fp16" not in SHIPPED
+
+
+@pytest.mark.parametrize("argv, message", [(["--configs", "gear-5"], "--configs 'gear-5'"),
+                                           (["--dtypes", "float64"], "--dtypes 'float64' is invalid")])
+def test_bad_arguments_are_named(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_without_numba_the_watch_counts_nothing(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "numba" else real(name, *a))
+    with CompileWatch() as watch:
+        types.SimpleNamespace()
+    assert watch.count == 0 and watch._listener is None
