@@ -38,18 +38,41 @@ def matched_prefix(a: list[int], b: list[int]) -> int:
 
 
 def warm_up_lengths(config) -> tuple[int, int]:
-    """(prompt tokens, new tokens) of a warm-up generate that runs once every kernel a generate with GearConfig
-    `config` can reach: a prompt long enough to compress a prompt chunk (the sinks, one prompt granule and a few
-    buffered tokens) and enough new tokens to flush the buffer into a decode chunk. None or no compression: a
-    short generate (first-call set-up only)."""
+    """(prompt tokens, new tokens) of the first warm-up generate (`warm_up_generates`): a prompt long enough to
+    compress a prompt chunk (the sinks, one prompt granule and a few buffered tokens) and enough new tokens to flush
+    the buffer into a decode chunk. None or no compression: a short generate (first-call set-up only)."""
     if config is None or not config.compresses:
         return 8, 2
     return config.sink_tokens + config.prompt_granule + 8, config.buffer_size + 1
 
 
+# a prompt chunk longer than this keeps its outliers' token indices in 16 bits instead of 8 (`outliers.index_dtype`):
+# other argument types, so other compiled kernels (prompts past 32,768 tokens take 32-bit ones: not warmed up)
+WIDE_INDEX_TOKENS = 256
+
+
+def warm_up_generates(config) -> list[tuple[int, int]]:
+    """(prompt tokens, new tokens) of each warm-up generate that together run every kernel a generate with GearConfig
+    `config` can reach (short of prompts past 32,768 tokens): `warm_up_lengths`, then a prompt whose chunk is longer
+    than WIDE_INDEX_TOKENS, one decode step."""
+    first = warm_up_lengths(config)
+    if config is None or not config.compresses:
+        return [first]
+    return [first, (config.sink_tokens + WIDE_INDEX_TOKENS + config.prompt_granule + config.buffer_size, 2)]
+
+
+def warm_up_ids(input_ids, prompt: int):
+    """The last `prompt` tokens of input_ids' row 0 ([1, prompt]; under left padding a row ends with real tokens),
+    repeated from its start where the row is shorter (what a warm-up's tokens are does not matter, their count does)."""
+    row = input_ids[0]
+    if row.numel() < prompt:
+        row = row.repeat(-(-prompt // row.numel()))
+    return row[-prompt:][None]
+
+
 @dataclass
 class WarmUp:
-    """What an untimed warm-up generate cost: its seconds, and of them the seconds numba spent compiling kernels
+    """What the untimed warm-up generates cost: their seconds, and of them the seconds numba spent compiling kernels
     (`gear_hf.warmup.CompileWatch`; 0 when they were compiled before, e.g. by `python -m gear_hf.warmup`)."""
 
     seconds: float
@@ -58,21 +81,21 @@ class WarmUp:
 
 
 def warm_up(model, input_ids, config=None, **generate_kwargs) -> WarmUp:
-    """One untimed greedy generate before timed ones, so that their tokens/s exclude kernel compilation (numba on CPU
-    and Triton on CUDA compile on first use) and first-call set-up: the last `warm_up_lengths(config)` tokens of
-    input_ids' row 0 ([B, T] on the model's device; under left padding a row ends with real tokens), the model as it
-    is (enabled with `config`, or stock for None). generate_kwargs: e.g. pad_token_id. The kernels' types do not
-    depend on the batch, padding or lengths, so the timed generates compile nothing more (`tests/test_warmup.py`)."""
+    """Untimed greedy generates before timed ones, so that their tokens/s exclude kernel compilation (numba on CPU and
+    Triton on CUDA compile on first use) and first-call set-up: `warm_up_generates(config)`, each from
+    `warm_up_ids(input_ids, prompt)` ([B, T] on the model's device), the model as it is (enabled with `config`, or
+    stock for None). generate_kwargs: e.g. pad_token_id. The kernels' types depend on neither the batch nor padding,
+    so the timed generates compile nothing more (`tests/test_warmup.py`)."""
     import torch
 
     from .warmup import CompileWatch
 
-    prompt, new = warm_up_lengths(config)
-    ids = input_ids[:1, -prompt:]
     start = time.perf_counter()
     with CompileWatch() as watch, torch.no_grad():
-        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                       do_sample=False, **generate_kwargs)
+        for prompt, new in warm_up_generates(config):
+            ids = warm_up_ids(input_ids, prompt)
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                           min_new_tokens=new, do_sample=False, **generate_kwargs)
     return WarmUp(time.perf_counter() - start, watch.seconds, watch.count)
 
 

@@ -16,6 +16,7 @@ random-weight model, compiles everything a generate with it reaches on any model
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import sys
 import time
@@ -99,21 +100,21 @@ def tiny_model(dtype="float32", head_dim: int = 64):
 
 
 def warm_up_config(model, config: GearConfig) -> None:
-    """One greedy generate of `model` with `config` that reaches every kernel a generate with it can: two rows, the
-    second left-padded, a prompt that compresses a prompt chunk and enough new tokens to compress a decode chunk
-    (`gear_hf.measure.warm_up_lengths`)."""
+    """Greedy generates of `model` with `config` that reach every kernel a generate with it can
+    (`gear_hf.measure.warm_up_generates`: a prompt chunk and a decode chunk compressed, then a prompt chunk long
+    enough for 16-bit outlier indices), each on two rows, the second left-padded."""
     import torch
 
     from .api import enabled
-    from .measure import warm_up_lengths
+    from .measure import warm_up_generates
 
-    prompt, new = warm_up_lengths(config)
-    ids = torch.randint(3, model.config.vocab_size, (2, prompt), generator=torch.Generator().manual_seed(0))
-    mask = torch.ones_like(ids)
-    mask[1, : min(5, prompt - 1)] = 0
     with enabled(model, config), torch.no_grad():
-        model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                       pad_token_id=0)
+        for prompt, new in warm_up_generates(config):
+            ids = torch.randint(3, model.config.vocab_size, (2, prompt), generator=torch.Generator().manual_seed(0))
+            mask = torch.ones_like(ids)
+            mask[1, : min(5, prompt - 1)] = 0
+            model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                           pad_token_id=0)
 
 
 def warm_up_kernels(names=SHIPPED, dtypes=("float32", "bfloat16"), report=print) -> CompileWatch:
@@ -157,7 +158,7 @@ def main(argv=None) -> int:
     from .kernels.cpu.jit import cache_dir
 
     start = time.perf_counter()
-    watch = warm_up_kernels(names, dtypes)
+    watch = warm_up_kernels(names, dtypes, report=functools.partial(print, flush=True))
     print(f"gear_hf.warmup: {watch.count} kernel signature(s) compiled in {watch.seconds:.0f} s "
           f"({time.perf_counter() - start:.0f} s in all), cached in {cache_dir()}")
     return 0

@@ -51,6 +51,40 @@ def pytest_report_header(config):
     return f"gear_hf: torch {torch.__version__}, transformers {transformers.__version__}, {cuda}"
 
 
+# Kernel compilation over the run (`gear_hf.warmup.CompileWatch`), summed over the xdist workers and printed at the end:
+# `make venv` compiles the shipped configurations' kernels first, so what shows here is what only tests reach.
+_COMPILES: dict = {}
+
+
+def pytest_sessionstart(session):
+    from gear_hf.warmup import CompileWatch
+
+    _COMPILES["watch"] = CompileWatch().__enter__()
+
+
+def pytest_sessionfinish(session):
+    watch = _COMPILES.pop("watch", None)
+    if watch is None:
+        return
+    watch.__exit__(None, None, None)
+    _COMPILES["total"] = [watch.seconds, watch.count]
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: hand it to the controller
+        session.config.workeroutput["numba_compile"] = _COMPILES["total"]
+
+
+def pytest_testnodedown(node, error):
+    seconds, count = getattr(node, "workeroutput", {}).get("numba_compile", (0.0, 0))
+    workers = _COMPILES.setdefault("workers", [0.0, 0])
+    workers[0] += seconds
+    workers[1] += count
+
+
+def pytest_terminal_summary(terminalreporter):
+    seconds, count = _COMPILES.get("workers") or _COMPILES.get("total") or (0.0, 0)
+    terminalreporter.write_line(f"numba: {count} kernel signature(s) compiled in {seconds:.0f} s over the run "
+                                "(summed over workers)")
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
     for item in items:

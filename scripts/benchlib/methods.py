@@ -82,16 +82,16 @@ def is_gear(method: str) -> bool:
 
 
 def warm_up(model, input_ids: torch.Tensor, method: str):
-    """One untimed generate with `method` before the timed ones, so that their tokens/s exclude kernel compilation
-    (numba / Triton compile on first use) and first-call set-up: row 0's last tokens, as many as
-    `gear_hf.measure.warm_up_lengths` says reach every kernel (a prompt chunk compressed, the buffer flushed once).
-    Returns a `gear_hf.measure.WarmUp` (its seconds, and of them numba's compiling)."""
-    from gear_hf.measure import WarmUp, warm_up_lengths
+    """Untimed generates with `method` before the timed ones, so that their tokens/s exclude kernel compilation
+    (numba / Triton compile on first use) and first-call set-up: `gear_hf.measure.warm_up_generates`' lengths, from
+    row 0's tokens. Returns a `gear_hf.measure.WarmUp` (their seconds, and of them numba's compiling)."""
+    from gear_hf.measure import WarmUp, warm_up_generates, warm_up_ids
 
-    prompt, new = warm_up_lengths(gear_config(method) if is_gear(method) else None)
-    start = time.perf_counter()
-    result = run_generate(model, input_ids[:1, -prompt:], method, new)
-    return WarmUp(time.perf_counter() - start, result.compile_seconds, result.kernels_compiled)
+    start, compile_seconds, compiled = time.perf_counter(), 0.0, 0
+    for prompt, new in warm_up_generates(gear_config(method) if is_gear(method) else None):
+        result = run_generate(model, warm_up_ids(input_ids, prompt), method, new)
+        compile_seconds, compiled = compile_seconds + result.compile_seconds, compiled + result.kernels_compiled
+    return WarmUp(time.perf_counter() - start, compile_seconds, compiled)
 
 
 @dataclass
