@@ -40,6 +40,11 @@ def _grown(t: torch.Tensor, capacity: int) -> torch.Tensor:
     return out
 
 
+# `ChunkStore.derived` key of the store's last `kernels.views.ChunkRunView` ((version, chunks, reader), view): a decode
+# step between writes hands the kernel the same view (built by `Stream.kernel_view`; references, no bytes of its own)
+KERNEL_VIEW = "kernel view"
+
+
 class TokenStore:
     """Full-precision tokens [B, H, capacity, d]; rows write only their real tokens (padding is skipped)."""
 
@@ -197,8 +202,9 @@ class ChunkStore:
 
     def _changed(self, first_chunk: int) -> None:
         """The fields changed from chunk slot `first_chunk` on (or were replaced): the backends' derived state
-        follows (`Backend.prepare`)."""
+        follows (`Backend.prepare`), the kernel view goes (it may reference replaced fields)."""
         self.version += 1
+        self.derived.pop(KERNEL_VIEW, None)
         self.first_changed = min(self.first_changed, first_chunk)
         for backend in self.plan.accelerators if self.plan is not None else ():
             backend.prepare(self)

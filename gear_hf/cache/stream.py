@@ -23,7 +23,7 @@ from ..compress.allocation import allocate_channel_bits
 from .coded_store import CodedTokenStore
 from .held import HeldChunkPlans
 from .layout import RowCounts, RowLayout, SlotPlan, StepPlan
-from .storage import ChunkStore, TokenStore
+from .storage import KERNEL_VIEW, ChunkStore, TokenStore
 
 
 @dataclass(frozen=True)
@@ -357,10 +357,16 @@ class Stream(HeldChunkPlans):
         def run(store: ChunkStore | None, chunks: int):
             if store is None or not store.fields or not chunks:
                 return None
+            attend = self.plan.attend
+            memo = store.derived.get(KERNEL_VIEW)  # (the same view until the store is written: `ChunkStore._changed`)
+            if memo is not None and memo[0] == (store.version, chunks, attend):
+                return memo[1]
             view = ChunkRunView.of(store)
             # what the attending backend derives from the store once per write (the store owns it)
-            derived = self.plan.attend.view_derived(store, view, chunks, self.kind) if self.plan.attend else {}
-            return dataclasses.replace(view, derived=derived) if derived else view
+            derived = attend.view_derived(store, view, chunks, self.kind) if attend else {}
+            view = dataclasses.replace(view, derived=derived) if derived else view
+            store.derived[KERNEL_VIEW] = ((store.version, chunks, attend), view)
+            return view
 
         held = self.held_chunk and not counted_own
         if held:  # (the newest chunk of each row is at its buffer's front)
