@@ -51,14 +51,21 @@ def warm_up_lengths(config) -> tuple[int, int]:
 WIDE_INDEX_TOKENS = 256
 
 
-def warm_up_generates(config) -> list[tuple[int, int]]:
+def warm_up_generates(config, max_positions: int | None = None) -> list[tuple[int, int]]:
     """(prompt tokens, new tokens) of each warm-up generate that together run every kernel a generate with GearConfig
     `config` can reach (short of prompts past 32,768 tokens): `warm_up_lengths`, then a prompt whose chunk is longer
-    than WIDE_INDEX_TOKENS, one decode step."""
-    first = warm_up_lengths(config)
-    if config is None or not config.compresses:
-        return [first]
-    return [first, (config.sink_tokens + WIDE_INDEX_TOKENS + config.prompt_granule + config.buffer_size, 2)]
+    than WIDE_INDEX_TOKENS, one decode step; those longer than a model's `max_positions` left out (it reaches
+    neither)."""
+    runs = [warm_up_lengths(config)]
+    if config is not None and config.compresses:
+        runs.append((config.sink_tokens + WIDE_INDEX_TOKENS + config.prompt_granule + config.buffer_size, 2))
+    return [run for run in runs if max_positions is None or sum(run) <= max_positions] or runs[:1]
+
+
+def max_positions(model) -> int | None:
+    """The longest sequence a model's config allows (`max_position_embeddings` of its text config), None if unset."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return getattr(config, "max_position_embeddings", None)
 
 
 def warm_up_ids(input_ids, prompt: int):
@@ -92,7 +99,7 @@ def warm_up(model, input_ids, config=None, **generate_kwargs) -> WarmUp:
 
     start = time.perf_counter()
     with CompileWatch() as watch, torch.no_grad():
-        for prompt, new in warm_up_generates(config):
+        for prompt, new in warm_up_generates(config, max_positions(model)):
             ids = warm_up_ids(input_ids, prompt)
             model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
                            min_new_tokens=new, do_sample=False, **generate_kwargs)

@@ -106,10 +106,10 @@ def warm_up_config(model, config: GearConfig) -> None:
     import torch
 
     from .api import enabled
-    from .measure import warm_up_generates
+    from .measure import max_positions, warm_up_generates
 
     with enabled(model, config), torch.no_grad():
-        for prompt, new in warm_up_generates(config):
+        for prompt, new in warm_up_generates(config, max_positions(model)):
             ids = torch.randint(3, model.config.vocab_size, (2, prompt), generator=torch.Generator().manual_seed(0))
             mask = torch.ones_like(ids)
             mask[1, : min(5, prompt - 1)] = 0

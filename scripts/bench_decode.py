@@ -4,11 +4,13 @@ Writes <out>/decode.csv and decode.md (--out, default out/, untracked).
     python scripts/bench_decode.py                       # SmolLM2, batch 1 and 4, 32 new tokens, 3 repeats
     python scripts/bench_decode.py --quick               # SmolLM2, batch 1, 16 new tokens, 5 methods
     python scripts/bench_decode.py --models smollm2 qwen25 --batch 1 4 --new 64   # the full grid (long)
+    OMP_NUM_THREADS=1 python scripts/bench_decode.py --dtype float32 --T 1000 --batch 4 --padded \
+        --methods dynamic,rec-balanced                 # the default against the stock cache, left-padded rows
 
 Every (model, batch) cell runs every method once per repeat, interleaved (the method order rotates between
 repeats), so all methods see the same machine load; the table gives medians over repeats and the median of
 the per-repeat ratios to DynamicCache (paired). Prompts: the last T tokens of 8-shot GSM8K CoT prompts (one
-per row, no padding), greedy, exactly --new tokens. tokens/s counts generated tokens of all rows over the
+per row; --padded: row b left-padded by 37*b columns, masked out), greedy, exactly --new tokens. tokens/s counts generated tokens of all rows over the
 decode steps only (prefill excluded: the step clock starts when the first logits arrive). On a shared machine
 the load changes within seconds, so a second estimate uses each run's fast steps: batch / (20th percentile
 of the step durations), the speed when the process was not starved; its ratios are the steadier ones. Peak RSS: resident
@@ -28,8 +30,8 @@ import sys
 import benchlib
 import torch
 
-DEFAULT_METHODS = ("dynamic", "hf-quanto-int2", "hf-quanto-int4", "fp16", "kivi-2", "gear-2", "gear-4")
-QUICK_METHODS = ("dynamic", "hf-quanto-int2", "fp16", "kivi-2", "gear-2")
+DEFAULT_METHODS = ("dynamic", "rec-balanced", "hf-quanto-int2", "hf-quanto-int4", "fp16", "kivi-2", "gear-2", "gear-4")
+QUICK_METHODS = ("dynamic", "rec-balanced", "hf-quanto-int2", "kivi-2", "gear-2")
 
 
 def _cpu_reads() -> str:
@@ -54,6 +56,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--methods", default=None)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    parser.add_argument("--padded", action="store_true", help="left-pad row b by 37*b columns (masked out)")
     parser.add_argument("--hf-residual", type=int, default=128, help="HF QuantizedCache residual_length")
     benchlib.add_out_argument(parser, "decode.csv/.md")
     args = benchlib.parse_bench_args(parser, argv, "bench_decode")
@@ -62,7 +65,7 @@ def main(argv=None) -> int:
     new = args.new or (16 if args.quick else 32)
     methods, skipped = benchlib.select_methods(args.methods, QUICK_METHODS if args.quick else DEFAULT_METHODS)
     cond = benchlib.Conditions(extra={"dtype": args.dtype, "T": args.T, "new_tokens": new, "batch": batches,
-                                      "repeats": args.repeats, "hf_residual_length": args.hf_residual})
+                                      "repeats": args.repeats, "padded": args.padded, "hf_residual_length": args.hf_residual})
     benchlib.print_conditions(cond)
     torch.set_grad_enabled(False)
     out = benchlib.Path(args.out)
@@ -78,6 +81,10 @@ def main(argv=None) -> int:
         prompts = [p.prompt for p in benchlib.gsm8k_prompts(max(batches))]
         for batch in batches:
             ids = benchlib.fixed_length_batch(tokenizer, prompts, args.T, batch)
+            mask = torch.ones_like(ids)
+            if args.padded:  # (the kernels' types depend on neither batch nor padding: the warm-up covers these)
+                for row in range(batch):
+                    ids[row, : 37 * row], mask[row, : 37 * row] = 0, 0
             for method in methods:  # untimed: allocator, lazy init, JIT kernels (numba loads or compiles them once)
                 warm = benchlib.warm_up(model, ids, method)
                 warmups[model_name, batch, method] = warm.seconds
@@ -86,7 +93,7 @@ def main(argv=None) -> int:
             for rep in range(args.repeats):
                 order = methods[rep % len(methods):] + methods[: rep % len(methods)]
                 for method in order:
-                    r = benchlib.run_generate(model, ids, method, new, hf_residual=args.hf_residual)
+                    r = benchlib.run_generate(model, ids, method, new, attention_mask=mask, hf_residual=args.hf_residual)
                     if r.kernels_compiled:  # (the warm-up missed a kernel: this run's tokens/s include compiling)
                         print(f"warning: {method}'s timed run compiled {r.kernels_compiled} kernel(s) "
                               f"({r.compile_seconds:.1f} s)", file=sys.stderr)
@@ -134,7 +141,7 @@ def main(argv=None) -> int:
                              "peak_rss_mb": benchlib.median(r["peak_rss_mb"] for r in mine),
                              "warmup_s": warmups.get((model_name, batch, method))})
     benchlib.write_csv(out / "decode.csv", rows)
-    body = [f"T={args.T} prompt tokens per row, {new} new tokens (greedy, forced length), {args.dtype}; medians over "
+    body = [f"T={args.T} prompt tokens per row{' (row b left-padded by 37*b of them)' if args.padded else ''}, {new} new tokens (greedy, forced length), {args.dtype}; medians over "
             f"{args.repeats} interleaved repeats, each method after one untimed warm-up generate (warm-up s: its seconds, "
             f"kernel compilation included); ratio = median of per-repeat ratios to DynamicCache; fast steps = "
             f"batch / 20th percentile of a run's step durations (robust to bursts of load from other processes). HF QuantizedCache: "

@@ -96,3 +96,15 @@ def test_without_numba_the_watch_counts_nothing(monkeypatch):
     with CompileWatch() as watch:
         types.SimpleNamespace()
     assert watch.count == 0 and watch._listener is None
+
+
+def test_warm_ups_fit_the_model():
+    from gear_hf.measure import warm_up_generates, warm_up_ids
+
+    config = gear_hf.GearConfig()
+    runs = warm_up_generates(config)
+    assert len(runs) == 2 and runs[1][0] - config.sink_tokens - config.buffer_size > 256  # a wide prompt chunk
+    assert warm_up_generates(config, max_positions=sum(runs[0])) == runs[:1]  # (the long one left out)
+    assert warm_up_generates(None) == [(8, 2)]
+    ids = torch.arange(10)[None]
+    assert warm_up_ids(ids, 4).tolist() == [[6, 7, 8, 9]] and warm_up_ids(ids, 13)[0, :3].tolist() == [7, 8, 9]

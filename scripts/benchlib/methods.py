@@ -1,7 +1,7 @@
 """Methods by name and one timed greedy `generate` with each: ``dynamic`` (transformers' DynamicCache),
 ``hf-quanto-int2/4`` and ``hf-hqq-int2/4`` (transformers' QuantizedCache; skipped with a line when the backend is
 not installed), gear_hf presets ``fp16``, ``kivi-2``, ``gear-4``, ... (`GearConfig.preset` names) and the frontier's
-picks ``rec-accurate`` (= GearConfig()), ``rec-compact``, ... (``rec-`` + a `GearConfig.recommended` name)."""
+picks ``rec-balanced`` (= GearConfig()), ``rec-smallest``, ``rec-precise`` (``rec-`` + a `GearConfig.recommended` name)."""
 
 from __future__ import annotations
 
@@ -85,10 +85,10 @@ def warm_up(model, input_ids: torch.Tensor, method: str):
     """Untimed generates with `method` before the timed ones, so that their tokens/s exclude kernel compilation
     (numba / Triton compile on first use) and first-call set-up: `gear_hf.measure.warm_up_generates`' lengths, from
     row 0's tokens. Returns a `gear_hf.measure.WarmUp` (their seconds, and of them numba's compiling)."""
-    from gear_hf.measure import WarmUp, warm_up_generates, warm_up_ids
+    from gear_hf.measure import WarmUp, max_positions, warm_up_generates, warm_up_ids
 
     start, compile_seconds, compiled = time.perf_counter(), 0.0, 0
-    for prompt, new in warm_up_generates(gear_config(method) if is_gear(method) else None):
+    for prompt, new in warm_up_generates(gear_config(method) if is_gear(method) else None, max_positions(model)):
         result = run_generate(model, warm_up_ids(input_ids, prompt), method, new)
         compile_seconds, compiled = compile_seconds + result.compile_seconds, compiled + result.kernels_compiled
     return WarmUp(time.perf_counter() - start, compile_seconds, compiled)
