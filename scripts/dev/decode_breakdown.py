@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 python scripts/dev/decode_breakdown.py --dtype float32 --T 1000
 
-SmolLM2 real weights, one row of --T tokens, --new greedy tokens, each cache twice (alternating; the first of each
+SmolLM2 real weights, --batch rows of --T tokens (--padded: row b left-padded by 37*b columns), --new greedy tokens, each cache twice (alternating; the first of each
 warms up). The cache's entry points (store, fused attention and its parts, compress_pending), the attention kernel and
 the model's layers are wrapped with timers that count decode steps only (from the first logits on); a nested entry is
 indented under the one that calls it. Timers add a few microseconds per call.
@@ -46,12 +46,28 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--T", type=int, default=1000)
     parser.add_argument("--new", type=int, default=33)
+    parser.add_argument("--config", default="balanced",
+                        help="a recommended name or a preset (GearConfig.recommended / preset); default: GearConfig()")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--padded", action="store_true", help="left-pad row b by 37*b columns (masked out)")
     args = parser.parse_args(argv)
+    try:
+        config = gear_hf.GearConfig.preset(args.config)
+    except ValueError as not_preset:
+        try:
+            config = gear_hf.GearConfig.recommended(name=args.config)
+        except ValueError as not_recommended:
+            parser.error(f"--config: {not_preset}; {not_recommended}")
     torch.set_grad_enabled(False)
     torch.set_num_threads(1)
     model, tokenizer = benchlib.load_model("smollm2", args.dtype)
     model.generation_config.eos_token_id = None
-    ids = benchlib.fixed_length_batch(tokenizer, [p.prompt for p in benchlib.gsm8k_prompts(1)], args.T, 1)
+    ids = benchlib.fixed_length_batch(tokenizer, [p.prompt for p in benchlib.gsm8k_prompts(args.batch)], args.T,
+                                      args.batch)
+    mask = torch.ones_like(ids)
+    if args.padded:
+        for row in range(args.batch):
+            ids[row, : 37 * row], mask[row, : 37 * row] = 0, 0
     seconds, calls, timing = collections.defaultdict(float), collections.defaultdict(int), [False]
 
     def timer(function, label):
@@ -80,16 +96,17 @@ def main(argv=None) -> int:
         seconds.clear(), calls.clear()
         timing[0] = False
         if method == "gear":
-            gear_hf.enable(model, gear_hf.GearConfig())
+            gear_hf.enable(model, config)
         elif gear_hf.is_enabled(model):
             gear_hf.disable(model)
         clock = DecodeOnly()
-        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new,
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.new,
                        min_new_tokens=args.new, do_sample=False, pad_token_id=0,
                        logits_processor=LogitsProcessorList([clock]))
         steps = len(clock.times) - 1
-        print(f"{method}: median decode step {1e3 * statistics.median(clock.step_seconds()):.1f} ms "
-              f"({steps} steps, SmolLM2 {args.dtype}, T={args.T}, 1 thread)")
+        print(f"{args.config if method == 'gear' else method}: median decode step {1e3 * statistics.median(clock.step_seconds()):.1f} ms "
+              f"({steps} steps, SmolLM2 {args.dtype}, T={args.T}, batch {args.batch}{' padded' if args.padded else ''}, "
+              "1 thread)")
         for label in [label for _, _, label in TIMED if label in seconds]:
             print(f"  {label:28s} {1e6 * seconds[label] / steps / layers:8.1f} us per layer and step")
     return 0
