@@ -72,6 +72,7 @@ def pytest_sessionfinish(session):
         session.config.workeroutput["numba_compile"] = _COMPILES["total"]
 
 
+@pytest.hookimpl(optionalhook=True)  # (an xdist hook: environments without xdist, e.g. .venv-vllm, do not know it)
 def pytest_testnodedown(node, error):
     seconds, count = getattr(node, "workeroutput", {}).get("numba_compile", (0.0, 0))
     workers = _COMPILES.setdefault("workers", [0.0, 0])
