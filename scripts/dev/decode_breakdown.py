@@ -1,9 +1,11 @@
-"""Where a decode step's time goes: GearConfig() against DynamicCache, microseconds per layer and step.
+"""Where a decode step's time goes: a gear_hf configuration (--config, default GearConfig()) against DynamicCache,
+microseconds per layer and step.
 
     OMP_NUM_THREADS=1 python scripts/dev/decode_breakdown.py --dtype float32 --T 1000
+    OMP_NUM_THREADS=1 python scripts/dev/decode_breakdown.py --config kivi-2 --dtype bfloat16 --batch 4 --padded
 
-SmolLM2 real weights, --batch rows of --T tokens (--padded: row b left-padded by 37*b columns), --new greedy tokens, each cache twice (alternating; the first of each
-warms up). The cache's entry points (store, fused attention and its parts, compress_pending), the attention kernel and
+SmolLM2 real weights, --batch rows of --T tokens (--padded: row b left-padded by 37*b columns), --new greedy tokens,
+1 torch thread, each cache twice (alternating; the first of each warms up). The cache's entry points (store, fused attention and its parts, compress_pending), the attention kernel and
 the model's layers are wrapped with timers that count decode steps only (from the first logits on); a nested entry is
 indented under the one that calls it. Timers add a few microseconds per call.
 """
