@@ -102,19 +102,26 @@ def tiny_model(dtype="float32", head_dim: int = 64):
 def warm_up_config(model, config: GearConfig) -> None:
     """Greedy generates of `model` with `config` that reach every kernel a generate with it can
     (`gear_hf.measure.warm_up_generates`: a prompt chunk and a decode chunk compressed, then a prompt chunk long
-    enough for 16-bit outlier indices), each on two rows, the second left-padded."""
+    enough for 16-bit outlier indices), each on two rows, the second left-padded, on one torch thread and on two."""
     import torch
 
     from .api import enabled
     from .measure import max_positions, warm_up_generates
 
-    with enabled(model, config), torch.no_grad():
-        for prompt, new in warm_up_generates(config, max_positions(model)):
-            ids = torch.randint(3, model.config.vocab_size, (2, prompt), generator=torch.Generator().manual_seed(0))
-            mask = torch.ones_like(ids)
-            mask[1, : min(5, prompt - 1)] = 0
-            model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                           pad_token_id=0)
+    threads = torch.get_num_threads()
+    try:
+        with enabled(model, config), torch.no_grad():
+            for prompt, new in warm_up_generates(config, max_positions(model)):
+                ids = torch.randint(3, model.config.vocab_size, (2, prompt),
+                                    generator=torch.Generator().manual_seed(0))
+                mask = torch.ones_like(ids)
+                mask[1, : min(5, prompt - 1)] = 0
+                for count in (1, 2):  # (one torch thread and several reach other kernels: `kernels.cpu.threads`)
+                    torch.set_num_threads(count)
+                    model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                   do_sample=False, pad_token_id=0)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def warm_up_kernels(names=SHIPPED, dtypes=("float32", "bfloat16"), report=print) -> CompileWatch:

@@ -390,6 +390,7 @@ def test_fused_cpu_attention_keeps_one_signature_as_the_cache_fills(preset, monk
         return original(*args)
 
     monkeypatch.setattr(attend, "_attend", recording)
+    monkeypatch.setattr(attend.threads, "parts", lambda shares: 1)  # (the serial kernel whatever torch's threads)
     for dtype, length in ((torch.bfloat16, 5), (torch.bfloat16, 40), (torch.float32, 5)):
         model = _tiny_llama().to(dtype)
         ids, mask = prompts(1, length, seed=3)

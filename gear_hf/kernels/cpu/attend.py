@@ -27,6 +27,7 @@ import torch
 
 from ...compress import side_dtype
 from ..views import add_center
+from . import threads
 from .attend_args import _float32, _rope_halves, _stream_runs, _tail_args
 from .bf16 import side_value as _side
 from .dequant import _assemble, _hadamard_rows, _scratch
@@ -225,7 +226,30 @@ def _attend(q, limits, rows, cos, sin, window, nb, sink_k, sink_v, buf_k, buf_v,
     at the row-local tokens' positions; sink/buffer keys and values [B,H,>=len,d] float32; the buffer's coded
     tokens as `_tail_args` gives them (empty: the buffer is full precision); runs as `_run_args` gives them;
     held_values: a row's newest value chunk is the front of its value buffer (`views.StreamView.held_chunk`);
-    out [B,QL,Hq,d] float32."""
+    out [B,QL,Hq,d] float32. Every (row, KV head) pair in turn, on the calling thread."""
+    _attend_pairs(q, limits, rows, cos, sin, window, nb, sink_k, sink_v, buf_k, buf_v, tail_k, tail_v, pk, pk_factors,
+                  pv, pv_factors, dk, dk_factors, dv, dv_factors, rotated_keys, rotated_values, held_values, out, 0,
+                  q.shape[0] * buf_k.shape[1])
+
+
+@kernel(fastmath=_FAST, parallel=True)
+def _attend_parallel(q, limits, rows, cos, sin, window, nb, sink_k, sink_v, buf_k, buf_v, tail_k, tail_v,
+                     pk, pk_factors, pv, pv_factors, dk, dk_factors, dv, dv_factors, rotated_keys, rotated_values,
+                     held_values, out, parts):
+    """`_attend` with its (row, KV head) pairs cut into `parts` contiguous shares run on numba's threads (each pair
+    computed as `_attend` computes it: the same output bits)."""
+    pairs = q.shape[0] * buf_k.shape[1]
+    for part in numba.prange(parts):
+        _attend_pairs(q, limits, rows, cos, sin, window, nb, sink_k, sink_v, buf_k, buf_v, tail_k, tail_v, pk,
+                      pk_factors, pv, pv_factors, dk, dk_factors, dv, dv_factors, rotated_keys, rotated_values,
+                      held_values, out, part * pairs // parts, (part + 1) * pairs // parts)
+
+
+@kernel(fastmath=_FAST)
+def _attend_pairs(q, limits, rows, cos, sin, window, nb, sink_k, sink_v, buf_k, buf_v, tail_k, tail_v,
+                  pk, pk_factors, pv, pv_factors, dk, dk_factors, dv, dv_factors, rotated_keys, rotated_values,
+                  held_values, out, start, stop):
+    """`_attend` of the (row, KV head) pairs start..stop-1 (pair = row * H + head), with scratch of its own."""
     B, Hq, QL, d = q.shape
     H = buf_k.shape[1]
     G = Hq // H
@@ -249,58 +273,58 @@ def _attend(q, limits, rows, cos, sin, window, nb, sink_k, sink_v, buf_k, buf_v,
     dv_s = _run_scratch(dv, _NO_FACTORS, False, d)
     tile = np.empty((d, 64), dtype=np.float32)
     rotated_tail = tail_v[5] and tail_v[0].shape[2] > 0  # values' buffer coded in the rotated basis
-    for b in range(B):
+    for pair in range(start, stop):
+        b, h = pair // H, pair % H
         s, p, c, f = rows[b, 0], rows[b, 1], rows[b, 2], rows[b, 3]
         L = s + p + c * nb + f
-        for h in range(H):
-            for m in range(M):  # query row m: head h*G + m // QL, token m % QL
-                for k in range(d):
-                    qrows[m, k] = q[b, h * G + m // QL, m % QL, k]
-            _plane(sink_k, buf_k, tail_k, b, h, s, p, c, f, nb, pk, pk_factors, dk, dk_factors, rotated_keys, keys,
-                   pk_s, dk_s, True, tile)
-            for t in range(L):  # key t rotated at its position (HF's rotate_half RoPE), then its scores
-                for i in range(half):
-                    x1, x2, ct, st = keys[t, i], keys[t, i + half], cos[b, t, i], sin[b, t, i]
-                    krow[i] = x1 * ct - x2 * st
-                    krow[i + half] = x2 * ct + x1 * st
-                for m in range(M):
-                    dot = _F32(0.0)
-                    for k in range(d):
-                        dot += qrows[m, k] * krow[k]
-                    scores[m, t] = dot
-            for m in range(M):  # softmax over the tokens query row m sees (causal, sliding window)
-                limit = limits[b, m % QL]
-                low = max(0, limit - window + 1) if window > 0 else 0
-                high = min(limit + 1, L)
-                norm[m] = _softmax_row(scores[m], low, high, L, exponents)
-            cv, fv = (c - 1, f + nb) if held_values and c > 0 else (c, f)  # the values' chunks and buffer
-            _plane(sink_v, buf_v, tail_v, b, h, s, p, cv, fv, nb, pv, _NO_FACTORS, dv, _NO_FACTORS, False, vals, pv_s,
-                   dv_s, False, tile)
-            acc[:] = 0.0
-            plain[:] = 0.0
-            compressed = s + p + cv * nb
-            if rotated_values or rotated_tail:  # acc: what is in the rotated basis, added after un-rotating it; plain:
-                # the sink's and the staged tokens' share (and the chunks', when only the buffer is rotated)
-                chunks = acc if rotated_values else plain
-                _weighted_rows(plain, scores, vals, 0, s)
-                _weighted_rows(chunks, scores, vals, s, compressed)
-                if rotated_tail:
-                    _tail_weighted(acc, plain, scores, vals, compressed, L - compressed, tail_v[3], b)
-                else:
-                    _weighted_rows(plain, scores, vals, compressed, L)
-            else:
-                chunks = acc
-                _weighted_rows(acc, scores, vals, 0, L)
-            if p > 0 and pv_factors[0].shape[3]:
-                _add_value_lowrank(chunks, scores, pv_factors, b, h, 0, pv[9], s, p, d, pa)
-            if dv_factors[0].shape[3]:
-                for chunk in range(cv):
-                    _add_value_lowrank(chunks, scores, dv_factors, b, h, chunk, nb, s + p + chunk * nb, nb, d, pa)
-            if rotated_values or rotated_tail:
-                _hadamard_rows(acc, M, tile)  # (P·V·H)·H = P·V
+        for m in range(M):  # query row m: head h*G + m // QL, token m % QL
+            for k in range(d):
+                qrows[m, k] = q[b, h * G + m // QL, m % QL, k]
+        _plane(sink_k, buf_k, tail_k, b, h, s, p, c, f, nb, pk, pk_factors, dk, dk_factors, rotated_keys, keys,
+               pk_s, dk_s, True, tile)
+        for t in range(L):  # key t rotated at its position (HF's rotate_half RoPE), then its scores
+            for i in range(half):
+                x1, x2, ct, st = keys[t, i], keys[t, i + half], cos[b, t, i], sin[b, t, i]
+                krow[i] = x1 * ct - x2 * st
+                krow[i + half] = x2 * ct + x1 * st
             for m in range(M):
+                dot = _F32(0.0)
                 for k in range(d):
-                    out[b, m % QL, h * G + m // QL, k] = (acc[m, k] + plain[m, k]) * norm[m]
+                    dot += qrows[m, k] * krow[k]
+                scores[m, t] = dot
+        for m in range(M):  # softmax over the tokens query row m sees (causal, sliding window)
+            limit = limits[b, m % QL]
+            low = max(0, limit - window + 1) if window > 0 else 0
+            high = min(limit + 1, L)
+            norm[m] = _softmax_row(scores[m], low, high, L, exponents)
+        cv, fv = (c - 1, f + nb) if held_values and c > 0 else (c, f)  # the values' chunks and buffer
+        _plane(sink_v, buf_v, tail_v, b, h, s, p, cv, fv, nb, pv, _NO_FACTORS, dv, _NO_FACTORS, False, vals, pv_s,
+               dv_s, False, tile)
+        acc[:] = 0.0
+        plain[:] = 0.0
+        compressed = s + p + cv * nb
+        if rotated_values or rotated_tail:  # acc: what is in the rotated basis, added after un-rotating it; plain:
+            # the sink's and the staged tokens' share (and the chunks', when only the buffer is rotated)
+            chunks = acc if rotated_values else plain
+            _weighted_rows(plain, scores, vals, 0, s)
+            _weighted_rows(chunks, scores, vals, s, compressed)
+            if rotated_tail:
+                _tail_weighted(acc, plain, scores, vals, compressed, L - compressed, tail_v[3], b)
+            else:
+                _weighted_rows(plain, scores, vals, compressed, L)
+        else:
+            chunks = acc
+            _weighted_rows(acc, scores, vals, 0, L)
+        if p > 0 and pv_factors[0].shape[3]:
+            _add_value_lowrank(chunks, scores, pv_factors, b, h, 0, pv[9], s, p, d, pa)
+        if dv_factors[0].shape[3]:
+            for chunk in range(cv):
+                _add_value_lowrank(chunks, scores, dv_factors, b, h, chunk, nb, s + p + chunk * nb, nb, d, pa)
+        if rotated_values or rotated_tail:
+            _hadamard_rows(acc, M, tile)  # (P·V·H)·H = P·V
+        for m in range(M):
+            for k in range(d):
+                out[b, m % QL, h * G + m // QL, k] = (acc[m, k] + plain[m, k]) * norm[m]
 
 
 # -- torch-facing entry points ----------------------------------------------------------------------------------
@@ -309,7 +333,8 @@ def decode_attention(query: torch.Tensor, keys, values, layout, *, scaling: floa
                      out: torch.Tensor | None = None, rope_tables=None) -> torch.Tensor:
     """Attention of `query` [B,Hq,q,d] (already rotated) over one layer's storage (`views.StreamView` keys/values,
     `views.DecodeLayout`), CPU tensors. Returns out [B, q, Hq, d] in query's dtype (HF's attention-function
-    layout), as `gear_hf.kernels.decode.decode_attention` does. rope_tables: (cos, sin) of the half angles at
+    layout), as `gear_hf.kernels.decode.decode_attention` does, its (row, KV head) pairs split over torch's threads
+    (`threads`; the same bits on any number of them). rope_tables: (cos, sin) of the half angles at
     layout.positions, when the caller shares them across layers (`gear_hf.cache.kernel_state`), else computed."""
     B, Hq, QL, D = query.shape
     Hkv = keys.buffer.shape[1]
@@ -335,11 +360,17 @@ def decode_attention(query: torch.Tensor, keys, values, layout, *, scaling: floa
     q = (query.float() * (scaling * attention_scaling)).contiguous().numpy()
     result = np.empty((B, QL, Hq, D), dtype=np.float32)
     sink_k, sink_v = (keys.sink, values.sink) if layout.max_sink > 0 else (None, None)
-    _attend(q, layout.limits.numpy(), layout.rows.numpy(), cos, sin, int(sliding_window or 0), layout.buffer_size,
+    args = (q, layout.limits.numpy(), layout.rows.numpy(), cos, sin, int(sliding_window or 0), layout.buffer_size,
             _float32(sink_k, keys.buffer), _float32(sink_v, values.buffer), _float32(keys.buffer, keys.buffer),
             _float32(values.buffer, values.buffer), _tail_args(keys, side),
             _tail_args(values, side, unrotated=False), pk, pk_factors, pv, pv_factors, dk, dk_factors, dv, dv_factors,
             rot_k, rot_v, bool(values.held_chunk), result)
+    parts = threads.parts(B * Hkv)  # (row, KV head) pairs over torch's threads, where numba runs them safely
+    if parts > 1:
+        with threads.using(parts):
+            _attend_parallel(*args, parts)
+    else:
+        _attend(*args)
     result = add_center(torch.from_numpy(result), values, layout.limits)  # (values handed centered: + the centers)
     if out is None:
         return result.to(query.dtype)
