@@ -27,7 +27,8 @@ def _after_fork() -> None:
     _forked = True
 
 
-os.register_at_fork(after_in_child=_after_fork)
+if hasattr(os, "register_at_fork"):  # (POSIX; elsewhere processes are spawned, not forked)
+    os.register_at_fork(after_in_child=_after_fork)
 
 _THREADSAFE: list[bool] = []  # (worked out once)
 
@@ -42,7 +43,7 @@ def threadsafe_layer() -> bool:
         try:
             importlib.import_module(f"numba.np.ufunc.{module}")
             return True
-        except (ImportError, OSError):
+        except Exception:  # (a layer whose library does not load, however it fails: not available)
             continue
     return False
 
