@@ -15,6 +15,8 @@
 * `arrays` - torch tensors as the numpy arrays the loops read
 * `jit` - `kernel`, the loops' numba.njit, cached on disk under a hash of every source here (numba alone keys a
   function on its own file, missing a changed helper of another)
+* `threads` - how many threads `attend` splits its (row, KV head) pairs over: torch's count, where numba's threading
+  layer is thread-safe
 
 Each entry point has a `*_supported` check (or returns None) for what it covers; the torch code is the oracle they
 equal (bit for bit, except where a low-rank term is summed or fitted: to float32 rounding). numba is imported on
