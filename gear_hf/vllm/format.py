@@ -4,7 +4,7 @@ A block's keys [bs, d] and values [bs, d] are one chunk each for gear_hf.compres
 gear_hf's Transformers path gives a decode chunk of `block_config(config)` (gear_hf.format.layer_formats: the same
 ChunkSpecs, the same fields its terms declare, `gear_hf.compress.terms`). Every field has a fixed shape for a given
 (spec, bs, d), so a page is the two chunks' fields one after the other: [K fields | V fields], each flattened per
-(block, head).
+(block, head) at an offset aligned to its element size.
 
 method "fp16" stores the raw keys and values ([K bs*d | V bs*d] in the model dtype): no compression, the same page
 path, bit-exact.
@@ -120,6 +120,7 @@ class PageFormat:
         if self.raw:
             self.specs = None
             self.fields = ()
+            self.layout = []
             content = 2 * block_size * head_size * dtype.itemsize
         else:
             # gear_hf's own stream formats of the block config: their decode chunk is the page's
@@ -127,7 +128,15 @@ class PageFormat:
             self.specs = tuple(f.decode for f in formats)
             # the fields the specs' terms declare (gear_hf.compress.terms), per (block, KV head)
             self.fields = tuple(f.fields(f.decode, block_size, head_size, dtype) for f in formats)
-            content = sum(f.nbytes() for stream in self.fields for f in stream)
+            content = 0
+            self.layout = []  # per stream: field name -> (byte offset in a page, dtype, shape), each aligned
+            for stream in self.fields:
+                placed = {}
+                for f in stream:
+                    content = -(-content // f.dtype.itemsize) * f.dtype.itemsize
+                    placed[f.name] = (content, f.dtype, tuple(f.shape))
+                    content += f.nbytes()
+                self.layout.append(placed)
         self.content_bytes = content
         self.page_bytes = -(-content // PAGE_ALIGN) * PAGE_ALIGN  # per (block, KV head)
 
@@ -143,8 +152,7 @@ class PageFormat:
             flat = torch.cat([keys.reshape(N, H, -1), values.reshape(N, H, -1)], dim=-1)
             page[..., : self.content_bytes] = flat.contiguous().view(torch.uint8)
             return page
-        offset = 0
-        for x, spec, fields in zip((keys, values), self.specs, self.fields):
+        for x, spec, fields, layout in zip((keys, values), self.specs, self.fields, self.layout):
             bits = None
             if spec.allocated:
                 weight = torch.ones(N, H, x.shape[-1], dtype=torch.float64)
@@ -152,12 +160,13 @@ class PageFormat:
             chunk = compress(x.contiguous(), spec, channel_bits=bits)
             for f in fields:
                 t = getattr(chunk, f.name).contiguous()
+                offset = layout[f.name][0]
                 page[..., offset: offset + f.nbytes()] = t.view(N, H, -1).view(torch.uint8)
-                offset += f.nbytes()
         return page
 
-    def decode(self, page: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """pages [N,H,>=page_bytes] uint8 -> keys, values [N,H,bs,d] in the model dtype."""
+    def decode(self, page: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """pages [N,H,>=page_bytes] uint8 -> keys, values [N,H,bs,d] in `dtype` (default: the model dtype; the raw
+        format always returns the model dtype)."""
         N, H = page.shape[:2]
         bs, d = self.block_size, self.head_size
         if self.raw:
@@ -166,12 +175,12 @@ class PageFormat:
             k = raw[..., :half].contiguous().view(self.dtype).view(N, H, bs, d)
             v = raw[..., half:].contiguous().view(self.dtype).view(N, H, bs, d)
             return k, v
-        out, offset = [], 0
-        for spec, fields in zip(self.specs, self.fields):
+        out = []
+        for spec, fields, layout in zip(self.specs, self.fields, self.layout):
             parts = {}
             for f in fields:
+                offset = layout[f.name][0]
                 chunk_bytes = page[..., offset: offset + f.nbytes()].contiguous()
                 parts[f.name] = chunk_bytes.view(f.dtype).view(N, H, *f.shape)
-                offset += f.nbytes()
-            out.append(decompress(CompressedChunk(**parts), spec, bs, d, self.dtype))
+            out.append(decompress(CompressedChunk(**parts), spec, bs, d, dtype or self.dtype))
         return out[0], out[1]

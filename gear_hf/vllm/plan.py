@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -68,6 +69,11 @@ class StepPlan:
     block_size: int
     workspace_blocks: int
     workspace_table: torch.Tensor  # [R, max blocks] int32: each request's blocks as workspace indices
+    page_table: np.ndarray  # [R, max blocks] int64 (the paged kernel's table): a page id, or for a block written
+    #                         this step -1 - its source: its tail slot (open after the step), or slots + its index
+    #                         among the closing blocks
+    query_start: np.ndarray  # [R+1] int64: request r's tokens are rows query_start[r] .. query_start[r+1]-1
+    seq_lens: np.ndarray  # [R] int64: tokens of request r after this step
     read_blocks: torch.Tensor  # [P] page ids of closed blocks read this step
     read_ws: torch.Tensor  # [P] their workspace indices
     read_first_position: torch.Tensor  # [P] position of their first token
@@ -77,9 +83,15 @@ class StepPlan:
     stage_tail: torch.Tensor  # [Q] tail slot holding their earlier tokens, -1: none
     stage_closes: torch.Tensor  # [Q] bool: full after this step -> compressed into the page
     stage_keep: torch.Tensor  # [Q] tail slot to keep them in after this step, -1: closes
+    stage_close_index: torch.Tensor  # [Q] their index among the closing blocks, -1: stays open
     token_rows: torch.Tensor  # [T'] rows of this step's tokens (of key[:num_actual_tokens])
     token_stage: torch.Tensor  # [T'] their staged block
     token_offset: torch.Tensor  # [T'] their offset in it
+    # the same, by where the tokens go before the attention (GearAttentionImpl._write):
+    close_loads: tuple[torch.Tensor, torch.Tensor]  # closing blocks with earlier tokens: (close index, tail slot)
+    close_tokens: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # tokens of closing blocks: (row, close index,
+    #                                                                offset)
+    tail_tokens: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # tokens of blocks open after it: (row, slot, offset)
 
     @classmethod
     def build(cls, tails: TailBook, bs: int, query_start: torch.Tensor, seq_lens: torch.Tensor,
@@ -92,6 +104,7 @@ class StepPlan:
         starts, lens = query_start.tolist(), seq_lens.tolist()
         table = block_table.tolist()
         ws_table = torch.zeros(len(lens), max(1, max((-(-L // bs) for L in lens), default=1)), dtype=torch.int32)
+        page_table = np.zeros(tuple(ws_table.shape), dtype=np.int64)
         for r, L in enumerate(lens):
             q = starts[r + 1] - starts[r]
             before = L - q
@@ -102,6 +115,7 @@ class StepPlan:
                         ws_of[block] = len(ws_of)
                         read.append((block, ws_of[block], j * bs))
                     ws_table[r, j] = ws_of[block]
+                    page_table[r, j] = block
                     continue
                 if block in ws_of:
                     raise RuntimeError(f"GEAR: block {block} is written by two requests in one step")
@@ -110,6 +124,7 @@ class StepPlan:
                     ws_of[block] = len(ws_of)  # a cached full block whose last token is recomputed: its page
                     read.append((block, ws_of[block], j * bs))
                     ws_table[r, j] = ws_of[block]
+                    page_table[r, j] = block
                     continue
                 tails.closed.discard(block)
                 ws_of[block] = len(ws_of)
@@ -124,7 +139,7 @@ class StepPlan:
                     tail = entry[0]
                     busy.add(tail)
                 closes = (j + 1) * bs <= L
-                stage.append([block, ws_of[block], j * bs, tail, closes, -1])
+                stage.append([block, ws_of[block], j * bs, tail, closes, -1, r, j])
                 lo, hi = max(before, j * bs), min(L, (j + 1) * bs)
                 token_rows.extend(range(starts[r] + lo - before, starts[r] + hi - before))
                 token_stage.extend([len(stage) - 1] * (hi - lo))
@@ -139,16 +154,37 @@ class StepPlan:
                 block = table[r][L // bs]
                 entry = next(e for e in stage if e[0] == block)
                 entry[5] = tails.keep(block, L % bs, busy)
+        closing = 0
+        for entry in stage:
+            if entry[4]:
+                entry.append(closing)
+                page_table[entry[6], entry[7]] = -1 - (tails.slots + closing)
+                closing += 1
+            else:
+                entry.append(-1)
+                page_table[entry[6], entry[7]] = -1 - entry[5]
         if token_rows and max(token_rows) >= num_tokens:
             raise RuntimeError(f"GEAR: plan addresses token {max(token_rows)} of {num_tokens}")
 
         def column(rows, i, dtype=torch.long):
             return torch.tensor([e[i] for e in rows], dtype=dtype)
 
-        return cls(block_size=bs, workspace_blocks=len(ws_of), workspace_table=ws_table,
+        def longs(values):
+            return torch.tensor(values, dtype=torch.long)
+
+        loads = [(e[8], e[3]) for e in stage if e[4] and e[3] >= 0]
+        closing_tokens = [(row, stage[q][8], o) for row, q, o in zip(token_rows, token_stage, token_offset)
+                          if stage[q][4]]
+        tail_tokens = [(row, stage[q][5], o) for row, q, o in zip(token_rows, token_stage, token_offset)
+                       if not stage[q][4]]
+
+        return cls(block_size=bs, workspace_blocks=len(ws_of), workspace_table=ws_table, page_table=page_table,
+                   query_start=np.asarray(starts, dtype=np.int64), seq_lens=np.asarray(lens, dtype=np.int64),
                    read_blocks=column(read, 0), read_ws=column(read, 1), read_first_position=column(read, 2),
                    stage_blocks=column(stage, 0), stage_ws=column(stage, 1), stage_first_position=column(stage, 2),
                    stage_tail=column(stage, 3), stage_closes=column(stage, 4, torch.bool),
-                   stage_keep=column(stage, 5), token_rows=torch.tensor(token_rows, dtype=torch.long),
-                   token_stage=torch.tensor(token_stage, dtype=torch.long),
-                   token_offset=torch.tensor(token_offset, dtype=torch.long))
+                   stage_keep=column(stage, 5), stage_close_index=column(stage, 8), token_rows=longs(token_rows),
+                   token_stage=longs(token_stage), token_offset=longs(token_offset),
+                   close_loads=tuple(longs(c) for c in zip(*loads)) if loads else (longs([]),) * 2,
+                   close_tokens=tuple(longs(c) for c in zip(*closing_tokens)) if closing_tokens else (longs([]),) * 3,
+                   tail_tokens=tuple(longs(c) for c in zip(*tail_tokens)) if tail_tokens else (longs([]),) * 3)

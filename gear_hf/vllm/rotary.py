@@ -10,15 +10,27 @@ llama3 scaling): vLLM's own rotary module is not reachable from an attention bac
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from gear_hf.compress.rope import apply_rotary, rope_tables
+from gear_hf.compress.rope import apply_rotary, rope_angles, rope_tables
 
 
 class KeyRotary:
     def __init__(self, inv_freq: torch.Tensor, attention_scaling: float = 1.0) -> None:
         self.inv_freq = inv_freq.float()
         self.attention_scaling = float(attention_scaling)
+        self._halves: tuple[np.ndarray, np.ndarray] | None = None  # cos/sin at positions 0.. (grown on demand)
+
+    def halves(self, length: int) -> tuple[np.ndarray, np.ndarray]:
+        """cos/sin [>=length, d/2] float32 at positions 0, 1, ... with attention_scaling folded in (one half of
+        `rope_tables`' equal halves), as the paged kernel rotates keys read from pages."""
+        held = 0 if self._halves is None else self._halves[0].shape[0]
+        if held < length:
+            angles = rope_angles(torch.arange(max(length, 2 * held)), self.inv_freq)
+            self._halves = ((angles.cos() * self.attention_scaling).numpy(),
+                            (angles.sin() * self.attention_scaling).numpy())
+        return self._halves
 
     @classmethod
     def from_hf_config(cls, hf_config, head_size: int) -> "KeyRotary":

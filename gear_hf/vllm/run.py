@@ -3,12 +3,12 @@ scripts/bench_vllm.py compare.
 
     python -m gear_hf.vllm.run --model DIR --prompts prompts.json --max-tokens 32 --out result.json \
         [--gear '{"preset": "gear-2"}'] [--blocks 8] [--kv-space-gib 1] [--max-num-seqs 4]
-        [--max-num-batched-tokens 96] [--prefix-caching]
+        [--max-num-batched-tokens 96] [--prefix-caching] [--warm-up]
 
 prompts.json: a list of token-id lists. result.json: {"tokens": [[...], ...], "num_blocks", "preemptions",
-"block_size", "seconds"}. --gear sets GEAR_HF_VLLM=1 and GEAR_HF_VLLM_CONFIG for vLLM's processes; without it the
-plugin stays off (stock CPU_ATTN). The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so its
-block count can be read back.
+"block_size", "seconds" (the whole run), "generate_seconds" (the timed generate)}. --gear sets GEAR_HF_VLLM=1 and
+GEAR_HF_VLLM_CONFIG for vLLM's processes; without it the plugin stays off (stock CPU_ATTN). The engine core runs in
+this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so its block count can be read back.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ def run_in_subprocess(model: str | Path, prompts: list[list[int]], max_tokens: i
                       gear: str | None = None, blocks: int | None = None, kv_space_gib: float = 1,
                       max_num_seqs: int = 4, max_model_len: int = 1024, dtype: str = "bfloat16",
                       threads: int = 2, timeout: float = 900, tag: str = "run",
-                      max_num_batched_tokens: int | None = None, prefix_caching: bool = False) -> dict:
+                      max_num_batched_tokens: int | None = None, prefix_caching: bool = False,
+                      warm_up: bool = False) -> dict:
     """Run `main` in a fresh Python process (vLLM spawns workers and reads its plugins' settings at start)."""
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -45,6 +46,8 @@ def run_in_subprocess(model: str | Path, prompts: list[list[int]], max_tokens: i
         cmd += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
     if prefix_caching:
         cmd += ["--prefix-caching"]
+    if warm_up:
+        cmd += ["--warm-up"]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1")
     log = work / f"{tag}.log"
     with open(log, "w") as handle:
@@ -69,6 +72,8 @@ def main(argv=None) -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="small: chunked prefill")
     parser.add_argument("--prefix-caching", action="store_true")
+    parser.add_argument("--warm-up", action="store_true", help="a short generate of the first prompt before the "
+                        "timed one (prefix caching then reuses its blocks: leave it off to time prefills)")
     args = parser.parse_args(argv)
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -89,7 +94,11 @@ def main(argv=None) -> None:
               disable_log_stats=False, **extra)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in json.loads(Path(args.prompts).read_text())]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    if args.warm_up:  # one request through prefill and a few decode steps: kernels compiled before the timing
+        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    timed = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
+    generate_seconds = time.perf_counter() - timed
     cache = llm.llm_engine.vllm_config.cache_config
     preemptions = 0
     for metric in llm.get_metrics():
@@ -97,7 +106,7 @@ def main(argv=None) -> None:
             preemptions = int(metric.value)
     result = {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "num_blocks": cache.num_gpu_blocks,
               "block_size": cache.block_size, "preemptions": preemptions, "seconds": round(time.time() - start, 1),
-              "gear": args.gear}
+              "generate_seconds": round(generate_seconds, 3), "gear": args.gear}
     Path(args.out).write_text(json.dumps(result))
 
 
