@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """GEAR in vLLM (gear_hf.vllm) side by side with stock vLLM on CPU: writes results/vllm/bench.md (+ .json).
 
-    .venv-vllm/bin/python scripts/bench_vllm.py [--sections identity,capacity,smollm2,agree] [--out results/vllm]
+    .venv-vllm/bin/python scripts/bench_vllm.py [--sections identity,capacity,smollm2,agree,throughput] [--out ...]
         [--dtypes bfloat16,float32] [--prompt-sets questions,3-shot] [--formats gear-2] [--reuse]
 
 identity  tiny random Llama / Qwen2 (GQA 4/2, head_dim 64): greedy tokens of the fp16 format vs stock CPU_ATTN,
@@ -15,6 +15,10 @@ agree     vLLM (+GEAR) against gear_hf's Transformers path storing the same page
           transformers_config), per dtype and prompt set ("questions": the 4 GSM8K questions above; "3-shot": each
           after 3 worked train problems, so every generated token reads compressed blocks), next to the floor:
           stock vLLM against the plain Transformers model
+throughput  SmolLM2 bf16, 16 GSM8K requests after 4 worked examples (620-704 prompt tokens) and 32 after 1 (230-330),
+          128 greedy tokens each, max_num_seqs 16, block 128: output tokens/s and requests/s of one timed generate
+          (after a warm-up request), preemptions; stock with ample KV memory and with 40 blocks (112.5 MiB: memory-
+          bound), GEAR formats with the same 112.5 MiB (pages + the open-block tails at their most) and ample
 serve     `vllm serve` (SmolLM2, gear-2 through the plugin) answering one OpenAI-client completion request
 lmeval    lm-eval's `--model vllm` on gsm8k_cot_gear --limit 4, stock and through the plugin (not in the default
           sections: lm-eval is not part of .venv-vllm; `pip install 'lm-eval>=0.4.10,<0.5'` there first)
@@ -147,7 +151,8 @@ def section_identity(report: dict) -> None:
 
 
 def tail_bytes(layers: int, max_num_seqs: int, block_size: int, kv_heads: int, head_size: int, itemsize=2) -> int:
-    """What backend.TailPool allocates: per layer keys + values [max_num_seqs, bs, H, d] in the model dtype."""
+    """The most backend.TailPool holds: per layer keys + values [max_num_seqs, bs, H, d] in the model dtype (it
+    grows to the requests running at once)."""
     return layers * 2 * max_num_seqs * block_size * kv_heads * head_size * itemsize
 
 
@@ -193,6 +198,66 @@ def section_capacity_and_smollm2(report: dict, sections: set[str]) -> None:
                              seconds=result["wall"]))
     report["capacity"] = dict(space_gib=space_gib, max_num_seqs=seqs, block_size=stock["block_size"], layers=layers,
                               kv_heads=kv_heads, head_size=head_size, stock_blocks=stock["num_blocks"], rows=rows)
+
+
+# throughput: (label, requests, few-shot examples before each question, new tokens); max_num_seqs 16, block 128
+WORKLOADS = (("16 x 4-shot", 16, 4, 128), ("32 x 1-shot", 32, 1, 128))
+BOUND_BLOCKS = 40  # stock's KV cache in the memory-bound runs (holds ~6 of the 4-shot requests at once)
+THROUGHPUT_FORMATS = ("GearConfig()", "kivi-4")
+
+
+def section_throughput(report: dict) -> None:
+    """Stock vs GEAR at equal KV memory (pages + the open-block tails at their most, max_num_seqs slots), memory-bound
+    and with ample memory: output tokens/s and requests/s of one timed generate after a warm-up."""
+    import torch
+
+    from gear_hf.vllm.format import PageFormat, config_from_env
+
+    model = smollm2_folder()
+    config = json.loads((model / "config.json").read_text())
+    layers, kv_heads = config["num_hidden_layers"], config["num_key_value_heads"]
+    head_size = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    seqs, bs = 16, 128
+    stock_block = layers * 2 * bs * kv_heads * head_size * 2  # bf16 keys + values of one block, every layer
+    tails = tail_bytes(layers, seqs, bs, kv_heads, head_size)
+    rows = []
+    for label, count, shots, new in WORKLOADS:
+        prompts = gsm8k_prompts(model, n=count, shots=shots)
+        common = dict(steps=new, max_num_seqs=seqs, max_model_len=1024, warm_up=True)
+        runs = [("stock", "ample", None, None), ("stock", "bound", None, BOUND_BLOCKS)]
+        for name in THROUGHPUT_FORMATS:
+            if name not in FORMATS:
+                continue
+            fmt = PageFormat(config_from_env(json.dumps(FORMATS[name])), bs, head_size, torch.bfloat16)
+            equal = (BOUND_BLOCKS * stock_block - tails) // (layers * kv_heads * fmt.page_bytes)
+            runs += [(name, "bound", FORMATS[name], int(equal)), (name, "ample", FORMATS[name], None)]
+        for name, memory, gear, blocks in runs:
+            tag = f"throughput_{label}_{name}_{memory}".replace(" ", "").replace("()", "")
+            try:
+                result = run(model, prompts, tag, gear, blocks=blocks, **common)
+            except NotCached:
+                continue
+            tokens = sum(len(t) for t in result["tokens"])
+            seconds = result["generate_seconds"]
+            kv = result["num_blocks"] * (stock_block if gear is None else
+                                         layers * kv_heads * PageFormat(config_from_env(json.dumps(gear)), bs,
+                                                                        head_size, torch.bfloat16).page_bytes)
+            rows.append(dict(workload=label, prompt_tokens=[min(map(len, prompts)), max(map(len, prompts))],
+                             new_tokens=new, format=name, memory=memory, blocks=result["num_blocks"],
+                             kv_mib=round(kv / 2**20, 1),
+                             tails_mib=round(tails / 2**20, 1) if gear is not None else 0.0,
+                             tails_held_mib=round(result.get("tail_bytes", 0) / 2**20, 1),
+                             preemptions=result["preemptions"], seconds=seconds,
+                             tokens_per_s=round(tokens / seconds, 1), requests_per_s=round(count / seconds, 3)))
+    for r in rows:  # ratios against stock at the same memory (bound: equal KV bytes; ample: each its own)
+        stock = next(x for x in rows if x["workload"] == r["workload"] and x["format"] == "stock"
+                     and x["memory"] == r["memory"])
+        r["x_stock"] = round(r["tokens_per_s"] / stock["tokens_per_s"], 2)
+        bound = next(x for x in rows if x["workload"] == r["workload"] and x["format"] == "stock"
+                     and x["memory"] == "bound")
+        r["x_stock_bound"] = round(r["tokens_per_s"] / bound["tokens_per_s"], 2)
+    report["throughput"] = dict(max_num_seqs=seqs, block_size=bs, bound_blocks=BOUND_BLOCKS,
+                                bound_mib=round(BOUND_BLOCKS * stock_block / 2**20, 1), rows=rows)
 
 
 DTYPES = ("bfloat16",)  # --dtypes: the dtypes of the agreement section
@@ -418,6 +483,9 @@ def main() -> int:
         print("agree", flush=True)
         report.pop("hf", None)  # the earlier table (a different Transformers config), replaced by "agreement"
         section_agreement(report)
+    if "throughput" in sections:
+        print("throughput", flush=True)
+        section_throughput(report)
     if "serve" in sections:
         print("serve", flush=True)
         section_serve(report)

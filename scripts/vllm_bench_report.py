@@ -34,6 +34,23 @@ def write_markdown(report: dict, out: Path, steps: int) -> None:
                          f"{r['vllm_blocks']} | {r['tail_bytes'] / 2**20:.1f} | {r['blocks_equal_memory']} | "
                          f"{r['ratio_vs_stock']} | {r['agree_stock']:.4f} | {r['prefix_stock']:.1f} |")
         lines.append("")
+    if report.get("throughput"):
+        t = report["throughput"]
+        lines += ["## Serving throughput at equal KV memory (SmolLM2-135M-Instruct, bf16)", "",
+                  f"max_num_seqs {t['max_num_seqs']}, block {t['block_size']}; memory-bound: stock's KV cache of "
+                  f"{t['bound_blocks']} blocks ({t['bound_mib']} MiB), each GEAR format the same bytes: its pages "
+                  "plus the open-block tails at their most (max_num_seqs slots, counted whether held or not; "
+                  "'tails held': what the run grew them to). Ample: VLLM_CPU_KVCACHE_SPACE=1 GiB each. One timed "
+                  "generate of every request after a warm-up request; tokens/s = output tokens / its seconds.", "",
+                  "| workload | prompt tokens | format | memory | blocks | KV MiB (pages) | tails MiB (counted / held) "
+                  "| preemptions | output tokens/s | requests/s | x stock (same memory) | x stock memory-bound |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in t["rows"]:
+            lines.append(f"| {r['workload']} + {r['new_tokens']} | {r['prompt_tokens'][0]}-{r['prompt_tokens'][1]} | "
+                         f"{r['format']} | {r['memory']} | {r['blocks']} | {r['kv_mib']} | {r['tails_mib']} / "
+                         f"{r['tails_held_mib']} | {r['preemptions']} | {r['tokens_per_s']} | {r['requests_per_s']} | "
+                         f"{r['x_stock']} | {r['x_stock_bound']} |")
+        lines.append("")
     if report.get("agreement"):
         lines += ["## The same pages through gear_hf's Transformers path", "",
                   "SmolLM2-135M-Instruct, 4 GSM8K questions, 64 greedy tokens, one prompt at a time in Transformers. "

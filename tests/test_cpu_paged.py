@@ -81,7 +81,7 @@ def _case(config, dtype, rotated, bs=16, d=64, H=2, G=3, lens=(40, 16, 70, 33), 
                for spec, layout in zip(fmt.specs, fmt.layout)]
     out = np.full((q.shape[0], H * G, d), np.nan, dtype=np.float32)
     paged.paged_attention(q.numpy(), np.asarray(starts, np.int64), np.asarray(lens, np.int64), table, bs, *halves,
-                          pages.numpy(), *layouts, *map(_bits, stack), out)
+                          pages.numpy(), *layouts, *map(_bits, stack), slots, out)
     return out, torch.cat(expected)
 
 

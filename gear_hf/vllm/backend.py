@@ -4,8 +4,8 @@ Storage (per layer):
   pages   vLLM's KV cache, one page per (block, KV head) of PageFormat.page_bytes (declared by customize_spec as
           one state of block_size tokens): only closed (full) blocks live here, each compressed once, when its
           last token is written, and never rewritten (equal prefixes give equal pages, so prefix caching holds).
-  tails   the open block of each running request in full precision: [max_num_seqs, bs, H, d] keys and values in
-          the model dtype, allocated at the first forward (TailPool; its bytes count: `tail_bytes`).
+  tails   the open block of each running request in full precision: [slots, bs, H, d] keys and values in the model
+          dtype, one slot per request running at once (at most max_num_seqs), grown as they come (TailPool).
 
 One step of one layer (GearAttentionImpl.forward), following the plan the builder made once for all layers:
   1. stage the blocks written this step: the tail's earlier tokens (if any) + this step's tokens, [Q,bs,H,d]
@@ -111,15 +111,33 @@ class GearMetadataBuilder(CPUAttentionMetadataBuilder):
 
 
 class TailPool:
-    """One layer's open blocks in full precision: keys and values [slots, bs, H, d] in the model dtype."""
+    """One layer's open blocks in full precision: keys and values [slots, bs, H, d] in the model dtype, as many slots
+    as the most requests that held an open block at once (`TailBook` hands out the lowest free slot), grown when a
+    step needs more (`reserve`): a server whose max_num_seqs is far above what runs pays for what runs."""
 
-    def __init__(self, slots: int, block_size: int, heads: int, head_size: int, dtype: torch.dtype) -> None:
-        self.keys = torch.zeros(slots, block_size, heads, head_size, dtype=dtype)
+    GROWTH = 4  # slots added at a time (fewer reallocations)
+
+    def __init__(self, limit: int, block_size: int, heads: int, head_size: int, dtype: torch.dtype) -> None:
+        self.limit = limit
+        self.keys = torch.zeros(0, block_size, heads, head_size, dtype=dtype)
         self.values = torch.zeros_like(self.keys)
+
+    def reserve(self, slots: int) -> None:
+        """At least `slots` slots (the tokens of those held are kept)."""
+        held = self.keys.shape[0]
+        if slots <= held:
+            return
+        grown = min(max(slots, held + self.GROWTH), self.limit)
+        extra = self.keys.new_zeros(grown - held, *self.keys.shape[1:])
+        self.keys, self.values = torch.cat([self.keys, extra]), torch.cat([self.values, extra])
 
     @property
     def nbytes(self) -> int:
         return 2 * self.keys.numel() * self.keys.element_size()
+
+    def slot_bytes(self) -> int:
+        return 2 * self.keys[:1].numel() * self.keys.element_size() if self.keys.shape[0] else \
+            2 * self.keys.shape[1] * self.keys.shape[2] * self.keys.shape[3] * self.keys.element_size()
 
 
 class GearAttentionImpl(CPUAttentionBackendImpl):
@@ -142,9 +160,10 @@ class GearAttentionImpl(CPUAttentionBackendImpl):
             logger.info_once("GEAR: attention through a decoded workspace and CPU_ATTN (%s)", why)
         self.tail_pool = TailPool(self.max_num_seqs, block_size, self.num_kv_heads, self.head_size, dtype)
         logger.info_once("GEAR pages: %s, %d bytes per (block, KV head) (%.3f bits/element), block %d tokens, "
-                         "pre-RoPE keys: %s; open-block tails %d bytes per layer", self.format.config.describe(),
-                         self.format.page_bytes, self.format.bits_per_element(), block_size,
-                         self.rotary is not None, self.tail_pool.nbytes)
+                         "pre-RoPE keys: %s; open-block tails %d bytes per running request per layer (at most %d "
+                         "requests)", self.format.config.describe(), self.format.page_bytes,
+                         self.format.bits_per_element(), block_size, self.rotary is not None,
+                         self.tail_pool.slot_bytes(), self.max_num_seqs)
 
     def _reads_pages(self, fmt: PageFormat) -> tuple[bool, str]:
         """(whether the paged kernel reads this format's pages in place, why not)."""
@@ -185,6 +204,7 @@ class GearAttentionImpl(CPUAttentionBackendImpl):
         [C, bs, H, d] (their tail's earlier tokens, then this step's; returned), the others' tokens into their tail
         slots (in place). Closing blocks are staged first: a slot one of them frees may take a new block's tokens."""
         tails = self.tail_pool
+        tails.reserve(plan.tail_slots)
         C = int(plan.stage_closes.sum())
         close_k = key.new_empty(C, plan.block_size, self.num_kv_heads, self.head_size)
         close_v = torch.empty_like(close_k)
@@ -213,7 +233,7 @@ class GearAttentionImpl(CPUAttentionBackendImpl):
         tails = self.tail_pool
         paged.paged_attention(q, plan.query_start, plan.seq_lens, plan.page_table, plan.block_size, cos, sin,
                               pages.numpy(), keys, values, *map(_exact, (tails.keys, tails.values, close_k, close_v)),
-                              out)
+                              plan.first_closing, out)
         output.view(T, Hq, d).copy_(torch.from_numpy(out))
 
     def _staged(self, plan: StepPlan, close_k, close_v):

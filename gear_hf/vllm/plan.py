@@ -72,6 +72,8 @@ class StepPlan:
     page_table: np.ndarray  # [R, max blocks] int64 (the paged kernel's table): a page id, or for a block written
     #                         this step -1 - its source: its tail slot (open after the step), or slots + its index
     #                         among the closing blocks
+    first_closing: int  # the page table's first source past the tail slots (the first closing block)
+    tail_slots: int  # tail slots this step touches: 1 + the highest (the pool holds at least as many)
     query_start: np.ndarray  # [R+1] int64: request r's tokens are rows query_start[r] .. query_start[r+1]-1
     seq_lens: np.ndarray  # [R] int64: tokens of request r after this step
     read_blocks: torch.Tensor  # [P] page ids of closed blocks read this step
@@ -178,7 +180,9 @@ class StepPlan:
         tail_tokens = [(row, stage[q][5], o) for row, q, o in zip(token_rows, token_stage, token_offset)
                        if not stage[q][4]]
 
+        used = [e[3] for e in stage] + [e[5] for e in stage]
         return cls(block_size=bs, workspace_blocks=len(ws_of), workspace_table=ws_table, page_table=page_table,
+                   first_closing=tails.slots, tail_slots=max(used, default=-1) + 1,
                    query_start=np.asarray(starts, dtype=np.int64), seq_lens=np.asarray(lens, dtype=np.int64),
                    read_blocks=column(read, 0), read_ws=column(read, 1), read_first_position=column(read, 2),
                    stage_blocks=column(stage, 0), stage_ws=column(stage, 1), stage_first_position=column(stage, 2),

@@ -1,8 +1,9 @@
 """Attention over paged GEAR storage on the CPU (numba): each request's blocks read in place through its block table.
 
 The serving layout (`gear_hf.vllm`): one page per (block, KV head) holds one compressed chunk of `bs` tokens of keys
-and of values, its fields at fixed offsets (`page_layout`), each read in place as a one-chunk run; the blocks written this step are read in full precision: the open ones from their
-tail slots [S, bs, H, d], those that close this step from their staging [C, bs, H, d] (before they are compressed).
+and of values, its fields at fixed offsets (`page_layout`), each read in place as a one-chunk run; the blocks
+written this step are read in full precision: the open ones from their tail slots [S, bs, H, d], those that close
+this step from their staging [C, bs, H, d] (before they are compressed).
 Per (request, KV head): every block the request reads is assembled into a scratch plane by the read kernels' stages
 (`dequant._assemble`: codes, outliers, low-rank, Hadamard rotation undone), keys stored before RoPE rotated at
 their positions once; then its query tokens, in tiles, take exact two-pass softmax scores over the keys they see
@@ -71,12 +72,13 @@ def _exact_rows(blocks, s, h, count, target):
 
 
 @kernel(fastmath=_FAST)
-def _paged_planes(pages, table, r, h, L, bs, layout, with_factors, rotated, tails, closing, plane, scratch, scales,
-                  from_pages):
+def _paged_planes(pages, table, r, h, L, bs, layout, with_factors, rotated, tails, closing, first_closing, plane,
+                  scratch, scales, from_pages):
     """Rows [0, L) of plane [>=L, d]: request r's tokens of one stream, KV head h, block by block: table[r, j] >= 0
     a page (block id), else exact, from source s = -1 - table[r, j]: tail slot s of tails [S, bs, H, d], or for
-    s >= S block s - S of closing [C, bs, H, d]. with_factors: the low-rank term added (keys; values take it as
-    (P·A)·Bᵀ); rotated: the Hadamard rotation undone (keys). from_pages[j] records which blocks came from pages."""
+    s >= first_closing block s - first_closing of closing [C, bs, H, d]. with_factors: the low-rank term added
+    (keys; values take it as (P·A)·Bᵀ); rotated: the Hadamard rotation undone (keys). from_pages[j] records which
+    blocks came from pages."""
     for j in range((L + bs - 1) // bs):
         entry, lo = table[r, j], j * bs
         if entry >= 0:
@@ -89,10 +91,10 @@ def _paged_planes(pages, table, r, h, L, bs, layout, with_factors, rotated, tail
         else:
             s = -1 - entry
             count = min(bs, L - lo)
-            if s < tails.shape[0]:
+            if s < first_closing:
                 _exact_rows(tails, s, h, count, plane[lo : lo + count])
             else:
-                _exact_rows(closing, s - tails.shape[0], h, count, plane[lo : lo + count])
+                _exact_rows(closing, s - first_closing, h, count, plane[lo : lo + count])
             from_pages[j] = False
 
 
@@ -113,7 +115,7 @@ def _rotate_pages(plane, L, bs, from_pages, cos, sin):
 
 @kernel(fastmath=_FAST)
 def _paged_pairs(q, starts, lens, table, bs, cos, sin, pages, k_layout, k_rotated, v_layout, v_rotated, tail_k,
-                 tail_v, close_k, close_v, out, start, stop):
+                 tail_v, close_k, close_v, first_closing, out, start, stop):
     """Attention of the (request, KV head) pairs start..stop-1 (pair = request * H + head).
 
     q [T, Hq, d] float32 (softmax scale folded in); starts [R+1] (request r's query tokens: rows starts[r] ..
@@ -146,12 +148,12 @@ def _paged_pairs(q, starts, lens, table, bs, cos, sin, pages, k_layout, k_rotate
         if queries == 0 or L == 0:
             continue
         before = L - queries
-        _paged_planes(pages, table, r, h, L, bs, k_layout, True, k_rotated, tail_k, close_k, keys, k_s, k_scales,
-                      from_pages)
+        _paged_planes(pages, table, r, h, L, bs, k_layout, True, k_rotated, tail_k, close_k, first_closing, keys, k_s,
+                      k_scales, from_pages)
         if cos.shape[0] > 0:
             _rotate_pages(keys, L, bs, from_pages, cos, sin)
-        _paged_planes(pages, table, r, h, L, bs, v_layout, False, False, tail_v, close_v, vals, v_s, v_scales,
-                      value_pages)
+        _paged_planes(pages, table, r, h, L, bs, v_layout, False, False, tail_v, close_v, first_closing, vals, v_s,
+                      v_scales, value_pages)
         for first in range(0, queries, QUERY_TILE):
             n = min(QUERY_TILE, queries - first)
             M = G * n  # query row m: head h*G + m // n, token first + m % n
@@ -191,18 +193,19 @@ def _paged_pairs(q, starts, lens, table, bs, cos, sin, pages, k_layout, k_rotate
 
 @kernel(fastmath=_FAST, parallel=True)
 def _paged_parallel(q, starts, lens, table, bs, cos, sin, pages, k_layout, k_rotated, v_layout, v_rotated, tail_k,
-                    tail_v, close_k, close_v, out, parts):
+                    tail_v, close_k, close_v, first_closing, out, parts):
     """`_paged_pairs` of every pair, cut into `parts` contiguous shares on numba's threads (the same bits)."""
     pairs = lens.shape[0] * tail_k.shape[2]
     for part in numba.prange(parts):
         _paged_pairs(q, starts, lens, table, bs, cos, sin, pages, k_layout, k_rotated, v_layout, v_rotated, tail_k,
-                     tail_v, close_k, close_v, out, part * pairs // parts, (part + 1) * pairs // parts)
+                     tail_v, close_k, close_v, first_closing, out, part * pairs // parts, (part + 1) * pairs // parts)
 
 
 def paged_attention(q, starts, lens, table, block_size, cos, sin, pages, keys, values, tail_k, tail_v, close_k,
-                    close_v, out):
+                    close_v, first_closing, out):
     """Fill out [T, Hq, d] float32 with the attention of q [T, Hq, d] float32 (scale folded in) over the pages
-    [blocks, H, page_bytes] uint8 and the exact blocks (tails, closing: `_paged_planes`), numpy arrays;
+    [blocks, H, page_bytes] uint8 and the exact blocks (tails, closing from source first_closing on:
+    `_paged_planes`), numpy arrays;
     keys/values: (layout, rotated) as `page_layout` gives them. Its (request, KV head) pairs are split over torch's
     threads where numba runs them safely (`threads`)."""
     counts = np.diff(starts)
@@ -212,7 +215,12 @@ def paged_attention(q, starts, lens, table, block_size, cos, sin, pages, keys, v
     if (lens > table.shape[1] * block_size).any() or (cos.shape[0] and cos.shape[0] < lens.max()):
         raise ValueError(f"paged attention: requests of {lens.tolist()} tokens exceed the table ({table.shape[1]} "
                          f"blocks of {block_size}) or the rotation tables ({cos.shape[0]} positions)")
-    args = (q, starts, lens, table, block_size, cos, sin, pages, *keys, *values, tail_k, tail_v, close_k, close_v, out)
+    if (table < -first_closing - close_k.shape[0]).any() or (table >= pages.shape[0]).any() or \
+            ((table < 0) & (table >= -first_closing) & (table < -tail_k.shape[0])).any():
+        raise ValueError(f"paged attention: the table names pages past {pages.shape[0]}, tail slots past "
+                         f"{tail_k.shape[0]} or closing blocks past {close_k.shape[0]}")
+    args = (q, starts, lens, table, block_size, cos, sin, pages, *keys, *values, tail_k, tail_v, close_k, close_v,
+            first_closing, out)
     pairs = lens.shape[0] * tail_k.shape[2]
     parts = threads.parts(pairs)
     if parts > 1:
