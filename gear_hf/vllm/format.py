@@ -140,6 +140,17 @@ class PageFormat:
         self.content_bytes = content
         self.page_bytes = -(-content // PAGE_ALIGN) * PAGE_ALIGN  # per (block, KV head)
 
+    def not_read_in_place(self) -> str | None:
+        """Why the paged kernel (`gear_hf.kernels.cpu.paged`) cannot read these pages in place, None when it can."""
+        from gear_hf.kernels.cpu.paged import pages_supported
+
+        if self.raw:
+            return "the fp16 format: CPU_ATTN itself, bit-exact with stock"
+        dtypes = {dtype for layout in self.layout for _, dtype, _ in layout.values()}
+        if not all(pages_supported(spec, dtypes) for spec in self.specs):
+            return f"fields of {sorted(map(str, dtypes))} or widths the paged kernel does not read"
+        return None
+
     def bits_per_element(self) -> float:
         """Bits a stored element costs in a closed block (keys and values together, padding included)."""
         return 8 * self.page_bytes / (2 * self.block_size * self.head_size)

@@ -65,6 +65,23 @@ class TailBook:
 
 
 @dataclass
+class WorkspacePart:
+    """Requests whose attention runs through CPU_ATTN over a workspace of their blocks (closed pages decoded,
+    written blocks exact), renumbered from 0 for them alone (`StepPlan.workspace_part`)."""
+    requests: list[int]  # of the step's requests
+    query_rows: torch.Tensor  # [T''] their query rows (of query[:num_actual_tokens]), in order
+    query_start: torch.Tensor  # [R'+1] int32, into query_rows
+    seq_lens: torch.Tensor  # [R'] int32
+    table: torch.Tensor  # [R', max blocks] int32: each request's blocks as workspace indices
+    blocks: int  # workspace blocks
+    read: torch.Tensor  # [P'] indices into the step's read_* (pages to decode)
+    read_ws: torch.Tensor  # [P'] their workspace indices
+    stage: torch.Tensor  # [Q'] indices into the step's stage_* (blocks written this step)
+    stage_ws: torch.Tensor  # [Q']
+    scheduler_metadata: object = None  # CPU_ATTN's, for these requests (set by the metadata builder)
+
+
+@dataclass
 class StepPlan:
     block_size: int
     workspace_blocks: int
@@ -94,6 +111,25 @@ class StepPlan:
     close_tokens: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # tokens of closing blocks: (row, close index,
     #                                                                offset)
     tail_tokens: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # tokens of blocks open after it: (row, slot, offset)
+
+    def workspace_part(self, requests: list[int]) -> WorkspacePart:
+        """The workspace of `requests` alone (every request: the whole step's, `workspace_table`'s numbering)."""
+        widths = [-(-int(self.seq_lens[r]) // self.block_size) for r in requests]
+        used = sorted({int(w) for r, width in zip(requests, widths) for w in self.workspace_table[r, :width]})
+        renumber = torch.full((self.workspace_blocks,), -1, dtype=torch.long)
+        renumber[used] = torch.arange(len(used))
+        table = torch.zeros(len(requests), self.workspace_table.shape[1], dtype=torch.int32)
+        for i, (r, width) in enumerate(zip(requests, widths)):
+            table[i, :width] = renumber[self.workspace_table[r, :width].long()].int()
+        read = torch.nonzero(renumber[self.read_ws] >= 0).flatten()
+        stage = torch.nonzero(renumber[self.stage_ws] >= 0).flatten()
+        rows = [torch.arange(int(self.query_start[r]), int(self.query_start[r + 1])) for r in requests]
+        counts = np.diff(self.query_start)[requests]
+        return WorkspacePart(requests=list(requests), query_rows=torch.cat(rows) if rows else torch.zeros(0).long(),
+                             query_start=torch.tensor(np.concatenate([[0], np.cumsum(counts)]), dtype=torch.int32),
+                             seq_lens=torch.tensor(self.seq_lens[requests], dtype=torch.int32), table=table,
+                             blocks=len(used), read=read, read_ws=renumber[self.read_ws[read]], stage=stage,
+                             stage_ws=renumber[self.stage_ws[stage]])
 
     @classmethod
     def build(cls, tails: TailBook, bs: int, query_start: torch.Tensor, seq_lens: torch.Tensor,

@@ -89,6 +89,9 @@ def test_plan_prefill_then_decode_moves_blocks_from_tails_to_pages():
     assert plan.stage_blocks.tolist() == [3, 5] and plan.stage_tail.tolist() != [-1, -1]
     assert plan.stage_closes.tolist() == [False, True] and book.held(5) is None
     assert plan.workspace_table.tolist() == [[0, 1], [2, 0]]
+    part = plan.workspace_part([1])  # request 1 alone: block 5 (written), renumbered
+    assert part.table.tolist() == [[0, 0]] and part.blocks == 1 and part.read.numel() == 0
+    assert plan.stage_blocks[part.stage].tolist() == [5] and part.query_rows.tolist() == [1]
 
 
 def test_plan_refuses_a_missing_tail():

@@ -64,15 +64,29 @@ def test_paged_path_equals_the_workspace_path(monkeypatch, config):
         close_k, close_v = impl._write(plan, key, value)
         out_paged = torch.zeros(T, H * G * d, dtype=dtype)
         impl._attend_pages(plan, query, pages, close_k, close_v, out_paged)
-        metadata = SimpleNamespace(query_start_loc=starts, seq_lens=seq_lens, causal=True, dynamic_causal=None,
-                                   scheduler_metadata=ops.cpu_attn_get_scheduler_metadata(
-                                       num_reqs=len(ids), num_heads=H * G, num_kv_heads=H, head_dim=d,
-                                       seq_lens=seq_lens, dtype=dtype, query_start_loc=starts, causal=True,
-                                       sliding_window_size=-1, isa=layer.isa, enable_kv_split=False))
+        def scheduler(lens, query_start, count):
+            return ops.cpu_attn_get_scheduler_metadata(
+                num_reqs=count, num_heads=H * G, num_kv_heads=H, head_dim=d, seq_lens=lens, dtype=dtype,
+                query_start_loc=query_start, causal=True, sliding_window_size=-1, isa=layer.isa,
+                enable_kv_split=False)
+
+        metadata = SimpleNamespace(scheduler_metadata=scheduler(seq_lens, starts, len(ids)))
+        part = plan.workspace_part(list(range(len(ids))))
+        part.scheduler_metadata = metadata.scheduler_metadata
         out_workspace = torch.zeros(T, H * G * d, dtype=dtype)
-        impl._attend_workspace(layer, plan, query, pages, close_k, close_v, metadata, out_workspace)
+        impl._attend_workspace(layer, plan, part, query, pages, close_k, close_v, out_workspace)
+        # the requests with many query tokens through CPU_ATTN, the others through the kernel (as forward splits)
+        many = [i for i, (_, n) in enumerate(step) if n > 16]
+        if many:
+            part = plan.workspace_part(many)
+            part.scheduler_metadata = scheduler(part.seq_lens, part.query_start, len(many))
+            out_split = torch.full((T, H * G * d), float("nan"), dtype=dtype)
+            impl._attend_pages(plan, query, pages, close_k, close_v, out_split, skip=many)
+            impl._attend_workspace(layer, plan, part, query, pages, close_k, close_v, out_split)
+            assert (out_split.float() - out_workspace.float()).abs().max() < 0.05
         impl._store(plan, pages, close_k, close_v)
         difference = (out_paged.float() - out_workspace.float()).abs()
         assert difference.max() < 0.05, (step, difference.max())
         assert difference.mean() < 3e-3, (step, difference.mean())
     assert plan.read_blocks.numel() >= 3  # (the last steps read pages of every request)
+    assert 0 < impl.tail_pool.keys.shape[0] <= impl.max_num_seqs

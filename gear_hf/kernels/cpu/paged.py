@@ -205,13 +205,13 @@ def paged_attention(q, starts, lens, table, block_size, cos, sin, pages, keys, v
                     close_v, first_closing, out):
     """Fill out [T, Hq, d] float32 with the attention of q [T, Hq, d] float32 (scale folded in) over the pages
     [blocks, H, page_bytes] uint8 and the exact blocks (tails, closing from source first_closing on:
-    `_paged_planes`), numpy arrays;
+    `_paged_planes`), numpy arrays; a request of lens 0 is skipped (its rows of out are left as they are);
     keys/values: (layout, rotated) as `page_layout` gives them. Its (request, KV head) pairs are split over torch's
     threads where numba runs them safely (`threads`)."""
     counts = np.diff(starts)
-    if len(counts) != len(lens) or (counts > lens).any() or (counts < 0).any():
+    if len(counts) != len(lens) or ((counts > lens) & (lens > 0)).any() or (counts < 0).any():
         raise ValueError(f"paged attention: query counts {counts.tolist()} (from starts) must be one per request and "
-                         f"at most its tokens {lens.tolist()}")
+                         f"at most its tokens {lens.tolist()} (0: a request not attended here)")
     if (lens > table.shape[1] * block_size).any() or (cos.shape[0] and cos.shape[0] < lens.max()):
         raise ValueError(f"paged attention: requests of {lens.tolist()} tokens exceed the table ({table.shape[1]} "
                          f"blocks of {block_size}) or the rotation tables ({cos.shape[0]} positions)")
