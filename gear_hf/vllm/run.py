@@ -3,7 +3,7 @@ scripts/bench_vllm.py compare.
 
     python -m gear_hf.vllm.run --model DIR --prompts prompts.json --max-tokens 32 --out result.json \
         [--gear '{"preset": "gear-2"}'] [--blocks 8] [--kv-space-gib 1] [--max-num-seqs 4]
-        [--max-num-batched-tokens 96] [--prefix-caching] [--warm-up]
+        [--max-num-batched-tokens 96] [--prefix-caching] [--warm-up] [--tensor-parallel-size 2]
 
 prompts.json: a list of token-id lists. result.json: {"tokens": [[...], ...], "num_blocks", "preemptions",
 "block_size", "seconds" (the whole run), "generate_seconds" (the timed generate), "tail_bytes" (GEAR's open-block
@@ -30,7 +30,7 @@ def run_in_subprocess(model: str | Path, prompts: list[list[int]], max_tokens: i
                       max_num_seqs: int = 4, max_model_len: int = 1024, dtype: str = "bfloat16",
                       threads: int = 2, timeout: float = 900, tag: str = "run",
                       max_num_batched_tokens: int | None = None, prefix_caching: bool = False,
-                      warm_up: bool = False) -> dict:
+                      warm_up: bool = False, tensor_parallel: int = 1) -> dict:
     """Run `main` in a fresh Python process (vLLM spawns workers and reads its plugins' settings at start)."""
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -49,7 +49,15 @@ def run_in_subprocess(model: str | Path, prompts: list[list[int]], max_tokens: i
         cmd += ["--prefix-caching"]
     if warm_up:
         cmd += ["--warm-up"]
+    if tensor_parallel > 1:
+        cmd += ["--tensor-parallel-size", str(tensor_parallel)]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1")
+    if tensor_parallel > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env:
+        # vLLM binds each CPU rank to a NUMA node of its own by default (one here): give each rank its cores
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count()))
+        share = max(1, len(cores) // tensor_parallel)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+            ",".join(map(str, cores[i * share:(i + 1) * share] or cores[-1:])) for i in range(tensor_parallel))
     log = work / f"{tag}.log"
     with open(log, "w") as handle:
         done = subprocess.run(cmd, env=env, stdout=handle, stderr=subprocess.STDOUT, timeout=timeout)
@@ -73,11 +81,14 @@ def main(argv=None) -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="small: chunked prefill")
     parser.add_argument("--prefix-caching", action="store_true")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="ranks (processes on CPU), each storing its KV heads' pages")
     parser.add_argument("--warm-up", action="store_true", help="a short generate of the first prompt before the "
                         "timed one (prefix caching then reuses its blocks: leave it off to time prefills)")
     args = parser.parse_args(argv)
 
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if args.tensor_parallel_size == 1:  # (several ranks need their worker processes)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{args.kv_space_gib:g}"
     if args.gear is not None:
         os.environ[ENABLE_ENV], os.environ[CONFIG_ENV] = "1", args.gear
@@ -92,7 +103,7 @@ def main(argv=None) -> None:
         extra["max_num_batched_tokens"] = args.max_num_batched_tokens
     llm = LLM(model=args.model, enforce_eager=True, dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, seed=0, enable_prefix_caching=args.prefix_caching,
-              disable_log_stats=False, **extra)
+              disable_log_stats=False, tensor_parallel_size=args.tensor_parallel_size, **extra)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in json.loads(Path(args.prompts).read_text())]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     if args.warm_up:  # one request through prefill and a few decode steps: kernels compiled before the timing

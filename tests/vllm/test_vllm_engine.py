@@ -6,6 +6,7 @@
   are all on that path. Llama also with prefix caching (the longest prompt starts with another's first block),
   Qwen2 with chunked prefill (96 tokens a step: prompts cross steps mid-block, through the tails).
 * gear-2: runs, allocates more blocks for the same VLLM_CPU_KVCACHE_SPACE, and repeats itself exactly.
+* tensor_parallel_size=2: the fp16 format gives stock's tokens at the same parallelism; GearConfig() runs.
 """
 
 from __future__ import annotations
@@ -56,3 +57,17 @@ def test_gear2_holds_more_blocks_and_is_deterministic(tiny_dirs, tmp_path):
     assert first["tokens"] == second["tokens"]
     # compressed, the random model's tokens diverge from stock somewhere (else nothing was compressed)
     assert first["tokens"] != stock["tokens"]
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_store_their_own_heads(tiny_dirs, tmp_path):
+    """tensor_parallel_size=2 (two CPU worker processes, one KV head each): the fp16 format gives stock's tokens at
+    the same parallelism (stock's own tokens differ between 1 and 2 ranks: the row-parallel sums are added in
+    another order), and GearConfig()'s pages, read by the paged kernel in each rank, run to the end."""
+    stock = _run(tmp_path, tiny_dirs["llama"], "stock_tp2", tensor_parallel=2)
+    fp16 = _run(tmp_path, tiny_dirs["llama"], "fp16_tp2", tensor_parallel=2, gear=json.dumps({"method": "fp16"}))
+    default = _run(tmp_path, tiny_dirs["llama"], "default_tp2", tensor_parallel=2, gear="{}")
+    assert fp16["tokens"] == stock["tokens"]
+    assert "GEAR pages: fp16" in (tmp_path / "fp16_tp2.log").read_text()
+    assert [len(t) for t in default["tokens"]] == [STEPS] * len(LENGTHS)
+    assert default["num_blocks"] > 4 * stock["num_blocks"]
