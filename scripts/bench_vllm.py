@@ -19,7 +19,8 @@ throughput  SmolLM2 bf16, 16 GSM8K requests after 4 worked examples (620-704 pro
           128 greedy tokens each, max_num_seqs 16, block 128: output tokens/s and requests/s of one timed generate
           (after a warm-up request), preemptions; stock with ample KV memory and with 40 blocks (112.5 MiB: memory-
           bound), GEAR formats with the same 112.5 MiB (pages + the open-block tails at their most) and ample
-serve     `vllm serve` (SmolLM2, gear-2 through the plugin) answering one OpenAI-client completion request
+serve     `vllm serve` (SmolLM2; stock, then GearConfig() through the plugin) answering 16 concurrent OpenAI-client
+          completion requests (the 4-shot prompts above, 64 greedy tokens each)
 lmeval    lm-eval's `--model vllm` on gsm8k_cot_gear --limit 4, stock and through the plugin (not in the default
           sections: lm-eval is not part of .venv-vllm; `pip install 'lm-eval>=0.4.10,<0.5'` there first)
 
@@ -372,11 +373,18 @@ def section_agreement(report: dict) -> None:
 
 
 def section_serve(report: dict) -> None:
-    """`vllm serve` with the plugin on (gear-2), one OpenAI-client completion request (vllm_bench_serve.py)."""
+    """`vllm serve`, stock and with the plugin on (GearConfig()), answering 16 concurrent OpenAI-client requests
+    (4-shot GSM8K prompts, 64 greedy tokens each: vllm_bench_serve.py)."""
+    from transformers import AutoTokenizer
     from vllm_bench_serve import serve_once
 
-    report["serve"] = serve_once(smollm2_folder(), FORMATS["gear-2"], WORK)
-    print(f"  serve: {report['serve']['text']!r}", flush=True)
+    model = smollm2_folder()
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    prompts = [tokenizer.decode(ids) for ids in gsm8k_prompts(model, n=16, shots=4)]
+    report["serve"] = {name: serve_once(model, gear, WORK, prompts)
+                       for name, gear in (("stock", None), ("GearConfig()", {}))}
+    for name, r in report["serve"].items():
+        print(f"  serve {name}: {r['answered']}/{r['requests']} answered, {r['tokens_per_s']} tokens/s", flush=True)
 
 
 LMEVAL_ARGS = ["--model", "vllm", "--tasks", "gsm8k_cot_gear", "--limit", "4", "--batch_size", "auto"]

