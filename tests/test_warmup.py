@@ -113,3 +113,23 @@ def test_warm_ups_fit_the_model():
     assert warm_up_generates(None) == [(8, 2)]
     ids = torch.arange(10)[None]
     assert warm_up_ids(ids, 4).tolist() == [[6, 7, 8, 9]] and warm_up_ids(ids, 13)[0, :3].tolist() == [7, 8, 9]
+
+
+def test_after_the_serving_warm_up_the_paged_attention_compiles_nothing(capsys):
+    """`python -m gear_hf.warmup --serving` covers gear_hf.vllm's attention over pages of other shapes (block 128,
+    head_dim 128, GQA 3:2, a decode and a prefill chunk), on one thread and two."""
+    from test_cpu_paged import _case
+
+    assert main(["--serving", "--configs", "balanced,gear-2", "--dtypes", "bfloat16"]) == 0
+    assert "balanced (bfloat16, vLLM pages): " in capsys.readouterr().out
+    threads = torch.get_num_threads()
+    try:
+        for name in ("balanced", "gear-2"):
+            for count in (1, 2):
+                torch.set_num_threads(count)
+                with CompileWatch() as watch:
+                    _case(shipped_config(name), torch.bfloat16, rotated=True, bs=128, d=128, H=2, G=3,
+                          lens=(300, 140), queries=(1, 9))
+                assert watch.count == 0, (name, count, watch.compiled)
+    finally:
+        torch.set_num_threads(threads)

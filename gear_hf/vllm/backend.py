@@ -22,6 +22,7 @@ One step of one layer (GearAttentionImpl.forward), following the plan the builde
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -162,8 +163,8 @@ class TailPool:
         return 2 * self.keys.numel() * self.keys.element_size()
 
     def slot_bytes(self) -> int:
-        return 2 * self.keys[:1].numel() * self.keys.element_size() if self.keys.shape[0] else \
-            2 * self.keys.shape[1] * self.keys.shape[2] * self.keys.shape[3] * self.keys.element_size()
+        """Bytes one slot (one running request's open block) holds, keys and values."""
+        return 2 * math.prod(self.keys.shape[1:]) * self.keys.element_size()
 
 
 class GearAttentionImpl(CPUAttentionBackendImpl):

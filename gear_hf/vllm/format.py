@@ -142,12 +142,14 @@ class PageFormat:
 
     def not_read_in_place(self) -> str | None:
         """Why the paged kernel (`gear_hf.kernels.cpu.paged`) cannot read these pages in place, None when it can."""
-        from gear_hf.kernels.cpu.paged import pages_supported
-
         if self.raw:
             return "the fp16 format: CPU_ATTN itself, bit-exact with stock"
+        try:
+            from gear_hf.kernels.cpu.paged import pages_supported
+        except ImportError as error:
+            return f"the paged kernel needs numba ({error})"
         dtypes = {dtype for layout in self.layout for _, dtype, _ in layout.values()}
-        if not all(pages_supported(spec, dtypes) for spec in self.specs):
+        if not all(pages_supported(spec, dtypes, self.head_size) for spec in self.specs):
             return f"fields of {sorted(map(str, dtypes))} or widths the paged kernel does not read"
         return None
 

@@ -90,3 +90,19 @@ def test_paged_path_equals_the_workspace_path(monkeypatch, config):
         assert difference.mean() < 3e-3, (step, difference.mean())
     assert plan.read_blocks.numel() >= 3  # (the last steps read pages of every request)
     assert 0 < impl.tail_pool.keys.shape[0] <= impl.max_num_seqs
+
+
+def test_tail_pool_grows_with_the_requests_running():
+    from gear_hf.vllm.backend import TailPool
+
+    pool = TailPool(6, 8, 2, 4, torch.bfloat16)
+    assert pool.nbytes == 0 and pool.slot_bytes() == 2 * 8 * 2 * 4 * 2
+    pool.reserve(1)
+    assert pool.keys.shape[0] == TailPool.GROWTH
+    pool.keys[2] = 1.5
+    pool.reserve(3)
+    assert pool.keys.shape[0] == TailPool.GROWTH  # (enough already)
+    pool.reserve(5)
+    assert pool.keys.shape[0] == 6 and pool.values.shape[0] == 6  # (at most the limit)
+    assert (pool.keys[2] == 1.5).all() and (pool.keys[4:] == 0).all()
+    assert pool.nbytes == 6 * pool.slot_bytes()

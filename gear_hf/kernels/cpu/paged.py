@@ -212,7 +212,7 @@ def paged_attention(q, starts, lens, table, block_size, cos, sin, pages, keys, v
     if len(counts) != len(lens) or ((counts > lens) & (lens > 0)).any() or (counts < 0).any():
         raise ValueError(f"paged attention: query counts {counts.tolist()} (from starts) must be one per request and "
                          f"at most its tokens {lens.tolist()} (0: a request not attended here)")
-    if (lens > table.shape[1] * block_size).any() or (cos.shape[0] and cos.shape[0] < lens.max()):
+    if (lens > table.shape[1] * block_size).any() or (cos.shape[0] and lens.size and cos.shape[0] < lens.max()):
         raise ValueError(f"paged attention: requests of {lens.tolist()} tokens exceed the table ({table.shape[1]} "
                          f"blocks of {block_size}) or the rotation tables ({cos.shape[0]} positions)")
     if (table < -first_closing - close_k.shape[0]).any() or (table >= pages.shape[0]).any() or \
@@ -237,11 +237,13 @@ _FIELDS = ("codes", "channel_bits", "scale", "minimum", "sparse_values", "sparse
            "lowrank_a_scale", "lowrank_b_scale")  # (the order `_page_run` reads them in)
 
 
-def pages_supported(spec, dtypes) -> bool:
-    """True when the paged kernel reads pages of `spec` whose fields have these torch dtypes: side information in
-    bf16 (as its bits) or float32 (fp16 would need a float32 copy of every page each step), widths 2/3/4/8 or a
-    width per channel."""
-    return all(dtype in _NUMPY for dtype in dtypes) and (spec.allocated or spec.bits in (2, 3, 4, 8))
+def pages_supported(spec, dtypes, d: int) -> bool:
+    """True when the paged kernel reads pages of `spec` (head_dim d) whose fields have these torch dtypes: side
+    information in bf16 (as its bits) or float32 (fp16 would need a float32 copy of every page each step), and what
+    the read kernels cover (widths 2/3/4/8 or a width per channel; along tokens, groups that split d, d % 8 == 0)."""
+    if not all(dtype in _NUMPY for dtype in dtypes) or not (spec.allocated or spec.bits in (2, 3, 4, 8)):
+        return False
+    return spec.axis == "channel" or (d % min(spec.group or d, d) == 0 and d % 8 == 0)
 
 
 @functools.lru_cache(maxsize=64)
