@@ -8,16 +8,18 @@ Storage (per layer):
           dtype, one slot per request running at once (at most max_num_seqs), grown as they come (TailPool).
 
 One step of one layer (GearAttentionImpl.forward), following the plan the builder made once for all layers:
-  1. stage the blocks written this step: the tail's earlier tokens (if any) + this step's tokens, [Q,bs,H,d]
-  2. attention, by one of two paths:
-     paged      (compressed formats) gear_hf's numba kernel reads every closed block in place from its page through
-                the plan's table (keys stored pre-RoPE rotated as they are read) and the staged blocks in full
-                precision: no workspace, nothing decoded twice (`gear_hf.kernels.cpu.paged`)
-     workspace  (the fp16 format, and what the paged kernel does not cover: `_reads_pages`) every block the batch
-                reads decoded by the torch oracle into a workspace in CPU_ATTN's own layout, then CPU_ATTN's
-                kernel over it with the block table mapped to workspace indices: bit-exact with stock for fp16,
-                and the reference the paged kernel is tested against
-  3. staged blocks that got full are compressed into their pages; the open ones go back to their tails
+  1. write this step's tokens: into their tail slots for the blocks that stay open; the blocks that close this step
+     staged whole, [C,bs,H,d] (their tail's earlier tokens + this step's)
+  2. attention, each request by one of two paths:
+     paged      (compressed formats, requests of at most PAGED_QUERIES query tokens this step: decodes) gear_hf's
+                numba kernel reads every closed block in place from its page through the plan's table (keys stored
+                pre-RoPE rotated as they are read), open blocks from their tails and closing ones from their
+                staging: no workspace, nothing decoded twice (`gear_hf.kernels.cpu.paged`)
+     workspace  (prompt chunks; every request for the fp16 format and what the paged kernel does not cover:
+                `_reads_pages`) the request's blocks decoded by the torch oracle into a workspace in CPU_ATTN's own
+                layout, then CPU_ATTN's kernel over it with the block table mapped to workspace indices: bit-exact
+                with stock for fp16, and the reference the paged kernel is tested against
+  3. the blocks that closed are compressed into their pages
 """
 
 from __future__ import annotations
@@ -219,7 +221,7 @@ class GearAttentionImpl(CPUAttentionBackendImpl):
         if not self.paged and (part is None or len(part.requests) < len(plan.seq_lens)):  # (ALiBi, sinks...)
             part = plan.workspace_part(list(range(len(plan.seq_lens))))
             part.scheduler_metadata = attn_metadata.scheduler_metadata
-        if self.paged:
+        if self.paged and (part is None or len(part.requests) < len(plan.seq_lens)):
             self._attend_pages(plan, query[:T], pages, close_k, close_v, output[:T],
                                skip=part.requests if part is not None else ())
         if part is not None:
