@@ -127,7 +127,7 @@ venv-vllm: $(VLLM_VENV)/.stamp $(VLLM_VENV)/.kernels
 # The paged attention the plugin runs, compiled for every shipped configuration (as $(VENV)/.kernels; this
 # environment's numba is another version, with its own cache entries).
 $(VLLM_VENV)/.kernels: $(VLLM_VENV)/.stamp $(wildcard gear_hf/kernels/cpu/*.py)
-	@echo ">> $(VLLM_VENV): compiling the paged attention (python -m gear_hf.warmup --serving, about a minute once)"
+	@echo ">> $(VLLM_VENV): compiling the paged attention (python -m gear_hf.warmup --serving, 1-2 minutes once)"
 	$(VLLM_VENV)/bin/python -m gear_hf.warmup --serving
 	@touch $@
 
