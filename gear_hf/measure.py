@@ -80,11 +80,13 @@ def warm_up_ids(input_ids, prompt: int):
 @dataclass
 class WarmUp:
     """What the untimed warm-up generates cost: their seconds, and of them the seconds numba spent compiling kernels
-    (`gear_hf.warmup.CompileWatch`; 0 when they were compiled before, e.g. by `python -m gear_hf.warmup`)."""
+    (`gear_hf.warmup.CompileWatch`; 0 when they were compiled before, e.g. by `python -m gear_hf.warmup`), and the
+    new tokens they generated (per row, all of them together)."""
 
     seconds: float
     compile_seconds: float
     kernels_compiled: int
+    tokens: int = 0
 
 
 def warm_up(model, input_ids, config=None, **generate_kwargs) -> WarmUp:
@@ -98,12 +100,13 @@ def warm_up(model, input_ids, config=None, **generate_kwargs) -> WarmUp:
     from .warmup import CompileWatch
 
     start = time.perf_counter()
+    runs = warm_up_generates(config, max_positions(model))
     with CompileWatch() as watch, torch.no_grad():
-        for prompt, new in warm_up_generates(config, max_positions(model)):
+        for prompt, new in runs:
             ids = warm_up_ids(input_ids, prompt)
             model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
                            min_new_tokens=new, do_sample=False, **generate_kwargs)
-    return WarmUp(time.perf_counter() - start, watch.seconds, watch.count)
+    return WarmUp(time.perf_counter() - start, watch.seconds, watch.count, sum(new for _, new in runs))
 
 
 FOOTPRINT_KV_HEADS = {64: 3, 128: 8}  # SmolLM2's KV heads on d=64, Llama-3-8B's on d=128 (4 for other head_dims)

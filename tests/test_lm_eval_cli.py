@@ -114,6 +114,7 @@ def test_recommended_is_recorded_by_name_and_the_warm_up_apart(tiny_model, warmu
     from gear_hf import GearConfig
     from gear_hf.lm_eval.cli import run_summary
     from gear_hf.lm_eval.model import GearHFLM
+    from gear_hf.measure import max_positions, warm_up_generates
 
     lm = GearHFLM(pretrained=str(tiny_model), recommended="smallest", gear_warmup=warmup, dtype="float32",
                   device="cpu", batch_size=1)
@@ -129,7 +130,9 @@ def test_recommended_is_recorded_by_name_and_the_warm_up_apart(tiny_model, warmu
     line = run_summary(info)
     assert line.startswith(f"gear_hf: recommended=smallest ({config.describe()}) | KV bits/elem ")
     if warmup:
-        assert stats["warmup_seconds"] > 0 and stats["warmup_tokens"] == config.buffer_size + 1
+        runs = warm_up_generates(config, max_positions(lm.model))  # (every warm-up generate's new tokens)
+        assert stats["warmup_seconds"] > 0 and stats["warmup_tokens"] == sum(new for _, new in runs)
+        assert stats["warmup_tokens"] >= config.buffer_size + 1
         assert f"after a {stats['warmup_seconds']:.1f} s warm-up, kernel compilation excluded" in line
         assert stats["timed_compile_seconds"] == 0 and 0 <= stats["compile_seconds"] <= stats["warmup_seconds"]
     else:

@@ -153,12 +153,12 @@ class GearHFLM(HFLM):
         """One untimed greedy generate before the first timed one of this config (`gear_hf.measure.warm_up`: row 0's
         last tokens, long enough to compress a prompt chunk, and enough new tokens to flush the buffer once), so
         that tokens/s excludes kernel compilation (numba on CPU, Triton on CUDA) and first-call set-up."""
-        from gear_hf.measure import warm_up, warm_up_lengths
+        from gear_hf.measure import warm_up
 
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         warm = warm_up(self.model, context, self.gear_config, pad_token_id=pad)
         self.gear_stats.warmup_seconds, self.gear_stats.compile_seconds = warm.seconds, warm.compile_seconds
-        self.gear_stats.warmup_tokens = warm_up_lengths(self.gear_config)[1]
+        self.gear_stats.warmup_tokens = warm.tokens
         if self.rank == 0:
             log.info("gear_hf: warm-up generate took %.1f s (%.1f s of it compiling kernels); not counted in tokens/s",
                      self.gear_stats.warmup_seconds, self.gear_stats.compile_seconds)

@@ -88,10 +88,11 @@ def warm_up(model, input_ids: torch.Tensor, method: str):
     from gear_hf.measure import WarmUp, max_positions, warm_up_generates, warm_up_ids
 
     start, compile_seconds, compiled = time.perf_counter(), 0.0, 0
-    for prompt, new in warm_up_generates(gear_config(method) if is_gear(method) else None, max_positions(model)):
+    runs = warm_up_generates(gear_config(method) if is_gear(method) else None, max_positions(model))
+    for prompt, new in runs:
         result = run_generate(model, warm_up_ids(input_ids, prompt), method, new)
         compile_seconds, compiled = compile_seconds + result.compile_seconds, compiled + result.kernels_compiled
-    return WarmUp(time.perf_counter() - start, compile_seconds, compiled)
+    return WarmUp(time.perf_counter() - start, compile_seconds, compiled, sum(new for _, new in runs))
 
 
 @dataclass
