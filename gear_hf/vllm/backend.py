@@ -175,6 +175,7 @@ class GearAttentionImpl(CPUAttentionBackendImpl):
         self.tail_pool: TailPool | None = None
         self.format: PageFormat | None = None
         self.paged = False  # (set with the format: `_reads_pages`)
+        self.page_layouts: tuple = ()  # (keys, values) `paged.page_layout`s of the format, when paged
         config = get_current_vllm_config()
         self.max_num_seqs = config.scheduler_config.max_num_seqs
         self.rotary = None
@@ -185,6 +186,10 @@ class GearAttentionImpl(CPUAttentionBackendImpl):
     def _setup(self, kv_cache: torch.Tensor, dtype: torch.dtype, block_size: int) -> None:
         self.format = page_format(block_size, self.head_size, dtype)
         self.paged, why = self._reads_pages(self.format)
+        if self.paged:  # (where each stream's fields lie in a page, as the kernel reads them: once per layer)
+            self.page_layouts = tuple(
+                paged.page_layout(spec, tuple((name, *where) for name, where in layout.items()), block_size,
+                                  self.head_size) for spec, layout in zip(self.format.specs, self.format.layout))
         if not self.paged:
             logger.info_once("GEAR: attention through a decoded workspace and CPU_ATTN (%s)", why)
         self.tail_pool = TailPool(self.max_num_seqs, block_size, self.num_kv_heads, self.head_size, dtype)
@@ -256,9 +261,6 @@ class GearAttentionImpl(CPUAttentionBackendImpl):
         q = (query.float() * self.scale).contiguous().numpy()
         empty = np.zeros((0, 0), dtype=np.float32)
         cos, sin = self.rotary.halves(int(plan.seq_lens.max())) if self.rotary is not None else (empty, empty)
-        keys, values = (paged.page_layout(spec, tuple((name, *where) for name, where in layout.items()),
-                                          plan.block_size, d)
-                        for spec, layout in zip(self.format.specs, self.format.layout))
         out = np.empty((T, Hq, d), dtype=np.float32)
         tails = self.tail_pool
         lens = plan.seq_lens
@@ -266,7 +268,8 @@ class GearAttentionImpl(CPUAttentionBackendImpl):
             lens = lens.copy()
             lens[list(skip)] = 0  # (a request of no tokens is not attended)
         paged.paged_attention(q, plan.query_start, lens, plan.page_table, plan.block_size, cos, sin,
-                              pages.numpy(), keys, values, *map(_exact, (tails.keys, tails.values, close_k, close_v)),
+                              pages.numpy(), *self.page_layouts,
+                              *map(_exact, (tails.keys, tails.values, close_k, close_v)),
                               plan.first_closing, out)
         result = torch.from_numpy(out)
         if len(skip):

@@ -365,12 +365,7 @@ def decode_attention(query: torch.Tensor, keys, values, layout, *, scaling: floa
             _float32(values.buffer, values.buffer), _tail_args(keys, side),
             _tail_args(values, side, unrotated=False), pk, pk_factors, pv, pv_factors, dk, dk_factors, dv, dv_factors,
             rot_k, rot_v, bool(values.held_chunk), result)
-    parts = threads.parts(B * Hkv)  # (row, KV head) pairs over torch's threads, where numba runs them safely
-    if parts > 1:
-        with threads.using(parts):
-            _attend_parallel(*args, parts)
-    else:
-        _attend(*args)
+    threads.launch(_attend, _attend_parallel, args, B * Hkv)  # (row, KV head) pairs over torch's threads
     result = add_center(torch.from_numpy(result), values, layout.limits)  # (values handed centered: + the centers)
     if out is None:
         return result.to(query.dtype)

@@ -222,12 +222,7 @@ def paged_attention(q, starts, lens, table, block_size, cos, sin, pages, keys, v
     args = (q, starts, lens, table, block_size, cos, sin, pages, *keys, *values, tail_k, tail_v, close_k, close_v,
             first_closing, out)
     pairs = lens.shape[0] * tail_k.shape[2]
-    parts = threads.parts(pairs)
-    if parts > 1:
-        with threads.using(parts):
-            _paged_parallel(*args, parts)
-    else:
-        _paged_pairs(*args, 0, pairs)
+    threads.launch(lambda *serial: _paged_pairs(*serial, 0, pairs), _paged_parallel, args, pairs)
     return out
 
 

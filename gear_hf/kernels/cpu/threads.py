@@ -1,6 +1,6 @@
-"""How many threads a kernel call with independent shares of work may use (`attend._attend_parallel`): as many as
-torch uses (`torch.get_num_threads()`, the count the model's own operations run on between the kernels), at most one
-per share, and only where numba runs parallel kernels safely:
+"""How many threads a kernel call with independent shares of work may use (`launch`: `attend._attend_parallel`,
+`paged._paged_parallel`): as many as torch uses (`torch.get_num_threads()`, the count the model's own operations run
+on between the kernels), at most one per share, and only where numba runs parallel kernels safely:
 
 * through a thread-safe numba threading layer (OpenMP or TBB): calls may come from several Python threads at once
   (a server's); numba's fallback layer, "workqueue", aborts the process on concurrent launches;
@@ -68,3 +68,13 @@ def using(count: int):
         yield
     finally:
         numba.set_num_threads(previous)
+
+
+def launch(serial, parallel, args: tuple, shares: int):
+    """serial(*args), or parallel(*args, count) on `count = parts(shares)` threads where that is more than one (a
+    kernel whose shares are independent and whose parallel form computes each as the serial one does)."""
+    count = parts(shares)
+    if count > 1:
+        with using(count):
+            return parallel(*args, count)
+    return serial(*args)
