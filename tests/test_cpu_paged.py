@@ -11,9 +11,10 @@ import torch
 
 pytest.importorskip("numba")
 
+from paged_case import paged_case  # noqa: E402
+
 from gear_hf.config import GearConfig  # noqa: E402
 from gear_hf.kernels.cpu import paged, threads  # noqa: E402
-from paged_case import paged_case  # noqa: E402
 
 CONFIGS = {"default": GearConfig(), "gear-2": GearConfig.preset("gear-2"), "kivi-4": GearConfig.preset("kivi-4"),
            "smallest": GearConfig.recommended(name="smallest")}

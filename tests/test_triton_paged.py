@@ -9,9 +9,9 @@ import math
 
 import pytest
 import torch
+from paged_case import paged_case
 
 from gear_hf.config import GearConfig
-from paged_case import paged_case
 
 CONFIGS = {"default": GearConfig(), "gear-2": GearConfig.preset("gear-2"), "kivi-4": GearConfig.preset("kivi-4"),
            "smallest": GearConfig.recommended(name="smallest")}
