@@ -152,7 +152,7 @@ def section_identity(report: dict) -> None:
 
 
 def tail_bytes(layers: int, max_num_seqs: int, block_size: int, kv_heads: int, head_size: int, itemsize=2) -> int:
-    """The most backend.TailPool holds: per layer keys + values [max_num_seqs, bs, H, d] in the model dtype (it
+    """The most blocks.TailPool holds: per layer keys + values [max_num_seqs, bs, H, d] in the model dtype (it
     grows to the requests running at once)."""
     return layers * 2 * max_num_seqs * block_size * kv_heads * head_size * itemsize
 

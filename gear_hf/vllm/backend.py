@@ -1,11 +1,4 @@
-"""GearAttentionBackend: CPU_ATTN with GEAR-compressed KV pages.
-
-Storage (per layer):
-  pages   vLLM's KV cache, one page per (block, KV head) of PageFormat.page_bytes (declared by customize_spec as
-          one state of block_size tokens): only closed (full) blocks live here, each compressed once, when its
-          last token is written, and never rewritten (equal prefixes give equal pages, so prefix caching holds).
-  tails   the open block of each running request in full precision: [slots, bs, H, d] keys and values in the model
-          dtype, one slot per request running at once (at most max_num_seqs), grown as they come (TailPool).
+"""GearAttentionBackend: CPU_ATTN with GEAR-compressed KV pages (the storage: `blocks`).
 
 One step of one layer (GearAttentionImpl.forward), following the plan the builder made once for all layers:
   1. write this step's tokens: into their tail slots for the blocks that stay open; the blocks that close this step
@@ -24,8 +17,7 @@ One step of one layer (GearAttentionImpl.forward), following the plan the builde
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -44,15 +36,11 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 
 from gear_hf.kernels.cpu import paged
 
-from .format import PageFormat, config_from_env
+from .blocks import BlockWriter, TailPool, check_page_spec, key_rotary, page_format, page_spec
+from .format import PageFormat
 from .plan import StepPlan, TailBook, WorkspacePart
-from .rotary import KeyRotary
 
 logger = init_logger("vllm.gear_hf")  # under "vllm": its handler prints it
-
-
-def page_format(block_size: int, head_size: int, dtype: torch.dtype) -> PageFormat:
-    return PageFormat(config_from_env(), block_size, head_size, dtype)
 
 
 class GearAttentionBackend(CPUAttentionBackend):
@@ -64,11 +52,7 @@ class GearAttentionBackend(CPUAttentionBackend):
 
     @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
-        """One state per (block, KV head): the block's compressed bytes."""
-        if spec.state_content_bytes is not None:
-            return spec
-        fmt = page_format(spec.block_size, spec.head_size, spec.dtype)
-        return replace(spec, state_content_bytes=fmt.page_bytes, tokens_per_state=spec.block_size)
+        return page_spec(spec)
 
     @classmethod
     def supports_sliding_window(cls) -> bool:
@@ -106,10 +90,7 @@ class GearMetadataBuilder(CPUAttentionMetadataBuilder):
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        if kv_cache_spec.tokens_per_state != kv_cache_spec.block_size:
-            raise ValueError(f"GEAR pages hold one state per block; the spec has block_size="
-                             f"{kv_cache_spec.block_size}, tokens_per_state={kv_cache_spec.tokens_per_state} "
-                             "(was the block size changed after customize_spec?)")
+        check_page_spec(kv_cache_spec)
         self.tails = TailBook(vllm_config.scheduler_config.max_num_seqs)
         fmt = page_format(kv_cache_spec.block_size, kv_cache_spec.head_size, kv_cache_spec.dtype)
         self.reads_in_place = fmt.not_read_in_place() is None
@@ -139,49 +120,15 @@ class GearMetadataBuilder(CPUAttentionMetadataBuilder):
             enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, kv_cache_dtype=self.kv_cache_dtype)
 
 
-class TailPool:
-    """One layer's open blocks in full precision: keys and values [slots, bs, H, d] in the model dtype, as many slots
-    as the most requests that held an open block at once (`TailBook` hands out the lowest free slot), grown when a
-    step needs more (`reserve`): a server whose max_num_seqs is far above what runs pays for what runs."""
-
-    GROWTH = 4  # slots added at a time (fewer reallocations)
-
-    def __init__(self, limit: int, block_size: int, heads: int, head_size: int, dtype: torch.dtype) -> None:
-        self.limit = limit
-        self.keys = torch.zeros(0, block_size, heads, head_size, dtype=dtype)
-        self.values = torch.zeros_like(self.keys)
-
-    def reserve(self, slots: int) -> None:
-        """At least `slots` slots (the tokens of those held are kept)."""
-        held = self.keys.shape[0]
-        if slots <= held:
-            return
-        grown = min(max(slots, held + self.GROWTH), self.limit)
-        extra = self.keys.new_zeros(grown - held, *self.keys.shape[1:])
-        self.keys, self.values = torch.cat([self.keys, extra]), torch.cat([self.values, extra])
-
-    @property
-    def nbytes(self) -> int:
-        return 2 * self.keys.numel() * self.keys.element_size()
-
-    def slot_bytes(self) -> int:
-        """Bytes one slot (one running request's open block) holds, keys and values."""
-        return 2 * math.prod(self.keys.shape[1:]) * self.keys.element_size()
-
-
-class GearAttentionImpl(CPUAttentionBackendImpl):
+class GearAttentionImpl(BlockWriter, CPUAttentionBackendImpl):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.tail_pool: TailPool | None = None
         self.format: PageFormat | None = None
         self.paged = False  # (set with the format: `_reads_pages`)
         self.page_layouts: tuple = ()  # (keys, values) `paged.page_layout`s of the format, when paged
-        config = get_current_vllm_config()
-        self.max_num_seqs = config.scheduler_config.max_num_seqs
-        self.rotary = None
-        gear = config_from_env()
-        if gear.compresses and gear.pre_rope:
-            self.rotary = KeyRotary.from_hf_config(config.model_config.hf_config, self.head_size)
+        self.max_num_seqs = get_current_vllm_config().scheduler_config.max_num_seqs
+        self.rotary = key_rotary(self.head_size)
 
     def _setup(self, kv_cache: torch.Tensor, dtype: torch.dtype, block_size: int) -> None:
         self.format = page_format(block_size, self.head_size, dtype)
@@ -233,26 +180,6 @@ class GearAttentionImpl(CPUAttentionBackendImpl):
             self._attend_workspace(layer, plan, part, query[:T], pages, close_k, close_v, output[:T])
         self._store(plan, pages, close_k, close_v)
         return output
-
-    def _write(self, plan: StepPlan, key: torch.Tensor, value: torch.Tensor):
-        """This step's tokens put where the attention reads them: the blocks that close this step staged whole,
-        [C, bs, H, d] (their tail's earlier tokens, then this step's; returned), the others' tokens into their tail
-        slots (in place). Closing blocks are staged first: a slot one of them frees may take a new block's tokens."""
-        tails = self.tail_pool
-        tails.reserve(plan.tail_slots)
-        C = int(plan.stage_closes.sum())
-        close_k = key.new_empty(C, plan.block_size, self.num_kv_heads, self.head_size)
-        close_v = torch.empty_like(close_k)
-        index, slot = plan.close_loads
-        if index.numel():
-            close_k[index] = tails.keys[slot]
-            close_v[index] = tails.values[slot]
-        for (rows, where, offset), store_k, store_v in ((plan.close_tokens, close_k, close_v),
-                                                          (plan.tail_tokens, tails.keys, tails.values)):
-            if rows.numel():
-                store_k[where, offset] = key[rows]
-                store_v[where, offset] = value[rows]
-        return close_k, close_v
 
     def _attend_pages(self, plan: StepPlan, query, pages, close_k, close_v, output, skip=()) -> None:
         """The paged kernel: closed blocks read in place from their pages, written ones exact from the tails and
@@ -327,16 +254,6 @@ class GearAttentionImpl(CPUAttentionBackendImpl):
             kv_cache_dtype=self.kv_cache_dtype)
         if not whole:
             output[part.query_rows] = part_out
-
-    def _store(self, plan: StepPlan, pages, close_k, close_v) -> None:
-        """Blocks that closed this step -> their pages (compressed once; the open ones are in their tails)."""
-        closing = plan.stage_closes
-        if closing.any():
-            k_close = close_k.transpose(1, 2)  # [C,H,bs,d]
-            if self.rotary is not None:
-                k_close = self.rotary.unrotate(k_close, plan.stage_first_position[closing])
-            pages[plan.stage_blocks[closing]] = self.format.encode(k_close, close_v.transpose(1, 2))
-
 
 def _exact(blocks: torch.Tensor) -> np.ndarray:
     """Full-precision blocks as the paged kernel reads them: bf16 as its bits, float32 as is."""

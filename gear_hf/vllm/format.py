@@ -160,7 +160,7 @@ class PageFormat:
     def encode(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """keys/values [N,H,bs,d] (model dtype) -> pages [N,H,page_bytes] uint8."""
         N, H = keys.shape[:2]
-        page = torch.zeros(N, H, self.page_bytes, dtype=torch.uint8)
+        page = torch.zeros(N, H, self.page_bytes, dtype=torch.uint8, device=keys.device)
         if self.raw:
             flat = torch.cat([keys.reshape(N, H, -1), values.reshape(N, H, -1)], dim=-1)
             page[..., : self.content_bytes] = flat.contiguous().view(torch.uint8)
@@ -168,7 +168,7 @@ class PageFormat:
         for x, spec, fields, layout in zip((keys, values), self.specs, self.fields, self.layout):
             bits = None
             if spec.allocated:
-                weight = torch.ones(N, H, x.shape[-1], dtype=torch.float64)
+                weight = torch.ones(N, H, x.shape[-1], dtype=torch.float64, device=x.device)
                 bits = allocate_channel_bits(weight, x.float(), spec.group_for(*x.shape[-2:]), spec.bits)
             chunk = compress(x.contiguous(), spec, channel_bits=bits)
             for f in fields:

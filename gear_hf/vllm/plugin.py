@@ -1,7 +1,9 @@
-"""The `vllm.general_plugins` entry point: swap CPU_ATTN's class for the GEAR backend when GEAR_HF_VLLM=1.
+"""The `vllm.general_plugins` entry point: when GEAR_HF_VLLM=1, the GEAR backends in vLLM's registry.
 
 vLLM calls `register()` in each of its processes (front end, engine core, workers) before it picks attention
-backends; the CPU platform always asks for CPU_ATTN, so overriding that member is the way in on CPU.
+backends. The CPU platform always asks for CPU_ATTN, so overriding that member is the way in on CPU; on GPUs vLLM
+takes a third-party backend as AttentionBackendEnum.CUSTOM, chosen with `--attention-backend CUSTOM`
+(`attention_backend="CUSTOM"` in the Python API): the Triton backend is registered there.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import os
 ENABLE_ENV = "GEAR_HF_VLLM"
 CONFIG_ENV = "GEAR_HF_VLLM_CONFIG"
 BACKEND_PATH = "gear_hf.vllm.backend.GearAttentionBackend"
+TRITON_BACKEND_PATH = "gear_hf.vllm.triton_backend.GearTritonBackend"
 _TRUE = ("1", "true", "yes", "on")
 
 
@@ -22,7 +25,8 @@ def enabled() -> bool:
 
 
 def register() -> None:
-    """Override CPU_ATTN with the GEAR backend (only when enabled; otherwise vLLM is left untouched)."""
+    """CPU_ATTN overridden by the GEAR backend, CUSTOM registered as the GEAR Triton backend (only when enabled;
+    otherwise vLLM is left untouched)."""
     if not enabled():
         return
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
@@ -31,3 +35,4 @@ def register() -> None:
 
     config_from_env()  # a bad GEAR_HF_VLLM_CONFIG fails here, in the first process, with the field named
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
+    register_backend(AttentionBackendEnum.CUSTOM, TRITON_BACKEND_PATH)

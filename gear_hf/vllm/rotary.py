@@ -45,17 +45,17 @@ class KeyRotary:
                              f"rotates {2 * rotary.inv_freq.numel()}: set pre_rope=false in GEAR_HF_VLLM_CONFIG")
         return cls(rotary.inv_freq, rotary.attention_scaling)
 
-    def _tables(self, first_position: torch.Tensor, block_size: int, scaling: float):
-        positions = first_position[:, None] + torch.arange(block_size)  # [N, bs]
-        cos, sin = rope_tables(positions, self.inv_freq, scaling)  # [N, bs, d] float32
+    def _tables(self, first_position: torch.Tensor, block_size: int, scaling: float, device: torch.device):
+        positions = first_position.to(device)[:, None] + torch.arange(block_size, device=device)  # [N, bs]
+        cos, sin = rope_tables(positions, self.inv_freq.to(device), scaling)  # [N, bs, d] float32
         return cos.unsqueeze(1), sin.unsqueeze(1)  # [N, 1, bs, d]
 
     def rotate(self, keys: torch.Tensor, first_position: torch.Tensor) -> torch.Tensor:
         """keys [N,H,bs,d] pre-RoPE -> post-RoPE (model dtype), in float32."""
-        cos, sin = self._tables(first_position, keys.shape[2], self.attention_scaling)
+        cos, sin = self._tables(first_position, keys.shape[2], self.attention_scaling, keys.device)
         return apply_rotary(keys.float(), cos, sin).to(keys.dtype)
 
     def unrotate(self, keys: torch.Tensor, first_position: torch.Tensor) -> torch.Tensor:
         """keys [N,H,bs,d] post-RoPE -> pre-RoPE: the rotation by the opposite angles (and 1/scaling)."""
-        cos, sin = self._tables(first_position, keys.shape[2], 1.0 / self.attention_scaling)
+        cos, sin = self._tables(first_position, keys.shape[2], 1.0 / self.attention_scaling, keys.device)
         return apply_rotary(keys.float(), cos, -sin).to(keys.dtype)

@@ -3,13 +3,15 @@ scripts/bench_vllm.py compare.
 
     python -m gear_hf.vllm.run --model DIR --prompts prompts.json --max-tokens 32 --out result.json \
         [--gear '{"preset": "gear-2"}'] [--blocks 8] [--kv-space-gib 1] [--max-num-seqs 4]
-        [--max-num-batched-tokens 96] [--prefix-caching] [--warm-up] [--tensor-parallel-size 2]
+        [--max-num-batched-tokens 96] [--prefix-caching] [--warm-up] [--tensor-parallel-size 2] [--triton]
 
 prompts.json: a list of token-id lists. result.json: {"tokens": [[...], ...], "num_blocks", "preemptions",
 "block_size", "seconds" (the whole run), "generate_seconds" (the timed generate), "tail_bytes" (GEAR's open-block
 tails over every layer, as grown by the end)}. --gear sets GEAR_HF_VLLM=1 and
 GEAR_HF_VLLM_CONFIG for vLLM's processes; without it the plugin stays off (stock CPU_ATTN). The engine core runs in
-this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so its block count can be read back.
+this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so its block count can be read back. --triton (with --gear, one
+rank): the GPU backend (`triton_backend`) in CPU_ATTN's place, its kernel in Triton's CPU interpreter: slow, for
+testing the GPU backend's engine path on a machine without a GPU.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def run_in_subprocess(model: str | Path, prompts: list[list[int]], max_tokens: i
                       max_num_seqs: int = 4, max_model_len: int = 1024, dtype: str = "bfloat16",
                       threads: int = 2, timeout: float = 900, tag: str = "run",
                       max_num_batched_tokens: int | None = None, prefix_caching: bool = False,
-                      warm_up: bool = False, tensor_parallel: int = 1) -> dict:
+                      warm_up: bool = False, tensor_parallel: int = 1, triton: bool = False) -> dict:
     """Run `main` in a fresh Python process (vLLM spawns workers and reads its plugins' settings at start)."""
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -51,6 +53,8 @@ def run_in_subprocess(model: str | Path, prompts: list[list[int]], max_tokens: i
         cmd += ["--warm-up"]
     if tensor_parallel > 1:
         cmd += ["--tensor-parallel-size", str(tensor_parallel)]
+    if triton:
+        cmd += ["--triton"]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1")
     if tensor_parallel > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env:
         # vLLM binds each CPU rank to a NUMA node of its own by default (one here): give each rank its cores
@@ -85,7 +89,11 @@ def main(argv=None) -> None:
                         help="ranks (processes on CPU), each storing its KV heads' pages")
     parser.add_argument("--warm-up", action="store_true", help="a short generate of the first prompt before the "
                         "timed one (prefix caching then reuses its blocks: leave it off to time prefills)")
+    parser.add_argument("--triton", action="store_true", help="the GPU backend in CPU_ATTN's place, under Triton's "
+                        "CPU interpreter (slow; needs --gear and one rank)")
     args = parser.parse_args(argv)
+    if args.triton and (args.gear is None or args.tensor_parallel_size != 1):
+        parser.error("--triton runs the GEAR Triton backend in this process: give --gear and one rank")
 
     if args.tensor_parallel_size == 1:  # (several ranks need their worker processes)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -94,8 +102,19 @@ def main(argv=None) -> None:
         os.environ[ENABLE_ENV], os.environ[CONFIG_ENV] = "1", args.gear
     else:
         os.environ.pop(ENABLE_ENV, None)
+    if args.triton:
+        os.environ["TRITON_INTERPRET"] = "1"  # (before any Triton kernel is defined)
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+
+    if args.triton:  # the plugins once (vLLM loads them only once a process), then CPU_ATTN replaced again
+        from vllm.plugins import load_general_plugins
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+        from .plugin import TRITON_BACKEND_PATH
+
+        load_general_plugins()
+        register_backend(AttentionBackendEnum.CPU_ATTN, TRITON_BACKEND_PATH)
 
     start = time.time()
     extra = {} if args.blocks is None else {"num_gpu_blocks_override": args.blocks}

@@ -7,6 +7,8 @@
   Qwen2 with chunked prefill (96 tokens a step: prompts cross steps mid-block, through the tails).
 * gear-2: runs, allocates more blocks for the same VLLM_CPU_KVCACHE_SPACE, and repeats itself exactly.
 * tensor_parallel_size=2: the fp16 format gives stock's tokens at the same parallelism; GearConfig() runs.
+* the GPU backend (`triton_backend`, in CPU_ATTN's place with its kernel in Triton's interpreter: run.py --triton),
+  float32: the fp16 format gives stock's tokens with preemption, GearConfig() the CPU backend's tokens.
 """
 
 from __future__ import annotations
@@ -27,11 +29,11 @@ def _prompts(seed: int = 0) -> list[list[int]]:
     return prompts
 
 
-def _run(tmp_path, model, tag, **kwargs):
+def _run(tmp_path, model, tag, steps=STEPS, **kwargs):
     from gear_hf.vllm.run import run_in_subprocess
 
     kwargs.setdefault("max_model_len", 512)
-    return run_in_subprocess(model, _prompts(), STEPS, tmp_path, tag=tag, threads=2, **kwargs)
+    return run_in_subprocess(model, _prompts(), steps, tmp_path, tag=tag, threads=2, **kwargs)
 
 
 @pytest.mark.slow
@@ -71,3 +73,20 @@ def test_tensor_parallel_ranks_store_their_own_heads(tiny_dirs, tmp_path):
     assert "GEAR pages: fp16" in (tmp_path / "fp16_tp2.log").read_text()
     assert [len(t) for t in default["tokens"]] == [STEPS] * len(LENGTHS)
     assert default["num_blocks"] > 4 * stock["num_blocks"]
+
+
+@pytest.mark.slow
+def test_triton_backend_engine_path_gives_the_cpu_backends_tokens(tiny_dirs, tmp_path):
+    """The GPU backend through a whole engine (plan, writes, Triton kernel for prefill chunks and decodes, pages
+    stored), in float32 where both attentions are exact to float32 rounding (in bf16 a random model's greedy tokens
+    follow the attention's arithmetic: stock vLLM and plain Transformers differ there too)."""
+    run = dict(dtype="float32", blocks=5)  # (STEPS: requests grow into blocks held by others: preemption)
+    stock = _run(tmp_path, tiny_dirs["llama"], "stock32", **run)
+    fp16 = _run(tmp_path, tiny_dirs["llama"], "triton_fp16", gear=json.dumps({"method": "fp16"}), triton=True, **run)
+    assert "GEAR pages (Triton): fp16" in (tmp_path / "triton_fp16.log").read_text()
+    assert stock["preemptions"] >= 1 and fp16["preemptions"] == stock["preemptions"]
+    assert fp16["tokens"] == stock["tokens"]
+    cpu = _run(tmp_path, tiny_dirs["llama"], "cpu_default", steps=24, dtype="float32", gear="{}")
+    triton = _run(tmp_path, tiny_dirs["llama"], "triton_default", steps=24, dtype="float32", gear="{}", triton=True)
+    assert [len(t) for t in triton["tokens"]] == [24] * len(LENGTHS)
+    assert triton["tokens"] == cpu["tokens"]

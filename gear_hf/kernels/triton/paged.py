@@ -179,6 +179,8 @@ def paged_attention(query: torch.Tensor, starts: torch.Tensor, lens: torch.Tenso
         return out
     page_bytes = pages.shape[2]
     flat = pages.view(-1)
+    # (no tail slot or no closing block: any pointer of the model dtype stands in, the table names none)
+    tail_k, tail_v, close_k, close_v = (t if t.numel() else query for t in (tail_k, tail_v, close_k, close_v))
     if raw:
         k_args = {param: flat for param, _ in _KEY_FIELDS}
         k_args["kc"] = _field_pointer(flat, 0, query.dtype, 1)
