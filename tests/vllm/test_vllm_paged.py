@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-
 # per step: (request id, tokens this step); request 2 finishes after step 1 and request 3 takes its slot
 STEPS = [[(0, 70), (1, 31), (2, 20)], [(0, 1), (1, 1), (2, 1)], [(0, 1), (1, 1), (3, 40)],
          [(0, 1), (1, 1), (3, 1)]] + [[(0, 1), (1, 1), (3, 1)]] * 26
