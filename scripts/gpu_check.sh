@@ -3,24 +3,32 @@
 #
 #   OUT=/some/dir scripts/gpu_check.sh          (OUT defaults to ./gpu_check_out)
 #
-# Stages, each under its own `timeout` (seconds, the budget of each below; 510 s in all, under 9 minutes with the
+# Stages, each under its own `timeout` (seconds, the budget of each below; 555 s in all, under 10 minutes with the
 # start-up), so a slow stage cannot eat the next ones and what was measured is kept:
 #
 #   0. environment + preflight (60): CUDA visible, a C compiler, Triton's ptxas, `import gear_hf.cache`, one trivial
 #      Triton kernel launched and checked (stops early, exit 2, with a clear message); editable install (30) so that
 #      gear_hf.patches imports;
 #   1. the compile report (75): `python scripts/dev/compile_check.py --sass-report` with this machine's Triton;
-#   2. the tests on the GPU (110): `-m gpu tests/test_kernels_gpu.py`, and compiled for the GPU the reconstruction
-#      kernel's suite (tests/test_kernels_reconstruct.py: the memory-bound fallback vs the oracle) and the cost model;
-#   3. decode attention (100): scripts/bench_decode_attention.py at T=8k, batch 8: fp16 SDPA, the fused kernel (GEAR
+#   2. the tests on the GPU (125): `-m gpu tests/test_kernels_gpu.py`, and compiled for the GPU the reconstruction
+#      kernel's suite (tests/test_kernels_reconstruct.py: the memory-bound fallback vs the oracle), the cost model and
+#      the vLLM backend's paged kernel vs the oracle (tests/test_triton_paged.py);
+#   3. decode attention (90): scripts/bench_decode_attention.py at T=8k, batch 8: fp16 SDPA, the fused kernel (GEAR
 #      2/4-bit, GEAR-L, GearConfig(), compact) and the reference rows, which on CUDA are the fallback (the Triton
 #      reconstruction, then RoPE and SDPA), eager and CUDA-graph timings; the fused-path share of a padded generate;
-#   4. end-to-end decode (135): scripts/bench_gpu_generate.py, short: random-weight Llama-3-8B shapes, T=8k (GEN_T),
+#   4. end-to-end decode (120): scripts/bench_gpu_generate.py, short: random-weight Llama-3-8B shapes, T=8k (GEN_T),
 #      32 new tokens (GEN_NEW), dynamic / HF QuantizedCache (when quanto imports) / GearConfig() / kivi-2 / gear-2:
-#      tokens/s, peak memory, decode paths, and throughput at equal KV memory (60 GiB, batch capped at 64).
+#      tokens/s, peak memory, decode paths, and throughput at equal KV memory (60 GiB, batch capped at 64);
+#   5. serving attention (60): scripts/bench_paged_attention.py, the vLLM GPU backend's kernel over GEAR pages
+#      (fp16 raw, GearConfig(), kivi-4, gear-2; block 16) against SDPA over the dense bf16 context, 32 requests x 4096
+#      tokens, Llama-3-8B attention shapes: ms, bytes read, error vs the float32 oracle. The engine-level serving run
+#      (vLLM with --attention-backend CUSTOM against kv_cache_dtype fp8 / int4_per_token_head) needs a CUDA build of
+#      vLLM, which the device machines cannot install (no network) and cannot carry (over the 64 MiB a run takes):
+#      the summary says whether one was found; it is not scripted.
 #
-# $OUT holds at most 8 files, one level: env.json, preflight.log, sass_report.log, tests.log, bench.log,
-# bench_decode_attention.csv, bench_gpu_generate.json, summary.txt. Exit status: 0 when the tests passed and both
+# $OUT holds at most 8 files, one level: env.json, preflight.log, sass_report.log, tests.log, bench.log (every
+# benchmark's log), bench_decode_attention.csv, bench_gpu_generate.json (with bench_paged_attention's rows under
+# "paged_attention"), summary.txt. Exit status: 0 when the tests passed and both
 # benchmarks wrote their tables, 1 otherwise (2: preflight failed). The summary is printed last.
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -107,9 +115,9 @@ HAVE_PYTEST=1
 status=0
 # -- 2. tests on the GPU ----------------------------------------------------------------------------------------
 if [ "$HAVE_PYTEST" = 1 ]; then
-  echo ">> gpu tests (timeout 110s)"
-  timeout -k 10 110 "$PY" -m pytest -q -p no:cacheprovider -rfE tests/test_kernels_gpu.py \
-    tests/test_kernels_reconstruct.py tests/test_decode_path_cost.py > "$OUT/tests.log" 2>&1
+  echo ">> gpu tests (timeout 125s)"
+  timeout -k 10 125 "$PY" -m pytest -q -p no:cacheprovider -rfE tests/test_kernels_gpu.py \
+    tests/test_kernels_reconstruct.py tests/test_decode_path_cost.py tests/test_triton_paged.py > "$OUT/tests.log" 2>&1
   rc=$?
   tail -n 25 "$OUT/tests.log"
   if [ $rc = 0 ]; then note "gpu tests: passed ($(tail -n 1 "$OUT/tests.log"))"
@@ -117,8 +125,8 @@ if [ "$HAVE_PYTEST" = 1 ]; then
 fi
 
 # -- 3. decode attention ------------------------------------------------------------------------------------------
-echo ">> decode attention (timeout 100s)"
-timeout -k 10 100 "$PY" scripts/bench_decode_attention.py --out "$SCRATCH/attention" --T 8192 --batch 8 --iters 20 \
+echo ">> decode attention (timeout 90s)"
+timeout -k 10 90 "$PY" scripts/bench_decode_attention.py --out "$SCRATCH/attention" --T 8192 --batch 8 --iters 20 \
   --share > "$OUT/bench.log" 2>&1
 rc=$?
 tail -n 30 "$OUT/bench.log"
@@ -133,9 +141,9 @@ else
 fi
 
 # -- 4. end-to-end decode -----------------------------------------------------------------------------------------
-echo ">> end-to-end decode (timeout 135s)"
+echo ">> end-to-end decode (timeout 120s)"
 echo "== bench_gpu_generate.py ==" >> "$OUT/bench.log"
-timeout -k 10 135 "$PY" scripts/bench_gpu_generate.py --out "$SCRATCH/generate" --T ${GEN_T:-8192} \
+timeout -k 10 120 "$PY" scripts/bench_gpu_generate.py --out "$SCRATCH/generate" --T ${GEN_T:-8192} \
   --new ${GEN_NEW:-32} --batch 1 --kv-budget-gib 60 --max-batch 64 >> "$OUT/bench.log" 2>&1
 rc=$?
 if [ -s "$SCRATCH/generate/bench_gpu_generate.json" ]; then
@@ -143,6 +151,32 @@ if [ -s "$SCRATCH/generate/bench_gpu_generate.json" ]; then
   note "end-to-end decode: rc=$rc, $(grep -c '"method"' "$OUT/bench_gpu_generate.json") rows in bench_gpu_generate.json"
 else
   note "end-to-end decode: rc=$rc, no table"; status=1
+fi
+
+# -- 5. serving attention over GEAR pages ------------------------------------------------------------------------
+echo ">> serving attention (timeout 60s)"
+echo "== bench_paged_attention.py ==" >> "$OUT/bench.log"
+timeout -k 10 60 "$PY" scripts/bench_paged_attention.py --out "$SCRATCH/paged" --requests 32 --context 4096 \
+  >> "$OUT/bench.log" 2>&1
+rc=$?
+if [ -s "$SCRATCH/paged/bench_paged_attention.json" ]; then
+  "$PY" - "$SCRATCH/paged/bench_paged_attention.json" "$OUT/bench_gpu_generate.json" <<'EOF'
+import json, sys
+from pathlib import Path
+paged, target = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
+merged = json.loads(target.read_text()) if target.exists() else {}
+merged["paged_attention"] = paged
+target.write_text(json.dumps(merged, indent=1))
+EOF
+  note "serving attention: rc=$rc, $(grep -c '"method"' "$SCRATCH/paged/bench_paged_attention.json") rows (bench_gpu_generate.json: paged_attention)"
+else
+  note "serving attention: rc=$rc, no table"; status=1
+fi
+if "$PY" -c "import sys; from vllm.platforms import current_platform as p; sys.exit(0 if p.is_cuda() else 1)" \
+    > /dev/null 2>&1; then
+  note "vLLM with CUDA is installed here: the engine-level serving run is not scripted (scripts/bench_vllm.py is CPU)"
+else
+  note "vLLM serving on the GPU: skipped (no CUDA build of vLLM on this machine)"
 fi
 rm -rf "$SCRATCH"
 

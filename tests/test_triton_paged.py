@@ -1,5 +1,5 @@
 """The paged Triton attention (`gear_hf.kernels.triton.paged`, what gear_hf.vllm's GPU backend runs) against the torch
-oracle on the scenarios of `paged_case` (under TRITON_INTERPRET=1 without a GPU: small shapes). Every shipped page
+oracle on the scenarios of `paged_case` (on the GPU when there is one, else under TRITON_INTERPRET=1). Every shipped page
 format: widths per channel with 8-bit value statistics (GearConfig()), outliers and int8 low-rank factors (gear-2),
 plain 4-bit (kivi-4), values stored per channel and rotated (smallest), and the raw fp16 format."""
 
@@ -13,11 +13,12 @@ from paged_case import paged_case
 
 from gear_hf.config import GearConfig
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # (scripts/gpu_check.sh runs this file on the GPU)
 CONFIGS = {"default": GearConfig(), "gear-2": GearConfig.preset("gear-2"), "kivi-4": GearConfig.preset("kivi-4"),
            "smallest": GearConfig.recommended(name="smallest")}
 
 
-def _run(config, dtype, rotated, device="cpu", **shape):
+def _run(config, dtype, rotated, device=DEVICE, **shape):
     from gear_hf.kernels.triton import paged
 
     c = paged_case(config, dtype, rotated, **shape)
