@@ -1,7 +1,7 @@
 """The paged Triton attention (`gear_hf.kernels.triton.paged`, what gear_hf.vllm's GPU backend runs) against the
 torch oracle on the scenarios of `paged_case` (on the GPU when there is one, else under TRITON_INTERPRET=1). Every
-shipped page format: widths per channel with 8-bit value statistics (GearConfig()), outliers and int8 low-rank factors (gear-2),
-plain 4-bit (kivi-4), values stored per channel and rotated (smallest), and the raw fp16 format."""
+shipped page format: widths per channel with 8-bit value statistics (GearConfig()), outliers and int8 low-rank
+factors (gear-2), plain 4-bit (kivi-4), values stored per channel and rotated (smallest), and the raw fp16 format."""
 
 from __future__ import annotations
 
