@@ -370,6 +370,20 @@ def section_agreement(report: dict) -> None:
                                  vllm_vs_stock=round(agreement(vllm_gear["tokens"], stock["tokens"])[0], 4),
                                  hf_vs_plain=round(agreement(hf_gear, plain)[0], 4)))
                 print(f"  {dtype} {prompt_name} {name}: {same:.3f} of positions equal (floor {floor:.3f})", flush=True)
+                if name == "GearConfig()":  # the fidelity target: each engine's GearConfig() against itself uncompressed
+                    try:
+                        default = hf_tokens(f"transformers-default{suffix}", GearConfig(), prompts, dtype, state)
+                    except NotCached:
+                        continue
+                    fidelity = report.setdefault("fidelity", [])
+                    fidelity[:] = [r for r in fidelity if (r["dtype"], r["prompts"]) != (dtype, prompt_name)]
+                    fidelity.append(dict(
+                        dtype=dtype, prompts=prompt_name, prompt_lengths=[len(p) for p in prompts],
+                        plugin_vs_stock=round(agreement(vllm_gear["tokens"], stock["tokens"])[0], 4),
+                        plugin_vs_stock_prefix=agreement(vllm_gear["tokens"], stock["tokens"])[1],
+                        transformers_vs_plain=round(agreement(default, plain)[0], 4),
+                        transformers_vs_plain_prefix=agreement(default, plain)[1],
+                        engines_prefix=floor_prefix))
 
 
 def section_serve(report: dict) -> None:

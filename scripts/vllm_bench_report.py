@@ -72,6 +72,20 @@ def write_markdown(report: dict, out: Path, steps: int) -> None:
                          f"{r['prefix']:.1f} | {r['floor']:.4f} | {r['floor_gear_hf']:.4f} | {r['vllm_vs_stock']:.4f} | "
                          f"{r['hf_vs_fp16_format']:.4f} |")
         lines.append("")
+    if report.get("fidelity"):
+        lines += ["## Fidelity: each engine's GearConfig() against the same engine uncompressed", "",
+                  "Mean matched greedy prefix (of 64 tokens) and share of equal positions, SmolLM2-135M-Instruct, one "
+                  "prompt at a time in Transformers: the plugin's `GearConfig()` pages against stock vLLM, and gear_hf's "
+                  "Transformers `GearConfig()` (its own format: sinks, prompt groups, a coded buffer) against the plain "
+                  "model; 'engines': stock vLLM against the plain Transformers model (what arithmetic alone moves).", "",
+                  "| dtype | prompts (tokens) | plugin vs stock vLLM: prefix / same | Transformers vs plain: prefix / same "
+                  "| engines: prefix |", "|---|---|---|---|---|"]
+        for r in report["fidelity"]:
+            lengths = "/".join(map(str, r["prompt_lengths"]))
+            lines.append(f"| {r['dtype']} | {r['prompts']} ({lengths}) | {r['plugin_vs_stock_prefix']:.1f} / "
+                         f"{r['plugin_vs_stock']:.4f} | {r['transformers_vs_plain_prefix']:.1f} / "
+                         f"{r['transformers_vs_plain']:.4f} | {r['engines_prefix']:.1f} |")
+        lines.append("")
     if "serve" in report and "stock" in report["serve"]:
         lines += ["## vllm serve + OpenAI clients", "",
                   "`[GEAR_HF_VLLM=1] python -m vllm.entrypoints.openai.api_server --model <SmolLM2 folder> "
