@@ -59,3 +59,10 @@ def test_keys_stored_after_rope_and_odd_shapes():
     out, expected = _run(config, torch.float32, rotated=False, bs=32, d=32, H=1, G=5, lens=(97, 48, 5),
                          queries=(1, 40, 5), seed=1)
     assert (out - expected).abs().max() < 2e-5
+
+
+def test_float16_models_side_information_in_fp16():
+    """An fp16 model's pages hold their statistics and outliers in fp16 (read as such); dots take fp16 operands."""
+    for name in ("default", "gear-2"):
+        out, expected = _run(CONFIGS[name], torch.float16, rotated=True, bs=32, lens=(97, 48, 5), queries=(1, 20, 5))
+        assert (out - expected).abs().max() < 3e-3
