@@ -492,9 +492,10 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     # sections not run now keep what an earlier run wrote to bench.json (each section names its own command)
     report = json.loads((out / "bench.json").read_text()) if (out / "bench.json").exists() else {}
-    report.update(vllm=vllm.__version__, torch=torch.__version__, threads=os.environ.get("OMP_NUM_THREADS", "2"),
-                  command="OMP_NUM_THREADS=2 GEAR_HF_DATA_DIR=<shared/data> .venv-vllm/bin/python "
-                          "scripts/bench_vllm.py --sections " + args.sections)
+    threads = os.environ.get("OMP_NUM_THREADS", "2")
+    report.update(vllm=vllm.__version__, torch=torch.__version__, threads=threads,
+                  command=f"OMP_NUM_THREADS={threads} GEAR_HF_DATA_DIR=<shared/data> .venv-vllm/bin/python "
+                          f"scripts/bench_vllm.py {' '.join(sys.argv[1:])}")
     if "identity" in sections:
         print("identity", flush=True)
         section_identity(report)
