@@ -28,6 +28,9 @@ class PagedCase:
     close_k: torch.Tensor  # [C, bs, H, d]
     close_v: torch.Tensor
     slots: int  # first_closing
+    sink_slot: torch.Tensor  # int64 [R]: request r's sink slot (its block 0 a page, sinks > 0), else -1
+    sink_k: torch.Tensor  # [slots, sinks, H, d] model dtype: exact first tokens (keys after RoPE)
+    sink_v: torch.Tensor
     inv_freq: torch.Tensor  # [d/2]
     cos: torch.Tensor  # [L, d] float32 (rope_tables)
     sin: torch.Tensor
@@ -35,8 +38,9 @@ class PagedCase:
 
 
 def paged_case(config, dtype, rotated, bs=16, d=64, H=2, G=3, lens=(40, 16, 70, 33), queries=(1, 16, 21, 1),
-               seed=0, query_dtype=torch.float32) -> PagedCase:
-    """query_dtype: the oracle attends the query rounded to it (the kernel's input)."""
+               seed=0, query_dtype=torch.float32, sinks=0) -> PagedCase:
+    """query_dtype: the oracle attends the query rounded to it (the kernel's input); sinks: the first tokens of each
+    request whose block 0 is a page are exact, from a sink slot (the page's rows there are not attended)."""
     gen = torch.Generator().manual_seed(seed)
     fmt = PageFormat(config, bs, d, dtype)
     blocks = sum(L // bs for L in lens) + 3  # (+ pages no request reads)
@@ -50,17 +54,23 @@ def paged_case(config, dtype, rotated, bs=16, d=64, H=2, G=3, lens=(40, 16, 70, 
     slots = 5  # tail slots (some unused)
     table = torch.zeros(len(lens), max(-(-L // bs) for L in lens), dtype=torch.int64)
     queries_all, expected, starts, page = [], [], [0], 3
+    sink_slot, sink_k, sink_v = torch.full((len(lens),), -1, dtype=torch.int64), [], []
     for r, (L, n) in enumerate(zip(lens, queries)):
         before = L - n
         keys, values = [], []
         for j in range(-(-L // bs)):
             if (j + 1) * bs <= before:  # closed: a page
                 table[r, j] = page
-                k = decoded_k[page]
+                k, v = decoded_k[page].clone(), decoded_v[page].clone()
                 if rotated:
                     k = apply_rotary(k, cos[None, j * bs:(j + 1) * bs], sin[None, j * bs:(j + 1) * bs])
+                if j == 0 and sinks:
+                    sink_slot[r] = len(sink_k) + 1  # (slot 0 unused)
+                    sink_k.append(torch.randn(sinks, H, d, generator=gen).to(dtype))
+                    sink_v.append(torch.randn(sinks, H, d, generator=gen).to(dtype))
+                    k[:, :sinks], v[:, :sinks] = sink_k[-1].transpose(0, 1).float(), sink_v[-1].transpose(0, 1).float()
                 keys.append(k)
-                values.append(decoded_v[page])
+                values.append(v)
                 page += 1
                 continue
             k = torch.randn(bs, H, d, generator=gen).to(dtype)
@@ -85,5 +95,7 @@ def paged_case(config, dtype, rotated, bs=16, d=64, H=2, G=3, lens=(40, 16, 70, 
     tail_k, tail_v, close_k, close_v = [
         torch.stack([t[i] for t in group]) if group else torch.zeros(0, bs, H, d, dtype=dtype)
         for group in (tails, closing) for i in (0, 1)]
+    sink_k = torch.stack([torch.zeros(sinks, H, d, dtype=dtype)] + sink_k) if sinks else None
+    sink_v = torch.stack([torch.zeros(sinks, H, d, dtype=dtype)] + sink_v) if sinks else None
     return PagedCase(fmt, pages, table, starts, list(lens), torch.cat(queries_all), tail_k, tail_v, close_k, close_v,
-                     slots, inv_freq, cos, sin, torch.cat(expected))
+                     slots, sink_slot, sink_k, sink_v, inv_freq, cos, sin, torch.cat(expected))

@@ -34,9 +34,10 @@ def _case(config, dtype, rotated, **shape):
     layouts = [paged.page_layout(spec, tuple((name, *where) for name, where in layout.items()), bs, d)
                for spec, layout in zip(c.fmt.specs, c.fmt.layout)]
     out = np.full(tuple(q.shape), np.nan, dtype=np.float32)
+    sinks = () if c.sink_k is None else (c.sink_slot.numpy(), _bits(c.sink_k), _bits(c.sink_v))
     paged.paged_attention(q.numpy(), np.asarray(c.starts, np.int64), np.asarray(c.lens, np.int64), c.table.numpy(),
                           bs, *halves, c.pages.numpy(), *layouts,
-                          *map(_bits, (c.tail_k, c.tail_v, c.close_k, c.close_v)), c.slots, out)
+                          *map(_bits, (c.tail_k, c.tail_v, c.close_k, c.close_v)), c.slots, out, *sinks)
     return out, c.expected
 
 
@@ -46,6 +47,15 @@ def test_paged_attention_equals_the_oracle(name, dtype):
     out, expected = _case(CONFIGS[name], dtype, rotated=True)
     assert np.isfinite(out).all()
     assert (torch.from_numpy(out).double() - expected).abs().max() < 2e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_exact_sinks_replace_the_pages_first_tokens(dtype):
+    """Requests whose block 0 is a page attend their first 4 tokens from a sink slot (low-rank values and rotated
+    values included: the page's copies of those rows add nothing)."""
+    for name in ("default", "gear-2", "smallest"):
+        out, expected = _case(CONFIGS[name], dtype, rotated=True, sinks=4, seed=3)
+        assert (torch.from_numpy(out).double() - expected).abs().max() < 2e-5, name
 
 
 def test_keys_stored_after_rope_and_odd_shapes():

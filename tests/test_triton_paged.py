@@ -30,10 +30,12 @@ def _run(config, dtype, rotated, device=DEVICE, **shape):
     query = c.query.to(dtype).to(device)
     out = torch.full(tuple(query.shape), float("nan"), device=device)  # (float32: the kernel's own precision)
     int32 = dict(dtype=torch.int32, device=device)
+    sinks = {} if c.sink_k is None else dict(sink_slot=c.sink_slot.to(**int32), sink_k=c.sink_k.to(device),
+                                              sink_v=c.sink_v.to(device))
     paged.paged_attention(query, torch.tensor(c.starts, **int32), torch.tensor(c.lens, **int32),
                           c.table.to(**int32), bs, max(counts), c.pages.to(device), *streams,
                           *(t.to(device) for t in (c.tail_k, c.tail_v, c.close_k, c.close_v)), c.slots, out,
-                          scale=1 / math.sqrt(d), inv_freq=c.inv_freq if rotated else None)
+                          scale=1 / math.sqrt(d), inv_freq=c.inv_freq if rotated else None, **sinks)
     # the oracle with the query as the kernel took it (rounded to the model dtype)
     c2 = paged_case(config, dtype, rotated, **shape, query_dtype=dtype)
     return out.cpu().double(), c2.expected
@@ -51,6 +53,14 @@ def test_float32_and_raw_pages():
     assert (out - expected).abs().max() < 2e-5
     out, expected = _run(GearConfig.preset("fp16"), torch.float32, rotated=False)
     assert (out - expected).abs().max() < 2e-5
+
+
+def test_exact_sinks_replace_the_pages_first_tokens():
+    """Requests whose block 0 is a page attend their first 4 tokens from a sink slot (low-rank values and rotated
+    values included: the page's copies of those rows add nothing)."""
+    for name in ("default", "gear-2", "smallest"):
+        out, expected = _run(CONFIGS[name], torch.float32, rotated=True, sinks=4, seed=3)
+        assert (out - expected).abs().max() < 2e-5, name
 
 
 def test_keys_stored_after_rope_and_odd_shapes():

@@ -36,7 +36,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 
 from gear_hf.kernels.cpu import paged
 
-from .blocks import BlockWriter, TailPool, check_page_spec, key_rotary, page_format, page_spec
+from .blocks import BlockWriter, TailPool, check_page_spec, key_rotary, page_format, page_spec, sink_tokens
 from .format import PageFormat
 from .plan import StepPlan, TailBook, WorkspacePart
 
@@ -91,7 +91,7 @@ class GearMetadataBuilder(CPUAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         check_page_spec(kv_cache_spec)
-        self.tails = TailBook(vllm_config.scheduler_config.max_num_seqs)
+        self.tails = TailBook(vllm_config.scheduler_config.max_num_seqs, sink_tokens(kv_cache_spec.block_size))
         fmt = page_format(kv_cache_spec.block_size, kv_cache_spec.head_size, kv_cache_spec.dtype)
         self.reads_in_place = fmt.not_read_in_place() is None
 
@@ -124,6 +124,7 @@ class GearAttentionImpl(BlockWriter, CPUAttentionBackendImpl):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.tail_pool: TailPool | None = None
+        self.sink_pool: TailPool | None = None
         self.format: PageFormat | None = None
         self.paged = False  # (set with the format: `_reads_pages`)
         self.page_layouts: tuple = ()  # (keys, values) `paged.page_layout`s of the format, when paged
@@ -139,7 +140,7 @@ class GearAttentionImpl(BlockWriter, CPUAttentionBackendImpl):
                                   self.head_size) for spec, layout in zip(self.format.specs, self.format.layout))
         if not self.paged:
             logger.info_once("GEAR: attention through a decoded workspace and CPU_ATTN (%s)", why)
-        self.tail_pool = TailPool(self.max_num_seqs, block_size, self.num_kv_heads, self.head_size, dtype)
+        self._pools(block_size, dtype, kv_cache.device)
         logger.info_once("GEAR pages: %s, %d bytes per (block, KV head) (%.3f bits/element), block %d tokens, "
                          "pre-RoPE keys: %s; open-block tails %d bytes per running request per layer (at most %d "
                          "requests)", self.format.config.describe(), self.format.page_bytes,
@@ -194,10 +195,12 @@ class GearAttentionImpl(BlockWriter, CPUAttentionBackendImpl):
         if len(skip):
             lens = lens.copy()
             lens[list(skip)] = 0  # (a request of no tokens is not attended)
+        sinks = () if self.sink_pool is None else (plan.sink_slot, *map(_exact, (self.sink_pool.keys,
+                                                                                  self.sink_pool.values)))
         paged.paged_attention(q, plan.query_start, lens, plan.page_table, plan.block_size, cos, sin,
                               pages.numpy(), *self.page_layouts,
                               *map(_exact, (tails.keys, tails.values, close_k, close_v)),
-                              plan.first_closing, out)
+                              plan.first_closing, out, *sinks)
         result = torch.from_numpy(out)
         if len(skip):
             attended = torch.ones(T, dtype=torch.bool)
@@ -233,6 +236,12 @@ class GearAttentionImpl(BlockWriter, CPUAttentionBackendImpl):
             k_read, v_read = fmt.decode(pages[plan.read_blocks[part.read]])  # [P,H,bs,d]
             if self.rotary is not None:
                 k_read = self.rotary.rotate(k_read, plan.read_first_position[part.read])
+            sinks = plan.read_sink[part.read]
+            first = torch.nonzero(sinks >= 0).flatten()
+            if first.numel():  # requests' first blocks: their first tokens exact (`blocks`: sinks)
+                S = plan.sink_tokens
+                k_read[first, :, :S] = self.sink_pool.keys[sinks[first]].transpose(1, 2)
+                v_read[first, :, :S] = self.sink_pool.values[sinks[first]].transpose(1, 2)
             k_parts.insert(0, k_read.transpose(1, 2).reshape(P * bs, H, d))
             v_parts.insert(0, v_read.transpose(1, 2).reshape(P * bs, H, d))
             slots.insert(0, (part.read_ws[:, None] * bs + torch.arange(bs)).view(-1))

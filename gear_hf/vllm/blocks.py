@@ -8,11 +8,16 @@ Storage (per layer):
           is written, and never rewritten (equal prefixes give equal pages, so prefix caching holds).
   tails   the open block of each running request in full precision: [slots, bs, H, d] keys and values in the model
           dtype, one slot per request running at once (at most max_num_seqs), grown as they come (TailPool).
+  sinks   the format's sink_tokens S (GearConfig(): 4): a request's first S tokens in full precision once its
+          first block is a page, [slots, S, H, d] (a TailPool of S-token slots, one per closed first block:
+          `plan.TailBook` keeps which); the page stores that block with those rows replaced by copies of token S
+          (so they stretch no quantization range) and the attention reads them from here instead.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import replace
 
 import torch
@@ -34,6 +39,16 @@ def page_spec(spec: AttentionSpec) -> AttentionSpec:
         return spec
     fmt = page_format(spec.block_size, spec.head_size, spec.dtype)
     return replace(spec, state_content_bytes=fmt.page_bytes, tokens_per_state=spec.block_size)
+
+
+def sink_tokens(block_size: int) -> int:
+    """The tokens a request keeps exact at its start (the format's sink_tokens; 0 for the fp16 format)."""
+    config = config_from_env()
+    count = config.sink_tokens if config.compresses else 0
+    if count > min(16, block_size - 1):
+        raise ValueError(f"GEAR pages keep sink_tokens={count} tokens exact in a request's first block; allowed: 0 "
+                         f"to {min(16, block_size - 1)} (at most 16, and fewer than the block's {block_size} tokens)")
+    return count
 
 
 def check_page_spec(spec: AttentionSpec) -> None:
@@ -83,8 +98,14 @@ class TailPool:
 
 
 class BlockWriter:
-    """A backend impl's writes (mixin): needs tail_pool (TailPool), format (PageFormat), rotary (KeyRotary or None),
-    num_kv_heads and head_size."""
+    """A backend impl's writes (mixin): needs format (PageFormat), rotary (KeyRotary or None), num_kv_heads,
+    head_size and max_num_seqs; `_pools` makes tail_pool and sink_pool."""
+
+    def _pools(self, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.tail_pool = TailPool(self.max_num_seqs, block_size, self.num_kv_heads, self.head_size, dtype, device)
+        count = sink_tokens(block_size)
+        self.sink_pool = TailPool(sys.maxsize, count, self.num_kv_heads, self.head_size, dtype, device) \
+            if count else None
 
     def _write(self, plan: StepPlan, key: torch.Tensor, value: torch.Tensor):
         """This step's tokens put where the attention reads them: the blocks that close this step staged whole,
@@ -110,7 +131,16 @@ class BlockWriter:
         """Blocks that closed this step -> their pages (compressed once; the open ones are in their tails)."""
         closing = plan.stage_closes
         if closing.any():
-            k_close = close_k.transpose(1, 2)  # [C,H,bs,d]
+            k_close, v_close = close_k.transpose(1, 2), close_v.transpose(1, 2)  # [C,H,bs,d]
             if self.rotary is not None:
                 k_close = self.rotary.unrotate(k_close, plan.stage_first_position[closing])
-            pages[plan.stage_blocks[closing]] = self.format.encode(k_close, close_v.transpose(1, 2))
+            first = torch.nonzero(plan.stage_sink[closing] >= 0).flatten()  # first blocks: their sinks kept exact
+            if first.numel():
+                S, slots = plan.sink_tokens, plan.stage_sink[closing][first]
+                self.sink_pool.reserve(plan.sink_slots)
+                self.sink_pool.keys[slots] = close_k[first, :S]
+                self.sink_pool.values[slots] = close_v[first, :S]
+                k_close, v_close = k_close.clone(), v_close.clone()
+                k_close[first, :, :S] = k_close[first, :, S:S + 1]
+                v_close[first, :, :S] = v_close[first, :, S:S + 1]
+            pages[plan.stage_blocks[closing]] = self.format.encode(k_close, v_close)

@@ -23,15 +23,34 @@ import torch
 
 
 class TailBook:
-    """block id -> (tail slot, tokens held) for the open blocks; `slots` slots, recycled least recently used."""
+    """block id -> (tail slot, tokens held) for the open blocks; `slots` slots, recycled least recently used.
+    With sink_tokens S > 0 also block id -> sink slot for the closed first blocks of requests: their first S tokens
+    kept exact (the page's copies are not attended), a slot from the block's closing until the block is written
+    again (a freed block's slot stays until then: at most one per block)."""
 
-    def __init__(self, slots: int) -> None:
+    def __init__(self, slots: int, sink_tokens: int = 0) -> None:
         self.slots = slots
         self.of_block: dict[int, tuple[int, int]] = {}
         self.owner: list[int | None] = [None] * slots
         self.last_used = [-1] * slots
         self.step = 0
         self.closed: set[int] = set()  # blocks whose page this backend wrote and nothing has rewritten since
+        self.sink_tokens = sink_tokens
+        self.sinks: dict[int, int] = {}  # block id -> sink slot
+        self.free_sinks: list[int] = []
+        self.sink_slots = 0  # slots handed out so far (the sink pools hold at least as many)
+
+    def assign_sink(self, block: int) -> int:
+        if block not in self.sinks:
+            self.sinks[block] = self.free_sinks.pop(0) if self.free_sinks else self.sink_slots
+            self.sink_slots = max(self.sink_slots, self.sinks[block] + 1)
+        return self.sinks[block]
+
+    def release_sink(self, block: int) -> None:
+        slot = self.sinks.pop(block, None)
+        if slot is not None:
+            self.free_sinks.append(slot)
+            self.free_sinks.sort()
 
     def held(self, block: int) -> tuple[int, int] | None:
         return self.of_block.get(block)
@@ -91,11 +110,15 @@ class StepPlan:
     #                         among the closing blocks
     first_closing: int  # the page table's first source past the tail slots (the first closing block)
     tail_slots: int  # tail slots this step touches: 1 + the highest (the pool holds at least as many)
+    sink_tokens: int  # S: the first S tokens of a request are read exact from its sink slot once block 0 is a page
+    sink_slots: int  # sink slots handed out so far (the sink pools hold at least as many)
+    sink_slot: np.ndarray  # [R] int64: request r's sink slot when its block 0 is read from a page, else -1
     query_start: np.ndarray  # [R+1] int64: request r's tokens are rows query_start[r] .. query_start[r+1]-1
     seq_lens: np.ndarray  # [R] int64: tokens of request r after this step
     read_blocks: torch.Tensor  # [P] page ids of closed blocks read this step
     read_ws: torch.Tensor  # [P] their workspace indices
     read_first_position: torch.Tensor  # [P] position of their first token
+    read_sink: torch.Tensor  # [P] sink slot of those that are a request's block 0 with sinks, else -1
     stage_blocks: torch.Tensor  # [Q] page ids of the blocks written this step
     stage_ws: torch.Tensor  # [Q]
     stage_first_position: torch.Tensor  # [Q]
@@ -103,6 +126,7 @@ class StepPlan:
     stage_closes: torch.Tensor  # [Q] bool: full after this step -> compressed into the page
     stage_keep: torch.Tensor  # [Q] tail slot to keep them in after this step, -1: closes
     stage_close_index: torch.Tensor  # [Q] their index among the closing blocks, -1: stays open
+    stage_sink: torch.Tensor  # [Q] sink slot to store their first S tokens in (a block 0 closing), else -1
     token_rows: torch.Tensor  # [T'] rows of this step's tokens (of key[:num_actual_tokens])
     token_stage: torch.Tensor  # [T'] their staged block
     token_offset: torch.Tensor  # [T'] their offset in it
@@ -165,6 +189,7 @@ class StepPlan:
                     page_table[r, j] = block
                     continue
                 tails.closed.discard(block)
+                tails.release_sink(block)  # (written again: what its old page's sinks were is gone)
                 ws_of[block] = len(ws_of)
                 ws_table[r, j] = ws_of[block]
                 tail = -1
@@ -187,6 +212,7 @@ class StepPlan:
             if closes:
                 tails.release(block)
                 tails.closed.add(block)
+        stage_sink = [tails.assign_sink(e[0]) if e[4] and e[2] == 0 and tails.sink_tokens else -1 for e in stage]
         for r, L in enumerate(lens):
             if L % bs:
                 block = table[r][L // bs]
@@ -217,8 +243,13 @@ class StepPlan:
                        if not stage[q][4]]
 
         used = [e[3] for e in stage] + [e[5] for e in stage]
+        sink_slot = np.asarray([tails.sinks.get(int(page_table[r, 0]), -1) if page_table[r, 0] >= 0 else -1
+                                for r in range(len(lens))], dtype=np.int64)
+        read_sink = [tails.sinks.get(e[0], -1) if e[2] == 0 else -1 for e in read]
         return cls(block_size=bs, workspace_blocks=len(ws_of), workspace_table=ws_table, page_table=page_table,
-                   first_closing=tails.slots, tail_slots=max(used, default=-1) + 1,
+                   first_closing=tails.slots, tail_slots=max(used, default=-1) + 1, sink_tokens=tails.sink_tokens,
+                   sink_slots=tails.sink_slots, sink_slot=sink_slot, read_sink=longs(read_sink),
+                   stage_sink=longs(stage_sink),
                    query_start=np.asarray(starts, dtype=np.int64), seq_lens=np.asarray(lens, dtype=np.int64),
                    read_blocks=column(read, 0), read_ws=column(read, 1), read_first_position=column(read, 2),
                    stage_blocks=column(stage, 0), stage_ws=column(stage, 1), stage_first_position=column(stage, 2),

@@ -32,7 +32,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from .blocks import BlockWriter, TailPool, check_page_spec, key_rotary, page_format, page_spec
+from .blocks import BlockWriter, TailPool, check_page_spec, key_rotary, page_format, page_spec, sink_tokens
 from .plan import StepPlan, TailBook
 
 logger = init_logger("vllm.gear_hf")
@@ -91,6 +91,7 @@ class GearTritonMetadata:
     lens: torch.Tensor  # int32 [R]: its tokens
     table: torch.Tensor  # int32 [R, blocks]: the plan's page table
     max_queries: int
+    sink_slot: torch.Tensor  # int32 [R]: the plan's sink slots
 
     @classmethod
     def of(cls, plan: StepPlan, num_actual_tokens: int, device: torch.device) -> "GearTritonMetadata":
@@ -99,7 +100,7 @@ class GearTritonMetadata:
 
         counts = np.diff(plan.query_start)
         return cls(num_actual_tokens, plan, to_device(plan.query_start), to_device(plan.seq_lens),
-                   to_device(plan.page_table), int(counts.max()) if counts.size else 0)
+                   to_device(plan.page_table), int(counts.max()) if counts.size else 0, to_device(plan.sink_slot))
 
 
 class GearTritonMetadataBuilder(AttentionMetadataBuilder[GearTritonMetadata]):
@@ -111,7 +112,7 @@ class GearTritonMetadataBuilder(AttentionMetadataBuilder[GearTritonMetadata]):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         check_page_spec(kv_cache_spec)
         self.block_size = kv_cache_spec.block_size
-        self.tails = TailBook(vllm_config.scheduler_config.max_num_seqs)
+        self.tails = TailBook(vllm_config.scheduler_config.max_num_seqs, sink_tokens(kv_cache_spec.block_size))
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> GearTritonMetadata:
@@ -141,6 +142,7 @@ class GearTritonImpl(BlockWriter, AttentionImpl):
         self.num_kv_heads = num_kv_heads or num_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.tail_pool: TailPool | None = None
+        self.sink_pool: TailPool | None = None
         self.format = None
         self.streams: tuple = ()  # (keys, values) `paged.page_stream`s of the format; (None, None) for raw pages
         self.max_num_seqs = get_current_vllm_config().scheduler_config.max_num_seqs
@@ -157,8 +159,7 @@ class GearTritonImpl(BlockWriter, AttentionImpl):
                 paged.page_stream(spec, tuple((name, *where) for name, where in layout.items()), block_size,
                                   self.head_size, keys)
                 for spec, layout, keys in zip(self.format.specs, self.format.layout, (True, False)))
-        self.tail_pool = TailPool(self.max_num_seqs, block_size, self.num_kv_heads, self.head_size, dtype,
-                                  kv_cache.device)
+        self._pools(block_size, dtype, kv_cache.device)
         logger.info_once("GEAR pages (Triton): %s, %d bytes per (block, KV head) (%.3f bits/element), block %d "
                          "tokens, pre-RoPE keys: %s", self.format.config.describe(), self.format.page_bytes,
                          self.format.bits_per_element(), block_size, self.rotary is not None)
@@ -187,9 +188,11 @@ class GearTritonImpl(BlockWriter, AttentionImpl):
         close_k, close_v = self._write(plan, key[:T], value[:T])
         Hq, d = self.num_heads, self.head_size
         inv_freq, scaling = (self.rotary.inv_freq, self.rotary.attention_scaling) if self.rotary else (None, 1.0)
+        sinks = {} if self.sink_pool is None else dict(sink_slot=meta.sink_slot, sink_k=self.sink_pool.keys,
+                                                         sink_v=self.sink_pool.values)
         paged.paged_attention(query[:T].view(T, Hq, d), meta.starts, meta.lens, meta.table, plan.block_size,
                               meta.max_queries, pages, *self.streams, self.tail_pool.keys, self.tail_pool.values,
                               close_k, close_v, plan.first_closing, output[:T].view(T, Hq, d), scale=self.scale,
-                              inv_freq=inv_freq, attention_scaling=scaling)
+                              inv_freq=inv_freq, attention_scaling=scaling, **sinks)
         self._store(plan, pages, close_k, close_v)
         return output

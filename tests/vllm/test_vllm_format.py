@@ -121,6 +121,23 @@ def test_plan_reads_a_cached_block_whose_last_token_is_recomputed():
         _plan(fresh, lens=[4], queries=[1], table=[[3]])
 
 
+def test_sink_slots_follow_first_blocks_until_they_are_written_again():
+    """A request's block 0 gets a sink slot when it closes; requests reading that page (prefix caching too) get the
+    slot; the slot is freed when the block is written again, and reused."""
+    book = TailBook(slots=4, sink_tokens=2)
+    plan = _plan(book, lens=[6, 3], queries=[6, 3], table=[[7, 3], [5, 0]])  # (bs=4) block 7 closes: request 0's
+    assert plan.stage_sink.tolist() == [0, -1, -1] and plan.sink_slots == 1 and plan.sink_slot.tolist() == [-1, -1]
+    plan = _plan(book, lens=[7, 4], queries=[1, 1], table=[[7, 3], [5, 0]])  # block 5 (request 1's block 0) closes
+    assert plan.sink_slot.tolist() == [0, -1] and plan.read_sink.tolist() == [0]
+    assert plan.stage_sink.tolist() == [-1, 1] and plan.sink_slots == 2
+    plan = _plan(book, lens=[5, 3], queries=[1, 3], table=[[7, 2], [5, 9]])  # block 5 reused by a new prompt
+    assert plan.sink_slot.tolist() == [0, -1] and 5 not in book.sinks
+    plan = _plan(book, lens=[4], queries=[4], table=[[8]])  # a new first block takes the freed slot
+    assert plan.stage_sink.tolist() == [1] and plan.sink_slots == 2
+    none = TailBook(slots=2)  # no sinks: nothing assigned
+    assert _plan(none, lens=[4], queries=[4], table=[[8]]).stage_sink.tolist() == [-1]
+
+
 @pytest.mark.parametrize("text", ['{"preset": "gear-2"}', '{"preset": "kivi-2", "value_axis": "channel"}',
                                   '{"preset": "gear-2", "rotation": "values", "range_search": "keys"}'])
 def test_transformers_config_stores_the_plugins_pages(text):

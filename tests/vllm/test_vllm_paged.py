@@ -18,11 +18,11 @@ STEPS = [[(0, 70), (1, 31), (2, 20)], [(0, 1), (1, 1), (2, 1)], [(0, 1), (1, 1),
          [(0, 1), (1, 1), (3, 1)]] + [[(0, 1), (1, 1), (3, 1)]] * 26
 
 
-def _steps(bs, H, G, d, dtype, max_num_seqs):
-    """(plan, query, key, value) of each step of STEPS, the plan as the metadata builder makes it."""
-    from gear_hf.vllm.plan import StepPlan, TailBook
+def _steps(bs, H, G, d, dtype, book):
+    """(plan, query, key, value) of each step of STEPS, the plan as the metadata builder makes it (book: its
+    TailBook)."""
+    from gear_hf.vllm.plan import StepPlan
 
-    book = TailBook(max_num_seqs)
     gen = torch.Generator().manual_seed(0)
     lengths, tables, next_block = {}, {}, 0
     for step in STEPS:
@@ -42,6 +42,13 @@ def _steps(bs, H, G, d, dtype, max_num_seqs):
         plan = StepPlan.build(book, bs, starts, seq_lens, block_table, T)
         yield (plan, torch.randn(T, H * G, d, generator=gen).to(dtype), torch.randn(T, H, d, generator=gen).to(dtype),
                torch.randn(T, H, d, generator=gen).to(dtype))
+
+
+def _book(bs, max_num_seqs):
+    from gear_hf.vllm.blocks import sink_tokens
+    from gear_hf.vllm.plan import TailBook
+
+    return TailBook(max_num_seqs, sink_tokens(bs))
 
 
 def _impl(cls, H, G, d, max_num_seqs, pre_rope):
@@ -72,13 +79,16 @@ def test_paged_path_equals_the_workspace_path(monkeypatch, config):
     # CPU_ATTN's portable ISA: AMX tiles need a permission vLLM's worker asks the kernel for at start
     layer = SimpleNamespace(isa="vec", _k_scale_float=1.0, _v_scale_float=1.0)
     kv_cache = None
-    for step, (plan, query, key, value) in enumerate(_steps(bs, H, G, d, dtype, impl.max_num_seqs)):
+    book = _book(bs, impl.max_num_seqs)
+    for step, (plan, query, key, value) in enumerate(_steps(bs, H, G, d, dtype, book)):
         T = query.shape[0]
         if impl.format is None:
             impl._setup(torch.zeros(1, H, 1, 1, dtype=dtype), dtype, bs)
             assert impl.paged
             kv_cache = torch.zeros(BLOCKS, H, 1, impl.format.page_bytes // 2, dtype=dtype)
         pages = kv_cache[:, :, 0, :].view(torch.uint8)
+        if step == 0:
+            first_k, first_v = key[:4].clone(), value[:4].clone()  # (request 0's first tokens: block 0)
         close_k, close_v = impl._write(plan, key, value)
         out_paged = torch.zeros(T, H * G * d, dtype=dtype)
         impl._attend_pages(plan, query, pages, close_k, close_v, out_paged)
@@ -108,6 +118,13 @@ def test_paged_path_equals_the_workspace_path(monkeypatch, config):
         assert difference.mean() < 3e-3, (step, difference.mean())
     assert plan.read_blocks.numel() >= 3  # (the last steps read pages of every request)
     assert 0 < impl.tail_pool.keys.shape[0] <= impl.max_num_seqs
+    if config == "{}":  # GearConfig(): 4 sinks; request 0's block 0 (block id 0) closed at step 0
+        S, slot = book.sink_tokens, book.sinks[0]
+        assert S == 4 and plan.sink_slot[0] == slot and plan.sink_slots == len(book.sinks) == 3
+        assert torch.equal(impl.sink_pool.keys[slot], first_k) and torch.equal(impl.sink_pool.values[slot], first_v)
+        k_page, v_page = impl.format.decode(pages[:1])  # the page holds copies of token S where the sinks were
+        assert torch.equal(k_page[0, :, :S], k_page[0, :, S:S + 1].expand(-1, S, -1))
+        assert torch.equal(v_page[0, :, :S], v_page[0, :, S:S + 1].expand(-1, S, -1))
 
 
 @pytest.mark.parametrize("config", ['{}', '{"preset": "gear-2"}', '{"preset": "fp16"}'])
@@ -129,7 +146,7 @@ def test_triton_backend_equals_the_cpu_backend(monkeypatch, config):
     gpu = _impl(GearTritonImpl, H, G, d, 3, not raw)
     layer = SimpleNamespace(isa="vec", _k_scale_float=1.0, _v_scale_float=1.0)
     caches = None
-    for step, (plan, query, key, value) in enumerate(_steps(bs, H, G, d, dtype, cpu.max_num_seqs)):
+    for step, (plan, query, key, value) in enumerate(_steps(bs, H, G, d, dtype, _book(bs, cpu.max_num_seqs))):
         T = query.shape[0]
         if caches is None:
             page_bytes = page_format(bs, d, dtype).page_bytes

@@ -115,7 +115,7 @@ def _rotate_pages(plane, L, bs, from_pages, cos, sin):
 
 @kernel(fastmath=_FAST)
 def _paged_pairs(q, starts, lens, table, bs, cos, sin, pages, k_layout, k_rotated, v_layout, v_rotated, tail_k,
-                 tail_v, close_k, close_v, first_closing, out, start, stop):
+                 tail_v, close_k, close_v, first_closing, sink_slot, sink_k, sink_v, out, start, stop):
     """Attention of the (request, KV head) pairs start..stop-1 (pair = request * H + head).
 
     q [T, Hq, d] float32 (softmax scale folded in); starts [R+1] (request r's query tokens: rows starts[r] ..
@@ -123,7 +123,8 @@ def _paged_pairs(q, starts, lens, table, bs, cos, sin, pages, k_layout, k_rotate
     to rotate page keys by, or [0, 0] (keys stored rotated); pages [blocks, H, page_bytes] uint8 with each stream's
     fields where `page_layout` says; *_rotated: the stream's chunks are Hadamard-rotated; tail_k/tail_v
     [S, bs, H, d] and close_k/close_v [C, bs, H, d] the exact blocks (`_paged_planes`), bf16 bits or float32;
-    out [T, Hq, d] float32."""
+    sink_slot [R]: request r's first sink_k.shape[1] tokens read exact from slot sink_slot[r] of sink_k/sink_v
+    [slots, n, H, d] (its block 0 a page whose copies of them are not attended), -1: none; out [T, Hq, d] float32."""
     T, Hq, d = q.shape
     H = tail_k.shape[2]
     G = Hq // H
@@ -154,6 +155,11 @@ def _paged_pairs(q, starts, lens, table, bs, cos, sin, pages, k_layout, k_rotate
             _rotate_pages(keys, L, bs, from_pages, cos, sin)
         _paged_planes(pages, table, r, h, L, bs, v_layout, False, False, tail_v, close_v, first_closing, vals, v_s,
                       v_scales, value_pages)
+        sink, sinks = sink_slot[r], 0
+        if sink >= 0:  # (after the rotation: exact keys arrive rotated)
+            sinks = min(sink_k.shape[1], L)
+            _exact_rows(sink_k, sink, h, sinks, keys[:sinks])
+            _exact_rows(sink_v, sink, h, sinks, vals[:sinks])
         for first in range(0, queries, QUERY_TILE):
             n = min(QUERY_TILE, queries - first)
             M = G * n  # query row m: head h*G + m // n, token first + m % n
@@ -178,6 +184,9 @@ def _paged_pairs(q, starts, lens, table, bs, cos, sin, pages, k_layout, k_rotate
             for j in range((seen + bs - 1) // bs):
                 lo, hi = j * bs, min(seen, (j + 1) * bs)
                 if value_pages[j]:  # (the rotated basis when values rotate; low-rank term as (P·A)·Bᵀ)
+                    if j == 0 and sinks:  # exact sinks, then nothing of the page's copies of them
+                        _weighted_rows(plain, scores, vals, 0, min(sinks, hi))
+                        scores[:, : min(sinks, hi)] = 0.0
                     _weighted_rows(acc, scores, vals, lo, hi)
                     if rank:
                         _, factors = _page_run(pages, table[r, j], h, v_layout, v_scales)
@@ -193,21 +202,29 @@ def _paged_pairs(q, starts, lens, table, bs, cos, sin, pages, k_layout, k_rotate
 
 @kernel(fastmath=_FAST, parallel=True)
 def _paged_parallel(q, starts, lens, table, bs, cos, sin, pages, k_layout, k_rotated, v_layout, v_rotated, tail_k,
-                    tail_v, close_k, close_v, first_closing, out, parts):
+                    tail_v, close_k, close_v, first_closing, sink_slot, sink_k, sink_v, out, parts):
     """`_paged_pairs` of every pair, cut into `parts` contiguous shares on numba's threads (the same bits)."""
     pairs = lens.shape[0] * tail_k.shape[2]
     for part in numba.prange(parts):
         _paged_pairs(q, starts, lens, table, bs, cos, sin, pages, k_layout, k_rotated, v_layout, v_rotated, tail_k,
-                     tail_v, close_k, close_v, first_closing, out, part * pairs // parts, (part + 1) * pairs // parts)
+                     tail_v, close_k, close_v, first_closing, sink_slot, sink_k, sink_v, out, part * pairs // parts,
+                     (part + 1) * pairs // parts)
 
 
 def paged_attention(q, starts, lens, table, block_size, cos, sin, pages, keys, values, tail_k, tail_v, close_k,
-                    close_v, first_closing, out):
+                    close_v, first_closing, out, sink_slot=None, sink_k=None, sink_v=None):
     """Fill out [T, Hq, d] float32 with the attention of q [T, Hq, d] float32 (scale folded in) over the pages
     [blocks, H, page_bytes] uint8 and the exact blocks (tails, closing from source first_closing on:
     `_paged_planes`), numpy arrays; a request of lens 0 is skipped (its rows of out are left as they are);
-    keys/values: (layout, rotated) as `page_layout` gives them. Its (request, KV head) pairs are split over torch's
-    threads where numba runs them safely (`threads`)."""
+    keys/values: (layout, rotated) as `page_layout` gives them; sink_slot/sink_k/sink_v: exact first tokens
+    (`_paged_pairs`; None: none). Its (request, KV head) pairs are split over torch's threads where numba runs them
+    safely (`threads`)."""
+    if sink_slot is None:  # (same argument types as with sinks: one compiled signature)
+        sink_slot = np.full(len(lens), -1, dtype=np.int64)
+        sink_k = sink_v = np.zeros((0, 1, *tail_k.shape[2:]), dtype=tail_k.dtype)
+    if len(sink_slot) != len(lens) or (sink_slot >= sink_k.shape[0]).any() or sink_k.shape[1] >= block_size:
+        raise ValueError(f"paged attention: sink slots {sink_slot.tolist()} must be one per request, below the "
+                         f"{sink_k.shape[0]} held, of fewer tokens ({sink_k.shape[1]}) than a block ({block_size})")
     counts = np.diff(starts)
     if len(counts) != len(lens) or ((counts > lens) & (lens > 0)).any() or (counts < 0).any():
         raise ValueError(f"paged attention: query counts {counts.tolist()} (from starts) must be one per request and "
@@ -220,7 +237,7 @@ def paged_attention(q, starts, lens, table, block_size, cos, sin, pages, keys, v
         raise ValueError(f"paged attention: the table names pages past {pages.shape[0]}, tail slots past "
                          f"{tail_k.shape[0]} or closing blocks past {close_k.shape[0]}")
     args = (q, starts, lens, table, block_size, cos, sin, pages, *keys, *values, tail_k, tail_v, close_k, close_v,
-            first_closing, out)
+            first_closing, sink_slot, sink_k, sink_v, out)
     pairs = lens.shape[0] * tail_k.shape[2]
     threads.launch(lambda *serial: _paged_pairs(*serial, 0, pairs), _paged_parallel, args, pairs)
     return out

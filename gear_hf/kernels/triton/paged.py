@@ -130,7 +130,9 @@ def paged_attention(query: torch.Tensor, starts: torch.Tensor, lens: torch.Tenso
                     block_size: int, max_queries: int, pages: torch.Tensor, keys: PageStream | None,
                     values: PageStream | None, tail_k: torch.Tensor, tail_v: torch.Tensor, close_k: torch.Tensor,
                     close_v: torch.Tensor, first_closing: int, out: torch.Tensor, *, scale: float,
-                    inv_freq: torch.Tensor | None = None, attention_scaling: float = 1.0) -> torch.Tensor:
+                    inv_freq: torch.Tensor | None = None, attention_scaling: float = 1.0,
+                    sink_slot: torch.Tensor | None = None, sink_k: torch.Tensor | None = None,
+                    sink_v: torch.Tensor | None = None) -> torch.Tensor:
     """Fill out [T, Hq, d] with the attention of query [T, Hq, d] over paged storage.
 
     starts int32 [R+1]: request r's query tokens are rows starts[r] .. starts[r+1]-1, the last of its lens[r] tokens
@@ -140,7 +142,9 @@ def paged_attention(query: torch.Tensor, starts: torch.Tensor, lens: torch.Tenso
     block s - first_closing of close_k/close_v [C, bs, H, d] (keys after RoPE, the model dtype). keys/values: the
     streams' `page_stream`s, or None for the raw format (pages hold [K bs*d | V bs*d] in the model dtype).
     scale: the softmax scale; inv_freq [d/2]: the pages' keys are stored before RoPE and rotated at their positions
-    (0, 1, ... within the request) with attention_scaling; None: stored after RoPE."""
+    (0, 1, ... within the request) with attention_scaling; None: stored after RoPE. sink_slot int32 [R]: request
+    r's first n tokens are read from slot sink_slot[r] of sink_k/sink_v [slots, n, H, d] (the model dtype), not
+    from its block 0's page (-1: from the page); None: no sinks."""
     if query.device.type != "cuda" and not interpreting():
         raise RuntimeError("gear_hf paged attention needs CUDA tensors, or TRITON_INTERPRET=1 set before "
                            "gear_hf.kernels modules are imported (CPU interpreter)")
@@ -175,12 +179,24 @@ def paged_attention(query: torch.Tensor, starts: torch.Tensor, lens: torch.Tenso
     raw = keys is None
     if raw != (values is None):
         raise ValueError("paged Triton kernel: keys and values are both compressed streams or both raw (None)")
+    if sink_slot is None:
+        sink_slot, sink_k, sink_v = torch.full((R,), -1, dtype=torch.int32, device=query.device), tail_k, tail_v
+        sinks = 0
+    else:
+        sinks = sink_k.shape[1]
+        if sink_slot.shape != (R,) or sink_slot.dtype != torch.int32 or sink_slot.device != query.device or \
+                sink_k.dtype != query.dtype or tuple(sink_k.shape[2:]) != (H, d) or not 0 < sinks <= 16 or \
+                sink_v.shape != sink_k.shape:
+            raise ValueError(f"paged Triton kernel: sink_slot must be int32 [{R}] on {query.device} and sink_k/sink_v "
+                             f"{query.dtype} [slots, 1..16, {H}, {d}], got {sink_slot.dtype} "
+                             f"{tuple(sink_slot.shape)}, {sink_k.dtype} {tuple(sink_k.shape)}")
     if R == 0 or T == 0:
         return out
     page_bytes = pages.shape[2]
     flat = pages.view(-1)
     # (no tail slot or no closing block: any pointer of the model dtype stands in, the table names none)
-    tail_k, tail_v, close_k, close_v = (t if t.numel() else query for t in (tail_k, tail_v, close_k, close_v))
+    tail_k, tail_v, close_k, close_v, sink_k, sink_v = (
+        t if t.numel() else query for t in (tail_k, tail_v, close_k, close_v, sink_k, sink_v))
     if raw:
         k_args = {param: flat for param, _ in _KEY_FIELDS}
         k_args["kc"] = _field_pointer(flat, 0, query.dtype, 1)
@@ -207,7 +223,8 @@ def paged_attention(query: torch.Tensor, starts: torch.Tensor, lens: torch.Tenso
     with torch.cuda.device(query.device) if query.device.type == "cuda" else contextlib.nullcontext():
         _paged_attention_kernel[grid](
             query, query.stride(0), query.stride(1), starts, lens, table, table.stride(0),
-            tail_k, tail_v, close_k, close_v, first_closing, freq, float(attention_scaling), hadamard,
+            tail_k, tail_v, close_k, close_v, first_closing, sink_slot, sink_k, sink_v, sinks, freq,
+            float(attention_scaling), hadamard,
             out, out.stride(0), out.stride(1), float(scale) * LOG2E, H, page_bytes,
             *(k_args[param] for param, _ in _KEY_FIELDS), *(v_args[param] for param, _ in _VALUE_FIELDS),
             G=G, D=d, HALF=half, BS=block_size, BN=block_tokens(block_size), DT=dot_dt,

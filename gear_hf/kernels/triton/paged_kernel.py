@@ -20,7 +20,7 @@ from .tiles import _per_channel_tile, _value_tile
 from .unpack import _load_rows
 
 # Integer arguments whose values move from step to step (never specialized on: one compile per format and shape)
-_DYNAMIC = ["s_qt", "s_qh", "s_table", "first_closing", "s_ot", "s_oh", "H_KV"]
+_DYNAMIC = ["s_qt", "s_qh", "s_table", "first_closing", "s_ot", "s_oh", "H_KV", "SINKS"]
 
 
 @triton.jit
@@ -84,7 +84,7 @@ def _page_scores(qp1, qp2, slot, slot0, tvalid, pos, freq, kc, kw, ks, km, ksv, 
 
 
 @triton.jit
-def _page_block(qp1, qp2, t0, L, limit, mvalid, m_i, l_i, acc, freq, had_ptr,
+def _page_block(qp1, qp2, t0, t_lo, L, limit, mvalid, m_i, l_i, acc, freq, had_ptr,
                 kc, kw, ks, km, ksv, ksi, ka, kb, kas, kbs, vc, vs, vm, vsv, vsi, va, vb, vas, vbs,
                 D: tl.constexpr, HALF: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr,
                 FAST: tl.constexpr, ROPE: tl.constexpr, ROT_K: tl.constexpr,
@@ -93,7 +93,8 @@ def _page_block(qp1, qp2, t0, L, limit, mvalid, m_i, l_i, acc, freq, had_ptr,
                 V_BITS: tl.constexpr, V_UNIT: tl.constexpr, V_GROUP: tl.constexpr, V_R: tl.constexpr,
                 V_K2: tl.constexpr, V_CODES_W: tl.constexpr, V_STATS_W: tl.constexpr, V_BY_CHANNEL: tl.constexpr,
                 V_STATS_ROW: tl.constexpr):
-    """One page (its fields' pointers) of BS tokens from request token t0 on, in steps of BN tokens."""
+    """One page (its fields' pointers) of BS tokens from request token t0 on, in steps of BN tokens; the request's
+    tokens below t_lo are not attended here (exact sinks: the page holds copies)."""
     h_offs = tl.arange(0, HALF)
     n_offs = tl.arange(0, BN)
     if K_R > 0:  # the chunk's Bᵀ, loaded once per page
@@ -110,7 +111,7 @@ def _page_block(qp1, qp2, t0, L, limit, mvalid, m_i, l_i, acc, freq, had_ptr,
         slot0 = sub * BN
         slot = slot0 + n_offs
         t = t0 + slot
-        tvalid = t < L
+        tvalid = (t < L) & (t >= t_lo)
         s = _page_scores(qp1, qp2, slot, slot0, tvalid, t, freq, kc, kw, ks, km, ksv, ksi, ka, kbt1, kbt2, had_ptr,
                          D, HALF, BS, DT, FAST, ROPE, ROT_K, K_BITS, K_UNIT, K_GROUP, K_R, K_K, K_STATS_ROW,
                          K_PLANES, K_ROW)
@@ -130,6 +131,7 @@ def _page_block(qp1, qp2, t0, L, limit, mvalid, m_i, l_i, acc, freq, had_ptr,
 def _paged_attention_kernel(
     q_ptr, s_qt, s_qh, starts_ptr, lens_ptr, table_ptr, s_table,
     tail_k, tail_v, close_k, close_v, first_closing,  # exact blocks [S or C, BS, H, D], contiguous
+    sink_slot_ptr, sink_k, sink_v, SINKS,  # [R] sink slot of each request (-1: none); [slots, SINKS, H, D]
     freq_ptr, rope_scale, had_ptr, out_ptr, s_ot, s_oh, sm_scale, H_KV, PAGE_BYTES,
     # the fields of page (block 0, head 0), typed; RAW: kc is the page in the model dtype ([K BS*D | V BS*D])
     kc, kw, ks, km, ksv, ksi, ka, kb, kas, kbs,
@@ -144,7 +146,8 @@ def _paged_attention_kernel(
     """out rows of request r = program_id(0) // H_KV, KV head h, query rows m = program_id(1) * 16 + [0, 16) (row m:
     query token m // G of the request, head h * G + m % G). Request r's query tokens are rows starts[r] ..
     starts[r+1]-1 of q, the last of its lens[r] tokens; table[r, j]: block j of the request, a page id >= 0, else
-    -1 - s: tail slot s, or for s >= first_closing closing block s - first_closing."""
+    -1 - s: tail slot s, or for s >= first_closing closing block s - first_closing. A request with a sink slot
+    (its block 0 a page) attends its first SINKS tokens from sink_k/sink_v, not from the page."""
     pid = tl.program_id(0)
     r = pid // H_KV
     h = pid % H_KV
@@ -170,6 +173,12 @@ def _paged_attention_kernel(
         l_i = tl.zeros([16], tl.float32)
         acc = tl.zeros([16, D], tl.float32)
         exact_stride = BS * H_KV * D  # elements of one exact block
+        sink = tl.load(sink_slot_ptr + r)
+        if sink >= 0:
+            m_i, l_i, acc = _exact_blocks(q1, q2, sink_k + sink.to(tl.int64) * SINKS * H_KV * D + h * D,
+                                          sink_v + sink.to(tl.int64) * SINKS * H_KV * D + h * D, H_KV * D, 0, SINKS,
+                                          limit, mvalid, m_i, l_i, acc, had_ptr, D, HALF, BN, BN, DT, ROT_V)
+        skip = tl.where(sink >= 0, SINKS, 0)  # (block 0's first tokens: read above)
         for j in range(0, tl.cdiv(seen, BS)):
             entry = tl.load(table_ptr + r.to(tl.int64) * s_table + j)
             t0 = j * BS
@@ -180,7 +189,7 @@ def _paged_attention_kernel(
                                                   mvalid, m_i, l_i, acc, had_ptr, D, HALF, BS, BN, DT, ROT_V)
                 else:
                     m_i, l_i, acc = _page_block(
-                        qp1, qp2, t0, L, limit, mvalid, m_i, l_i, acc, freq, had_ptr,
+                        qp1, qp2, t0, tl.where(j == 0, skip, 0), L, limit, mvalid, m_i, l_i, acc, freq, had_ptr,
                         _at(kc, page), _at(kw, page), _at(ks, page), _at(km, page), _at(ksv, page), _at(ksi, page),
                         _at(ka, page), _at(kb, page), _at(kas, page), _at(kbs, page), _at(vc, page), _at(vs, page),
                         _at(vm, page), _at(vsv, page), _at(vsi, page), _at(va, page), _at(vb, page),
