@@ -157,6 +157,12 @@ def tail_bytes(layers: int, max_num_seqs: int, block_size: int, kv_heads: int, h
     return layers * 2 * max_num_seqs * block_size * kv_heads * head_size * itemsize
 
 
+def sink_bytes(layers: int, requests: int, sinks: int, kv_heads: int, head_size: int, itemsize=2) -> int:
+    """The most blocks.BlockWriter's sink pools hold when `requests` requests each close a first block of their own:
+    per layer keys + values [requests, sinks, H, d] in the model dtype."""
+    return layers * 2 * requests * sinks * kv_heads * head_size * itemsize
+
+
 def section_capacity_and_smollm2(report: dict, sections: set[str]) -> None:
     import torch
 
@@ -208,8 +214,9 @@ THROUGHPUT_FORMATS = ("GearConfig()", "kivi-4")
 
 
 def section_throughput(report: dict) -> None:
-    """Stock vs GEAR at equal KV memory (pages + the open-block tails at their most, max_num_seqs slots), memory-bound
-    and with ample memory: output tokens/s and requests/s of one timed generate after a warm-up."""
+    """Stock vs GEAR at equal KV memory (pages + the open-block tails at their most, max_num_seqs slots, + the exact
+    sinks of every request's first block and the warm-up's), memory-bound and with ample memory: output tokens/s and
+    requests/s of one timed generate after a warm-up."""
     import torch
 
     from gear_hf.vllm.format import PageFormat, config_from_env
@@ -229,8 +236,10 @@ def section_throughput(report: dict) -> None:
         for name in THROUGHPUT_FORMATS:
             if name not in FORMATS:
                 continue
-            fmt = PageFormat(config_from_env(json.dumps(FORMATS[name])), bs, head_size, torch.bfloat16)
-            equal = (BOUND_BLOCKS * stock_block - tails) // (layers * kv_heads * fmt.page_bytes)
+            gear_config = config_from_env(json.dumps(FORMATS[name]))
+            fmt = PageFormat(gear_config, bs, head_size, torch.bfloat16)
+            sinks = sink_bytes(layers, count + 1, gear_config.sink_tokens, kv_heads, head_size)
+            equal = (BOUND_BLOCKS * stock_block - tails - sinks) // (layers * kv_heads * fmt.page_bytes)
             runs += [(name, "bound", FORMATS[name], int(equal)), (name, "ample", FORMATS[name], None)]
         for name, memory, gear, blocks in runs:
             tag = f"throughput_{label}_{name}_{memory}".replace(" ", "").replace("()", "")
@@ -246,8 +255,11 @@ def section_throughput(report: dict) -> None:
             rows.append(dict(workload=label, prompt_tokens=[min(map(len, prompts)), max(map(len, prompts))],
                              new_tokens=new, format=name, memory=memory, blocks=result["num_blocks"],
                              kv_mib=round(kv / 2**20, 1),
-                             tails_mib=round(tails / 2**20, 1) if gear is not None else 0.0,
+                             tails_mib=round((tails + sink_bytes(layers, count + 1, config_from_env(
+                                 json.dumps(gear)).sink_tokens, kv_heads, head_size)) / 2**20, 1)
+                             if gear is not None else 0.0,
                              tails_held_mib=round(result.get("tail_bytes", 0) / 2**20, 1),
+                             sinks_held_mib=round(result.get("sink_bytes", 0) / 2**20, 2),
                              preemptions=result["preemptions"], seconds=seconds,
                              tokens_per_s=round(tokens / seconds, 1), requests_per_s=round(count / seconds, 3)))
     for r in rows:  # ratios against stock at the same memory (bound: equal KV bytes; ample: each its own)

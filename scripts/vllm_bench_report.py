@@ -40,7 +40,8 @@ def write_markdown(report: dict, out: Path, steps: int) -> None:
                   f"max_num_seqs {t['max_num_seqs']}, block {t['block_size']}; memory-bound: stock's KV cache of "
                   f"{t['bound_blocks']} blocks ({t['bound_mib']} MiB), each GEAR format the same bytes: its pages "
                   "plus the open-block tails at their most (max_num_seqs slots, counted whether held or not; "
-                  "'tails held': what the run grew them to). Ample: VLLM_CPU_KVCACHE_SPACE=1 GiB each. One timed "
+                  "'tails held': what the run grew them to) and the exact sink tokens of every request's first block "
+                  "(counted in the tails column; 'sinks held' where a run reports them). Ample: VLLM_CPU_KVCACHE_SPACE=1 GiB each. One timed "
                   "generate of every request after a warm-up request; tokens/s = output tokens / its seconds.", "",
                   "| workload | prompt tokens | format | memory | blocks | KV MiB (pages) | tails MiB (counted / held) "
                   "| preemptions | output tokens/s | requests/s | x stock (same memory) | x stock memory-bound |",
@@ -48,7 +49,7 @@ def write_markdown(report: dict, out: Path, steps: int) -> None:
         for r in t["rows"]:
             lines.append(f"| {r['workload']} + {r['new_tokens']} | {r['prompt_tokens'][0]}-{r['prompt_tokens'][1]} | "
                          f"{r['format']} | {r['memory']} | {r['blocks']} | {r['kv_mib']} | {r['tails_mib']} / "
-                         f"{r['tails_held_mib']} | {r['preemptions']} | {r['tokens_per_s']} | {r['requests_per_s']} | "
+                         f"{r['tails_held_mib']}{' + sinks ' + str(r['sinks_held_mib']) if r.get('sinks_held_mib') else ''} | {r['preemptions']} | {r['tokens_per_s']} | {r['requests_per_s']} | "
                          f"{r['x_stock']} | {r['x_stock_bound']} |")
         lines.append("")
     if report.get("agreement"):

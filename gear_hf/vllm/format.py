@@ -15,11 +15,13 @@ How GearConfig maps onto a block (block_config: the block is one decode chunk, b
   groups                       min(group, block_size) along tokens, min(group, head_size) along channels
   key_bit_allocation="query"   widths per key channel chosen from the block's own key ranges (query weights are not
                                available when a block is written: allocate_channel_bits with equal weights)
-  sink_tokens, prompt_group_size, rank_prefill: not used (the open block is the full-precision buffer; no
-                               prompt chunk: `transformers_config` gives gear_hf's Transformers path the same)
+  sink_tokens                  a request's first S tokens kept exact beside its first block's page, which holds
+                               copies of token S there (`blocks`: the backends, not the page format)
+  prompt_group_size, rank_prefill: not used (the open block is the full-precision buffer; no prompt chunk:
+                               `transformers_config` gives gear_hf's Transformers path the same)
   key_buffer, value_buffer, their centering, value_chunks_centered: not used (the open block is the engine's, in the
                                model dtype: no per-token buffer format, so no per-row centers to code blocks by)
-  pre_rope                     keys are un-rotated with their positions before compressing (backend.py)
+  pre_rope                     keys are un-rotated with their positions before compressing (`blocks`)
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ scripts/bench_vllm.py compare.
         [--max-num-batched-tokens 96] [--prefix-caching] [--warm-up] [--tensor-parallel-size 2] [--triton]
 
 prompts.json: a list of token-id lists. result.json: {"tokens": [[...], ...], "num_blocks", "preemptions",
-"block_size", "seconds" (the whole run), "generate_seconds" (the timed generate), "tail_bytes" (GEAR's open-block
-tails over every layer, as grown by the end)}. --gear sets GEAR_HF_VLLM=1 and
+"block_size", "seconds" (the whole run), "generate_seconds" (the timed generate), "tail_bytes" and "sink_bytes"
+(GEAR's open-block tails and exact sink tokens over every layer, as grown by the end)}. --gear sets GEAR_HF_VLLM=1 and
 GEAR_HF_VLLM_CONFIG for vLLM's processes; without it the plugin stays off (stock CPU_ATTN). The engine core runs in
 this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so its block count can be read back. --triton (with --gear, one
 rank): the GPU backend (`triton_backend`) in CPU_ATTN's place, its kernel in Triton's CPU interpreter: slow, for
@@ -136,9 +136,10 @@ def main(argv=None) -> None:
         if metric.name == "vllm:num_preemptions":
             preemptions = int(metric.value)
     layers = llm.llm_engine.vllm_config.compilation_config.static_forward_context.values()
-    pools = [layer.impl.tail_pool for layer in layers if getattr(getattr(layer, "impl", None), "tail_pool", None)]
+    impls = [layer.impl for layer in layers if getattr(getattr(layer, "impl", None), "tail_pool", None)]
     result = {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "num_blocks": cache.num_gpu_blocks,
-              "tail_bytes": sum(pool.nbytes for pool in pools),  # the open-block tails held at the end (GEAR)
+              "tail_bytes": sum(impl.tail_pool.nbytes for impl in impls),  # the open-block tails held (GEAR)
+              "sink_bytes": sum(impl.sink_pool.nbytes for impl in impls if impl.sink_pool is not None),
               "block_size": cache.block_size, "preemptions": preemptions, "seconds": round(time.time() - start, 1),
               "generate_seconds": round(generate_seconds, 3), "gear": args.gear}
     Path(args.out).write_text(json.dumps(result))
