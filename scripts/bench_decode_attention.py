@@ -42,37 +42,15 @@ import csv
 import functools
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+from benchlib.timing import median_ms
 
 HQ, HKV, D = 32, 8, 128
 _ROWS: list[dict] = []  # every measured row, in order (the variants look up their SDPA baseline here)
-
-
-def _median_ms(fn, iters: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    if not torch.cuda.is_available():  # --cpu-smoke: wall clock, only to exercise the script
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def _graph_ms(fn, iters: int, warmup: int) -> float | None:
@@ -89,7 +67,7 @@ def _graph_ms(fn, iters: int, warmup: int) -> float | None:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             fn()
-        return _median_ms(graph.replay, iters, warmup)
+        return median_ms(graph.replay, iters, warmup)
     except Exception as exc:  # capture is an optimisation of the measurement, never a failure
         print(f"   (CUDA graph capture failed: {type(exc).__name__}: {str(exc)[:120]})", flush=True)
         return None
@@ -295,7 +273,7 @@ def _time_fused(cache, q, inv_freq, args, record, T, batch, label, sdpa_ms, comp
             ref = reference_decode_attention(cache, 0, q, scaling=D ** -0.5, inv_freq=inv_freq)
             err = float(((out.float() - ref).abs().max() / ref.abs().max()).item())
             del ref
-        ms = _median_ms(fused, args.iters, args.warmup)
+        ms = median_ms(fused, args.iters, args.warmup)
         record(T=T, batch=batch, method=label, median_ms=round(ms, 4),
                graph_ms=_round(_graph_ms(fused, args.iters, args.warmup)), bytes=comp_bytes,
                vs_sdpa=round(ms / sdpa_ms, 3), rel_err=err, pad=pad)
@@ -324,7 +302,7 @@ def _bench_point(T, batch, args, dtype, device, inv_freq, record):
     k = torch.randn(batch, HKV, T, D, device=device, generator=g, dtype=torch.float32).to(dtype)
     v = torch.randn(batch, HKV, T, D, device=device, generator=g, dtype=torch.float32).to(dtype)
     fn = functools.partial(_sdpa_dense, q, k, v)
-    sdpa_ms = _median_ms(fn, args.iters, args.warmup)
+    sdpa_ms = median_ms(fn, args.iters, args.warmup)
     record(T=T, batch=batch, method="sdpa_fp16" if dtype == torch.float16 else "sdpa_bf16",
            median_ms=round(sdpa_ms, 4), graph_ms=_round(_graph_ms(fn, args.iters, args.warmup)),
            bytes=2 * k.numel() * k.element_size() + 2 * q.numel() * q.element_size(), vs_sdpa=1.0)
@@ -343,7 +321,7 @@ def _bench_point(T, batch, args, dtype, device, inv_freq, record):
                         tensor_core=True)
         if not args.no_reference:
             try:
-                ms = _median_ms(functools.partial(_reference_step, cache, q, inv_freq, dtype),
+                ms = median_ms(functools.partial(_reference_step, cache, q, inv_freq, dtype),
                                 max(5, args.iters // 3), 2)
                 dense = 2 * batch * HKV * T * D * torch.finfo(dtype).bits // 8
                 record(T=T, batch=batch, method=f"{name}_reference", median_ms=round(ms, 4),
@@ -392,7 +370,7 @@ def _bench_padded(T, args, dtype, device, inv_freq, record):
             return torch.nn.functional.scaled_dot_product_attention(
                 q, k.repeat_interleave(HQ // HKV, 1), v.repeat_interleave(HQ // HKV, 1), attn_mask=mask)  # noqa: F821
 
-    sdpa_ms = _median_ms(sdpa_masked, args.iters, args.warmup)
+    sdpa_ms = median_ms(sdpa_masked, args.iters, args.warmup)
     label = f"pad{max(pad)}"
     record(T=T, batch=batch, method=f"sdpa_padded_{'fp16' if dtype == torch.float16 else 'bf16'}",
            median_ms=round(sdpa_ms, 4), graph_ms=_round(_graph_ms(sdpa_masked, args.iters, args.warmup)),

@@ -29,35 +29,10 @@ import csv
 import json
 import math
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 FORMATS = {"fp16": {"method": "fp16"}, "default": {}, "kivi-4": {"preset": "kivi-4"}, "gear-2": {"preset": "gear-2"}}
-
-
-def _median_ms(fn, iters: int) -> float:
-    import torch
-
-    fn()
-    if not torch.cuda.is_available():
-        times = []
-        for _ in range(iters):
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
-        return statistics.median(times)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main(argv=None) -> int:
@@ -77,6 +52,7 @@ def main(argv=None) -> int:
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # (before the kernels are defined)
     import torch
+    from benchlib.timing import median_ms
 
     if not torch.cuda.is_available() and not args.smoke:
         print("bench_paged_attention: no CUDA device; nothing measured (--smoke exercises the script on the CPU)")
@@ -132,7 +108,7 @@ def main(argv=None) -> int:
     q4 = query[:, :, None, :]  # [R, Hq, 1, d]
     sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q4, dense_k, dense_v, enable_gqa=True)  # noqa: E731
     dense_bytes = 2 * dense_k.numel() * dense_k.element_size()
-    ms = _median_ms(sdpa, args.iters)
+    ms = median_ms(sdpa, args.iters, 1)
     write({"method": "sdpa", "ms": round(ms, 4), "bytes": dense_bytes, "gb_per_s": round(dense_bytes / ms / 1e6, 1),
            "bytes_per_token": dense_bytes // (R * T), "max_rel_error": None})
 
@@ -156,7 +132,7 @@ def main(argv=None) -> int:
             paged.paged_attention(query, starts, lens, table, bs, 1, pages, *streams, tail_k, tail_v, empty, empty,
                                   R, out, scale=scale, inv_freq=inv)
 
-        ms = _median_ms(step, args.iters)
+        ms = median_ms(step, args.iters, 1)
         # the float32 oracle: pages decoded, keys rotated at their positions, then attention
         dk, dv = fmt.decode(pages, torch.float32)
         dk = dk.float().view(R, closed, hkv, bs, d).permute(0, 2, 1, 3, 4).reshape(R, hkv, closed * bs, d)
