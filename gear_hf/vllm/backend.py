@@ -25,42 +25,25 @@ from vllm import _custom_ops as ops
 from vllm import envs
 from vllm.config import get_current_vllm_config
 from vllm.logger import init_logger
-from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
+from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
     CPUAttentionMetadata,
     CPUAttentionMetadataBuilder,
 )
-from vllm.v1.kv_cache_interface import AttentionSpec
 
 from gear_hf.kernels.cpu import paged
 
-from .blocks import BlockWriter, TailPool, check_page_spec, key_rotary, page_format, page_spec, sink_tokens
+from .blocks import BlockWriter, PageBackend, TailPool, check_page_spec, key_rotary, page_format, sink_tokens
 from .format import PageFormat
 from .plan import StepPlan, TailBook, WorkspacePart
 
 logger = init_logger("vllm.gear_hf")  # under "vllm": its handler prints it
 
 
-class GearAttentionBackend(CPUAttentionBackend):
+class GearAttentionBackend(PageBackend, CPUAttentionBackend):
     """CPU_ATTN's kernels over GEAR pages (installed in CPU_ATTN's place by plugin.register)."""
-
-    # the KV update needs the plan and the staged blocks: forward does both
-    forward_includes_kv_cache_update: bool = True
-    supported_kv_cache_dtypes = ["auto"]
-
-    @classmethod
-    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
-        return page_spec(spec)
-
-    @classmethod
-    def supports_sliding_window(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_attn_type(cls, attn_type: str) -> bool:
-        return attn_type == AttentionType.DECODER
 
     @staticmethod
     def get_impl_cls() -> type["GearAttentionImpl"]:

@@ -22,11 +22,33 @@ from dataclasses import replace
 
 import torch
 from vllm.config import get_current_vllm_config
+from vllm.v1.attention.backend import AttentionType
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from .format import PageFormat, config_from_env
 from .plan import StepPlan
 from .rotary import KeyRotary
+
+
+class PageBackend:
+    """What both GEAR attention backends declare to vLLM (mixed in before vLLM's backend class): one state of page
+    bytes per (block, KV head), causal decoder attention without a sliding window, the KV cache dtype the model's,
+    and a forward that writes the KV cache itself (the writes need the plan and the staged blocks)."""
+
+    forward_includes_kv_cache_update: bool = True
+    supported_kv_cache_dtypes = ["auto"]
+
+    @classmethod
+    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
+        return page_spec(spec)
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
 
 
 def page_format(block_size: int, head_size: int, dtype: torch.dtype) -> PageFormat:

@@ -29,22 +29,19 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
     MultipleOf,
 )
-from vllm.v1.kv_cache_interface import AttentionSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from .blocks import BlockWriter, TailPool, check_page_spec, key_rotary, page_format, page_spec, sink_tokens
+from .blocks import BlockWriter, PageBackend, TailPool, check_page_spec, key_rotary, page_format, sink_tokens
 from .plan import StepPlan, TailBook
 
 logger = init_logger("vllm.gear_hf")
 
 
-class GearTritonBackend(AttentionBackend):
+class GearTritonBackend(PageBackend, AttentionBackend):
     """GEAR pages read in place by a Triton kernel (GPU; the CPU interpreter under TRITON_INTERPRET=1)."""
 
     accept_output_buffer: bool = True
-    forward_includes_kv_cache_update: bool = True  # (the writes need the plan and the staged blocks)
     supported_dtypes = [torch.float16, torch.bfloat16, torch.float32]
-    supported_kv_cache_dtypes = ["auto"]
 
     @staticmethod
     def get_name() -> str:
@@ -58,10 +55,6 @@ class GearTritonBackend(AttentionBackend):
     def get_builder_cls() -> type["GearTritonMetadataBuilder"]:
         return GearTritonMetadataBuilder
 
-    @classmethod
-    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
-        return page_spec(spec)
-
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list:
         return [MultipleOf(16)]  # (the kernel's blocks are vLLM's: one page per block)
@@ -73,14 +66,6 @@ class GearTritonBackend(AttentionBackend):
     @classmethod
     def supports_head_size(cls, head_size: int) -> bool:
         return head_size >= 32 and head_size & (head_size - 1) == 0
-
-    @classmethod
-    def supports_sliding_window(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_attn_type(cls, attn_type: str) -> bool:
-        return attn_type == AttentionType.DECODER
 
 
 @dataclass
