@@ -144,13 +144,7 @@ class GearAttentionImpl(BlockWriter, CPUAttentionBackendImpl):
         if attn_metadata is None:  # warm-up / profiling run
             return output
         plan: StepPlan = attn_metadata.plan
-        num_blocks, heads, states, _ = kv_cache.shape
-        if states != 1 or heads != self.num_kv_heads:
-            raise ValueError(f"GEAR pages must be [blocks, {self.num_kv_heads} KV heads, 1 state, bytes]; got "
-                             f"{tuple(kv_cache.shape)}")
-        if self.format is None:
-            self._setup(kv_cache, key.dtype, plan.block_size)
-        pages = kv_cache[:, :, 0, :].view(torch.uint8)  # [num_blocks, H, page_bytes]
+        pages = self._layer_pages(kv_cache, key.dtype, plan.block_size)
         T = attn_metadata.num_actual_tokens
         close_k, close_v = self._write(plan, key[:T], value[:T])
         part = attn_metadata.workspace

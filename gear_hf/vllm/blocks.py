@@ -120,14 +120,29 @@ class TailPool:
 
 
 class BlockWriter:
-    """A backend impl's writes (mixin): needs format (PageFormat), rotary (KeyRotary or None), num_kv_heads,
-    head_size and max_num_seqs; `_pools` makes tail_pool and sink_pool."""
+    """A backend impl's storage steps (mixin): needs format (PageFormat, None until `_setup`), rotary (KeyRotary or
+    None), num_kv_heads, head_size and max_num_seqs; `_pools` makes tail_pool and sink_pool."""
 
     def _pools(self, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
         self.tail_pool = TailPool(self.max_num_seqs, block_size, self.num_kv_heads, self.head_size, dtype, device)
         count = sink_tokens(block_size)
         self.sink_pool = TailPool(sys.maxsize, count, self.num_kv_heads, self.head_size, dtype, device) \
             if count else None
+
+    def _layer_pages(self, kv_cache: torch.Tensor, dtype: torch.dtype, block_size: int) -> torch.Tensor:
+        """The layer's pages [blocks, H, page_bytes] uint8 of vLLM's KV cache [blocks, H, 1 state, bytes in its
+        dtype]; the impl's `_setup` (format, pools) at the layer's first step."""
+        _, heads, states, _ = kv_cache.shape
+        if states != 1 or heads != self.num_kv_heads:
+            raise ValueError(f"GEAR pages must be [blocks, {self.num_kv_heads} KV heads, 1 state, bytes]; got "
+                             f"{tuple(kv_cache.shape)}")
+        if self.format is None:
+            self._setup(kv_cache, dtype, block_size)
+        pages = kv_cache[:, :, 0, :].view(torch.uint8)
+        if not pages.is_contiguous():
+            raise ValueError(f"GEAR pages must be contiguous per layer (KV cache layout LBHNC); got strides "
+                             f"{tuple(pages.stride())} for {tuple(pages.shape)}")
+        return pages
 
     def _write(self, plan: StepPlan, key: torch.Tensor, value: torch.Tensor):
         """This step's tokens put where the attention reads them: the blocks that close this step staged whole,

@@ -159,16 +159,7 @@ class GearTritonImpl(BlockWriter, AttentionImpl):
             return output
         meta: GearTritonMetadata = attn_metadata
         plan = meta.plan
-        num_blocks, heads, states, _ = kv_cache.shape
-        if states != 1 or heads != self.num_kv_heads:
-            raise ValueError(f"GEAR pages must be [blocks, {self.num_kv_heads} KV heads, 1 state, bytes]; got "
-                             f"{tuple(kv_cache.shape)}")
-        if self.format is None:
-            self._setup(kv_cache, key.dtype, plan.block_size)
-        pages = kv_cache[:, :, 0, :].view(torch.uint8)  # [num_blocks, H, page_bytes]
-        if not pages.is_contiguous():
-            raise ValueError(f"GEAR pages must be contiguous per layer (KV cache layout LBHNC); got strides "
-                             f"{tuple(pages.stride())} for {tuple(pages.shape)}")
+        pages = self._layer_pages(kv_cache, key.dtype, plan.block_size)
         T = meta.num_actual_tokens
         close_k, close_v = self._write(plan, key[:T], value[:T])
         Hq, d = self.num_heads, self.head_size
