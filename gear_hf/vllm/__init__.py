@@ -3,7 +3,9 @@
 Enabled per process by environment variables, read by the `vllm.general_plugins` entry point (`plugin.register`),
 which vLLM runs in every process it starts:
 
-    GEAR_HF_VLLM=1                                   replace CPU_ATTN's class with GearAttentionBackend
+    GEAR_HF_VLLM=1                                   replace CPU_ATTN's class with GearAttentionBackend (CPU) and
+                                                     register GearTritonBackend as CUSTOM (GPUs:
+                                                     --attention-backend CUSTOM)
     GEAR_HF_VLLM_CONFIG='{"preset": "gear-2"}'       the format: {"preset": NAME, ...GearConfig fields} or
                                                      {"recommended": NAME, ...} or plain GearConfig fields;
                                                      absent: GearConfig()
