@@ -58,9 +58,8 @@ def main(argv=None) -> int:
         print("bench_paged_attention: no CUDA device; nothing measured (--smoke exercises the script on the CPU)")
         return 0
     from gear_hf.compress.rope import apply_rotary, rope_tables
-    from gear_hf.config import GearConfig
     from gear_hf.kernels.triton import paged
-    from gear_hf.vllm.format import PageFormat
+    from gear_hf.vllm.format import PageFormat, config_from_env
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     hq, hkv, d = (4, 2, 64) if args.smoke else (32, 8, 128)
@@ -113,9 +112,7 @@ def main(argv=None) -> int:
            "bytes_per_token": dense_bytes // (R * T), "max_rel_error": None})
 
     for name in formats:
-        config = GearConfig(**FORMATS[name]) if "preset" not in FORMATS[name] else GearConfig.preset(
-            FORMATS[name]["preset"])
-        fmt = PageFormat(config, bs, d, dtype)
+        fmt = PageFormat(config_from_env(json.dumps(FORMATS[name])), bs, d, dtype)
         page_k = keys[:, : closed * bs].reshape(R, closed, bs, hkv, d).permute(0, 1, 3, 2, 4).reshape(-1, hkv, bs, d)
         page_v = values[:, : closed * bs].reshape(R, closed, bs, hkv, d).permute(0, 1, 3, 2, 4).reshape(-1, hkv, bs, d)
         if fmt.raw:  # (raw pages hold the keys as attended: after RoPE)

@@ -231,15 +231,20 @@ def section_throughput(report: dict) -> None:
     rows = []
     for label, count, shots, new in WORKLOADS:
         prompts = gsm8k_prompts(model, n=count, shots=shots)
+
+        def held_beside(gear: dict) -> int:
+            """Bytes a GEAR format holds beside its pages at their most: the tails and every request's sinks (the
+            warm-up request's too)."""
+            sinks = config_from_env(json.dumps(gear)).sink_tokens
+            return tails + sink_bytes(layers, count + 1, sinks, kv_heads, head_size)
+
         common = dict(steps=new, max_num_seqs=seqs, max_model_len=1024, warm_up=True)
         runs = [("stock", "ample", None, None), ("stock", "bound", None, BOUND_BLOCKS)]
         for name in THROUGHPUT_FORMATS:
             if name not in FORMATS:
                 continue
-            gear_config = config_from_env(json.dumps(FORMATS[name]))
-            fmt = PageFormat(gear_config, bs, head_size, torch.bfloat16)
-            sinks = sink_bytes(layers, count + 1, gear_config.sink_tokens, kv_heads, head_size)
-            equal = (BOUND_BLOCKS * stock_block - tails - sinks) // (layers * kv_heads * fmt.page_bytes)
+            fmt = PageFormat(config_from_env(json.dumps(FORMATS[name])), bs, head_size, torch.bfloat16)
+            equal = (BOUND_BLOCKS * stock_block - held_beside(FORMATS[name])) // (layers * kv_heads * fmt.page_bytes)
             runs += [(name, "bound", FORMATS[name], int(equal)), (name, "ample", FORMATS[name], None)]
         for name, memory, gear, blocks in runs:
             tag = f"throughput_{label}_{name}_{memory}".replace(" ", "").replace("()", "")
@@ -255,9 +260,7 @@ def section_throughput(report: dict) -> None:
             rows.append(dict(workload=label, prompt_tokens=[min(map(len, prompts)), max(map(len, prompts))],
                              new_tokens=new, format=name, memory=memory, blocks=result["num_blocks"],
                              kv_mib=round(kv / 2**20, 1),
-                             tails_mib=round((tails + sink_bytes(layers, count + 1, config_from_env(
-                                 json.dumps(gear)).sink_tokens, kv_heads, head_size)) / 2**20, 1)
-                             if gear is not None else 0.0,
+                             tails_mib=round(held_beside(gear) / 2**20, 1) if gear is not None else 0.0,
                              tails_held_mib=round(result.get("tail_bytes", 0) / 2**20, 1),
                              sinks_held_mib=round(result.get("sink_bytes", 0) / 2**20, 2),
                              preemptions=result["preemptions"], seconds=seconds,

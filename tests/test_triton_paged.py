@@ -21,7 +21,7 @@ CONFIGS = {"default": GearConfig(), "gear-2": GearConfig.preset("gear-2"), "kivi
 def _run(config, dtype, rotated, device=DEVICE, **shape):
     from gear_hf.kernels.triton import paged
 
-    c = paged_case(config, dtype, rotated, **shape)
+    c = paged_case(config, dtype, rotated, **shape, query_dtype=dtype)  # (the oracle's query: the kernel's, rounded)
     bs, d = c.fmt.block_size, c.fmt.head_size
     streams = (None, None) if c.fmt.raw else [
         paged.page_stream(spec, tuple((name, *where) for name, where in layout.items()), bs, d, keys)
@@ -36,9 +36,7 @@ def _run(config, dtype, rotated, device=DEVICE, **shape):
                           c.table.to(**int32), bs, max(counts), c.pages.to(device), *streams,
                           *(t.to(device) for t in (c.tail_k, c.tail_v, c.close_k, c.close_v)), c.slots, out,
                           scale=1 / math.sqrt(d), inv_freq=c.inv_freq if rotated else None, **sinks)
-    # the oracle with the query as the kernel took it (rounded to the model dtype)
-    c2 = paged_case(config, dtype, rotated, **shape, query_dtype=dtype)
-    return out.cpu().double(), c2.expected
+    return out.cpu().double(), c.expected
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
