@@ -129,6 +129,7 @@ class GearTritonImpl(BlockWriter, AttentionImpl):
         self.tail_pool: TailPool | None = None
         self.sink_pool: TailPool | None = None
         self.format = None
+        self.inv_freq: torch.Tensor | None = None  # the rotary's, on the pages' device (pre-RoPE pages)
         self.streams: tuple = ()  # (keys, values) `paged.page_stream`s of the format; (None, None) for raw pages
         self.max_num_seqs = get_current_vllm_config().scheduler_config.max_num_seqs
         self.rotary = key_rotary(head_size)
@@ -145,6 +146,8 @@ class GearTritonImpl(BlockWriter, AttentionImpl):
                                   self.head_size, keys)
                 for spec, layout, keys in zip(self.format.specs, self.format.layout, (True, False)))
         self._pools(block_size, dtype, kv_cache.device)
+        # (moved to the device once, not at every layer-step)
+        self.inv_freq = None if self.rotary is None else self.rotary.inv_freq.to(kv_cache.device)
         logger.info_once("GEAR pages (Triton): %s, %d bytes per (block, KV head) (%.3f bits/element), block %d "
                          "tokens, pre-RoPE keys: %s", self.format.config.describe(), self.format.page_bytes,
                          self.format.bits_per_element(), block_size, self.rotary is not None)
@@ -163,12 +166,12 @@ class GearTritonImpl(BlockWriter, AttentionImpl):
         T = meta.num_actual_tokens
         close_k, close_v = self._write(plan, key[:T], value[:T])
         Hq, d = self.num_heads, self.head_size
-        inv_freq, scaling = (self.rotary.inv_freq, self.rotary.attention_scaling) if self.rotary else (None, 1.0)
+        scaling = self.rotary.attention_scaling if self.rotary else 1.0
         sinks = {} if self.sink_pool is None else dict(sink_slot=meta.sink_slot, sink_k=self.sink_pool.keys,
                                                          sink_v=self.sink_pool.values)
         paged.paged_attention(query[:T].view(T, Hq, d), meta.starts, meta.lens, meta.table, plan.block_size,
                               meta.max_queries, pages, *self.streams, self.tail_pool.keys, self.tail_pool.values,
                               close_k, close_v, plan.first_closing, output[:T].view(T, Hq, d), scale=self.scale,
-                              inv_freq=inv_freq, attention_scaling=scaling, **sinks)
+                              inv_freq=self.inv_freq, attention_scaling=scaling, **sinks)
         self._store(plan, pages, close_k, close_v)
         return output
