@@ -190,11 +190,13 @@ def test_a_one_token_prompt_generates_with_an_empty_coded_buffer(backend):
 @pytest.mark.parametrize("spec", [INT8_TOKENS, INT8_ROTATED_TOKENS, INT4_TOKENS], ids=["int8", "int8-rotated", "int4"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("d", [64, 128, 80, 96, 7])
-def test_kernel_encode_is_the_oracle_bit_for_bit(spec, dtype, d):
+@pytest.mark.parametrize("centered", [False, True])
+def test_kernel_encode_is_the_oracle_bit_for_bit(spec, dtype, d, centered):
     """encode_staged writes exactly what `compress(token, spec)` stores (codes packed, bf16 scale and minimum) for
     the marked tokens, and nothing else: wide and tiny ranges, constant vectors, an outlier channel. INT4_TOKENS
     rotates each vector in blocks of d's largest power-of-two divisor (80: 16, 96: 32, 7: 1, i.e. not rotated) and
-    packs two codes a byte (7: the last byte holds one)."""
+    packs two codes a byte (7: the last byte holds one). centered: each token coded by per-channel centers and
+    power-of-two scales first, as `ChannelCenters.normalized` codes it (in the model's dtype)."""
     pytest.importorskip("numba")
     from gear_hf.kernels.cpu import encode_staged, encode_supported
 
@@ -213,10 +215,16 @@ def test_kernel_encode_is_the_oracle_bit_for_bit(spec, dtype, d):
               "minimum": torch.full((B, H, cap, 1), 3.0, dtype=torch.bfloat16)}
     before = {name: t.clone() for name, t in fields.items()}
     assert encode_supported(spec, x)
+    affine = None
+    coded = x
+    if centered:  # [B,H,2,d]: scales (powers of two), centers
+        affine = torch.stack([torch.randint(-3, 4, (B, H, d), generator=g).float().exp2(),
+                              torch.randn(B, H, d, generator=g)], dim=2)
+        coded = ((x.float() - affine[:, :, 1, None]) / affine[:, :, 0, None]).to(dtype)
     with torch.inference_mode():
-        encode_staged(x, written, fields, spec)
+        encode_staged(x, written, fields, spec, affine)
     rows, columns = written.nonzero(as_tuple=True)
-    oracle = compress(x[rows, :, columns].unsqueeze(2), spec)  # [N,H,1,...]: one token per entry
+    oracle = compress(coded[rows, :, columns].unsqueeze(2), spec)  # [N,H,1,...]: one token per entry
     for name, t in fields.items():
         expected = getattr(oracle, name)[:, :, 0]
         assert t.dtype == expected.dtype

@@ -75,10 +75,12 @@ class Backend:
         raise NotImplementedError
 
     # the buffer held per token (`gear_hf.cache.coded_store.CodedTokenStore`)
-    def encode_tokens(self, spec, exact: torch.Tensor, written: torch.Tensor, fields: dict) -> bool:
+    def encode_tokens(self, spec, exact: torch.Tensor, written: torch.Tensor, fields: dict,
+                      affine: torch.Tensor | None = None) -> bool:
         """Encode the tokens marked in written [B,cap] (bool) of exact [B,H,cap,d] into a coded buffer's fields
-        ([B,H,cap,...]) in place, bit for bit as `compress(token, spec)`; False when this backend does not (the store's
-        oracle encodes them)."""
+        ([B,H,cap,...]) in place, bit for bit as `compress(token, spec)` (affine: float32 [B,H,2,d], a centered
+        buffer's `ChannelCenters.kernel_affine`: each token as `ChannelCenters.normalized` codes it); False when this
+        backend does not (the store's oracle encodes them)."""
         return False
 
     def reads_tail(self, spec, head_dim: int) -> bool:

@@ -68,11 +68,11 @@ class NumbaBackend(Backend):
             return _ORACLE.compress(spec, x, channel_bits)
         return compress(x, spec, channel_bits=channel_bits, backbone=cpu.compress_backbone, factors=cpu.fit_factors)
 
-    def encode_tokens(self, spec, exact, written, fields):
+    def encode_tokens(self, spec, exact, written, fields, affine=None):
         cpu = _kernels()
         if not cpu.encode_supported(spec, exact):
             return False
-        cpu.encode_staged(exact, written, fields, spec)
+        cpu.encode_staged(exact, written, fields, spec, affine)
         return True
 
     def reads_tail(self, spec, head_dim):

@@ -121,11 +121,12 @@ class CodedTokenStore:
         for row, start, length in kept or ():
             written[row, :start] = False
             written[row, start + length :] = False
-        coded = exact if self.centers is None else self.centers.normalized(exact)
+        affine = self.centers.kernel_affine() if self.centers is not None else None
         # any backend of the plan whose kernel encodes this format (bit for bit the oracle's: which one does not
         # matter; the compress backend may be the torch one for chunk features its kernels lack, e.g. range search)
         encoders = self.plan.accelerators if self.plan is not None else ()
-        if not any(backend.encode_tokens(self.spec, coded, written, self.fields) for backend in encoders):
+        if not any(backend.encode_tokens(self.spec, exact, written, self.fields, affine) for backend in encoders):
+            coded = exact if self.centers is None else self.centers.normalized(exact)
             rows, columns = written.nonzero(as_tuple=True)
             if rows.numel():
                 chunk = self.encode(coded[rows, :, columns].unsqueeze(2))  # [N,H,1,d]: one token per entry

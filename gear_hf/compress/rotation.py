@@ -37,8 +37,18 @@ def hadamard(d: int, device=None) -> torch.Tensor:
 
 
 def rotate(x: torch.Tensor) -> torch.Tensor:
-    """x [..., d] rotated, in float32; applying it twice gives x back (to float32 rounding)."""
+    """x [..., d] rotated, in float32; applying it twice gives x back (to float32 rounding). Computed as the fast
+    Walsh–Hadamard butterflies (pairs (k, k+s) of each 2s-block for s = 1, 2, .., b/2: sums and differences), then
+    times the matrix's entry 1/sqrt(b) rounded to float32: the order of operations the CPU kernels follow
+    (`kernels.cpu.dequant._hadamard_rows`), so they rotate bit for bit as this does (a matmul's sums follow the BLAS
+    library's order)."""
     d = x.shape[-1]
     b = block_size(d)
-    blocks = x.float().reshape(*x.shape[:-1], d // b, b)
-    return (blocks @ _hadamard_cpu(b).to(x.device)).reshape(x.shape)
+    y = x.float()
+    s = 1
+    while s < b:
+        pairs = y.reshape(*x.shape[:-1], d // (2 * s), 2, s)  # [..., blocks of 2s, (k, k+s), s]
+        first, second = pairs.unbind(-2)
+        y = torch.stack((first + second, first - second), dim=-2)
+        s *= 2
+    return (y * _hadamard_cpu(b)[0, 0]).reshape(x.shape)
