@@ -35,9 +35,7 @@ def grown_capacity(current: int, needed: int, granule: int = 1, limit: int | Non
 
 def _grown(t: torch.Tensor, capacity: int) -> torch.Tensor:
     """Copy of t [B,H,c,...] with dim 2 enlarged to `capacity` (zero-filled: unused slots stay finite)."""
-    out = t.new_zeros(*t.shape[:2], capacity, *t.shape[3:])
-    out[:, :, : t.shape[2]] = t
-    return out
+    return torch.nn.functional.pad(t, (0, 0) * (t.dim() - 3) + (0, capacity - t.shape[2]))  # (one op: a copy)
 
 
 # `ChunkStore.derived` key of the store's last `kernels.views.ChunkRunView` ((version, chunks, reader), view): a decode
