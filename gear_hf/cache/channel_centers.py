@@ -124,8 +124,9 @@ class ChannelCenters:
             center = f["center"].float() * f["step"].float()[..., None]
             return center, torch.ones_like(center)
         d = f["center"].shape[-1]
-        above = torch.stack([f["above"] & 15, f["above"] >> 4], dim=-1).flatten(-2)[..., :d]  # [J,H,d]
-        return f["center"].float(), torch.exp2(above.float() + f["low"].float()[..., None])
+        # 2^(each channel's exponent above the head's lowest), the two channels of a byte at once: [J,H,d]
+        above = _NIBBLE_POWERS.to(f["above"].device)[f["above"].long()].flatten(-2)[..., :d]
+        return f["center"].float(), above * torch.exp2(f["low"].float())[..., None]  # (powers of two: exact)
 
     def normalized(self, x: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
         """x [J,H,n,d] (rows' tokens; None: every row's) as coded: (x - center) / scale, in x's dtype."""
@@ -179,3 +180,5 @@ class ChannelCenters:
 
 
 _TINY = torch.finfo(torch.float32).tiny
+# float32 [256, 2]: a byte of `above` as the powers of two of its low and high nibble (the even channel, the odd one)
+_NIBBLE_POWERS = torch.stack([torch.arange(256) & 15, torch.arange(256) >> 4], dim=-1).float().exp2()

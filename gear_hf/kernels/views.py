@@ -150,12 +150,16 @@ class DecodeLayout:
 
 def add_center(out: torch.Tensor, values: StreamView, limits: torch.Tensor) -> torch.Tensor:
     """out [B,q,Hq,d] (a kernel's attention over `values` handed centered) += values.center [B,H,d] for each query
-    head's KV head, in the rows whose query attends anything (limits [B,q] >= 0; padding stays zeros); in place."""
+    head's KV head, in the rows whose query attends anything (limits [B,q] >= 0; padding stays zeros); in place (out
+    contiguous, as the kernels write it)."""
     if values.center is None:
         return out
-    G = out.shape[2] // values.center.shape[1]
-    center = values.center.to(out.device).repeat_interleave(G, dim=1)[:, None]  # [B,1,Hq,d]
-    return out.add_((center * (limits >= 0)[:, :, None, None].to(center.dtype)).to(out.dtype))
+    B, q, Hq, d = out.shape
+    H = values.center.shape[1]
+    center = values.center.to(out.device)[:, None, :, None]  # [B,1,H,1,d]: every query head of a KV head's group
+    seen = (limits >= 0)[:, :, None, None, None].to(center.dtype)  # [B,q,1,1,1]
+    out.view(B, q, H, Hq // H, d).add_((center * seen).to(out.dtype))
+    return out
 
 
 def key_outlier_count(run: ChunkRunView) -> int:
