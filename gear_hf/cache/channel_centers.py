@@ -133,6 +133,8 @@ class ChannelCenters:
         if not self.fields:
             return x
         center, scale = self._center_scale(rows)
+        if not self.scaled:  # (scales of 1: the division changes no bit)
+            return (x.float() - center[:, :, None]).to(x.dtype)
         return ((x.float() - center[:, :, None]) / scale[:, :, None]).to(x.dtype)
 
     def restored(self, decoded: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:

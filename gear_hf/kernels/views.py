@@ -148,20 +148,6 @@ class DecodeLayout:
     buffer_size: int  # n_b: tokens per decode chunk
 
 
-def add_center(out: torch.Tensor, values: StreamView, limits: torch.Tensor) -> torch.Tensor:
-    """out [B,q,Hq,d] (a kernel's attention over `values` handed centered) += values.center [B,H,d] for each query
-    head's KV head, in the rows whose query attends anything (limits [B,q] >= 0; padding stays zeros); in place (out
-    contiguous, as the kernels write it)."""
-    if values.center is None:
-        return out
-    B, q, Hq, d = out.shape
-    H = values.center.shape[1]
-    center = values.center.to(out.device)[:, None, :, None]  # [B,1,H,1,d]: every query head of a KV head's group
-    seen = (limits >= 0)[:, :, None, None, None].to(center.dtype)  # [B,q,1,1,1]
-    out.view(B, q, H, Hq // H, d).add_((center * seen).to(out.dtype))
-    return out
-
-
 def key_outlier_count(run: ChunkRunView) -> int:
     """Outlier slots per channel per chunk of a key run (2k), 0 when it has no sparse term."""
     if run is None or run.sparse_values.numel() == 0 or run.capacity == 0:

@@ -26,7 +26,6 @@ import numpy as np
 import torch
 
 from ...compress import side_dtype
-from ..views import add_center
 from . import threads
 from .attend_args import _float32, _rope_halves, _stream_runs, _tail_args
 from .bf16 import side_value as _side
@@ -366,7 +365,12 @@ def decode_attention(query: torch.Tensor, keys, values, layout, *, scaling: floa
             _tail_args(values, side, unrotated=False), pk, pk_factors, pv, pv_factors, dk, dk_factors, dv, dv_factors,
             rot_k, rot_v, bool(values.held_chunk), result)
     threads.launch(_attend, _attend_parallel, args, B * Hkv)  # (row, KV head) pairs over torch's threads
-    result = add_center(torch.from_numpy(result), values, layout.limits)  # (values handed centered: + the centers)
+    if values.center is not None:  # values handed centered: each KV head's centers [B,H,d] back onto its query heads'
+        # output rows, where the query attends anything (the weights sum to one; padding stays zeros)
+        seen = layout.limits.numpy() >= 0  # [B,QL]
+        result.reshape(B, QL, Hkv, Hq // Hkv, D)[...] += \
+            values.center.numpy()[:, None, :, None, :] * seen[:, :, None, None, None]
+    result = torch.from_numpy(result)
     if out is None:
         return result.to(query.dtype)
     if tuple(out.shape) != (B, QL, Hq, D):
