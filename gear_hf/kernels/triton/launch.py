@@ -17,7 +17,7 @@ from ..views import DecodeLayout, StreamView, key_outlier_count
 from .args import _check, _check_words, _rotated, key_run_args, staged_args, tail_args, value_run_args
 from .decode_kernel import _combine_kernel, _decode_attention_kernel
 from .ops import _libdevice
-from .sizing import _RESIDENT, _num_splits, _resident_programs, hadamard_table
+from .sizing import _RESIDENT, BLOCK_TOKENS, _num_splits, _resident_programs, block_tokens, hadamard_table
 from .tc_kernel import _tc_decode_kernel
 
 _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -134,8 +134,8 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
             (values.decode is not None) != (decode_chunks > value_chunks_lag):
         raise ValueError("keys and values disagree on which chunk runs exist")
     NB = layout.buffer_size
-    if block_n is None:  # 32-token tiles: no register spills at head_dim 128 with the default launch (see below)
-        block_n = min(_tc_block(keys, values) if tensor_core else 32, NB & -NB)
+    if block_n is None:
+        block_n = block_tokens(NB, _tc_block(keys, values) if tensor_core else BLOCK_TOKENS)
     if block_n < 16 or block_n & (block_n - 1) or (decode_chunks and NB % block_n):
         raise NotImplementedError(f"fused kernel: a block of {block_n} tokens must be a power of two >= 16 "
                                   f"dividing buffer_size={NB}")

@@ -21,7 +21,7 @@ from ...compress.quant import MAX_CHANNEL_BITS, codes_per_unit, pack_unit
 from .. import interpreting
 from .ops import _libdevice
 from .paged_kernel import _paged_attention_kernel
-from .sizing import hadamard_table
+from .sizing import block_tokens, hadamard_table
 
 _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 LOG2E = 1.4426950408889634
@@ -36,12 +36,6 @@ _VALUE_FIELDS = (("vc", "codes"), ("vs", "scale"), ("vm", "minimum"), ("vsv", "s
 _NO_STREAM = {"BITS": 0, "UNIT": 1, "GROUP": 1, "R": 0, "STATS_ROW": False}
 _NO_KEYS = {**_NO_STREAM, "K": 0, "PLANES": False, "ROW": 1}
 _NO_VALUES = {**_NO_STREAM, "K2": 0, "CODES_W": 1, "STATS_W": 1, "BY_CHANNEL": False}
-
-
-def block_tokens(block_size: int) -> int:
-    """Tokens per step through a block: 32 (the fused decode kernel's unspilled tile), or the block's largest power
-    of two below that."""
-    return min(32, block_size & -block_size)
 
 
 class PageStream(NamedTuple):
