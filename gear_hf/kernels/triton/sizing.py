@@ -9,6 +9,10 @@ import torch
 import triton.language as tl
 
 _SM_COUNT: dict[int, int] = {}
+# Programs of the main kernel resident per SM, learned from its register count after the first launch of a
+# configuration (key: device, warps, block, dtype, key/value bits); 1 until then.
+_RESIDENT: dict[tuple, int] = {}
+
 # tokens per step through a run: the decode kernels' tile with no register spills at head_dim 128 (default launch)
 BLOCK_TOKENS = 32
 
@@ -17,10 +21,6 @@ def block_tokens(length: int, widest: int = BLOCK_TOKENS) -> int:
     """Tokens per step through runs whose pieces hold `length` tokens (a decode chunk, a page): `widest`, or the
     largest power of two dividing length below that."""
     return min(widest, length & -length)
-
-# Programs of the main kernel resident per SM, learned from its register count after the first launch of a
-# configuration (key: device, warps, block, dtype, key/value bits); 1 until then.
-_RESIDENT: dict[tuple, int] = {}
 
 
 def _num_splits(max_blocks: int, programs: int, device: torch.device, resident: int) -> int:
