@@ -33,7 +33,7 @@ def test_the_key_changes_with_any_source_of_the_folder(tmp_path):
 def test_every_cached_kernel_lives_under_the_folders_key():
     expected = Path(jit.cache_dir())
     assert expected.name == f"numba-{jit.sources_key()}"
-    kernels = [attend._attend, attend._attend_parallel, dequant._decompress, tail._encode_rows]
+    kernels = [attend._attend, attend._attend_parallel, dequant._decompress, tail._encode]
     for dispatcher in kernels:
         assert dispatcher._cache is not None and type(dispatcher._cache).__name__ != "NullCache", dispatcher
         path = Path(dispatcher._cache._cache_path)
