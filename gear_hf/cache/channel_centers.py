@@ -29,6 +29,8 @@ tests/test_footprint.py).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..compress import side_dtype
@@ -125,7 +127,7 @@ class ChannelCenters:
             return center, torch.ones_like(center)
         d = f["center"].shape[-1]
         # 2^(each channel's exponent above the head's lowest), the two channels of a byte at once: [J,H,d]
-        above = _NIBBLE_POWERS.to(f["above"].device)[f["above"].long()].flatten(-2)[..., :d]
+        above = _nibble_powers(f["above"].device)[f["above"].long()].flatten(-2)[..., :d]
         return f["center"].float(), above * torch.exp2(f["low"].float())[..., None]  # (powers of two: exact)
 
     def normalized(self, x: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
@@ -182,5 +184,11 @@ class ChannelCenters:
 
 
 _TINY = torch.finfo(torch.float32).tiny
-# float32 [256, 2]: a byte of `above` as the powers of two of its low and high nibble (the even channel, the odd one)
-_NIBBLE_POWERS = torch.stack([torch.arange(256) & 15, torch.arange(256) >> 4], dim=-1).float().exp2()
+
+
+@functools.lru_cache(maxsize=8)
+def _nibble_powers(device: torch.device) -> torch.Tensor:
+    """float32 [256, 2] on device (made once per device, not copied at every step): a byte of `above` as the powers
+    of two of its low and high nibble (the even channel, the odd one)."""
+    byte = torch.arange(256)
+    return torch.stack([byte & 15, byte >> 4], dim=-1).float().exp2().to(device)
