@@ -27,7 +27,7 @@ import torch
 
 from ...compress import side_dtype
 from . import threads
-from .attend_args import _float32, _rope_halves, _stream_runs, _tail_args
+from .attend_args import _float32, _rope_halves, _stream_runs, _tail_args, _value_center
 from .bf16 import side_value as _side
 from .dequant import _assemble, _hadamard_rows, _scratch
 from .jit import kernel
@@ -219,35 +219,37 @@ def _weighted_rows(acc, probs, vals, first, last):
 @kernel(fastmath=_FAST)
 def _attend(q, limits, rows, cos, sin, window, nb, sink_k, sink_v, buf_k, buf_v, tail_k, tail_v,
             pk, pk_factors, pv, pv_factors, dk, dk_factors, dv, dv_factors, rotated_keys, rotated_values, held_values,
-            out):
+            value_center, out):
     """q [B,Hq,QL,d] float32 (softmax scale and rotary attention_scaling folded in); limits [B,QL] (row-local index
     of each query token, -1: sees nothing); rows [B,4] (sink, prompt, decode chunks, buffer); cos/sin [B,>=L,d/2]
     at the row-local tokens' positions; sink/buffer keys and values [B,H,>=len,d] float32; the buffer's coded
     tokens as `_tail_args` gives them (empty: the buffer is full precision); runs as `_run_args` gives them;
     held_values: a row's newest value chunk is the front of its value buffer (`views.StreamView.held_chunk`);
-    out [B,QL,Hq,d] float32. Every (row, KV head) pair in turn, on the calling thread."""
+    value_center [B,H,d] float32 (values handed centered, `views.StreamView.center`: added to each output row that
+    attends anything; the weights sum to one) or [0,0,0]; out [B,QL,Hq,d] float32. Every (row, KV head) pair in turn,
+    on the calling thread."""
     _attend_pairs(q, limits, rows, cos, sin, window, nb, sink_k, sink_v, buf_k, buf_v, tail_k, tail_v, pk, pk_factors,
-                  pv, pv_factors, dk, dk_factors, dv, dv_factors, rotated_keys, rotated_values, held_values, out, 0,
-                  q.shape[0] * buf_k.shape[1])
+                  pv, pv_factors, dk, dk_factors, dv, dv_factors, rotated_keys, rotated_values, held_values,
+                  value_center, out, 0, q.shape[0] * buf_k.shape[1])
 
 
 @kernel(fastmath=_FAST, parallel=True)
 def _attend_parallel(q, limits, rows, cos, sin, window, nb, sink_k, sink_v, buf_k, buf_v, tail_k, tail_v,
                      pk, pk_factors, pv, pv_factors, dk, dk_factors, dv, dv_factors, rotated_keys, rotated_values,
-                     held_values, out, parts):
+                     held_values, value_center, out, parts):
     """`_attend` with its (row, KV head) pairs cut into `parts` contiguous shares run on numba's threads (each pair
     computed as `_attend` computes it: the same output bits)."""
     pairs = q.shape[0] * buf_k.shape[1]
     for part in numba.prange(parts):
         _attend_pairs(q, limits, rows, cos, sin, window, nb, sink_k, sink_v, buf_k, buf_v, tail_k, tail_v, pk,
                       pk_factors, pv, pv_factors, dk, dk_factors, dv, dv_factors, rotated_keys, rotated_values,
-                      held_values, out, part * pairs // parts, (part + 1) * pairs // parts)
+                      held_values, value_center, out, part * pairs // parts, (part + 1) * pairs // parts)
 
 
 @kernel(fastmath=_FAST)
 def _attend_pairs(q, limits, rows, cos, sin, window, nb, sink_k, sink_v, buf_k, buf_v, tail_k, tail_v,
                   pk, pk_factors, pv, pv_factors, dk, dk_factors, dv, dv_factors, rotated_keys, rotated_values,
-                  held_values, out, start, stop):
+                  held_values, value_center, out, start, stop):
     """`_attend` of the (row, KV head) pairs start..stop-1 (pair = row * H + head), with scratch of its own."""
     B, Hq, QL, d = q.shape
     H = buf_k.shape[1]
@@ -321,9 +323,13 @@ def _attend_pairs(q, limits, rows, cos, sin, window, nb, sink_k, sink_v, buf_k, 
                 _add_value_lowrank(chunks, scores, dv_factors, b, h, chunk, nb, s + p + chunk * nb, nb, d, pa)
         if rotated_values or rotated_tail:
             _hadamard_rows(acc, M, tile)  # (P·V·H)·H = P·V
+        centered = value_center.shape[0] > 0
         for m in range(M):
             for k in range(d):
                 out[b, m % QL, h * G + m // QL, k] = (acc[m, k] + plain[m, k]) * norm[m]
+            if centered and limits[b, m % QL] >= 0:
+                for k in range(d):
+                    out[b, m % QL, h * G + m // QL, k] += value_center[b, h, k]
 
 
 # -- torch-facing entry points ----------------------------------------------------------------------------------
@@ -363,13 +369,8 @@ def decode_attention(query: torch.Tensor, keys, values, layout, *, scaling: floa
             _float32(sink_k, keys.buffer), _float32(sink_v, values.buffer), _float32(keys.buffer, keys.buffer),
             _float32(values.buffer, values.buffer), _tail_args(keys, side),
             _tail_args(values, side, unrotated=False), pk, pk_factors, pv, pv_factors, dk, dk_factors, dv, dv_factors,
-            rot_k, rot_v, bool(values.held_chunk), result)
+            rot_k, rot_v, bool(values.held_chunk), _value_center(values, B, Hkv, D), result)
     threads.launch(_attend, _attend_parallel, args, B * Hkv)  # (row, KV head) pairs over torch's threads
-    if values.center is not None:  # values handed centered: each KV head's centers [B,H,d] back onto its query heads'
-        # output rows, where the query attends anything (the weights sum to one; padding stays zeros)
-        seen = layout.limits.numpy() >= 0  # [B,QL]
-        result.reshape(B, QL, Hkv, Hq // Hkv, D)[...] += \
-            values.center.numpy()[:, None, :, None, :] * seen[:, :, None, None, None]
     result = torch.from_numpy(result)
     if out is None:
         return result.to(query.dtype)

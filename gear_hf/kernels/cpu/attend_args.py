@@ -89,6 +89,21 @@ def _tail_args(view, side, unrotated: bool = True):
     return tail.codes.contiguous().numpy(), scale, minimum, staged, int(tail.bits), bool(tail.rotated), affine
 
 
+_NO_CENTER = np.zeros((0, 0, 0), dtype=np.float32)
+
+
+def _value_center(view, B: int, H: int, d: int) -> np.ndarray:
+    """`StreamView.center` (float32 [B,H,d]: the values were handed centered) as `_attend` reads it, or an empty
+    [0,0,0]."""
+    center = view.center
+    if center is None:
+        return _NO_CENTER
+    if tuple(center.shape) != (B, H, d) or center.dtype != torch.float32:
+        raise ValueError(f"values.center must be float32 [B, H, d] = {(B, H, d)}, got {center.dtype} "
+                         f"{tuple(center.shape)}")
+    return center.contiguous().numpy()
+
+
 def _rope_halves(positions: torch.Tensor, inv_freq: torch.Tensor):
     """cos/sin [B, T, d/2] float32 at the row-local positions, as the rotary module computes them (one half of
     `rope_tables`' equal halves)."""
