@@ -155,3 +155,33 @@ def test_centering_is_ignored_for_a_full_precision_key_buffer():
     assert not layer_formats(cache.gear_config)[0].centered
     assert torch.equal(row_local_tokens(cache, 0)[0][0], row_local_tokens(plain, 0)[0][0])
     assert cache.memory_report()["owned_bytes"] == plain.memory_report()["owned_bytes"]
+
+
+@pytest.mark.parametrize("scaled", [True, False])
+@pytest.mark.parametrize("head_dim", [64, 7, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_centers_kernel_is_the_torch_decode_bit_for_bit(scaled, head_dim, dtype):
+    """The numba decode of the stored centers (`kernels.cpu.decode_centers`, what the CPU backend hands the kernels
+    each step) is `ChannelCenters`' torch decode bit for bit: fitted rows, a row never fitted, odd head_dims, and
+    keys' exponents at float32's edges (subnormal scales, and past the largest: inf)."""
+    pytest.importorskip("numba")
+    from gear_hf.cache.channel_centers import ChannelCenters
+    from gear_hf.kernels.cpu import decode_centers
+
+    def torch_decode(centers):
+        center, scale = centers._decoded(centers.fields)
+        return torch.stack([scale, center], dim=2)
+
+    torch.manual_seed(head_dim)
+    centers = ChannelCenters(scaled)
+    x = (torch.randn(3, 4, 40, head_dim) * torch.rand(1, 1, 1, head_dim) * 10 + torch.randn(1, 1, 1, head_dim) * 5)
+    written = torch.ones(3, 40, dtype=torch.bool)
+    written[1] = False  # (a row with no tokens: never fitted, read as identity)
+    centers.fit(x.to(dtype), written)
+    assert torch.equal(decode_centers(centers.fields).view(torch.int32), torch_decode(centers).view(torch.int32))
+    if scaled:
+        for low in (-128, -127, 100, 124, 127):
+            centers.fields["low"][:] = low
+            centers.fields["above"][:] = 0x41  # (exponents low + 1 and low + 4)
+            got, expected = decode_centers(centers.fields), torch_decode(centers)
+            assert torch.equal(got.view(torch.int32), expected.view(torch.int32)), low

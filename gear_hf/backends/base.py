@@ -83,6 +83,11 @@ class Backend:
         backend does not (the store's oracle encodes them)."""
         return False
 
+    def decode_centers(self, fields: dict) -> torch.Tensor | None:
+        """A centered buffer's stored centers (`ChannelCenters.fields`) as float32 (scales, centers) [B,H,2,d], bit
+        for bit `ChannelCenters.kernel_affine`'s torch decode; None when this backend does not (torch decodes them)."""
+        return None
+
     def reads_tail(self, spec, head_dim: int) -> bool:
         """Whether `attend` reads a buffer stored per token in `spec` from its fields (`views.CodedTailView`); else
         the fused kernel is handed the buffer decoded."""

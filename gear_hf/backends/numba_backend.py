@@ -75,6 +75,10 @@ class NumbaBackend(Backend):
         cpu.encode_staged(exact, written, fields, spec, affine)
         return True
 
+    def decode_centers(self, fields):
+        cpu = _kernels()
+        return cpu.decode_centers(fields) if cpu.centers_supported(fields) else None
+
     def reads_tail(self, spec, head_dim):
         return _kernels().tail_format(spec, head_dim)
 

@@ -156,13 +156,18 @@ class ChannelCenters:
             decoded.add_(center[:, :, None])
         return decoded
 
-    def kernel_affine(self) -> torch.Tensor | None:
+    def kernel_affine(self, backends=()) -> torch.Tensor | None:
         """float32 [B,H,2,d]: each head's scales (row 0) and centers (row 1) in the plain basis, as the fused kernels
-        read them (B·H·2·d floats made once a step; `views.affine_in_basis` for a kernel that reads rotated values);
+        read them (B·H·2·d floats made once a step, by the first of backends that decodes them
+        (`Backend.decode_centers`), else in torch; `views.affine_in_basis` for a kernel that reads rotated values);
         None while no row is fitted."""
         if not self.fields:
             return None
         if self._step_affine is None:
+            for backend in backends:
+                self._step_affine = backend.decode_centers(self.fields)
+                if self._step_affine is not None:
+                    return self._step_affine
             center, scale = self._decoded(self.fields)
             self._step_affine = torch.stack([scale, center], dim=2).contiguous()
         return self._step_affine

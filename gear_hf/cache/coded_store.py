@@ -78,8 +78,11 @@ class CodedTokenStore:
                 self.fields[f.name] = torch.zeros(B, H, capacity, *f.shape[1:], dtype=f.dtype, device=like.device)
         elif capacity != self.capacity:
             self.end_step()  # (staged tokens are encoded before the columns change)
-            keep = min(capacity, self.capacity)
-            self.fields = {name: _grown(t[:, :, :keep], capacity) for name, t in self.fields.items()}
+            self.fields = {name: _grown(t, capacity) for name, t in self.fields.items()}
+
+    def _backends(self) -> tuple:
+        """The plan's backends (`BackendPlan.accelerators`), whose kernels may encode tokens and decode centers."""
+        return self.plan.accelerators if self.plan is not None else ()
 
     def encode(self, x: torch.Tensor) -> CompressedChunk:
         """x [J,H,n,d] (centered already, where the store centers) in this store's format (every token on its own:
@@ -93,7 +96,13 @@ class CodedTokenStore:
         return self.staged
 
     def write_run(self, x: torch.Tensor, at: int) -> None:
-        exact, written = self._stage(x)
+        if self.staged is None:  # (the step's first write: its tokens padded out to the buffer, one op)
+            B, _, cap, _ = self.shape
+            written = torch.zeros(B, cap, dtype=torch.bool, device=x.device)
+            written[:, at : at + x.shape[2]] = True
+            self.staged = (torch.constant_pad_nd(x, (0, 0, at, cap - at - x.shape[2])), written)
+            return
+        exact, written = self.staged
         exact[:, :, at : at + x.shape[2]] = x
         written[:, at : at + x.shape[2]] = True
 
@@ -121,10 +130,10 @@ class CodedTokenStore:
         for row, start, length in kept or ():
             written[row, :start] = False
             written[row, start + length :] = False
-        affine = self.centers.kernel_affine() if self.centers is not None else None
         # any backend of the plan whose kernel encodes this format (bit for bit the oracle's: which one does not
         # matter; the compress backend may be the torch one for chunk features its kernels lack, e.g. range search)
-        encoders = self.plan.accelerators if self.plan is not None else ()
+        encoders = self._backends()
+        affine = self.centers.kernel_affine(encoders) if self.centers is not None else None
         if not any(backend.encode_tokens(self.spec, exact, written, self.fields, affine) for backend in encoders):
             coded = exact if self.centers is None else self.centers.normalized(exact)
             rows, columns = written.nonzero(as_tuple=True)
@@ -136,9 +145,10 @@ class CodedTokenStore:
         if self.centers is not None:
             self.centers.end_step()
 
-    def kernel_tail(self):
+    def kernel_tail(self, affine: bool = True):
         """(this step's staged tokens [B,H,cap,d], or an empty [B,H,0,d] between steps; `views.CodedTailView` of the
-        stored fields): the buffer as a fused kernel reads it without decoding it (`Backend.reads_tail`)."""
+        stored fields): the buffer as a fused kernel reads it without decoding it (`Backend.reads_tail`); affine
+        False: without the centers (a caller that hands the tokens centered)."""
         from ..kernels.views import CodedTailView  # no triton import
 
         codes = self.fields["codes"]
@@ -146,7 +156,7 @@ class CodedTokenStore:
             exact, staged = codes.new_empty(*codes.shape[:2], 0, self.head_dim, dtype=self.dtype), None
         else:
             exact, staged = self.staged
-        affine = self.centers.kernel_affine() if self.centers is not None else None
+        affine = self.centers.kernel_affine(self._backends()) if self.centers is not None and affine else None
         return exact, CodedTailView(codes=codes, scale=self.fields["scale"], minimum=self.fields["minimum"],
                                     staged=staged, bits=int(self.spec.bits), rotated=bool(self.spec.rotate),
                                     affine=affine, affine_scaled=self.centers is not None and self.centers.scaled)

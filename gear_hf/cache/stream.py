@@ -376,11 +376,14 @@ class Stream(HeldChunkPlans):
         # centered chunks: every value is handed centered (the chunks and the buffer's codes as stored, the sink and
         # this step's own tokens minus the centers) and the kernel's output takes the centers once (StreamView.center)
         centers = self.chunk_centers if self.chunk_centers is not None and self.chunk_centers.fitted else None
+        # (decoded once for the step, by a kernel where the plan has one: what normalizing and the output read)
+        affine = centers.kernel_affine(self.plan.accelerators if self.plan is not None else ()) \
+            if centers is not None else None
         if isinstance(buffer, CodedTokenStore) and reader is not None and reader.reads_tail(buffer.spec,
                                                                                             buffer.head_dim):
-            tokens, tail = buffer.kernel_tail()  # (the codes as stored, this step's own tokens exact)
+            # (the codes as stored, this step's own tokens exact; centered chunks: the codes read as they are coded)
+            tokens, tail = buffer.kernel_tail(affine=centers is None)
             if centers is not None:
-                tail = dataclasses.replace(tail, affine=None)
                 tokens = centers.normalized(tokens)
         else:
             tokens = buffer.tokens(centered=True) if centers is not None else buffer.tokens()
@@ -389,7 +392,7 @@ class Stream(HeldChunkPlans):
         return StreamView(buffer=tokens, sink=sink, prompt=run(self.prefill, 1 if prompt else 0),
                           decode=run(self.decode, decode_chunks), tail=tail, held_chunk=held,
                           specs=(self.prefill_spec, self.decode_spec),
-                          center=centers.kernel_affine()[:, :, 1] if centers is not None else None)
+                          center=affine[:, :, 1] if affine is not None else None)
 
     # -- sliding windows ---------------------------------------------------------------------------------------
     def release(self, before: Released, after: Released, counts: RowCounts) -> None:
