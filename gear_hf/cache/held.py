@@ -25,22 +25,23 @@ class HeldChunkPlans:
     release_after: int
     holding: list[bool]
     _holding_memo: tuple | None  # (plan, holding then, rows holding after it)
-    _own_memo: list | None = None  # [(counts, each row's front, `own` of them)], the newest first
+    _own_memo: list | None = None  # [(counts, the rows' holding, `own` of them)], the newest first
 
     def own(self, counts: RowCounts, holding: list[bool] | None = None) -> RowCounts:
         """The rows' counts as this stream stores them: each row that holds a chunk (`holding`, default: this
         stream's rows now) has its newest decode chunk as the first nb tokens of its buffer."""
         if not self.held_chunk:
             return counts
-        front = tuple(self._front(holding, len(counts.chunks)))
+        holding = self.holding if holding is None else holding
         # (a step asks for the same few counts again and again: the last answers, their counts kept alive)
         memo = self._own_memo = self._own_memo or []
-        for known, known_front, own in memo:
-            if known is counts and known_front == front:
+        for known, known_holding, own in memo:
+            if known is counts and known_holding == holding:
                 return own
-        own = replace(counts, chunks=tuple(c - (h > 0) for c, h in zip(counts.chunks, front)),
-                      buffer=tuple(f + h for f, h in zip(counts.buffer, front)))
-        memo[:] = [(counts, front, own), *memo[:3]]
+        front = self._front(holding, len(counts.chunks))
+        own = RowCounts(counts.sink, counts.prompt, tuple(c - (h > 0) for c, h in zip(counts.chunks, front)),
+                        tuple(f + h for f, h in zip(counts.buffer, front)))
+        memo[:] = [(counts, list(holding), own), *memo[:3]]
         return own
 
     def _front(self, holding: list[bool] | None = None, rows: int | None = None) -> list[int]:

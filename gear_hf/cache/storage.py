@@ -34,8 +34,9 @@ def grown_capacity(current: int, needed: int, granule: int = 1, limit: int | Non
 
 
 def _grown(t: torch.Tensor, capacity: int) -> torch.Tensor:
-    """Copy of t [B,H,c,...] with dim 2 enlarged to `capacity` (zero-filled: unused slots stay finite)."""
-    return torch.nn.functional.pad(t, (0, 0) * (t.dim() - 3) + (0, capacity - t.shape[2]))  # (one op: a copy)
+    """Copy of t [B,H,c,...] with dim 2 made `capacity` long: enlarged (zero-filled: unused slots stay finite) or
+    cut. (One op, a copy: `constant_pad_nd` is what `F.pad` runs, without its Python checks, ~3 us a call.)"""
+    return torch.constant_pad_nd(t, (0, 0) * (t.dim() - 3) + (0, capacity - t.shape[2]))
 
 
 # `ChunkStore.derived` key of the store's last `kernels.views.ChunkRunView` ((version, chunks, reader), view): a decode
@@ -60,7 +61,7 @@ class TokenStore:
             B, H, _, d = like.shape
             self.data = like.new_zeros(B, H, capacity, d)
         elif capacity != self.capacity:
-            self.data = _grown(self.data[:, :, : min(capacity, self.capacity)], capacity)
+            self.data = _grown(self.data, capacity)
 
     def keep_tail(self, row: int, start: int, length: int) -> None:
         """Row `row` keeps its tokens [start, start+length) at the front (the rest left the buffer)."""
