@@ -15,6 +15,7 @@ The cache builds these views (cheap: references to its storage tensors) and hand
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -103,6 +104,7 @@ def affine_in_basis(tail: CodedTailView, rotated: bool) -> torch.Tensor:
 TAIL_FORMATS = ((8, False), (8, True), (4, True))  # the per-token buffer formats the kernels read: (bits, rotated)
 
 
+@functools.lru_cache(maxsize=64)  # (asked for every stream at every step; ChunkSpec is frozen)
 def tail_format(spec, head_dim: int) -> bool:
     """True when spec (a `compress.ChunkSpec`) stores each token as codes of one group over the head vector with a
     scale and minimum, and nothing else: 8-bit codes of the vector or of the Walsh–Hadamard-rotated vector, or 4-bit
