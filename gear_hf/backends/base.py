@@ -43,6 +43,9 @@ class Backend:
     ops: tuple[str, ...] = ()
     install_hint = ""  # how to get it when it is missing
     rotates_in_read = False  # reconstructs keys already rotated (no separate rotation pass)
+    # attend takes a centered stream's exact tokens (the sink, this step's own) as they are and centers them itself
+    # (`views.StreamView.exact_centered` False): no pass over them on the host at every step
+    centers_exact_tokens = False
 
     def unavailable(self, device: torch.device, forced: bool = False) -> str | None:
         """None when the backend can run on `device` here (forced: the user asked for it by name); else why not."""

@@ -32,6 +32,7 @@ class NumbaBackend(Backend):
     ops = ("compress", "reconstruct", "attend")
     install_hint = "pip install 'gear-hf[cpu]'"
     rotates_in_read = True
+    centers_exact_tokens = True
 
     def unavailable(self, device, forced=False):
         if getattr(device, "type", device) != "cpu":

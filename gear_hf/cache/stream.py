@@ -379,20 +379,22 @@ class Stream(HeldChunkPlans):
         # (decoded once for the step, by a kernel where the plan has one: what normalizing and the output read)
         affine = centers.kernel_affine(self.plan.accelerators if self.plan is not None else ()) \
             if centers is not None else None
+        exact_centered = True
         if isinstance(buffer, CodedTokenStore) and reader is not None and reader.reads_tail(buffer.spec,
                                                                                             buffer.head_dim):
             # (the codes as stored, this step's own tokens exact; centered chunks: the codes read as they are coded)
             tokens, tail = buffer.kernel_tail(affine=centers is None)
-            if centers is not None:
+            exact_centered = not reader.centers_exact_tokens
+            if centers is not None and exact_centered:
                 tokens = centers.normalized(tokens)
         else:
             tokens = buffer.tokens(centered=True) if centers is not None else buffer.tokens()
-        if centers is not None and sink is not None:
+        if centers is not None and sink is not None and exact_centered:
             sink = centers.normalized(sink)
         return StreamView(buffer=tokens, sink=sink, prompt=run(self.prefill, 1 if prompt else 0),
                           decode=run(self.decode, decode_chunks), tail=tail, held_chunk=held,
                           specs=(self.prefill_spec, self.decode_spec),
-                          center=affine[:, :, 1] if affine is not None else None)
+                          center=affine[:, :, 1] if affine is not None else None, exact_centered=exact_centered)
 
     # -- sliding windows ---------------------------------------------------------------------------------------
     def release(self, before: Released, after: Released, counts: RowCounts) -> None:

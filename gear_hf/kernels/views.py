@@ -136,6 +136,9 @@ class StreamView:
     # their chunks, GearConfig.value_chunks_centered): a kernel adds it to each output row that attends anything
     # (the weights sum to one); None: the tokens as they are
     center: torch.Tensor | None = None
+    # with center: the sink's and the buffer's exact tokens (`buffer`: this step's own) are handed minus it too; False:
+    # as they are, and the kernel subtracts it (a backend with `centers_exact_tokens`)
+    exact_centered: bool = True
 
 
 @dataclass(frozen=True, eq=False)

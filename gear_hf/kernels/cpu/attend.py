@@ -116,6 +116,19 @@ def _buffer_rows(buf, tail, b, h, f, target, unrotate, tile):
 
 
 @kernel(fastmath=_FAST)
+def _center_exact(vals, center, tail, b, h, s, first, f):
+    """The rows of a value plane [L, d] read exact, minus center[b, h] [d]: the sink's (rows [0, s)) and the buffer's
+    (rows [first, first+f)) that are not coded (staged ones, or all of a buffer held in full precision)."""
+    coded = tail[0].shape[2] > 0
+    for t in range(s + f):
+        row = t if t < s else first + t - s
+        if t >= s and coded and not _is_staged(tail[3], b, t - s):
+            continue
+        for k in range(vals.shape[1]):
+            vals[row, k] -= center[b, h, k]
+
+
+@kernel(fastmath=_FAST)
 def _tail_weighted(rotated_acc, plain, probs, vals, first, f, staged, b):
     """A rotated buffer's share: its coded tokens (rows [first, first+f) of vals, in the rotated basis) into
     rotated_acc, its staged ones (exact) into plain, each run of either kind with `_weighted_rows`."""
@@ -219,37 +232,39 @@ def _weighted_rows(acc, probs, vals, first, last):
 @kernel(fastmath=_FAST)
 def _attend(q, limits, rows, cos, sin, window, nb, sink_k, sink_v, buf_k, buf_v, tail_k, tail_v,
             pk, pk_factors, pv, pv_factors, dk, dk_factors, dv, dv_factors, rotated_keys, rotated_values, held_values,
-            value_center, out):
+            value_center, exact_centered, out):
     """q [B,Hq,QL,d] float32 (softmax scale and rotary attention_scaling folded in); limits [B,QL] (row-local index
     of each query token, -1: sees nothing); rows [B,4] (sink, prompt, decode chunks, buffer); cos/sin [B,>=L,d/2]
     at the row-local tokens' positions; sink/buffer keys and values [B,H,>=len,d] float32; the buffer's coded
     tokens as `_tail_args` gives them (empty: the buffer is full precision); runs as `_run_args` gives them;
     held_values: a row's newest value chunk is the front of its value buffer (`views.StreamView.held_chunk`);
     value_center [B,H,d] float32 (values handed centered, `views.StreamView.center`: added to each output row that
-    attends anything; the weights sum to one) or [0,0,0]; out [B,QL,Hq,d] float32. Every (row, KV head) pair in turn,
+    attends anything; the weights sum to one) or [0,0,0]; exact_centered False: the values' sink and exact buffer
+    tokens come as they are and are centered here; out [B,QL,Hq,d] float32. Every (row, KV head) pair in turn,
     on the calling thread."""
     _attend_pairs(q, limits, rows, cos, sin, window, nb, sink_k, sink_v, buf_k, buf_v, tail_k, tail_v, pk, pk_factors,
                   pv, pv_factors, dk, dk_factors, dv, dv_factors, rotated_keys, rotated_values, held_values,
-                  value_center, out, 0, q.shape[0] * buf_k.shape[1])
+                  value_center, exact_centered, out, 0, q.shape[0] * buf_k.shape[1])
 
 
 @kernel(fastmath=_FAST, parallel=True)
 def _attend_parallel(q, limits, rows, cos, sin, window, nb, sink_k, sink_v, buf_k, buf_v, tail_k, tail_v,
                      pk, pk_factors, pv, pv_factors, dk, dk_factors, dv, dv_factors, rotated_keys, rotated_values,
-                     held_values, value_center, out, parts):
+                     held_values, value_center, exact_centered, out, parts):
     """`_attend` with its (row, KV head) pairs cut into `parts` contiguous shares run on numba's threads (each pair
     computed as `_attend` computes it: the same output bits)."""
     pairs = q.shape[0] * buf_k.shape[1]
     for part in numba.prange(parts):
         _attend_pairs(q, limits, rows, cos, sin, window, nb, sink_k, sink_v, buf_k, buf_v, tail_k, tail_v, pk,
                       pk_factors, pv, pv_factors, dk, dk_factors, dv, dv_factors, rotated_keys, rotated_values,
-                      held_values, value_center, out, part * pairs // parts, (part + 1) * pairs // parts)
+                      held_values, value_center, exact_centered, out, part * pairs // parts,
+                      (part + 1) * pairs // parts)
 
 
 @kernel(fastmath=_FAST)
 def _attend_pairs(q, limits, rows, cos, sin, window, nb, sink_k, sink_v, buf_k, buf_v, tail_k, tail_v,
                   pk, pk_factors, pv, pv_factors, dk, dk_factors, dv, dv_factors, rotated_keys, rotated_values,
-                  held_values, value_center, out, start, stop):
+                  held_values, value_center, exact_centered, out, start, stop):
     """`_attend` of the (row, KV head) pairs start..stop-1 (pair = row * H + head), with scratch of its own."""
     B, Hq, QL, d = q.shape
     H = buf_k.shape[1]
@@ -301,6 +316,8 @@ def _attend_pairs(q, limits, rows, cos, sin, window, nb, sink_k, sink_v, buf_k, 
         cv, fv = (c - 1, f + nb) if held_values and c > 0 else (c, f)  # the values' chunks and buffer
         _plane(sink_v, buf_v, tail_v, b, h, s, p, cv, fv, nb, pv, _NO_FACTORS, dv, _NO_FACTORS, False, vals, pv_s,
                dv_s, False, tile)
+        if value_center.shape[0] > 0 and not exact_centered:
+            _center_exact(vals, value_center, tail_v, b, h, s, s + p + cv * nb, fv)
         acc[:] = 0.0
         plain[:] = 0.0
         compressed = s + p + cv * nb
@@ -369,7 +386,8 @@ def decode_attention(query: torch.Tensor, keys, values, layout, *, scaling: floa
             _float32(sink_k, keys.buffer), _float32(sink_v, values.buffer), _float32(keys.buffer, keys.buffer),
             _float32(values.buffer, values.buffer), _tail_args(keys, side),
             _tail_args(values, side, unrotated=False), pk, pk_factors, pv, pv_factors, dk, dk_factors, dv, dv_factors,
-            rot_k, rot_v, bool(values.held_chunk), _value_center(values, B, Hkv, D), result)
+            rot_k, rot_v, bool(values.held_chunk), _value_center(values, B, Hkv, D), bool(values.exact_centered),
+            result)
     threads.launch(_attend, _attend_parallel, args, B * Hkv)  # (row, KV head) pairs over torch's threads
     result = torch.from_numpy(result)
     if out is None:

@@ -121,6 +121,9 @@ def decode_attention(query: torch.Tensor, keys: StreamView, values: StreamView, 
         _check_words(_check(keys.sink, "sink keys"), "sink keys")
         _check_words(_check(values.sink, "sink values"), "sink values")
     center = values.center  # (values handed centered: each row's output takes its KV head's center)
+    if center is not None and not values.exact_centered:
+        raise ValueError("values with exact_centered=False: this kernel reads the sink and the buffer's exact tokens "
+                         "centered (StreamView.exact_centered must be True)")
     if center is not None and (tuple(center.shape) != (B, Hkv, D) or center.dtype != torch.float32
                                or center.stride(-1) != 1 or center.device != query.device):
         raise ValueError(f"values.center must be float32 [B, H, d] = {(B, Hkv, D)} with a contiguous last dim on "
