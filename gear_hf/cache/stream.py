@@ -374,7 +374,8 @@ class Stream(HeldChunkPlans):
         buffer, tail = self.buffer, None
         sink = self.sink.data if sink_tokens else None
         # centered chunks: every value is handed centered (the chunks and the buffer's codes as stored, the sink and
-        # this step's own tokens minus the centers) and the kernel's output takes the centers once (StreamView.center)
+        # this step's own tokens minus the centers, or as they are for a reader that centers them itself:
+        # `Backend.centers_exact_tokens`) and the kernel's output takes the centers once (StreamView.center)
         centers = self.chunk_centers if self.chunk_centers is not None and self.chunk_centers.fitted else None
         # (decoded once for the step, by a kernel where the plan has one: what normalizing and the output read)
         affine = centers.kernel_affine(self.plan.accelerators if self.plan is not None else ()) \

@@ -5,7 +5,7 @@ microseconds per layer and step.
     OMP_NUM_THREADS=1 python scripts/dev/decode_breakdown.py --config kivi-2 --dtype bfloat16 --batch 4 --padded
 
 SmolLM2 real weights, --batch rows of --T tokens (--padded: row b left-padded by 37*b columns), --new greedy tokens,
-1 torch thread, each cache twice (alternating; the first of each warms up). The cache's entry points (store, fused attention and its parts, compress_pending), the attention kernel and
+1 torch thread, each cache twice (alternating; the first of each warms up). The cache's entry points (store, fused attention and its parts, compress_pending, and the coded buffer's steps inside them), the attention kernel and
 the model's layers are wrapped with timers that count decode steps only (from the first logits on); a nested entry is
 indented under the one that calls it. Timers add a few microseconds per call.
 """
@@ -29,18 +29,32 @@ from transformers import LogitsProcessorList  # noqa: E402
 
 import gear_hf  # noqa: E402
 from gear_hf import attention  # noqa: E402
+from gear_hf.cache.channel_centers import ChannelCenters  # noqa: E402
+from gear_hf.cache.coded_store import CodedTokenStore  # noqa: E402
 from gear_hf.cache.gear_cache import GearCache  # noqa: E402
+from gear_hf.cache.held import HeldChunkPlans  # noqa: E402
+from gear_hf.cache.layout import RowLayout  # noqa: E402
+from gear_hf.cache.stream import Stream  # noqa: E402
 from gear_hf.kernels import cpu  # noqa: E402
 from gear_hf.kernels.cpu import attend  # noqa: E402
 from gear_hf.measure import StepClock  # noqa: E402
 
 # (owner, attribute, label), in call order; a label's indent shows the entry that calls it
 TIMED = [(attention, "cache_step", "cache_step"), (attention, "apply_rotary", "  apply_rotary (query)"),
-         (GearCache, "store", "  store"), (GearCache, "use_fused", "  use_fused"),
+         (GearCache, "store", "  store"), (Stream, "append", "    Stream.append"),
+         (CodedTokenStore, "reserve", "      CodedTokenStore.reserve (the buffer grown)"),
+         (CodedTokenStore, "write_run", "      CodedTokenStore.write_run (staged)"),
+         (HeldChunkPlans, "_capacities", "      _capacities (held chunk)"), (GearCache, "use_fused", "  use_fused"),
          (GearCache, "fused_attention", "  fused_attention"), (GearCache, "kernel_views", "    kernel_views"),
-         (cpu, "decode_attention", "    decode_attention"), (attend, "_attend", "      _attend (the kernel)"),
-         (GearCache, "compress_pending", "  compress_pending"), (llama.LlamaAttention, "forward", "attention (stock)"),
-         (llama.LlamaMLP, "forward", "MLP")]
+         (Stream, "kernel_view", "      Stream.kernel_view"), (CodedTokenStore, "kernel_tail", "        kernel_tail"),
+         (ChannelCenters, "normalized", "        ChannelCenters.normalized"),
+         (RowLayout, "kernel_inputs", "      RowLayout.kernel_inputs"),
+         (cpu, "decode_attention", "    decode_attention"), (attend, "_stream_runs", "      _stream_runs"),
+         (attend, "_tail_args", "      _tail_args"), (attend, "_attend", "      _attend (the kernel)"),
+         (GearCache, "compress_pending", "  compress_pending"), (Stream, "flush", "    Stream.flush"),
+         (CodedTokenStore, "end_step", "      CodedTokenStore.end_step (encode)"),
+         (HeldChunkPlans, "_own_flush", "      _own_flush (held chunk)"),
+         (llama.LlamaAttention, "forward", "attention (stock)"), (llama.LlamaMLP, "forward", "MLP")]
 
 
 def main(argv=None) -> int:

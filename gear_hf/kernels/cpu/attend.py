@@ -289,6 +289,7 @@ def _attend_pairs(q, limits, rows, cos, sin, window, nb, sink_k, sink_v, buf_k, 
     dv_s = _run_scratch(dv, _NO_FACTORS, False, d)
     tile = np.empty((d, 64), dtype=np.float32)
     rotated_tail = tail_v[5] and tail_v[0].shape[2] > 0  # values' buffer coded in the rotated basis
+    centered = value_center.shape[0] > 0  # (values handed centered: the output takes the centers)
     for pair in range(start, stop):
         b, h = pair // H, pair % H
         s, p, c, f = rows[b, 0], rows[b, 1], rows[b, 2], rows[b, 3]
@@ -316,7 +317,7 @@ def _attend_pairs(q, limits, rows, cos, sin, window, nb, sink_k, sink_v, buf_k, 
         cv, fv = (c - 1, f + nb) if held_values and c > 0 else (c, f)  # the values' chunks and buffer
         _plane(sink_v, buf_v, tail_v, b, h, s, p, cv, fv, nb, pv, _NO_FACTORS, dv, _NO_FACTORS, False, vals, pv_s,
                dv_s, False, tile)
-        if value_center.shape[0] > 0 and not exact_centered:
+        if centered and not exact_centered:
             _center_exact(vals, value_center, tail_v, b, h, s, s + p + cv * nb, fv)
         acc[:] = 0.0
         plain[:] = 0.0
@@ -340,7 +341,6 @@ def _attend_pairs(q, limits, rows, cos, sin, window, nb, sink_k, sink_v, buf_k, 
                 _add_value_lowrank(chunks, scores, dv_factors, b, h, chunk, nb, s + p + chunk * nb, nb, d, pa)
         if rotated_values or rotated_tail:
             _hadamard_rows(acc, M, tile)  # (P·V·H)·H = P·V
-        centered = value_center.shape[0] > 0
         for m in range(M):
             for k in range(d):
                 out[b, m % QL, h * G + m // QL, k] = (acc[m, k] + plain[m, k]) * norm[m]
