@@ -124,7 +124,7 @@ def main(argv=None) -> int:
               f"({steps} steps, SmolLM2 {args.dtype}, T={args.T}, batch {args.batch}{' padded' if args.padded else ''}, "
               "1 thread)")
         for label in [label for _, _, label in TIMED if label in seconds]:
-            print(f"  {label:28s} {1e6 * seconds[label] / steps / layers:8.1f} us per layer and step")
+            print(f"  {label:46s} {1e6 * seconds[label] / steps / layers:8.1f} us per layer and step")
     return 0
 
 
