@@ -406,7 +406,8 @@ def test_triton_decode_attention_reads_the_int8_buffer_decoded():
         out = cache_decode_attention(cache, 0, q, scaling=0.125, inv_freq=_inv_freq(64).to(device))
         ref = reference_decode_attention(cache, 0, q, scaling=0.125, inv_freq=_inv_freq(64).to(device))
         assert ((out.float() - ref).abs().max() / ref.abs().max()).item() < 1e-5
-        coded = types.SimpleNamespace(reads_tail=lambda spec, head_dim: True)  # a reader of the codes
+        coded = types.SimpleNamespace(reads_tail=lambda spec, head_dim: True,  # a reader of the codes
+                                        centers_exact_tokens=False)  # (as the Triton kernel: handed centered)
         views = cache.kernel_views(0, 1, q.device, reader=coded)
         assert views[0].tail is not None and views[1].tail is not None
         read = decode_attention(q, *views, scaling=0.125, inv_freq=_inv_freq(64).to(device))
