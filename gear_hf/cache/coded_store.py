@@ -84,6 +84,11 @@ class CodedTokenStore:
         """The plan's backends (`BackendPlan.accelerators`), whose kernels may encode tokens and decode centers."""
         return self.plan.accelerators if self.plan is not None else ()
 
+    def center_affine(self) -> torch.Tensor | None:
+        """The centers' float32 (scales, centers) [B,H,2,d] for this step (`ChannelCenters.kernel_affine`, decoded by
+        a kernel of the plan where one does), or None: not centered, or no row fitted yet."""
+        return self.centers.kernel_affine(self._backends()) if self.centers is not None else None
+
     def encode(self, x: torch.Tensor) -> CompressedChunk:
         """x [J,H,n,d] (centered already, where the store centers) in this store's format (every token on its own:
         batching changes no bit), by the oracle."""
@@ -132,9 +137,9 @@ class CodedTokenStore:
             written[row, start + length :] = False
         # any backend of the plan whose kernel encodes this format (bit for bit the oracle's: which one does not
         # matter; the compress backend may be the torch one for chunk features its kernels lack, e.g. range search)
-        encoders = self._backends()
-        affine = self.centers.kernel_affine(encoders) if self.centers is not None else None
-        if not any(backend.encode_tokens(self.spec, exact, written, self.fields, affine) for backend in encoders):
+        affine = self.center_affine()
+        if not any(backend.encode_tokens(self.spec, exact, written, self.fields, affine)
+                   for backend in self._backends()):
             coded = exact if self.centers is None else self.centers.normalized(exact)
             rows, columns = written.nonzero(as_tuple=True)
             if rows.numel():
@@ -156,7 +161,7 @@ class CodedTokenStore:
             exact, staged = codes.new_empty(*codes.shape[:2], 0, self.head_dim, dtype=self.dtype), None
         else:
             exact, staged = self.staged
-        affine = self.centers.kernel_affine(self._backends()) if self.centers is not None and affine else None
+        affine = self.center_affine() if affine else None
         return exact, CodedTailView(codes=codes, scale=self.fields["scale"], minimum=self.fields["minimum"],
                                     staged=staged, bits=int(self.spec.bits), rotated=bool(self.spec.rotate),
                                     affine=affine, affine_scaled=self.centers is not None and self.centers.scaled)

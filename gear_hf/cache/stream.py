@@ -377,9 +377,7 @@ class Stream(HeldChunkPlans):
         # this step's own tokens minus the centers, or as they are for a reader that centers them itself:
         # `Backend.centers_exact_tokens`) and the kernel's output takes the centers once (StreamView.center)
         centers = self.chunk_centers if self.chunk_centers is not None and self.chunk_centers.fitted else None
-        # (decoded once for the step, by a kernel where the plan has one: what normalizing and the output read)
-        affine = centers.kernel_affine(self.plan.accelerators if self.plan is not None else ()) \
-            if centers is not None else None
+        affine = buffer.center_affine() if centers is not None else None  # (once a step: normalizing and the output)
         exact_centered = True
         if isinstance(buffer, CodedTokenStore) and reader is not None and reader.reads_tail(buffer.spec,
                                                                                             buffer.head_dim):
