@@ -47,18 +47,18 @@ def _assemble_run(run, factors, hadamard, b, h, target, scratch):
     the run's own (values: without their low-rank term and rotation, added and undone after the attention)."""
     codes, bits, group, channel_axis, scale, minimum, values, index, rows, n, N, widths = run
     a, a_scale, b_raw, b_scale = factors
-    spread, bt, weights, tile, code_tile = scratch
+    spread, bt, weights, tile, plane_words = scratch
     _assemble(codes, bits, group, channel_axis, scale, minimum, a, a_scale, b_raw, b_scale, values, index, rows, n, N,
               hadamard, widths, b, h, target, False, _NO_ROTATION, _NO_ROTATION, 0, spread, bt, weights, tile,
-              code_tile)
+              plane_words)
 
 
 @kernel(fastmath=_FAST)
 def _run_scratch(run, factors, hadamard, d):
     """`read._scratch` of a run (its plane unused: `_attend` assembles into its own)."""
     codes, bits, group, channel_axis, scale, minimum, values, index, rows, n, N, widths = run
-    _, spread, bt, weights, tile, code_tile = _scratch(factors[0], channel_axis, hadamard, widths, n, N, d)
-    return spread, bt, weights, tile, code_tile
+    _, spread, bt, weights, tile, plane_words = _scratch(factors[0], channel_axis, hadamard, widths, n, N, d)
+    return spread, bt, weights, tile, plane_words
 
 
 @numba.njit
