@@ -24,7 +24,6 @@ class HeldChunkPlans:
     chunk_len: int
     release_after: int
     holding: list[bool]
-    _holding_memo: tuple | None  # (plan, holding then, rows holding after it)
     _own_memo: list | None = None  # [(counts, the rows' holding, `own` of them)], the newest first
 
     def own(self, counts: RowCounts, holding: list[bool] | None = None) -> RowCounts:
@@ -54,13 +53,18 @@ class HeldChunkPlans:
     def _holding_after(self, plan: StepPlan) -> list[bool]:
         """Which rows hold a chunk after this step's flush: a row whose newest chunk flushes now holds it unless
         release_after tokens are buffered after it; a row that held one keeps it until that many are. Worked out
-        once per step (append, `compresses` and the flush ask for it)."""
-        memo = self._holding_memo
-        if memo is not None and memo[0] is plan and memo[1] == self.holding:
-            return memo[2]
-        result = self._work_out_holding(plan)
-        self._holding_memo = (plan, list(self.holding), result)
-        return result
+        once per step (append, `compresses` and the flush of every layer ask for it: `_per_step`)."""
+        return self._per_step(plan, "holding after", (), lambda: self._work_out_holding(plan))
+
+    def _per_step(self, plan: StepPlan, name: str, extra: tuple, work_out):
+        """work_out() for this stream's held-chunk state, memoized on the step's plan (`StepPlan.shared`): every
+        layer's streams hold the same rows in the same step, so all but the first find it there. The key is all it
+        depends on: the stream's chunk length, release point and rows holding, and `extra`."""
+        key = (name, self.chunk_len, self.release_after, tuple(self.holding), extra)
+        shared = plan.shared
+        if key not in shared:
+            shared[key] = work_out()
+        return shared[key]
 
     def _work_out_holding(self, plan: StepPlan) -> list[bool]:
         after, flushing = plan.after, {row for row, _, _ in plan.flush.decode_jobs}
@@ -75,8 +79,9 @@ class HeldChunkPlans:
         if not self.held_chunk:
             return plan.buffer_capacity, plan.buffer_capacity_after
         current = self.buffer.capacity
-        needed = max(self.own(plan.attend).buffer, default=0)
-        return buffer_capacities(current, needed, max(self.own(plan.after, holding_after).buffer, default=0))
+        return self._per_step(plan, "capacities", (current, tuple(holding_after)), lambda: buffer_capacities(
+            current, max(self.own(plan.attend).buffer, default=0),
+            max(self.own(plan.after, holding_after).buffer, default=0)))
 
     def _shifted_writes(self, plan: StepPlan, front: list[int], x: torch.Tensor) -> TokenWrites:
         """The step's buffer writes with each row's columns moved past its held chunk."""
@@ -94,10 +99,12 @@ class HeldChunkPlans:
         a row's decode chunks leave late: its held chunk (columns [0, nb)) and every new chunk but the last are
         compressed, and the last one stays at the buffer's front, with what the keys keep after it; a held chunk
         with release_after tokens buffered after it leaves too (with or without a new chunk)."""
-        flush = plan.flush
         if not self.held_chunk:
-            return flush, self.holding
-        nb, after = self.chunk_len, plan.after
+            return plan.flush, self.holding
+        return self._per_step(plan, "own flush", (), lambda: self._work_out_own_flush(plan))
+
+    def _work_out_own_flush(self, plan: StepPlan) -> tuple[FlushPlan, list[bool]]:
+        flush, nb, after = plan.flush, self.chunk_len, plan.after
         front = self._front(rows=len(after.chunks))
         holding = self._holding_after(plan)
         new = {}

@@ -55,7 +55,6 @@ class Stream(HeldChunkPlans):
         self.held_chunk = held_chunk  # the newest decode chunk stays at the buffer's front (module docstring)
         self.release_after = release_after or chunk_len  # (buffered tokens after a held chunk that release it)
         self.holding: list[bool] = []  # per row: its buffer starts with a held chunk (between flushes)
-        self._holding_memo = None  # (`HeldChunkPlans._holding_after`)
         self.prefill_spec, self.decode_spec = prefill_spec, decode_spec
         self.sink = TokenStore()
         # (keys centered and scaled, values centered only: `channel_centers`)
