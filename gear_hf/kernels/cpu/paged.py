@@ -43,13 +43,11 @@ def _field(page, f, fields, like):
 
 
 @numba.njit
-def _page_run(pages, block, h, layout, scales):
-    """(run, factors) of page (block, h) as `attend._assemble_run` reads a one-chunk run at plane (0, 0); layout as
-    `page_layout` gives it; scales [2, 1, 1, 1, >=r] float32 scratch for int8 factors' column scales (ones are
-    left there for 16-bit factors)."""
-    fields, stats_like, side_like, factor_like, scaled_factors, bits, group, channel_axis, n = layout
-    page = pages[block, h]
-    index = _field(page, 5, fields, page)
+def _page_factors(page, layout, scales):
+    """The low-rank factors of one page (page [page_bytes] uint8) as `attend._assemble_run` reads them: (a, a
+    scales, b, b scales); scales [2, 1, 1, 1, >=r] float32 scratch for int8 factors' column scales (ones are left
+    there for 16-bit factors)."""
+    fields, side_like, factor_like, scaled_factors = layout[0], layout[2], layout[3], layout[4]
     a, b = _field(page, 6, fields, factor_like), _field(page, 7, fields, factor_like)
     r = a.shape[3]
     if r and scaled_factors:
@@ -57,10 +55,20 @@ def _page_run(pages, block, h, layout, scales):
         for k in range(r):
             scales[0, 0, 0, 0, k] = _side(a_scale[0, 0, 0, k])
             scales[1, 0, 0, 0, k] = _side(b_scale[0, 0, 0, k])
+    return a, scales[0], b, scales[1]
+
+
+@numba.njit
+def _page_run(pages, block, h, layout, scales):
+    """(run, factors) of page (block, h) as `attend._assemble_run` reads a one-chunk run at plane (0, 0); layout as
+    `page_layout` gives it; scales: `_page_factors`' scratch."""
+    fields, stats_like, side_like, factor_like, scaled_factors, bits, group, channel_axis, n = layout
+    page = pages[block, h]
+    index = _field(page, 5, fields, page)
     run = (_field(page, 0, fields, page), bits, group, channel_axis, _field(page, 2, fields, stats_like),
            _field(page, 3, fields, stats_like), _field(page, 4, fields, side_like), index,
            index.shape[2] if index.shape[3] else 0, n, n, _field(page, 1, fields, page))
-    return run, (a, scales[0], b, scales[1])
+    return run, _page_factors(page, layout, scales)
 
 
 @kernel(fastmath=_FAST)
@@ -189,7 +197,7 @@ def _paged_pairs(q, starts, lens, table, bs, cos, sin, pages, k_layout, k_rotate
                         scores[:, : min(sinks, hi)] = 0.0
                     _weighted_rows(acc, scores, vals, lo, hi)
                     if rank:
-                        _, factors = _page_run(pages, table[r, j], h, v_layout, v_scales)
+                        factors = _page_factors(pages[table[r, j], h], v_layout, v_scales)
                         _add_value_lowrank(acc, scores, factors, 0, 0, 0, bs, lo, hi - lo, d, pa)
                 else:
                     _weighted_rows(plain, scores, vals, lo, hi)
