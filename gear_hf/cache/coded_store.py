@@ -39,6 +39,7 @@ class CodedTokenStore:
         # kernel (`Backend.encode_tokens`, bit for bit the oracle's); None, or a backend that does not: the oracle
         self.plan = None
         self.staged: tuple[torch.Tensor, torch.Tensor] | None = None  # this step's tokens [B,H,cap,d], written [B,cap]
+        self._mask_shared = False  # the staged mask is the step's, shared with other stores (`write_run`)
         self.fields: dict[str, torch.Tensor] = {}
         self.dtype: torch.dtype | None = None  # the model's (what reads return by default)
         self.head_dim = 0
@@ -98,23 +99,42 @@ class CodedTokenStore:
         if self.staged is None:
             B, H, cap, d = self.shape
             self.staged = (like.new_zeros(B, H, cap, d), torch.zeros(B, cap, dtype=torch.bool, device=like.device))
+            self._mask_shared = False
         return self.staged
 
-    def write_run(self, x: torch.Tensor, at: int) -> None:
+    def write_run(self, x: torch.Tensor, at: int, shared: dict | None = None) -> None:
+        """Every row's tokens x [B,H,q,d] to columns [at, at+q), staged until the step ends. shared: the step's memo
+        (`StepPlan.shared`), where every layer's stores find the same staged mask [B,cap] (made once a step; read
+        only: a store that changes its mask copies it first, `_own_mask`)."""
+        q = x.shape[2]
         if self.staged is None:  # (the step's first write: its tokens padded out to the buffer, one op)
             B, _, cap, _ = self.shape
-            written = torch.zeros(B, cap, dtype=torch.bool, device=x.device)
-            written[:, at : at + x.shape[2]] = True
-            self.staged = (torch.constant_pad_nd(x, (0, 0, at, cap - at - x.shape[2])), written)
+            key = ("staged mask", B, cap, at, q, x.device)
+            written = shared.get(key) if shared is not None else None
+            if written is None:
+                written = torch.zeros(B, cap, dtype=torch.bool, device=x.device)
+                written[:, at : at + q] = True
+                if shared is not None:
+                    shared[key] = written
+            self.staged = (torch.constant_pad_nd(x, (0, 0, at, cap - at - q)), written)
+            self._mask_shared = shared is not None
             return
         exact, written = self.staged
-        exact[:, :, at : at + x.shape[2]] = x
-        written[:, at : at + x.shape[2]] = True
+        exact[:, :, at : at + q] = x
+        self._own_mask()[:, at : at + q] = True
+
+    def _own_mask(self) -> torch.Tensor:
+        """The staged mask, this store's own (a copy of the step's shared one the first time it is changed)."""
+        exact, written = self.staged
+        if self._mask_shared:
+            written, self._mask_shared = written.clone(), False
+            self.staged = (exact, written)
+        return written
 
     def write(self, x: torch.Tensor, where: TokenWrites) -> None:
-        exact, written = self._stage(x)
+        exact, _ = self._stage(x)
         exact[where.rows, :, where.columns] = x[where.rows, :, where.tokens].to(exact.dtype)
-        written[where.rows, where.columns] = True
+        self._own_mask()[where.rows, where.columns] = True
 
     def fit_centers(self) -> None:
         """Fit the centers of the rows whose first step this is, now (before `end_step`, which would): the value chunks
@@ -132,6 +152,8 @@ class CodedTokenStore:
         exact, written = self.staged
         if self.centers is not None:  # (a row's first step fits its centers: every token it wrote, kept or not)
             self.centers.fit(exact, written)
+        if kept:
+            written = self._own_mask()
         for row, start, length in kept or ():
             written[row, :start] = False
             written[row, start + length :] = False

@@ -75,8 +75,8 @@ class TokenStore:
     shape = property(lambda self: self.data.shape)
     device = property(lambda self: self.data.device)
 
-    def write_run(self, x: torch.Tensor, at: int) -> None:
-        """Every row's tokens x [B,H,q,d] to columns [at, at+q)."""
+    def write_run(self, x: torch.Tensor, at: int, shared: dict | None = None) -> None:
+        """Every row's tokens x [B,H,q,d] to columns [at, at+q) (shared: unused here; `CodedTokenStore.write_run`)."""
         self.data[:, :, at : at + x.shape[2]].copy_(x)
 
     def tokens(self, dtype: torch.dtype | None = None, n: int | None = None,

@@ -107,7 +107,7 @@ class Stream(HeldChunkPlans):
         self.buffer.reserve(x, self._capacities(plan, self._holding_after(plan) if self.held_chunk else [])[0])
         front = self._front(rows=x.shape[0])  # (a held chunk before each row's buffered tokens)
         if plan.buffer_run is not None and len(set(front)) == 1:  # every row's tokens to the same columns: a copy
-            self.buffer.write_run(x, plan.buffer_run + front[0])
+            self.buffer.write_run(x, plan.buffer_run + front[0], plan.shared)
         elif plan.buffer_run is not None or plan.buffer_writes is not None:
             self.buffer.write(x, self._shifted_writes(plan, front, x))
 
