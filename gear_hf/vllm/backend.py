@@ -12,7 +12,8 @@ One step of one layer (GearAttentionImpl.forward), following the plan the builde
                 `_reads_pages`) the request's blocks decoded by the torch oracle into a workspace in CPU_ATTN's own
                 layout, then CPU_ATTN's kernel over it with the block table mapped to workspace indices: bit-exact
                 with stock for fp16, and the reference the paged kernel is tested against
-  3. the blocks that closed are compressed into their pages
+  3. the blocks that closed are compressed into their pages (`PageFormat.encode`: by gear_hf's compression
+     kernels where they serve the format, as its Transformers path compresses)
 """
 
 from __future__ import annotations

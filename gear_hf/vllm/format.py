@@ -1,6 +1,7 @@
 """The page format: one vLLM block of one KV head as a fixed number of bytes, GEAR-compressed.
 
-A block's keys [bs, d] and values [bs, d] are one chunk each for gear_hf.compress (the torch oracle), in the format
+A block's keys [bs, d] and values [bs, d] are one chunk each, compressed as gear_hf's Transformers path compresses
+(`backends.resolve`: numba's kernels on the CPU, else gear_hf.compress, the torch oracle), in the format
 gear_hf's Transformers path gives a decode chunk of `block_config(config)` (gear_hf.format.layer_formats: the same
 ChunkSpecs, the same fields its terms declare, `gear_hf.compress.terms`). Every field has a fixed shape for a given
 (spec, bs, d), so a page is the two chunks' fields one after the other: [K fields | V fields], each flattened per
@@ -32,7 +33,8 @@ import os
 
 import torch
 
-from gear_hf.compress import ChunkSpec, CompressedChunk, compress, decompress
+from gear_hf.backends import resolve
+from gear_hf.compress import ChunkSpec, CompressedChunk, decompress
 from gear_hf.compress.allocation import allocate_channel_bits
 from gear_hf.config import GearConfig
 from gear_hf.format import layer_formats
@@ -126,7 +128,8 @@ class PageFormat:
             content = 2 * block_size * head_size * dtype.itemsize
         else:
             # gear_hf's own stream formats of the block config: their decode chunk is the page's
-            formats = layer_formats(block_config(config, block_size, head_size))
+            self.block = block_config(config, block_size, head_size)
+            formats = layer_formats(self.block)
             self.specs = tuple(f.decode for f in formats)
             # the fields the specs' terms declare (gear_hf.compress.terms), per (block, KV head)
             self.fields = tuple(f.fields(f.decode, block_size, head_size, dtype) for f in formats)
@@ -141,6 +144,7 @@ class PageFormat:
                 self.layout.append(placed)
         self.content_bytes = content
         self.page_bytes = -(-content // PAGE_ALIGN) * PAGE_ALIGN  # per (block, KV head)
+        self._compressors: dict = {}  # device -> the backend that compresses blocks there (`_compressor`)
 
     def not_read_in_place(self) -> str | None:
         """Why the paged kernel (`gear_hf.kernels.cpu.paged`) cannot read these pages in place, None when it can."""
@@ -172,12 +176,20 @@ class PageFormat:
             if spec.allocated:
                 weight = torch.ones(N, H, x.shape[-1], dtype=torch.float64, device=x.device)
                 bits = allocate_channel_bits(weight, x.float(), spec.group_for(*x.shape[-2:]), spec.bits)
-            chunk = compress(x.contiguous(), spec, channel_bits=bits)
+            chunk = self._compressor(x.device).compress(spec, x.contiguous(), bits)
             for f in fields:
                 t = getattr(chunk, f.name).contiguous()
                 offset = layout[f.name][0]
                 page[..., offset: offset + f.nbytes()] = t.view(N, H, -1).view(torch.uint8)
         return page
+
+    def _compressor(self, device: torch.device):
+        """The backend that compresses blocks on `device`: gear_hf's choice for the block config (`backends.resolve`:
+        numba's kernels on the CPU where they serve it, bit for bit the oracle's backbone and its low-rank factors to
+        float32 rounding; else the torch oracle)."""
+        if device not in self._compressors:
+            self._compressors[device] = resolve(self.block, self.head_size, self.dtype, device).compress
+        return self._compressors[device]
 
     def decode(self, page: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """pages [N,H,>=page_bytes] uint8 -> keys, values [N,H,bs,d] in `dtype` (default: the model dtype; the raw

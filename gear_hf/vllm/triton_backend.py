@@ -7,7 +7,7 @@ plan the builder made once for all layers:
   2. attention of every request, decodes and prompt chunks alike, by `gear_hf.kernels.triton.paged`: closed blocks
      read in place from their pages through the plan's table (keys stored pre-RoPE rotated as they are read), open
      blocks from their tails, closing ones from the staging; the fp16 format's raw pages through the same kernel
-  3. the blocks that closed are compressed into their pages (the torch oracle, on the device)
+  3. the blocks that closed are compressed into their pages on the device (`PageFormat.encode`)
 The plan is built on the host from vLLM's CPU copies (the block table is copied once per step, for all layers);
 the builder does not support CUDA graphs (the writes index by the plan), so vLLM runs attention eagerly.
 """
