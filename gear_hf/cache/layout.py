@@ -407,6 +407,7 @@ class RowLayout:
         self._kernel_memo = self._slot_memo = self._step_tables = None
         if self.plan is not None:
             self.plan.sink_writes = self.plan.buffer_writes = self.plan.valid = None
+            self.plan.shared.clear()
         self._in_step = False
 
     # -- crop (speculative decoding) ---------------------------------------------------------------------------
