@@ -80,8 +80,7 @@ class StepPlan:
     buffer_capacity_after: int  # after the flush (what was compressed is given back)
     flush: FlushPlan
     decode_reserve: int  # decode chunks the rows will reach (known: from `expected_length`), else what they hold
-    # what every layer's streams would work out again from this plan (keyed by all else it depends on): once a step
-    shared: dict = field(default_factory=dict, repr=False, compare=False)
+    shared: dict = field(default_factory=dict, repr=False, compare=False)  # memo: what all layers work out alike
 
 
 @dataclass(frozen=True)
