@@ -26,8 +26,8 @@ import torch
 
 from ...compress import ChunkSpec, outliers, quant
 from ...compress.gear import Backbone, check_channel_bits, compute_backbone, side_dtype
-from ...compress.rotation import rotate
 from . import arrays
+from .dequant import _hadamard_rows
 from .jit import kernel
 from .outlier_select import _MAX_LANE_SLOTS, _choose
 from .pack import _pack, _pack_planes
@@ -140,7 +140,7 @@ def compress_backbone(x: torch.Tensor, spec: ChunkSpec, channel_bits: torch.Tens
     sparse, index = torch.empty(slots_shape, dtype=side), torch.empty(slots_shape, dtype=torch.long)
     residual = torch.empty(B, H, n, d) if spec.rank else torch.empty(B, H, 0, 0)
     # a rotating spec compresses the rotated chunk (rotated as the oracle rotates it), whose entries are float32 sums
-    work = rotate(x) if spec.rotate else x.float()
+    work = _rotated(x) if spec.rotate else x.float()
     fits = _compress(work.contiguous().numpy(), bits, widths if isinstance(widths, np.ndarray) else widths.numpy(),
                      channel_axis, group, k, x.dtype == torch.bfloat16 and not spec.rotate, packed.numpy(),
                      *(_bits(t) for t in (scale, minimum, sparse)), index.numpy(), residual.numpy())
@@ -152,6 +152,18 @@ def compress_backbone(x: torch.Tensor, spec: ChunkSpec, channel_bits: torch.Tens
 
 
 _UNIFORM = np.zeros((0, 0, 0), dtype=np.uint8)  # no widths per channel
+
+
+def _rotated(x: torch.Tensor) -> torch.Tensor:
+    """x [..., d] rotated as `compress.rotation.rotate` rotates it, bit for bit (`dequant._hadamard_rows`: the same
+    butterflies in the same order, then the same scale), in a new float32 tensor: one pass over rows in cache where
+    the oracle's torch ops make a whole-chunk tensor per butterfly stage."""
+    d = x.shape[-1]
+    work = torch.empty(x.shape, dtype=torch.float32)
+    work.copy_(x)
+    rows = work.view(-1, d).numpy()
+    _hadamard_rows(rows, rows.shape[0], np.empty((d, 64), dtype=np.float32))
+    return work
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:
