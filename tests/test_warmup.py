@@ -12,7 +12,7 @@ pytest.importorskip("numba")
 
 import gear_hf  # noqa: E402
 from gear_hf.measure import warm_up  # noqa: E402
-from gear_hf.warmup import SHIPPED, CompileWatch, main, shipped_config, tiny_model, warm_up_kernels  # noqa: E402
+from gear_hf.warmup import SHIPPED, CompileWatch, families, main, shipped_config, tiny_model, warm_up_kernels  # noqa: E402
 
 
 def test_the_watch_counts_a_compilation_and_not_a_call_of_compiled_code():
@@ -86,11 +86,31 @@ def test_the_command_reports_each_configuration(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [(["--configs", "gear-5"], "--configs 'gear-5'"),
-                                           (["--dtypes", "float64"], "--dtypes 'float64' is invalid")])
+                                           (["--dtypes", "float64"], "--dtypes 'float64' is invalid"),
+                                           (["--jobs", "0"], "--jobs 0 is invalid")])
 def test_bad_arguments_are_named(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_families_keep_each_methods_presets_together():
+    assert families(SHIPPED) == [["balanced", "smallest", "precise"], ["kivi-2", "kivi-4"], ["kcvt-2", "kcvt-4"],
+                                 ["outlier-2", "outlier-4"], ["gear-l-2", "gear-l-4"], ["gear-2", "gear-4"]]
+    assert families(["gear-4", "smallest", "gear-2"]) == [["gear-4", "gear-2"], ["smallest"]]
+
+
+def test_worker_processes_leave_nothing_to_compile(capsys):
+    """`--jobs 2`: two families compiled by two worker processes into the shared on-disk cache; a generate here then
+    compiles nothing (each worker's lines are reported, and the total)."""
+    assert main(["--configs", "smallest,kivi-2", "--dtypes", "float32", "--jobs", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "smallest (float32): " in out and "kivi-2 (float32): " in out and "summed over 2 worker processes" in out
+    model = tiny_model("float32")
+    for name in ("smallest", "kivi-2"):
+        with CompileWatch() as watch:
+            _generate(model, shipped_config(name), 2, 150, 70, torch.no_grad)
+        assert watch.count == 0, (name, watch.compiled)
 
 
 def test_without_numba_the_watch_counts_nothing(monkeypatch):
