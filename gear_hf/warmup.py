@@ -12,8 +12,8 @@ random-weight model, compiles everything a generate with it reaches on any model
     python -m gear_hf.warmup --jobs 1               # in this process (default: one process per core)
 
 numba compiles on one core, so the warm-up spreads over worker processes, a family of configurations per task (the
-recommended ones, whose kernels are GearConfig()'s; each paper method's presets): a fresh 2-core machine waits 134 s
-instead of 174. The workers share numba's on-disk cache, whose writes they take in turn (`_one_writer_at_a_time`).
+recommended ones, whose kernels are GearConfig()'s; each paper method's presets): on a fresh 2-core machine about a
+fifth sooner than in one process (README). The workers share numba's on-disk cache, whose writes they take in turn (`_one_writer_at_a_time`).
 
 `CompileWatch` counts the kernels numba compiles while it is open, and their seconds: the demo, lm-eval's
 `gear_stats` and the benchmarks report compilation apart with it, and check that their timed runs compile nothing.
@@ -247,7 +247,7 @@ def default_jobs() -> int:
 def warm_up_in_workers(names, dtypes, jobs: int, serving: bool = False, report=print) -> tuple[int, float]:
     """The named configurations warmed up by `jobs` worker processes, a family (`families`) per task, the tasks in
     order; each task's lines reported as it ends. Returns (signatures compiled, compile seconds), summed over the
-    workers. (Families share some kernels, which two workers may both compile: still ~25% sooner on 2 cores.)"""
+    workers. (Families share some kernels, which two workers may both compile.)"""
     count, seconds = 0, 0.0
     context = multiprocessing.get_context("spawn")  # (no fork of a process that may hold OpenMP threads)
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context,
