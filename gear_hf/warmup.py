@@ -13,7 +13,8 @@ random-weight model, compiles everything a generate with it reaches on any model
 
 numba compiles on one core, so the warm-up spreads over worker processes, a family of configurations per task (the
 recommended ones, whose kernels are GearConfig()'s; each paper method's presets): on a fresh 2-core machine about a
-fifth sooner than in one process (README). The workers share numba's on-disk cache, whose writes they take in turn (`_one_writer_at_a_time`).
+fifth sooner than in one process (README). The workers share numba's on-disk cache, whose writes they take in turn
+(`_one_writer_at_a_time`).
 
 `CompileWatch` counts the kernels numba compiles while it is open, and their seconds: the demo, lm-eval's
 `gear_stats` and the benchmarks report compilation apart with it, and check that their timed runs compile nothing.
