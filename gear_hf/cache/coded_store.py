@@ -39,7 +39,7 @@ class CodedTokenStore:
         # kernel (`Backend.encode_tokens`, bit for bit the oracle's); None, or a backend that does not: the oracle
         self.plan = None
         self.staged: tuple[torch.Tensor, torch.Tensor] | None = None  # this step's tokens [B,H,cap,d], written [B,cap]
-        self._mask_shared = False  # the staged mask is the step's, shared with other stores (`write_run`)
+        self._mask_shared = False  # the staged mask is the step's, shared with other stores (`write_run`, `write`)
         self.fields: dict[str, torch.Tensor] = {}
         self.dtype: torch.dtype | None = None  # the model's (what reads return by default)
         self.head_dim = 0
@@ -131,7 +131,20 @@ class CodedTokenStore:
             self.staged = (exact, written)
         return written
 
-    def write(self, x: torch.Tensor, where: TokenWrites) -> None:
+    def write(self, x: torch.Tensor, where: TokenWrites, shared: dict | None = None) -> None:
+        """x[rows[i], :, tokens[i]] to column columns[i] of row rows[i], staged until the step ends. shared: the step's
+        memo, where every layer's stores find the same staged mask for the same writes (as `write_run`'s)."""
+        if self.staged is None and shared is not None:  # (the step's first write: the mask made once a step)
+            B, H, cap, d = self.shape
+            key = ("staged mask of writes", id(where), B, cap, x.device)
+            if key not in shared:
+                written = torch.zeros(B, cap, dtype=torch.bool, device=x.device)
+                written[where.rows, where.columns] = True
+                shared[key] = (where, written)  # (where kept alive: its id names it for the whole step)
+            exact = x.new_zeros(B, H, cap, d)
+            exact[where.rows, :, where.columns] = x[where.rows, :, where.tokens].to(exact.dtype)
+            self.staged, self._mask_shared = (exact, shared[key][1]), True
+            return
         exact, _ = self._stage(x)
         exact[where.rows, :, where.columns] = x[where.rows, :, where.tokens].to(exact.dtype)
         self._own_mask()[where.rows, where.columns] = True

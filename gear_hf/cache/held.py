@@ -84,7 +84,15 @@ class HeldChunkPlans:
             max(self.own(plan.after, holding_after).buffer, default=0)))
 
     def _shifted_writes(self, plan: StepPlan, front: list[int], x: torch.Tensor) -> TokenWrites:
-        """The step's buffer writes with each row's columns moved past its held chunk."""
+        """The step's buffer writes with each row's columns moved past its held chunk (worked out once a step for
+        every layer holding the same rows: `StepPlan.shared`)."""
+        key = ("shifted writes", tuple(front), x.shape[0], x.shape[2], x.device)
+        if key not in plan.shared:
+            plan.shared[key] = self._work_out_shifted_writes(plan, front, x)
+        return plan.shared[key]
+
+    @staticmethod
+    def _work_out_shifted_writes(plan: StepPlan, front: list[int], x: torch.Tensor) -> TokenWrites:
         where = plan.buffer_writes
         if where is None:  # (a run: every row to the same columns)
             B, q = x.shape[0], x.shape[2]

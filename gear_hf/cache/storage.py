@@ -68,8 +68,9 @@ class TokenStore:
         if start and length:
             self.data[row, :, :length] = self.data[row, :, start : start + length].clone()
 
-    def write(self, x: torch.Tensor, where: TokenWrites) -> None:
-        """data[rows[i], :, columns[i]] = x[rows[i], :, tokens[i]] for every real token i; x [B,H,q,d]."""
+    def write(self, x: torch.Tensor, where: TokenWrites, shared: dict | None = None) -> None:
+        """data[rows[i], :, columns[i]] = x[rows[i], :, tokens[i]] for every real token i; x [B,H,q,d] (shared: unused
+        here; `CodedTokenStore.write`)."""
         self.data[where.rows, :, where.columns] = x[where.rows, :, where.tokens].to(self.data.dtype)
 
     shape = property(lambda self: self.data.shape)

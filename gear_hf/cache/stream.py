@@ -109,7 +109,7 @@ class Stream(HeldChunkPlans):
         if plan.buffer_run is not None and len(set(front)) == 1:  # every row's tokens to the same columns: a copy
             self.buffer.write_run(x, plan.buffer_run + front[0], plan.shared)
         elif plan.buffer_run is not None or plan.buffer_writes is not None:
-            self.buffer.write(x, self._shifted_writes(plan, front, x))
+            self.buffer.write(x, self._shifted_writes(plan, front, x), plan.shared)
 
     def flush(self, plan: StepPlan, prompt_capacity: int, batch: int, released_chunks: int = 0,
               reserve_chunks: int = 0, query_energy: torch.Tensor | None = None,
