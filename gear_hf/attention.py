@@ -55,10 +55,13 @@ def gear_attention_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
     input_shape = hidden_states.shape[:-1]
     query, key, value = patch.project(module, hidden_states)  # [B,Hq,q,d], [B,Hkv,q,d] x2; before RoPE
     cos, sin = position_embeddings
+    if not torch.compiler.is_compiling():  # (the query rotated where it is read: a CPU kernel rotates it itself)
+        output, weights = cache_step(module, cache, query, key, value, cos, sin, attention_mask, kwargs,
+                                     query_rotated=False)
+        output = output.reshape(*input_shape, -1).contiguous()
+        return module.o_proj(output), weights
     query = apply_rotary(query, cos, sin)
-    if not torch.compiler.is_compiling():
-        output, weights = cache_step(module, cache, query, key, value, cos, sin, attention_mask, kwargs)
-    elif OPAQUE_STEP and _op_serves(kwargs):
+    if OPAQUE_STEP and _op_serves(kwargs):
         # the model-level hook's 2D padding mask: traced, its write to the cache lands only after the graph ran
         padding_mask = cache._pending_mask
         output = torch.ops.gear_hf.cache_step(patch.step_ref, cache.step_ref, query, key, value, cos, sin,
@@ -72,9 +75,10 @@ def gear_attention_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
 
 def cache_step(module: torch.nn.Module, cache: GearCache, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention_mask: torch.Tensor | None,
-               kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+               kwargs: dict, query_rotated: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One layer's step through the cache: store, attend (fused or reference), compress. Returns the attention
-    output [B,q,Hq,d] and weights (or None).
+    output [B,q,Hq,d] and weights (or None). query_rotated False: query is before RoPE, rotated where it is read
+    (by the fused kernel itself where it can).
 
     None of it traces: the cache plans each step on the host (Python lists), runs numba kernels, checks finiteness
     with a host sync and resolves its backends at the first step. Under torch.compile it runs as one opaque
@@ -83,17 +87,21 @@ def cache_step(module: torch.nn.Module, cache: GearCache, query: torch.Tensor, k
     position_ids = kwargs.get("position_ids")
     if not cache.gear_config.pre_rope:  # ablation: compress keys after RoPE, as HF's QuantizedCache does
         key = apply_rotary(key, cos, sin)
+    query_rotary = None if query_rotated else (cos, sin)
     # joins the buffer: the step sees itself exactly (the query: for keys whose bits are allocated by it)
-    cache.store(module.layer_idx, key, value, position_ids, query)
+    cache.store(module.layer_idx, key, value, position_ids, query, query_rotary)
     quirks = patch.attention_kwargs(module)  # e.g. sliding_window, softcap
     if cache.use_fused(query, training=module.training, output_attentions=bool(kwargs.get("output_attentions")),
                        rotary_dim=2 * patch.rotary_emb.inv_freq.numel(), softcap=quirks.get("softcap")):
         rotary = patch.rotary_emb
         output = cache.fused_attention(module.layer_idx, query, scaling=module.scaling, inv_freq=rotary.inv_freq,
-                                       attention_scaling=getattr(rotary, "attention_scaling", 1.0))
+                                       attention_scaling=getattr(rotary, "attention_scaling", 1.0),
+                                       query_rotary=query_rotary)
         weights = None
         cache.step_paths[cache.fused_path_name] += 1  # "fused-tc": the tensor-core kernel ran
     else:  # the reference path: reconstruct, rotate, the model's own attention function
+        if query_rotary is not None:
+            query = apply_rotary(query, cos, sin)
         # [B,Hkv,T,d] keys rotated, values, and the mask for their columns (the cache's layout for this step;
         # HF's padded columns when the attention weights are returned)
         keys, values, mask = cache.attention_inputs(module.layer_idx, key, value, patch.rotary_emb, attention_mask,

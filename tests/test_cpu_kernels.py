@@ -386,7 +386,7 @@ def test_fused_cpu_attention_keeps_one_signature_as_the_cache_fills(preset, monk
 
     def recording(*args):
         seen.add(tuple(numba.typeof(a) for a in args))
-        stages.add((bool(args[2][:, 1].max() > 0), int(args[2][:, 2].max())))  # rows: (prompt?, decode chunks)
+        stages.add((bool(args[6][:, 1].max() > 0), int(args[6][:, 2].max())))  # rows: (prompt?, decode chunks)
         return original(*args)
 
     monkeypatch.setattr(attend, "_attend", recording)

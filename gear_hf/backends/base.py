@@ -74,8 +74,16 @@ class Backend:
         """Why the fused kernel cannot take this step (whatever the storage), or None."""
         return None
 
-    def attend(self, query, keys, values, layout, *, scaling, inv_freq, attention_scaling, sliding_window, shared):
+    def attend(self, query, keys, values, layout, *, scaling, inv_freq, attention_scaling, sliding_window, shared,
+               query_rotary=None):
+        """query_rotary: (cos, sin), the model's rotary tables of the step's tokens, where query is handed before RoPE
+        (only to a backend that `rotates_queries` it)."""
         raise NotImplementedError
+
+    def rotates_queries(self, query: torch.Tensor, cos: torch.Tensor) -> bool:
+        """Whether `attend` takes this query before RoPE (with its cos/sin) and rotates it itself, bit for bit as
+        `compress.rope.apply_rotary`: no torch ops on the host for it."""
+        return False
 
     # the buffer held per token (`gear_hf.cache.coded_store.CodedTokenStore`)
     def encode_tokens(self, spec, exact: torch.Tensor, written: torch.Tensor, fields: dict,

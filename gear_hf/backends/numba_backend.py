@@ -107,10 +107,15 @@ class NumbaBackend(Backend):
 
         return step_reason(head_dim, query_len, rotary_dim, softcap)
 
-    def attend(self, query, keys, values, layout, *, scaling, inv_freq, attention_scaling, sliding_window, shared):
+    def attend(self, query, keys, values, layout, *, scaling, inv_freq, attention_scaling, sliding_window, shared,
+               query_rotary=None):
         return _kernels().decode_attention(query, keys, values, layout, scaling=scaling, inv_freq=inv_freq,
                                            attention_scaling=attention_scaling, sliding_window=sliding_window,
-                                           rope_tables=shared.rope_halves(layout.positions, inv_freq))
+                                           rope_tables=shared.rope_halves(layout.positions, inv_freq),
+                                           query_rotary=query_rotary)
+
+    def rotates_queries(self, query, cos):
+        return _kernels().rotates_query(query, cos)
 
     # derived state: the prepared run of the first `chunks` chunks (views of the fields; float32 copies of what the
     # loops cannot read in place), one per run length, rebuilt after a write

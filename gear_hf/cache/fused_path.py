@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..backends.cost import PathCosts, decode_path_costs
+from ..compress.rope import apply_rotary
 from ..kernels import MAX_FUSED_QUERY
 
 DECODE_PATHS = ("auto", "fused", "fallback")
@@ -90,18 +91,25 @@ class FusedPath:
         return self._path_memo[1]
 
     def fused_attention(self, layer_idx: int, query: torch.Tensor, *, scaling: float, inv_freq: torch.Tensor,
-                        attention_scaling: float = 1.0) -> torch.Tensor:
-        """After `store`, attend `query` [B,Hq,q,d] (already rotated) straight from the compressed storage and the
-        buffer (this step's own tokens included) with the fused kernel (Triton on CUDA, numba on CPU): nothing is
-        written back. Keys are rotated in the kernel from the stored positions with `inv_freq`/`attention_scaling`
-        (the rotary module's). Returns [B, q, Hq, d] (HF's attention-function layout)."""
+                        attention_scaling: float = 1.0, query_rotary=None) -> torch.Tensor:
+        """After `store`, attend `query` [B,Hq,q,d] (already rotated; or, with query_rotary = the model's (cos, sin)
+        of the step's tokens, before RoPE) straight from the compressed storage and the buffer (this step's own
+        tokens included) with the fused kernel (Triton on CUDA, numba on CPU): nothing is written back. Keys are
+        rotated in the kernel from the stored positions with `inv_freq`/`attention_scaling` (the rotary module's).
+        Returns [B, q, Hq, d] (HF's attention-function layout)."""
+        extra = {}
+        if query_rotary is not None:  # (rotated by the kernel where it can, bit for bit as here)
+            if self.plan.attend.rotates_queries(query, query_rotary[0]):
+                extra["query_rotary"] = query_rotary
+            else:
+                query = apply_rotary(query, *query_rotary)
         layer = self.layers[layer_idx]
         keys, values, layout = self.kernel_views(layer_idx, query.shape[2], query.device, reader=self.plan.attend)
         self.kernel_state.step = self.layout.steps
         self.kernel_state.attend_path, self.kernel_state.attend_reason = "fused", None  # (a backend may say more)
         return self.plan.attend.attend(query, keys, values, layout, scaling=scaling, inv_freq=inv_freq,
                                        attention_scaling=attention_scaling, sliding_window=layer.sliding_window,
-                                       shared=self.kernel_state)
+                                       shared=self.kernel_state, **extra)
 
     def kernel_views(self, layer_idx: int, query_len: int, device, reader=None):
         """(keys StreamView, values StreamView, DecodeLayout) of a layer for the fused kernel: during a step

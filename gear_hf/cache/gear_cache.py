@@ -110,10 +110,12 @@ class GearCache(FusedPath, Cache):
 
     # -- a step: store, attend (read or fused), compress ---------------------------------------------------
     def store(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor,
-              position_ids: torch.Tensor | None = None, query: torch.Tensor | None = None) -> GearLayer:
+              position_ids: torch.Tensor | None = None, query: torch.Tensor | None = None,
+              query_rotary=None) -> GearLayer:
         """Append this step's keys (before RoPE) and values [B,H,q,d] of one layer to its buffer; the first
         layer to store in a step plans it for all layers. query [B,Hq,q,d]: the step's queries, which
-        key_bit_allocation='query' chooses each row's key widths from (the patched attention passes them)."""
+        key_bit_allocation='query' chooses each row's key widths from (the patched attention passes them), rotated;
+        or before RoPE, with query_rotary = the model's (cos, sin) of the step's tokens."""
         if torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
             raise RuntimeError("GearCache stores compressed keys/values without autograd; run generation under "
                                "torch.no_grad() or torch.inference_mode() (model.generate does), or pass "
@@ -132,7 +134,7 @@ class GearCache(FusedPath, Cache):
             raise ValueError(f"batch size changed from {layout.batch} to {key_states.shape[0]} in one GearCache")
         if self.plan is None:
             self._bind(key_states)
-        layer.append(layout.plan, key_states, value_states, self.gear_config.sink_tokens, query)
+        layer.append(layout.plan, key_states, value_states, self.gear_config.sink_tokens, query, query_rotary)
         self._storing = layer  # (`use_fused`: a dense window takes the reference path)
         return layer
 

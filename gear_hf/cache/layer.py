@@ -6,6 +6,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ..compress.allocation import query_pair_energy
+from ..compress.rope import apply_rotary
 from ..config import GearConfig
 from ..format import layer_formats, stream_specs  # noqa: F401  (stream_specs: earlier import path)
 from .layout import RowLayout, StepPlan
@@ -56,11 +57,15 @@ class GearLayer(CacheLayerMixin):
 
     # -- a step --------------------------------------------------------------------------------------------
     def append(self, plan: StepPlan, key_states: torch.Tensor, value_states: torch.Tensor, sink_tokens: int,
-               query: torch.Tensor | None = None) -> None:
+               query: torch.Tensor | None = None, query_rotary=None) -> None:
+        """query: the step's queries, rotated (query_rotary None) or before RoPE with query_rotary = their (cos,
+        sin), rotated here only where their energy is taken."""
         if self.dense is not None:
             self.dense.append(key_states, value_states)
         else:
             if query is not None and self.key_stream.compresses(plan) and self.key_stream.needs_query_energy():
+                if query_rotary is not None:
+                    query = apply_rotary(query, *query_rotary)
                 self.query_energy = query_pair_energy(query, key_states.shape[1], plan.valid)
             for stream, x in zip(self.streams, (key_states, value_states)):
                 stream.append(plan, x, sink_tokens)

@@ -8,7 +8,8 @@
 * `lowrank` - the low-rank factors fitted to that residual (`fit_factors`)
 * `attend` - the fused decode attention over a layer's storage (`decode_attention`, what the Triton kernel computes;
   `gear_hf.backends.numba_backend.attend_supported` says which configurations it reads); `attend_args` hands it
-  the storage views (runs prepared once per write, the coded buffer's fields in place)
+  the storage views (runs prepared once per write, the coded buffer's fields in place); `query` makes its query rows
+  (a query handed before RoPE rotated there, bit for bit as the host would: `rotates_query`)
 * `centers` - a centered buffer's stored centers as the (scales, centers) the kernels read (`decode_centers`)
 * `tail` - the buffer held per token, 8 bits or 4 bits rotated: the step's tokens encoded into it (`encode_staged`,
   bit for bit `compress` with `format.INT8_TOKENS` / `INT8_ROTATED_TOKENS` / `INT4_TOKENS`); `attend` reads its
@@ -24,7 +25,7 @@ equal (bit for bit, except where a low-rank term is summed or fitted: to float32
 first use only (`import gear_hf` stays light); compiled loops are cached on disk (`jit`).
 """
 
-from .attend import decode_attention
+from .attend import decode_attention, rotates_query
 from .centers import centers_supported, decode_centers
 from .compress import all_finite, compress_backbone, compress_supported
 from .lowrank import fit_factors
@@ -41,6 +42,6 @@ from .read import (
 from .tail import encode_staged, encode_supported, tail_format
 
 __all__ = ["Run", "all_finite", "centers_supported", "compress_backbone", "compress_supported", "decode_attention",
-           "decode_centers",
+           "rotates_query", "decode_centers",
            "decompress_into", "decompress_run", "decompress_supported", "encode_staged", "encode_supported",
            "fit_factors", "prepare", "prepared", "rotate_into", "rotate_supported", "tail_format"]

@@ -31,6 +31,7 @@ from .attend_args import _float32, _rope_halves, _stream_runs, _tail_args, _valu
 from .bf16 import side_value as _side
 from .dequant import _assemble, _hadamard_rows, _scratch
 from .jit import kernel
+from .query import NO_QUERY_ROTATION, _query_row, rotation_rounding
 from .read import _NO_FACTORS, _NO_ROTATION
 
 _F32 = np.float32
@@ -230,10 +231,12 @@ def _weighted_rows(acc, probs, vals, first, last):
 
 
 @kernel(fastmath=_FAST)
-def _attend(q, limits, rows, cos, sin, window, nb, sink_k, sink_v, buf_k, buf_v, tail_k, tail_v,
-            pk, pk_factors, pv, pv_factors, dk, dk_factors, dv, dv_factors, rotated_keys, rotated_values, held_values,
-            value_center, exact_centered, out):
-    """q [B,Hq,QL,d] float32 (softmax scale and rotary attention_scaling folded in); limits [B,QL] (row-local index
+def _attend(q, q_cos, q_sin, q_rounding, q_scale, limits, rows, cos, sin, window, nb, sink_k, sink_v, buf_k, buf_v,
+            tail_k, tail_v, pk, pk_factors, pv, pv_factors, dk, dk_factors, dv, dv_factors, rotated_keys,
+            rotated_values, held_values, value_center, exact_centered, out):
+    """q [B,Hq,QL,d] float32, read as `query._query_row` makes its rows (rotated by q_cos/q_sin [B,QL,d] as
+    q_rounding says, unless they are empty: q rotated already; times q_scale, the softmax scale with the rotary
+    attention_scaling folded in); limits [B,QL] (row-local index
     of each query token, -1: sees nothing); rows [B,4] (sink, prompt, decode chunks, buffer); cos/sin [B,>=L,d/2]
     at the row-local tokens' positions; sink/buffer keys and values [B,H,>=len,d] float32; the buffer's coded
     tokens as `_tail_args` gives them (empty: the buffer is full precision); runs as `_run_args` gives them;
@@ -242,29 +245,29 @@ def _attend(q, limits, rows, cos, sin, window, nb, sink_k, sink_v, buf_k, buf_v,
     attends anything; the weights sum to one) or [0,0,0]; exact_centered False: the values' sink and exact buffer
     tokens come as they are and are centered here; out [B,QL,Hq,d] float32. Every (row, KV head) pair in turn,
     on the calling thread."""
-    _attend_pairs(q, limits, rows, cos, sin, window, nb, sink_k, sink_v, buf_k, buf_v, tail_k, tail_v, pk, pk_factors,
-                  pv, pv_factors, dk, dk_factors, dv, dv_factors, rotated_keys, rotated_values, held_values,
-                  value_center, exact_centered, out, 0, q.shape[0] * buf_k.shape[1])
+    _attend_pairs(q, q_cos, q_sin, q_rounding, q_scale, limits, rows, cos, sin, window, nb, sink_k, sink_v, buf_k,
+                  buf_v, tail_k, tail_v, pk, pk_factors, pv, pv_factors, dk, dk_factors, dv, dv_factors, rotated_keys,
+                  rotated_values, held_values, value_center, exact_centered, out, 0, q.shape[0] * buf_k.shape[1])
 
 
 @kernel(fastmath=_FAST, parallel=True)
-def _attend_parallel(q, limits, rows, cos, sin, window, nb, sink_k, sink_v, buf_k, buf_v, tail_k, tail_v,
-                     pk, pk_factors, pv, pv_factors, dk, dk_factors, dv, dv_factors, rotated_keys, rotated_values,
-                     held_values, value_center, exact_centered, out, parts):
+def _attend_parallel(q, q_cos, q_sin, q_rounding, q_scale, limits, rows, cos, sin, window, nb, sink_k, sink_v, buf_k,
+                     buf_v, tail_k, tail_v, pk, pk_factors, pv, pv_factors, dk, dk_factors, dv, dv_factors,
+                     rotated_keys, rotated_values, held_values, value_center, exact_centered, out, parts):
     """`_attend` with its (row, KV head) pairs cut into `parts` contiguous shares run on numba's threads (each pair
     computed as `_attend` computes it: the same output bits)."""
     pairs = q.shape[0] * buf_k.shape[1]
     for part in numba.prange(parts):
-        _attend_pairs(q, limits, rows, cos, sin, window, nb, sink_k, sink_v, buf_k, buf_v, tail_k, tail_v, pk,
-                      pk_factors, pv, pv_factors, dk, dk_factors, dv, dv_factors, rotated_keys, rotated_values,
-                      held_values, value_center, exact_centered, out, part * pairs // parts,
-                      (part + 1) * pairs // parts)
+        _attend_pairs(q, q_cos, q_sin, q_rounding, q_scale, limits, rows, cos, sin, window, nb, sink_k, sink_v,
+                      buf_k, buf_v, tail_k, tail_v, pk, pk_factors, pv, pv_factors, dk, dk_factors, dv, dv_factors,
+                      rotated_keys, rotated_values, held_values, value_center, exact_centered, out,
+                      part * pairs // parts, (part + 1) * pairs // parts)
 
 
 @kernel(fastmath=_FAST)
-def _attend_pairs(q, limits, rows, cos, sin, window, nb, sink_k, sink_v, buf_k, buf_v, tail_k, tail_v,
-                  pk, pk_factors, pv, pv_factors, dk, dk_factors, dv, dv_factors, rotated_keys, rotated_values,
-                  held_values, value_center, exact_centered, out, start, stop):
+def _attend_pairs(q, q_cos, q_sin, q_rounding, q_scale, limits, rows, cos, sin, window, nb, sink_k, sink_v, buf_k,
+                  buf_v, tail_k, tail_v, pk, pk_factors, pv, pv_factors, dk, dk_factors, dv, dv_factors,
+                  rotated_keys, rotated_values, held_values, value_center, exact_centered, out, start, stop):
     """`_attend` of the (row, KV head) pairs start..stop-1 (pair = row * H + head), with scratch of its own."""
     B, Hq, QL, d = q.shape
     H = buf_k.shape[1]
@@ -295,8 +298,7 @@ def _attend_pairs(q, limits, rows, cos, sin, window, nb, sink_k, sink_v, buf_k, 
         s, p, c, f = rows[b, 0], rows[b, 1], rows[b, 2], rows[b, 3]
         L = s + p + c * nb + f
         for m in range(M):  # query row m: head h*G + m // QL, token m % QL
-            for k in range(d):
-                qrows[m, k] = q[b, h * G + m // QL, m % QL, k]
+            _query_row(q, q_cos, q_sin, q_rounding, q_scale, b, h * G + m // QL, m % QL, qrows[m])
         _plane(sink_k, buf_k, tail_k, b, h, s, p, c, f, nb, pk, pk_factors, dk, dk_factors, rotated_keys, keys,
                pk_s, dk_s, True, tile)
         for t in range(L):  # key t rotated at its position (HF's rotate_half RoPE), then its scores
@@ -352,12 +354,14 @@ def _attend_pairs(q, limits, rows, cos, sin, window, nb, sink_k, sink_v, buf_k, 
 # -- torch-facing entry points ----------------------------------------------------------------------------------
 def decode_attention(query: torch.Tensor, keys, values, layout, *, scaling: float, inv_freq: torch.Tensor,
                      attention_scaling: float = 1.0, sliding_window: int | None = None,
-                     out: torch.Tensor | None = None, rope_tables=None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, rope_tables=None, query_rotary=None) -> torch.Tensor:
     """Attention of `query` [B,Hq,q,d] (already rotated) over one layer's storage (`views.StreamView` keys/values,
     `views.DecodeLayout`), CPU tensors. Returns out [B, q, Hq, d] in query's dtype (HF's attention-function
     layout), as `gear_hf.kernels.decode.decode_attention` does, its (row, KV head) pairs split over torch's threads
     (`threads`; the same bits on any number of them). rope_tables: (cos, sin) of the half angles at
-    layout.positions, when the caller shares them across layers (`gear_hf.cache.kernel_state`), else computed."""
+    layout.positions, when the caller shares them across layers (`gear_hf.cache.kernel_state`), else computed.
+    query_rotary: (cos, sin) [B|1, q, d], the model's rotary tables for the step's tokens: query is handed before RoPE
+    and rotated here (`rotates_query` says which dtypes), bit for bit as `compress.rope.apply_rotary` rotates it."""
     B, Hq, QL, D = query.shape
     Hkv = keys.buffer.shape[1]
     if Hq % Hkv:
@@ -379,10 +383,12 @@ def decode_attention(query: torch.Tensor, keys, values, layout, *, scaling: floa
     pk, pk_factors, dk, dk_factors, rot_k = _stream_runs(keys, prompt_chunks, decode_chunks, n, D, side)
     pv, pv_factors, dv, dv_factors, rot_v = _stream_runs(values, prompt_chunks, value_chunks, n, D, side)
     cos, sin = rope_tables if rope_tables is not None else _rope_halves(layout.positions, inv_freq)
-    q = (query.float() * (scaling * attention_scaling)).contiguous().numpy()
+    q_cos, q_sin, rounding = _query_tables(query, query_rotary)
+    q = query.float().contiguous().numpy()  # (scaled in the kernel, as `query.float() * scale` would be)
     result = np.empty((B, QL, Hq, D), dtype=np.float32)
     sink_k, sink_v = (keys.sink, values.sink) if layout.max_sink > 0 else (None, None)
-    args = (q, layout.limits.numpy(), layout.rows.numpy(), cos, sin, int(sliding_window or 0), layout.buffer_size,
+    args = (q, q_cos, q_sin, rounding, np.float32(scaling * attention_scaling), layout.limits.numpy(),
+            layout.rows.numpy(), cos, sin, int(sliding_window or 0), layout.buffer_size,
             _float32(sink_k, keys.buffer), _float32(sink_v, values.buffer), _float32(keys.buffer, keys.buffer),
             _float32(values.buffer, values.buffer), _tail_args(keys, side),
             _tail_args(values, side, unrotated=False), pk, pk_factors, pv, pv_factors, dk, dk_factors, dv, dv_factors,
@@ -395,3 +401,25 @@ def decode_attention(query: torch.Tensor, keys, values, layout, *, scaling: floa
     if tuple(out.shape) != (B, QL, Hq, D):
         raise ValueError(f"out must be [B, q, Hq, d] = {(B, QL, Hq, D)}, got {tuple(out.shape)}")
     return out.copy_(result)
+
+
+def rotates_query(query: torch.Tensor, cos: torch.Tensor) -> bool:
+    """Whether `decode_attention` takes this query [B,Hq,q,d] before RoPE with these cos [B|1,q,d] (whole-head RoPE,
+    float32 or bf16 queries: `query.rotation_rounding`)."""
+    return cos.shape[-1] == query.shape[-1] and rotation_rounding(query.dtype, cos.dtype) is not None
+
+
+def _query_tables(query: torch.Tensor, query_rotary):
+    """(q_cos, q_sin, rounding) as `_attend` takes them: float32 [B,QL,d] tables, or empty ones (query rotated)."""
+    if query_rotary is None:
+        return NO_QUERY_ROTATION, NO_QUERY_ROTATION, 0
+    cos, sin = query_rotary
+    B, _, QL, D = query.shape
+    if not rotates_query(query, cos) or cos.shape != sin.shape or cos.dim() != 3 or cos.shape[0] not in (1, B) \
+            or cos.shape[1] != QL:
+        raise ValueError(f"query_rotary: cos/sin must be [B|1, q, d] = [{B}|1, {QL}, {D}] for a {query.dtype} query, "
+                         f"float32 or of the query's dtype (bf16); got cos {cos.dtype} {list(cos.shape)}, sin "
+                         f"{sin.dtype} {list(sin.shape)}")
+    rounding = rotation_rounding(query.dtype, cos.dtype)
+    return (cos.expand(B, QL, D).float().contiguous().numpy(), sin.expand(B, QL, D).float().contiguous().numpy(),
+            rounding)

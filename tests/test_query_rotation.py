@@ -1,0 +1,73 @@
+"""A decode step's query is handed to the CPU fused attention before RoPE and rotated there (`kernels.cpu.query`):
+bit for bit as the host rotates it (`compress.rope.apply_rotary`, then float32 times the scale), so the logits of a
+generate are the same bits either way."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("numba")
+
+import gear_hf  # noqa: E402
+from gear_hf.backends.numba_backend import NumbaBackend  # noqa: E402
+from gear_hf.compress.rope import apply_rotary, rope_tables  # noqa: E402
+from gear_hf.kernels.cpu.attend import _query_tables, rotates_query  # noqa: E402
+from gear_hf.kernels.cpu.query import _query_row  # noqa: E402
+from gear_hf.warmup import tiny_model  # noqa: E402
+
+
+@pytest.mark.parametrize("query_dtype, table_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                      (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("attention_scaling", [1.0, 0.7])
+def test_the_kernels_query_rows_are_the_hosts_bits(query_dtype, table_dtype, attention_scaling):
+    torch.manual_seed(0)
+    B, Hq, QL, d = 3, 5, 2, 48  # (odd head count, head_dim not a power of two)
+    query = (torch.randn(B, Hq, QL, d) * torch.logspace(-3, 3, d)).to(query_dtype)
+    positions = torch.tensor([[7, 8], [1999, 2000], [40000, 40001]])
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    cos, sin = rope_tables(positions, inv_freq, attention_scaling)  # [B,QL,d] float32, as HF's rotary module
+    cos, sin = cos.to(table_dtype), sin.to(table_dtype)
+    scale = 1 / math.sqrt(d) * attention_scaling
+    expected = (apply_rotary(query, cos, sin).float() * scale).numpy()
+    assert rotates_query(query, cos)
+    q_cos, q_sin, rounding = _query_tables(query, (cos, sin))
+    q = query.float().numpy()
+    row = np.empty(d, dtype=np.float32)
+    for b in range(B):
+        for head in range(Hq):
+            for token in range(QL):
+                _query_row(q, q_cos, q_sin, rounding, np.float32(scale), b, head, token, row)
+                assert np.array_equal(row.view(np.int32), expected[b, head, token].view(np.int32)), (b, head, token)
+    rotated = apply_rotary(query, cos, sin).float().numpy()  # (handed rotated: only scaled)
+    none, _, _ = _query_tables(query, None)
+    _query_row(rotated, none, none, 0, np.float32(scale), 1, 2, 1, row)
+    assert np.array_equal(row, expected[1, 2, 1])
+
+
+def test_other_queries_and_bad_tables_are_named():
+    query = torch.zeros(1, 2, 1, 8)
+    assert not rotates_query(query.half(), torch.zeros(1, 1, 8).half())  # (fp16: the host rotates it)
+    assert not rotates_query(query, torch.zeros(1, 1, 4))  # (partial rotary)
+    with pytest.raises(ValueError, match=r"query_rotary: cos/sin must be \[B\|1, q, d\]"):
+        _query_tables(query, (torch.zeros(1, 3, 8), torch.zeros(1, 3, 8)))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_generate_gives_the_same_logits_with_the_query_rotated_on_the_host(dtype, monkeypatch):
+    model = tiny_model(dtype)
+    ids = torch.randint(3, 128, (2, 90), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :11] = 0
+    scores = []
+    for host in (False, True):
+        if host:  # (the fused path rotates it with apply_rotary before the kernel)
+            monkeypatch.setattr(NumbaBackend, "rotates_queries", lambda self, query, cos: False)
+        with gear_hf.enabled(model, gear_hf.GearConfig()), torch.inference_mode():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=70, min_new_tokens=70, do_sample=False,
+                                 pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+        scores.append(torch.stack(out.scores))
+    assert torch.equal(scores[0], scores[1])
