@@ -55,9 +55,14 @@ def gear_attention_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
     input_shape = hidden_states.shape[:-1]
     query, key, value = patch.project(module, hidden_states)  # [B,Hq,q,d], [B,Hkv,q,d] x2; before RoPE
     cos, sin = position_embeddings
-    if not torch.compiler.is_compiling():  # (the query rotated where it is read: a CPU kernel rotates it itself)
+    if not torch.compiler.is_compiling():
+        # a decode step's query reaches the cache before RoPE (a CPU kernel rotates it itself); a prompt's is rotated
+        # here, so that no prompt-sized copy of it outlives the rotation
+        prompt = query.shape[2] > MAX_FUSED_QUERY
+        if prompt:
+            query = apply_rotary(query, cos, sin)
         output, weights = cache_step(module, cache, query, key, value, cos, sin, attention_mask, kwargs,
-                                     query_rotated=False)
+                                     query_rotated=prompt)
         output = output.reshape(*input_shape, -1).contiguous()
         return module.o_proj(output), weights
     query = apply_rotary(query, cos, sin)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("numba")
+numba = pytest.importorskip("numba")
 
 import gear_hf  # noqa: E402
 from gear_hf.backends.numba_backend import NumbaBackend  # noqa: E402
@@ -18,6 +18,11 @@ from gear_hf.compress.rope import apply_rotary, rope_tables  # noqa: E402
 from gear_hf.kernels.cpu.attend import _query_tables, rotates_query  # noqa: E402
 from gear_hf.kernels.cpu.query import _query_row  # noqa: E402
 from gear_hf.warmup import tiny_model  # noqa: E402
+
+
+@numba.njit(fastmath={"reassoc", "contract"})
+def _query_row_in_fast_caller(q, q_cos, q_sin, rounding, scale, b, head, token, row):
+    _query_row(q, q_cos, q_sin, rounding, scale, b, head, token, row)
 
 
 @pytest.mark.parametrize("query_dtype, table_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
@@ -36,12 +41,16 @@ def test_the_kernels_query_rows_are_the_hosts_bits(query_dtype, table_dtype, att
     assert rotates_query(query, cos)
     q_cos, q_sin, rounding = _query_tables(query, (cos, sin))
     q = query.float().numpy()
-    row = np.empty(d, dtype=np.float32)
+    # (through a caller with the attention kernel's fastmath, as the kernel calls it, and a row strided as no other
+    # call's: numba compiles it here, in that caller's context, whose `contract` it must not take)
+    rows = np.empty((d, 2), dtype=np.float32)
     for b in range(B):
         for head in range(Hq):
             for token in range(QL):
-                _query_row(q, q_cos, q_sin, rounding, np.float32(scale), b, head, token, row)
-                assert np.array_equal(row.view(np.int32), expected[b, head, token].view(np.int32)), (b, head, token)
+                _query_row_in_fast_caller(q, q_cos, q_sin, rounding, np.float32(scale), b, head, token, rows[:, 1])
+                got = np.ascontiguousarray(rows[:, 1])
+                assert np.array_equal(got.view(np.int32), expected[b, head, token].view(np.int32)), (b, head, token)
+    row = np.empty(d, dtype=np.float32)
     rotated = apply_rotary(query, cos, sin).float().numpy()  # (handed rotated: only scaled)
     none, _, _ = _query_tables(query, None)
     _query_row(rotated, none, none, 0, np.float32(scale), 1, 2, 1, row)

@@ -2,7 +2,9 @@
 handed before RoPE, bit for bit as the host would make them (`compress.rope.apply_rotary`, then float32 times the
 scale), so that the host spends no torch ops on a decode step's query.
 
-No fastmath here: each product and sum is rounded as torch rounds it (a fused multiply-add would round once).
+No fastmath here, and said so (`fastmath=False`): each product and sum is rounded as torch rounds it (a fused
+multiply-add would round once), and numba compiles a helper that sets no fastmath of its own with its caller's (the
+attention kernel's `contract` fused these products into FMAs).
 """
 
 from __future__ import annotations
@@ -26,12 +28,12 @@ def rotation_rounding(query_dtype: torch.dtype, table_dtype: torch.dtype) -> int
     return _ROUNDING.get((query_dtype, table_dtype))
 
 
-@kernel()
+@kernel(fastmath=False)
 def _rounded(v, bf16):
     return bf16_value(round_bf16(v)) if bf16 else v
 
 
-@kernel()
+@kernel(fastmath=False)
 def _rotated_pair(x, c, y, s, sign, rounding):
     """x*c + sign*y*s rounded as apply_rotary rounds it (`ROUND_*`)."""
     each = rounding == ROUND_EACH_BF16
@@ -40,7 +42,7 @@ def _rotated_pair(x, c, y, s, sign, rounding):
     return _rounded(a + b if sign > 0 else a - b, rounding != ROUND_FLOAT32)
 
 
-@kernel()
+@kernel(fastmath=False)
 def _query_row(q, q_cos, q_sin, rounding, scale, b, head, token, row):
     """row [d] float32 = q[b, head, token] (float32 values of the model's query), rotated by q_cos/q_sin [B,QL,d]
     (HF's tables for the step's tokens, as float32) unless they are empty ([0,0,0]: q is rotated already), times
