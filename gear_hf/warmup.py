@@ -296,6 +296,8 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     report = functools.partial(print, flush=True)
     jobs = min(default_jobs() if args.jobs is None else args.jobs, len(families(names)))
+    if jobs > 1 and importlib.util.find_spec("fcntl") is None:  # (no file locks for the shared cache: one process)
+        jobs = 1
     if jobs > 1:
         count, seconds = warm_up_in_workers(names, dtypes, jobs, args.serving, report)
     else:

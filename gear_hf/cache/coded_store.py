@@ -141,13 +141,12 @@ class CodedTokenStore:
                 written = torch.zeros(B, cap, dtype=torch.bool, device=x.device)
                 written[where.rows, where.columns] = True
                 shared[key] = (where, written)  # (where kept alive: its id names it for the whole step)
-            exact = x.new_zeros(B, H, cap, d)
-            exact[where.rows, :, where.columns] = x[where.rows, :, where.tokens].to(exact.dtype)
-            self.staged, self._mask_shared = (exact, shared[key][1]), True
-            return
-        exact, _ = self._stage(x)
+            self.staged, self._mask_shared = (x.new_zeros(B, H, cap, d), shared[key][1]), True
+        else:
+            self._stage(x)
+            self._own_mask()[where.rows, where.columns] = True
+        exact = self.staged[0]
         exact[where.rows, :, where.columns] = x[where.rows, :, where.tokens].to(exact.dtype)
-        self._own_mask()[where.rows, where.columns] = True
 
     def fit_centers(self) -> None:
         """Fit the centers of the rows whose first step this is, now (before `end_step`, which would): the value chunks
