@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import functools
 import importlib.util
 import multiprocessing
@@ -245,14 +246,30 @@ def default_jobs() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+@contextlib.contextmanager
+def _passive_openmp():
+    """The workers' OpenMP threads sleep while they wait: a worker's two-thread generates (which reach the parallel
+    kernels) run while another worker compiles on a core, and threads that spin for a descheduled partner made
+    generates that compile nothing take seconds instead of a fraction of one. (Inherited by the spawned workers.)"""
+    previous = os.environ.get("OMP_WAIT_POLICY")
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("OMP_WAIT_POLICY")
+        else:
+            os.environ["OMP_WAIT_POLICY"] = previous
+
+
 def warm_up_in_workers(names, dtypes, jobs: int, serving: bool = False, report=print) -> tuple[int, float]:
     """The named configurations warmed up by `jobs` worker processes, a family (`families`) per task, the tasks in
     order; each task's lines reported as it ends. Returns (signatures compiled, compile seconds), summed over the
     workers. (Families share some kernels, which two workers may both compile.)"""
     count, seconds = 0, 0.0
     context = multiprocessing.get_context("spawn")  # (no fork of a process that may hold OpenMP threads)
-    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context,
-                                                initializer=_one_writer_at_a_time) as pool:
+    with _passive_openmp(), concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context,
+                                                                   initializer=_one_writer_at_a_time) as pool:
         tasks = [pool.submit(_warm_up_family, serving, group, list(dtypes)) for group in families(names)]
         for task in concurrent.futures.as_completed(tasks):
             lines, compiled, spent = task.result()

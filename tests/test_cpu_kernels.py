@@ -182,6 +182,26 @@ def test_prepared_runs_read_the_storage_in_place(axis, factor_bits):
                           low_rank=True)
 
 
+@pytest.mark.parametrize("B,H,n,d,index_dtype", [(2, 3, 320, 64, torch.int16), (1, 1, 32800, 8, torch.int32)])
+def test_wide_outlier_indices_are_read_as_their_bytes(B, H, n, d, index_dtype):
+    """A chunk past 256 tokens indexes its outliers in int16 (past 32,768 in int32): the kernels read every index
+    as bytes, so such a run decompresses as the oracle does through the kernel signature a uint8 index takes."""
+    from gear_hf.kernels.cpu import dequant
+
+    torch.manual_seed(3)
+    spec = ChunkSpec(4, "channel", 32, 0.02, 0)
+    narrow, wide = _run(torch.randn(B, H, 32, d), spec, 32), _run(torch.randn(B, H, 2 * n, d) * 3, spec, n)
+    assert narrow.sparse_index.dtype == torch.uint8 and wide.sparse_index.dtype == index_dtype
+    signatures = []
+    for run, chunk_len, chunks in ((narrow, 32, 1), (wide, n, 2)):
+        out = torch.empty(B, H, chunks * chunk_len, d)
+        cpu.decompress_into(run, spec, chunk_len, d, chunks, out)
+        assert torch.equal(out, decompress(run, spec, chunk_len, d, torch.float32, chunks=chunks))
+        signatures.append(set(dequant._decompress.signatures))
+    assert signatures[1] == signatures[0]  # (the index is argument 11)
+    assert {str(signature[11]) for signature in signatures[1]} == {"array(uint8, 4d, C)"}
+
+
 def test_decompress_supported_declines():
     d = 64
     out = torch.empty(1, 2, 16, d)

@@ -143,21 +143,34 @@ def _add_lowrank(a, a_scale, b_raw, b_scale, b, h, n, N, plane, bt, weights):
                     row[c] += (w0 * b0[c] + w1 * b1[c]) + (w2 * b2[c] + w3 * b3[c])
 
 
+@numba.njit
+def _index_entry(index, b, h, e, c, width):
+    """Entry (e, c) of an outlier index held as its little-endian bytes (`read._index_bytes`), `width` bytes each."""
+    if width == 1:
+        return np.int64(index[b, h, e, c])
+    value = np.int64(0)
+    for i in range(width):
+        value |= np.int64(index[b, h, e, c * width + i]) << (8 * i)
+    return value
+
+
 @kernel()
 def _add_outliers(values, index, E, channel_axis, b, h, n, N, plane):
-    """plane [N,d] += S: values/index [B,H,>=E,d], E = C*k rows in use (channel axis: token index within its chunk
-    of n) or [B,H,>=N,k] (token axis: channel index). Unused slots hold value 0, adding nothing."""
+    """plane [N,d] += S: values [B,H,>=E,d], E = C*k rows in use (channel axis: token index within its chunk of n)
+    or [B,H,>=N,k] (token axis: channel index); index: the same entries as bytes, 1, 2 or 4 each (one kernel
+    signature for every index width). Unused slots hold value 0, adding nothing."""
     K = values.shape[3]
+    width = index.shape[3] // K if K else 1
     if channel_axis:
         per_chunk = E // (N // n)
         for e in range(E):
             first = (e // per_chunk) * n
             for c in range(K):
-                plane[first + index[b, h, e, c], c] += _side(values[b, h, e, c])
+                plane[first + _index_entry(index, b, h, e, c, width), c] += _side(values[b, h, e, c])
     else:
         for t in range(N):
             for k in range(K):
-                plane[t, index[b, h, t, k]] += _side(values[b, h, t, k])
+                plane[t, _index_entry(index, b, h, t, k, width)] += _side(values[b, h, t, k])
 
 
 @kernel()

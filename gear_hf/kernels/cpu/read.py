@@ -6,6 +6,7 @@ per state of the storage) and the calls (`decompress_run`, `decompress_into`, `r
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,7 +59,7 @@ def prepare(chunk: CompressedChunk, spec: ChunkSpec, n: int, d: int, chunks: int
     holds no second copy of the storage. Every field is handed from its first row to the end of the store, C-contiguous
     (the outliers with the count of rows in use): a view of fewer rows would be another array type, for which numba
     compiles every kernel that reads it again."""
-    outliers = (_side_array(chunk.sparse_values), _stored(chunk.sparse_index), chunk.sparse_index.shape[2]) \
+    outliers = (_side_array(chunk.sparse_values), _index_bytes(chunk.sparse_index), chunk.sparse_index.shape[2]) \
         if chunk.sparse_index.numel() else _no_outliers(chunk.sparse_values.dtype)
     group = spec.group_for(n, d) if spec.axis == "channel" else min(spec.group_for(n, d), d)  # (> d: one group)
     if spec.stats == "8":  # the uint8 codes in place, decoded by the loops (`bf16.group_stats`)
@@ -93,6 +94,15 @@ def _stored(t: torch.Tensor) -> np.ndarray:
     C-contiguous)."""
     array, at = arrays.readable(t)
     return array[:, :, at:]
+
+
+def _index_bytes(index: torch.Tensor) -> np.ndarray:
+    """An outlier index (uint8, or int16/int32 for chunks past 256 tokens) as its bytes in place, uint8 [B,H,m,k*width]
+    read little-endian by `dequant._add_outliers`: every width one array type, so one signature of each kernel that
+    reads runs (a wide index would otherwise compile the whole attention kernel again)."""
+    if sys.byteorder != "little":
+        raise NotImplementedError("the CPU kernels read outlier indices as little-endian bytes")
+    return _stored(index.view(torch.uint8))
 
 
 def side_numpy_dtype(dtype: torch.dtype) -> type:
