@@ -46,7 +46,7 @@ class Run:
     scale: np.ndarray  # bf16 bits (int16) in place, or float32 (`_side_array`)
     minimum: np.ndarray
     factors: tuple  # `_factors`, or _NO_FACTORS
-    outliers: tuple  # (values as side information, index, rows used), or `_no_outliers`
+    outliers: tuple  # (values as side information, index as its bytes (`_index_bytes`), rows used), or `_no_outliers`
     n: int  # tokens per chunk
     tokens: int  # chunks * n
     hadamard: bool  # the spec rotates: undo the Walsh-Hadamard rotation
