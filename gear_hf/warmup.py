@@ -12,9 +12,9 @@ random-weight model, compiles everything a generate with it reaches on any model
     python -m gear_hf.warmup --jobs 1               # in this process (default: one process per core)
 
 numba compiles on one core, so the warm-up spreads over worker processes, a family of configurations per task (the
-recommended ones, whose kernels are GearConfig()'s; each paper method's presets): on a fresh 2-core machine about a
-fifth sooner than in one process (README). The workers share numba's on-disk cache, whose writes they take in turn
-(`_one_writer_at_a_time`).
+recommended ones, whose kernels are GearConfig()'s; each paper method's presets): on a fresh 2-core machine about
+half the time of one process (README). The workers share numba's on-disk cache, whose saves and loads take a file lock
+(`kernels.cpu.jit`).
 
 `CompileWatch` counts the kernels numba compiles while it is open, and their seconds: the demo, lm-eval's
 `gear_stats` and the benchmarks report compilation apart with it, and check that their timed runs compile nothing.
@@ -208,30 +208,6 @@ def families(names) -> list[list[str]]:
     return list(groups.values())
 
 
-def _one_writer_at_a_time() -> None:
-    """In a warm-up worker: numba's cache index is read, extended and written back by each process on its own, so
-    two processes saving kernels of one function at once could lose an entry or pair one signature with another's
-    machine code. Every save and load of the index and its data takes an exclusive lock on the cache folder."""
-    import fcntl
-
-    from numba.core.caching import IndexDataCacheFile
-
-    def locked(method):
-        @functools.wraps(method)
-        def under_lock(self, *args, **kwargs):
-            os.makedirs(self._cache_path, exist_ok=True)
-            with open(os.path.join(self._cache_path, ".gear_hf-warmup.lock"), "a") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)
-                try:
-                    return method(self, *args, **kwargs)
-                finally:
-                    fcntl.flock(lock, fcntl.LOCK_UN)
-        return under_lock
-
-    IndexDataCacheFile.save = locked(IndexDataCacheFile.save)
-    IndexDataCacheFile.load = locked(IndexDataCacheFile.load)
-
-
 def _warm_up_family(serving: bool, names: list[str], dtypes: list[str]) -> tuple[list[str], int, float]:
     """One worker's task: (its report lines, signatures compiled, compile seconds)."""
     lines: list[str] = []
@@ -268,8 +244,7 @@ def warm_up_in_workers(names, dtypes, jobs: int, serving: bool = False, report=p
     workers. (Families share some kernels, which two workers may both compile.)"""
     count, seconds = 0, 0.0
     context = multiprocessing.get_context("spawn")  # (no fork of a process that may hold OpenMP threads)
-    with _passive_openmp(), concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context,
-                                                                   initializer=_one_writer_at_a_time) as pool:
+    with _passive_openmp(), concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
         tasks = [pool.submit(_warm_up_family, serving, group, list(dtypes)) for group in families(names)]
         for task in concurrent.futures.as_completed(tasks):
             lines, compiled, spent = task.result()

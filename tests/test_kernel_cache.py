@@ -62,3 +62,25 @@ def test_where_the_cache_goes(tmp_path, monkeypatch):
     monkeypatch.setattr(jit, "_writable", lambda folder: False)  # a read-only install: the user's cache folder
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert Path(where()) == tmp_path / "xdg" / "gear_hf" / name
+
+
+@pytest.mark.skipif(jit.fcntl is None, reason="no file locks on this OS")
+def test_saves_and_loads_of_the_cache_wait_for_the_lock():
+    """Processes that compile at once (pytest workers, accelerate ranks) take turns at a function's cache index: a
+    load waits while another holder has the folder's lock (flock: another open file description, as another
+    process's would be), and goes on once it is released."""
+    import threading
+    import time
+
+    cache_file = attend._attend._cache._cache_file
+    assert isinstance(cache_file, jit._OneWriterAtATime)
+    done = threading.Event()
+    with open(os.path.join(cache_file._cache_path, ".gear_hf-cache.lock"), "a") as lock:
+        jit.fcntl.flock(lock, jit.fcntl.LOCK_EX)
+        reader = threading.Thread(target=lambda: (cache_file.load(("no such key",)), done.set()))
+        reader.start()
+        time.sleep(0.3)
+        assert not done.is_set()  # waiting for the lock
+        jit.fcntl.flock(lock, jit.fcntl.LOCK_UN)
+    reader.join(10)
+    assert done.is_set()

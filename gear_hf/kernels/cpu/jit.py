@@ -5,6 +5,11 @@ numba keys a cached function on its own file only: a loop in `attend.py` that in
 fresh compile). So every cached kernel of this folder lives in a cache directory named after a hash of all the
 folder's sources: any edit here starts a fresh one.
 
+Processes that compile at once (pytest workers, `accelerate launch` ranks, the warm-up's workers) save into one cache:
+numba reads a function's index, extends it and writes it back, so two processes saving kernels of one function
+together could lose an entry or pair one signature with another's machine code. Every kernel's cache file here
+takes an exclusive file lock for each save and load (`_OneWriterAtATime`).
+
 Small helpers are plain `numba.njit` functions, never `inline="always"`: numba's IR inlining types a helper again at
 every call site, which made compiling slow (the compression kernel spent 14 of its 18 s in typing); LLVM inlines the
 calls anyway when it links the helpers in (decode speed unchanged, measured).
@@ -18,6 +23,12 @@ import os
 from pathlib import Path
 
 import numba
+from numba.core.caching import IndexDataCacheFile
+
+try:
+    import fcntl
+except ImportError:  # (Windows: no file locks; numba's own behaviour)
+    fcntl = None
 
 KERNEL_SOURCES = Path(__file__).resolve().parent
 
@@ -51,17 +62,40 @@ def cache_dir() -> str:
     return str(base / f"numba-{sources_key()}")
 
 
+class _OneWriterAtATime(IndexDataCacheFile):
+    """numba's cache file of one function, each save and load under an exclusive lock on the cache folder."""
+
+    def _locked(self, method, *args):
+        os.makedirs(self._cache_path, exist_ok=True)
+        with open(os.path.join(self._cache_path, ".gear_hf-cache.lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                return method(self, *args)
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def save(self, key, data):
+        return self._locked(IndexDataCacheFile.save, key, data)
+
+    def load(self, key):
+        return self._locked(IndexDataCacheFile.load, key)
+
+
 def kernel(**options):
-    """numba.njit(cache=True, nogil=True, **options), cached under `cache_dir()`. numba binds a function's cache
-    location when it is decorated, so NUMBA_CACHE_DIR is pointed there for that moment only (other numba code of the
-    process keeps its own)."""
+    """numba.njit(cache=True, nogil=True, **options), cached under `cache_dir()` (its saves and loads locked where the
+    OS has file locks). numba binds a function's cache location when it is decorated, so NUMBA_CACHE_DIR is pointed
+    there for that moment only (other numba code of the process keeps its own)."""
 
     def decorate(func):
         previous = numba.config.CACHE_DIR
         numba.config.CACHE_DIR = cache_dir()
         try:
-            return numba.njit(cache=True, nogil=True, **options)(func)
+            dispatcher = numba.njit(cache=True, nogil=True, **options)(func)
         finally:
             numba.config.CACHE_DIR = previous
+        cache_file = getattr(getattr(dispatcher, "_cache", None), "_cache_file", None)
+        if fcntl is not None and type(cache_file) is IndexDataCacheFile:
+            cache_file.__class__ = _OneWriterAtATime
+        return dispatcher
 
     return decorate
