@@ -12,8 +12,8 @@ random-weight model, compiles everything a generate with it reaches on any model
     python -m gear_hf.warmup --jobs 1               # in this process (default: one process per core)
 
 numba compiles on one core, so the warm-up spreads over worker processes, a family of configurations per task (the
-recommended ones, whose kernels are GearConfig()'s; each paper method's presets): on a fresh 2-core machine about
-half the time of one process (README). The workers share numba's on-disk cache, whose saves and loads take a file lock
+recommended ones, whose kernels are GearConfig()'s; each paper method's presets): on a fresh 2-core machine in about
+0.6 of one process's time (README). The workers share numba's on-disk cache, whose saves and loads take a file lock
 (`kernels.cpu.jit`).
 
 `CompileWatch` counts the kernels numba compiles while it is open, and their seconds: the demo, lm-eval's
