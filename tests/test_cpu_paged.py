@@ -49,6 +49,19 @@ def test_paged_attention_equals_the_oracle(name, dtype):
     assert (torch.from_numpy(out).double() - expected).abs().max() < 2e-5
 
 
+def test_one_compiled_kernel_serves_float32_and_bf16_models():
+    """The exact blocks (tails, closing blocks, sinks) are read as their bytes: a page format's kernel signature is
+    the same for a float32 and a bf16 model (one compile each, not two); other dtypes are named as not read."""
+    _case(CONFIGS["default"], torch.float32, rotated=True, sinks=4, seed=3)
+    compiled = set(paged._paged_pairs.signatures) | set(paged._paged_parallel.signatures)
+    _case(CONFIGS["default"], torch.bfloat16, rotated=True, sinks=4, seed=3)
+    assert set(paged._paged_pairs.signatures) | set(paged._paged_parallel.signatures) == compiled
+    with pytest.raises(ValueError, match="dtype float16"):
+        paged._exact_bytes(np.zeros((1, 4, 2, 8), np.float16), 8)
+    with pytest.raises(ValueError, match=r"heads, 16\]"):
+        paged._exact_bytes(np.zeros((1, 4, 2, 8), np.float32), 16)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_exact_sinks_replace_the_pages_first_tokens(dtype):
     """Requests whose block 0 is a page attend their first 4 tokens from a sink slot (low-rank values and rotated

@@ -25,6 +25,7 @@ import torch
 
 from . import threads
 from .attend import _FAST, _add_value_lowrank, _assemble_run, _run_scratch, _softmax_row, _weighted_rows
+from .bf16 import bf16_value
 from .bf16 import side_value as _side
 from .dequant import _hadamard_rows
 from .jit import kernel
@@ -73,10 +74,20 @@ def _page_run(pages, block, h, layout, scales):
 
 @kernel(fastmath=_FAST)
 def _exact_rows(blocks, s, h, count, target):
-    """target[:count] = rows [0, count) of block s of blocks [S, bs, H, d] at head h (bf16 as its bits, or float32)."""
+    """target[:count] = rows [0, count) of block s of blocks [S, bs, H, d*w] at head h, held as their bytes
+    (`_exact_bytes`): w = 4 float32, w = 2 bf16."""
+    d = target.shape[1]
+    wide = blocks.shape[3] == 4 * d
     for t in range(count):
-        for k in range(target.shape[1]):
-            target[t, k] = _side(blocks[s, t, h, k])
+        row = blocks[s, t, h]
+        if wide:
+            values = row.view(np.float32)
+            for k in range(d):
+                target[t, k] = values[k]
+        else:
+            bits = row.view(np.uint16)
+            for k in range(d):
+                target[t, k] = bf16_value(bits[k])
 
 
 @kernel(fastmath=_FAST)
@@ -130,9 +141,10 @@ def _paged_pairs(q, starts, lens, table, bs, cos, sin, pages, k_layout, k_rotate
     starts[r+1]-1 of q, the last of its lens[r] tokens); table [R, >=blocks] (`_paged_planes`); cos/sin [>=L, d/2]
     to rotate page keys by, or [0, 0] (keys stored rotated); pages [blocks, H, page_bytes] uint8 with each stream's
     fields where `page_layout` says; *_rotated: the stream's chunks are Hadamard-rotated; tail_k/tail_v
-    [S, bs, H, d] and close_k/close_v [C, bs, H, d] the exact blocks (`_paged_planes`), bf16 bits or float32;
-    sink_slot [R]: request r's first sink_k.shape[1] tokens read exact from slot sink_slot[r] of sink_k/sink_v
-    [slots, n, H, d] (its block 0 a page whose copies of them are not attended), -1: none; out [T, Hq, d] float32."""
+    [S, bs, H, d*w] and close_k/close_v [C, bs, H, d*w] the exact blocks (`_paged_planes`) as their bytes
+    (`_exact_rows`); sink_slot [R]: request r's first sink_k.shape[1] tokens read exact from slot sink_slot[r] of
+    sink_k/sink_v [slots, n, H, d*w] (its block 0 a page whose copies of them are not attended), -1: none;
+    out [T, Hq, d] float32."""
     T, Hq, d = q.shape
     H = tail_k.shape[2]
     G = Hq // H
@@ -223,13 +235,15 @@ def paged_attention(q, starts, lens, table, block_size, cos, sin, pages, keys, v
                     close_v, first_closing, out, sink_slot=None, sink_k=None, sink_v=None):
     """Fill out [T, Hq, d] float32 with the attention of q [T, Hq, d] float32 (scale folded in) over the pages
     [blocks, H, page_bytes] uint8 and the exact blocks (tails, closing from source first_closing on:
-    `_paged_planes`), numpy arrays; a request of lens 0 is skipped (its rows of out are left as they are);
-    keys/values: (layout, rotated) as `page_layout` gives them; sink_slot/sink_k/sink_v: exact first tokens
-    (`_paged_pairs`; None: none). Its (request, KV head) pairs are split over torch's threads where numba runs them
-    safely (`threads`)."""
+    `_paged_planes`; float32, or bf16 as its bits: int16), numpy arrays; a request of lens 0 is skipped (its rows
+    of out are left as they are); keys/values: (layout, rotated) as `page_layout` gives them; sink_slot/sink_k/sink_v:
+    exact first tokens (`_paged_pairs`; None: none). Its (request, KV head) pairs are split over torch's threads
+    where numba runs them safely (`threads`)."""
     if sink_slot is None:  # (same argument types as with sinks: one compiled signature)
         sink_slot = np.full(len(lens), -1, dtype=np.int64)
         sink_k = sink_v = np.zeros((0, 1, *tail_k.shape[2:]), dtype=tail_k.dtype)
+    tail_k, tail_v, close_k, close_v, sink_k, sink_v = (_exact_bytes(blocks, q.shape[2]) for blocks in (
+        tail_k, tail_v, close_k, close_v, sink_k, sink_v))
     if len(sink_slot) != len(lens) or (sink_slot >= sink_k.shape[0]).any() or sink_k.shape[1] >= block_size:
         raise ValueError(f"paged attention: sink slots {sink_slot.tolist()} must be one per request, below the "
                          f"{sink_k.shape[0]} held, of fewer tokens ({sink_k.shape[1]}) than a block ({block_size})")
@@ -249,6 +263,15 @@ def paged_attention(q, starts, lens, table, block_size, cos, sin, pages, keys, v
     pairs = lens.shape[0] * tail_k.shape[2]
     threads.launch(lambda *serial: _paged_pairs(*serial, 0, pairs), _paged_parallel, args, pairs)
     return out
+
+
+def _exact_bytes(blocks: np.ndarray, d: int) -> np.ndarray:
+    """Exact blocks [S, bs, H, d] (float32, or bf16 as its bits: int16) as their bytes [S, bs, H, d*4 or d*2], no copy:
+    one array type for either model dtype, so one compiled signature of the paged kernel per page format."""
+    if blocks.dtype not in (np.float32, np.int16) or blocks.ndim != 4 or blocks.shape[3] != d:
+        raise ValueError(f"paged attention: exact blocks of dtype {blocks.dtype} and shape {blocks.shape} are not "
+                         f"read; allowed: float32, or bf16 as its bits (int16), [blocks, block size, heads, {d}]")
+    return blocks.view(np.uint8)
 
 
 # -- where a page's fields lie ---------------------------------------------------------------------------------
