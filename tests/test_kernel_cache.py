@@ -32,7 +32,7 @@ def test_the_key_changes_with_any_source_of_the_folder(tmp_path):
 
 def test_every_cached_kernel_lives_under_the_folders_key():
     expected = Path(jit.cache_dir())
-    assert expected.name == f"numba-{jit.sources_key()}"
+    assert expected.name == f"numba-{numba.__version__}-{jit.sources_key()}"
     kernels = [attend._attend, attend._attend_parallel, dequant._decompress, tail._encode]
     for dispatcher in kernels:
         assert dispatcher._cache is not None and type(dispatcher._cache).__name__ != "NullCache", dispatcher
@@ -54,7 +54,7 @@ def test_other_numba_code_keeps_its_own_cache_location(tmp_path, monkeypatch):
 
 def test_where_the_cache_goes(tmp_path, monkeypatch):
     where = jit.cache_dir.__wrapped__  # (the memoised one was fixed when the kernels were decorated)
-    name = f"numba-{jit.sources_key()}"
+    name = f"numba-{numba.__version__}-{jit.sources_key()}"  # (another numba release: a folder of its own)
     monkeypatch.setattr(numba.config, "CACHE_DIR", str(tmp_path / "user"))  # NUMBA_CACHE_DIR set: under it
     assert Path(where()) == tmp_path / "user" / name
     monkeypatch.setattr(numba.config, "CACHE_DIR", "")

@@ -3,7 +3,9 @@
 numba keys a cached function on its own file only: a loop in `attend.py` that inlines a changed helper of
 `dequant.py` would load its stale machine code (a checkout that changed one file gave other decode bits than a
 fresh compile). So every cached kernel of this folder lives in a cache directory named after a hash of all the
-folder's sources: any edit here starts a fresh one.
+folder's sources: any edit here starts a fresh one. The name also carries numba's version: numba drops an index
+written by another version and writes its own over it, so two environments of one checkout (`.venv` and
+`.venv-vllm` pin different numba releases) sharing a folder would each recompile what the other last saved.
 
 Processes that compile at once (pytest workers, `accelerate launch` ranks, the warm-up's workers) save into one cache:
 numba reads a function's index, extends it and writes it back, so two processes saving kernels of one function
@@ -51,15 +53,16 @@ def _writable(folder: Path) -> bool:
 
 @functools.cache
 def cache_dir() -> str:
-    """Where the kernels' compiled code goes: a `numba-<sources_key>` folder in NUMBA_CACHE_DIR when set, else in
-    this folder's __pycache__ when writable (an installed package may not be), else in the user's cache folder."""
+    """Where the kernels' compiled code goes: a `numba-<numba version>-<sources_key>` folder in NUMBA_CACHE_DIR when
+    set, else in this folder's __pycache__ when writable (an installed package may not be), else in the user's cache
+    folder."""
     if numba.config.CACHE_DIR:
         base = Path(numba.config.CACHE_DIR)
     else:
         base = KERNEL_SOURCES / "__pycache__"
         if not _writable(base):
             base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gear_hf"
-    return str(base / f"numba-{sources_key()}")
+    return str(base / f"numba-{numba.__version__}-{sources_key()}")
 
 
 class _OneWriterAtATime(IndexDataCacheFile):

@@ -97,7 +97,7 @@ def _stored(t: torch.Tensor) -> np.ndarray:
 
 
 def _index_bytes(index: torch.Tensor) -> np.ndarray:
-    """An outlier index (uint8, or int16/int32 for chunks past 256 tokens) as its bytes in place, uint8 [B,H,m,k*width]
+    """An outlier index (uint8; int16 past 256 positions, int32 past 32,768) as its bytes in place, uint8 [B,H,m,k*w],
     read little-endian by `dequant._add_outliers`: every width one array type, so one signature of each kernel that
     reads runs (a wide index would otherwise compile the whole attention kernel again)."""
     if sys.byteorder != "little":
