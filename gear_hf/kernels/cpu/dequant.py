@@ -105,17 +105,29 @@ def _spread_codes(codes, bits, b, h, N, out):
 
 
 @kernel()
-def _dequant_token(spread, scale, minimum, top, b, h, N, plane):
-    """Values-style: spread codes [N, G, >=g] (`_spread_codes`) -> plane [N, G, g] (the d channels as G groups of
-    g) = code*scale + minimum, scale/minimum [B,H,N,G]: 16-bit (`_side_array`), or 8-bit statistics' uint8 codes
-    (`bf16.group_stats`; top: the highest code). (Inner loops start at 0: LLVM vectorizes them; an offset start did
-    not.)"""
-    G, g = plane.shape[1], plane.shape[2]
+def _dequant_token(spread, scale, minimum, top, b, h, N, G, plane):
+    """Values-style: spread codes [N, d] (`_spread_codes`) -> plane [N, d] (the d channels as G groups of g) =
+    code*scale + minimum, scale/minimum [B,H,N,G]: 16-bit (`_side_array`), or 8-bit statistics' uint8 codes
+    (`bf16.group_stats`; top: the highest code). Every group's statistics are decoded first, then the rows written
+    from 2-d rows: decoded inside the row loop, or written through an [N, G, g] view, the rows did not vectorize
+    (2.2x slower); one group a row takes whole rows (slices of a runtime width cost 1.6x more)."""
+    g = plane.shape[1] // G
+    stats = np.empty((2, N * G), dtype=np.float32)
     for t in range(N):
         for k in range(G):
-            s, m = _group_stats(scale, minimum, top, b, h, t, k)
+            stats[0, t * G + k], stats[1, t * G + k] = _group_stats(scale, minimum, top, b, h, t, k)
+    if G == 1:  # (one group a row, the common case: whole rows, which vectorize best)
+        for t in range(N):
+            s, m = stats[0, t], stats[1, t]
             for c in range(g):
-                plane[t, k, c] = _F32(spread[t, k, c]) * s + m
+                plane[t, c] = _F32(spread[t, c]) * s + m
+        return
+    for t in range(N):
+        for k in range(G):
+            s, m = stats[0, t * G + k], stats[1, t * G + k]
+            row, codes = plane[t, k * g : (k + 1) * g], spread[t, k * g : (k + 1) * g]
+            for c in range(g):
+                row[c] = _F32(codes[c]) * s + m
 
 
 @kernel()
@@ -289,9 +301,7 @@ def _assemble(codes, bits, group, channel_axis, scale, minimum, a, a_scale, b_ra
         _dequant_channel(codes, bits, group, scale, minimum, b, h, N, target, rotate_rows, cos, sin, cos_at)
     else:
         _spread_codes(codes, bits, b, h, N, spread)
-        G = d // group
-        _dequant_token(spread.reshape(N, G, group), scale, minimum, (1 << bits) - 1, b, h, N,
-                       target.reshape(N, G, group))
+        _dequant_token(spread, scale, minimum, (1 << bits) - 1, b, h, N, d // group, target)
     if rows:  # (D̂ + S) + A Bᵀ, in the oracle's order
         _add_outliers(values, index, rows, channel_axis, b, h, n, N, target)
     if a.shape[3]:
