@@ -202,6 +202,26 @@ def test_wide_outlier_indices_are_read_as_their_bytes(B, H, n, d, index_dtype):
     assert {str(signature[11]) for signature in signatures[1]} == {"array(uint8, 4d, C)"}
 
 
+def test_statistics_of_every_format_share_one_kernel_signature():
+    """8-bit value statistics (the recommended configurations) and bf16 ones (the paper presets) reach the kernels
+    as their bytes: both runs decompress as the oracle does, through one signature of the read kernel (scale and
+    minimum are its arguments 4 and 5)."""
+    from gear_hf.kernels.cpu import dequant
+
+    torch.manual_seed(4)
+    signatures = []
+    for stats in ("8", "16"):
+        spec = ChunkSpec(3, "token", 32, 0.0, 0, rotate=True, stats=stats)
+        run = _run(torch.randn(2, 3, 64, 64), spec, 32)
+        assert run.scale.dtype == (torch.uint8 if stats == "8" else torch.bfloat16)
+        out = torch.empty(2, 3, 64, 64)
+        cpu.decompress_into(run, spec, 32, 64, 2, out)
+        assert_matches_oracle(out, decompress(run, spec, 32, 64, torch.float32, chunks=2), low_rank=True)
+        signatures.append(set(dequant._decompress.signatures))
+    assert signatures[1] == signatures[0]
+    assert {str(signature[4]) for signature in signatures[1]} == {"array(uint8, 4d, C)"}
+
+
 def test_decompress_supported_declines():
     d = 64
     out = torch.empty(1, 2, 16, d)

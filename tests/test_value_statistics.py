@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
@@ -173,27 +174,57 @@ def test_numba_reads_chunks_bit_for_bit_as_the_oracle(out_dtype):
 
 @pytest.mark.parametrize("top", [7, 15, 255])
 def test_the_cpu_loops_decode_every_code_pair_as_the_oracle(top):
-    """The numba loops read the uint8 codes in place (`bf16.group_stats`): all 256 x 256 (scale, zero point) pairs
-    decode to decode_stats8's float32 bits, the minimum's rounding down to bf16 included."""
+    """The numba loops read the uint8 codes in place (`bf16.stored_stats`, one byte an entry): all 256 x 256 (scale,
+    zero point) pairs decode to decode_stats8's float32 bits, the minimum's rounding down to bf16 included."""
     pytest.importorskip("numba")
-    import numba
-
-    from gear_hf.kernels.cpu.bf16 import group_stats
-
-    @numba.njit
-    def decode_all(scale, minimum, top, out_scale, out_minimum):
-        for t in range(scale.shape[2]):
-            for k in range(scale.shape[3]):
-                out_scale[0, 0, t, k], out_minimum[0, 0, t, k] = group_stats(scale, minimum, top, 0, 0, t, k)
-
     codes = torch.arange(256, dtype=torch.uint8)
     pairs = torch.meshgrid(codes, codes, indexing="ij")
     scale_code, zero_code = (c.reshape(1, 1, 256, 256).contiguous() for c in pairs)
-    out_scale, out_minimum = torch.empty(2, 1, 1, 256, 256).unbind(0)
-    decode_all(scale_code.numpy(), zero_code.numpy(), top, out_scale.numpy(), out_minimum.numpy())
+    out_scale, out_minimum = _stored_stats_of(scale_code, zero_code, top)
     minimum, scale = quant.decode_stats8(scale_code, zero_code, top)
     assert torch.equal(out_scale.view(torch.int32), scale.view(torch.int32))
     assert torch.equal(out_minimum.view(torch.int32), minimum.view(torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_16_and_32_bit_statistics_are_read_from_their_bytes(dtype):
+    """Statistics of every other format reach the loops as their bytes too (`read._stats_bytes`: one array type,
+    so one kernel signature for all formats), and read back as the values they hold (fp16 ones through float32)."""
+    pytest.importorskip("numba")
+    from gear_hf.kernels.cpu.read import _stats_bytes
+
+    scale = (torch.randn(1, 2, 5, 3, generator=torch.Generator().manual_seed(0)) * 1e3).to(dtype)
+    minimum = -scale.flip(2)
+    scale_bytes, minimum_bytes = _stats_bytes(scale), _stats_bytes(minimum)
+    assert scale_bytes.dtype == np.uint8 and scale_bytes.shape == (1, 2, 5, 3 * (2 if dtype == torch.bfloat16 else 4))
+    out_scale, out_minimum = _stored_stats_of(torch.from_numpy(scale_bytes), torch.from_numpy(minimum_bytes), 0,
+                                              entries=3)
+    assert torch.equal(out_scale, scale.float()) and torch.equal(out_minimum, minimum.float())
+    with pytest.raises(ValueError, match="int16"):
+        _stats_bytes(torch.zeros(1, 1, 1, 1, dtype=torch.int16))
+
+
+def _stored_stats_of(scale, minimum, top, entries=None):
+    """(scale, minimum) float32 [B,H,m,entries] of statistics held as bytes [B,H,m,entries*w], read entry by entry by
+    `bf16.stored_stats` in a numba loop."""
+    import numba
+
+    from gear_hf.kernels.cpu.bf16 import stored_stats
+
+    @numba.njit
+    def decode_all(scale, minimum, top, width, out_scale, out_minimum):
+        for b in range(out_scale.shape[0]):
+            for h in range(out_scale.shape[1]):
+                for t in range(out_scale.shape[2]):
+                    for k in range(out_scale.shape[3]):
+                        out_scale[b, h, t, k], out_minimum[b, h, t, k] = stored_stats(scale, minimum, top, b, h, t,
+                                                                                      k, width)
+
+    entries = entries or scale.shape[3]
+    out_scale, out_minimum = torch.empty(2, *scale.shape[:3], entries).unbind(0)
+    decode_all(scale.contiguous().numpy(), minimum.contiguous().numpy(), top, scale.shape[3] // entries,
+               out_scale.numpy(), out_minimum.numpy())
+    return out_scale, out_minimum
 
 
 def test_floor_bf16_is_the_largest_bf16_at_or_below():

@@ -89,7 +89,13 @@ def _stats_value(scale, minimum, top):
 
 
 @numba.njit
-def group_stats(scale, minimum, top, b, h, t, k):
-    """(scale, minimum) float32 of group [b, h, t, k] (`stats_value`): 16-bit fields, or 8-bit statistics decoded as
-    `quant.decode_stats8` decodes them, bit for bit."""
-    return stats_value(scale[b, h, t, k], minimum[b, h, t, k], top)
+def stored_stats(scale, minimum, top, b, h, g, k, width):
+    """(scale, minimum) float32 of entry k of statistics row [b, h, g], the rows held as their bytes
+    (`read._stats_bytes`: one array type for every statistics format, so one signature of each kernel that reads
+    runs), `width` bytes an entry: 1, 8-bit statistics' codes, decoded as `quant.decode_stats8` decodes them, bit
+    for bit (top: the group's highest code); 2, bf16 bits; 4, float32 (fp16 models' statistics)."""
+    if width == 1:
+        return decode_stats8(scale[b, h, g, k], minimum[b, h, g, k], top)
+    if width == 2:
+        return bf16_value(scale[b, h, g].view(np.uint16)[k]), bf16_value(minimum[b, h, g].view(np.uint16)[k])
+    return scale[b, h, g].view(np.float32)[k], minimum[b, h, g].view(np.float32)[k]

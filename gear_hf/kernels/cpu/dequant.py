@@ -20,9 +20,9 @@ import numba
 import numpy as np
 
 from .bf16 import bf16_value as _f32
-from .bf16 import group_stats as _group_stats
 from .bf16 import round_bf16 as _bf16
 from .bf16 import side_value as _side
+from .bf16 import stored_stats as _stored_stats
 from .jit import kernel
 from .pack import transpose_bits8
 
@@ -36,16 +36,27 @@ _F32 = np.float32
 # C-contiguous (LLVM then knows the unit stride).
 
 
+@numba.njit
+def _stats_row(scale, minimum, top, b, h, g, width, scales, minimums):
+    """scales/minimums [>=d] float32 = statistics row [b, h, g] of d entries (`bf16.stored_stats`)."""
+    for c in range(scale.shape[3] // width):
+        scales[c], minimums[c] = _stored_stats(scale, minimum, top, b, h, g, c, width)
+
+
 @kernel()
 def _dequant_channel(codes, bits, group, scale, minimum, b, h, N, plane, rotate_rows, cos, sin, cos_at):
     """Keys-style codes packed along tokens, codes [B,H,>=P(N),d] -> plane [N,d] = code*scale + minimum, with
-    scale/minimum [B,H,>=N/group,d] (`_side_array`; groups run along tokens). rotate_rows: each row then rotated in
-    place by cos/sin as `_write` does, while it is in cache (keys with nothing to add: no pass of their own)."""
+    scale/minimum [B,H,>=N/group,d*w] as their bytes (`read._stats_bytes`; groups run along tokens), each group's
+    row decoded once. rotate_rows: each row then rotated in place by cos/sin as `_write` does, while it is in cache
+    (keys with nothing to add: no pass of their own)."""
     d = plane.shape[1]
     half, cb = d // 2, b if cos.shape[0] > 1 else 0
     per, mask = 8 // bits if bits != 3 else 1, np.int32((1 << bits) - 1)
+    stats = np.empty((2, d), dtype=np.float32)
+    s, m = stats[0], stats[1]
     for t in range(N):  # (int32 code arithmetic: int64 lanes vectorize worse, and convert to float32 slowly)
-        g = t // group
+        if t % group == 0:
+            _stats_row(scale, minimum, 0, b, h, t // group, scale.shape[3] // d, s, m)
         if bits == 3:  # units of 8 tokens in 3 bytes: two 2-bit planes (tokens 0-3, 4-7), one high-bit plane
             unit, j = t // 8, t % 8
             low_row, high_row = unit * 3 + j // 4, unit * 3 + 2
@@ -53,12 +64,12 @@ def _dequant_channel(codes, bits, group, scale, minimum, b, h, N, plane, rotate_
             for c in range(d):
                 code = ((np.int32(codes[b, h, low_row, c]) >> low_shift) & np.int32(3)) | \
                     (((np.int32(codes[b, h, high_row, c]) >> high_shift) & np.int32(1)) << np.int32(2))
-                plane[t, c] = _F32(code) * _side(scale[b, h, g, c]) + _side(minimum[b, h, g, c])
+                plane[t, c] = _F32(code) * s[c] + m[c]
         else:
             row, shift = t // per, np.int32(bits * (t % per))
             for c in range(d):
                 code = (np.int32(codes[b, h, row, c]) >> shift) & mask
-                plane[t, c] = _F32(code) * _side(scale[b, h, g, c]) + _side(minimum[b, h, g, c])
+                plane[t, c] = _F32(code) * s[c] + m[c]
         if rotate_rows:
             ct = cos_at + t
             for i in range(half):
@@ -107,15 +118,16 @@ def _spread_codes(codes, bits, b, h, N, out):
 @kernel()
 def _dequant_token(spread, scale, minimum, top, b, h, N, G, plane):
     """Values-style: spread codes [N, d] (`_spread_codes`) -> plane [N, d] (the d channels as G groups of g) =
-    code*scale + minimum, scale/minimum [B,H,N,G]: 16-bit (`_side_array`), or 8-bit statistics' uint8 codes
-    (`bf16.group_stats`; top: the highest code). Every group's statistics are decoded first, then the rows written
+    code*scale + minimum, scale/minimum [B,H,N,G*w] as their bytes (`bf16.stored_stats`: 8-bit statistics' codes,
+    top the highest code; bf16; float32). Every group's statistics are decoded first, then the rows written
     from 2-d rows: decoded inside the row loop, or written through an [N, G, g] view, the rows did not vectorize
     (2.2x slower); one group a row takes whole rows (slices of a runtime width cost 1.6x more)."""
     g = plane.shape[1] // G
     stats = np.empty((2, N * G), dtype=np.float32)
+    width = scale.shape[3] // G
     for t in range(N):
         for k in range(G):
-            stats[0, t * G + k], stats[1, t * G + k] = _group_stats(scale, minimum, top, b, h, t, k)
+            stats[0, t * G + k], stats[1, t * G + k] = _stored_stats(scale, minimum, top, b, h, t, k, width)
     if G == 1:  # (one group a row, the common case: whole rows, which vectorize best)
         for t in range(N):
             s, m = stats[0, t], stats[1, t]
@@ -242,8 +254,7 @@ def _dequant_planes(codes, widths, group, scale, minimum, b, h, n, N, plane, wor
                 token = 8 * u + t
                 g = token // group
                 if g != last_group:  # (the group's scale and minimum as float32 rows, decoded once)
-                    for c in range(d):
-                        stats[c], stats[d + c] = _side(scale[b, h, g, c]), _side(minimum[b, h, g, c])
+                    _stats_row(scale, minimum, 0, b, h, g, scale.shape[3] // d, stats[:d], stats[d:])
                     last_group = g
                 shift = np.uint64(8 * t)
                 for c in range(d):

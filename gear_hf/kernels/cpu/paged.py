@@ -48,7 +48,7 @@ def _page_factors(page, layout, scales):
     """The low-rank factors of one page (page [page_bytes] uint8) as `attend._assemble_run` reads them: (a, a
     scales, b, b scales); scales [2, 1, 1, 1, >=r] float32 scratch for int8 factors' column scales (ones are left
     there for 16-bit factors)."""
-    fields, side_like, factor_like, scaled_factors = layout[0], layout[2], layout[3], layout[4]
+    fields, side_like, factor_like, scaled_factors = layout[:4]
     a, b = _field(page, 6, fields, factor_like), _field(page, 7, fields, factor_like)
     r = a.shape[3]
     if r and scaled_factors:
@@ -63,11 +63,11 @@ def _page_factors(page, layout, scales):
 def _page_run(pages, block, h, layout, scales):
     """(run, factors) of page (block, h) as `attend._assemble_run` reads a one-chunk run at plane (0, 0); layout as
     `page_layout` gives it; scales: `_page_factors`' scratch."""
-    fields, stats_like, side_like, factor_like, scaled_factors, bits, group, channel_axis, n = layout
+    fields, side_like, factor_like, scaled_factors, bits, group, channel_axis, n = layout
     page = pages[block, h]
     index = _field(page, 5, fields, page)
-    run = (_field(page, 0, fields, page), bits, group, channel_axis, _field(page, 2, fields, stats_like),
-           _field(page, 3, fields, stats_like), _field(page, 4, fields, side_like), index,
+    run = (_field(page, 0, fields, page), bits, group, channel_axis, _field(page, 2, fields, page),
+           _field(page, 3, fields, page), _field(page, 4, fields, side_like), index,
            index.shape[2] if index.shape[3] else 0, n, n, _field(page, 1, fields, page))
     return run, _page_factors(page, layout, scales)
 
@@ -293,16 +293,19 @@ def pages_supported(spec, dtypes, d: int) -> bool:
 def page_layout(spec, fields: tuple, n: int, d: int) -> tuple:
     """(layout, rotated) of one stream's chunk in a page, as `_paged_pairs` reads it: fields ((name, byte offset in
     the page, torch dtype, shape), ...) of every `CompressedChunk` field; a page holds one chunk of n tokens of
-    `spec`, head_dim d. layout = (fields [10, 3] int64: offset, rows, columns; arrays whose dtype is that of the
-    statistics, of side information and of the low-rank factors; whether the factors are int8 with column scales;
-    bits (0: a width per channel); group; along channels; n)."""
+    `spec`, head_dim d. layout = (fields [10, 3] int64: offset, rows, columns (the statistics' in bytes: they are
+    read as their bytes, `bf16.stored_stats`); arrays of the dtypes side information and the low-rank factors are
+    read as; whether the factors are int8 with column scales; bits (0: a width per channel); group; along channels;
+    n)."""
     where = {name: (offset, dtype, shape) for name, offset, dtype, shape in fields}
     table = np.zeros((len(_FIELDS), 3), dtype=np.int64)
     for i, name in enumerate(_FIELDS):
-        offset, _, shape = where[name]
-        table[i] = (offset, *shape)
-    like = {name: np.zeros(0, dtype=_NUMPY[where[name][1]]) for name in ("scale", "sparse_values", "lowrank_a")}
+        offset, dtype, (rows, columns) = where[name]
+        if name in ("scale", "minimum"):
+            columns *= np.dtype(_NUMPY[dtype]).itemsize
+        table[i] = (offset, rows, columns)
+    like = {name: np.zeros(0, dtype=_NUMPY[where[name][1]]) for name in ("sparse_values", "lowrank_a")}
     group = spec.group_for(n, d) if spec.axis == "channel" else min(spec.group_for(n, d), d)
-    layout = (table, like["scale"], like["sparse_values"], like["lowrank_a"], where["lowrank_a"][1] == torch.int8,
+    layout = (table, like["sparse_values"], like["lowrank_a"], where["lowrank_a"][1] == torch.int8,
               0 if spec.allocated else int(spec.bits), group, spec.axis == "channel", n)
     return layout, bool(spec.rotate)

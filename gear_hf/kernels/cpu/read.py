@@ -43,7 +43,7 @@ class Run:
     bits: int
     group: int
     channel_axis: bool
-    scale: np.ndarray  # bf16 bits (int16) in place, or float32 (`_side_array`)
+    scale: np.ndarray  # as its bytes (`_stats_bytes`)
     minimum: np.ndarray
     factors: tuple  # `_factors`, or _NO_FACTORS
     outliers: tuple  # (values as side information, index as its bytes (`_index_bytes`), rows used), or `_no_outliers`
@@ -62,10 +62,7 @@ def prepare(chunk: CompressedChunk, spec: ChunkSpec, n: int, d: int, chunks: int
     outliers = (_side_array(chunk.sparse_values), _index_bytes(chunk.sparse_index), chunk.sparse_index.shape[2]) \
         if chunk.sparse_index.numel() else _no_outliers(chunk.sparse_values.dtype)
     group = spec.group_for(n, d) if spec.axis == "channel" else min(spec.group_for(n, d), d)  # (> d: one group)
-    if spec.stats == "8":  # the uint8 codes in place, decoded by the loops (`bf16.group_stats`)
-        scale, minimum = _stored(chunk.scale), _stored(chunk.minimum)
-    else:
-        scale, minimum = _side_array(chunk.scale), _side_array(chunk.minimum)
+    scale, minimum = _stats_bytes(chunk.scale), _stats_bytes(chunk.minimum)
     return Run(codes=_stored(chunk.codes), bits=0 if spec.allocated else int(spec.bits), group=group,
                channel_axis=spec.axis == "channel", scale=scale, minimum=minimum,
                factors=_factors(chunk, chunks) if chunk.lowrank_a.shape[-1] else _NO_FACTORS, outliers=outliers,
@@ -103,6 +100,19 @@ def _index_bytes(index: torch.Tensor) -> np.ndarray:
     if sys.byteorder != "little":
         raise NotImplementedError("the CPU kernels read outlier indices as little-endian bytes")
     return _stored(index.view(torch.uint8))
+
+
+def _stats_bytes(t: torch.Tensor) -> np.ndarray:
+    """A statistics field (scale or minimum, [B,H,m,k]) as its bytes, uint8 [B,H,m,k*w], read by `bf16.stored_stats`
+    (w = 1: 8-bit statistics' codes; 2: bf16; 4: float32, fp16 ones cast to it): one array type for every statistics
+    format, so a recommended configuration (8-bit value statistics) and a paper preset (bf16) share each kernel's
+    signature. In place but for fp16."""
+    if t.dtype in (torch.float16, torch.float32):
+        return t.float().contiguous().view(torch.uint8).numpy()
+    if t.dtype not in (torch.uint8, torch.bfloat16):
+        raise ValueError(f"statistics of dtype {t.dtype} are not read by the CPU kernels; allowed: uint8 (8-bit "
+                         "statistics), bfloat16, float16, float32")
+    return _stored(t.view(torch.uint8))
 
 
 def side_numpy_dtype(dtype: torch.dtype) -> type:
