@@ -3,7 +3,8 @@
 numba compiles a kernel the first time it is called with a new set of argument types and keeps the machine code on
 disk (`gear_hf.kernels.cpu.jit`); a later process loads it in about a second. The types do not depend on the model's
 dtype (float32, bf16), head_dim, batch or padding, only on the storage format: the recommended configurations share
-GearConfig()'s kernels, the paper presets add a few. So one short generate per shipped configuration, on a tiny
+GearConfig()'s kernels, and the paper presets share them but for a few (statistics and outlier indices reach the
+kernels as their bytes, whatever their format). So one short generate per shipped configuration, on a tiny
 random-weight model, compiles everything a generate with it reaches on any model (`tests/test_warmup.py` checks it).
 
     python -m gear_hf.warmup                        # every shipped configuration (recommended + paper presets)
@@ -11,10 +12,10 @@ random-weight model, compiles everything a generate with it reaches on any model
     python -m gear_hf.warmup --serving              # the kernels of gear_hf.vllm (`make venv-vllm` runs it)
     python -m gear_hf.warmup --jobs 1               # in this process (default: one process per core)
 
-numba compiles on one core, so the warm-up spreads over worker processes, a family of configurations per task (the
-recommended ones, whose kernels are GearConfig()'s; each paper method's presets): on a fresh 2-core machine in about
-0.6 of one process's time (README). The workers share numba's on-disk cache, whose saves and loads take a file lock
-(`kernels.cpu.jit`).
+numba compiles on one core, so the warm-up spreads over two worker processes: every configuration's generates on
+one torch thread (which reach the serial kernels) in one, on two torch threads (the parallel kernels,
+`kernels.cpu.threads`) in the other (README: the times on a fresh 2-core machine). The workers share numba's on-disk
+cache, whose saves and loads take a file lock (`kernels.cpu.jit`).
 
 `CompileWatch` counts the kernels numba compiles while it is open, and their seconds: the demo, lm-eval's
 `gear_stats` and the benchmarks report compilation apart with it, and check that their timed runs compile nothing.
@@ -110,16 +111,20 @@ def tiny_model(dtype="float32", head_dim: int = 64):
     return model
 
 
-def warm_up_config(model, config: GearConfig) -> None:
+# A generate on one torch thread reaches the serial kernels, on several the parallel ones (`kernels.cpu.threads`)
+THREAD_COUNTS = (1, 2)
+
+
+def warm_up_config(model, config: GearConfig, threads=THREAD_COUNTS) -> None:
     """Greedy generates of `model` with `config` that reach every kernel a generate with it can
     (`gear_hf.measure.warm_up_generates`: a prompt chunk and a decode chunk compressed, then a prompt chunk long
-    enough for 16-bit outlier indices), each on two rows, the second left-padded, on one torch thread and on two."""
+    enough for 16-bit outlier indices), each on two rows, the second left-padded, on each count of torch threads."""
     import torch
 
     from .api import enabled
     from .measure import max_positions, warm_up_generates
 
-    threads = torch.get_num_threads()
+    before = torch.get_num_threads()
     try:
         with enabled(model, config), torch.no_grad():
             for prompt, new in warm_up_generates(config, max_positions(model)):
@@ -127,17 +132,17 @@ def warm_up_config(model, config: GearConfig) -> None:
                                     generator=torch.Generator().manual_seed(0))
                 mask = torch.ones_like(ids)
                 mask[1, : min(5, prompt - 1)] = 0
-                for count in (1, 2):  # (one torch thread and several reach other kernels: `kernels.cpu.threads`)
+                for count in threads:
                     torch.set_num_threads(count)
                     model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                                    do_sample=False, pad_token_id=0)
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
 
 
-def warm_up_kernels(names=SHIPPED, dtypes=("float32", "bfloat16"), report=print) -> CompileWatch:
-    """Compile the CPU kernels that generates with the named configurations reach, in `dtypes` (their seconds
-    reported per configuration through `report`). Returns the watch over all of them."""
+def warm_up_kernels(names=SHIPPED, dtypes=("float32", "bfloat16"), report=print, threads=THREAD_COUNTS) -> CompileWatch:
+    """Compile the CPU kernels that generates with the named configurations reach, in `dtypes`, on each count of
+    torch threads (their seconds reported per configuration through `report`). Returns the watch over all of them."""
     configs = {name: shipped_config(name) for name in names}
     total = CompileWatch()
     with total:
@@ -146,14 +151,14 @@ def warm_up_kernels(names=SHIPPED, dtypes=("float32", "bfloat16"), report=print)
             for name, config in configs.items():
                 with CompileWatch() as watch:
                     start = time.perf_counter()
-                    warm_up_config(model, config)
-                report(f"{name} ({dtype}): {watch.count} kernel signature(s) compiled in {watch.seconds:.1f} s "
-                       f"({time.perf_counter() - start:.1f} s in all)")
+                    warm_up_config(model, config, threads)
+                report(f"{name} ({dtype}){_on(threads)}: {watch.count} kernel signature(s) compiled in "
+                       f"{watch.seconds:.1f} s ({time.perf_counter() - start:.1f} s in all)")
     return total
 
 
-def warm_up_serving_config(config: GearConfig, dtype: str) -> None:
-    """The paged attention gear_hf.vllm runs over pages of `config` in model dtype `dtype`, on one thread and two:
+def warm_up_serving_config(config: GearConfig, dtype: str, threads=THREAD_COUNTS) -> None:
+    """The paged attention gear_hf.vllm runs over pages of `config` in model dtype `dtype`, on each count of threads:
     one request of a page and an open block, one query token. (Its kernel types depend on the page format's field
     types and the model dtype only.)"""
     import numpy as np
@@ -174,44 +179,40 @@ def warm_up_serving_config(config: GearConfig, dtype: str) -> None:
     tails = (tails.view(torch.int16) if model_dtype == torch.bfloat16 else tails).numpy()
     angles = torch.arange(2 * bs, dtype=torch.float32)[:, None] * torch.ones(d // 2)
     table = np.array([[0, -1]], dtype=np.int64)
-    threads = torch.get_num_threads()
+    before = torch.get_num_threads()
     try:
-        for count in (1, 2):
+        for count in threads:
             torch.set_num_threads(count)
             paged.paged_attention(np.ones((1, H, d), np.float32), np.array([0, 1], np.int64),
                                   np.array([bs + 8], np.int64), table, bs, angles.cos().numpy(),
                                   angles.sin().numpy(), pages.numpy(), *layouts, tails, tails, tails[:0], tails[:0],
                                   1, np.empty((1, H, d), np.float32))
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
 
 
-def warm_up_serving(names=SHIPPED, dtypes=("bfloat16", "float32"), report=print) -> CompileWatch:
+def warm_up_serving(names=SHIPPED, dtypes=("bfloat16", "float32"), report=print, threads=THREAD_COUNTS) -> CompileWatch:
     """`warm_up_serving_config` of the named configurations in `dtypes`."""
     total = CompileWatch()
     with total:
         for dtype in dtypes:
             for name in names:
                 with CompileWatch() as watch:
-                    warm_up_serving_config(shipped_config(name), dtype)
-                report(f"{name} ({dtype}, vLLM pages): {watch.count} kernel signature(s) compiled in "
+                    warm_up_serving_config(shipped_config(name), dtype, threads)
+                report(f"{name} ({dtype}, vLLM pages){_on(threads)}: {watch.count} kernel signature(s) compiled in "
                        f"{watch.seconds:.1f} s")
     return total
 
 
-def families(names) -> list[list[str]]:
-    """The names grouped by the kernels they share, in order of first appearance: the recommended configurations
-    (GearConfig() and its budgets) together, each paper method's presets together ("kivi-2", "kivi-4")."""
-    groups: dict[str, list[str]] = {}
-    for name in names:
-        groups.setdefault("recommended" if name in RECOMMENDED_NAMES else name.rsplit("-", 1)[0], []).append(name)
-    return list(groups.values())
+def _on(threads) -> str:
+    """How a report line names the torch threads its generates ran on (nothing: each count)."""
+    return "" if tuple(threads) == THREAD_COUNTS else f" on {', '.join(map(str, threads))} torch thread(s)"
 
 
-def _warm_up_family(serving: bool, names: list[str], dtypes: list[str]) -> tuple[list[str], int, float]:
+def _warm_up_task(serving: bool, names: list[str], dtypes: list[str], threads: tuple) -> tuple[list[str], int, float]:
     """One worker's task: (its report lines, signatures compiled, compile seconds)."""
     lines: list[str] = []
-    watch = (warm_up_serving if serving else warm_up_kernels)(names, dtypes, report=lines.append)
+    watch = (warm_up_serving if serving else warm_up_kernels)(names, dtypes, report=lines.append, threads=threads)
     return lines, watch.count, watch.seconds
 
 
@@ -238,14 +239,16 @@ def _passive_openmp():
             os.environ["OMP_WAIT_POLICY"] = previous
 
 
-def warm_up_in_workers(names, dtypes, jobs: int, serving: bool = False, report=print) -> tuple[int, float]:
-    """The named configurations warmed up by `jobs` worker processes, a family (`families`) per task, the tasks in
-    order; each task's lines reported as it ends. Returns (signatures compiled, compile seconds), summed over the
-    workers. (Families share some kernels, which two workers may both compile.)"""
+def warm_up_in_workers(names, dtypes, serving: bool = False, report=print) -> tuple[int, float]:
+    """The named configurations warmed up by a worker process per count of torch threads (`THREAD_COUNTS`): the
+    serial kernels in one, the parallel ones in the other, each task's lines reported as it ends. Returns (signatures
+    compiled, compile seconds), summed over the workers. (Both compile the kernels the two reach alike, such as the
+    compression's, at the same time.)"""
     count, seconds = 0, 0.0
     context = multiprocessing.get_context("spawn")  # (no fork of a process that may hold OpenMP threads)
-    with _passive_openmp(), concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
-        tasks = [pool.submit(_warm_up_family, serving, group, list(dtypes)) for group in families(names)]
+    with _passive_openmp(), concurrent.futures.ProcessPoolExecutor(len(THREAD_COUNTS), mp_context=context) as pool:
+        tasks = [pool.submit(_warm_up_task, serving, list(names), list(dtypes), (threads,))
+                 for threads in THREAD_COUNTS]
         for task in concurrent.futures.as_completed(tasks):
             lines, compiled, spent = task.result()
             for line in lines:
@@ -264,8 +267,8 @@ def main(argv=None) -> int:
                         help="the kernels gear_hf.vllm's backend runs (attention over pages) instead of the "
                              "Transformers path's")
     parser.add_argument("--jobs", type=int, default=None,
-                        help="worker processes, each compiling one method's configurations (default: one per core; "
-                             "1: in this process)")
+                        help="worker processes: 2 (the default on 2 or more cores) compiles the serial and the "
+                             "parallel kernels side by side; 1: in this process")
     args = parser.parse_args(argv)
     if args.jobs is not None and args.jobs < 1:
         parser.error(f"--jobs {args.jobs} is invalid; allowed: a positive number of worker processes")
@@ -287,11 +290,11 @@ def main(argv=None) -> int:
 
     start = time.perf_counter()
     report = functools.partial(print, flush=True)
-    jobs = min(default_jobs() if args.jobs is None else args.jobs, len(families(names)))
+    jobs = min(default_jobs() if args.jobs is None else args.jobs, len(THREAD_COUNTS))
     if jobs > 1 and importlib.util.find_spec("fcntl") is None:  # (no file locks for the shared cache: one process)
         jobs = 1
     if jobs > 1:
-        count, seconds = warm_up_in_workers(names, dtypes, jobs, args.serving, report)
+        count, seconds = warm_up_in_workers(names, dtypes, args.serving, report)
     else:
         watch = (warm_up_serving if args.serving else warm_up_kernels)(names, dtypes, report=report)
         count, seconds = watch.count, watch.seconds

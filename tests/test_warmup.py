@@ -12,7 +12,7 @@ pytest.importorskip("numba")
 
 import gear_hf  # noqa: E402
 from gear_hf.measure import warm_up  # noqa: E402
-from gear_hf.warmup import SHIPPED, CompileWatch, families, main, shipped_config, tiny_model, warm_up_kernels  # noqa: E402
+from gear_hf.warmup import SHIPPED, CompileWatch, main, shipped_config, tiny_model, warm_up_kernels  # noqa: E402
 
 
 def test_the_watch_counts_a_compilation_and_not_a_call_of_compiled_code():
@@ -79,8 +79,8 @@ def test_the_demo_warm_up_reaches_what_a_padded_batch_uses():
 
 
 def test_the_command_reports_each_configuration(capsys):
-    assert main(["--configs", "balanced", "--dtypes", "float32"]) == 0
-    out = capsys.readouterr().out
+    assert main(["--configs", "balanced", "--dtypes", "float32", "--jobs", "1"]) == 0
+    out = capsys.readouterr().out  # (in this process: one line a configuration, for both thread counts)
     assert "balanced (float32): " in out and "kernel signature(s) compiled" in out and "cached in " in out
     assert SHIPPED[0] == "balanced" and "gear-2" in SHIPPED and "fp16" not in SHIPPED
 
@@ -94,23 +94,26 @@ def test_bad_arguments_are_named(argv, message, capsys):
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_the_families_keep_each_methods_presets_together():
-    assert families(SHIPPED) == [["balanced", "smallest", "precise"], ["kivi-2", "kivi-4"], ["kcvt-2", "kcvt-4"],
-                                 ["outlier-2", "outlier-4"], ["gear-l-2", "gear-l-4"], ["gear-2", "gear-4"]]
-    assert families(["gear-4", "smallest", "gear-2"]) == [["gear-4", "gear-2"], ["smallest"]]
-
-
 def test_worker_processes_leave_nothing_to_compile(capsys):
-    """`--jobs 2`: two families compiled by two worker processes into the shared on-disk cache; a generate here then
-    compiles nothing (each worker's lines are reported, and the total)."""
+    """`--jobs 2`: the serial kernels compiled by one worker process (generates on one torch thread), the parallel
+    ones by another (two threads), into the shared on-disk cache; a generate here, on either count, then compiles
+    nothing (each worker's lines are reported, and the total)."""
     assert main(["--configs", "smallest,kivi-2", "--dtypes", "float32", "--jobs", "2"]) == 0
     out = capsys.readouterr().out
-    assert "smallest (float32): " in out and "kivi-2 (float32): " in out and "summed over 2 worker processes" in out
-    model = tiny_model("float32")
     for name in ("smallest", "kivi-2"):
-        with CompileWatch() as watch:
-            _generate(model, shipped_config(name), 2, 150, 70, torch.no_grad)
-        assert watch.count == 0, (name, watch.compiled)
+        assert f"{name} (float32) on 1 torch thread(s): " in out and f"{name} (float32) on 2 torch thread(s): " in out
+    assert "summed over 2 worker processes" in out
+    model = tiny_model("float32")
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for name in ("smallest", "kivi-2"):
+                with CompileWatch() as watch:
+                    _generate(model, shipped_config(name), 2, 150, 70, torch.no_grad)
+                assert watch.count == 0, (name, count, watch.compiled)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_without_numba_the_watch_counts_nothing(monkeypatch):
@@ -141,7 +144,9 @@ def test_after_the_serving_warm_up_the_paged_attention_compiles_nothing(capsys):
     from test_cpu_paged import _case
 
     assert main(["--serving", "--configs", "balanced,gear-2", "--dtypes", "bfloat16"]) == 0
-    assert "balanced (bfloat16, vLLM pages): " in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "balanced (bfloat16, vLLM pages) on 1 torch thread(s): " in out
+    assert "balanced (bfloat16, vLLM pages) on 2 torch thread(s): " in out
     threads = torch.get_num_threads()
     try:
         for name in ("balanced", "gear-2"):
