@@ -92,7 +92,7 @@ venv: $(VENV)/.stamp $(VENV)/.kernels
 # The CPU kernels compiled for every shipped configuration (numba, cached on disk), so that no first generate waits
 # for them: again whenever a kernel source changes (their cache is keyed on those sources: gear_hf/kernels/cpu/jit.py).
 $(VENV)/.kernels: $(VENV)/.stamp $(wildcard gear_hf/kernels/cpu/*.py)
-	@echo ">> $(VENV): compiling the CPU kernels (python -m gear_hf.warmup, a worker process per core, about two minutes once)"
+	@echo ">> $(VENV): compiling the CPU kernels (python -m gear_hf.warmup, two worker processes, under two minutes once)"
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/python -m gear_hf.warmup
 	@touch $@
 

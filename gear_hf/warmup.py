@@ -10,7 +10,7 @@ random-weight model, compiles everything a generate with it reaches on any model
     python -m gear_hf.warmup                        # every shipped configuration (recommended + paper presets)
     python -m gear_hf.warmup --configs balanced     # GearConfig() alone
     python -m gear_hf.warmup --serving              # the kernels of gear_hf.vllm (`make venv-vllm` runs it)
-    python -m gear_hf.warmup --jobs 1               # in this process (default: one process per core)
+    python -m gear_hf.warmup --jobs 1               # in this process (default: two worker processes)
 
 numba compiles on one core, so the warm-up spreads over two worker processes: every configuration's generates on
 one torch thread (which reach the serial kernels) in one, on two torch threads (the parallel kernels,

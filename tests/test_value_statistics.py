@@ -205,25 +205,28 @@ def test_16_and_32_bit_statistics_are_read_from_their_bytes(dtype):
 
 
 def _stored_stats_of(scale, minimum, top, entries=None):
-    """(scale, minimum) float32 [B,H,m,entries] of statistics held as bytes [B,H,m,entries*w], read entry by entry by
-    `bf16.stored_stats` in a numba loop."""
+    """(scale, minimum) float32 [B,H,m,entries] of statistics held as bytes [B,H,m,entries*w], read by
+    `bf16.stored_stats` a (row, head) at a time in a numba loop."""
     import numba
 
     from gear_hf.kernels.cpu.bf16 import stored_stats
 
     @numba.njit
-    def decode_all(scale, minimum, top, width, out_scale, out_minimum):
+    def decode_all(scale, minimum, top, entries, out_scale, out_minimum):
+        rows = out_scale.shape[2]
+        out = np.empty((2, rows * entries), dtype=np.float32)
         for b in range(out_scale.shape[0]):
             for h in range(out_scale.shape[1]):
-                for t in range(out_scale.shape[2]):
-                    for k in range(out_scale.shape[3]):
-                        out_scale[b, h, t, k], out_minimum[b, h, t, k] = stored_stats(scale, minimum, top, b, h, t,
-                                                                                      k, width)
+                stored_stats(scale, minimum, top, b, h, 0, rows, entries, out)
+                for t in range(rows):
+                    for k in range(entries):
+                        out_scale[b, h, t, k] = out[0, t * entries + k]
+                        out_minimum[b, h, t, k] = out[1, t * entries + k]
 
     entries = entries or scale.shape[3]
     out_scale, out_minimum = torch.empty(2, *scale.shape[:3], entries).unbind(0)
-    decode_all(scale.contiguous().numpy(), minimum.contiguous().numpy(), top, scale.shape[3] // entries,
-               out_scale.numpy(), out_minimum.numpy())
+    decode_all(scale.contiguous().numpy(), minimum.contiguous().numpy(), top, entries, out_scale.numpy(),
+               out_minimum.numpy())
     return out_scale, out_minimum
 
 

@@ -89,13 +89,27 @@ def _stats_value(scale, minimum, top):
 
 
 @numba.njit
-def stored_stats(scale, minimum, top, b, h, g, k, width):
-    """(scale, minimum) float32 of entry k of statistics row [b, h, g], the rows held as their bytes
-    (`read._stats_bytes`: one array type for every statistics format, so one signature of each kernel that reads
-    runs), `width` bytes an entry: 1, 8-bit statistics' codes, decoded as `quant.decode_stats8` decodes them, bit
-    for bit (top: the group's highest code); 2, bf16 bits; 4, float32 (fp16 models' statistics)."""
+def stored_stats(scale, minimum, top, b, h, first, count, k, out):
+    """out [2, >=count*k] float32 = (scales, minimums) of rows first .. first+count-1 of statistics [b, h], k entries
+    a row, row-major; the statistics held as their bytes [B,H,m,k*w] (`read._stats_bytes`: one array type for every
+    statistics format, so one signature of each kernel that reads runs), w bytes an entry: 1, 8-bit statistics'
+    codes, decoded as `quant.decode_stats8` decodes them, bit for bit (top: the group's highest code); 2, bf16 bits;
+    4, float32 (fp16 models' statistics). (The width is settled once a call: decided per entry, it slowed the value
+    planes by a third.)"""
+    width = scale.shape[3] // k
     if width == 1:
-        return decode_stats8(scale[b, h, g, k], minimum[b, h, g, k], top)
-    if width == 2:
-        return bf16_value(scale[b, h, g].view(np.uint16)[k]), bf16_value(minimum[b, h, g].view(np.uint16)[k])
-    return scale[b, h, g].view(np.float32)[k], minimum[b, h, g].view(np.float32)[k]
+        for i in range(count):
+            for j in range(k):
+                out[0, i * k + j], out[1, i * k + j] = decode_stats8(scale[b, h, first + i, j],
+                                                                     minimum[b, h, first + i, j], top)
+    elif width == 2:
+        scales, minimums = scale[b, h].view(np.uint16), minimum[b, h].view(np.uint16)
+        for i in range(count):
+            for j in range(k):
+                out[0, i * k + j] = bf16_value(scales[first + i, j])
+                out[1, i * k + j] = bf16_value(minimums[first + i, j])
+    else:
+        scales, minimums = scale[b, h].view(np.float32), minimum[b, h].view(np.float32)
+        for i in range(count):
+            for j in range(k):
+                out[0, i * k + j], out[1, i * k + j] = scales[first + i, j], minimums[first + i, j]

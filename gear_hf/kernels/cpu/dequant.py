@@ -36,13 +36,6 @@ _F32 = np.float32
 # C-contiguous (LLVM then knows the unit stride).
 
 
-@numba.njit
-def _stats_row(scale, minimum, top, b, h, g, width, scales, minimums):
-    """scales/minimums [>=d] float32 = statistics row [b, h, g] of d entries (`bf16.stored_stats`)."""
-    for c in range(scale.shape[3] // width):
-        scales[c], minimums[c] = _stored_stats(scale, minimum, top, b, h, g, c, width)
-
-
 @kernel()
 def _dequant_channel(codes, bits, group, scale, minimum, b, h, N, plane, rotate_rows, cos, sin, cos_at):
     """Keys-style codes packed along tokens, codes [B,H,>=P(N),d] -> plane [N,d] = code*scale + minimum, with
@@ -56,7 +49,7 @@ def _dequant_channel(codes, bits, group, scale, minimum, b, h, N, plane, rotate_
     s, m = stats[0], stats[1]
     for t in range(N):  # (int32 code arithmetic: int64 lanes vectorize worse, and convert to float32 slowly)
         if t % group == 0:
-            _stats_row(scale, minimum, 0, b, h, t // group, scale.shape[3] // d, s, m)
+            _stored_stats(scale, minimum, 0, b, h, t // group, 1, d, stats)
         if bits == 3:  # units of 8 tokens in 3 bytes: two 2-bit planes (tokens 0-3, 4-7), one high-bit plane
             unit, j = t // 8, t % 8
             low_row, high_row = unit * 3 + j // 4, unit * 3 + 2
@@ -124,10 +117,7 @@ def _dequant_token(spread, scale, minimum, top, b, h, N, G, plane):
     (2.2x slower); one group a row takes whole rows (slices of a runtime width cost 1.6x more)."""
     g = plane.shape[1] // G
     stats = np.empty((2, N * G), dtype=np.float32)
-    width = scale.shape[3] // G
-    for t in range(N):
-        for k in range(G):
-            stats[0, t * G + k], stats[1, t * G + k] = _stored_stats(scale, minimum, top, b, h, t, k, width)
+    _stored_stats(scale, minimum, top, b, h, 0, N, G, stats)
     if G == 1:  # (one group a row, the common case: whole rows, which vectorize best)
         for t in range(N):
             s, m = stats[0, t], stats[1, t]
@@ -234,7 +224,7 @@ def _dequant_planes(codes, widths, group, scale, minimum, b, h, n, N, plane, wor
     S = codes.shape[3]
     unit, word, mask, starts = words[0], words[1], words[2], words[3].view(np.int64)
     unit_bytes = unit.view(np.uint8)  # (S <= 8d bytes, and one word past the last channel's start)
-    stats = words[4].view(np.float32)
+    stats = words[4].view(np.float32)[: 2 * d].reshape(2, d)
     last_group = -1
     for chunk in range(N // n):
         start = 0
@@ -254,11 +244,12 @@ def _dequant_planes(codes, widths, group, scale, minimum, b, h, n, N, plane, wor
                 token = 8 * u + t
                 g = token // group
                 if g != last_group:  # (the group's scale and minimum as float32 rows, decoded once)
-                    _stats_row(scale, minimum, 0, b, h, g, scale.shape[3] // d, stats[:d], stats[d:])
+                    _stored_stats(scale, minimum, 0, b, h, g, 1, d, stats)
                     last_group = g
                 shift = np.uint64(8 * t)
                 for c in range(d):
-                    plane[token, c] = _F32(np.int32((word[c] >> shift) & np.uint64(0xFF))) * stats[c] + stats[d + c]
+                    plane[token, c] = _F32(np.int32((word[c] >> shift) & np.uint64(0xFF))) * stats[0, c] + \
+                        stats[1, c]
 
 
 @kernel()
