@@ -104,15 +104,15 @@ def _index_bytes(index: torch.Tensor) -> np.ndarray:
 
 def _stats_bytes(t: torch.Tensor) -> np.ndarray:
     """A statistics field (scale or minimum, [B,H,m,k]) as its bytes, uint8 [B,H,m,k*w], read by `bf16.stored_stats`
-    (w = 1: 8-bit statistics' codes; 2: bf16; 4: float32, fp16 ones cast to it): one array type for every statistics
-    format, so a recommended configuration (8-bit value statistics) and a paper preset (bf16) share each kernel's
-    signature. In place but for fp16."""
-    if t.dtype in (torch.float16, torch.float32):
-        return t.float().contiguous().view(torch.uint8).numpy()
-    if t.dtype not in (torch.uint8, torch.bfloat16):
+    (w = 1: 8-bit statistics' codes; 2: bf16; 4: float32, fp16 ones cast to it: `_side_array`): one array type for
+    every statistics format, so a recommended configuration (8-bit value statistics) and a paper preset (bf16) share
+    each kernel's signature."""
+    if t.dtype == torch.uint8:
+        return _stored(t)
+    if t.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"statistics of dtype {t.dtype} are not read by the CPU kernels; allowed: uint8 (8-bit "
                          "statistics), bfloat16, float16, float32")
-    return _stored(t.view(torch.uint8))
+    return _side_array(t).view(np.uint8)
 
 
 def side_numpy_dtype(dtype: torch.dtype) -> type:
