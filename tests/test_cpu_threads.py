@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -66,6 +67,24 @@ def test_numba_threads_are_restored():
     with threads.using(1):
         assert numba.get_num_threads() == 1
     assert numba.get_num_threads() == before
+
+
+@pytest.mark.skipif(not _parallel_here(), reason="no thread-safe numba threading layer or a single core")
+def test_torch_keeps_its_thread_count_after_a_parallel_kernel(torch_threads):
+    """On numba's OpenMP layer numba's thread count is OpenMP's, which torch reads: a user who set torch to fewer
+    threads than numba's default keeps them after a kernel ran on more."""
+
+    @numba.njit(parallel=True)
+    def add_one(values):
+        for i in numba.prange(values.shape[0]):
+            values[i] += 1
+
+    torch_threads(1)
+    values = np.zeros(64)
+    with threads.using(2):
+        add_one(values)
+    assert (values == 1).all()
+    assert torch.get_num_threads() == 1
 
 
 @pytest.mark.skipif(not _parallel_here(), reason="no thread-safe numba threading layer or a single core")

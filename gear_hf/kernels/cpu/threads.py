@@ -61,13 +61,17 @@ def parts(shares: int) -> int:
 
 @contextlib.contextmanager
 def using(count: int):
-    """numba's parallel kernels launched from this thread use `count` threads inside the block (as before after)."""
-    previous = numba.get_num_threads()
+    """numba's parallel kernels launched from this thread use `count` threads inside the block (as before after),
+    and torch keeps its own count: on the OpenMP layer numba's count is OpenMP's, which torch reads too (restoring
+    numba's default, the machine's cores, would leave torch on every core after a user chose fewer)."""
+    previous, torch_threads = numba.get_num_threads(), torch.get_num_threads()
     numba.set_num_threads(count)
     try:
         yield
     finally:
         numba.set_num_threads(previous)
+        if torch.get_num_threads() != torch_threads:
+            torch.set_num_threads(torch_threads)
 
 
 def launch(serial, parallel, args: tuple, shares: int):
