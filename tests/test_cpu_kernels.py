@@ -222,6 +222,51 @@ def test_statistics_of_every_format_share_one_kernel_signature():
     assert {str(signature[4]) for signature in signatures[1]} == {"array(uint8, 4d, C)"}
 
 
+def test_side_information_of_every_dtype_shares_one_kernel_signature():
+    """Outlier values and low-rank factors reach the kernels as their bytes (int8 factor codes, bf16, or float32 cast
+    from an fp16 model's): runs of every side dtype and factor width decompress as the oracle does, through one
+    signature of the read kernel (factor a is its argument 6, the outlier values its argument 10)."""
+    from gear_hf.kernels.cpu import dequant
+
+    torch.manual_seed(5)
+    signatures = []
+    for dtype, factor_bits in ((torch.float32, 8), (torch.float32, 16), (torch.float16, 16), (torch.float16, 8),
+                               (torch.bfloat16, 16)):
+        spec = ChunkSpec(4, "channel", 32, 0.02, 2, factor_bits=factor_bits)
+        run = _run((torch.randn(2, 3, 64, 64) * 2 + torch.linspace(-1, 3, 64)).to(dtype), spec, 32)
+        assert run.sparse_values.dtype == (torch.float16 if dtype == torch.float16 else torch.bfloat16)
+        out = torch.empty(2, 3, 64, 64)
+        cpu.decompress_into(run, spec, 32, 64, 2, out)
+        assert_matches_oracle(out, decompress(run, spec, 32, 64, torch.float32, chunks=2), low_rank=True)
+        signatures.append(set(dequant._decompress.signatures))
+    assert all(found == signatures[0] for found in signatures)
+    assert {(str(signature[6]), str(signature[10])) for signature in signatures[0]} == \
+        {("array(uint8, 5d, C)", "array(uint8, 5d, C)")}
+
+
+def test_an_fp16_model_attends_through_the_kernels_a_bf16_model_compiled(monkeypatch):
+    """An fp16 model's side information (float32 for the kernels) is read as its bytes as a bf16 model's is: its
+    decode steps take the fused attention through the signatures the bf16 model's steps compiled."""
+    from gear_hf.kernels.cpu import attend, threads
+    from gear_hf.warmup import tiny_model
+
+    launched = []
+    launch = threads.launch
+    monkeypatch.setattr(threads, "launch", lambda *args: launched.append(args[2][0].shape) or launch(*args))
+    ids = torch.randint(3, 128, (2, 150), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    signatures = []
+    for dtype in (torch.bfloat16, torch.float16):
+        launched.clear()
+        model = tiny_model(dtype)
+        with gear_hf.enabled(model, GearConfig.preset("gear-2")), torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        assert launched, f"{dtype}: no decode step took the fused CPU attention"
+        signatures.append(set(attend._attend.signatures) | set(attend._attend_parallel.signatures))
+    assert signatures[1] == signatures[0]
+
+
 def test_decompress_supported_declines():
     d = 64
     out = torch.empty(1, 2, 16, d)

@@ -28,7 +28,7 @@ import torch
 from ...compress import side_dtype
 from . import threads
 from .attend_args import _float32, _rope_halves, _stream_runs, _tail_args, _value_center
-from .bf16 import side_value as _side
+from .bf16 import side_entry as _side_entry
 from .dequant import _assemble, _hadamard_rows, _scratch
 from .jit import kernel
 from .query import NO_QUERY_ROTATION, _query_row, rotation_rounding
@@ -88,7 +88,8 @@ def _decode_token(codes, bits, s, m, b, h, t, row):
 @kernel(fastmath=_FAST)
 def _buffer_rows(buf, tail, b, h, f, target, unrotate, tile):
     """The row's f buffer tokens into target [>=f, d]: from buf [B,H,cap,d] (float32, full precision), or, for a
-    buffer held per token (`_tail_args`: codes [B,H,cap,P] uint8 of 8 or 4 bits, scale/minimum [B,H,cap,1] 16-bit,
+    buffer held per token (`_tail_args`: codes [B,H,cap,P] uint8 of 8 or 4 bits, scale/minimum [B,H,cap,1] as their
+    bytes (`read._side_bytes`),
     staged [B,cap], bits, rotated, affine), code * scale + minimum in float32, except the staged tokens (this step's
     own), read from buf. A rotated format's coded tokens stay in the rotated basis unless unrotate (keys: then each run
     of coded tokens is rotated back, `_hadamard_rows` with scratch tile [d, L]); the staged ones are never rotated.
@@ -102,7 +103,8 @@ def _buffer_rows(buf, tail, b, h, f, target, unrotate, tile):
         if coded and not _is_staged(staged, b, t):
             first = t
             while t < f and not _is_staged(staged, b, t):
-                _decode_token(codes, bits, _side(scale[b, h, t, 0]), _side(minimum[b, h, t, 0]), b, h, t, target[t])
+                _decode_token(codes, bits, _side_entry(scale, b, h, t, 0), _side_entry(minimum, b, h, t, 0), b, h, t,
+                              target[t])
                 t += 1
             if rotated and unrotate:
                 _hadamard_rows(target[first:t], t - first, tile)
@@ -162,25 +164,28 @@ def _plane(sink, buf, tail, b, h, s, p, c, f, nb, prompt, prompt_factors, decode
 
 
 @kernel(fastmath=_FAST)
-def _add_value_lowrank(acc, probs, factors, b, h, chunk, n, first, tokens, d, pa):
+def _add_value_lowrank(acc, probs, factors, b, h, chunk, n, first, tokens, d, pa, column):
     """acc [M, d] += (P·A)·Bᵀ for one chunk of a value run: probs [M, >=first+tokens], the chunk's tokens at
     columns [first, first+tokens) of probs and at rows [chunk*n, chunk*n+tokens) of A; factors as stored
-    (scaled as `compress.gear._factor` scales them, as `read._add_lowrank` reads them). pa: scratch [M, >=r]."""
+    (scaled as `compress.gear._factor` scales them, as `read._add_lowrank` reads them). Scratch: pa [M, >=r],
+    column [d] (a column of B, decoded once for every query row)."""
     a, a_scale, b_raw, b_scale = factors
     r = a.shape[3]
     M = acc.shape[0]
     pa[:, :r] = 0.0
     for t in range(tokens):
         for k in range(r):
-            w = _side(a[b, h, chunk * n + t, k])
+            w = _side_entry(a, b, h, chunk * n + t, k)
             for m in range(M):
                 pa[m, k] += probs[m, first + t] * w
     for k in range(r):
         sa, sb = a_scale[b, h, chunk, k], b_scale[b, h, chunk, k]
+        for ch in range(d):
+            column[ch] = _side_entry(b_raw, b, h, chunk * d + ch, k) * sb
         for m in range(M):
             weight = pa[m, k] * sa
             for ch in range(d):
-                acc[m, ch] += weight * (_side(b_raw[b, h, chunk * d + ch, k]) * sb)
+                acc[m, ch] += weight * column[ch]
 
 
 @kernel(fastmath=_FAST)
@@ -286,6 +291,7 @@ def _attend_pairs(q, q_cos, q_sin, q_rounding, q_scale, limits, rows, cos, sin, 
     norm = np.empty(M, dtype=np.float32)
     exponents = np.empty(cap, dtype=np.int32)
     pa = np.empty((M, max(pv_factors[0].shape[3], dv_factors[0].shape[3], 1)), dtype=np.float32)
+    column = np.empty(d, dtype=np.float32)
     pk_s = _run_scratch(pk, pk_factors, rotated_keys, d)
     dk_s = _run_scratch(dk, dk_factors, rotated_keys, d)
     pv_s = _run_scratch(pv, _NO_FACTORS, False, d)
@@ -337,10 +343,11 @@ def _attend_pairs(q, q_cos, q_sin, q_rounding, q_scale, limits, rows, cos, sin, 
             chunks = acc
             _weighted_rows(acc, scores, vals, 0, L)
         if p > 0 and pv_factors[0].shape[3]:
-            _add_value_lowrank(chunks, scores, pv_factors, b, h, 0, pv[9], s, p, d, pa)
+            _add_value_lowrank(chunks, scores, pv_factors, b, h, 0, pv[9], s, p, d, pa, column)
         if dv_factors[0].shape[3]:
             for chunk in range(cv):
-                _add_value_lowrank(chunks, scores, dv_factors, b, h, chunk, nb, s + p + chunk * nb, nb, d, pa)
+                _add_value_lowrank(chunks, scores, dv_factors, b, h, chunk, nb, s + p + chunk * nb, nb, d, pa,
+                                   column)
         if rotated_values or rotated_tail:
             _hadamard_rows(acc, M, tile)  # (P·V·H)·H = P·V
         for m in range(M):
@@ -390,8 +397,8 @@ def decode_attention(query: torch.Tensor, keys, values, layout, *, scaling: floa
     args = (q, q_cos, q_sin, rounding, np.float32(scaling * attention_scaling), layout.limits.numpy(),
             layout.rows.numpy(), cos, sin, int(sliding_window or 0), layout.buffer_size,
             _float32(sink_k, keys.buffer), _float32(sink_v, values.buffer), _float32(keys.buffer, keys.buffer),
-            _float32(values.buffer, values.buffer), _tail_args(keys, side),
-            _tail_args(values, side, unrotated=False), pk, pk_factors, pv, pv_factors, dk, dk_factors, dv, dv_factors,
+            _float32(values.buffer, values.buffer), _tail_args(keys),
+            _tail_args(values, unrotated=False), pk, pk_factors, pv, pv_factors, dk, dk_factors, dv, dv_factors,
             rot_k, rot_v, bool(values.held_chunk), _value_center(values, B, Hkv, D), bool(values.exact_centered),
             result)
     threads.launch(_attend, _attend_parallel, args, B * Hkv)  # (row, KV head) pairs over torch's threads

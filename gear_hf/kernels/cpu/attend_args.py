@@ -12,7 +12,7 @@ from ...compress import ChunkSpec, CompressedChunk
 from ...compress.rope import rope_angles
 from ...compress.terms import BUILTIN_FIELDS, chunk_fields
 from ..views import affine_in_basis
-from .read import _side_array, prepare, prepared, side_numpy_dtype
+from .read import _NO_SIDE, _side_bytes, prepare, prepared
 
 
 def _as_args(run) -> tuple:
@@ -60,30 +60,23 @@ def _stream_runs(view, prompt_chunks: int, decode_chunks: int, n: int, d: int, s
     return prompt, prompt_factors, decode, decode_factors, rotated == {True}
 
 
-def _no_tail(side: torch.dtype) -> tuple:
-    """`_tail_args` of a full-precision buffer: no codes, statistics of the type a coded one's are read as."""
-    stats = np.zeros((0, 0, 0, 0), dtype=side_numpy_dtype(side))
-    return np.zeros((0, 0, 0, 0), dtype=np.uint8), stats, stats, _NO_STAGED, 8, False, _NO_AFFINE
-
-
 _NO_STAGED = np.zeros((0, 0), dtype=np.bool_)
 _NO_AFFINE = np.zeros((0, 0, 2, 0), dtype=np.float32)
+# `_tail_args` of a full-precision buffer: no codes, statistics of the type a coded one's are read as
+_NO_TAIL = (np.zeros((0, 0, 0, 0), dtype=np.uint8), _NO_SIDE, _NO_SIDE, _NO_STAGED, 8, False, _NO_AFFINE)
 
 
-def _tail_args(view, side, unrotated: bool = True):
+def _tail_args(view, unrotated: bool = True):
     """(codes, scale, minimum, staged, bits, rotated, affine) of a StreamView's coded buffer (`views.CodedTailView`)
-    as `_buffer_rows` reads them: the store's fields in place (bf16 scale/minimum as their bits; fp16 ones cast to
-    float32), staged [B,cap] or [0,0] when nothing is staged, affine [B,H,2,d] or empty (in the basis the rows are
-    read in: unrotated False, a rotated buffer's rows stay rotated); `_no_tail` for a full-precision buffer."""
+    as `_buffer_rows` reads them: the store's fields in place (scale/minimum as their bytes, `read._side_bytes`; fp16
+    ones cast to float32), staged [B,cap] or [0,0] when nothing is staged, affine [B,H,2,d] or empty (in the basis the
+    rows are read in: unrotated False, a rotated buffer's rows stay rotated); `_NO_TAIL` for a full-precision
+    buffer."""
     tail = view.tail
     if tail is None:
-        return _no_tail(side)
+        return _NO_TAIL
     staged = tail.staged.numpy() if tail.staged is not None else _NO_STAGED
-    scale, minimum = tail.scale, tail.minimum
-    if scale.dtype == torch.bfloat16 and scale.is_contiguous() and minimum.is_contiguous():  # (the store's fields)
-        scale, minimum = scale.view(torch.int16).numpy(), minimum.view(torch.int16).numpy()
-    else:
-        scale, minimum = _side_array(scale.contiguous()), _side_array(minimum.contiguous())
+    scale, minimum = _side_bytes(tail.scale), _side_bytes(tail.minimum)
     affine = _NO_AFFINE if tail.affine is None else \
         affine_in_basis(tail, bool(tail.rotated) and not unrotated).numpy()
     return tail.codes.contiguous().numpy(), scale, minimum, staged, int(tail.bits), bool(tail.rotated), affine

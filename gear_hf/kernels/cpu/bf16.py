@@ -61,6 +61,21 @@ def _side_value(x):
     return lambda x: np.float32(x)
 
 
+@numba.njit
+def side_entry(raw, b, h, i, j):
+    """Entry (i, j) of side information held as its bytes, raw uint8 [B,H,m,k,w] (`read._side_bytes`: one array type
+    for every side dtype, so one signature of each kernel that reads it), as float32: w = 1, an int8 code (a low-rank
+    factor's, scaled by the caller); 2, bf16; 4, float32 (fp16 models' side information, cast). Little-endian."""
+    w = raw.shape[4]
+    if w == 1:
+        return np.float32(np.int8(raw[b, h, i, j, 0]))
+    low = np.uint32(raw[b, h, i, j, 0]) | (np.uint32(raw[b, h, i, j, 1]) << np.uint32(8))
+    if w == 2:
+        return bf16_value(low)
+    high = np.uint32(raw[b, h, i, j, 2]) | (np.uint32(raw[b, h, i, j, 3]) << np.uint32(8))
+    return np.uint32(low | (high << np.uint32(16))).view(np.float32)
+
+
 # 8-bit statistics (`quant.stats8`): the scale codes' table, a compile-time constant of the loops (a format constant:
 # the on-disk cache keys on this folder's sources, not on quant.py's)
 _LOG_SCALES = LOG_SCALES.numpy().astype(np.float32)

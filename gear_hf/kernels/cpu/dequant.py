@@ -21,7 +21,7 @@ import numpy as np
 
 from .bf16 import bf16_value as _f32
 from .bf16 import round_bf16 as _bf16
-from .bf16 import side_value as _side
+from .bf16 import side_entry as _side_entry
 from .bf16 import stored_stats as _stored_stats
 from .jit import kernel
 from .pack import transpose_bits8
@@ -135,7 +135,7 @@ def _dequant_token(spread, scale, minimum, top, b, h, N, G, plane):
 @kernel()
 def _add_lowrank(a, a_scale, b_raw, b_scale, b, h, n, N, plane, bt, weights):
     """plane [N,d] += A Bᵀ of each chunk of n tokens, factors as stored (`CompressedChunk`): a [B,H,N,r], b
-    [B,H,C*d,r] (int8, bf16 as its bits, or float32 cast from fp16: `read._factors`) with per-chunk column scales
+    [B,H,C*d,r] as their bytes (int8, bf16, or float32 cast from fp16: `read._factors`) with per-chunk column scales
     [B,H,C,r] float32 (ones for 16-bit factors), scaled as `compress.gear._factor` does. Four rank terms per pass
     over a row, summed pairwise (vectorized along d): float32 rounding differs from the matmul's. Scratch: bt [R,d]
     (the chunk's Bᵀ) and weights [n,R] (its A), R = r rounded up to 4, zero past r."""
@@ -144,10 +144,10 @@ def _add_lowrank(a, a_scale, b_raw, b_scale, b, h, n, N, plane, bt, weights):
         for k in range(r):
             s = b_scale[b, h, chunk, k]
             for c in range(d):
-                bt[k, c] = _side(b_raw[b, h, chunk * d + c, k]) * s
+                bt[k, c] = _side_entry(b_raw, b, h, chunk * d + c, k) * s
         for t in range(n):
             for k in range(r):
-                weights[t, k] = _side(a[b, h, chunk * n + t, k]) * a_scale[b, h, chunk, k]
+                weights[t, k] = _side_entry(a, b, h, chunk * n + t, k) * a_scale[b, h, chunk, k]
         for k0 in range(0, terms, 4):
             b0, b1, b2, b3 = bt[k0], bt[k0 + 1], bt[k0 + 2], bt[k0 + 3]
             for t in range(n):
@@ -171,8 +171,9 @@ def _index_entry(index, b, h, e, c, width):
 @kernel()
 def _add_outliers(values, index, E, channel_axis, b, h, n, N, plane):
     """plane [N,d] += S: values [B,H,>=E,d], E = C*k rows in use (channel axis: token index within its chunk of n)
-    or [B,H,>=N,k] (token axis: channel index); index: the same entries as bytes, 1, 2 or 4 each (one kernel
-    signature for every index width). Unused slots hold value 0, adding nothing."""
+    or [B,H,>=N,k] (token axis: channel index), as their bytes (`read._side_bytes`); index: the same entries as
+    bytes, 1, 2 or 4 each (one kernel signature for every index and side width). Unused slots hold value 0, adding
+    nothing."""
     K = values.shape[3]
     width = index.shape[3] // K if K else 1
     if channel_axis:
@@ -180,11 +181,11 @@ def _add_outliers(values, index, E, channel_axis, b, h, n, N, plane):
         for e in range(E):
             first = (e // per_chunk) * n
             for c in range(K):
-                plane[first + _index_entry(index, b, h, e, c, width), c] += _side(values[b, h, e, c])
+                plane[first + _index_entry(index, b, h, e, c, width), c] += _side_entry(values, b, h, e, c)
     else:
         for t in range(N):
             for k in range(K):
-                plane[t, _index_entry(index, b, h, t, k, width)] += _side(values[b, h, t, k])
+                plane[t, _index_entry(index, b, h, t, k, width)] += _side_entry(values, b, h, t, k)
 
 
 @kernel()

@@ -44,12 +44,20 @@ def _field(page, f, fields, like):
 
 
 @numba.njit
+def _side_field(page, f, fields, like):
+    """Field f of one page, side information of like's dtype, as its bytes [1, 1, rows, columns, w] (w: like's
+    itemsize), as `bf16.side_entry` reads it."""
+    offset, rows, columns, w = fields[f, 0], fields[f, 1], fields[f, 2], like.itemsize
+    return page[offset : offset + rows * columns * w].reshape(1, 1, rows, columns, w)
+
+
+@numba.njit
 def _page_factors(page, layout, scales):
     """The low-rank factors of one page (page [page_bytes] uint8) as `attend._assemble_run` reads them: (a, a
     scales, b, b scales); scales [2, 1, 1, 1, >=r] float32 scratch for int8 factors' column scales (ones are left
     there for 16-bit factors)."""
     fields, side_like, factor_like, scaled_factors = layout[:4]
-    a, b = _field(page, 6, fields, factor_like), _field(page, 7, fields, factor_like)
+    a, b = _side_field(page, 6, fields, factor_like), _side_field(page, 7, fields, factor_like)
     r = a.shape[3]
     if r and scaled_factors:
         a_scale, b_scale = _field(page, 8, fields, side_like), _field(page, 9, fields, side_like)
@@ -67,7 +75,7 @@ def _page_run(pages, block, h, layout, scales):
     page = pages[block, h]
     index = _field(page, 5, fields, page)
     run = (_field(page, 0, fields, page), bits, group, channel_axis, _field(page, 2, fields, page),
-           _field(page, 3, fields, page), _field(page, 4, fields, side_like), index,
+           _field(page, 3, fields, page), _side_field(page, 4, fields, side_like), index,
            index.shape[2] if index.shape[3] else 0, n, n, _field(page, 1, fields, page))
     return run, _page_factors(page, layout, scales)
 
@@ -190,6 +198,7 @@ def _paged_pairs(q, starts, lens, table, bs, cos, sin, pages, k_layout, k_rotate
             plain = np.zeros((M, d), dtype=np.float32)
             norm = np.empty(M, dtype=np.float32)
             pa = np.empty((M, max(rank, 1)), dtype=np.float32)
+            column = np.empty(d, dtype=np.float32)
             for m in range(M):
                 for k in range(d):
                     qrows[m, k] = q[starts[r] + first + m % n, h * G + m // n, k]
@@ -210,7 +219,7 @@ def _paged_pairs(q, starts, lens, table, bs, cos, sin, pages, k_layout, k_rotate
                     _weighted_rows(acc, scores, vals, lo, hi)
                     if rank:
                         factors = _page_factors(pages[table[r, j], h], v_layout, v_scales)
-                        _add_value_lowrank(acc, scores, factors, 0, 0, 0, bs, lo, hi - lo, d, pa)
+                        _add_value_lowrank(acc, scores, factors, 0, 0, 0, bs, lo, hi - lo, d, pa, column)
                 else:
                     _weighted_rows(plain, scores, vals, lo, hi)
             if v_rotated:

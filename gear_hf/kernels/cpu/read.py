@@ -46,7 +46,7 @@ class Run:
     scale: np.ndarray  # as its bytes (`_stats_bytes`)
     minimum: np.ndarray
     factors: tuple  # `_factors`, or _NO_FACTORS
-    outliers: tuple  # (values as side information, index as its bytes (`_index_bytes`), rows used), or `_no_outliers`
+    outliers: tuple  # (values and index as their bytes (`_side_bytes`, `_index_bytes`), rows used), or _NO_OUTLIERS
     n: int  # tokens per chunk
     tokens: int  # chunks * n
     hadamard: bool  # the spec rotates: undo the Walsh-Hadamard rotation
@@ -59,8 +59,8 @@ def prepare(chunk: CompressedChunk, spec: ChunkSpec, n: int, d: int, chunks: int
     holds no second copy of the storage. Every field is handed from its first row to the end of the store, C-contiguous
     (the outliers with the count of rows in use): a view of fewer rows would be another array type, for which numba
     compiles every kernel that reads it again."""
-    outliers = (_side_array(chunk.sparse_values), _index_bytes(chunk.sparse_index), chunk.sparse_index.shape[2]) \
-        if chunk.sparse_index.numel() else _no_outliers(chunk.sparse_values.dtype)
+    outliers = (_side_bytes(chunk.sparse_values), _index_bytes(chunk.sparse_index), chunk.sparse_index.shape[2]) \
+        if chunk.sparse_index.numel() else _NO_OUTLIERS
     group = spec.group_for(n, d) if spec.axis == "channel" else min(spec.group_for(n, d), d)  # (> d: one group)
     scale, minimum = _stats_bytes(chunk.scale), _stats_bytes(chunk.minimum)
     return Run(codes=_stored(chunk.codes), bits=0 if spec.allocated else int(spec.bits), group=group,
@@ -104,28 +104,38 @@ def _index_bytes(index: torch.Tensor) -> np.ndarray:
 
 def _stats_bytes(t: torch.Tensor) -> np.ndarray:
     """A statistics field (scale or minimum, [B,H,m,k]) as its bytes, uint8 [B,H,m,k*w], read by `bf16.stored_stats`
-    (w = 1: 8-bit statistics' codes; 2: bf16; 4: float32, fp16 ones cast to it: `_side_array`): one array type for
-    every statistics format, so a recommended configuration (8-bit value statistics) and a paper preset (bf16) share
-    each kernel's signature."""
+    (w = 1: 8-bit statistics' codes; 2: bf16; 4: float32, fp16 ones cast to it): one array type for every statistics
+    format, so a recommended configuration (8-bit value statistics) and a paper preset (bf16) share each kernel's
+    signature."""
     if t.dtype == torch.uint8:
         return _stored(t)
     if t.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"statistics of dtype {t.dtype} are not read by the CPU kernels; allowed: uint8 (8-bit "
                          "statistics), bfloat16, float16, float32")
-    return _side_array(t).view(np.uint8)
+    return _bytes(t)
 
 
-def side_numpy_dtype(dtype: torch.dtype) -> type:
-    """The numpy dtype the kernels read side information of `dtype` as (`_side_array`)."""
-    return np.int16 if dtype == torch.bfloat16 else np.float32
-
-
-def _side_array(t: torch.Tensor) -> np.ndarray:
-    """A side-information field as the kernels read it (`bf16.side_value`): bf16 as its bits, in place; fp16 (fp16
-    models) cast to float32."""
+def _bytes(t: torch.Tensor) -> np.ndarray:
+    """A 16- or 32-bit field [B,H,m,k] as its bytes [B,H,m,k*w]: bf16 in place (w = 2); fp16 and float32 as float32
+    (w = 4; fp16 models' side information, cast: a copy)."""
     if t.dtype == torch.bfloat16:
-        return _stored(t.view(torch.int16))
-    return t.float().contiguous().numpy()
+        return _stored(t.view(torch.int16)).view(np.uint8)
+    return t.float().contiguous().numpy().view(np.uint8)
+
+
+def _side_bytes(t: torch.Tensor) -> np.ndarray:
+    """Side information [B,H,m,k] (outlier values, low-rank factors, a coded buffer's statistics) as its bytes, uint8
+    [B,H,m,k,w], read by `bf16.side_entry`: w = 1, int8 factor codes, and 2, bf16, in place; 4, float32 (fp16 ones
+    cast to it). One array type for every side dtype, so an fp16 model shares each kernel's signature with bf16 and
+    float32 ones."""
+    if t.dtype == torch.int8:
+        array, width = _stored(t.view(torch.uint8)), 1
+    elif t.dtype in (torch.bfloat16, torch.float16, torch.float32):
+        array, width = _bytes(t), 2 if t.dtype == torch.bfloat16 else 4
+    else:
+        raise ValueError(f"side information of dtype {t.dtype} is not read by the CPU kernels; allowed: int8 "
+                         "(low-rank factor codes), bfloat16, float16, float32")
+    return array.reshape(*array.shape[:3], t.shape[3], width)
 
 
 def decompress_run(run: Run, out: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None):
@@ -155,25 +165,21 @@ def decompress_into(chunk: CompressedChunk, spec: ChunkSpec, n: int, d: int, chu
 
 
 def _factors(chunk: CompressedChunk, chunks: int) -> tuple:
-    """(a, a_scale, b, b_scale) as `_add_lowrank` reads them: int8 factors as stored with their per-chunk column
-    scales, 16-bit factors as side information (`_side_array`: bf16 in place as its bits) with scales of one."""
+    """(a, a_scale, b, b_scale) as `_add_lowrank` reads them: the factors as their bytes (`_side_bytes`, in place but
+    for fp16), int8 ones with their per-chunk column scales, 16-bit ones with scales of one."""
     a, b = chunk.lowrank_a, chunk.lowrank_b
-    if a.dtype == torch.int8:  # (the factors in place; their scales, [B,H,C,r], cast)
+    if a.dtype == torch.int8:  # (their scales, [B,H,C,r], cast)
         a_scale, b_scale = chunk.lowrank_a_scale.float().numpy(), chunk.lowrank_b_scale.float().numpy()
-        return _stored(a), a_scale, _stored(b), b_scale
-    ones = np.ones((a.shape[0], a.shape[1], chunks, a.shape[3]), dtype=np.float32)
-    return _side_array(a), ones, _side_array(b), ones
+    else:
+        a_scale = b_scale = np.ones((a.shape[0], a.shape[1], chunks, a.shape[3]), dtype=np.float32)
+    return _side_bytes(a), a_scale, _side_bytes(b), b_scale
 
 
-# no low-rank term / no outliers / no rotation: empty arrays of the kernel's types (rank 0, no entries, no rows)
-_NO_FACTORS = (np.zeros((0, 0, 0, 0), dtype=np.int8), np.zeros((0, 0, 0, 0), dtype=np.float32),
-               np.zeros((0, 0, 0, 0), dtype=np.int8), np.zeros((0, 0, 0, 0), dtype=np.float32))
-
-
-def _no_outliers(dtype: torch.dtype) -> tuple:
-    """A run without outliers: (values, index, rows) with nothing in them, the values of the type side information
-    of `dtype` is read as (the type a run with outliers hands: one kernel signature for both)."""
-    return np.zeros((0, 0, 0, 0), dtype=side_numpy_dtype(dtype)), np.zeros((0, 0, 0, 0), dtype=np.uint8), 0
+# no low-rank term / no outliers / no rotation: empty arrays of the kernel's types (rank 0, no entries, no rows; the
+# types a run with them hands: one kernel signature for both)
+_NO_SIDE = np.zeros((0, 0, 0, 0, 1), dtype=np.uint8)
+_NO_FACTORS = (_NO_SIDE, np.zeros((0, 0, 0, 0), dtype=np.float32), _NO_SIDE, np.zeros((0, 0, 0, 0), dtype=np.float32))
+_NO_OUTLIERS = (_NO_SIDE, np.zeros((0, 0, 0, 0), dtype=np.uint8), 0)
 
 
 _NO_ROTATION = np.zeros((1, 1, 0, 1), dtype=np.float32)
