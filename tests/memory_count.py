@@ -2,8 +2,33 @@
 
 from __future__ import annotations
 
+import gc
+import warnings
+
 import numpy as np
 import torch
+
+
+def _is_tensor(o) -> bool:
+    try:
+        return isinstance(o, torch.Tensor)
+    except ReferenceError:  # a weakref.proxy whose object is gone (numba's compiler leaves some): not a tensor
+        return False
+
+
+def live_tensors() -> tuple[int, int]:
+    """(tensors alive in the process, bytes of their distinct storages), after a collection."""
+    gc.collect()
+    with warnings.catch_warnings():  # (isinstance on every object touches deprecated torch module attributes)
+        warnings.simplefilter("ignore")
+        tensors = [o for o in gc.get_objects() if _is_tensor(o)]
+    storages = {}
+    for t in tensors:
+        try:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        except RuntimeError:
+            pass
+    return len(tensors), sum(storages.values())
 
 
 def tensors_reachable(obj, seen=None):

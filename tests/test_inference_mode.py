@@ -5,8 +5,6 @@ a row leave nothing behind (derived state belongs to the cache, not to module me
 from __future__ import annotations
 
 import copy
-import gc
-import warnings
 
 import pytest
 import torch
@@ -15,6 +13,7 @@ import gear_hf
 from gear_hf import GearConfig
 from gear_hf.backends import import_problem
 from gear_hf.config import RECOMMENDED
+from memory_count import live_tensors
 from tiny_models import tiny_model
 
 SMALL = dict(group_size=16, buffer_size=16)  # chunks flush within a short generation
@@ -92,13 +91,6 @@ def test_deepcopied_model_generates_the_same_under_inference_mode(model):
     assert gear_hf.last_cache(twin) is not None
 
 
-def _live_tensors() -> int:
-    gc.collect()
-    with warnings.catch_warnings():  # (isinstance on every object touches deprecated torch module attributes)
-        warnings.simplefilter("ignore")
-        return sum(1 for obj in gc.get_objects() if isinstance(obj, torch.Tensor))
-
-
 def test_caches_made_and_dropped_leave_nothing(model):
     ids, mask = _prompt(1, 20)
     config = CONFIGS["default"]
@@ -111,8 +103,8 @@ def test_caches_made_and_dropped_leave_nothing(model):
     with gear_hf.enabled(model, config):
         for _ in range(5):
             once()
-        before = _live_tensors()  # (the last cache stays reachable through last_cache: one, before and after)
+        before = live_tensors()[0]  # (the last cache stays reachable through last_cache: one, before and after)
         for _ in range(100):
             once()
-        after = _live_tensors()
+        after = live_tensors()[0]
     assert after <= before, (before, after)

@@ -14,7 +14,6 @@ away, and the low-rank initial bases were not nested across ranks.
 
 from __future__ import annotations
 
-import gc
 import tracemalloc
 
 import pytest
@@ -32,6 +31,7 @@ from gear_hf.compress import (
     select_outliers,
     unpack_codes,
 )
+from memory_count import live_tensors
 from tiny_models import VOCAB, prompts, tiny_model
 
 hypothesis = pytest.importorskip("hypothesis")
@@ -235,25 +235,6 @@ def test_beam_search_and_sampling_as_stock_and_finite_when_compressed():
         assert sampled.shape == stock_sample.shape and int(sampled.max()) < VOCAB
 
 
-def _is_tensor(o) -> bool:
-    try:
-        return isinstance(o, torch.Tensor)
-    except ReferenceError:  # a weakref.proxy whose object is gone (numba's compiler leaves some): not a tensor
-        return False
-
-
-def _live_tensors() -> tuple[int, int]:
-    gc.collect()
-    tensors = [o for o in gc.get_objects() if _is_tensor(o)]
-    storages = {}
-    for t in tensors:
-        try:
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        except RuntimeError:
-            pass
-    return len(tensors), sum(storages.values())
-
-
 def test_100_generate_calls_retain_no_memory():
     model = tiny_model("mistral")  # sliding window too
     ids, mask = prompts(2, length=21)
@@ -264,7 +245,7 @@ def test_100_generate_calls_retain_no_memory():
             for call in range(1, 101):
                 _gen(model, ids, mask, max_new_tokens=12)
                 if call in (20, 60, 100):
-                    count, nbytes = _live_tensors()
+                    count, nbytes = live_tensors()
                     samples[call] = (count, nbytes, tracemalloc.get_traced_memory()[0])
     finally:
         tracemalloc.stop()

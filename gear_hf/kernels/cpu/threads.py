@@ -62,9 +62,11 @@ def parts(shares: int) -> int:
 @contextlib.contextmanager
 def using(count: int):
     """numba's parallel kernels launched from this thread use `count` threads inside the block (as before after),
-    and torch keeps its own count: on the OpenMP layer numba's count is OpenMP's, which torch reads too (restoring
-    numba's default, the machine's cores, would leave torch on every core after a user chose fewer)."""
-    previous, torch_threads = numba.get_num_threads(), torch.get_num_threads()
+    and torch keeps its own count: on the OpenMP layer numba's count is OpenMP's, which torch reads too (numba's first
+    call of a process launches its layer at numba's default, the machine's cores, and restoring that default would
+    leave torch on every core after a user chose fewer). torch's count is read first, before that launch."""
+    torch_threads = torch.get_num_threads()
+    previous = numba.get_num_threads()
     numba.set_num_threads(count)
     try:
         yield
