@@ -1,4 +1,5 @@
-"""An independent count of the memory a cache holds, for the memory_report tests (test_cache, test_key_allocation)."""
+"""An independent count of the memory a cache holds, for the memory_report tests (test_cache, test_key_allocation),
+and of the tensors alive in the process (test_inference_mode, test_robustness)."""
 
 from __future__ import annotations
 
