@@ -15,7 +15,7 @@ numba = pytest.importorskip("numba")
 import gear_hf  # noqa: E402
 from gear_hf.backends.numba_backend import NumbaBackend  # noqa: E402
 from gear_hf.compress.rope import apply_rotary, rope_tables  # noqa: E402
-from gear_hf.kernels.cpu.attend import _query_tables, rotates_query  # noqa: E402
+from gear_hf.kernels.cpu.attend import query_rotation_tables, rotates_query  # noqa: E402
 from gear_hf.kernels.cpu.query import _query_row  # noqa: E402
 from gear_hf.warmup import tiny_model  # noqa: E402
 
@@ -39,7 +39,7 @@ def test_the_kernels_query_rows_are_the_hosts_bits(query_dtype, table_dtype, att
     scale = 1 / math.sqrt(d) * attention_scaling
     expected = (apply_rotary(query, cos, sin).float() * scale).numpy()
     assert rotates_query(query, cos)
-    q_cos, q_sin, rounding = _query_tables(query, (cos, sin))
+    q_cos, q_sin, rounding = query_rotation_tables(query, (cos, sin))
     q = query.float().numpy()
     # (through a caller with the attention kernel's fastmath, as the kernel calls it, and a row strided as no other
     # call's: numba compiles it here, in that caller's context, whose `contract` it must not take)
@@ -52,7 +52,7 @@ def test_the_kernels_query_rows_are_the_hosts_bits(query_dtype, table_dtype, att
                 assert np.array_equal(got.view(np.int32), expected[b, head, token].view(np.int32)), (b, head, token)
     row = np.empty(d, dtype=np.float32)
     rotated = apply_rotary(query, cos, sin).float().numpy()  # (handed rotated: only scaled)
-    none, _, _ = _query_tables(query, None)
+    none, _, _ = query_rotation_tables(query, None)
     _query_row(rotated, none, none, 0, np.float32(scale), 1, 2, 1, row)
     assert np.array_equal(row, expected[1, 2, 1])
 
@@ -62,7 +62,7 @@ def test_other_queries_and_bad_tables_are_named():
     assert not rotates_query(query.half(), torch.zeros(1, 1, 8).half())  # (fp16: the host rotates it)
     assert not rotates_query(query, torch.zeros(1, 1, 4))  # (partial rotary)
     with pytest.raises(ValueError, match=r"query_rotary: cos/sin must be \[B\|1, q, d\]"):
-        _query_tables(query, (torch.zeros(1, 3, 8), torch.zeros(1, 3, 8)))
+        query_rotation_tables(query, (torch.zeros(1, 3, 8), torch.zeros(1, 3, 8)))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

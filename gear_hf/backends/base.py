@@ -13,6 +13,7 @@ owns the data (`ChunkStore.derived`), built by `prepare` after a write, counted 
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 from dataclasses import dataclass, field
@@ -131,7 +132,7 @@ class BackendPlan:
         return {"compress": self.compress.name, "reconstruct": self.reconstruct.name,
                 "attend": self.attend.name if self.attend is not None else "reference"}
 
-    @property
+    @functools.cached_property  # (read at every step by every store; the plan never changes)
     def accelerators(self) -> tuple[Backend, ...]:
         """The distinct backends in the plan (whose `prepare` runs after a write)."""
         seen: list[Backend] = []

@@ -109,10 +109,15 @@ class NumbaBackend(Backend):
 
     def attend(self, query, keys, values, layout, *, scaling, inv_freq, attention_scaling, sliding_window, shared,
                query_rotary=None):
-        return _kernels().decode_attention(query, keys, values, layout, scaling=scaling, inv_freq=inv_freq,
-                                           attention_scaling=attention_scaling, sliding_window=sliding_window,
-                                           rope_tables=shared.rope_halves(layout.positions, inv_freq),
-                                           query_rotary=query_rotary)
+        cpu = _kernels()
+        query_tables = None
+        if query_rotary is not None:  # (the model's tables of the step's tokens: the same for every layer)
+            query_tables = shared.per_step(("query rotation", *map(id, query_rotary), query.shape, query.dtype),
+                                           query_rotary, lambda: cpu.query_rotation_tables(query, query_rotary))
+        return cpu.decode_attention(query, keys, values, layout, scaling=scaling, inv_freq=inv_freq,
+                                    attention_scaling=attention_scaling, sliding_window=sliding_window,
+                                    rope_tables=shared.rope_halves(layout.positions, inv_freq),
+                                    query_rotary=query_rotary, query_tables=query_tables)
 
     def rotates_queries(self, query, cos):
         return _kernels().rotates_query(query, cos)

@@ -13,6 +13,7 @@ import torch
 
 from ..compress import ChunkSpec, CompressedChunk, compress, decompress, side_dtype
 from ..compress.terms import chunk_fields
+from ..kernels.views import CodedTailView
 from .channel_centers import ChannelCenters
 from .storage import TokenWrites, _grown
 
@@ -188,8 +189,6 @@ class CodedTokenStore:
         """(this step's staged tokens [B,H,cap,d], or an empty [B,H,0,d] between steps; `views.CodedTailView` of the
         stored fields): the buffer as a fused kernel reads it without decoding it (`Backend.reads_tail`); affine
         False: without the centers (a caller that hands the tokens centered)."""
-        from ..kernels.views import CodedTailView  # no triton import
-
         codes = self.fields["codes"]
         if self.staged is None:
             exact, staged = codes.new_empty(*codes.shape[:2], 0, self.head_dim, dtype=self.dtype), None

@@ -15,6 +15,7 @@ import torch
 from ..backends.cost import PathCosts, decode_path_costs
 from ..compress.rope import apply_rotary
 from ..kernels import MAX_FUSED_QUERY
+from ..kernels.views import DecodeLayout
 
 DECODE_PATHS = ("auto", "fused", "fallback")
 
@@ -116,8 +117,6 @@ class FusedPath:
         (stored, not yet compressed) what the step attends to, between steps what the layer holds. reader: the
         backend that attends, when it reads a coded buffer's fields (`Backend.reads_tail`); None: any kernel (a
         coded buffer decoded)."""
-        from ..kernels.views import DecodeLayout  # no triton import
-
         layer, layout = self.layers[layer_idx], self.layout
         in_step = layer.flushed_step != layout.steps
         counts = layout.plan.attend if in_step else layout.counts

@@ -3,6 +3,7 @@
     rope_halves  cos/sin of the half angles at the step's row-local positions (CPU kernel), computed once per step
                  and positions table, shared by the layers that read the same one; dropped when the step ends
                  (`end_step`): a table proportional to T is not kept between steps
+    per_step     anything else the layers of a step share (the CPU kernel's query rotation tables), dropped alike
     workspace    the split-KV partial results of the Triton kernel: one buffer shared by every layer, sized to the
                  largest step so far
     scratch      the Triton tensor-core kernel's outlier tiles: one zeroed buffer shared the same way
@@ -23,6 +24,7 @@ class KernelState:
         # this step's {(id(inv_freq), id(positions)): (positions, cos, sin)} (no reference to the model's tensors)
         self._rope: dict = {}
         self._rope_step = -1
+        self._step_values: dict = {}  # this step's {key: (kept, value)} (`per_step`)
         self._workspaces: dict[tuple, torch.Tensor] = {}
         self._tables: dict[tuple, torch.Tensor] = {}
         self.step = -1  # the cache's step counter, set before each step's first attention
@@ -38,7 +40,7 @@ class KernelState:
         (`RowLayout.kernel_inputs`: same shape, other values). The entry keeps its positions tensor, so its id
         cannot be reused by another one within the step."""
         if self._rope_step != self.step:
-            self._rope, self._rope_step = {}, self.step
+            self._rope, self._step_values, self._rope_step = {}, {}, self.step
         key = (id(inv_freq), id(positions))
         entry = self._rope.get(key)
         if entry is None or entry[0] is not positions:
@@ -46,9 +48,19 @@ class KernelState:
             entry = self._rope[key] = (positions, angles.cos().numpy(), angles.sin().numpy())
         return entry[1:]
 
+    def per_step(self, key: tuple, kept: tuple, build):
+        """`build()`, once per step for `key`; kept: the objects whose ids the key holds (kept with the value, so
+        that no other object takes one of those ids within the step)."""
+        if self._rope_step != self.step:
+            self._rope, self._step_values, self._rope_step = {}, {}, self.step
+        entry = self._step_values.get(key)
+        if entry is None or any(a is not b for a, b in zip(entry[0], kept)):
+            entry = self._step_values[key] = (kept, build())
+        return entry[1]
+
     def end_step(self) -> None:
-        """The step ended: drop its rotary halves."""
-        self._rope, self._rope_step = {}, -1
+        """The step ended: drop what its layers shared."""
+        self._rope, self._step_values, self._rope_step = {}, {}, -1
 
     def workspace(self, device: torch.device, numel: int) -> torch.Tensor:
         """A float32 buffer of at least `numel` elements on `device` (contents undefined), shared by the layers that
@@ -79,4 +91,14 @@ class KernelState:
     def nbytes(self) -> int:
         tensors = list(self._workspaces.values()) + list(self._tables.values())
         rope = sum(cos.nbytes + sin.nbytes for _, cos, sin in self._rope.values())
-        return sum(t.numel() * t.element_size() for t in tensors) + rope
+        shared = sum(_nbytes(value) for _, value in self._step_values.values())
+        return sum(t.numel() * t.element_size() for t in tensors) + rope + shared
+
+
+def _nbytes(value) -> int:
+    """Bytes of the arrays and tensors in value (nested tuples)."""
+    if isinstance(value, tuple):
+        return sum(_nbytes(item) for item in value)
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    return int(getattr(value, "nbytes", 0))

@@ -20,6 +20,7 @@ import torch
 
 from ..compress import ChunkSpec
 from ..compress.allocation import allocate_channel_bits
+from ..kernels.views import ChunkRunView, StreamView
 from .coded_store import CodedTokenStore
 from .held import HeldChunkPlans
 from .layout import RowCounts, RowLayout, SlotPlan, StepPlan
@@ -351,8 +352,6 @@ class Stream(HeldChunkPlans):
         the kernel's rows, not a held chunk of the view). reader: the attending backend; a coded buffer it reads
         (`Backend.reads_tail`) is handed as stored (`StreamView.tail`), else decoded for this step, as the reference
         path reads it."""
-        from ..kernels.views import ChunkRunView, StreamView  # no triton import
-
         def run(store: ChunkStore | None, chunks: int):
             if store is None or not store.fields or not chunks:
                 return None

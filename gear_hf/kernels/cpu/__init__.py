@@ -25,7 +25,7 @@ equal (bit for bit, except where a low-rank term is summed or fitted: to float32
 first use only (`import gear_hf` stays light); compiled loops are cached on disk (`jit`).
 """
 
-from .attend import decode_attention, rotates_query
+from .attend import decode_attention, query_rotation_tables, rotates_query
 from .centers import centers_supported, decode_centers
 from .compress import all_finite, compress_backbone, compress_supported
 from .lowrank import fit_factors
@@ -42,6 +42,6 @@ from .read import (
 from .tail import encode_staged, encode_supported, tail_format
 
 __all__ = ["Run", "all_finite", "centers_supported", "compress_backbone", "compress_supported", "decode_attention",
-           "rotates_query", "decode_centers",
+           "query_rotation_tables", "rotates_query", "decode_centers",
            "decompress_into", "decompress_run", "decompress_supported", "encode_staged", "encode_supported",
            "fit_factors", "prepare", "prepared", "rotate_into", "rotate_supported", "tail_format"]

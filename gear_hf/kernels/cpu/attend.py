@@ -361,14 +361,16 @@ def _attend_pairs(q, q_cos, q_sin, q_rounding, q_scale, limits, rows, cos, sin, 
 # -- torch-facing entry points ----------------------------------------------------------------------------------
 def decode_attention(query: torch.Tensor, keys, values, layout, *, scaling: float, inv_freq: torch.Tensor,
                      attention_scaling: float = 1.0, sliding_window: int | None = None,
-                     out: torch.Tensor | None = None, rope_tables=None, query_rotary=None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, rope_tables=None, query_rotary=None,
+                     query_tables=None) -> torch.Tensor:
     """Attention of `query` [B,Hq,q,d] (already rotated) over one layer's storage (`views.StreamView` keys/values,
     `views.DecodeLayout`), CPU tensors. Returns out [B, q, Hq, d] in query's dtype (HF's attention-function
     layout), as `gear_hf.kernels.decode.decode_attention` does, its (row, KV head) pairs split over torch's threads
     (`threads`; the same bits on any number of them). rope_tables: (cos, sin) of the half angles at
     layout.positions, when the caller shares them across layers (`gear_hf.cache.kernel_state`), else computed.
     query_rotary: (cos, sin) [B|1, q, d], the model's rotary tables for the step's tokens: query is handed before RoPE
-    and rotated here (`rotates_query` says which dtypes), bit for bit as `compress.rope.apply_rotary` rotates it."""
+    and rotated here (`rotates_query` says which dtypes), bit for bit as `compress.rope.apply_rotary` rotates it;
+    query_tables: `query_rotation_tables(query, query_rotary)`, when the caller shares them across layers."""
     B, Hq, QL, D = query.shape
     Hkv = keys.buffer.shape[1]
     if Hq % Hkv:
@@ -390,7 +392,7 @@ def decode_attention(query: torch.Tensor, keys, values, layout, *, scaling: floa
     pk, pk_factors, dk, dk_factors, rot_k = _stream_runs(keys, prompt_chunks, decode_chunks, n, D, side)
     pv, pv_factors, dv, dv_factors, rot_v = _stream_runs(values, prompt_chunks, value_chunks, n, D, side)
     cos, sin = rope_tables if rope_tables is not None else _rope_halves(layout.positions, inv_freq)
-    q_cos, q_sin, rounding = _query_tables(query, query_rotary)
+    q_cos, q_sin, rounding = query_tables if query_tables is not None else query_rotation_tables(query, query_rotary)
     q = query.float().contiguous().numpy()  # (scaled in the kernel, as `query.float() * scale` would be)
     result = np.empty((B, QL, Hq, D), dtype=np.float32)
     sink_k, sink_v = (keys.sink, values.sink) if layout.max_sink > 0 else (None, None)
@@ -416,7 +418,7 @@ def rotates_query(query: torch.Tensor, cos: torch.Tensor) -> bool:
     return cos.shape[-1] == query.shape[-1] and rotation_rounding(query.dtype, cos.dtype) is not None
 
 
-def _query_tables(query: torch.Tensor, query_rotary):
+def query_rotation_tables(query: torch.Tensor, query_rotary):
     """(q_cos, q_sin, rounding) as `_attend` takes them: float32 [B,QL,d] tables, or empty ones (query rotated)."""
     if query_rotary is None:
         return NO_QUERY_ROTATION, NO_QUERY_ROTATION, 0

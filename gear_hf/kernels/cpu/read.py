@@ -128,6 +128,8 @@ def _side_bytes(t: torch.Tensor) -> np.ndarray:
     [B,H,m,k,w], read by `bf16.side_entry`: w = 1, int8 factor codes, and 2, bf16, in place; 4, float32 (fp16 ones
     cast to it). One array type for every side dtype, so an fp16 model shares each kernel's signature with bf16 and
     float32 ones."""
+    if t.dtype in (torch.int8, torch.bfloat16, torch.float32) and t.is_contiguous():  # (a whole field, in place)
+        return t.view(torch.uint8).numpy().reshape(*t.shape, t.element_size())
     if t.dtype == torch.int8:
         array, width = _stored(t.view(torch.uint8)), 1
     elif t.dtype in (torch.bfloat16, torch.float16, torch.float32):
