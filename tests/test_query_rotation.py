@@ -80,3 +80,21 @@ def test_a_generate_gives_the_same_logits_with_the_query_rotated_on_the_host(dty
                                  pad_token_id=0, output_scores=True, return_dict_in_generate=True)
         scores.append(torch.stack(out.scores))
     assert torch.equal(scores[0], scores[1])
+
+
+def test_the_query_rotation_tables_are_made_once_a_step_for_every_layer(monkeypatch):
+    from gear_hf.kernels import cpu
+
+    model = tiny_model("float32")  # (two layers)
+    made = []
+    tables = cpu.query_rotation_tables
+    monkeypatch.setattr(cpu, "query_rotation_tables", lambda *a: made.append(1) or tables(*a))
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(2))
+    cache = gear_hf.GearCache(model)
+    with gear_hf.enabled(model, gear_hf.GearConfig()), torch.inference_mode():
+        model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=6,
+                       min_new_tokens=6, do_sample=False, pad_token_id=0)
+    fused_steps = sum(cache.step_paths.get(name, 0) for name in ("fused", "fused-tc"))
+    assert fused_steps == 5 * model.config.num_hidden_layers  # (every decode step of every layer fused)
+    assert len(made) == 5  # once a step, not once a layer
+    assert cache.kernel_state._step_values == {}  # (dropped when the step ended)
