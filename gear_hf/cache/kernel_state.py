@@ -23,8 +23,8 @@ class KernelState:
     def __init__(self) -> None:
         # this step's {(id(inv_freq), id(positions)): (positions, cos, sin)} (no reference to the model's tensors)
         self._rope: dict = {}
-        self._rope_step = -1
         self._step_values: dict = {}  # this step's {key: (kept, value)} (`per_step`)
+        self._shared_step = -1  # the step `_rope` and `_step_values` belong to
         self._workspaces: dict[tuple, torch.Tensor] = {}
         self._tables: dict[tuple, torch.Tensor] = {}
         self.step = -1  # the cache's step counter, set before each step's first attention
@@ -39,8 +39,7 @@ class KernelState:
         share the layout's positions, except a sliding layer that released chunks, whose kernel positions skip them
         (`RowLayout.kernel_inputs`: same shape, other values). The entry keeps its positions tensor, so its id
         cannot be reused by another one within the step."""
-        if self._rope_step != self.step:
-            self._rope, self._step_values, self._rope_step = {}, {}, self.step
+        self._for_step()
         key = (id(inv_freq), id(positions))
         entry = self._rope.get(key)
         if entry is None or entry[0] is not positions:
@@ -51,16 +50,20 @@ class KernelState:
     def per_step(self, key: tuple, kept: tuple, build):
         """`build()`, once per step for `key`; kept: the objects whose ids the key holds (kept with the value, so
         that no other object takes one of those ids within the step)."""
-        if self._rope_step != self.step:
-            self._rope, self._step_values, self._rope_step = {}, {}, self.step
+        self._for_step()
         entry = self._step_values.get(key)
         if entry is None or any(a is not b for a, b in zip(entry[0], kept)):
             entry = self._step_values[key] = (kept, build())
         return entry[1]
 
+    def _for_step(self) -> None:
+        """What the layers share belongs to the current step: an earlier step's is dropped."""
+        if self._shared_step != self.step:
+            self._rope, self._step_values, self._shared_step = {}, {}, self.step
+
     def end_step(self) -> None:
         """The step ended: drop what its layers shared."""
-        self._rope, self._step_values, self._rope_step = {}, {}, -1
+        self._rope, self._step_values, self._shared_step = {}, {}, -1
 
     def workspace(self, device: torch.device, numel: int) -> torch.Tensor:
         """A float32 buffer of at least `numel` elements on `device` (contents undefined), shared by the layers that
